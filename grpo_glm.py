@@ -1,0 +1,1081 @@
+"""GRPO for GLM-Image, in one file.
+
+    pip install -r requirements.txt
+    python grpo_glm.py --steps 10                        # tiny random GLM-Image, CPU, ~20 s
+    python grpo_glm.py --steps 40 --out runs/demo        # long enough to see the reward rise
+    python grpo_glm.py --resume latest --out runs/demo --steps 60
+    python grpo_glm.py --model zai-org/GLM-Image --lora-rank 64 --height 512 --width 512
+    python grpo_glm.py --plan                            # memory plan of the real model, no GPU needed
+
+GLM-Image is a hybrid: an autoregressive (AR) transformer writes a grid of discrete image tokens,
+and a diffusion transformer (DiT) paints pixels conditioned on those tokens. We treat the AR
+model as the policy pi_theta and the DiT + VAE as a frozen, deterministic "renderer":
+
+    prompt --AR samples tokens y ~ pi_theta(.|prompt)--> y --DiT+VAE--> image --reward--> r
+
+GRPO (Group Relative Policy Optimization, Shao et al. 2024, DeepSeekMath) needs no value
+network: for each prompt it samples a *group* of G answers, and each answer's advantage is its
+reward standardised within the group, A_i = (r_i - mean(r)) / (std(r) + eps). The policy is
+then pushed up on better-than-average samples with PPO's clipped surrogate (Schulman et al.
+2017), optionally with a KL penalty towards the initial model.
+
+The file is sectioned in the order one training step runs:
+    1. settings  2. model  3. prompts and targets  4. SAMPLE (group generation)
+    5. decode  6. REWARD  7. ADVANTAGE  8. log-probs  9. loss  10. UPDATE
+    11. LOG / samples  12. CHECKPOINT  13. memory plan  14. the training loop
+The pure functions (mse_reward, group_advantages, token_logprobs, grpo_loss) use no globals:
+copy them out freely.
+"""
+
+import argparse
+import copy
+import json
+import math
+import os
+import random
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image, ImageDraw, UnidentifiedImageError
+
+CHECKPOINT_FORMAT = "grpo_glm-checkpoint-v1"
+TINY = "tiny"
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line on stderr, exit code 2, no traceback."""
+
+
+# =============================================================================================
+# 1. Settings
+# =============================================================================================
+# Flags that change what the algorithm computes. Resuming with different values would splice
+# two different runs into one log, so --resume refuses them (unless --resume-force).
+ALGORITHM_FLAGS = (
+    "model", "prompts", "seed", "group_size", "prompts_per_step", "inner_epochs", "lr",
+    "max_grad_norm", "clip_eps", "beta", "temperature", "height", "width", "num_inference_steps",
+    "guidance_scale", "dit_noise", "loss_tokens", "lora_rank", "lora_alpha", "dtype",
+)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="GRPO fine-tuning of GLM-Image's autoregressive model against an MSE image reward.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    a = p.add_argument
+    a("--model", default=TINY, help="'tiny' builds a small random-weight GLM-Image from the real classes; "
+      "otherwise a hub id (zai-org/GLM-Image) or a local directory saved with save_pretrained.")
+    a("--prompts", default="prompts.txt", help="Prompt file: one prompt per line, optionally '| target.png' "
+      "after it; '#' starts a comment. Without a target path the target is drawn from colour/shape words.")
+    a("--out", default="runs/grpo_glm", help="Directory for metrics.jsonl, samples/ and checkpoints/.")
+    a("--steps", type=int, default=10, help="Number of GRPO steps to run (in total, counting resumed ones).")
+    a("--seed", type=int, default=0, help="Seed for the tiny model, the prompt order, sampling and DiT noise.")
+    a("--group-size", type=int, default=8, help="G: samples per prompt; advantages are normalised within a group.")
+    a("--prompts-per-step", type=int, default=2, help="Prompts per step; the batch is prompts-per-step x G samples.")
+    a("--inner-epochs", type=int, default=2, help="mu: optimisation passes over each batch. With 1 the PPO ratio "
+      "is always 1 and clipping never acts.")
+    a("--lr", type=float, default=2e-3, help="AdamW learning rate.")
+    a("--max-grad-norm", type=float, default=1.0, help="Clip the global gradient norm to this value.")
+    a("--clip-eps", type=float, default=0.2, help="epsilon of the PPO clip: ratio is kept within [1-eps, 1+eps].")
+    a("--beta", type=float, default=0.0, help="Weight of the k3 KL penalty towards the initial model (0 = none, "
+      "as in TRL's default; no reference model is kept).")
+    a("--temperature", type=float, default=1.0, help="Sampling temperature T; log-probs are computed from "
+      "logits / T so the trained policy is exactly the sampling policy.")
+    a("--height", type=int, default=64, help="Image height in pixels, a multiple of 32.")
+    a("--width", type=int, default=64, help="Image width in pixels, a multiple of 32.")
+    a("--num-inference-steps", type=int, default=4, help="DiT denoising steps when decoding samples.")
+    a("--dit-noise", choices=["per-prompt", "per-step"], default="per-prompt", help="Initial DiT noise: "
+      "one draw per prompt for the whole run, or a fresh draw per step (always shared within a group).")
+    a("--guidance-scale", type=float, default=1.0, help="DiT classifier-free guidance scale (1 = off).")
+    a("--loss-tokens", choices=["target", "all"], default="target", help="Which generated tokens the loss "
+      "covers: 'target' = only the target grid the DiT decodes; 'all' = preview grid too (see section 9).")
+    a("--lora-rank", type=int, default=0, help="LoRA rank on the AR's attention and MLP projections "
+      "(0 = full fine-tuning).")
+    a("--lora-alpha", type=float, default=None, help="LoRA alpha (default: equal to --lora-rank).")
+    a("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+      help="Weights dtype: auto = float32 on CPU, bfloat16 on CUDA.")
+    a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in the backward pass "
+      "(less memory, ~30%% more compute).")
+    a("--offload", action=argparse.BooleanOptionalAction, default=None, help="Offload the frozen DiT, VAE "
+      "and text encoder to CPU between uses (default: on with CUDA; needs an accelerator).")
+    a("--save-every", type=int, default=10, help="Write a checkpoint every N steps (and always at the end).")
+    a("--sample-every", type=int, default=5, help="Save a PNG of the current samples every N steps (0 = never).")
+    a("--resume", default=None, help="Checkpoint file to continue from, or 'latest' for the newest in --out.")
+    a("--resume-force", action="store_true", help="Resume even if algorithm flags differ from the checkpoint's.")
+    a("--save-pipeline", default=None, help="After training, write the whole pipeline (LoRA merged) to this "
+      "directory for GlmImagePipeline.from_pretrained.")
+    a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
+    a("--plan", action="store_true", help="Print the memory plan for the real GLM-Image and exit.")
+    return p.parse_args(argv)
+
+
+def validate_args(args):
+    """Cheap checks before any model is loaded, so a typo fails in well under a second."""
+    positive = {"--steps": args.steps, "--inner-epochs": args.inner_epochs, "--prompts-per-step": args.prompts_per_step,
+                "--num-inference-steps": args.num_inference_steps, "--save-every": args.save_every}
+    for flag, value in positive.items():
+        if value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
+    if args.group_size < 2:
+        raise UsageError(f"--group-size must be at least 2 (advantages compare samples within a group), got {args.group_size}")
+    for flag, value in {"--lr": args.lr, "--clip-eps": args.clip_eps, "--temperature": args.temperature}.items():
+        if not value > 0:
+            raise UsageError(f"{flag} must be > 0, got {value}")
+    for flag, value in {"--height": args.height, "--width": args.width}.items():
+        if value < 32 or value % 32:
+            raise UsageError(f"{flag} must be a positive multiple of 32 (GLM-Image works on 32-pixel tokens), got {value}")
+    if args.beta < 0 or args.sample_every < 0 or args.lora_rank < 0:
+        raise UsageError("--beta, --sample-every and --lora-rank must not be negative")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out} exists and is not a directory")
+    if args.model != TINY and not looks_like_hub_id(args.model) and not (Path(args.model) / "model_index.json").is_file():
+        raise UsageError(f"--model {args.model} is neither 'tiny', a hub id, nor a directory with model_index.json")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for but no CUDA device is available")
+    if args.offload and not (args.device != "cpu" and torch.cuda.is_available()):
+        raise UsageError("--offload needs a CUDA device (diffusers' model offload raises without an accelerator)")
+
+
+def looks_like_hub_id(name):
+    return re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None and not Path(name).exists()
+
+
+def resolve_runtime(args):
+    """Values derived from flags, computed once and printed in the 'running with' block."""
+    args.device = "cuda" if args.device == "auto" and torch.cuda.is_available() else (
+        "cpu" if args.device == "auto" else args.device)
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    if args.offload is None:
+        args.offload = args.device == "cuda"
+    if args.lora_alpha is None:
+        args.lora_alpha = float(args.lora_rank)
+    return args
+
+
+# =============================================================================================
+# 2. Model: GLM-Image = AR (transformers) + DiT/VAE/glyph encoder (diffusers)
+# =============================================================================================
+# The tiny model is the real architecture at toy size. Every class is the one the real
+# checkpoint loads into, so `--model tiny` runs exactly the code path of `--model zai-org/GLM-Image`.
+# Its sizes keep the real structure: the AR's output vocabulary is the VQ codebook plus a few
+# special ids (real: 16384 + 128, image start = 16384, image end = 16385), the DiT's prior codebook
+# equals the VQ codebook, M-RoPE splits the rotary half-dims 1:1.5:1.5 ([8, 12, 12] in the real one).
+TINY_CODEBOOK = 64                       # real: 16384
+TINY_VISION_VOCAB = TINY_CODEBOOK + 16   # real: 16512 (codebook + 128 special ids)
+# A minimal stand-in chat template: the real processor ships its own, loaded by from_pretrained.
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|image|>"
+                      "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}")
+
+
+def build_tiny_tokenizer():
+    """A character-level tokenizer carrying GLM-Image's special tokens.
+
+    Ids 0..vision_vocab-1 are the image tokens (as in the real tokenizer, where the bos
+    '<|dit_token_16384|>' has id 16384 = image_start_token_id), then printable ASCII, then the
+    special tokens the GlmImageProcessor reads: image_token, grid_bos_token, grid_eos_token."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    image_tokens = [f"<|dit_token_{i}|>" for i in range(TINY_CODEBOOK)]
+    image_tokens += [f"<|dit_token_{16384 + i}|>" for i in range(TINY_VISION_VOCAB - TINY_CODEBOOK)]
+    chars = [chr(c) for c in range(32, 127)]
+    specials = ["<|image|>", "<sop>", "<eop>", "<pad>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(image_tokens + chars + specials)}
+    # BPE with no merges = one token per character; the special tokens match as whole strings.
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|dit_token_16384|>", eos_token="<|dit_token_16385|>",
+        pad_token="<pad>", unk_token="<unk>", padding_side="left",
+        extra_special_tokens={"image_token": "<|image|>", "grid_bos_token": "<sop>", "grid_eos_token": "<eop>"},
+    )
+
+
+def build_tiny_pipeline(seed=0, ar_init_range=0.02):
+    """A random-weight GLM-Image from the real classes in ~1 s. `ar_init_range` > 0.02 sharpens
+    the AR's logits (tests use it so that wrong M-RoPE positions change log-probs visibly)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, GlmImagePipeline, GlmImageTransformer2DModel
+    from transformers import (ByT5Tokenizer, GlmImageConfig, GlmImageForConditionalGeneration, GlmImageProcessor,
+                              T5Config, T5EncoderModel)
+    from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
+
+    torch.manual_seed(seed)
+    tokenizer = build_tiny_tokenizer()
+    processor = GlmImageProcessor(image_processor=GlmImageImageProcessorPil(), tokenizer=tokenizer,
+                                  chat_template=TINY_CHAT_TEMPLATE)
+    ar_config = GlmImageConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+            vision_vocab_size=TINY_VISION_VOCAB, eos_token_id=TINY_CODEBOOK + 1,
+            pad_token_id=tokenizer.pad_token_id,  # the default 167841 is outside a tiny vocabulary
+            initializer_range=ar_init_range,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                             "partial_rotary_factor": 0.5}),
+        vision_config=dict(depth=1, hidden_size=32, num_heads=2, image_size=64, patch_size=16, intermediate_size=32),
+        vq_config=dict(embed_dim=32, num_embeddings=TINY_CODEBOOK, latent_channels=32),
+        image_token_id=tokenizer.convert_tokens_to_ids("<|image|>"),
+        image_start_token_id=TINY_CODEBOOK, image_end_token_id=TINY_CODEBOOK + 1,
+    )
+    ar = GlmImageForConditionalGeneration(ar_config)
+    text_encoder = T5EncoderModel(T5Config(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2))
+    # patch_size x vae_scale_factor = 16 pixels per DiT token, because the AR's 32-pixel tokens
+    # are upsampled 2x before they reach the DiT (as in the real model).
+    transformer = GlmImageTransformer2DModel(
+        patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+        text_embed_dim=32, time_embed_dim=16, condition_dim=8, prior_vq_quantizer_codebook_size=TINY_CODEBOOK)
+    # A trained DiT draws the layout from the AR tokens; a random one mostly ignores them and
+    # paints its noise. Strengthening the prior-token embedding restores the real model's
+    # division of labour (tokens decide the content), which is what RL on the AR relies on.
+    with torch.no_grad():
+        transformer.prior_token_embedding.weight.mul_(30.0)
+    vae = AutoencoderKL(
+        block_out_channels=(8, 8, 8, 8), in_channels=3, out_channels=3, latent_channels=4, norm_num_groups=4,
+        down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+        latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+    pipe = GlmImagePipeline(
+        tokenizer=ByT5Tokenizer(), processor=processor, text_encoder=text_encoder, vision_language_encoder=ar,
+        vae=vae, transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler())
+    # Components built from configs start in train mode; T5's dropout would then make the same
+    # prompt embed differently each call.
+    for module in (ar, text_encoder, transformer, vae):
+        module.eval()
+    return pipe
+
+
+def load_pipeline(args):
+    """Returns a GlmImagePipeline on args.device with the AR ready to train."""
+    from diffusers import GlmImagePipeline
+
+    dtype = getattr(torch, args.dtype)
+    if args.model == TINY:
+        pipe = build_tiny_pipeline(args.seed).to(dtype=dtype)
+    else:
+        try:
+            pipe = GlmImagePipeline.from_pretrained(args.model, torch_dtype=dtype)
+        except (OSError, ValueError, TypeError) as e:
+            raise UsageError(f"--model {args.model} could not be loaded as a GlmImagePipeline: {str(e).splitlines()[0]}")
+        for name in ("vision_language_encoder", "text_encoder", "transformer", "vae"):
+            getattr(pipe, name).eval()
+    # Only the AR is trained; the DiT, VAE and glyph encoder are frozen renderers here.
+    for name in ("text_encoder", "transformer", "vae"):
+        getattr(pipe, name).requires_grad_(False)
+    pipe.processor.tokenizer.padding_side = "left"  # sampling code assumes prompts end at one column
+    pipe.set_progress_bar_config(disable=True)      # the run prints its own progress, one line a step
+    if args.offload:
+        # The AR is trained: it stays on the GPU so its parameters, gradients and AdamW state
+        # never move under the optimizer. diffusers offloads the frozen parts in between uses.
+        pipe._exclude_from_cpu_offload = ["vision_language_encoder"]
+        pipe.enable_model_cpu_offload(device=args.device)
+    else:
+        pipe.to(args.device)
+    return pipe
+
+
+def prepare_policy(ar, args):
+    """Marks what is trained: all AR weights, or LoRA adapters (transformers' PEFT integration)."""
+    if args.lora_rank:
+        from peft import LoraConfig
+
+        ar.requires_grad_(False)
+        ar.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"],
+                                  exclude_modules=r".*visual.*|.*vqmodel.*"))
+    else:
+        # The vision encoder and VQ tokenizer only read source images; keep them frozen.
+        ar.requires_grad_(True)
+        ar.model.visual.requires_grad_(False)
+        ar.model.vqmodel.requires_grad_(False)
+    if args.gradient_checkpointing:
+        ar.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return [p for p in ar.parameters() if p.requires_grad]
+
+
+# =============================================================================================
+# 3. Prompts and targets
+# =============================================================================================
+COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (240, 210, 40),
+           "white": (255, 255, 255), "black": (0, 0, 0), "orange": (245, 140, 30), "purple": (140, 60, 180)}
+SHAPES = ("circle", "square", "triangle")
+
+
+@dataclass
+class PromptItem:
+    text: str
+    target: Image.Image  # RGB, already --height x --width
+
+
+def read_prompts(path, height, width):
+    """Parses the prompt file. Line format: `prompt` or `prompt | path/to/target.png`
+    (relative paths are relative to the prompt file). Blank lines and '#' comments are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"--prompts {path}: file not found")
+    items, resized = [], False
+    for lineno, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        text, _, target_path = (part.strip() for part in line.partition("|"))
+        where = f"{path}:{lineno}"
+        if target_path:
+            target = load_target(path.parent / target_path, where)
+            resized |= target.size != (width, height)
+            target = target.resize((width, height), Image.BICUBIC)
+        else:
+            target = draw_demo_target(text, height, width, where)
+        items.append(PromptItem(text, target))
+    if not items:
+        raise UsageError(f"--prompts {path}: no prompts (only blank or comment lines)")
+    if resized:
+        print(f"note: target images resized to {width}x{height} (--width x --height)")
+    return items
+
+
+def load_target(path, where):
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except FileNotFoundError:
+        raise UsageError(f"{where}: target image {path} not found")
+    except (UnidentifiedImageError, OSError) as e:
+        raise UsageError(f"{where}: target {path} is not a readable image ({type(e).__name__})")
+
+
+def draw_demo_target(prompt, height, width, where):
+    """Demo targets drawn from the prompt's words: '<colour> <shape> on a <colour> background'."""
+    words = re.findall(r"[a-z]+", prompt.lower())
+    colours = [w for w in words if w in COLOURS]
+    shape = next((w for w in words if w in SHAPES), None)
+    if not colours or shape is None:
+        raise UsageError(f"{where}: no target image given and no colour+shape words to draw one "
+                         f"(write 'prompt | target.png')")
+    background = COLOURS[colours[1]] if len(colours) > 1 else COLOURS["white"]
+    image = Image.new("RGB", (width, height), background)
+    draw = ImageDraw.Draw(image)
+    box = (width * 0.2, height * 0.2, width * 0.8, height * 0.8)
+    fill = COLOURS[colours[0]]
+    if shape == "circle":
+        draw.ellipse(box, fill=fill)
+    elif shape == "square":
+        draw.rectangle(box, fill=fill)
+    else:
+        draw.polygon([(width / 2, box[1]), (box[2], box[3]), (box[0], box[3])], fill=fill)
+    return image
+
+
+def prompts_for_step(num_prompts, per_step, step, seed):
+    """Indices of the prompts of step `step` (1-based): a fresh seeded shuffle per pass over the
+    prompt file. A pure function of (seed, step), so a resumed run sees the same prompts."""
+    indices = []
+    position = (step - 1) * per_step
+    while len(indices) < per_step:
+        epoch, offset = divmod(position, num_prompts)
+        order = list(range(num_prompts))
+        random.Random(seed * 100003 + epoch).shuffle(order)
+        indices.append(order[offset])
+        position += 1
+    return indices
+
+
+def image_to_tensor(image):
+    """PIL RGB -> float tensor [3, H, W] in [0, 1]."""
+    return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
+
+
+# =============================================================================================
+# 4. SAMPLE: a group of G token grids per prompt, with the log-prob of every sampled token
+# =============================================================================================
+# The AR generates, after the prompt `text<sop>H W<eop><sop>h w<eop><bos>`:
+#     h*w preview tokens (a ~16x16 sketch) | H*W target-grid tokens | 1 end slot
+# (H x W = image side / 32). Only the target grid reaches the DiT.
+
+@dataclass
+class Rollout:
+    sequences: torch.Tensor      # [N, P+L] prompt (left-padded) + generated ids, N = prompts x G
+    attention_mask: torch.Tensor  # [N, P+L-1] mask of the teacher-forced input (sequences[:, :-1])
+    position_ids: torch.Tensor   # [3, N, P+L-1] M-RoPE positions of that input, as generate used them
+    old_logp: torch.Tensor       # [N, L] log pi_old(token) at sampling time
+    loss_mask: torch.Tensor      # [N, L] 1 for tokens the loss covers
+    target_tokens: torch.Tensor  # [N, H*W] the target grid, row-major
+    grid_hw: tuple               # (H, W) of the target grid in tokens
+    prompt_len: int              # P
+
+
+def grid_layout(processor_inputs):
+    """(preview_hw, target_hw) from the processor's image_grid_thw: per sample the rows are
+    [target (1, H, W), preview (1, h, w)]; the AR writes them in reverse order (preview first)."""
+    grids = processor_inputs["image_grid_thw"][:2]
+    (_, H, W), (_, h, w) = grids.tolist()
+    return (h, w), (H, W)
+
+
+def processor_inputs(pipe, prompts, height, width, device):
+    """Tokenises prompts exactly as GlmImagePipeline.generate_prior_tokens does (same chat
+    template call, same target size), left-padded into one batch."""
+    messages = [[{"role": "user", "content": [{"type": "text", "text": p}]}] for p in prompts]
+    return pipe.processor.apply_chat_template(
+        messages, tokenize=True, padding=True, return_dict=True, return_tensors="pt",
+        processor_kwargs={"target_h": height, "target_w": width}).to(device)
+
+
+def repeat_samples(inputs, group_size):
+    """Repeats each prompt's processor outputs G times, keeping each sample's rows together:
+    [p0, p1] -> [p0 x G, p1 x G]. image_grid_thw has `images_per_sample` rows per sample, so it is
+    repeated per sample block. (generate(num_return_sequences=G) instead repeat_interleaves the
+    grid rows one by one, which hands samples the wrong grids and breaks their M-RoPE positions.)"""
+    per_sample = inputs["images_per_sample"]
+    grids = torch.split(inputs["image_grid_thw"], per_sample.tolist())
+    return {
+        "input_ids": inputs["input_ids"].repeat_interleave(group_size, 0),
+        "attention_mask": inputs["attention_mask"].repeat_interleave(group_size, 0),
+        "image_grid_thw": torch.cat([g.repeat(group_size, 1) for g in grids]),
+        "images_per_sample": per_sample.repeat_interleave(group_size),
+    }
+
+
+def image_token_suppression(ar, codebook_size):
+    """Ids the policy may not emit inside a grid: everything past the VQ codebook (image
+    start/end and the other special ids share the AR's output vocabulary). A mid-grid end
+    token would crash the DiT's codebook lookup. Masking them in sampling *and* in the
+    teacher-forced log-probs keeps the policy the loss trains identical to the one sampled."""
+    return list(range(codebook_size, ar.config.text_config.vision_vocab_size))
+
+
+def decode_position_ids(ar, inputs, num_generated):
+    """M-RoPE positions [3, N, P + L - 1] for the teacher-forced input prompt + generated[:-1].
+
+    GLM-Image gives image tokens 2-D positions (temporal, row, column) offset from the prompt, not
+    the running index a plain forward would use. transformers builds them in get_rope_index:
+    it returns the prompt's positions and caches the positions of the grids to be generated on
+    the model (a private attribute, the only place the library keeps them)."""
+    model = ar.model
+    prompt_positions, _ = model.get_rope_index(inputs["input_ids"], inputs["image_grid_thw"],
+                                                inputs["images_per_sample"], inputs["attention_mask"])
+    decode = model._cached_decode_position_ids            # [N, 3, L]: one per generated token
+    return torch.cat([prompt_positions, decode[:, :, : num_generated - 1].permute(1, 0, 2)], dim=-1)
+
+
+@torch.no_grad()
+def sample_group(pipe, prompts, group_size, temperature, height, width, loss_tokens, record_logp=True):
+    """One batched generate() call for all prompts x G samples.
+
+    Sampling is from exactly softmax(logits / T) over the allowed image tokens: top-k and top-p
+    are switched off (transformers otherwise fills in top_k=50 whenever do_sample is set), so
+    pi_old is the policy the loss differentiates. We keep the processed scores generate sampled
+    from and read old log-probs off them. Returns a Rollout."""
+    from transformers import GenerationConfig
+
+    ar = pipe.vision_language_encoder
+    device = ar.device
+    inputs = repeat_samples(processor_inputs(pipe, prompts, height, width, device), group_size)
+    (h, w), (H, W) = grid_layout(inputs)
+    num_generated = h * w + H * W + 1
+    generation_config = GenerationConfig(
+        do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=num_generated,
+        min_new_tokens=num_generated, suppress_tokens=image_token_suppression(ar, pipe.transformer.config.prior_vq_quantizer_codebook_size),
+        pad_token_id=ar.config.text_config.pad_token_id, eos_token_id=None,
+        return_dict_in_generate=True, output_scores=record_logp)
+    out = ar.generate(**inputs, generation_config=generation_config)
+    prompt_len = inputs["input_ids"].shape[1]
+    generated = out.sequences[:, prompt_len:]                                  # [N, L]
+    old_logp = None
+    if record_logp:
+        scores = torch.stack(out.scores, dim=1)                                # [N, L, V], already / T
+        old_logp = torch.log_softmax(scores.float(), -1).gather(-1, generated[..., None]).squeeze(-1)
+    loss_mask = torch.zeros_like(generated, dtype=torch.float32)
+    first = h * w if loss_tokens == "target" else 0
+    loss_mask[:, first: h * w + H * W] = 1.0                                  # never the end slot
+    attention_mask = torch.cat([inputs["attention_mask"], torch.ones_like(generated[:, :-1])], dim=1)
+    return Rollout(
+        sequences=out.sequences, attention_mask=attention_mask,
+        position_ids=decode_position_ids(ar, inputs, num_generated), old_logp=old_logp, loss_mask=loss_mask,
+        target_tokens=generated[:, h * w: h * w + H * W], grid_hw=(H, W), prompt_len=prompt_len)
+
+
+# =============================================================================================
+# 5. Decode: target-grid tokens -> DiT -> VAE -> pixels
+# =============================================================================================
+
+def group_noise(pipe, prompt_indices, group_size, height, width, seed, step, mode):
+    """Initial DiT latents [N, C, h, w]: one draw per prompt, shared by its G samples.
+
+    Within a group: on the tiny model the DiT noise alone moves the MSE ~27x more than the AR
+    tokens do, so with independent noise per sample the group advantages would mostly rank noise
+    draws, not tokens. Common noise leaves the tokens as the only difference.
+    Across steps (--dit-noise): 'per-prompt' (default) keeps each prompt's draw for the whole
+    run, so the renderer is a fixed function tokens -> image and the reward measures the policy
+    alone: reward_mean then rises only if the policy improved. A random DiT passes its input
+    noise straight into the image (a trained one cancels most of it), so on the tiny model fresh
+    noise each step ('per-step') makes the best tokens change from step to step. 'per-step'
+    trains for tokens that are good on average over noise. Seeds are pure functions of
+    (seed, prompt, step), so a resumed run draws the same noise."""
+    channels = pipe.transformer.config.in_channels
+    shape = (channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
+    draws = []
+    for index in prompt_indices:
+        stream = index if mode == "per-prompt" else index + 1_000_003 * step
+        draws.append(torch.randn(shape, generator=torch.Generator().manual_seed(seed * 7_919 + stream)))
+    return torch.stack(draws).repeat_interleave(group_size, 0)
+
+
+@torch.no_grad()
+def decode_images(pipe, prompts, target_tokens, grid_hw, noise, num_inference_steps, guidance_scale):
+    """Images [N, 3, H, W] in [0, 1] from the sampled target grids.
+
+    The pipeline's own _upsample_token_ids doubles the 32-px token grid to the DiT's 16-px grid
+    (nearest neighbour), and `prior_token_ids=` makes the pipeline skip its AR stage: it only runs
+    the glyph encoder, the DiT and the VAE. `prompts` has one entry per sample (the glyph encoder
+    reads quoted text in the prompt)."""
+    H, W = grid_hw
+    prior = torch.cat([pipe._upsample_token_ids(t, H, W) for t in target_tokens])   # [N, 4*H*W]
+    height, width = H * 32, W * 32
+    out = pipe(prompt=prompts, prior_token_ids=prior.to(pipe._execution_device), height=height, width=width,
+               latents=noise.to(pipe._execution_device, pipe.transformer.dtype),
+               num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, output_type="pt")
+    return out.images.float().cpu()
+
+
+# =============================================================================================
+# 6. REWARD
+# =============================================================================================
+
+def mse_reward(images, targets):
+    """r = -mean((image - target)^2) over channels and pixels.
+    images, targets: float [N, 3, H, W] in [0, 1]  ->  rewards [N] in [-1, 0]; 0 = perfect."""
+    return -((images.float() - targets.float()) ** 2).mean(dim=(1, 2, 3))
+
+
+# =============================================================================================
+# 7. ADVANTAGE
+# =============================================================================================
+
+def group_advantages(rewards, group_size, eps=1e-4):
+    """GRPO's advantage: A_i = (r_i - mean_group(r)) / (std_group(r) + eps).
+
+    rewards [N] hold consecutive groups of `group_size` (N = prompts x G). A group whose rewards
+    are all equal carries no preference and gets exactly 0 (its numerator is exactly 0).
+    eps is not tiny on purpose: MSE rewards within a group can differ by 1e-4, and a smaller eps
+    would blow those differences up to full-size advantages. std is the unbiased one (as TRL)."""
+    if rewards.ndim != 1 or rewards.numel() % group_size:
+        raise ValueError(f"got {rewards.numel()} rewards, not a multiple of group_size={group_size}")
+    groups = rewards.view(-1, group_size)
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    return (centred / (groups.std(dim=1, keepdim=True) + eps)).view(-1)
+
+
+# =============================================================================================
+# 8. Log-probs with gradients
+# =============================================================================================
+
+def token_logprobs(logits, tokens, temperature, suppressed=()):
+    """log pi(token) under softmax(logits / T), computed in fp32 (bf16 log-softmax loses ~1e-2).
+    logits [N, L, V], tokens [N, L] -> [N, L]. `suppressed` ids get probability 0, as in sampling."""
+    logits = logits.float() / temperature
+    if len(suppressed):
+        logits[..., list(suppressed)] = float("-inf")
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def policy_logprobs(ar, rollout, temperature, suppressed):
+    """One teacher-forced forward over prompt + generated[:-1] with the M-RoPE positions
+    generate used; logits of the last L positions predict the L generated tokens.
+    A plain forward without position_ids would number image tokens like text (off by nats)."""
+    num_generated = rollout.sequences.shape[1] - rollout.prompt_len
+    logits = ar(input_ids=rollout.sequences[:, :-1], attention_mask=rollout.attention_mask,
+                position_ids=rollout.position_ids, logits_to_keep=num_generated, use_cache=False).logits
+    return token_logprobs(logits, rollout.sequences[:, rollout.prompt_len:], temperature, suppressed)
+
+
+# =============================================================================================
+# 9. Loss
+# =============================================================================================
+# Which tokens: the reward depends only on the H*W target-grid tokens (the preview grid is a
+# sketch the DiT never sees). The preview tokens do condition the target grid, so training them
+# too ('all') is the unbiased trajectory-level gradient, but it adds h*w ~ 256 tokens whose
+# credit is almost pure noise next to a handful of target tokens at small sizes. 'target' (the
+# default) trades that bias for a far less noisy gradient.
+
+def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=None):
+    """PPO-clipped GRPO objective, per token. Returns (loss, metrics).
+
+        ratio    = exp(logp - old_logp)                         rho_t in the papers
+        pg_loss1 = -A * ratio
+        pg_loss2 = -A * clip(ratio, 1 - eps, 1 + eps)
+        pg_loss  = max(pg_loss1, pg_loss2)                      = -min(rho A, clip(rho) A)
+        kl       = exp(ref - logp) - (ref - logp) - 1           k3 estimator, >= 0, unbiased
+        loss     = masked_mean(pg_loss + beta * kl)
+
+    logp, old_logp, ref_logp, mask: [N, L]; advantages: [N] (one per sequence).
+    Normalisation: the masked mean over all tokens of the batch (TRL's 'bnpo'). Every sample here
+    has the same number of tokens (fixed by the image size), so 'grpo' (mean per sequence, then
+    over sequences), 'bnpo' and 'dapo' give the same number; the choice only matters with ragged
+    lengths."""
+    adv = advantages.unsqueeze(1)                                     # [N, 1]
+    ratio = torch.exp(logp - old_logp)
+    pg_loss1 = -adv * ratio
+    pg_loss2 = -adv * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
+    per_token = torch.max(pg_loss1, pg_loss2)
+    kl = torch.zeros_like(logp)
+    if beta > 0:
+        log_ratio_ref = ref_logp - logp
+        kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1
+        per_token = per_token + beta * kl
+    n = mask.sum().clamp(min=1)
+    loss = (per_token * mask).sum() / n
+    clipped = ((ratio < 1 - clip_eps) & (adv < 0)) | ((ratio > 1 + clip_eps) & (adv > 0))
+    metrics = {
+        "ratio_mean": ((ratio * mask).sum() / n).item(),
+        "clip_ratio": ((clipped.float() * mask).sum() / n).item(),
+        "kl": ((kl * mask).sum() / n).item(),
+    }
+    return loss, metrics
+
+
+# =============================================================================================
+# 10. UPDATE: mu passes of clipped-surrogate ascent over the same batch
+# =============================================================================================
+
+@torch.no_grad()
+def reference_logprobs(ar, reference, rollout, temperature, suppressed):
+    """log pi_ref for the KL term. With LoRA the reference is the same model with its adapters
+    switched off (no second copy); for full fine-tuning it is a frozen copy of the initial AR."""
+    if reference is None:
+        ar.disable_adapters()
+        try:
+            return policy_logprobs(ar, rollout, temperature, suppressed)
+        finally:
+            ar.enable_adapters()
+    return policy_logprobs(reference, rollout, temperature, suppressed)
+
+
+def grpo_update(ar, optimizer, params, rollout, advantages, ref_logp, args, suppressed):
+    """mu = --inner-epochs optimiser steps on one batch. On the first pass the policy still equals
+    pi_old, so ratio = 1 exactly and the clip cannot act; only from the second pass on, when the
+    weights have moved, does clipping limit how far one batch pushes the policy (with mu = 1 it
+    is dead code, as in several public GRPO scripts). Returns averaged metrics."""
+    totals, skipped = {}, 0
+    advantages = advantages.to(rollout.old_logp.device)
+    for epoch in range(args.inner_epochs):
+        logp = policy_logprobs(ar, rollout, args.temperature, suppressed)
+        if epoch == 0:  # live check of the log-prob bookkeeping: should be ~1e-6 in fp32
+            totals["logp_diff_max"] = ((logp - rollout.old_logp).abs() * rollout.loss_mask).max().item()
+        loss, metrics = grpo_loss(logp, rollout.old_logp, advantages, rollout.loss_mask, args.clip_eps,
+                                  args.beta, ref_logp)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+        if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+            skipped += 1            # never let a NaN/inf reach the weights (or a checkpoint)
+            optimizer.zero_grad(set_to_none=True)
+            continue
+        optimizer.step()
+        metrics.update(loss=loss.item(), grad_norm=grad_norm.item())
+        for key, value in metrics.items():
+            totals[key] = totals.get(key, 0.0) + value / args.inner_epochs
+    totals["skipped_updates"] = skipped
+    return totals
+
+
+# =============================================================================================
+# 11. LOG and samples
+# =============================================================================================
+
+def append_metrics(path, row):
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def truncate_metrics(path, last_step):
+    """On resume, drop rows past the checkpoint's step (left by a run that died after it), so
+    the log holds exactly one history."""
+    if not path.exists():
+        return
+    rows = [line for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and json.loads(line)["step"] <= last_step]
+    atomic_write_bytes(path, "".join(r + "\n" for r in rows).encode())
+
+
+def save_sample_grid(path, prompts, targets, images, rewards, group_size, scale=2):
+    """One row per prompt: target, then its G samples, each captioned with its reward.
+    Images are how one notices collapse or reward hacking long before the numbers do."""
+    size = targets.shape[-1] * scale, targets.shape[-2] * scale
+    caption_h = 14
+    cols = group_size + 1
+    sheet = Image.new("RGB", (cols * size[0], len(prompts) * (size[1] + 2 * caption_h)), "white")
+    draw = ImageDraw.Draw(sheet)
+    to_pil = lambda t: Image.fromarray((t.clamp(0, 1).permute(1, 2, 0).numpy() * 255).astype(np.uint8)).resize(size, Image.NEAREST)
+    for row, prompt in enumerate(prompts):
+        y = row * (size[1] + 2 * caption_h)
+        draw.text((2, y), prompt[:60], fill="black")
+        sheet.paste(to_pil(targets[row]), (0, y + caption_h))
+        draw.text((2, y + caption_h + size[1]), "target", fill="black")
+        for g in range(group_size):
+            i = row * group_size + g
+            sheet.paste(to_pil(images[i]), ((g + 1) * size[0], y + caption_h))
+            draw.text(((g + 1) * size[0] + 2, y + caption_h + size[1]), f"{rewards[i].item():.4f}", fill="black")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sheet.save(path)
+
+
+# =============================================================================================
+# 12. CHECKPOINT
+# =============================================================================================
+# A checkpoint holds what an exact resume needs: trainable weights (all AR weights, or only the
+# LoRA adapters), AdamW state, the step, every RNG state, and the flags. It is written to a
+# temporary file, fsynced and renamed, so a crash or kill mid-write leaves the previous
+# checkpoint intact; loading uses weights_only=True (no pickled code), so RNG states are stored
+# as tensors and plain lists.
+
+def atomic_write_bytes(path, data):
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def rng_state():
+    version, state, gauss = random.getstate()
+    np_state = np.random.get_state()
+    return {
+        "python": [version, list(state), gauss],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state):
+    version, inner, gauss = state["python"]
+    random.setstate((version, tuple(inner), gauss))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def trainable_state(model):
+    return {name: p.detach().cpu().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def save_checkpoint(out_dir, step, model, optimizer, args):
+    """Writes <out>/checkpoints/step_NNNNNN.pt atomically. Ctrl+C is held back while writing."""
+    path = out_dir / "checkpoints" / f"step_{step:06d}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"format": CHECKPOINT_FORMAT, "step": step, "trainable": trainable_state(model),
+               "optimizer": optimizer.state_dict(), "rng": rng_state(), "args": vars(args)}
+    tmp = path.with_name(path.name + ".tmp")
+    interrupted = []
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if interrupted:
+        raise KeyboardInterrupt
+    return path
+
+
+def find_checkpoint(spec, out_dir):
+    """--resume latest -> newest complete step_*.pt in <out>/checkpoints; else the given path."""
+    if spec == "latest":
+        found = sorted((out_dir / "checkpoints").glob("step_*.pt"))
+        if not found:
+            raise UsageError(f"--resume latest: no checkpoint in {out_dir / 'checkpoints'}")
+        return found[-1]
+    path = Path(spec)
+    if not path.is_file():
+        raise UsageError(f"--resume {spec}: file not found")
+    return path
+
+
+def read_checkpoint(path):
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises many types for a foreign or truncated file
+        raise UsageError(f"--resume {path}: not a readable checkpoint ({type(e).__name__})")
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
+        raise UsageError(f"--resume {path}: not a checkpoint of grpo_glm.py")
+    return ckpt
+
+
+def check_resume_flags(saved_args, args):
+    """Lists algorithm flags that differ from the checkpoint's; harmless ones (--steps, --out,
+    intervals, --resume) may change freely."""
+    return [f"--{k.replace('_', '-')} {saved_args.get(k)} -> {getattr(args, k)}"
+            for k in ALGORITHM_FLAGS if saved_args.get(k) != getattr(args, k)]
+
+
+def restore_checkpoint(ckpt, path, model, optimizer):
+    names = {name for name, p in model.named_parameters() if p.requires_grad}
+    if set(ckpt["trainable"]) != names:
+        raise UsageError(f"--resume {path}: its weights do not fit this model (different --model or --lora-rank)")
+    try:
+        model.load_state_dict(ckpt["trainable"], strict=False)
+        optimizer.load_state_dict(ckpt["optimizer"])
+    except (RuntimeError, ValueError) as e:
+        raise UsageError(f"--resume {path}: its weights do not fit this model ({str(e).splitlines()[0][:120]})")
+    set_rng_state(ckpt["rng"])
+
+
+# =============================================================================================
+# 13. Memory plan for the real GLM-Image (arithmetic on the real configs, meta device)
+# =============================================================================================
+GiB = 1024 ** 3
+
+
+def count_parameters_on_meta(module_factory):
+    with torch.device("meta"):
+        module = module_factory()
+    return sum(p.numel() for p in module.parameters()), module
+
+
+def lora_parameter_count(ar, rank):
+    """r * (in + out) per adapted Linear: the A [r, in] and B [out, r] matrices."""
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
+    return sum(rank * (m.in_features + m.out_features) for n, m in ar.model.language_model.named_modules()
+               if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in names)
+
+
+def activation_bytes(text_config, tokens, samples, checkpointing, bytes_per=2):
+    """Rough activation memory of the teacher-forced forward kept for backward, per layer:
+    ~ tokens * (18 * hidden + 3 * intermediate) values (attention I/O, norms, MLP in/out; flash/SDPA
+    attention keeps no T^2 matrix). With checkpointing only each layer's input is kept, plus one
+    layer's full activations during recompute. Logits [tokens, vision_vocab] in fp32 are added."""
+    hidden, inter, layers = text_config.hidden_size, text_config.intermediate_size, text_config.num_hidden_layers
+    per_layer = tokens * samples * (18 * hidden + 3 * inter) * bytes_per
+    kept = (layers * tokens * samples * hidden * bytes_per + per_layer) if checkpointing else layers * per_layer
+    logits = tokens * samples * text_config.vision_vocab_size * 4 * 2      # logits + log-softmax, fp32
+    return kept + logits
+
+
+def memory_plan(group_size=4, prompts_per_step=1, prompt_tokens=64):
+    """Returns (rows, notes) of the real model's memory budget; see the README for its reading."""
+    from diffusers import AutoencoderKL, GlmImageTransformer2DModel
+    from transformers import GlmImageConfig, GlmImageForConditionalGeneration, T5Config, T5EncoderModel
+
+    ar_params, ar = count_parameters_on_meta(lambda: GlmImageForConditionalGeneration(GlmImageConfig()))
+    # The real DiT, VAE and glyph-encoder configs (model_index.json of zai-org/GLM-Image):
+    dit_params, _ = count_parameters_on_meta(lambda: GlmImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=16, num_layers=30, attention_head_dim=128,
+        num_attention_heads=32, text_embed_dim=1472, time_embed_dim=512, condition_dim=256,
+        prior_vq_quantizer_codebook_size=16384))
+    t5_params, _ = count_parameters_on_meta(lambda: T5EncoderModel(T5Config(
+        vocab_size=384, d_model=1472, d_kv=64, d_ff=3584, num_layers=12, num_heads=6,
+        feed_forward_proj="gated-gelu")))
+    vae_params, _ = count_parameters_on_meta(lambda: AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 512, 1024, 1024),
+        down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4, layers_per_block=3))
+    frozen_bf16 = 2 * (dit_params + t5_params + vae_params)
+    largest_frozen = 2 * max(dit_params, t5_params, vae_params)
+    samples = group_size * prompts_per_step
+    tokens = prompt_tokens + 256 + 1024 + 1                               # 1024x1024: preview + grid + end
+    rows = []
+    for label, trainable in [("full", ar_params), ("lora-64", lora_parameter_count(ar, 64)),
+                             ("lora-16", lora_parameter_count(ar, 16))]:
+        weights = 2 * ar_params + (4 * trainable if label != "full" else 0)   # LoRA weights kept in fp32
+        grads = 4 * trainable if label != "full" else 2 * trainable
+        adam = 8 * trainable                                               # exp_avg + exp_avg_sq, fp32
+        ar_total = weights + grads + adam
+        for ckpt in (False, True):
+            act = activation_bytes(ar.config.text_config, tokens, samples, ckpt)
+            rows.append({"mode": label, "grad_ckpt": ckpt, "trainable_params": trainable,
+                         "ar_weights_GiB": weights / GiB, "grads_GiB": grads / GiB, "adam_GiB": adam / GiB,
+                         "activations_GiB": act / GiB,
+                         "peak_offload_GiB": (ar_total + act + largest_frozen) / GiB,
+                         "peak_no_offload_GiB": (ar_total + act + frozen_bf16) / GiB})
+    params = {"ar": ar_params, "dit": dit_params, "glyph_t5": t5_params, "vae": vae_params}
+    return rows, params, samples, tokens
+
+
+def print_memory_plan(group_size, prompts_per_step):
+    rows, params, samples, tokens = memory_plan(group_size, prompts_per_step)
+    print("parameters (real configs, counted on the meta device): " +
+          ", ".join(f"{k} {v / 1e9:.2f} B" for k, v in params.items()))
+    print(f"bf16 weights; AdamW fp32 states; teacher-forced pass of {samples} samples x {tokens} tokens (1024x1024)")
+    header = ["mode", "grad_ckpt", "trainable", "AR weights", "grads", "AdamW", "activations",
+              "peak w/ offload", "peak no offload"]
+    print(" | ".join(header))
+    for r in rows:
+        print(" | ".join([r["mode"], "yes" if r["grad_ckpt"] else "no", f"{r['trainable_params'] / 1e6:.1f} M"] +
+                         [f"{r[k]:.1f} GiB" for k in ("ar_weights_GiB", "grads_GiB", "adam_GiB", "activations_GiB",
+                                                      "peak_offload_GiB", "peak_no_offload_GiB")]))
+
+
+# =============================================================================================
+# 14. The training loop
+# =============================================================================================
+
+def prepare_out_dir(args):
+    """Refuses to write a new run over an old one: resuming is the only way to continue a run."""
+    out = Path(args.out)
+    if args.resume is None and ((out / "metrics.jsonl").exists() or any((out / "checkpoints").glob("step_*.pt"))):
+        raise UsageError(f"--out {out} already holds a run; pass --resume latest to continue it or pick another --out")
+    return out
+
+
+def train(args):
+    validate_args(args)
+    out = prepare_out_dir(args)
+    resolve_runtime(args)
+    items = read_prompts(args.prompts, args.height, args.width)
+    ckpt_path = find_checkpoint(args.resume, out) if args.resume else None
+    ckpt = read_checkpoint(ckpt_path) if ckpt_path else None
+    if ckpt is not None:
+        differences = check_resume_flags(ckpt["args"], args)
+        if differences and not args.resume_force:
+            raise UsageError(f"--resume {ckpt_path}: flags differ from the checkpoint's: {'; '.join(differences)} "
+                             "(add --resume-force to accept)")
+
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    pipe = load_pipeline(args)
+    ar = pipe.vision_language_encoder
+    codebook = pipe.transformer.config.prior_vq_quantizer_codebook_size
+    suppressed = image_token_suppression(ar, codebook)
+    # For full fine-tuning with beta > 0, the KL reference is a frozen copy of the initial AR
+    # (fine for the tiny model; at 9B use LoRA, whose reference is the base with adapters off).
+    reference = copy.deepcopy(ar).requires_grad_(False) if args.beta > 0 and not args.lora_rank else None
+    params = prepare_policy(ar, args)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    start = 0
+    if ckpt is not None:
+        restore_checkpoint(ckpt, ckpt_path, ar, optimizer)
+        start = ckpt["step"]
+        print(f"Resuming from step {start} ({ckpt_path})")
+    out.mkdir(parents=True, exist_ok=True)
+    metrics_path = out / "metrics.jsonl"
+    truncate_metrics(metrics_path, start)
+    print(f"running with: model={args.model} device={args.device} dtype={args.dtype} "
+          f"batch={args.prompts_per_step}x{args.group_size} mu={args.inner_epochs} lr={args.lr} "
+          f"trainable={sum(p.numel() for p in params) / 1e6:.2f}M params ({'LoRA r=%d' % args.lora_rank if args.lora_rank else 'full'}) "
+          f"image={args.height}x{args.width} loss_tokens={args.loss_tokens} out={out}")
+
+    step, last_saved, bad_steps = start, start, 0
+    try:
+        for step in range(start + 1, args.steps + 1):
+            t0 = time.time()
+            ar.eval()
+            # ---- SAMPLE ------------------------------------------------------------------------
+            indices = prompts_for_step(len(items), args.prompts_per_step, step, args.seed)
+            batch = [items[i] for i in indices]
+            prompts = [it.text for it in batch]
+            # In bf16, generate's cached decode and a full teacher-forced pass differ by ~1e-2 per
+            # token; then pi_old is taken from a no-grad teacher-forced pass instead, so that the
+            # first-epoch ratio is exactly 1 and only real policy change moves it.
+            exact_fp32 = args.dtype == "float32"
+            rollout = sample_group(pipe, prompts, args.group_size, args.temperature, args.height, args.width,
+                                   args.loss_tokens, record_logp=exact_fp32)
+            if not exact_fp32:
+                with torch.no_grad():
+                    rollout.old_logp = policy_logprobs(ar, rollout, args.temperature, suppressed)
+            # ---- DECODE + REWARD ---------------------------------------------------------------
+            noise = group_noise(pipe, indices, args.group_size, args.height, args.width, args.seed, step,
+                                args.dit_noise)
+            sample_prompts = [p for p in prompts for _ in range(args.group_size)]
+            images = decode_images(pipe, sample_prompts, rollout.target_tokens, rollout.grid_hw, noise,
+                                   args.num_inference_steps, args.guidance_scale)
+            targets = torch.stack([image_to_tensor(it.target) for it in batch])
+            rewards = mse_reward(images, targets.repeat_interleave(args.group_size, 0))      # [N]
+            # ---- ADVANTAGE ---------------------------------------------------------------------
+            advantages = group_advantages(rewards, args.group_size)                          # [N]
+            # ---- UPDATE ------------------------------------------------------------------------
+            ref_logp = (reference_logprobs(ar, reference, rollout, args.temperature, suppressed)
+                        if args.beta > 0 else None)
+            ar.train()
+            update = grpo_update(ar, optimizer, params, rollout, advantages, ref_logp, args, suppressed)
+            # ---- LOG ---------------------------------------------------------------------------
+            group_std = rewards.view(-1, args.group_size).std(dim=1)
+            row = {"step": step, "loss": update.get("loss", float("nan")),
+                   "reward_mean": rewards.mean().item(), "reward_std": group_std.mean().item(),
+                   "ratio_mean": update.get("ratio_mean", float("nan")), "clip_ratio": update.get("clip_ratio", 0.0),
+                   "kl": update.get("kl", 0.0), "frac_reward_zero_std": (group_std == 0).float().mean().item(),
+                   "grad_norm": update.get("grad_norm", float("nan")), "logp_diff_max": update["logp_diff_max"],
+                   "skipped_updates": update["skipped_updates"], "seconds": round(time.time() - t0, 3)}
+            append_metrics(metrics_path, row)
+            print(f"step {step:4d}/{args.steps} | loss {row['loss']:+.4f} | reward {row['reward_mean']:.5f} "
+                  f"± {row['reward_std']:.5f} | ratio {row['ratio_mean']:.4f} | clip {row['clip_ratio']:.3f} "
+                  f"| kl {row['kl']:.2e} | {row['seconds']:.2f}s", flush=True)
+            bad_steps = bad_steps + 1 if update["skipped_updates"] == args.inner_epochs else 0
+            if bad_steps >= 5:
+                raise UsageError(f"stopping: loss or gradients were non-finite for {bad_steps} steps in a row "
+                                 f"(try a lower --lr); last good checkpoint is in {out / 'checkpoints'}")
+            if args.sample_every and step % args.sample_every == 0:
+                save_sample_grid(out / "samples" / f"step_{step:06d}.png", prompts, targets, images, rewards,
+                                 args.group_size)
+            # ---- CHECKPOINT --------------------------------------------------------------------
+            if step % args.save_every == 0 or step == args.steps:
+                save_checkpoint(out, step, ar, optimizer, args)
+                last_saved = step
+    except KeyboardInterrupt:
+        completed = step if step > last_saved and "row" in locals() and row["step"] == step else step - 1
+        if completed > last_saved:
+            path = save_checkpoint(out, completed, ar, optimizer, args)
+            print(f"\ninterrupted: saved step {completed} to {path}; continue with --resume latest --out {out}",
+                  file=sys.stderr)
+        else:
+            print(f"\ninterrupted: last checkpoint (step {last_saved}) is in {out / 'checkpoints'}", file=sys.stderr)
+        sys.exit(130)
+    if args.save_pipeline:
+        save_trained_pipeline(pipe, args)
+    return pipe
+
+
+def save_trained_pipeline(pipe, args):
+    """Writes a pipeline that GlmImagePipeline.from_pretrained(dir) loads as usual. LoRA is merged
+    into the AR weights first (peft's merge_and_unload), so no adapter code is needed later."""
+    ar = pipe.vision_language_encoder
+    if args.lora_rank:
+        pipe.vision_language_encoder = ar.merge_and_unload() if hasattr(ar, "merge_and_unload") else merge_lora(ar)
+    pipe.save_pretrained(args.save_pipeline)
+    print(f"saved the trained pipeline to {args.save_pipeline}")
+
+
+def merge_lora(ar):
+    """transformers' adapter API has no merge; peft's LoraLayer.merge folds B @ A * scale into W."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in ar.modules():
+        if isinstance(module, LoraLayer):
+            module.merge()
+    from peft.utils import _get_submodules
+
+    for name, module in list(ar.named_modules()):
+        if isinstance(module, LoraLayer):
+            parent, _, child = _get_submodules(ar, name)
+            setattr(parent, child, module.get_base_layer())
+    ar.peft_config = {}
+    ar._hf_peft_config_loaded = False
+    return ar
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        if args.plan:
+            print_memory_plan(args.group_size, args.prompts_per_step)
+            return
+        train(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
