@@ -1,0 +1,262 @@
+"""Tests for grpo_glm.py. Offline, CPU, tiny model built in code: `python -m pytest -q`."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import grpo_glm as g
+
+HERE = Path(__file__).parent
+SMALL = ["--group-size", "4", "--prompts-per-step", "2", "--sample-every", "1"]
+
+
+def run_cli(*args, timeout=300):
+    return subprocess.run([sys.executable, str(HERE / "grpo_glm.py"), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=HERE)
+
+
+def read_metrics(out):
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def deterministic(rows):
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure math
+# ---------------------------------------------------------------------------------------------
+
+def test_group_advantages_are_z_scores_per_group():
+    rewards = torch.tensor([1.0, 2.0, 3.0, 10.0, 10.0, 40.0])
+    adv = g.group_advantages(rewards, 3, eps=0.0)
+    expected = torch.cat([(b - b.mean()) / b.std() for b in rewards.view(2, 3)])
+    torch.testing.assert_close(adv, expected)
+    assert adv[:3].sum().abs() < 1e-6 and adv[3:].sum().abs() < 1e-6
+
+
+def test_group_advantages_zero_std_group_gives_zeros():
+    adv = g.group_advantages(torch.tensor([0.5, 0.5, 0.5, 0.1, 0.2, 0.3]), 3)
+    assert torch.equal(adv[:3], torch.zeros(3))
+    assert torch.isfinite(adv).all() and adv[3:].abs().sum() > 0
+
+
+def test_group_advantages_rejects_ragged_length():
+    with pytest.raises(ValueError):
+        g.group_advantages(torch.zeros(5), 2)
+
+
+def test_loss_gradient_has_sign_of_advantage_at_ratio_one():
+    logp = torch.tensor([[-1.0, -2.0], [-1.5, -0.5]], requires_grad=True)
+    adv = torch.tensor([1.0, -2.0])
+    loss, metrics = g.grpo_loss(logp, logp.detach(), adv, torch.ones(2, 2), clip_eps=0.2)
+    loss.backward()
+    # minimising the loss moves logp along -grad: up for A > 0, down for A < 0
+    assert (logp.grad[0] < 0).all() and (logp.grad[1] > 0).all()
+    assert metrics["ratio_mean"] == pytest.approx(1.0) and metrics["clip_ratio"] == 0.0
+
+
+def test_clipped_tokens_get_zero_gradient():
+    old = torch.zeros(2, 2)
+    # token 0: rho = e^0.5 > 1.2 with A > 0 -> clipped; token 1: rho = 1 -> live
+    logp = torch.tensor([[0.5, 0.0], [-0.5, 0.0]], requires_grad=True)
+    adv = torch.tensor([1.0, -1.0])            # row 1 token 0: rho = e^-0.5 < 0.8 with A < 0 -> clipped
+    loss, metrics = g.grpo_loss(logp, old, adv, torch.ones(2, 2), clip_eps=0.2)
+    loss.backward()
+    assert logp.grad[0, 0] == 0 and logp.grad[1, 0] == 0
+    assert logp.grad[0, 1] != 0 and logp.grad[1, 1] != 0
+    assert metrics["clip_ratio"] == pytest.approx(0.5)
+
+
+def test_beta_adds_k3_kl():
+    logp = torch.tensor([[-1.0, -2.0]])
+    ref = torch.tensor([[-1.5, -1.0]])
+    mask = torch.ones(1, 2)
+    adv = torch.tensor([0.7])
+    base, _ = g.grpo_loss(logp, logp, adv, mask, 0.2)
+    with_kl, metrics = g.grpo_loss(logp, logp, adv, mask, 0.2, beta=0.1, ref_logp=ref)
+    d = ref - logp
+    k3 = (torch.exp(d) - d - 1).mean()
+    assert metrics["kl"] == pytest.approx(k3.item())
+    assert (with_kl - base).item() == pytest.approx(0.1 * k3.item())
+
+
+def test_loss_ignores_masked_tokens():
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    loss, _ = g.grpo_loss(logp, logp.detach(), torch.tensor([1.0]), torch.tensor([[1.0, 0.0]]), 0.2)
+    loss.backward()
+    assert logp.grad[0, 1] == 0 and logp.grad[0, 0] != 0
+
+
+def test_mse_reward():
+    images = torch.rand(3, 3, 8, 8)
+    assert torch.equal(g.mse_reward(images, images), torch.zeros(3))
+    zeros, ones = torch.zeros(1, 3, 4, 4), torch.ones(1, 3, 4, 4)
+    assert g.mse_reward(zeros, ones).item() == pytest.approx(-1.0)
+    assert g.mse_reward(zeros + 0.5, zeros).item() == pytest.approx(-0.25)
+    half = zeros.clone()
+    half[..., :2] = 1.0                        # half the pixels off by 1
+    assert g.mse_reward(half, zeros).item() == pytest.approx(-0.5)
+
+
+def test_token_logprobs_respects_temperature_and_suppression():
+    logits = torch.tensor([[[2.0, 1.0, 0.0, 5.0]]])
+    tokens = torch.tensor([[1]])
+    got = g.token_logprobs(logits, tokens, temperature=2.0, suppressed=[3])
+    expected = torch.log_softmax(torch.tensor([1.0, 0.5, 0.0]), -1)[1]
+    assert got.item() == pytest.approx(expected.item(), abs=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# The tiny model and the log-prob bookkeeping
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sharp_pipe():
+    """Tiny GLM-Image with a sharpened AR (init range 0.2): logits far from uniform, so a wrong
+    position scheme changes log-probs by nats instead of hiding in a near-uniform softmax."""
+    pipe = g.build_tiny_pipeline(seed=0, ar_init_range=0.2)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.processor.tokenizer.padding_side = "left"
+    return pipe
+
+
+def test_tiny_pipeline_uses_the_real_classes(sharp_pipe):
+    from diffusers import GlmImagePipeline, GlmImageTransformer2DModel
+    from transformers import GlmImageForConditionalGeneration, GlmImageProcessor
+
+    assert type(sharp_pipe) is GlmImagePipeline
+    assert type(sharp_pipe.vision_language_encoder) is GlmImageForConditionalGeneration
+    assert type(sharp_pipe.transformer) is GlmImageTransformer2DModel
+    assert type(sharp_pipe.processor) is GlmImageProcessor
+    tok = sharp_pipe.processor.tokenizer
+    cfg = sharp_pipe.vision_language_encoder.config
+    assert tok.convert_tokens_to_ids(tok.bos_token) == cfg.image_start_token_id
+    assert tok.convert_tokens_to_ids(tok.eos_token) == cfg.image_end_token_id
+    assert cfg.vq_config.num_embeddings == sharp_pipe.transformer.config.prior_vq_quantizer_codebook_size
+
+
+def test_tiny_pipeline_is_seeded():
+    a, b = g.build_tiny_pipeline(seed=3), g.build_tiny_pipeline(seed=3)
+    for (n, p), (_, q) in zip(a.vision_language_encoder.named_parameters(), b.vision_language_encoder.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+def _logprob_gap(pipe, prompts, group_size):
+    torch.manual_seed(0)
+    ar = pipe.vision_language_encoder
+    rollout = g.sample_group(pipe, prompts, group_size, temperature=0.9, height=64, width=64, loss_tokens="all")
+    suppressed = g.image_token_suppression(ar, pipe.transformer.config.prior_vq_quantizer_codebook_size)
+    with torch.no_grad():
+        recomputed = g.policy_logprobs(ar, rollout, 0.9, suppressed)
+        naive_logits = ar(input_ids=rollout.sequences[:, :-1], attention_mask=rollout.attention_mask,
+                          logits_to_keep=recomputed.shape[1]).logits
+        naive = g.token_logprobs(naive_logits, rollout.sequences[:, rollout.prompt_len:], 0.9, suppressed)
+    return rollout, (recomputed - rollout.old_logp).abs().max().item(), (naive - rollout.old_logp).abs().max().item()
+
+
+def test_recomputed_logprobs_match_sampling_logprobs_for_a_group(sharp_pipe):
+    rollout, gap, naive_gap = _logprob_gap(sharp_pipe, ["a red circle on a white background"], 4)
+    assert rollout.sequences.shape[0] == 4
+    assert gap <= 1e-5, gap
+    assert naive_gap > 1.0, naive_gap          # the test would catch text-style positions
+
+
+def test_recomputed_logprobs_match_with_left_padding(sharp_pipe):
+    rollout, gap, naive_gap = _logprob_gap(sharp_pipe, ["red", "a much longer prompt about a blue square"], 2)
+    assert (rollout.attention_mask[:, 0] == 0).any()    # one prompt really is left-padded
+    assert gap <= 1e-5, gap
+    assert naive_gap > 1.0, naive_gap
+
+
+def test_rollout_layout(sharp_pipe):
+    torch.manual_seed(0)
+    rollout = g.sample_group(sharp_pipe, ["a", "bb"], 3, 1.0, 96, 64, "target")
+    H, W = rollout.grid_hw
+    assert (H, W) == (3, 2)
+    L = rollout.sequences.shape[1] - rollout.prompt_len
+    preview = L - H * W - 1
+    assert rollout.loss_mask[:, :preview].sum() == 0 and rollout.loss_mask[:, -1].sum() == 0
+    assert rollout.loss_mask[:, preview:-1].all()
+    assert rollout.target_tokens.shape == (6, H * W)
+    assert (rollout.target_tokens < g.TINY_CODEBOOK).all()    # no special id inside a grid
+
+
+def test_group_noise_is_shared_within_a_group(sharp_pipe):
+    noise = g.group_noise(sharp_pipe, [2, 0], 3, 64, 64, seed=0, step=5, mode="per-step")
+    assert torch.equal(noise[0], noise[2]) and not torch.equal(noise[0], noise[3])
+    again = g.group_noise(sharp_pipe, [0], 3, 64, 64, seed=0, step=5, mode="per-step")
+    assert torch.equal(again[0], noise[3])
+    fixed = [g.group_noise(sharp_pipe, [0], 1, 64, 64, 0, step, "per-prompt") for step in (1, 9)]
+    assert torch.equal(*fixed)
+
+
+def test_decode_depends_on_tokens_not_only_noise(sharp_pipe):
+    noise = g.group_noise(sharp_pipe, [0], 2, 64, 64, 0, 1, "per-prompt")
+    tokens = torch.tensor([[1, 2, 3, 4], [9, 9, 9, 9]])
+    images = g.decode_images(sharp_pipe, ["x", "x"], tokens, (2, 2), noise, 2, 1.0)
+    assert images.shape == (2, 3, 64, 64) and images.min() >= 0 and images.max() <= 1
+    assert (images[0] - images[1]).abs().mean() > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI end to end
+# ---------------------------------------------------------------------------------------------
+
+def test_cli_two_steps_writes_metrics_samples_and_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    result = run_cli("--steps", "2", "--out", str(out), *SMALL)
+    assert result.returncode == 0, result.stderr
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in ("loss", "reward_mean", "reward_std", "ratio_mean", "clip_ratio", "kl", "frac_reward_zero_std", "seconds"):
+        assert all(key in r for r in rows), key
+    assert all(r["logp_diff_max"] <= 1e-5 for r in rows)
+    assert (out / "checkpoints" / "step_000002.pt").is_file()
+    assert len(list((out / "samples").glob("*.png"))) == 2
+    assert "step    2/2" in result.stdout
+
+
+def test_first_inner_epoch_has_ratio_one(tmp_path):
+    out = tmp_path / "mu1"
+    assert g.main(["--steps", "2", "--out", str(out), "--inner-epochs", "1", *SMALL]) is None
+    rows = read_metrics(out)
+    assert all(r["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and r["clip_ratio"] == 0 for r in rows)
+
+
+def test_resume_is_bit_identical(tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    g.main(["--steps", "6", "--out", str(straight), "--save-every", "3", *SMALL])
+    g.main(["--steps", "3", "--out", str(split), "--save-every", "3", *SMALL])
+    g.main(["--steps", "6", "--out", str(split), "--save-every", "3", "--resume", "latest", *SMALL])
+    assert deterministic(read_metrics(split)) == deterministic(read_metrics(straight))
+
+
+def test_resume_drops_rows_of_the_killed_future(tmp_path, capsys):
+    out = tmp_path / "run"
+    g.main(["--steps", "3", "--out", str(out), "--save-every", "2", *SMALL])
+    # the run "died" after step 3; its last checkpoint is step 2
+    (out / "checkpoints" / "step_000003.pt").unlink()
+    g.main(["--steps", "4", "--out", str(out), "--save-every", "2", "--resume", "latest", *SMALL])
+    assert "Resuming from step 2" in capsys.readouterr().out
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+
+
+def test_default_run_learns(tmp_path):
+    """The issue's bar: with defaults, mean reward of the last 5 of 40 steps exceeds the first 5 by
+    at least the first 5 steps' mean within-group reward std."""
+    out = tmp_path / "learn"
+    g.main(["--steps", "40", "--out", str(out), "--sample-every", "0", "--save-every", "100"])
+    rows = read_metrics(out)
+    first = sum(r["reward_mean"] for r in rows[:5]) / 5
+    last = sum(r["reward_mean"] for r in rows[-5:]) / 5
+    std = sum(r["reward_std"] for r in rows[:5]) / 5
+    print(f"first5 {first:.5f} last5 {last:.5f} gain {last - first:.5f} first5 std {std:.5f}")
+    assert last - first >= std
