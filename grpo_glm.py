@@ -258,7 +258,9 @@ def load_pipeline(args):
 
     dtype = getattr(torch, args.dtype)
     if args.model == TINY:
-        pipe = build_tiny_pipeline(args.seed).to(dtype=dtype)
+        pipe = build_tiny_pipeline(args.seed)
+        if dtype != torch.float32:
+            pipe.to(dtype=dtype)
     else:
         try:
             pipe = GlmImagePipeline.from_pretrained(args.model, torch_dtype=dtype)
@@ -424,8 +426,8 @@ def processor_inputs(pipe, prompts, height, width, device):
     template call, same target size), left-padded into one batch."""
     messages = [[{"role": "user", "content": [{"type": "text", "text": p}]}] for p in prompts]
     return pipe.processor.apply_chat_template(
-        messages, tokenize=True, padding=True, return_dict=True, return_tensors="pt",
-        processor_kwargs={"target_h": height, "target_w": width}).to(device)
+        messages, tokenize=True, return_dict=True, return_tensors="pt",
+        processor_kwargs={"padding": True, "target_h": height, "target_w": width}).to(device)
 
 
 def repeat_samples(inputs, group_size):
