@@ -260,3 +260,154 @@ def test_default_run_learns(tmp_path):
     std = sum(r["reward_std"] for r in rows[:5]) / 5
     print(f"first5 {first:.5f} last5 {last:.5f} gain {last - first:.5f} first5 std {std:.5f}")
     assert last - first >= std
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: one line on stderr, non-zero exit, no traceback, --out untouched
+# ---------------------------------------------------------------------------------------------
+
+def snapshot(path):
+    path = Path(path)
+    if path.is_file():
+        return {"": path.read_bytes()}
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A real 1-step run whose --out the bad-input cases must leave untouched."""
+    out = tmp_path_factory.mktemp("done") / "run"
+    assert g.main(["--steps", "1", "--out", str(out), *SMALL]) is None
+    return out
+
+
+def _bad_cases(tmp, run):
+    (tmp / "empty.txt").write_text("")
+    (tmp / "comments.txt").write_text("# nothing\n\n   # here\n")
+    (tmp / "missing_target.txt").write_text("a red circle | nowhere.png\n")
+    (tmp / "bad.png").write_text("not an image")
+    (tmp / "bad_target.txt").write_text("a red circle | bad.png\n")
+    (tmp / "undrawable.txt").write_text("a cat wearing a hat\n")
+    (tmp / "junk.pt").write_bytes(os.urandom(256))
+    torch.save({"weights": torch.zeros(2)}, tmp / "foreign.pt")
+    (tmp / "outfile").write_text("keep me")
+    (tmp / "notapipe").mkdir()
+    ckpt = str(run / "checkpoints" / "step_000001.pt")
+    fresh = str(tmp / "fresh")
+    return {
+        "prompts missing": (["--prompts", str(tmp / "nope.txt"), "--out", fresh], "--prompts"),
+        "prompts empty": (["--prompts", str(tmp / "empty.txt"), "--out", fresh], "no prompts"),
+        "prompts only comments": (["--prompts", str(tmp / "comments.txt"), "--out", fresh], "no prompts"),
+        "target missing": (["--prompts", str(tmp / "missing_target.txt"), "--out", fresh], "not found"),
+        "target not an image": (["--prompts", str(tmp / "bad_target.txt"), "--out", fresh], "not a readable image"),
+        "no target, nothing to draw": (["--prompts", str(tmp / "undrawable.txt"), "--out", fresh], "no target image"),
+        "group size 1": (["--group-size", "1", "--out", fresh], "--group-size"),
+        "steps 0": (["--steps", "0", "--out", fresh], "--steps"),
+        "lr 0": (["--lr", "0", "--out", fresh], "--lr"),
+        "clip eps negative": (["--clip-eps", "-0.1", "--out", fresh], "--clip-eps"),
+        "inner epochs 0": (["--inner-epochs", "0", "--out", fresh], "--inner-epochs"),
+        "height not multiple of 32": (["--height", "48", "--out", fresh], "--height"),
+        "width 100": (["--width", "100", "--out", fresh], "--width"),
+        "width 0": (["--width", "0", "--out", fresh], "--width"),
+        "temperature 0": (["--temperature", "0", "--out", fresh], "--temperature"),
+        "resume path missing": (["--resume", str(tmp / "none.pt"), "--out", str(run)], "--resume"),
+        "resume junk file": (["--resume", str(tmp / "junk.pt"), "--out", str(run)], "not a readable checkpoint"),
+        "resume foreign torch file": (["--resume", str(tmp / "foreign.pt"), "--out", str(run)], "not a checkpoint of grpo_glm"),
+        "resume with other algorithm flags": (["--resume", ckpt, "--out", str(run), "--steps", "3", "--lr", "0.5", *SMALL],
+                                              "--lr"),
+        "resume into a LoRA model": (["--resume", ckpt, "--out", str(run), "--steps", "3", "--lora-rank", "2",
+                                      "--resume-force", *SMALL], "do not fit"),
+        "model path missing": (["--model", str(tmp / "no_model"), "--out", fresh], "--model"),
+        "model dir not a pipeline": (["--model", str(tmp / "notapipe"), "--out", fresh], "--model"),
+        "out is a file": (["--out", str(tmp / "outfile")], "--out"),
+        "out holds a run": (["--out", str(run)], "--resume latest"),
+    }
+
+
+CASE_NAMES = ["prompts missing", "prompts empty", "prompts only comments", "target missing", "target not an image",
+              "no target, nothing to draw", "group size 1", "steps 0", "lr 0", "clip eps negative", "inner epochs 0",
+              "height not multiple of 32", "width 100", "width 0", "temperature 0", "resume path missing",
+              "resume junk file", "resume foreign torch file", "resume with other algorithm flags",
+              "resume into a LoRA model", "model path missing", "model dir not a pipeline", "out is a file",
+              "out holds a run"]
+
+
+@pytest.mark.parametrize("case", CASE_NAMES)
+def test_bad_input_gives_one_line_error(case, tmp_path, finished_run):
+    args, needle = _bad_cases(tmp_path, finished_run)[case]
+    out = Path(args[args.index("--out") + 1])
+    before = snapshot(out) if out.exists() else None
+    result = run_cli(*args)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], result.stderr
+    if before is None:
+        assert not out.exists()
+    else:
+        assert snapshot(out) == before
+
+
+def test_target_of_another_size_is_resized_not_rejected(tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (40, 24), "red").save(tmp_path / "small.png")
+    (tmp_path / "p.txt").write_text("anything at all | small.png\n")
+    result = run_cli("--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "run"), "--steps", "1",
+                     "--group-size", "2", "--prompts-per-step", "1")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("resized") == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Faults: kills, NaNs
+# ---------------------------------------------------------------------------------------------
+
+def _kill_when(out, ready, timeout=120):
+    """Starts a long run, SIGKILLs it as soon as ready(out) is true."""
+    proc = subprocess.Popen([sys.executable, str(HERE / "grpo_glm.py"), "--steps", "40", "--out", str(out),
+                             "--save-every", "1", "--sample-every", "0", *SMALL[:4]],
+                            cwd=HERE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + timeout
+    while not ready(out) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.mark.parametrize("when", ["checkpoint write started", "after second checkpoint", "mid step"])
+def test_sigkill_never_leaves_a_broken_checkpoint(when, tmp_path):
+    out = tmp_path / "run"
+    ckpts = out / "checkpoints"
+    ready = {
+        "checkpoint write started": lambda o: (any(ckpts.glob("*.pt")) and any(ckpts.glob("*.tmp")))
+                                            or len(list(ckpts.glob("*.pt"))) >= 4,
+        "after second checkpoint": lambda o: (ckpts / "step_000002.pt").exists(),
+        "mid step": lambda o: (o / "metrics.jsonl").exists() and len(read_metrics(o)) >= 2 and time.sleep(0.3) is None,
+    }[when]
+    _kill_when(out, ready)
+    saved = sorted(ckpts.glob("step_*.pt"))
+    assert saved, "the run was killed before its first checkpoint"
+    for path in saved:                              # every complete-named file loads
+        assert g.read_checkpoint(path)["step"] >= 1
+    last = g.read_checkpoint(saved[-1])["step"]
+    result = run_cli("--resume", "latest", "--out", str(out), "--steps", str(last + 1), "--save-every", "1",
+                     "--sample-every", "0", *SMALL[:4])
+    assert result.returncode == 0, result.stderr
+    assert f"Resuming from step {last}" in result.stdout
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, last + 2))
+
+
+def test_non_finite_loss_skips_the_update(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "nan"
+    monkeypatch.setattr(g, "mse_reward", lambda images, targets: torch.full((images.shape[0],), float("nan")))
+    with pytest.raises(SystemExit) as stop:
+        g.main(["--steps", "8", "--out", str(out), "--save-every", "2", *SMALL])
+    assert stop.value.code == 2 and "non-finite" in capsys.readouterr().err
+    rows = read_metrics(out)
+    assert len(rows) == 5 and all(r["skipped_updates"] == 4 for r in rows)
+    initial = g.build_tiny_pipeline(0).vision_language_encoder.state_dict()
+    for path in sorted((out / "checkpoints").glob("step_*.pt")):
+        weights = g.read_checkpoint(path)["trainable"]
+        assert all(torch.isfinite(w).all() for w in weights.values())
+        assert all(torch.equal(w, initial[name]) for name, w in weights.items())
