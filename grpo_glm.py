@@ -114,7 +114,8 @@ def parse_args(argv=None):
     a("--save-pipeline", default=None, help="After training, write the whole pipeline (LoRA merged) to this "
       "directory for GlmImagePipeline.from_pretrained.")
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
-    a("--plan", action="store_true", help="Print the memory plan for the real GLM-Image and exit.")
+    a("--plan", action="store_true", help="Print the memory plan of --model for --height x --width and the "
+      "batch size, and exit (a hub id uses the real sizes, nothing is downloaded).")
     return p.parse_args(argv)
 
 
@@ -263,7 +264,7 @@ def load_pipeline(args):
             pipe.to(dtype=dtype)
     else:
         try:
-            pipe = GlmImagePipeline.from_pretrained(args.model, torch_dtype=dtype)
+            pipe = GlmImagePipeline.from_pretrained(args.model, dtype=dtype)
         except (OSError, ValueError, TypeError) as e:
             raise UsageError(f"--model {args.model} could not be loaded as a GlmImagePipeline: {str(e).splitlines()[0]}")
         for name in ("vision_language_encoder", "text_encoder", "transformer", "vae"):
@@ -290,7 +291,7 @@ def prepare_policy(ar, args):
 
         ar.requires_grad_(False)
         ar.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"],
+                                  target_modules=LORA_TARGETS,
                                   exclude_modules=r".*visual.*|.*vqmodel.*"))
     else:
         # The vision encoder and VQ tokenizer only read source images; keep them frozen.
@@ -298,7 +299,7 @@ def prepare_policy(ar, args):
         ar.model.visual.requires_grad_(False)
         ar.model.vqmodel.requires_grad_(False)
     if args.gradient_checkpointing:
-        ar.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        ar.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return [p for p in ar.parameters() if p.requires_grad]
 
 
@@ -842,83 +843,121 @@ def restore_checkpoint(ckpt, path, model, optimizer):
 GiB = 1024 ** 3
 
 
-def count_parameters_on_meta(module_factory):
-    with torch.device("meta"):
-        module = module_factory()
-    return sum(p.numel() for p in module.parameters()), module
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]
 
 
-def lora_parameter_count(ar, rank):
-    """r * (in + out) per adapted Linear: the A [r, in] and B [out, r] matrices."""
-    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")
-    return sum(rank * (m.in_features + m.out_features) for n, m in ar.model.language_model.named_modules()
-               if isinstance(m, torch.nn.Linear) and n.split(".")[-1] in names)
-
-
-def activation_bytes(text_config, tokens, samples, checkpointing, bytes_per=2):
-    """Rough activation memory of the teacher-forced forward kept for backward, per layer:
-    ~ tokens * (18 * hidden + 3 * intermediate) values (attention I/O, norms, MLP in/out; flash/SDPA
-    attention keeps no T^2 matrix). With checkpointing only each layer's input is kept, plus one
-    layer's full activations during recompute. Logits [tokens, vision_vocab] in fp32 are added."""
-    hidden, inter, layers = text_config.hidden_size, text_config.intermediate_size, text_config.num_hidden_layers
-    per_layer = tokens * samples * (18 * hidden + 3 * inter) * bytes_per
-    kept = (layers * tokens * samples * hidden * bytes_per + per_layer) if checkpointing else layers * per_layer
-    logits = tokens * samples * text_config.vision_vocab_size * 4 * 2      # logits + log-softmax, fp32
-    return kept + logits
-
-
-def memory_plan(group_size=4, prompts_per_step=1, prompt_tokens=64):
-    """Returns (rows, notes) of the real model's memory budget; see the README for its reading."""
+def real_glm_image_on_meta():
+    """The real model's components, built on the meta device (shapes only, no memory, no download).
+    GlmImageConfig() defaults are the real AR (hidden 4096, 40 layers, vision vocab 16512). The
+    DiT / glyph-T5 / VAE sizes below are our reading of the checkpoint (the DiT class defaults
+    would give 2.4 B, the model card says 7 B): for exact numbers run --plan on a local copy."""
     from diffusers import AutoencoderKL, GlmImageTransformer2DModel
     from transformers import GlmImageConfig, GlmImageForConditionalGeneration, T5Config, T5EncoderModel
 
-    ar_params, ar = count_parameters_on_meta(lambda: GlmImageForConditionalGeneration(GlmImageConfig()))
-    # The real DiT, VAE and glyph-encoder configs (model_index.json of zai-org/GLM-Image):
-    dit_params, _ = count_parameters_on_meta(lambda: GlmImageTransformer2DModel(
-        patch_size=2, in_channels=16, out_channels=16, num_layers=30, attention_head_dim=128,
-        num_attention_heads=32, text_embed_dim=1472, time_embed_dim=512, condition_dim=256,
-        prior_vq_quantizer_codebook_size=16384))
-    t5_params, _ = count_parameters_on_meta(lambda: T5EncoderModel(T5Config(
-        vocab_size=384, d_model=1472, d_kv=64, d_ff=3584, num_layers=12, num_heads=6,
-        feed_forward_proj="gated-gelu")))
-    vae_params, _ = count_parameters_on_meta(lambda: AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 512, 1024, 1024),
-        down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4, layers_per_block=3))
-    frozen_bf16 = 2 * (dit_params + t5_params + vae_params)
-    largest_frozen = 2 * max(dit_params, t5_params, vae_params)
-    samples = group_size * prompts_per_step
-    tokens = prompt_tokens + 256 + 1024 + 1                               # 1024x1024: preview + grid + end
+    with torch.device("meta"):
+        return {
+            "ar": GlmImageForConditionalGeneration(GlmImageConfig()),
+            "dit": GlmImageTransformer2DModel(
+                patch_size=2, in_channels=16, out_channels=16, num_layers=30, attention_head_dim=128,
+                num_attention_heads=32, text_embed_dim=1472, time_embed_dim=512, condition_dim=256,
+                prior_vq_quantizer_codebook_size=16384),
+            "glyph_t5": T5EncoderModel(T5Config(vocab_size=384, d_model=1472, d_kv=64, d_ff=3584, num_layers=12,
+                                                num_heads=6, feed_forward_proj="gated-gelu")),
+            "vae": AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16,
+                                 block_out_channels=(128, 512, 1024, 1024), layers_per_block=3,
+                                 down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4),
+        }
+
+
+def saved_glm_image_on_meta(directory):
+    """The components of a saved pipeline directory, from its config.json files, on meta."""
+    from diffusers import AutoencoderKL, GlmImageTransformer2DModel
+    from transformers import AutoConfig, GlmImageForConditionalGeneration, T5EncoderModel
+
+    d = Path(directory)
+    with torch.device("meta"):
+        return {
+            "ar": GlmImageForConditionalGeneration(AutoConfig.from_pretrained(d / "vision_language_encoder")),
+            "dit": GlmImageTransformer2DModel.from_config(GlmImageTransformer2DModel.load_config(d / "transformer")),
+            "glyph_t5": T5EncoderModel(AutoConfig.from_pretrained(d / "text_encoder")),
+            "vae": AutoencoderKL.from_config(AutoencoderKL.load_config(d / "vae")),
+        }
+
+
+def numel(module):
+    return sum(p.numel() for p in module.parameters())
+
+
+def lora_parameter_count(ar, rank):
+    """r * (in + out) per adapted Linear of the language model: A is [r, in], B is [out, r]."""
+    return sum(rank * (m.in_features + m.out_features) for n, m in ar.model.language_model.named_modules()
+               if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in LORA_TARGETS)
+
+
+def generated_tokens(height, width):
+    """Tokens the AR writes for one t2i image: ~16x16 preview + (H/32)x(W/32) grid + 1 end slot."""
+    ratio = (height // 32) / (width // 32)
+    preview = int(math.sqrt(ratio) * 16) * int(math.sqrt(1 / ratio) * 16)
+    return preview + (height // 32) * (width // 32) + 1
+
+
+def activation_bytes(text_config, tokens, samples, checkpointing, bytes_per=2):
+    """Activations of the teacher-forced pass kept for backward. Per layer and token about
+    18 * hidden + 3 * intermediate values (q/k/v/o inputs and outputs, norms, residuals, the MLP's
+    gate/up/act); SDPA/flash attention keeps no T^2 matrix. With checkpointing only each layer's
+    input stays, plus one layer's full set while it is recomputed. fp32 logits and log-softmax
+    over the vision vocabulary come on top."""
+    hidden, inter, layers = text_config.hidden_size, text_config.intermediate_size, text_config.num_hidden_layers
+    per_layer = tokens * samples * (18 * hidden + 3 * inter) * bytes_per
+    kept = layers * tokens * samples * hidden * bytes_per + per_layer if checkpointing else layers * per_layer
+    return kept + tokens * samples * text_config.vision_vocab_size * 4 * 2
+
+
+def memory_plan(components, height, width, samples, prompt_tokens=64, ranks=(64, 16)):
+    """Bytes per component and per training mode. Weights bf16 (2 B/param); trainable LoRA weights,
+    their gradients and AdamW's two moments fp32 (4 + 4 + 8 B/param); full fine-tuning keeps bf16
+    gradients (2 B) and fp32 moments (8 B). Returns (rows, parameter counts, tokens per sample)."""
+    ar = components["ar"]
+    counts = {name: numel(module) for name, module in components.items()}
+    frozen = {k: 2 * v for k, v in counts.items() if k != "ar"}
+    full = numel(ar.model.language_model) + numel(ar.lm_head)      # vision encoder + VQ stay frozen
+    tokens = prompt_tokens + generated_tokens(height, width)
     rows = []
-    for label, trainable in [("full", ar_params), ("lora-64", lora_parameter_count(ar, 64)),
-                             ("lora-16", lora_parameter_count(ar, 16))]:
-        weights = 2 * ar_params + (4 * trainable if label != "full" else 0)   # LoRA weights kept in fp32
-        grads = 4 * trainable if label != "full" else 2 * trainable
-        adam = 8 * trainable                                               # exp_avg + exp_avg_sq, fp32
-        ar_total = weights + grads + adam
-        for ckpt in (False, True):
-            act = activation_bytes(ar.config.text_config, tokens, samples, ckpt)
-            rows.append({"mode": label, "grad_ckpt": ckpt, "trainable_params": trainable,
-                         "ar_weights_GiB": weights / GiB, "grads_GiB": grads / GiB, "adam_GiB": adam / GiB,
-                         "activations_GiB": act / GiB,
-                         # with offload the DiT is on the GPU only while decoding, not during backward
-                         "peak_offload_GiB": (ar_total + max(act, largest_frozen)) / GiB,
-                         "peak_no_offload_GiB": (ar_total + act + frozen_bf16) / GiB})
-    params = {"ar": ar_params, "dit": dit_params, "glyph_t5": t5_params, "vae": vae_params}
-    return rows, params, samples, tokens
+    for mode, trainable in [("full", full)] + [(f"lora-{r}", lora_parameter_count(ar, r)) for r in ranks]:
+        lora = mode != "full"
+        weights = 2 * counts["ar"] + (4 * trainable if lora else 0)
+        grads = (4 if lora else 2) * trainable
+        adam = 8 * trainable
+        for checkpointing in (False, True):
+            act = activation_bytes(ar.config.text_config, tokens, samples, checkpointing)
+            rows.append({"mode": mode, "grad_ckpt": checkpointing, "trainable_params": trainable,
+                         "ar_weights": weights, "grads": grads, "adam": adam, "activations": act,
+                         # offloaded, a frozen part is on the GPU only while it runs, never during backward
+                         "peak_offload": weights + grads + adam + max(act, max(frozen.values())),
+                         "peak_no_offload": weights + grads + adam + act + sum(frozen.values())})
+    return rows, counts, tokens
 
 
-def print_memory_plan(group_size, prompts_per_step):
-    rows, params, samples, tokens = memory_plan(group_size, prompts_per_step)
-    print("parameters (real configs, counted on the meta device): " +
-          ", ".join(f"{k} {v / 1e9:.2f} B" for k, v in params.items()))
-    print(f"bf16 weights; AdamW fp32 states; teacher-forced pass of {samples} samples x {tokens} tokens (1024x1024)")
-    header = ["mode", "grad_ckpt", "trainable", "AR weights", "grads", "AdamW", "activations",
-              "peak w/ offload", "peak no offload"]
-    print(" | ".join(header))
+def print_memory_plan(args):
+    if args.model == TINY:
+        components = {name: getattr(build_tiny_pipeline(args.seed), attr) for name, attr in
+                      [("ar", "vision_language_encoder"), ("dit", "transformer"), ("glyph_t5", "text_encoder"), ("vae", "vae")]}
+    elif Path(args.model).is_dir():
+        components = saved_glm_image_on_meta(args.model)
+    else:
+        components = real_glm_image_on_meta()
+    samples = args.group_size * args.prompts_per_step
+    rows, counts, tokens = memory_plan(components, args.height, args.width, samples)
+    print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / 1e9:.3f} B" for k, v in counts.items()))
+    print(f"teacher-forced pass: {samples} samples x {tokens} tokens ({args.height}x{args.width}); "
+          f"estimates in GiB\n")
+    print("| mode | grad ckpt | trainable | AR weights | grads | AdamW | activations | peak, offload | peak, no offload |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(" | ".join([r["mode"], "yes" if r["grad_ckpt"] else "no", f"{r['trainable_params'] / 1e6:.1f} M"] +
-                         [f"{r[k]:.1f} GiB" for k in ("ar_weights_GiB", "grads_GiB", "adam_GiB", "activations_GiB",
-                                                      "peak_offload_GiB", "peak_no_offload_GiB")]))
+        cells = [r["mode"], "yes" if r["grad_ckpt"] else "no", f"{r['trainable_params'] / 1e6:.1f} M"]
+        cells += [f"{r[k] / GiB:.1f}" for k in ("ar_weights", "grads", "adam", "activations", "peak_offload",
+                                                "peak_no_offload")]
+        print("| " + " | ".join(cells) + " |")
 
 
 # =============================================================================================
@@ -946,10 +985,12 @@ def train(args):
             raise UsageError(f"--resume {ckpt_path}: flags differ from the checkpoint's: {'; '.join(differences)} "
                              "(add --resume-force to accept)")
 
+    pipe = load_pipeline(args)
+    # Seeded after loading, so the sampling stream is the same however the model was made
+    # (building the tiny model draws from the RNG, from_pretrained does not).
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     np.random.seed(args.seed)
-    pipe = load_pipeline(args)
     ar = pipe.vision_language_encoder
     codebook = pipe.transformer.config.prior_vq_quantizer_codebook_size
     suppressed = image_token_suppression(ar, codebook)
@@ -1043,27 +1084,23 @@ def train(args):
 
 def save_trained_pipeline(pipe, args):
     """Writes a pipeline that GlmImagePipeline.from_pretrained(dir) loads as usual. LoRA is merged
-    into the AR weights first (peft's merge_and_unload), so no adapter code is needed later."""
-    ar = pipe.vision_language_encoder
+    into the AR weights first, so loading needs no adapter code."""
     if args.lora_rank:
-        pipe.vision_language_encoder = ar.merge_and_unload() if hasattr(ar, "merge_and_unload") else merge_lora(ar)
+        merge_lora(pipe.vision_language_encoder)
     pipe.save_pretrained(args.save_pipeline)
     print(f"saved the trained pipeline to {args.save_pipeline}")
 
 
 def merge_lora(ar):
-    """transformers' adapter API has no merge; peft's LoraLayer.merge folds B @ A * scale into W."""
+    """transformers' adapter API (add_adapter & co.) has no merge; peft's LoraLayer.merge folds
+    W += B @ A * alpha / r, then each wrapper is swapped back for its plain base Linear."""
     from peft.tuners.lora import LoraLayer
 
-    for module in ar.modules():
-        if isinstance(module, LoraLayer):
-            module.merge()
-    from peft.utils import _get_submodules
-
-    for name, module in list(ar.named_modules()):
-        if isinstance(module, LoraLayer):
-            parent, _, child = _get_submodules(ar, name)
-            setattr(parent, child, module.get_base_layer())
+    wrappers = [(name, module) for name, module in ar.named_modules() if isinstance(module, LoraLayer)]
+    for name, module in wrappers:
+        module.merge()
+        parent_name, _, child = name.rpartition(".")
+        setattr(ar.get_submodule(parent_name), child, module.get_base_layer())
     ar.peft_config = {}
     ar._hf_peft_config_loaded = False
     return ar
@@ -1073,7 +1110,7 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         if args.plan:
-            print_memory_plan(args.group_size, args.prompts_per_step)
+            print_memory_plan(args)
             return
         train(args)
     except UsageError as e:
