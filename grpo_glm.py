@@ -1112,7 +1112,7 @@ def main(argv=None):
         if args.plan:
             print_memory_plan(args)
             return
-        train(args)
+        return train(args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
