@@ -59,7 +59,7 @@ class UsageError(Exception):
 # Flags that change what the algorithm computes. Resuming with different values would splice
 # two different runs into one log, so --resume refuses them (unless --resume-force).
 ALGORITHM_FLAGS = (
-    "model", "prompts", "seed", "group_size", "prompts_per_step", "inner_epochs", "lr",
+    "mode", "model", "prompts", "seed", "group_size", "prompts_per_step", "inner_epochs", "lr",
     "max_grad_norm", "clip_eps", "beta", "temperature", "height", "width", "num_inference_steps",
     "guidance_scale", "dit_noise", "loss_tokens", "lora_rank", "lora_alpha", "dtype",
 )
@@ -71,10 +71,13 @@ def parse_args(argv=None):
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     a = p.add_argument
+    a("--mode", choices=["t2i", "i2i"], default="t2i", help="t2i: text to image; i2i: edit a source image "
+      "(each prompt line then names a source too, see --prompts).")
     a("--model", default=TINY, help="'tiny' builds a small random-weight GLM-Image from the real classes; "
       "otherwise a hub id (zai-org/GLM-Image) or a local directory saved with save_pretrained.")
     a("--prompts", default="prompts.txt", help="Prompt file: one prompt per line, optionally '| target.png' "
-      "after it; '#' starts a comment. Without a target path the target is drawn from colour/shape words.")
+      "after it (i2i: '| target.png | source.png'); '#' starts a comment. Without paths, the demo images are "
+      "drawn from the prompt's colour/shape words.")
     a("--out", default="runs/grpo_glm", help="Directory for metrics.jsonl, samples/ and checkpoints/.")
     a("--steps", type=int, default=10, help="Number of GRPO steps to run (in total, counting resumed ones).")
     a("--seed", type=int, default=0, help="Seed for the tiny model, the prompt order, sampling and DiT noise.")
@@ -174,7 +177,10 @@ def resolve_runtime(args):
 TINY_CODEBOOK = 64                       # real: 16384
 TINY_VISION_VOCAB = TINY_CODEBOOK + 16   # real: 16512 (codebook + 128 special ids)
 # A minimal stand-in chat template: the real processor ships its own, loaded by from_pretrained.
-TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|image|>"
+# A source image must sit between image start and end tokens: get_rope_index finds source images
+# by those markers (and gives them 2-D positions); a bare <|image|> would be numbered like text.
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+                      "<|dit_token_16384|><|image|><|dit_token_16385|>"
                       "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}")
 
 
@@ -211,7 +217,13 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02):
 
     torch.manual_seed(seed)
     tokenizer = build_tiny_tokenizer()
-    processor = GlmImageProcessor(image_processor=GlmImageImageProcessorPil(), tokenizer=tokenizer,
+    # GLM-Image's image processor settings (16-px patches, no temporal/spatial merge, mean/std 0.5),
+    # except min_pixels: the real 512^2 would upscale a small source, while the pipeline VAE-encodes
+    # the source at its own size, and the DiT's source tokens would no longer line up.
+    image_processor = GlmImageImageProcessorPil(patch_size=16, temporal_patch_size=1, merge_size=1,
+                                                min_pixels=32 * 32, max_pixels=2048 * 2048,
+                                                image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    processor = GlmImageProcessor(image_processor=image_processor, tokenizer=tokenizer,
                                   chat_template=TINY_CHAT_TEMPLATE)
     ar_config = GlmImageConfig(
         text_config=dict(
@@ -314,12 +326,15 @@ SHAPES = ("circle", "square", "triangle")
 @dataclass
 class PromptItem:
     text: str
-    target: Image.Image  # RGB, already --height x --width
+    target: Image.Image          # RGB, --width x --height
+    source: Image.Image = None   # i2i only: the image to edit, RGB, --width x --height
 
 
-def read_prompts(path, height, width):
-    """Parses the prompt file. Line format: `prompt` or `prompt | path/to/target.png`
-    (relative paths are relative to the prompt file). Blank lines and '#' comments are skipped."""
+def read_prompts(path, height, width, mode="t2i"):
+    """Parses the prompt file. Line format: `prompt`, `prompt | target.png`, and in i2i
+    `prompt | target.png | source.png` (paths relative to the prompt file). Blank lines and '#'
+    comments are skipped. Images of another size are resized to --width x --height; i2i sources
+    too, which keeps them multiples of 32 px and lets a whole group decode in one call."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"--prompts {path}: file not found")
@@ -328,52 +343,73 @@ def read_prompts(path, height, width):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        text, _, target_path = (part.strip() for part in line.partition("|"))
+        text, *paths = (part.strip() for part in line.split("|"))
         where = f"{path}:{lineno}"
-        if target_path:
-            target = load_target(path.parent / target_path, where)
-            resized |= target.size != (width, height)
-            target = target.resize((width, height), Image.BICUBIC)
-        else:
-            target = draw_demo_target(text, height, width, where)
-        items.append(PromptItem(text, target))
+        if len(paths) > (2 if mode == "i2i" else 1):
+            raise UsageError(f"{where}: too many '|' fields for --mode {mode}")
+        paths += [""] * (2 - len(paths))
+        images = [load_image(path.parent / p, where, kind) if p else None for p, kind in zip(paths, ("target", "source"))]
+        resized |= any(im is not None and im.size != (width, height) for im in images)
+        target, source = (im.resize((width, height), Image.BICUBIC) if im else None for im in images)
+        if mode == "t2i":
+            target = target or draw_demo_image(text, height, width, where)
+        elif target is None or source is None:
+            drawn_source, drawn_target = draw_demo_edit(text, height, width, where)
+            target, source = target or drawn_target, source or drawn_source
+        items.append(PromptItem(text, target, source))
     if not items:
         raise UsageError(f"--prompts {path}: no prompts (only blank or comment lines)")
     if resized:
-        print(f"note: target images resized to {width}x{height} (--width x --height)")
+        print(f"note: images resized to {width}x{height} (--width x --height)")
     return items
 
 
-def load_target(path, where):
+def load_image(path, where, kind):
     try:
         with Image.open(path) as image:
             return image.convert("RGB")
     except FileNotFoundError:
-        raise UsageError(f"{where}: target image {path} not found")
+        raise UsageError(f"{where}: {kind} image {path} not found")
     except (UnidentifiedImageError, OSError) as e:
-        raise UsageError(f"{where}: target {path} is not a readable image ({type(e).__name__})")
+        raise UsageError(f"{where}: {kind} {path} is not a readable image ({type(e).__name__})")
 
 
-def draw_demo_target(prompt, height, width, where):
-    """Demo targets drawn from the prompt's words: '<colour> <shape> on a <colour> background'."""
+def demo_words(prompt):
     words = re.findall(r"[a-z]+", prompt.lower())
-    colours = [w for w in words if w in COLOURS]
-    shape = next((w for w in words if w in SHAPES), None)
+    return [w for w in words if w in COLOURS], next((w for w in words if w in SHAPES), None)
+
+
+def draw_shape(shape, colour, background, height, width):
+    image = Image.new("RGB", (width, height), COLOURS[background])
+    draw = ImageDraw.Draw(image)
+    box = (width * 0.2, height * 0.2, width * 0.8, height * 0.8)
+    if shape == "circle":
+        draw.ellipse(box, fill=COLOURS[colour])
+    elif shape == "square":
+        draw.rectangle(box, fill=COLOURS[colour])
+    else:
+        draw.polygon([(width / 2, box[1]), (box[2], box[3]), (box[0], box[3])], fill=COLOURS[colour])
+    return image
+
+
+def draw_demo_image(prompt, height, width, where):
+    """t2i demo target from the prompt's words: '<colour> <shape> on a <colour> background'."""
+    colours, shape = demo_words(prompt)
     if not colours or shape is None:
         raise UsageError(f"{where}: no target image given and no colour+shape words to draw one "
                          f"(write 'prompt | target.png')")
-    background = COLOURS[colours[1]] if len(colours) > 1 else COLOURS["white"]
-    image = Image.new("RGB", (width, height), background)
-    draw = ImageDraw.Draw(image)
-    box = (width * 0.2, height * 0.2, width * 0.8, height * 0.8)
-    fill = COLOURS[colours[0]]
-    if shape == "circle":
-        draw.ellipse(box, fill=fill)
-    elif shape == "square":
-        draw.rectangle(box, fill=fill)
-    else:
-        draw.polygon([(width / 2, box[1]), (box[2], box[3]), (box[0], box[3])], fill=fill)
-    return image
+    return draw_shape(shape, colours[0], colours[1] if len(colours) > 1 else "white", height, width)
+
+
+def draw_demo_edit(prompt, height, width, where):
+    """i2i demo (source, target) from '... <colour> <shape> ... <colour>', e.g. 'make the red circle
+    blue': the source is the shape in the first colour, the target in the second, on white."""
+    colours, shape = demo_words(prompt)
+    if len(colours) < 2 or shape is None:
+        raise UsageError(f"{where}: --mode i2i needs 'prompt | target.png | source.png', or two colours and "
+                         f"a shape to draw them (e.g. 'make the red circle blue')")
+    return (draw_shape(shape, colours[0], "white", height, width),
+            draw_shape(shape, colours[1], "white", height, width))
 
 
 def prompts_for_step(num_prompts, per_step, step, seed):
@@ -398,13 +434,16 @@ def image_to_tensor(image):
 # =============================================================================================
 # 4. SAMPLE: a group of G token grids per prompt, with the log-prob of every sampled token
 # =============================================================================================
-# The AR generates, after the prompt `text<sop>H W<eop><sop>h w<eop><bos>`:
+# t2i: after the prompt `text<sop>H W<eop><sop>h w<eop><bos>` the AR generates
 #     h*w preview tokens (a ~16x16 sketch) | H*W target-grid tokens | 1 end slot
-# (H x W = image side / 32). Only the target grid reaches the DiT.
+# i2i: the prompt holds the source image's VQ tokens, `<start><image tokens><end>text<sop>H W<eop><bos>`,
+#     and the AR generates H*W target-grid tokens | 1 end slot (no preview).
+# (H x W = image side / 32.) Only the target grid reaches the DiT.
 
 @dataclass
 class Rollout:
-    sequences: torch.Tensor      # [N, P+L] prompt (left-padded) + generated ids, N = prompts x G
+    sequences: torch.Tensor      # [N, P+L] prompt (left-padded) + generated ids, N = prompts x G;
+                                 # in i2i the source placeholders hold the source's VQ ids
     attention_mask: torch.Tensor  # [N, P+L-1] mask of the teacher-forced input (sequences[:, :-1])
     position_ids: torch.Tensor   # [3, N, P+L-1] M-RoPE positions of that input, as generate used them
     old_logp: torch.Tensor       # [N, L] log pi_old(token) at sampling time
@@ -412,20 +451,15 @@ class Rollout:
     target_tokens: torch.Tensor  # [N, H*W] the target grid, row-major
     grid_hw: tuple               # (H, W) of the target grid in tokens
     prompt_len: int              # P
+    source_prior: list = None    # i2i, per sample: (source VQ ids upsampled 2x, their grid [1, 3]) for the DiT
 
 
-def grid_layout(processor_inputs):
-    """(preview_hw, target_hw) from the processor's image_grid_thw: per sample the rows are
-    [target (1, H, W), preview (1, h, w)]; the AR writes them in reverse order (preview first)."""
-    grids = processor_inputs["image_grid_thw"][:2]
-    (_, H, W), (_, h, w) = grids.tolist()
-    return (h, w), (H, W)
-
-
-def processor_inputs(pipe, prompts, height, width, device):
-    """Tokenises prompts exactly as GlmImagePipeline.generate_prior_tokens does (same chat
-    template call, same target size), left-padded into one batch."""
-    messages = [[{"role": "user", "content": [{"type": "text", "text": p}]}] for p in prompts]
+def processor_inputs(pipe, prompts, sources, height, width, device):
+    """Tokenises prompts (and i2i source images) exactly as GlmImagePipeline.generate_prior_tokens
+    does: same chat-template call and target size, left-padded into one batch."""
+    def content(text, source):
+        return ([{"type": "image", "image": source}] if source is not None else []) + [{"type": "text", "text": text}]
+    messages = [[{"role": "user", "content": content(p, s)}] for p, s in zip(prompts, sources)]
     return pipe.processor.apply_chat_template(
         messages, tokenize=True, return_dict=True, return_tensors="pt",
         processor_kwargs={"padding": True, "target_h": height, "target_w": width}).to(device)
@@ -446,6 +480,31 @@ def repeat_samples(inputs, group_size):
     }
 
 
+def generation_layout(pipe, inputs, is_t2i):
+    """(tokens to generate, offset of the target grid among them, (H, W)), from the pipeline's
+    own GlmImagePipeline._compute_generation_params on the first sample's grids."""
+    grids = inputs["image_grid_thw"][: inputs["images_per_sample"][0]]
+    num_generated, offset, H, W = pipe._compute_generation_params(grids, is_text_to_image=is_t2i)
+    return num_generated, offset, (H, W)
+
+
+def encode_sources(pipe, inputs, group_size):
+    """i2i: the vision encoder + VQ run once per prompt (not per sample, not per epoch).
+    Returns the features repeated for the group, as generate(mm_encoder_outputs=) takes them (one
+    [C, h, w] entry per batch row), and per prompt the DiT's condition: the source's VQ ids
+    upsampled 2x like the pipeline's generate_prior_tokens, with their grid.
+    (generate_prior_tokens itself torch.cat's the feature list before get_image_tokens, which then
+    fails in diffusers 0.42.1; we pass the list.)"""
+    ar = pipe.vision_language_encoder
+    grids = ar.model.get_image_grids_for_generation(inputs["images_per_sample"], inputs["image_grid_thw"])
+    features = list(ar.get_image_features(inputs["pixel_values"], grids).pooler_output)   # one per prompt
+    ids = torch.split(ar.get_image_tokens(features), grids.prod(-1).tolist())
+    prior = [(pipe._upsample_token_ids(t, h, w).squeeze(0), torch.tensor([[1, 2 * h, 2 * w]]))
+             for t, (_, h, w) in zip(ids, grids.tolist())]
+    repeated = [f for f in features for _ in range(group_size)]
+    return repeated, [p for p in prior for _ in range(group_size)]
+
+
 def image_token_suppression(ar, codebook_size):
     """Ids the policy may not emit inside a grid: everything past the VQ codebook (image
     start/end and the other special ids share the AR's output vocabulary). A mid-grid end
@@ -458,9 +517,10 @@ def decode_position_ids(ar, inputs, num_generated):
     """M-RoPE positions [3, N, P + L - 1] for the teacher-forced input prompt + generated[:-1].
 
     GLM-Image gives image tokens 2-D positions (temporal, row, column) offset from the prompt, not
-    the running index a plain forward would use. transformers builds them in get_rope_index:
-    it returns the prompt's positions and caches the positions of the grids to be generated on
-    the model (a private attribute, the only place the library keeps them)."""
+    the running index a plain forward would use; i2i source images get 2-D positions inside the
+    prompt. transformers builds them in get_rope_index: it returns the prompt's positions and
+    caches the positions of the grids to be generated on the model (a private attribute, the
+    only place the library keeps them)."""
     model = ar.model
     prompt_positions, _ = model.get_rope_index(inputs["input_ids"], inputs["image_grid_thw"],
                                                 inputs["images_per_sample"], inputs["attention_mask"])
@@ -469,40 +529,54 @@ def decode_position_ids(ar, inputs, num_generated):
 
 
 @torch.no_grad()
-def sample_group(pipe, prompts, group_size, temperature, height, width, loss_tokens, record_logp=True):
-    """One batched generate() call for all prompts x G samples.
+def sample_group(pipe, prompts, group_size, temperature, height, width, loss_tokens, sources=None,
+                 record_logp=True):
+    """One batched generate() call for all prompts x G samples (i2i when `sources` is given).
 
     Sampling is from exactly softmax(logits / T) over the allowed image tokens: top-k and top-p
     are switched off (transformers otherwise fills in top_k=50 whenever do_sample is set), so
     pi_old is the policy the loss differentiates. We keep the processed scores generate sampled
     from and read old log-probs off them. Returns a Rollout."""
     from transformers import GenerationConfig
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
 
     ar = pipe.vision_language_encoder
-    device = ar.device
-    inputs = repeat_samples(processor_inputs(pipe, prompts, height, width, device), group_size)
-    (h, w), (H, W) = grid_layout(inputs)
-    num_generated = h * w + H * W + 1
+    is_t2i = sources is None
+    inputs = processor_inputs(pipe, prompts, sources or [None] * len(prompts), height, width, ar.device)
+    batch = repeat_samples(inputs, group_size)
+    source_prior, extra = None, {}
+    if not is_t2i:
+        features, source_prior = encode_sources(pipe, inputs, group_size)
+        extra["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=features)}
+    num_generated, offset, (H, W) = generation_layout(pipe, inputs, is_t2i)
     generation_config = GenerationConfig(
         do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=num_generated,
-        min_new_tokens=num_generated, suppress_tokens=image_token_suppression(ar, pipe.transformer.config.prior_vq_quantizer_codebook_size),
+        min_new_tokens=num_generated,
+        suppress_tokens=image_token_suppression(ar, pipe.transformer.config.prior_vq_quantizer_codebook_size),
         pad_token_id=ar.config.text_config.pad_token_id, eos_token_id=None,
         return_dict_in_generate=True, output_scores=record_logp)
-    out = ar.generate(**inputs, generation_config=generation_config)
-    prompt_len = inputs["input_ids"].shape[1]
-    generated = out.sequences[:, prompt_len:]                                  # [N, L]
+    out = ar.generate(**batch, **extra, generation_config=generation_config)
+    sequences = out.sequences
+    if not is_t2i:
+        # generate swapped the <|image|> placeholders for the source's VQ ids only inside its
+        # forward; writing them into the ids lets every later pass skip the vision encoder.
+        vq_ids = ar.get_image_tokens(features).to(sequences.device)
+        sequences = sequences.masked_scatter(sequences == ar.config.image_token_id, vq_ids)
+    prompt_len = batch["input_ids"].shape[1]
+    generated = sequences[:, prompt_len:]                                     # [N, L]
     old_logp = None
     if record_logp:
         scores = torch.stack(out.scores, dim=1)                                # [N, L, V], already / T
         old_logp = torch.log_softmax(scores.float(), -1).gather(-1, generated[..., None]).squeeze(-1)
     loss_mask = torch.zeros_like(generated, dtype=torch.float32)
-    first = h * w if loss_tokens == "target" else 0
-    loss_mask[:, first: h * w + H * W] = 1.0                                  # never the end slot
-    attention_mask = torch.cat([inputs["attention_mask"], torch.ones_like(generated[:, :-1])], dim=1)
+    first = offset if loss_tokens == "target" else 0
+    loss_mask[:, first: offset + H * W] = 1.0                                  # never the end slot
+    attention_mask = torch.cat([batch["attention_mask"], torch.ones_like(generated[:, :-1])], dim=1)
     return Rollout(
-        sequences=out.sequences, attention_mask=attention_mask,
-        position_ids=decode_position_ids(ar, inputs, num_generated), old_logp=old_logp, loss_mask=loss_mask,
-        target_tokens=generated[:, h * w: h * w + H * W], grid_hw=(H, W), prompt_len=prompt_len)
+        sequences=sequences, attention_mask=attention_mask,
+        position_ids=decode_position_ids(ar, batch, num_generated), old_logp=old_logp, loss_mask=loss_mask,
+        target_tokens=generated[:, offset: offset + H * W], grid_hw=(H, W), prompt_len=prompt_len,
+        source_prior=source_prior)
 
 
 # =============================================================================================
@@ -532,19 +606,25 @@ def group_noise(pipe, prompt_indices, group_size, height, width, seed, step, mod
 
 
 @torch.no_grad()
-def decode_images(pipe, prompts, target_tokens, grid_hw, noise, num_inference_steps, guidance_scale):
+def decode_images(pipe, prompts, rollout, noise, num_inference_steps, guidance_scale, sources=None):
     """Images [N, 3, H, W] in [0, 1] from the sampled target grids.
 
     The pipeline's own _upsample_token_ids doubles the 32-px token grid to the DiT's 16-px grid
     (nearest neighbour), and `prior_token_ids=` makes the pipeline skip its AR stage: it only runs
-    the glyph encoder, the DiT and the VAE. `prompts` has one entry per sample (the glyph encoder
-    reads quoted text in the prompt)."""
-    H, W = grid_hw
-    prior = torch.cat([pipe._upsample_token_ids(t, H, W) for t in target_tokens])   # [N, 4*H*W]
-    height, width = H * 32, W * 32
-    out = pipe(prompt=prompts, prior_token_ids=prior.to(pipe._execution_device), height=height, width=width,
-               latents=noise.to(pipe._execution_device, pipe.transformer.dtype),
-               num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, output_type="pt")
+    the glyph encoder, the DiT and the VAE. `prompts` (and i2i `sources`) have one entry per sample.
+    In i2i the pipeline VAE-encodes each source into the DiT's KV cache, conditioned on the
+    source's VQ ids (`prior_token_image_ids`, `source_image_grid_thw`)."""
+    H, W = rollout.grid_hw
+    device = pipe._execution_device
+    prior = torch.cat([pipe._upsample_token_ids(t, H, W) for t in rollout.target_tokens])   # [N, 4*H*W]
+    i2i = {}
+    if sources is not None:
+        i2i = {"image": [[s] for s in sources],
+               "prior_token_image_ids": [ids.to(device) for ids, _ in rollout.source_prior],
+               "source_image_grid_thw": [grid.to(device) for _, grid in rollout.source_prior]}
+    out = pipe(prompt=prompts, prior_token_ids=prior.to(device), height=H * 32, width=W * 32,
+               latents=noise.to(device, pipe.transformer.dtype), num_inference_steps=num_inference_steps,
+               guidance_scale=guidance_scale, output_type="pt", **i2i)
     return out.images.float().cpu()
 
 
@@ -708,24 +788,27 @@ def truncate_metrics(path, last_step):
     atomic_write_bytes(path, "".join(r + "\n" for r in rows).encode())
 
 
-def save_sample_grid(path, prompts, targets, images, rewards, group_size, scale=2):
-    """One row per prompt: target, then its G samples, each captioned with its reward.
-    Images are how one notices collapse or reward hacking long before the numbers do."""
-    size = targets.shape[-1] * scale, targets.shape[-2] * scale
-    caption_h = 14
-    cols = group_size + 1
-    sheet = Image.new("RGB", (cols * size[0], len(prompts) * (size[1] + 2 * caption_h)), "white")
-    draw = ImageDraw.Draw(sheet)
-    to_pil = lambda t: Image.fromarray((t.clamp(0, 1).permute(1, 2, 0).numpy() * 255).astype(np.uint8)).resize(size, Image.NEAREST)
+def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, scale=2):
+    """One row per prompt: (i2i: the source,) the target, then its G samples captioned with their
+    rewards. Images are how one notices collapse or reward hacking long before the numbers do."""
+    width, height = targets.shape[-1] * scale, targets.shape[-2] * scale
+    caption = 14
+    to_pil = lambda t: Image.fromarray((t.clamp(0, 1).permute(1, 2, 0).numpy() * 255).astype(np.uint8))
+    rows = []
     for row, prompt in enumerate(prompts):
-        y = row * (size[1] + 2 * caption_h)
-        draw.text((2, y), prompt[:60], fill="black")
-        sheet.paste(to_pil(targets[row]), (0, y + caption_h))
-        draw.text((2, y + caption_h + size[1]), "target", fill="black")
-        for g in range(group_size):
-            i = row * group_size + g
-            sheet.paste(to_pil(images[i]), ((g + 1) * size[0], y + caption_h))
-            draw.text(((g + 1) * size[0] + 2, y + caption_h + size[1]), f"{rewards[i].item():.4f}", fill="black")
+        cells = [(sources[row], "source")] if sources is not None else []
+        cells.append((to_pil(targets[row]), "target"))
+        cells += [(to_pil(images[i]), f"{rewards[i].item():.4f}")
+                  for i in range(row * group_size, (row + 1) * group_size)]
+        rows.append((prompt, cells))
+    sheet = Image.new("RGB", (len(rows[0][1]) * width, len(rows) * (height + 2 * caption)), "white")
+    draw = ImageDraw.Draw(sheet)
+    for r, (prompt, cells) in enumerate(rows):
+        y = r * (height + 2 * caption)
+        draw.text((2, y), prompt[:80], fill="black")
+        for c, (image, label) in enumerate(cells):
+            sheet.paste(image.resize((width, height), Image.NEAREST), (c * width, y + caption))
+            draw.text((c * width + 2, y + caption + height), label, fill="black")
     path.parent.mkdir(parents=True, exist_ok=True)
     sheet.save(path)
 
@@ -976,7 +1059,7 @@ def train(args):
     validate_args(args)
     out = prepare_out_dir(args)
     resolve_runtime(args)
-    items = read_prompts(args.prompts, args.height, args.width)
+    items = read_prompts(args.prompts, args.height, args.width, args.mode)
     ckpt_path = find_checkpoint(args.resume, out) if args.resume else None
     ckpt = read_checkpoint(ckpt_path) if ckpt_path else None
     if ckpt is not None:
@@ -1021,21 +1104,22 @@ def train(args):
             indices = prompts_for_step(len(items), args.prompts_per_step, step, args.seed)
             batch = [items[i] for i in indices]
             prompts = [it.text for it in batch]
+            sources = [it.source for it in batch] if args.mode == "i2i" else None
             # In bf16, generate's cached decode and a full teacher-forced pass differ by ~1e-2 per
             # token; then pi_old is taken from a no-grad teacher-forced pass instead, so that the
             # first-epoch ratio is exactly 1 and only real policy change moves it.
             exact_fp32 = args.dtype == "float32"
             rollout = sample_group(pipe, prompts, args.group_size, args.temperature, args.height, args.width,
-                                   args.loss_tokens, record_logp=exact_fp32)
+                                   args.loss_tokens, sources, record_logp=exact_fp32)
             if not exact_fp32:
                 with torch.no_grad():
                     rollout.old_logp = policy_logprobs(ar, rollout, args.temperature, suppressed)
             # ---- DECODE + REWARD ---------------------------------------------------------------
             noise = group_noise(pipe, indices, args.group_size, args.height, args.width, args.seed, step,
                                 args.dit_noise)
-            sample_prompts = [p for p in prompts for _ in range(args.group_size)]
-            images = decode_images(pipe, sample_prompts, rollout.target_tokens, rollout.grid_hw, noise,
-                                   args.num_inference_steps, args.guidance_scale)
+            per_sample = lambda xs: None if xs is None else [x for x in xs for _ in range(args.group_size)]
+            images = decode_images(pipe, per_sample(prompts), rollout, noise, args.num_inference_steps,
+                                   args.guidance_scale, per_sample(sources))
             targets = torch.stack([image_to_tensor(it.target) for it in batch])
             rewards = mse_reward(images, targets.repeat_interleave(args.group_size, 0))      # [N]
             # ---- ADVANTAGE ---------------------------------------------------------------------
@@ -1063,7 +1147,7 @@ def train(args):
                                  f"(try a lower --lr); last good checkpoint is in {out / 'checkpoints'}")
             if args.sample_every and step % args.sample_every == 0:
                 save_sample_grid(out / "samples" / f"step_{step:06d}.png", prompts, targets, images, rewards,
-                                 args.group_size)
+                                 args.group_size, sources)
             # ---- CHECKPOINT --------------------------------------------------------------------
             if step % args.save_every == 0 or step == args.steps:
                 save_checkpoint(out, step, ar, optimizer, args)
