@@ -544,3 +544,78 @@ def test_plan_of_the_real_model_needs_no_download():
                      "--group-size", "8", "--prompts-per-step", "1")
     assert result.returncode == 0, result.stderr
     assert "8 samples x 1345 tokens" in result.stdout and "| lora-64 | yes |" in result.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Image to image
+# ---------------------------------------------------------------------------------------------
+
+I2I = ["--mode", "i2i", "--group-size", "4", "--prompts-per-step", "2", "--sample-every", "1"]
+
+
+@pytest.fixture()
+def i2i_prompts(tmp_path):
+    path = tmp_path / "i2i.txt"
+    path.write_text("make the red circle blue\nturn the green square into a yellow one, please\n")
+    return path
+
+
+def test_i2i_recomputed_logprobs_match_sampling_logprobs(sharp_pipe):
+    ar = sharp_pipe.vision_language_encoder
+    red = g.draw_shape("circle", "red", "white", 64, 64)
+    green = g.draw_shape("square", "green", "black", 64, 64)
+    suppressed = g.image_token_suppression(ar, g.TINY_CODEBOOK)
+    for prompts, sources, group in [(["make it blue"], [red], 4),
+                                    (["blue", "make the green square a yellow triangle"], [red, green], 2)]:
+        torch.manual_seed(0)
+        rollout = g.sample_group(sharp_pipe, prompts, group, 0.9, 96, 64, "all", sources=sources)
+        n_source = 2 * 2                                        # a 64 px source: 2 x 2 tokens of 32 px
+        assert rollout.sequences.shape[1] - rollout.prompt_len == 3 * 2 + 1   # target grid + end, no preview
+        prompt_ids = rollout.sequences[:, :rollout.prompt_len]
+        assert not (prompt_ids == ar.config.image_token_id).any()            # placeholders hold VQ ids
+        assert ((prompt_ids < g.TINY_CODEBOOK) & (rollout.attention_mask[:, :rollout.prompt_len] == 1)).sum(1).eq(n_source).all()
+        with torch.no_grad():
+            recomputed = g.policy_logprobs(ar, rollout, 0.9, suppressed)
+            naive = g.token_logprobs(ar(input_ids=rollout.sequences[:, :-1], attention_mask=rollout.attention_mask,
+                                        logits_to_keep=recomputed.shape[1]).logits,
+                                     rollout.sequences[:, rollout.prompt_len:], 0.9, suppressed)
+        assert (recomputed - rollout.old_logp).abs().max() <= 1e-5
+        assert (naive - rollout.old_logp).abs().max() > 1.0
+    assert (rollout.attention_mask[:, 0] == 0).any()            # the second case is left-padded
+
+
+def test_i2i_cli_writes_metrics_samples_and_checkpoint(tmp_path, i2i_prompts):
+    out = tmp_path / "run"
+    result = run_cli("--prompts", str(i2i_prompts), "--steps", "2", "--out", str(out), *I2I)
+    assert result.returncode == 0, result.stderr
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["logp_diff_max"] <= 1e-5 for r in rows)
+    assert (out / "checkpoints" / "step_000002.pt").is_file()
+    from PIL import Image
+
+    sheet = Image.open(out / "samples" / "step_000002.png")
+    assert sheet.width == (1 + 1 + 4) * 128                  # source, target, G samples
+
+
+def test_i2i_resume_is_bit_identical(tmp_path, i2i_prompts):
+    common = ["--prompts", str(i2i_prompts), "--save-every", "2", *I2I]
+    g.main(["--steps", "4", "--out", str(tmp_path / "a"), *common])
+    g.main(["--steps", "2", "--out", str(tmp_path / "b"), *common])
+    g.main(["--steps", "4", "--out", str(tmp_path / "b"), "--resume", "latest", *common])
+    assert deterministic(read_metrics(tmp_path / "b")) == deterministic(read_metrics(tmp_path / "a"))
+
+
+@pytest.mark.parametrize("line, needle", [("make it blue | t.png | gone.png", "source image"),
+                                          ("make it blue | t.png | t.txt", "source"),
+                                          ("a cat", "--mode i2i needs")])
+def test_i2i_bad_source_gives_one_line_error(tmp_path, line, needle):
+    from PIL import Image
+
+    Image.new("RGB", (64, 64), "blue").save(tmp_path / "t.png")
+    (tmp_path / "t.txt").write_text("not an image")
+    (tmp_path / "p.txt").write_text(line + "\n")
+    result = run_cli("--mode", "i2i", "--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "run"))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert len(lines) == 1 and needle in lines[0], result.stderr
+    assert not (tmp_path / "run").exists()
