@@ -1055,6 +1055,26 @@ def prepare_out_dir(args):
     return out
 
 
+class StopAfterStep:
+    """The first Ctrl+C asks the loop to finish the current step and checkpoint it: a step
+    interrupted halfway (weights updated by some inner epochs, not all) is no state to resume
+    from. A second Ctrl+C stops at once."""
+
+    def __init__(self):
+        self.requested = False
+        self.previous = signal.signal(signal.SIGINT, self.request)
+
+    def request(self, *_):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\nCtrl+C: finishing this step and saving a checkpoint (Ctrl+C again to quit now)",
+              file=sys.stderr, flush=True)
+
+    def restore(self):
+        signal.signal(signal.SIGINT, self.previous)
+
+
 def train(args):
     validate_args(args)
     out = prepare_out_dir(args)
@@ -1095,7 +1115,8 @@ def train(args):
           f"trainable={sum(p.numel() for p in params) / 1e6:.2f}M params ({'LoRA r=%d' % args.lora_rank if args.lora_rank else 'full'}) "
           f"image={args.height}x{args.width} loss_tokens={args.loss_tokens} out={out}")
 
-    step, last_saved, bad_steps = start, start, 0
+    last_saved, bad_steps = start, 0
+    stop = StopAfterStep()
     try:
         for step in range(start + 1, args.steps + 1):
             t0 = time.time()
@@ -1149,18 +1170,18 @@ def train(args):
                 save_sample_grid(out / "samples" / f"step_{step:06d}.png", prompts, targets, images, rewards,
                                  args.group_size, sources)
             # ---- CHECKPOINT --------------------------------------------------------------------
-            if step % args.save_every == 0 or step == args.steps:
-                save_checkpoint(out, step, ar, optimizer, args)
+            if step % args.save_every == 0 or step == args.steps or stop.requested:
+                path = save_checkpoint(out, step, ar, optimizer, args)
                 last_saved = step
-    except KeyboardInterrupt:
-        completed = step if step > last_saved and "row" in locals() and row["step"] == step else step - 1
-        if completed > last_saved:
-            path = save_checkpoint(out, completed, ar, optimizer, args)
-            print(f"\ninterrupted: saved step {completed} to {path}; continue with --resume latest --out {out}",
-                  file=sys.stderr)
-        else:
-            print(f"\ninterrupted: last checkpoint (step {last_saved}) is in {out / 'checkpoints'}", file=sys.stderr)
+            if stop.requested:
+                print(f"interrupted: saved step {step} to {path}; continue with --resume latest --out {out}",
+                      file=sys.stderr)
+                sys.exit(130)
+    except KeyboardInterrupt:   # the second Ctrl+C: leave now, the last checkpoint is complete
+        print(f"\ninterrupted: last checkpoint is step {last_saved} in {out / 'checkpoints'}", file=sys.stderr)
         sys.exit(130)
+    finally:
+        stop.restore()
     if args.save_pipeline:
         save_trained_pipeline(pipe, args)
     return pipe

@@ -619,3 +619,21 @@ def test_i2i_bad_source_gives_one_line_error(tmp_path, line, needle):
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert len(lines) == 1 and needle in lines[0], result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_ctrl_c_saves_a_checkpoint_and_says_where(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(HERE / "grpo_glm.py"), "--steps", "50", "--out", str(out),
+                             "--save-every", "100", "--sample-every", "0", *SMALL[:4]],
+                            cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 2):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    saved = sorted((out / "checkpoints").glob("step_*.pt"))
+    assert len(saved) == 1 and str(saved[0]) in stderr and "Traceback" not in stderr
+    # the step under way when Ctrl+C came was finished, logged and saved: a consistent state
+    step = g.read_checkpoint(saved[0])["step"]
+    assert step >= 2 and [r["step"] for r in read_metrics(out)][-1] == step
