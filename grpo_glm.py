@@ -1,11 +1,11 @@
 """GRPO for GLM-Image, in one file.
 
     pip install -r requirements.txt
-    python grpo_glm.py --steps 10                        # tiny random GLM-Image, CPU, ~20 s
+    python grpo_glm.py --steps 10                        # tiny random GLM-Image, CPU, ~17 s
     python grpo_glm.py --steps 40 --out runs/demo        # long enough to see the reward rise
     python grpo_glm.py --resume latest --out runs/demo --steps 60
     python grpo_glm.py --model zai-org/GLM-Image --lora-rank 64 --height 512 --width 512
-    python grpo_glm.py --plan                            # memory plan of the real model, no GPU needed
+    python grpo_glm.py --plan --model zai-org/GLM-Image --height 1024 --width 1024   # memory plan, no GPU
 
 GLM-Image is a hybrid: an autoregressive (AR) transformer writes a grid of discrete image tokens,
 and a diffusion transformer (DiT) paints pixels conditioned on those tokens. We treat the AR
@@ -42,7 +42,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image, ImageDraw, UnidentifiedImageError
 
 CHECKPOINT_FORMAT = "grpo_glm-checkpoint-v1"
@@ -174,6 +173,7 @@ def resolve_runtime(args):
 # Its sizes keep the real structure: the AR's output vocabulary is the VQ codebook plus a few
 # special ids (real: 16384 + 128, image start = 16384, image end = 16385), the DiT's prior codebook
 # equals the VQ codebook, M-RoPE splits the rotary half-dims 1:1.5:1.5 ([8, 12, 12] in the real one).
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]   # the AR's Linears
 TINY_CODEBOOK = 64                       # real: 16384
 TINY_VISION_VOCAB = TINY_CODEBOOK + 16   # real: 16512 (codebook + 128 special ids)
 # A minimal stand-in chat template: the real processor ships its own, loaded by from_pretrained.
@@ -277,7 +277,7 @@ def load_pipeline(args):
     else:
         try:
             pipe = GlmImagePipeline.from_pretrained(args.model, dtype=dtype)
-        except (OSError, ValueError, TypeError) as e:
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
             raise UsageError(f"--model {args.model} could not be loaded as a GlmImagePipeline: {str(e).splitlines()[0]}")
         for name in ("vision_language_encoder", "text_encoder", "transformer", "vae"):
             getattr(pipe, name).eval()
@@ -287,8 +287,12 @@ def load_pipeline(args):
     pipe.processor.tokenizer.padding_side = "left"  # sampling code assumes prompts end at one column
     pipe.set_progress_bar_config(disable=True)      # the run prints its own progress, one line a step
     if args.offload:
-        # The AR is trained: it stays on the GPU so its parameters, gradients and AdamW state
-        # never move under the optimizer. diffusers offloads the frozen parts in between uses.
+        # diffusers' model offload hooks every component named in model_cpu_offload_seq and moves
+        # it to the GPU when called, back to the CPU when the next one runs. The AR is trained: it
+        # must stay on the GPU so its parameters, gradients and AdamW state never move under the
+        # optimizer. So it leaves the sequence and is excluded (diffusers then places it on the
+        # device once); the frozen glyph encoder, DiT and VAE take turns on the GPU.
+        pipe.model_cpu_offload_seq = "text_encoder->transformer->vae"
         pipe._exclude_from_cpu_offload = ["vision_language_encoder"]
         pipe.enable_model_cpu_offload(device=args.device)
     else:
@@ -926,9 +930,6 @@ def restore_checkpoint(ckpt, path, model, optimizer):
 GiB = 1024 ** 3
 
 
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]
-
-
 def real_glm_image_on_meta():
     """The real model's components, built on the meta device (shapes only, no memory, no download).
     GlmImageConfig() defaults are the real AR (hidden 4096, 40 layers, vision vocab 16512). The
@@ -1075,6 +1076,82 @@ class StopAfterStep:
         signal.signal(signal.SIGINT, self.previous)
 
 
+@dataclass
+class Trainer:
+    """What the loop carries from step to step."""
+    pipe: object                 # GlmImagePipeline; its vision_language_encoder is the policy
+    optimizer: torch.optim.Optimizer
+    params: list                 # the trainable parameters
+    reference: object            # frozen initial AR for the KL term (full fine-tuning, beta > 0), else None
+    suppressed: list             # ids outside the VQ codebook, never sampled inside a grid
+
+
+def grpo_step(trainer, items, indices, step, args):
+    """One GRPO step on the prompts `items[indices]`.
+    Returns (metrics row, rewards [N], images [N, 3, H, W], targets [P, 3, H, W], sources or None)."""
+    pipe, ar = trainer.pipe, trainer.pipe.vision_language_encoder
+    batch = [items[i] for i in indices]
+    prompts = [it.text for it in batch]
+    sources = [it.source for it in batch] if args.mode == "i2i" else None
+    per_sample = lambda xs: None if xs is None else [x for x in xs for _ in range(args.group_size)]
+    # ---- SAMPLE ----------------------------------------------------------------------------
+    ar.eval()
+    # In bf16, generate's cached decode and a full teacher-forced pass differ by ~1e-2 per token;
+    # pi_old then comes from a no-grad teacher-forced pass, so that the first-epoch ratio is
+    # exactly 1 and only a real policy change moves it. In fp32 the two agree to ~1e-6.
+    exact_fp32 = args.dtype == "float32"
+    rollout = sample_group(pipe, prompts, args.group_size, args.temperature, args.height, args.width,
+                           args.loss_tokens, sources, record_logp=exact_fp32)
+    if not exact_fp32:
+        with torch.no_grad():
+            rollout.old_logp = policy_logprobs(ar, rollout, args.temperature, trainer.suppressed)
+    # ---- DECODE + REWARD -------------------------------------------------------------------
+    noise = group_noise(pipe, indices, args.group_size, args.height, args.width, args.seed, step, args.dit_noise)
+    images = decode_images(pipe, per_sample(prompts), rollout, noise, args.num_inference_steps,
+                           args.guidance_scale, per_sample(sources))                      # [N, 3, H, W]
+    targets = torch.stack([image_to_tensor(it.target) for it in batch])                   # [P, 3, H, W]
+    rewards = mse_reward(images, targets.repeat_interleave(args.group_size, 0))            # [N]
+    # ---- ADVANTAGE -------------------------------------------------------------------------
+    advantages = group_advantages(rewards, args.group_size)                                # [N]
+    # ---- UPDATE ----------------------------------------------------------------------------
+    ref_logp = (reference_logprobs(ar, trainer.reference, rollout, args.temperature, trainer.suppressed)
+                if args.beta > 0 else None)
+    ar.train()
+    update = grpo_update(ar, trainer.optimizer, trainer.params, rollout, advantages, ref_logp, args,
+                         trainer.suppressed)
+    group_std = rewards.view(-1, args.group_size).std(dim=1)
+    row = {"step": step, "loss": update.get("loss", float("nan")),
+           "reward_mean": rewards.mean().item(), "reward_std": group_std.mean().item(),
+           "ratio_mean": update.get("ratio_mean", float("nan")), "clip_ratio": update.get("clip_ratio", 0.0),
+           "kl": update.get("kl", 0.0), "frac_reward_zero_std": (group_std == 0).float().mean().item(),
+           "grad_norm": update.get("grad_norm", float("nan")), "logp_diff_max": update["logp_diff_max"],
+           "skipped_updates": update["skipped_updates"]}
+    return row, rewards, images, targets, sources
+
+
+def setup_training(args, ckpt=None, ckpt_path=None):
+    """Loads the model, marks what trains, builds AdamW, restores a checkpoint. Returns (Trainer, start step)."""
+    pipe = load_pipeline(args)
+    # Seeded after loading, so the sampling stream is the same however the model was made
+    # (building the tiny model draws from the RNG, from_pretrained does not).
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    ar = pipe.vision_language_encoder
+    suppressed = image_token_suppression(ar, pipe.transformer.config.prior_vq_quantizer_codebook_size)
+    # For full fine-tuning with beta > 0, the KL reference is a frozen copy of the initial AR
+    # (fine for the tiny model; at 9B use LoRA, whose reference is the base with adapters off).
+    reference = copy.deepcopy(ar).requires_grad_(False) if args.beta > 0 and not args.lora_rank else None
+    params = prepare_policy(ar, args)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    start = 0
+    if ckpt is not None:
+        restore_checkpoint(ckpt, ckpt_path, ar, optimizer)
+        start = ckpt["step"]
+        print(f"Resuming from step {start} ({ckpt_path})")
+    return Trainer(pipe, optimizer, params, reference, suppressed), start
+
+
 def train(args):
     validate_args(args)
     out = prepare_out_dir(args)
@@ -1087,91 +1164,40 @@ def train(args):
         if differences and not args.resume_force:
             raise UsageError(f"--resume {ckpt_path}: flags differ from the checkpoint's: {'; '.join(differences)} "
                              "(add --resume-force to accept)")
-
-    pipe = load_pipeline(args)
-    # Seeded after loading, so the sampling stream is the same however the model was made
-    # (building the tiny model draws from the RNG, from_pretrained does not).
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    ar = pipe.vision_language_encoder
-    codebook = pipe.transformer.config.prior_vq_quantizer_codebook_size
-    suppressed = image_token_suppression(ar, codebook)
-    # For full fine-tuning with beta > 0, the KL reference is a frozen copy of the initial AR
-    # (fine for the tiny model; at 9B use LoRA, whose reference is the base with adapters off).
-    reference = copy.deepcopy(ar).requires_grad_(False) if args.beta > 0 and not args.lora_rank else None
-    params = prepare_policy(ar, args)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    start = 0
-    if ckpt is not None:
-        restore_checkpoint(ckpt, ckpt_path, ar, optimizer)
-        start = ckpt["step"]
-        print(f"Resuming from step {start} ({ckpt_path})")
+    trainer, start = setup_training(args, ckpt, ckpt_path)
+    ar = trainer.pipe.vision_language_encoder
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
     truncate_metrics(metrics_path, start)
-    print(f"running with: model={args.model} device={args.device} dtype={args.dtype} "
-          f"batch={args.prompts_per_step}x{args.group_size} mu={args.inner_epochs} lr={args.lr} "
-          f"trainable={sum(p.numel() for p in params) / 1e6:.2f}M params ({'LoRA r=%d' % args.lora_rank if args.lora_rank else 'full'}) "
-          f"image={args.height}x{args.width} loss_tokens={args.loss_tokens} out={out}")
+    trainable = sum(p.numel() for p in trainer.params) / 1e6
+    print(f"running with: mode={args.mode} model={args.model} device={args.device} dtype={args.dtype} "
+          f"offload={args.offload} batch={args.prompts_per_step}x{args.group_size} mu={args.inner_epochs} "
+          f"lr={args.lr} trainable={trainable:.2f}M ({f'LoRA r={args.lora_rank}' if args.lora_rank else 'full'}) "
+          f"image={args.height}x{args.width} loss_tokens={args.loss_tokens} dit_noise={args.dit_noise} out={out}")
 
     last_saved, bad_steps = start, 0
     stop = StopAfterStep()
     try:
         for step in range(start + 1, args.steps + 1):
             t0 = time.time()
-            ar.eval()
-            # ---- SAMPLE ------------------------------------------------------------------------
             indices = prompts_for_step(len(items), args.prompts_per_step, step, args.seed)
-            batch = [items[i] for i in indices]
-            prompts = [it.text for it in batch]
-            sources = [it.source for it in batch] if args.mode == "i2i" else None
-            # In bf16, generate's cached decode and a full teacher-forced pass differ by ~1e-2 per
-            # token; then pi_old is taken from a no-grad teacher-forced pass instead, so that the
-            # first-epoch ratio is exactly 1 and only real policy change moves it.
-            exact_fp32 = args.dtype == "float32"
-            rollout = sample_group(pipe, prompts, args.group_size, args.temperature, args.height, args.width,
-                                   args.loss_tokens, sources, record_logp=exact_fp32)
-            if not exact_fp32:
-                with torch.no_grad():
-                    rollout.old_logp = policy_logprobs(ar, rollout, args.temperature, suppressed)
-            # ---- DECODE + REWARD ---------------------------------------------------------------
-            noise = group_noise(pipe, indices, args.group_size, args.height, args.width, args.seed, step,
-                                args.dit_noise)
-            per_sample = lambda xs: None if xs is None else [x for x in xs for _ in range(args.group_size)]
-            images = decode_images(pipe, per_sample(prompts), rollout, noise, args.num_inference_steps,
-                                   args.guidance_scale, per_sample(sources))
-            targets = torch.stack([image_to_tensor(it.target) for it in batch])
-            rewards = mse_reward(images, targets.repeat_interleave(args.group_size, 0))      # [N]
-            # ---- ADVANTAGE ---------------------------------------------------------------------
-            advantages = group_advantages(rewards, args.group_size)                          # [N]
-            # ---- UPDATE ------------------------------------------------------------------------
-            ref_logp = (reference_logprobs(ar, reference, rollout, args.temperature, suppressed)
-                        if args.beta > 0 else None)
-            ar.train()
-            update = grpo_update(ar, optimizer, params, rollout, advantages, ref_logp, args, suppressed)
-            # ---- LOG ---------------------------------------------------------------------------
-            group_std = rewards.view(-1, args.group_size).std(dim=1)
-            row = {"step": step, "loss": update.get("loss", float("nan")),
-                   "reward_mean": rewards.mean().item(), "reward_std": group_std.mean().item(),
-                   "ratio_mean": update.get("ratio_mean", float("nan")), "clip_ratio": update.get("clip_ratio", 0.0),
-                   "kl": update.get("kl", 0.0), "frac_reward_zero_std": (group_std == 0).float().mean().item(),
-                   "grad_norm": update.get("grad_norm", float("nan")), "logp_diff_max": update["logp_diff_max"],
-                   "skipped_updates": update["skipped_updates"], "seconds": round(time.time() - t0, 3)}
+            row, rewards, images, targets, sources = grpo_step(trainer, items, indices, step, args)
+            # ---- LOG -------------------------------------------------------------------------
+            row["seconds"] = round(time.time() - t0, 3)
             append_metrics(metrics_path, row)
             print(f"step {step:4d}/{args.steps} | loss {row['loss']:+.4f} | reward {row['reward_mean']:.5f} "
                   f"± {row['reward_std']:.5f} | ratio {row['ratio_mean']:.4f} | clip {row['clip_ratio']:.3f} "
                   f"| kl {row['kl']:.2e} | {row['seconds']:.2f}s", flush=True)
-            bad_steps = bad_steps + 1 if update["skipped_updates"] == args.inner_epochs else 0
+            bad_steps = bad_steps + 1 if row["skipped_updates"] == args.inner_epochs else 0
             if bad_steps >= 5:
                 raise UsageError(f"stopping: loss or gradients were non-finite for {bad_steps} steps in a row "
                                  f"(try a lower --lr); last good checkpoint is in {out / 'checkpoints'}")
             if args.sample_every and step % args.sample_every == 0:
-                save_sample_grid(out / "samples" / f"step_{step:06d}.png", prompts, targets, images, rewards,
-                                 args.group_size, sources)
-            # ---- CHECKPOINT --------------------------------------------------------------------
+                save_sample_grid(out / "samples" / f"step_{step:06d}.png", [items[i].text for i in indices],
+                                 targets, images, rewards, args.group_size, sources)
+            # ---- CHECKPOINT ------------------------------------------------------------------
             if step % args.save_every == 0 or step == args.steps or stop.requested:
-                path = save_checkpoint(out, step, ar, optimizer, args)
+                path = save_checkpoint(out, step, ar, trainer.optimizer, args)
                 last_saved = step
             if stop.requested:
                 print(f"interrupted: saved step {step} to {path}; continue with --resume latest --out {out}",
@@ -1183,8 +1209,8 @@ def train(args):
     finally:
         stop.restore()
     if args.save_pipeline:
-        save_trained_pipeline(pipe, args)
-    return pipe
+        save_trained_pipeline(trainer.pipe, args)
+    return trainer.pipe
 
 
 def save_trained_pipeline(pipe, args):

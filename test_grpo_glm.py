@@ -637,3 +637,26 @@ def test_ctrl_c_saves_a_checkpoint_and_says_where(tmp_path):
     # the step under way when Ctrl+C came was finished, logged and saved: a consistent state
     step = g.read_checkpoint(saved[0])["step"]
     assert step >= 2 and [r["step"] for r in read_metrics(out)][-1] == step
+
+
+def test_offload_hooks_only_the_frozen_parts_and_keep_training_exact():
+    """diffusers' model offload runs here on the CPU as its own execution device: that exercises
+    the hook placement and the order of work in a step (generate -> DiT decode -> AR
+    forward/backward -> optimizer step) under the hooks; only the CUDA transfers are not."""
+    rows = {}
+    for offload in (False, True):
+        args = g.resolve_runtime(g.parse_args(["--group-size", "4", "--prompts-per-step", "2", "--lora-rank", "4",
+                                               "--beta", "0.1"]))
+        args.offload = offload
+        trainer, _ = g.setup_training(args)
+        pipe = trainer.pipe
+        if offload:
+            assert all(hasattr(getattr(pipe, n), "_hf_hook") for n in ("text_encoder", "transformer", "vae"))
+            assert not hasattr(pipe.vision_language_encoder, "_hf_hook")
+        items = g.read_prompts(HERE / "prompts.txt", 64, 64)
+        rows[offload] = [g.grpo_step(trainer, items, [0, 1], step, args)[0] for step in (1, 2)]
+        ar_device = next(pipe.vision_language_encoder.parameters()).device
+        assert all(p.device == ar_device for p in trainer.params)
+        assert all(s.device == ar_device for state in trainer.optimizer.state.values() for s in state.values()
+                   if torch.is_tensor(s) and s.ndim)
+    assert rows[True] == rows[False]
