@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -201,7 +202,8 @@ def test_group_noise_is_shared_within_a_group(sharp_pipe):
 def test_decode_depends_on_tokens_not_only_noise(sharp_pipe):
     noise = g.group_noise(sharp_pipe, [0], 2, 64, 64, 0, 1, "per-prompt")
     tokens = torch.tensor([[1, 2, 3, 4], [9, 9, 9, 9]])
-    images = g.decode_images(sharp_pipe, ["x", "x"], tokens, (2, 2), noise, 2, 1.0)
+    grids = SimpleNamespace(target_tokens=tokens, grid_hw=(2, 2), source_prior=None)   # the Rollout fields decode reads
+    images = g.decode_images(sharp_pipe, ["x", "x"], grids, noise, 2, 1.0)
     assert images.shape == (2, 3, 64, 64) and images.min() >= 0 and images.max() <= 1
     assert (images[0] - images[1]).abs().mean() > 1e-3
 
