@@ -309,6 +309,11 @@ def prepare_policy(ar, args):
         ar.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
                                   target_modules=LORA_TARGETS,
                                   exclude_modules=r".*visual.*|.*vqmodel.*"))
+        # Adapters train in fp32 even on a bf16 base (as peft's get_peft_model does): bf16 weights
+        # would round AdamW's small updates away. peft casts the adapter's input to match.
+        for p in ar.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
     else:
         # The vision encoder and VQ tokenizer only read source images; keep them frozen.
         ar.requires_grad_(True)

@@ -480,9 +480,13 @@ def test_saved_pipeline_loads_and_carries_the_training(tmp_path):
     assert (logits["loaded"] - logits["base"]).abs().max() > 1e-3
 
 
-def test_bf16_runs_end_to_end(tmp_path):
-    g.main(["--steps", "2", "--out", str(tmp_path / "bf16"), "--dtype", "bfloat16", "--inner-epochs", "1",
-            "--group-size", "2", "--prompts-per-step", "1", "--sample-every", "0"])
+@pytest.mark.parametrize("lora", ["0", "2"])
+def test_bf16_runs_end_to_end(tmp_path, lora):
+    pipe = g.main(["--steps", "2", "--out", str(tmp_path / "bf16"), "--dtype", "bfloat16", "--inner-epochs", "1",
+                   "--group-size", "2", "--prompts-per-step", "1", "--sample-every", "0", "--lora-rank", lora])
+    trainable = [p for p in pipe.vision_language_encoder.parameters() if p.requires_grad]
+    assert {p.dtype for p in trainable} == ({torch.float32} if lora != "0" else {torch.bfloat16})
+    assert pipe.transformer.dtype == torch.bfloat16
     rows = read_metrics(tmp_path / "bf16")
     assert len(rows) == 2 and all(r["skipped_updates"] == 0 for r in rows)
     # old log-probs come from a teacher-forced pass in bf16, so the first-pass ratio is still 1
