@@ -754,13 +754,16 @@ def grpo_update(ar, optimizer, params, rollout, advantages, ref_logp, args, supp
     """mu = --inner-epochs optimiser steps on one batch. On the first pass the policy still equals
     pi_old, so ratio = 1 exactly and the clip cannot act; only from the second pass on, when the
     weights have moved, does clipping limit how far one batch pushes the policy (with mu = 1 it
-    is dead code, as in several public GRPO scripts). Returns averaged metrics."""
-    totals, skipped = {}, 0
+    is dead code, as in several public GRPO scripts).
+    Returns the metrics averaged over the passes that updated, plus `logp_diff_max` (first pass,
+    max |logp - old_logp| over loss tokens: a live check of the bookkeeping, ~1e-6 in fp32) and
+    `skipped_updates` (passes whose loss or gradient was not finite)."""
+    done, skipped, logp_diff_max = [], 0, float("nan")
     advantages = advantages.to(rollout.old_logp.device)
     for epoch in range(args.inner_epochs):
         logp = policy_logprobs(ar, rollout, args.temperature, suppressed)
-        if epoch == 0:  # live check of the log-prob bookkeeping: should be ~1e-6 in fp32
-            totals["logp_diff_max"] = ((logp - rollout.old_logp).abs() * rollout.loss_mask).max().item()
+        if epoch == 0:
+            logp_diff_max = ((logp - rollout.old_logp).abs() * rollout.loss_mask).max().item()
         loss, metrics = grpo_loss(logp, rollout.old_logp, advantages, rollout.loss_mask, args.clip_eps,
                                   args.beta, ref_logp)
         optimizer.zero_grad(set_to_none=True)
@@ -771,11 +774,9 @@ def grpo_update(ar, optimizer, params, rollout, advantages, ref_logp, args, supp
             optimizer.zero_grad(set_to_none=True)
             continue
         optimizer.step()
-        metrics.update(loss=loss.item(), grad_norm=grad_norm.item())
-        for key, value in metrics.items():
-            totals[key] = totals.get(key, 0.0) + value / args.inner_epochs
-    totals["skipped_updates"] = skipped
-    return totals
+        done.append({**metrics, "loss": loss.item(), "grad_norm": grad_norm.item()})
+    averaged = {key: sum(m[key] for m in done) / len(done) for key in done[0]} if done else {}
+    return {**averaged, "logp_diff_max": logp_diff_max, "skipped_updates": skipped}
 
 
 # =============================================================================================
