@@ -29,6 +29,7 @@ copy them out freely.
 
 import argparse
 import copy
+import io
 import json
 import math
 import os
@@ -867,24 +868,22 @@ def trainable_state(model):
 
 
 def save_checkpoint(out_dir, step, model, optimizer, args):
-    """Writes <out>/checkpoints/step_NNNNNN.pt atomically. Ctrl+C is held back while writing."""
+    """Writes <out>/checkpoints/step_NNNNNN.pt atomically. A Ctrl+C during the write is held
+    back and re-raised once the file is complete."""
     path = out_dir / "checkpoints" / f"step_{step:06d}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": CHECKPOINT_FORMAT, "step": step, "trainable": trainable_state(model),
                "optimizer": optimizer.state_dict(), "rng": rng_state(), "args": vars(args)}
-    tmp = path.with_name(path.name + ".tmp")
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
     interrupted = []
     previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
     try:
-        with open(tmp, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write_bytes(path, buffer.getvalue())
     finally:
         signal.signal(signal.SIGINT, previous)
     if interrupted:
-        raise KeyboardInterrupt
+        signal.raise_signal(signal.SIGINT)   # now handled as usual (see StopAfterStep)
     return path
 
 

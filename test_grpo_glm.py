@@ -666,3 +666,26 @@ def test_offload_hooks_only_the_frozen_parts_and_keep_training_exact():
         assert all(s.device == ar_device for state in trainer.optimizer.state.values() for s in state.values()
                    if torch.is_tensor(s) and s.ndim)
     assert rows[True] == rows[False]
+
+
+def test_ctrl_c_during_a_checkpoint_write_is_held_until_the_file_is_complete(tmp_path, monkeypatch):
+    args = g.resolve_runtime(g.parse_args([]))
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    real_write = g.atomic_write_bytes
+    seen = []
+
+    def write_interrupted(path, data):
+        signal.raise_signal(signal.SIGINT)          # Ctrl+C arrives mid-write
+        seen.append(("write finished", path.exists()))
+        real_write(path, data)
+
+    monkeypatch.setattr(g, "atomic_write_bytes", write_interrupted)
+    previous = signal.signal(signal.SIGINT, lambda *_: seen.append(("handled", path.exists())))
+    try:
+        path = tmp_path / "checkpoints" / "step_000007.pt"
+        g.save_checkpoint(tmp_path, 7, model, optimizer, args)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert seen == [("write finished", False), ("handled", True)]   # the signal came after the rename
+    assert g.read_checkpoint(path)["step"] == 7
