@@ -689,3 +689,13 @@ def test_ctrl_c_during_a_checkpoint_write_is_held_until_the_file_is_complete(tmp
         signal.signal(signal.SIGINT, previous)
     assert seen == [("write finished", False), ("handled", True)]   # the signal came after the rename
     assert g.read_checkpoint(path)["step"] == 7
+
+
+def test_special_ids_are_never_sampled_inside_a_grid(sharp_pipe):
+    """At T = 5 the softmax is nearly flat over all 80 output ids, 16 of them past the codebook
+    (image start/end, ...): unmasked, ~1000 sampled tokens would hold ~200 of them."""
+    torch.manual_seed(0)
+    rollout = g.sample_group(sharp_pipe, ["a red circle"], 4, 5.0, 64, 64, "all")
+    generated = rollout.sequences[:, rollout.prompt_len:]
+    assert generated.numel() > 1000 and (generated < g.TINY_CODEBOOK).all()
+    assert torch.isfinite(rollout.old_logp).all()
