@@ -500,9 +500,10 @@ def generation_layout(pipe, inputs, is_t2i):
 
 def encode_sources(pipe, inputs, group_size):
     """i2i: the vision encoder + VQ run once per prompt (not per sample, not per epoch).
-    Returns the features repeated for the group, as generate(mm_encoder_outputs=) takes them (one
-    [C, h, w] entry per batch row), and per prompt the DiT's condition: the source's VQ ids
-    upsampled 2x like the pipeline's generate_prior_tokens, with their grid.
+    Returns, per sample (each prompt's entry repeated G times): the features as
+    generate(mm_encoder_outputs=) takes them (one [C, h, w] entry per batch row), the source's VQ
+    ids (flat), and the DiT's condition: those ids upsampled 2x like the pipeline's
+    generate_prior_tokens does, with their grid.
     (generate_prior_tokens itself torch.cat's the feature list before get_image_tokens, which then
     fails in diffusers 0.42.1; we pass the list.)"""
     ar = pipe.vision_language_encoder
@@ -511,8 +512,8 @@ def encode_sources(pipe, inputs, group_size):
     ids = torch.split(ar.get_image_tokens(features), grids.prod(-1).tolist())
     prior = [(pipe._upsample_token_ids(t, h, w).squeeze(0), torch.tensor([[1, 2 * h, 2 * w]]))
              for t, (_, h, w) in zip(ids, grids.tolist())]
-    repeated = [f for f in features for _ in range(group_size)]
-    return repeated, [p for p in prior for _ in range(group_size)]
+    per_sample = lambda xs: [x for x in xs for _ in range(group_size)]
+    return per_sample(features), torch.cat(per_sample(ids)), per_sample(prior)
 
 
 def image_token_suppression(ar, codebook_size):
@@ -556,7 +557,7 @@ def sample_group(pipe, prompts, group_size, temperature, height, width, loss_tok
     batch = repeat_samples(inputs, group_size)
     source_prior, extra = None, {}
     if not is_t2i:
-        features, source_prior = encode_sources(pipe, inputs, group_size)
+        features, vq_ids, source_prior = encode_sources(pipe, inputs, group_size)
         extra["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=features)}
     num_generated, offset, (H, W) = generation_layout(pipe, inputs, is_t2i)
     generation_config = GenerationConfig(
@@ -570,8 +571,7 @@ def sample_group(pipe, prompts, group_size, temperature, height, width, loss_tok
     if not is_t2i:
         # generate swapped the <|image|> placeholders for the source's VQ ids only inside its
         # forward; writing them into the ids lets every later pass skip the vision encoder.
-        vq_ids = ar.get_image_tokens(features).to(sequences.device)
-        sequences = sequences.masked_scatter(sequences == ar.config.image_token_id, vq_ids)
+        sequences = sequences.masked_scatter(sequences == ar.config.image_token_id, vq_ids.to(sequences.device))
     prompt_len = batch["input_ids"].shape[1]
     generated = sequences[:, prompt_len:]                                     # [N, L]
     old_logp = None
