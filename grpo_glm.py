@@ -280,8 +280,6 @@ def load_pipeline(args):
             pipe = GlmImagePipeline.from_pretrained(args.model, dtype=dtype)
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
             raise UsageError(f"--model {args.model} could not be loaded as a GlmImagePipeline: {str(e).splitlines()[0]}")
-        for name in ("vision_language_encoder", "text_encoder", "transformer", "vae"):
-            getattr(pipe, name).eval()
     # Only the AR is trained; the DiT, VAE and glyph encoder are frozen renderers here.
     for name in ("text_encoder", "transformer", "vae"):
         getattr(pipe, name).requires_grad_(False)
