@@ -1119,7 +1119,8 @@ def grpo_step(trainer, items, indices, step, args):
     # ---- UPDATE ----------------------------------------------------------------------------
     ref_logp = (reference_logprobs(ar, trainer.reference, rollout, args.temperature, trainer.suppressed)
                 if args.beta > 0 else None)
-    ar.train()
+    ar.train()   # only switches gradient checkpointing on: GLM-Image's AR has no dropout, so the
+                 # first pass still reproduces pi_old exactly
     update = grpo_update(ar, trainer.optimizer, trainer.params, rollout, advantages, ref_logp, args,
                          trainer.suppressed)
     group_std = rewards.view(-1, args.group_size).std(dim=1)
