@@ -488,6 +488,11 @@ def repeat_samples(inputs, group_size):
     }
 
 
+def repeat_each(items, group_size):
+    """[a, b] -> [a x G, b x G]: per-prompt things laid out like the batch rows."""
+    return [x for x in items for _ in range(group_size)]
+
+
 def generation_layout(pipe, inputs, is_t2i):
     """(tokens to generate, offset of the target grid among them, (H, W)), from the pipeline's
     own GlmImagePipeline._compute_generation_params on the first sample's grids."""
@@ -510,8 +515,7 @@ def encode_sources(pipe, inputs, group_size):
     ids = torch.split(ar.get_image_tokens(features), grids.prod(-1).tolist())
     prior = [(pipe._upsample_token_ids(t, h, w).squeeze(0), torch.tensor([[1, 2 * h, 2 * w]]))
              for t, (_, h, w) in zip(ids, grids.tolist())]
-    per_sample = lambda xs: [x for x in xs for _ in range(group_size)]
-    return per_sample(features), torch.cat(per_sample(ids)), per_sample(prior)
+    return repeat_each(features, group_size), torch.cat(repeat_each(ids, group_size)), repeat_each(prior, group_size)
 
 
 def image_token_suppression(ar, codebook_size):
@@ -982,7 +986,8 @@ def lora_parameter_count(ar, rank):
 
 
 def generated_tokens(height, width):
-    """Tokens the AR writes for one t2i image: ~16x16 preview + (H/32)x(W/32) grid + 1 end slot."""
+    """Tokens the AR writes for one t2i image: ~16x16 preview + (H/32)x(W/32) grid + 1 end slot
+    (the preview size as GlmImageProcessor._get_target_shape computes it)."""
     ratio = (height // 32) / (width // 32)
     preview = int(math.sqrt(ratio) * 16) * int(math.sqrt(1 / ratio) * 16)
     return preview + (height // 32) * (width // 32) + 1
@@ -1096,7 +1101,6 @@ def grpo_step(trainer, items, indices, step, args):
     batch = [items[i] for i in indices]
     prompts = [it.text for it in batch]
     sources = [it.source for it in batch] if args.mode == "i2i" else None
-    per_sample = lambda xs: None if xs is None else [x for x in xs for _ in range(args.group_size)]
     # ---- SAMPLE ----------------------------------------------------------------------------
     ar.eval()
     # In bf16, generate's cached decode and a full teacher-forced pass differ by ~1e-2 per token;
@@ -1110,8 +1114,8 @@ def grpo_step(trainer, items, indices, step, args):
             rollout.old_logp = policy_logprobs(ar, rollout, args.temperature, trainer.suppressed)
     # ---- DECODE + REWARD -------------------------------------------------------------------
     noise = group_noise(pipe, indices, args.group_size, args.height, args.width, args.seed, step, args.dit_noise)
-    images = decode_images(pipe, per_sample(prompts), rollout, noise, args.num_inference_steps,
-                           args.guidance_scale, per_sample(sources))                      # [N, 3, H, W]
+    images = decode_images(pipe, repeat_each(prompts, args.group_size), rollout, noise, args.num_inference_steps,
+                           args.guidance_scale, sources and repeat_each(sources, args.group_size))  # [N, 3, H, W]
     targets = torch.stack([image_to_tensor(it.target) for it in batch])                   # [P, 3, H, W]
     rewards = mse_reward(images, targets.repeat_interleave(args.group_size, 0))            # [N]
     # ---- ADVANTAGE -------------------------------------------------------------------------
