@@ -29,6 +29,8 @@ copy them out freely.
 
 import argparse
 import copy
+import importlib
+import importlib.util
 import io
 import json
 import math
@@ -62,6 +64,7 @@ ALGORITHM_FLAGS = (
     "mode", "model", "prompts", "seed", "group_size", "prompts_per_step", "inner_epochs", "lr",
     "max_grad_norm", "clip_eps", "beta", "temperature", "height", "width", "num_inference_steps",
     "guidance_scale", "dit_noise", "loss_tokens", "lora_rank", "lora_alpha", "dtype",
+    "reward", "weight_decay", "lr_scheduler", "lr_warmup_steps",
 )
 
 
@@ -78,6 +81,9 @@ def parse_args(argv=None):
     a("--prompts", default="prompts.txt", help="Prompt file: one prompt per line, optionally '| target.png' "
       "after it (i2i: '| target.png | source.png'); '#' starts a comment. Without paths, the demo images are "
       "drawn from the prompt's colour/shape words.")
+    a("--reward", action="append", metavar="SPEC", help="A reward: 'mse' (-MSE to the target image), "
+      "'module:function' or 'path/to/file.py:function', optionally '=WEIGHT'. Repeat it for a weighted sum "
+      "(see section 6 and the README for the signature). Default: mse.")
     a("--out", default="runs/grpo_glm", help="Directory for metrics.jsonl, samples/ and checkpoints/.")
     a("--steps", type=int, default=10, help="Number of GRPO steps to run (in total, counting resumed ones).")
     a("--seed", type=int, default=0, help="Seed for the tiny model, the prompt order, sampling and DiT noise.")
@@ -87,6 +93,10 @@ def parse_args(argv=None):
       "is always 1 and clipping never acts.")
     a("--lr", type=float, default=1e-2, help="AdamW learning rate (the default suits the tiny model; "
       "use ~1e-5 for the real one).")
+    a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="Learning-rate "
+      "schedule over --steps GRPO steps (diffusers' get_scheduler; one scheduler step per GRPO step).")
+    a("--lr-warmup-steps", type=int, default=0, help="GRPO steps of linear warm-up from 0 to --lr.")
+    a("--weight-decay", type=float, default=0.0, help="AdamW's decoupled weight decay.")
     a("--max-grad-norm", type=float, default=1.0, help="Clip the global gradient norm to this value.")
     a("--clip-eps", type=float, default=0.2, help="epsilon of the PPO clip: ratio is kept within [1-eps, 1+eps].")
     a("--beta", type=float, default=0.0, help="Weight of the k3 KL penalty towards the initial model (0 = none, "
@@ -111,7 +121,11 @@ def parse_args(argv=None):
     a("--offload", action=argparse.BooleanOptionalAction, default=None, help="Offload the frozen DiT, VAE "
       "and text encoder to CPU between uses (default: on with CUDA; needs an accelerator).")
     a("--save-every", type=int, default=10, help="Write a checkpoint every N steps (and always at the end).")
+    a("--checkpoints-total-limit", type=int, default=None, help="Keep only the newest K step checkpoints "
+      "(default: keep all).")
     a("--sample-every", type=int, default=5, help="Save a PNG of the current samples every N steps (0 = never).")
+    a("--report-to", choices=["none", "tensorboard", "wandb"], default="none", help="Also log metrics, "
+      "sample sheets and flags to TensorBoard (<out>/logs) or Weights & Biases (works with WANDB_MODE=offline).")
     a("--resume", default=None, help="Checkpoint file to continue from, or 'latest' for the newest in --out.")
     a("--resume-force", action="store_true", help="Resume even if algorithm flags differ from the checkpoint's.")
     a("--save-pipeline", default=None, help="After training, write the whole pipeline (LoRA merged) to this "
@@ -119,7 +133,9 @@ def parse_args(argv=None):
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
     a("--plan", action="store_true", help="Print the memory plan of --model for --height x --width and the "
       "batch size, and exit (a hub id uses the real sizes, nothing is downloaded).")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.reward = args.reward or ["mse"]
+    return args
 
 
 def validate_args(args):
@@ -137,8 +153,13 @@ def validate_args(args):
     for flag, value in {"--height": args.height, "--width": args.width}.items():
         if value < 32 or value % 32:
             raise UsageError(f"{flag} must be a positive multiple of 32 (GLM-Image works on 32-pixel tokens), got {value}")
-    if args.beta < 0 or args.sample_every < 0 or args.lora_rank < 0:
-        raise UsageError("--beta, --sample-every and --lora-rank must not be negative")
+    if min(args.beta, args.sample_every, args.lora_rank, args.weight_decay, args.lr_warmup_steps) < 0:
+        raise UsageError("--beta, --sample-every, --lora-rank, --weight-decay and --lr-warmup-steps must not be negative")
+    if args.checkpoints_total_limit is not None and args.checkpoints_total_limit < 1:
+        raise UsageError(f"--checkpoints-total-limit must be at least 1, got {args.checkpoints_total_limit}")
+    tracker_package = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(args.report_to)
+    if tracker_package and importlib.util.find_spec(tracker_package) is None:
+        raise UsageError(f"--report-to {args.report_to} needs the '{tracker_package}' package: pip install {tracker_package}")
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise UsageError(f"--out {args.out} exists and is not a directory")
     if args.model != TINY and not looks_like_hub_id(args.model) and not (Path(args.model) / "model_index.json").is_file():
@@ -334,14 +355,15 @@ SHAPES = ("circle", "square", "triangle")
 @dataclass
 class PromptItem:
     text: str
-    target: Image.Image          # RGB, --width x --height
+    target: Image.Image          # RGB, --width x --height; None when no reward uses targets and none is given
     source: Image.Image = None   # i2i only: the image to edit, RGB, --width x --height
 
 
-def read_prompts(path, height, width, mode="t2i"):
+def read_prompts(path, height, width, mode="t2i", need_targets=True):
     """Parses the prompt file. Line format: `prompt`, `prompt | target.png`, and in i2i
     `prompt | target.png | source.png` (paths relative to the prompt file). Blank lines and '#'
-    comments are skipped. Images of another size are resized to --width x --height; i2i sources
+    comments are skipped. With need_targets=False (no reward reads targets) a missing target is
+    left None instead of drawn from the prompt's words. Images of another size are resized to --width x --height; i2i sources
     too, which keeps them multiples of 32 px and lets a whole group decode in one call."""
     path = Path(path)
     if not path.is_file():
@@ -360,8 +382,8 @@ def read_prompts(path, height, width, mode="t2i"):
         resized |= any(im is not None and im.size != (width, height) for im in images)
         target, source = (im.resize((width, height), Image.BICUBIC) if im else None for im in images)
         if mode == "t2i":
-            target = target or draw_demo_image(text, height, width, where)
-        elif target is None or source is None:
+            target = target or (draw_demo_image(text, height, width, where) if need_targets else None)
+        elif source is None or (target is None and need_targets):
             drawn_source, drawn_target = draw_demo_edit(text, height, width, where)
             target, source = target or drawn_target, source or drawn_source
         items.append(PromptItem(text, target, source))
@@ -650,6 +672,108 @@ def mse_reward(images, targets):
     return -((images.float() - targets.float()) ** 2).mean(dim=(1, 2, 3))
 
 
+# Reward plug-ins. A reward is any function
+#     fn(images: Tensor [N, 3, H, W] in [0, 1], prompts: list[str] (N), targets: Tensor [N, 3, H, W] | None)
+#         -> Tensor [N] (or a list of N floats), higher = better
+# named on the command line as `--reward module:fn` or `--reward path/to/file.py:fn`, optionally
+# `=WEIGHT`. Row i of images, prompts and targets is the same sample (a prompt's G samples are
+# consecutive). A function that reads `targets` says so with `fn.uses_targets = True`; only then do
+# prompt lines need target images. A reward model (CLIP, HPS, PickScore, OCR) loads itself once at
+# import time of its file; a reward served by another process is a plug-in that posts the images
+# (README). Plug-ins are loaded before the model, so a bad spec fails in a second, not after loading.
+
+@dataclass
+class Reward:
+    name: str                    # logged as rewards/<name>
+    fn: object
+    weight: float
+    uses_targets: bool
+
+
+def mse(images, prompts, targets):
+    """The built-in demo reward as a plug-in: mse_reward against each prompt's target image."""
+    return mse_reward(images, targets)
+
+
+mse.uses_targets = True
+
+
+def load_reward(spec):
+    """'mse' | 'module:fn' | 'path/file.py:fn', each optionally followed by '=WEIGHT' -> Reward."""
+    where, weight = spec, 1.0
+    if "=" in spec:
+        where, _, text = spec.rpartition("=")
+        try:
+            weight = float(text)
+        except ValueError:
+            raise UsageError(f"--reward {spec}: the weight after '=' must be a number, got {text!r}")
+    if where == "mse":
+        return Reward("mse", mse, weight, True)
+    module_name, _, fn_name = where.rpartition(":")
+    if not module_name or not fn_name:
+        raise UsageError(f"--reward {spec}: expected 'mse', 'module:function' or 'path/to/file.py:function'")
+    try:
+        if module_name.endswith(".py"):
+            if not Path(module_name).is_file():
+                raise UsageError(f"--reward {spec}: file {module_name} not found")
+            module_spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except UsageError:
+        raise
+    except Exception as e:   # whatever the plug-in's own import raises
+        raise UsageError(f"--reward {spec}: importing {module_name} failed: {type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}")
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise UsageError(f"--reward {spec}: {module_name} has no function {fn_name}")
+    return Reward(fn_name, fn, weight, bool(getattr(fn, "uses_targets", False)))
+
+
+def load_rewards(specs):
+    rewards = [load_reward(spec) for spec in specs]
+    names = [r.name for r in rewards]
+    if len(set(names)) < len(names):
+        raise UsageError(f"--reward: two rewards share a name ({', '.join(names)}); rename one function")
+    return rewards
+
+
+def compute_rewards(rewards, images, prompts, targets):
+    """Runs every reward on the batch. Returns (total [N], {name: [N]}), total = sum_k w_k * r_k.
+
+    Sum, then standardise (in group_advantages): a reward's influence on the advantages is its
+    weight times its spread, so a reward with a large within-group spread dominates. MixGRPO
+    instead standardises each reward within the group first and then sums the z-scores, which
+    makes weights mean "relative importance" whatever the scales; but a reward that is flat in a
+    group gets its tiny noise blown up to full size. We sum, like TRL's GRPOTrainer: the weights
+    stay what they say, and one reward alone gives exactly today's advantages.
+    A reward that raises or returns the wrong shape stops the run with one line naming it. NaN
+    values are reported by name and passed on: the NaN total then makes the loss non-finite and
+    grpo_update skips the step, so they never reach the weights."""
+    total, per_reward = None, {}
+    for reward in rewards:
+        try:
+            value = reward.fn(images, prompts, targets)
+        except Exception as e:
+            raise UsageError(f"reward {reward.name} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        try:
+            value = torch.as_tensor(value, dtype=torch.float32).detach().cpu()
+        except (TypeError, ValueError, RuntimeError):
+            raise UsageError(f"reward {reward.name} returned {type(value).__name__}, not a tensor or list of floats")
+        if value.shape != (len(prompts),):
+            raise UsageError(f"reward {reward.name} returned shape {list(value.shape)}, expected [{len(prompts)}] "
+                             "(one value per image)")
+        bad = (~torch.isfinite(value)).sum().item()
+        if bad:
+            print(f"warning: reward {reward.name} returned {bad} non-finite values of {len(prompts)}; "
+                  "this step's update is skipped", file=sys.stderr)
+        per_reward[reward.name] = value
+        total = reward.weight * value if total is None else total + reward.weight * value
+    return total, per_reward
+
+
 # =============================================================================================
 # 7. ADVANTAGE
 # =============================================================================================
@@ -802,15 +926,17 @@ def truncate_metrics(path, last_step):
 
 
 def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, scale=2):
-    """One row per prompt: (i2i: the source,) the target, then its G samples captioned with their
-    rewards. Images are how one notices collapse or reward hacking long before the numbers do."""
-    width, height = targets.shape[-1] * scale, targets.shape[-2] * scale
+    """One row per prompt: (i2i: the source,) the target (if any), then its G samples captioned with
+    their rewards. Images are how one notices collapse or reward hacking long before the numbers do.
+    Returns the sheet (PIL) for the trackers."""
+    width, height = images.shape[-1] * scale, images.shape[-2] * scale
     caption = 14
     to_pil = lambda t: Image.fromarray((t.clamp(0, 1).permute(1, 2, 0).numpy() * 255).astype(np.uint8))
     rows = []
     for row, prompt in enumerate(prompts):
         cells = [(sources[row], "source")] if sources is not None else []
-        cells.append((to_pil(targets[row]), "target"))
+        if targets is not None:
+            cells.append((to_pil(targets[row]), "target"))
         cells += [(to_pil(images[i]), f"{rewards[i].item():.4f}")
                   for i in range(row * group_size, (row + 1) * group_size)]
         rows.append((prompt, cells))
@@ -824,13 +950,101 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
             draw.text((c * width + 2, y + caption + height), label, fill="black")
     path.parent.mkdir(parents=True, exist_ok=True)
     sheet.save(path)
+    return sheet
+
+
+def save_reward_curve(path, rows, size=(640, 360), margin=48):
+    """reward_curve.png: mean reward per step (line) +- the mean within-group std (band), drawn
+    with Pillow so that a run with no tracker still shows its curve. Written at the end and on Ctrl+C."""
+    rows = [r for r in rows if math.isfinite(r["reward_mean"]) and math.isfinite(r["reward_std"])]
+    if not rows:
+        return
+    steps = [r["step"] for r in rows]
+    low = [r["reward_mean"] - r["reward_std"] for r in rows]
+    high = [r["reward_mean"] + r["reward_std"] for r in rows]
+    x0, x1 = min(steps), max(max(steps), min(steps) + 1)
+    y0, y1 = min(low), max(high)
+    y0, y1 = (y0 - 1e-6, y1 + 1e-6) if y1 - y0 < 1e-6 else (y0, y1)
+    w, h = size
+    to_xy = lambda step, y: (margin + (step - x0) / (x1 - x0) * (w - 2 * margin),
+                             h - margin - (y - y0) / (y1 - y0) * (h - 2 * margin))
+    image = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(image)
+    band = [to_xy(s, y) for s, y in zip(steps, high)] + [to_xy(s, y) for s, y in zip(steps[::-1], low[::-1])]
+    draw.polygon(band, fill=(190, 210, 240))
+    draw.line([to_xy(r["step"], r["reward_mean"]) for r in rows], fill=(30, 60, 170), width=2)
+    draw.rectangle((margin, margin, w - margin, h - margin), outline="black")
+    draw.text((margin, 8), "reward: mean +- within-group std, per step", fill="black")
+    draw.text((4, margin - 12), f"{y1:.4g}", fill="black")
+    draw.text((4, h - margin), f"{y0:.4g}", fill="black")
+    draw.text((margin, h - margin + 6), f"step {x0}", fill="black")
+    draw.text((w - margin - 50, h - margin + 6), f"step {max(steps)}", fill="black")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path)
+
+
+def read_metrics(path):
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()] \
+        if path.exists() else []
+
+
+# Trackers (plumbing, not GRPO): the same rows as metrics.jsonl, plus the sample sheets and the
+# flags. Imported only when asked for, so neither package is needed otherwise.
+
+class TensorBoardTracker:
+    """torch.utils.tensorboard's SummaryWriter, writing to <out>/logs. On resume, purge_step drops
+    events a killed run wrote after its last checkpoint, as truncate_metrics does for the jsonl."""
+
+    def __init__(self, out, args, start):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(out / "logs"), purge_step=start + 1 if start else None)
+        flags = "\n".join(f"| --{k.replace('_', '-')} | {v} |" for k, v in sorted(vars(args).items()))
+        self.writer.add_text("flags", "| flag | value |\n|---|---|\n" + flags, global_step=start)
+
+    def log(self, row, step):
+        for key, value in row.items():
+            if key != "step":
+                self.writer.add_scalar(key, value, step)
+
+    def log_image(self, name, image, step):
+        self.writer.add_image(name, np.asarray(image), step, dataformats="HWC")
+
+    def close(self):
+        self.writer.close()
+
+
+class WandbTracker:
+    """Weights & Biases; WANDB_MODE=offline writes the run under <out>/wandb for a later `wandb sync`."""
+
+    def __init__(self, out, args, start):
+        import wandb
+
+        self.wandb = wandb
+        self.run = wandb.init(project="grpo_glm", name=out.name, dir=str(out), config=vars(args))
+
+    def log(self, row, step):
+        self.run.log({k: v for k, v in row.items() if k != "step"}, step=step)
+
+    def log_image(self, name, image, step):
+        self.run.log({name: self.wandb.Image(image)}, step=step)
+
+    def close(self):
+        self.run.finish()
+
+
+def open_tracker(args, out, start):
+    """None for --report-to none (validate_args already checked that the package is installed)."""
+    if args.report_to == "none":
+        return None
+    return (TensorBoardTracker if args.report_to == "tensorboard" else WandbTracker)(out, args, start)
 
 
 # =============================================================================================
 # 12. CHECKPOINT
 # =============================================================================================
 # A checkpoint holds what an exact resume needs: trainable weights (all AR weights, or only the
-# LoRA adapters), AdamW state, the step, every RNG state, and the flags. It is written to a
+# LoRA adapters), AdamW state, the learning-rate schedule's position, the step, every RNG state, and the flags. It is written to a
 # temporary file, fsynced and renamed, so a crash or kill mid-write leaves the previous
 # checkpoint intact; loading uses weights_only=True (no pickled code), so RNG states are stored
 # as tensors and plain lists.
@@ -869,13 +1083,14 @@ def trainable_state(model):
     return {name: p.detach().cpu().clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
-def save_checkpoint(out_dir, step, model, optimizer, args):
+def save_checkpoint(out_dir, step, model, optimizer, args, lr_scheduler):
     """Writes <out>/checkpoints/step_NNNNNN.pt atomically. A Ctrl+C during the write is held
     back and re-raised once the file is complete."""
     path = out_dir / "checkpoints" / f"step_{step:06d}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": CHECKPOINT_FORMAT, "step": step, "trainable": trainable_state(model),
-               "optimizer": optimizer.state_dict(), "rng": rng_state(), "args": vars(args)}
+               "optimizer": optimizer.state_dict(), "lr_scheduler": lr_scheduler.state_dict(),
+               "rng": rng_state(), "args": vars(args)}
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     interrupted = []
@@ -887,6 +1102,13 @@ def save_checkpoint(out_dir, step, model, optimizer, args):
     if interrupted:
         signal.raise_signal(signal.SIGINT)   # now handled as usual (see StopAfterStep)
     return path
+
+
+def prune_checkpoints(out_dir, keep):
+    """--checkpoints-total-limit: deletes all but the newest `keep` step checkpoints. Runs after a
+    save has completed, so a complete newest checkpoint always exists."""
+    for path in sorted((out_dir / "checkpoints").glob("step_*.pt"))[:-keep]:
+        path.unlink()
 
 
 def find_checkpoint(spec, out_dir):
@@ -919,13 +1141,14 @@ def check_resume_flags(saved_args, args):
             for k in ALGORITHM_FLAGS if saved_args.get(k) != getattr(args, k)]
 
 
-def restore_checkpoint(ckpt, path, model, optimizer):
+def restore_checkpoint(ckpt, path, model, optimizer, lr_scheduler):
     names = {name for name, p in model.named_parameters() if p.requires_grad}
     if set(ckpt["trainable"]) != names:
         raise UsageError(f"--resume {path}: its weights do not fit this model (different --model or --lora-rank)")
     try:
         model.load_state_dict(ckpt["trainable"], strict=False)
         optimizer.load_state_dict(ckpt["optimizer"])
+        lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
     except (RuntimeError, ValueError) as e:
         raise UsageError(f"--resume {path}: its weights do not fit this model ({str(e).splitlines()[0][:120]})")
     set_rng_state(ckpt["rng"])
@@ -1092,11 +1315,13 @@ class Trainer:
     params: list                 # the trainable parameters
     reference: object            # frozen initial AR for the KL term (full fine-tuning, beta > 0), else None
     suppressed: list             # ids outside the VQ codebook, never sampled inside a grid
+    rewards: list = None         # the --reward plug-ins (section 6)
+    lr_scheduler: object = None  # diffusers' get_scheduler: one step per GRPO step
 
 
 def grpo_step(trainer, items, indices, step, args):
     """One GRPO step on the prompts `items[indices]`.
-    Returns (metrics row, rewards [N], images [N, 3, H, W], targets [P, 3, H, W], sources or None)."""
+    Returns (metrics row, rewards [N], images [N, 3, H, W], targets [P, 3, H, W] or None, sources or None)."""
     pipe, ar = trainer.pipe, trainer.pipe.vision_language_encoder
     batch = [items[i] for i in indices]
     prompts = [it.text for it in batch]
@@ -1116,8 +1341,11 @@ def grpo_step(trainer, items, indices, step, args):
     noise = group_noise(pipe, indices, args.group_size, args.height, args.width, args.seed, step, args.dit_noise)
     images = decode_images(pipe, repeat_each(prompts, args.group_size), rollout, noise, args.num_inference_steps,
                            args.guidance_scale, sources and repeat_each(sources, args.group_size))  # [N, 3, H, W]
-    targets = torch.stack([image_to_tensor(it.target) for it in batch])                   # [P, 3, H, W]
-    rewards = mse_reward(images, targets.repeat_interleave(args.group_size, 0))            # [N]
+    targets = (torch.stack([image_to_tensor(it.target) for it in batch])                  # [P, 3, H, W]
+               if all(it.target is not None for it in batch) else None)
+    rewards, per_reward = compute_rewards(trainer.rewards, images, repeat_each(prompts, args.group_size),
+                                          targets if targets is None else targets.repeat_interleave(args.group_size, 0))
+    # rewards: [N], the weighted sum; per_reward: {name: [N]}
     # ---- ADVANTAGE -------------------------------------------------------------------------
     advantages = group_advantages(rewards, args.group_size)                                # [N]
     # ---- UPDATE ----------------------------------------------------------------------------
@@ -1133,12 +1361,16 @@ def grpo_step(trainer, items, indices, step, args):
            "ratio_mean": update.get("ratio_mean", float("nan")), "clip_ratio": update.get("clip_ratio", 0.0),
            "kl": update.get("kl", 0.0), "frac_reward_zero_std": (group_std == 0).float().mean().item(),
            "grad_norm": update.get("grad_norm", float("nan")), "logp_diff_max": update["logp_diff_max"],
-           "skipped_updates": update["skipped_updates"]}
+           "skipped_updates": update["skipped_updates"],
+           **{f"rewards/{name}": value.mean().item() for name, value in per_reward.items()}}
     return row, rewards, images, targets, sources
 
 
-def setup_training(args, ckpt=None, ckpt_path=None):
-    """Loads the model, marks what trains, builds AdamW, restores a checkpoint. Returns (Trainer, start step)."""
+def setup_training(args, ckpt=None, ckpt_path=None, rewards=None):
+    """Loads the model, marks what trains, builds AdamW and its learning-rate schedule, restores a
+    checkpoint. Returns (Trainer, start step)."""
+    from diffusers.optimization import get_scheduler
+
     pipe = load_pipeline(args)
     # Seeded after loading, so the sampling stream is the same however the model was made
     # (building the tiny model draws from the RNG, from_pretrained does not).
@@ -1151,20 +1383,27 @@ def setup_training(args, ckpt=None, ckpt_path=None):
     # (fine for the tiny model; at 9B use LoRA, whose reference is the base with adapters off).
     reference = copy.deepcopy(ar).requires_grad_(False) if args.beta > 0 and not args.lora_rank else None
     params = prepare_policy(ar, args)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    # The schedule spans --steps GRPO steps (each of --inner-epochs optimiser steps, all at the
+    # step's lr). diffusers' 'constant' ignores warm-up, its 'constant_with_warmup' does not.
+    schedule = "constant_with_warmup" if args.lr_scheduler == "constant" and args.lr_warmup_steps else args.lr_scheduler
+    lr_scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=args.lr_warmup_steps,
+                                 num_training_steps=args.steps)
     start = 0
     if ckpt is not None:
-        restore_checkpoint(ckpt, ckpt_path, ar, optimizer)
+        restore_checkpoint(ckpt, ckpt_path, ar, optimizer, lr_scheduler)
         start = ckpt["step"]
         print(f"Resuming from step {start} ({ckpt_path})")
-    return Trainer(pipe, optimizer, params, reference, suppressed), start
+    return Trainer(pipe, optimizer, params, reference, suppressed, rewards, lr_scheduler), start
 
 
 def train(args):
     validate_args(args)
     out = prepare_out_dir(args)
     resolve_runtime(args)
-    items = read_prompts(args.prompts, args.height, args.width, args.mode)
+    rewards = load_rewards(args.reward)
+    items = read_prompts(args.prompts, args.height, args.width, args.mode,
+                         need_targets=any(r.uses_targets for r in rewards))
     ckpt_path = find_checkpoint(args.resume, out) if args.resume else None
     ckpt = read_checkpoint(ckpt_path) if ckpt_path else None
     if ckpt is not None:
@@ -1172,7 +1411,7 @@ def train(args):
         if differences and not args.resume_force:
             raise UsageError(f"--resume {ckpt_path}: flags differ from the checkpoint's: {'; '.join(differences)} "
                              "(add --resume-force to accept)")
-    trainer, start = setup_training(args, ckpt, ckpt_path)
+    trainer, start = setup_training(args, ckpt, ckpt_path, rewards)
     ar = trainer.pipe.vision_language_encoder
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
@@ -1182,6 +1421,9 @@ def train(args):
           f"offload={args.offload} batch={args.prompts_per_step}x{args.group_size} mu={args.inner_epochs} "
           f"lr={args.lr} trainable={trainable:.2f}M ({f'LoRA r={args.lora_rank}' if args.lora_rank else 'full'}) "
           f"image={args.height}x{args.width} loss_tokens={args.loss_tokens} dit_noise={args.dit_noise} out={out}")
+    print("rewards: " + " + ".join(f"{r.weight:g} x {r.name}" for r in trainer.rewards)
+          + f" | lr schedule {args.lr_scheduler}, warm-up {args.lr_warmup_steps} | report to {args.report_to}")
+    tracker = open_tracker(args, out, start)
 
     last_saved, bad_steps = start, 0
     stop = StopAfterStep()
@@ -1190,9 +1432,13 @@ def train(args):
             t0 = time.time()
             indices = prompts_for_step(len(items), args.prompts_per_step, step, args.seed)
             row, rewards, images, targets, sources = grpo_step(trainer, items, indices, step, args)
+            row["lr"] = trainer.lr_scheduler.get_last_lr()[0]    # the lr this step's updates used
+            trainer.lr_scheduler.step()
             # ---- LOG -------------------------------------------------------------------------
             row["seconds"] = round(time.time() - t0, 3)
             append_metrics(metrics_path, row)
+            if tracker:
+                tracker.log(row, step)
             print(f"step {step:4d}/{args.steps} | loss {row['loss']:+.4f} | reward {row['reward_mean']:.5f} "
                   f"± {row['reward_std']:.5f} | ratio {row['ratio_mean']:.4f} | clip {row['clip_ratio']:.3f} "
                   f"| kl {row['kl']:.2e} | {row['seconds']:.2f}s", flush=True)
@@ -1201,12 +1447,16 @@ def train(args):
                 raise UsageError(f"stopping: loss or gradients were non-finite for {bad_steps} steps in a row "
                                  f"(try a lower --lr); last good checkpoint is in {out / 'checkpoints'}")
             if args.sample_every and step % args.sample_every == 0:
-                save_sample_grid(out / "samples" / f"step_{step:06d}.png", [items[i].text for i in indices],
-                                 targets, images, rewards, args.group_size, sources)
+                sheet = save_sample_grid(out / "samples" / f"step_{step:06d}.png", [items[i].text for i in indices],
+                                         targets, images, rewards, args.group_size, sources)
+                if tracker:
+                    tracker.log_image("samples", sheet, step)
             # ---- CHECKPOINT ------------------------------------------------------------------
             if step % args.save_every == 0 or step == args.steps or stop.requested:
-                path = save_checkpoint(out, step, ar, trainer.optimizer, args)
+                path = save_checkpoint(out, step, ar, trainer.optimizer, args, trainer.lr_scheduler)
                 last_saved = step
+                if args.checkpoints_total_limit:
+                    prune_checkpoints(out, args.checkpoints_total_limit)
             if stop.requested:
                 print(f"interrupted: saved step {step} to {path}; continue with --resume latest --out {out}",
                       file=sys.stderr)
@@ -1216,6 +1466,9 @@ def train(args):
         sys.exit(130)
     finally:
         stop.restore()
+        save_reward_curve(out / "reward_curve.png", read_metrics(metrics_path))
+        if tracker:
+            tracker.close()
     if args.save_pipeline:
         save_trained_pipeline(trainer.pipe, args)
     return trainer.pipe
