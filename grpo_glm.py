@@ -4,6 +4,7 @@
     python grpo_glm.py --steps 10                        # tiny random GLM-Image, CPU, ~17 s
     python grpo_glm.py --steps 40 --out runs/demo        # long enough to see the reward rise
     python grpo_glm.py --resume latest --out runs/demo --steps 60
+    python grpo_glm.py --reward my_rewards.py:score --report-to tensorboard   # your reward, watched in TensorBoard
     python grpo_glm.py --model zai-org/GLM-Image --lora-rank 64 --height 512 --width 512
     python grpo_glm.py --plan --model zai-org/GLM-Image --height 1024 --width 1024   # memory plan, no GPU
 
@@ -70,7 +71,8 @@ ALGORITHM_FLAGS = (
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
-        description="GRPO fine-tuning of GLM-Image's autoregressive model against an MSE image reward.",
+        description="GRPO fine-tuning of GLM-Image's autoregressive model against image rewards (MSE to a "
+                    "target by default, or your own --reward plug-ins).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     a = p.add_argument
@@ -94,7 +96,8 @@ def parse_args(argv=None):
     a("--lr", type=float, default=1e-2, help="AdamW learning rate (the default suits the tiny model; "
       "use ~1e-5 for the real one).")
     a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="Learning-rate "
-      "schedule over --steps GRPO steps (diffusers' get_scheduler; one scheduler step per GRPO step).")
+      "schedule over --steps GRPO steps (diffusers' get_scheduler; one scheduler step per GRPO step). Resuming "
+      "with another --steps reshapes the rest of a cosine or linear schedule.")
     a("--lr-warmup-steps", type=int, default=0, help="GRPO steps of linear warm-up from 0 to --lr.")
     a("--weight-decay", type=float, default=0.0, help="AdamW's decoupled weight decay.")
     a("--max-grad-norm", type=float, default=1.0, help="Clip the global gradient norm to this value.")
