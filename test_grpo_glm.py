@@ -1,6 +1,7 @@
 """Tests for grpo_glm.py. Offline, CPU, tiny model built in code: `python -m pytest -q`."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -9,8 +10,10 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 import grpo_glm as g
 
@@ -643,6 +646,7 @@ def test_ctrl_c_saves_a_checkpoint_and_says_where(tmp_path):
     # the step under way when Ctrl+C came was finished, logged and saved: a consistent state
     step = g.read_checkpoint(saved[0])["step"]
     assert step >= 2 and [r["step"] for r in read_metrics(out)][-1] == step
+    assert (out / "reward_curve.png").is_file()
 
 
 def test_offload_hooks_only_the_frozen_parts_and_keep_training_exact():
@@ -684,7 +688,7 @@ def test_ctrl_c_during_a_checkpoint_write_is_held_until_the_file_is_complete(tmp
     previous = signal.signal(signal.SIGINT, lambda *_: seen.append(("handled", path.exists())))
     try:
         path = tmp_path / "checkpoints" / "step_000007.pt"
-        g.save_checkpoint(tmp_path, 7, model, optimizer, args)
+        g.save_checkpoint(tmp_path, 7, model, optimizer, args, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1))
     finally:
         signal.signal(signal.SIGINT, previous)
     assert seen == [("write finished", False), ("handled", True)]   # the signal came after the rename
@@ -699,3 +703,281 @@ def test_special_ids_are_never_sampled_inside_a_grid(sharp_pipe):
     generated = rollout.sequences[:, rollout.prompt_len:]
     assert generated.numel() > 1000 and (generated < g.TINY_CODEBOOK).all()
     assert torch.isfinite(rollout.old_logp).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Rewards you bring, runs you can watch, training-loop conveniences
+# ---------------------------------------------------------------------------------------------
+
+def readme_block(first_line):
+    """The ```python block of README.md that starts with `first_line`: tests run the README's code."""
+    text = (HERE / "README.md").read_text()
+    start = text.index("```python\n" + first_line) + len("```python\n")
+    return text[start: text.index("```", start)]
+
+
+def _reward(name, fn, weight=1.0):
+    return g.Reward(name, fn, weight, False)
+
+
+def test_compute_rewards_weighted_sum_and_per_name():
+    images, prompts = torch.rand(4, 3, 8, 8), ["a", "b", "c", "d"]
+    brightness = lambda im, p, t: im.mean(dim=(1, 2, 3))
+    length = lambda im, p, t: [float(len(x)) * 0.1 for x in p]
+    total, parts = g.compute_rewards([_reward("bright", brightness, 2.0), _reward("len", length, -0.5)],
+                                     images, prompts, None)
+    assert set(parts) == {"bright", "len"}
+    torch.testing.assert_close(total, 2.0 * images.mean(dim=(1, 2, 3)) - 0.5 * torch.full((4,), 0.1))
+
+
+@pytest.mark.parametrize("fn, needle", [
+    (lambda im, p, t: 1 / 0, "reward bad raised ZeroDivisionError"),
+    (lambda im, p, t: torch.zeros(4, 1), "reward bad returned shape [4, 1], expected [4]"),
+    (lambda im, p, t: "high", "reward bad returned str"),
+])
+def test_broken_reward_is_named_in_one_line(fn, needle):
+    with pytest.raises(g.UsageError) as error:
+        g.compute_rewards([_reward("ok", lambda im, p, t: [0.0] * 4), _reward("bad", fn)],
+                          torch.rand(4, 3, 8, 8), list("abcd"), None)
+    assert needle in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.fixture()
+def plugins(tmp_path):
+    (tmp_path / "plug.py").write_text(
+        "import torch\n"
+        "def half_nan(images, prompts, targets):\n"
+        "    r = images.mean(dim=(1, 2, 3))\n"
+        "    r[::2] = float('nan')\n"
+        "    return r\n"
+        "def needs(images, prompts, targets):\n"
+        "    return -(images - targets).abs().mean(dim=(1, 2, 3))\n"
+        "needs.uses_targets = True\n")
+    (tmp_path / "broken_import.py").write_text("raise RuntimeError('no GPU here')\n")
+    (tmp_path / "free.txt").write_text("a cat wearing a hat\nsunset over the sea\n")
+    return tmp_path
+
+
+@pytest.mark.parametrize("spec, needle", [
+    ("nope", "expected 'mse', 'module:function'"),
+    ("{tmp}/missing.py:f", "missing.py not found"),
+    ("{tmp}/plug.py:nothing", "has no function nothing"),
+    ("{tmp}/plug.py:half_nan=heavy", "weight after '=' must be a number"),
+    ("{tmp}/broken_import.py:f", "RuntimeError: no GPU here"),
+    ("os.path:no_such_fn", "os.path has no function no_such_fn"),
+])
+def test_bad_reward_spec_fails_before_the_model_loads(spec, needle, plugins, capsys):
+    out = plugins / "run"
+    with pytest.raises(SystemExit) as stop:
+        g.main(["--reward", spec.format(tmp=plugins), "--out", str(out)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(lines) == 1 and needle in lines[0], lines
+    assert not out.exists()
+
+
+def test_targets_are_required_only_by_rewards_that_read_them(plugins, capsys):
+    with pytest.raises(SystemExit):
+        g.main(["--reward", f"{plugins}/plug.py:needs", "--prompts", str(plugins / "free.txt"),
+                "--out", str(plugins / "a")])
+    assert "no target image given" in capsys.readouterr().err
+    items = g.read_prompts(plugins / "free.txt", 64, 64, need_targets=False)
+    assert [it.target for it in items] == [None, None]
+
+
+def test_nan_reward_is_named_and_never_reaches_the_weights(plugins, capsys):
+    out = plugins / "nan"
+    g.main(["--steps", "1", "--out", str(out), "--reward", f"{plugins}/plug.py:half_nan", "--reward", "mse", *SMALL])
+    err = capsys.readouterr().err
+    assert "reward half_nan returned 4 non-finite values of 8" in err and "mse" not in err
+    row = read_metrics(out)[0]
+    assert row["skipped_updates"] == 4 and math.isnan(row["rewards/half_nan"]) and math.isfinite(row["rewards/mse"])
+    initial = g.build_tiny_pipeline(0).vision_language_encoder.state_dict()
+    weights = g.read_checkpoint(out / "checkpoints" / "step_000001.pt")["trainable"]
+    assert all(torch.equal(w, initial[name]) for name, w in weights.items())
+
+
+@pytest.fixture()
+def decoded(monkeypatch):
+    """Records what decode_images really returned, per step: (per-sample prompts, images)."""
+    seen, real = [], g.decode_images
+
+    def spy(pipe, prompts, *rest, **kw):
+        images = real(pipe, prompts, *rest, **kw)
+        seen.append((list(prompts), images.clone()))
+        return images
+    monkeypatch.setattr(g, "decode_images", spy)
+    return seen
+
+
+def tiny_clip(directory):
+    """A random-weight CLIP at toy size, saved like a hub checkpoint (tokenizer from a tiny BPE vocab)."""
+    from transformers import CLIPConfig, CLIPModel, CLIPProcessor, CLIPTokenizer
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    chars = [chr(c) for c in range(33, 127)]
+    vocab = {t: i for i, t in enumerate(chars + [c + "</w>" for c in chars] + ["<|startoftext|>", "<|endoftext|>"])}
+    (directory / "vocab.json").write_text(json.dumps(vocab))
+    (directory / "merges.txt").write_text("#version: 0.2\n")
+    tokenizer = CLIPTokenizer(str(directory / "vocab.json"), str(directory / "merges.txt"), model_max_length=77)
+    processor = CLIPProcessor(image_processor=CLIPImageProcessorPil(size={"shortest_edge": 32},
+                                                                    crop_size={"height": 32, "width": 32}),
+                              tokenizer=tokenizer)
+    end = vocab["<|endoftext|>"]
+    config = CLIPConfig(
+        text_config=dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, max_position_embeddings=77, bos_token_id=vocab["<|startoftext|>"],
+                         eos_token_id=end, pad_token_id=end),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=32, patch_size=8),
+        projection_dim=16)
+    torch.manual_seed(0)
+    model = CLIPModel(config).eval()
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)
+    return model, processor
+
+
+def test_clip_reward_plugin_from_the_readme(tmp_path, monkeypatch, decoded):
+    clip_dir = tmp_path / "clip"
+    clip_dir.mkdir()
+    model, processor = tiny_clip(clip_dir)
+    (tmp_path / "clip_reward.py").write_text(readme_block("# clip_reward.py"))
+    monkeypatch.setenv("CLIP_REWARD_MODEL", str(clip_dir))
+    out = tmp_path / "run"
+    g.main(["--steps", "2", "--out", str(out), "--reward", f"{tmp_path}/clip_reward.py:score", *SMALL])
+    rows = read_metrics(out)
+    assert len(rows) == len(decoded) == 2
+    for row, (prompts, images) in zip(rows, decoded):
+        # CLIP score computed independently: projected features, normalised, cosine
+        with torch.no_grad():
+            pixels = processor(images=list(images), return_tensors="pt", do_rescale=False)["pixel_values"]
+            text = processor(text=prompts, return_tensors="pt", padding=True)
+            image_emb = torch.nn.functional.normalize(model.get_image_features(pixel_values=pixels).pooler_output, dim=-1)
+            text_emb = torch.nn.functional.normalize(model.get_text_features(**text).pooler_output, dim=-1)
+        expected = (image_emb * text_emb).sum(-1)
+        assert expected.std() > 1e-4                          # the scores differ from image to image
+        assert row["rewards/score"] == pytest.approx(expected.mean().item(), abs=1e-6)
+        assert row["reward_mean"] == row["rewards/score"] and "rewards/mse" not in row
+
+
+def test_reward_server_plugin_from_the_readme(tmp_path, monkeypatch, decoded):
+    """The README's remote reward against a real HTTP server (mean brightness of the uint8 images it
+    receives). Its prompts name no shapes and carry no targets: no reward here needs them."""
+    import base64
+    import io
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    import numpy as np
+
+    received = []
+
+    class Score(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            images = np.load(io.BytesIO(base64.b64decode(body["images"])))
+            received.append(body["prompts"])
+            reply = json.dumps({"scores": (images / 255.0).mean(axis=(1, 2, 3)).tolist()}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *_):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Score)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        (tmp_path / "remote_reward.py").write_text(readme_block("# remote_reward.py"))
+        monkeypatch.setenv("REWARD_URL", f"http://127.0.0.1:{server.server_port}/score")
+        (tmp_path / "free.txt").write_text("a cat wearing a hat\nsunset over the sea\n")
+        out = tmp_path / "run"
+        g.main(["--steps", "2", "--out", str(out), "--prompts", str(tmp_path / "free.txt"),
+                "--reward", f"{tmp_path}/remote_reward.py:score", *SMALL])
+    finally:
+        server.shutdown()
+    rows = read_metrics(out)
+    assert [p for p, _ in decoded] == received
+    for row, (_, images) in zip(rows, decoded):
+        assert row["rewards/score"] == pytest.approx(((images * 255).round() / 255).mean().item(), abs=1e-6)
+    sheet = Image.open(out / "samples" / "step_000002.png")
+    assert sheet.width == 4 * 2 * 64                          # G samples, no target column
+
+
+def test_tensorboard_logs_the_metrics_images_and_flags(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "tb"
+    g.main(["--steps", "3", "--out", str(out), "--report-to", "tensorboard", *SMALL])
+    events = EventAccumulator(str(out / "logs"), size_guidance={"images": 0, "scalars": 0, "tensors": 0})
+    events.Reload()
+    rows = read_metrics(out)
+    for key in ("reward_mean", "loss", "rewards/mse", "lr"):
+        logged = events.Scalars(key)
+        assert [e.step for e in logged] == [r["step"] for r in rows] == [1, 2, 3]
+        assert [e.value for e in logged] == pytest.approx([r[key] for r in rows], rel=1e-6)
+    assert [e.step for e in events.Images("samples")] == [1, 2, 3]
+    flags = events.Tensors("flags/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "| --group-size | 4 |" in flags
+
+
+def test_wandb_offline_logs_the_metrics(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "wb"
+    g.main(["--steps", "2", "--out", str(out), "--report-to", "wandb", *SMALL])
+    assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_missing_tracker_package_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    real = g.importlib.util.find_spec
+    monkeypatch.setattr(g.importlib.util, "find_spec", lambda name: None if name == "tensorboard" else real(name))
+    with pytest.raises(SystemExit) as stop:
+        g.main(["--report-to", "tensorboard", "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and err == ["error: --report-to tensorboard needs the 'tensorboard' package: "
+                                            "pip install tensorboard"]
+
+
+def test_reward_curve_is_drawn(tmp_path):
+    rows = [{"step": s, "reward_mean": -0.2 + 0.01 * s, "reward_std": 0.002} for s in range(1, 11)]
+    g.save_reward_curve(tmp_path / "curve.png", rows)
+    pixels = np.asarray(Image.open(tmp_path / "curve.png"))
+    line = (pixels == (30, 60, 170)).all(-1)
+    rows_with_line = np.nonzero(line.any(1))[0]
+    columns = np.nonzero(line.any(0))[0]
+    # a rising reward: the line's left end sits lower in the picture than its right end
+    assert columns.max() - columns.min() > 400 and rows_with_line.max() - rows_with_line.min() > 100
+    assert np.nonzero(line[:, columns.min()])[0].mean() > np.nonzero(line[:, columns.max()])[0].mean()
+
+
+def test_cosine_schedule_with_warmup_is_followed_and_resumes_bit_identically(tmp_path):
+    flags = ["--save-every", "3", "--lr-scheduler", "cosine", "--lr-warmup-steps", "2", *SMALL]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    g.main(["--steps", "6", "--out", str(straight), *flags])
+    rows = read_metrics(straight)
+    # diffusers' cosine with warm-up: lr * k / W during warm-up, then lr * (1 + cos(pi * progress)) / 2
+    expected = [0.0, 0.005] + [0.005 * (1 + math.cos(math.pi * (k - 2) / 4)) for k in range(2, 6)]
+    assert [r["lr"] for r in rows] == pytest.approx(expected)
+    assert (straight / "reward_curve.png").is_file()
+    g.main(["--steps", "6", "--out", str(resumed), "--resume", str(straight / "checkpoints" / "step_000003.pt"), *flags])
+    assert deterministic(read_metrics(resumed)) == deterministic(rows[3:])
+
+
+def test_checkpoints_total_limit_keeps_the_newest(tmp_path):
+    out = tmp_path / "run"
+    g.main(["--steps", "4", "--out", str(out), "--save-every", "1", "--checkpoints-total-limit", "2",
+            "--sample-every", "0", *SMALL[:4]])
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000003.pt", "step_000004.pt"]
+
+
+def test_weight_decay_reaches_adamw(tmp_path):
+    args = g.resolve_runtime(g.parse_args(["--weight-decay", "0.3", "--lr", "0.1"]))
+    trainer, _ = g.setup_training(args)
+    before = [p.detach().clone() for p in trainer.params]
+    for p in trainer.params:
+        p.grad = torch.zeros_like(p)
+    trainer.optimizer.step()                   # zero gradient: only the decay moves the weights
+    for old, new in zip(before, trainer.params):
+        torch.testing.assert_close(new.detach(), old * (1 - 0.1 * 0.3))
