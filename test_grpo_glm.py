@@ -927,7 +927,11 @@ def test_wandb_offline_logs_the_metrics(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     out = tmp_path / "wb"
     g.main(["--steps", "2", "--out", str(out), "--report-to", "wandb", *SMALL])
-    assert list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    [run] = (out / "wandb").glob("offline-run-*")
+    log = next(run.glob("run-*.wandb")).read_bytes()       # the offline transaction log, synced later
+    for row in read_metrics(out):                          # values are stored as their JSON text
+        assert json.dumps(row["reward_mean"]).encode() in log and json.dumps(row["loss"]).encode() in log
+    assert len(list((run / "files" / "media" / "images").glob("samples_*.png"))) == 2
 
 
 def test_missing_tracker_package_is_a_one_line_error(tmp_path, monkeypatch, capsys):
