@@ -157,12 +157,13 @@ def validate_args(args):
         if value < 32 or value % 32:
             raise UsageError(f"{flag} must be a positive multiple of 32 (GLM-Image works on 32-pixel tokens), got {value}")
     if min(args.beta, args.sample_every, args.lora_rank, args.weight_decay, args.lr_warmup_steps) < 0:
-        raise UsageError("--beta, --sample-every, --lora-rank, --weight-decay and --lr-warmup-steps must not be negative")
+        raise UsageError("--beta, --sample-every, --lora-rank, --weight-decay and --lr-warmup-steps "
+                         "must not be negative")
     if args.checkpoints_total_limit is not None and args.checkpoints_total_limit < 1:
         raise UsageError(f"--checkpoints-total-limit must be at least 1, got {args.checkpoints_total_limit}")
-    tracker_package = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(args.report_to)
-    if tracker_package and importlib.util.find_spec(tracker_package) is None:
-        raise UsageError(f"--report-to {args.report_to} needs the '{tracker_package}' package: pip install {tracker_package}")
+    if args.report_to != "none" and importlib.util.find_spec(args.report_to) is None:   # package = flag value
+        raise UsageError(f"--report-to {args.report_to} needs the '{args.report_to}' package: "
+                         f"pip install {args.report_to}")
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise UsageError(f"--out {args.out} exists and is not a directory")
     if args.model != TINY and not looks_like_hub_id(args.model) and not (Path(args.model) / "model_index.json").is_file():
@@ -365,9 +366,10 @@ class PromptItem:
 def read_prompts(path, height, width, mode="t2i", need_targets=True):
     """Parses the prompt file. Line format: `prompt`, `prompt | target.png`, and in i2i
     `prompt | target.png | source.png` (paths relative to the prompt file). Blank lines and '#'
-    comments are skipped. With need_targets=False (no reward reads targets) a missing target is
-    left None instead of drawn from the prompt's words. Images of another size are resized to --width x --height; i2i sources
-    too, which keeps them multiples of 32 px and lets a whole group decode in one call."""
+    comments are skipped. Images of another size are resized to --width x --height; i2i sources
+    too, which keeps them multiples of 32 px and lets a whole group decode in one call.
+    With need_targets=False (no reward reads targets) a missing target stays None instead of
+    being drawn from the prompt's words, so any line is a valid prompt."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"--prompts {path}: file not found")
@@ -728,7 +730,7 @@ def load_reward(spec):
         raise
     except Exception as e:   # whatever the plug-in's own import raises
         raise UsageError(f"--reward {spec}: importing {module_name} failed: {type(e).__name__}: "
-                         f"{str(e).splitlines()[0] if str(e) else ''}")
+                         f"{(str(e).splitlines() or [''])[0]}")
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise UsageError(f"--reward {spec}: {module_name} has no function {fn_name}")
@@ -760,7 +762,7 @@ def compute_rewards(rewards, images, prompts, targets):
         try:
             value = reward.fn(images, prompts, targets)
         except Exception as e:
-            raise UsageError(f"reward {reward.name} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            raise UsageError(f"reward {reward.name} raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
         try:
             value = torch.as_tensor(value, dtype=torch.float32).detach().cpu()
         except (TypeError, ValueError, RuntimeError):
@@ -987,8 +989,9 @@ def save_reward_curve(path, rows, size=(640, 360), margin=48):
 
 
 def read_metrics(path):
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()] \
-        if path.exists() else []
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 # Trackers (plumbing, not GRPO): the same rows as metrics.jsonl, plus the sample sheets and the
@@ -1047,10 +1050,10 @@ def open_tracker(args, out, start):
 # 12. CHECKPOINT
 # =============================================================================================
 # A checkpoint holds what an exact resume needs: trainable weights (all AR weights, or only the
-# LoRA adapters), AdamW state, the learning-rate schedule's position, the step, every RNG state, and the flags. It is written to a
-# temporary file, fsynced and renamed, so a crash or kill mid-write leaves the previous
-# checkpoint intact; loading uses weights_only=True (no pickled code), so RNG states are stored
-# as tensors and plain lists.
+# LoRA adapters), AdamW state, the learning-rate schedule's position, the step, every RNG state,
+# and the flags. It is written to a temporary file, fsynced and renamed, so a crash or kill
+# mid-write leaves the previous checkpoint intact; loading uses weights_only=True (no pickled
+# code), so RNG states are stored as tensors and plain lists.
 
 def atomic_write_bytes(path, data):
     tmp = path.with_name(path.name + ".tmp")
@@ -1346,9 +1349,9 @@ def grpo_step(trainer, items, indices, step, args):
                            args.guidance_scale, sources and repeat_each(sources, args.group_size))  # [N, 3, H, W]
     targets = (torch.stack([image_to_tensor(it.target) for it in batch])                  # [P, 3, H, W]
                if all(it.target is not None for it in batch) else None)
+    per_sample_targets = None if targets is None else targets.repeat_interleave(args.group_size, 0)
     rewards, per_reward = compute_rewards(trainer.rewards, images, repeat_each(prompts, args.group_size),
-                                          targets if targets is None else targets.repeat_interleave(args.group_size, 0))
-    # rewards: [N], the weighted sum; per_reward: {name: [N]}
+                                          per_sample_targets)                              # [N], {name: [N]}
     # ---- ADVANTAGE -------------------------------------------------------------------------
     advantages = group_advantages(rewards, args.group_size)                                # [N]
     # ---- UPDATE ----------------------------------------------------------------------------
@@ -1371,7 +1374,8 @@ def grpo_step(trainer, items, indices, step, args):
 
 def setup_training(args, ckpt=None, ckpt_path=None, rewards=None):
     """Loads the model, marks what trains, builds AdamW and its learning-rate schedule, restores a
-    checkpoint. Returns (Trainer, start step)."""
+    checkpoint. Returns (Trainer, start step). `rewards`: the loaded --reward plug-ins (loaded here
+    if not given; train loads them first, to know whether prompts need targets)."""
     from diffusers.optimization import get_scheduler
 
     pipe = load_pipeline(args)
@@ -1389,14 +1393,15 @@ def setup_training(args, ckpt=None, ckpt_path=None, rewards=None):
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     # The schedule spans --steps GRPO steps (each of --inner-epochs optimiser steps, all at the
     # step's lr). diffusers' 'constant' ignores warm-up, its 'constant_with_warmup' does not.
-    schedule = "constant_with_warmup" if args.lr_scheduler == "constant" and args.lr_warmup_steps else args.lr_scheduler
-    lr_scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=args.lr_warmup_steps,
-                                 num_training_steps=args.steps)
+    with_warmup = args.lr_scheduler == "constant" and args.lr_warmup_steps
+    lr_scheduler = get_scheduler("constant_with_warmup" if with_warmup else args.lr_scheduler, optimizer,
+                                 num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.steps)
     start = 0
     if ckpt is not None:
         restore_checkpoint(ckpt, ckpt_path, ar, optimizer, lr_scheduler)
         start = ckpt["step"]
         print(f"Resuming from step {start} ({ckpt_path})")
+    rewards = load_rewards(args.reward) if rewards is None else rewards
     return Trainer(pipe, optimizer, params, reference, suppressed, rewards, lr_scheduler), start
 
 
