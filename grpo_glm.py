@@ -1391,6 +1391,41 @@ def memory_plan(components, height, width, samples, prompt_tokens=64, ranks=(64,
     return rows, counts, tokens
 
 
+def dit_lora_parameter_count(dit, rank):
+    return sum(rank * (m.in_features + m.out_features) for n, m in dit.named_modules()
+               if isinstance(m, torch.nn.Linear) and any(n.endswith(t) for t in DIT_LORA_TARGETS))
+
+
+def dit_memory_plan(components, height, width, samples, cfg, ar_row, text_tokens=64, ranks=(64,)):
+    """--policy dit|both rows, same conventions as memory_plan. The DiT's loss is backpropagated one
+    denoising step at a time (section 10b), so activations are those of ONE step's forward over the
+    batch, whatever --dit-train-steps is (x2 with CFG: the guided velocity keeps both passes). Per
+    block and token ~ 30 * hidden values (attention as the AR's, a 4x GELU MLP). The stored
+    trajectories (samples x (K+1) latents) are megabytes. 'both' adds the AR's trainable state
+    (`ar_row`); the AR's activations are freed before the DiT's backward starts."""
+    dit = components["dit"]
+    counts = {name: numel(module) for name, module in components.items()}
+    hidden = dit.config.num_attention_heads * dit.config.attention_head_dim
+    tokens = (height // 16) * (width // 16) + text_tokens
+    per_block = tokens * samples * 30 * hidden * 2 * (2 if cfg else 1)
+    frozen = max(2 * v for k, v in counts.items() if k not in ("dit", "ar"))
+    rows = []
+    for mode, trainable in [("full", counts["dit"])] + [(f"lora-{r}", dit_lora_parameter_count(dit, r)) for r in ranks]:
+        lora = mode != "full"
+        weights = 2 * counts["dit"] + (4 * trainable if lora else 0)
+        grads, adam = (4 if lora else 2) * trainable, 8 * trainable
+        for checkpointing in (False, True):
+            layers = dit.config.num_layers
+            act = (layers * tokens * samples * hidden * 2 + per_block) if checkpointing else layers * per_block
+            dit_peak = weights + grads + adam + act
+            rows.append({"mode": mode, "grad_ckpt": checkpointing, "trainable_params": trainable, "dit_weights": weights,
+                         "grads": grads, "adam": adam, "activations": act,
+                         # the frozen AR (bf16) sits beside it, the other frozen parts are offloaded
+                         "peak_dit": dit_peak + 2 * counts["ar"] + frozen,
+                         "peak_both": dit_peak + ar_row["ar_weights"] + ar_row["grads"] + ar_row["adam"] + frozen})
+    return rows
+
+
 def print_memory_plan(args):
     if args.model == TINY:
         components = {name: getattr(build_tiny_pipeline(args.seed), attr) for name, attr in
@@ -1410,6 +1445,16 @@ def print_memory_plan(args):
         cells = [r["mode"], "yes" if r["grad_ckpt"] else "no", f"{r['trainable_params'] / 1e6:.1f} M"]
         cells += [f"{r[k] / GiB:.1f}" for k in ("ar_weights", "grads", "adam", "activations", "peak_offload",
                                                 "peak_no_offload")]
+        print("| " + " | ".join(cells) + " |")
+    ar_row = next(r for r in rows if r["mode"] == "lora-64" and r["grad_ckpt"])
+    dit_rows = dit_memory_plan(components, args.height, args.width, samples, args.guidance_scale > 1, ar_row)
+    print(f"\nDiT (Flow-GRPO, --policy dit|both): one denoising step's forward over {samples} samples, "
+          f"CFG {'on' if args.guidance_scale > 1 else 'off'}; 'both' adds the AR's LoRA-64 weights, grads and AdamW")
+    print("| DiT mode | grad ckpt | trainable | DiT weights | grads | AdamW | activations | peak, dit | peak, both |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in dit_rows:
+        cells = [r["mode"], "yes" if r["grad_ckpt"] else "no", f"{r['trainable_params'] / 1e6:.1f} M"]
+        cells += [f"{r[k] / GiB:.1f}" for k in ("dit_weights", "grads", "adam", "activations", "peak_dit", "peak_both")]
         print("| " + " | ".join(cells) + " |")
 
 
@@ -1670,7 +1715,7 @@ def train(args):
 
 def save_trained_pipeline(pipe, args):
     """Writes a pipeline that GlmImagePipeline.from_pretrained(dir) loads as usual. LoRA is merged
-    into the AR weights first, so loading needs no adapter code."""
+    into the AR's (and the DiT's) weights first, so loading needs no adapter code."""
     if args.lora_rank and args.policy != "dit":
         merge_lora(pipe.vision_language_encoder)
     if args.dit_lora_rank:
@@ -1681,7 +1726,8 @@ def save_trained_pipeline(pipe, args):
 
 def merge_lora(ar):
     """transformers' adapter API (add_adapter & co.) has no merge; peft's LoraLayer.merge folds
-    W += B @ A * alpha / r, then each wrapper is swapped back for its plain base Linear."""
+    W += B @ A * alpha / r, then each wrapper is swapped back for its plain base Linear. diffusers'
+    add_adapter wraps the DiT's Linears in the same peft layers, so this merges the DiT's too."""
     from peft.tuners.lora import LoraLayer
 
     wrappers = [(name, module) for name, module in ar.named_modules() if isinstance(module, LoraLayer)]

@@ -769,17 +769,19 @@ def test_dit_gradient_raises_the_logprob_of_a_positive_advantage_trajectory():
     assert g.dit_kl(mean, ref_mean, g.step_std(trajectories.sigmas, 0, 0.7)).min() > 0
 
 
-def test_policy_dit_trains_only_the_dit_and_saves_it(tmp_path):
+@pytest.mark.parametrize("lora", ["0", "4"])
+def test_policy_dit_trains_only_the_dit_and_saves_it(tmp_path, lora):
     from diffusers import GlmImagePipeline
 
     trained = g.main(["--policy", "dit", "--steps", "2", "--out", str(tmp_path / "run"), "--dit-lr", "0.05",
-                      "--save-pipeline", str(tmp_path / "pipe"), *SMALL])
+                      "--dit-lora-rank", lora, "--save-pipeline", str(tmp_path / "pipe"), *SMALL])
     base = g.build_tiny_pipeline(seed=0)
     for (n, p), (_, q) in zip(trained.vision_language_encoder.state_dict().items(),
                               base.vision_language_encoder.state_dict().items()):
         assert torch.equal(p, q), n
     ckpt = g.read_checkpoint(tmp_path / "run" / "checkpoints" / "step_000002.pt")
     assert ckpt["trainable"] and all(n.startswith("transformer.") for n in ckpt["trainable"])
+    assert all(("lora_" in n) == (lora != "0") for n in ckpt["trainable"])
     loaded = GlmImagePipeline.from_pretrained(tmp_path / "pipe")
     rollout, cond, noise, schedule, _ = _dit_case(base, "t2i", 1.0)
     images = {name: g.ode_decode(p, cond, noise, schedule) for name, p in
@@ -794,10 +796,10 @@ def test_policy_dit_trains_only_the_dit_and_saves_it(tmp_path):
 @pytest.mark.parametrize("policy", ["dit", "both"])
 def test_dit_resume_is_bit_identical(tmp_path, policy):
     flags = ["--policy", policy, "--inner-epochs", "2", "--beta", "0.01", "--save-every", "1",
-             "--group-size", "3", "--prompts-per-step", "2", "--sample-every", "0"]
-    g.main(["--steps", "3", "--out", str(tmp_path / "a"), *flags])
-    g.main(["--steps", "2", "--out", str(tmp_path / "b"), *flags])
-    g.main(["--steps", "3", "--out", str(tmp_path / "b"), "--resume", "latest", *flags])
+             "--group-size", "2", "--prompts-per-step", "2", "--sample-every", "0", "--num-inference-steps", "3"]
+    g.main(["--steps", "2", "--out", str(tmp_path / "a"), *flags])
+    g.main(["--steps", "1", "--out", str(tmp_path / "b"), *flags])
+    g.main(["--steps", "2", "--out", str(tmp_path / "b"), "--resume", "latest", *flags])
     rows = read_metrics(tmp_path / "a")
     assert deterministic(read_metrics(tmp_path / "b")) == deterministic(rows)
     assert all(r["dit/logp_diff_max"] <= 1e-5 for r in rows)
