@@ -40,6 +40,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -62,7 +63,7 @@ ALGORITHM_FLAGS = (
     "mode", "model", "prompts", "seed", "group_size", "prompts_per_step", "inner_epochs", "lr",
     "max_grad_norm", "clip_eps", "beta", "temperature", "height", "width", "num_inference_steps",
     "guidance_scale", "dit_noise", "loss_tokens", "lora_rank", "lora_alpha", "dtype",
-    "policy", "dit_lr", "dit_clip_eps", "dit_noise_level", "dit_train_steps", "dit_lora_rank",
+    "policy", "dit_lr", "dit_clip_eps", "dit_noise_level", "dit_train_steps", "dit_lora_rank", "dit_prior",
 )
 
 
@@ -116,6 +117,9 @@ def parse_args(argv=None):
       "sigma)); 0 would be the deterministic ODE, which has no log-prob.")
     a("--dit-train-steps", type=int, default=None, help="How many denoising steps (from the first) run as SDE "
       "steps and enter the DiT loss; the rest run the ODE (default: all but the last).")
+    a("--dit-prior", choices=["per-prompt", "per-step"], default="per-prompt", help="--policy dit: the AR "
+      "token grid a prompt's group shares is drawn once per prompt for the whole run (seeded by the prompt), "
+      "or afresh each step.")
     a("--dit-lora-rank", type=int, default=0, help="LoRA rank on the DiT's attention projections (0 = full "
       "fine-tuning of the DiT).")
     a("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
@@ -1501,6 +1505,7 @@ class Trainer:
     trained: torch.nn.Module = None   # what checkpoints hold: the AR, or {AR, DiT} with --policy dit|both
     dit_params: list = None      # the DiT's trainable parameters (--policy dit|both)
     dit_reference: object = None  # frozen initial DiT for the KL term (full fine-tuning, beta > 0)
+    prompt_tokens: dict = None   # --policy dit --dit-prior per-prompt: prompt index -> its token grid
 
 
 def grpo_step(trainer, items, indices, step, args):
@@ -1546,6 +1551,28 @@ def grpo_step(trainer, items, indices, step, args):
     return row, rewards, images, targets, sources
 
 
+def shared_prompt_tokens(pipe, prompts, sources, indices, args, cache):
+    """--policy dit: one token grid per prompt (its group shares it). 'per-prompt' (--dit-prior) draws
+    each prompt's grid from a seed of (seed, prompt index), the same grid every step: the tiny DiT
+    then sees a fixed input per prompt and can learn what to paint from it. A random AR's grids
+    say little about the prompt, so with 'per-step' grids the DiT can only learn an image that
+    suits every prompt on average. The AR is frozen, so a prompt's draw is kept in `cache` rather
+    than sampled again every step. Returns a Rollout-like object with target_tokens [P, H*W],
+    grid_hw and source_prior."""
+    sample = lambda p, s: sample_group(pipe, p, 1, args.temperature, args.height, args.width, args.loss_tokens,
+                                       s, record_logp=False)
+    if args.dit_prior == "per-step":
+        return sample(prompts, sources)
+    for i, index in enumerate(indices):
+        if index not in cache:
+            with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+                torch.manual_seed(args.seed * 7_919 + index)      # leaves the run's RNG stream untouched
+                cache[index] = sample([prompts[i]], sources and [sources[i]])
+    draws = [cache[index] for index in indices]
+    return SimpleNamespace(target_tokens=torch.cat([d.target_tokens for d in draws]), grid_hw=draws[0].grid_hw,
+                           source_prior=sources and [d.source_prior[0] for d in draws])
+
+
 def grpo_step_dit(trainer, items, indices, step, args):
     """One GRPO step with the DiT as (part of) the policy, --policy dit|both. Returns grpo_step's tuple
     plus the a = 0 decode of the updated DiT [P, 3, H, W] on sample-sheet steps (else None).
@@ -1565,11 +1592,14 @@ def grpo_step_dit(trainer, items, indices, step, args):
     # ---- SAMPLE: tokens (AR), then trajectories (DiT SDE) -----------------------------------
     ar.eval()
     exact_fp32 = args.dtype == "float32"
-    rollout = sample_group(pipe, prompts, G if train_ar else 1, args.temperature, args.height, args.width,
-                           args.loss_tokens, sources, record_logp=exact_fp32 and train_ar)
-    if train_ar and not exact_fp32:
-        with torch.no_grad():
-            rollout.old_logp = policy_logprobs(ar, rollout, args.temperature, trainer.suppressed)
+    if train_ar:
+        rollout = sample_group(pipe, prompts, G, args.temperature, args.height, args.width, args.loss_tokens,
+                               sources, record_logp=exact_fp32)
+        if not exact_fp32:
+            with torch.no_grad():
+                rollout.old_logp = policy_logprobs(ar, rollout, args.temperature, trainer.suppressed)
+    else:
+        rollout = shared_prompt_tokens(pipe, prompts, sources, indices, args, trainer.prompt_tokens)
     tokens = rollout.target_tokens if train_ar else rollout.target_tokens.repeat_interleave(G, 0)   # [N, H*W]
     source_prior = rollout.source_prior and rollout.source_prior[::G if train_ar else 1]          # per prompt
     cond = dit_condition(pipe, prompts, G, tokens, rollout.grid_hw, args.guidance_scale, sources, source_prior)
@@ -1643,7 +1673,7 @@ def setup_training(args, ckpt=None, ckpt_path=None):
         restore_checkpoint(ckpt, ckpt_path, trained, optimizer)
         start = ckpt["step"]
         print(f"Resuming from step {start} ({ckpt_path})")
-    return Trainer(pipe, optimizer, params, reference, suppressed, trained, dit_params, dit_reference), start
+    return Trainer(pipe, optimizer, params, reference, suppressed, trained, dit_params, dit_reference, {}), start
 
 
 def train(args):
