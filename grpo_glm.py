@@ -1411,7 +1411,8 @@ def dit_memory_plan(components, height, width, samples, cfg, ar_row, text_tokens
     counts = {name: numel(module) for name, module in components.items()}
     hidden = dit.config.num_attention_heads * dit.config.attention_head_dim
     tokens = (height // 16) * (width // 16) + text_tokens
-    per_block = tokens * samples * 30 * hidden * 2 * (2 if cfg else 1)
+    passes = 2 if cfg else 1
+    per_block = tokens * samples * passes * 30 * hidden * 2
     frozen = max(2 * v for k, v in counts.items() if k not in ("dit", "ar"))
     rows = []
     for mode, trainable in [("full", counts["dit"])] + [(f"lora-{r}", dit_lora_parameter_count(dit, r)) for r in ranks]:
@@ -1420,7 +1421,7 @@ def dit_memory_plan(components, height, width, samples, cfg, ar_row, text_tokens
         grads, adam = (4 if lora else 2) * trainable, 8 * trainable
         for checkpointing in (False, True):
             layers = dit.config.num_layers
-            act = (layers * tokens * samples * hidden * 2 + per_block) if checkpointing else layers * per_block
+            act = (layers * tokens * samples * passes * hidden * 2 + per_block) if checkpointing else layers * per_block
             dit_peak = weights + grads + adam + act
             rows.append({"mode": mode, "grad_ckpt": checkpointing, "trainable_params": trainable, "dit_weights": weights,
                          "grads": grads, "adam": adam, "activations": act,
