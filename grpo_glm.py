@@ -6,6 +6,7 @@
     python grpo_glm.py --resume latest --out runs/demo --steps 60
     python grpo_glm.py --model zai-org/GLM-Image --lora-rank 64 --height 512 --width 512
     python grpo_glm.py --plan --model zai-org/GLM-Image --height 1024 --width 1024   # memory plan, no GPU
+    python grpo_glm.py --policy dit --steps 150 --inner-epochs 1 --group-size 8      # Flow-GRPO on the DiT
 
 GLM-Image is a hybrid: an autoregressive (AR) transformer writes a grid of discrete image tokens,
 and a diffusion transformer (DiT) paints pixels conditioned on those tokens. We treat the AR
@@ -18,11 +19,13 @@ network: for each prompt it samples a *group* of G answers, and each answer's ad
 reward standardised within the group, A_i = (r_i - mean(r)) / (std(r) + eps). The policy is
 then pushed up on better-than-average samples with PPO's clipped surrogate (Schulman et al.
 2017), optionally with a KL penalty towards the initial model.
+--policy dit|both trains the other half too (section 10b): the DiT becomes a policy over denoising
+steps (Flow-GRPO), scored by the same advantage and loss functions.
 
 The file is sectioned in the order one training step runs:
     1. settings  2. model  3. prompts and targets  4. SAMPLE (group generation)
     5. decode  6. REWARD  7. ADVANTAGE  8. log-probs  9. loss  10. UPDATE
-    11. LOG / samples  12. CHECKPOINT  13. memory plan  14. the training loop
+    10b. the other policy: Flow-GRPO on the DiT  11. LOG / samples  12. CHECKPOINT  13. memory plan  14. the training loop
 The pure functions (mse_reward, group_advantages, token_logprobs, grpo_loss) use no globals:
 copy them out freely.
 """
@@ -913,6 +916,8 @@ def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_sc
     `source_prior` ((upsampled VQ ids, grid) as encode_sources makes them) per prompt. The frozen glyph
     encoder and VAE run once here; the source's KV cache depends on the DiT's weights and is written
     per pass (write_source_cache)."""
+    from diffusers.pipelines.glm_image.pipeline_glm_image import retrieve_latents
+
     H, W = grid_hw
     height, width = 32 * H, 32 * W
     device, dtype = pipe._execution_device, pipe.dtype
@@ -922,12 +927,12 @@ def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_sc
     prior = torch.cat([pipe._upsample_token_ids(t, H, W) for t in target_tokens]).to(device)
     latents = None
     if sources is not None:
-        vae, mean_std = pipe.vae, [torch.tensor(v).view(1, -1, 1, 1).to(device, dtype)
-                                   for v in (pipe.vae.config.latents_mean, pipe.vae.config.latents_std)]
-        from diffusers.pipelines.glm_image.pipeline_glm_image import retrieve_latents
-        latents = [(retrieve_latents(vae.encode(pipe.image_processor.preprocess(s, height=height, width=width)
-                                                .to(device, dtype)), sample_mode="argmax") - mean_std[0]) / mean_std[1]
-                   for s in sources]
+        # the pipeline's i2i path: preprocess, VAE mode (argmax), normalise with latents_mean/std
+        vae = pipe.vae
+        mean, std = (torch.tensor(v).view(1, -1, 1, 1).to(device, dtype)
+                     for v in (vae.config.latents_mean, vae.config.latents_std))
+        pixels = [pipe.image_processor.preprocess(s, height=height, width=width).to(device, dtype) for s in sources]
+        latents = [(retrieve_latents(vae.encode(p), sample_mode="argmax") - mean) / std for p in pixels]
     size = torch.tensor([[height, width]], dtype=dtype, device=device).repeat(n, 1)
     return DitCondition(embeds, negative, prior, size, torch.zeros_like(size), guidance_scale, latents,
                         [ids.to(device) for ids, _ in source_prior] if sources is not None else None)
@@ -1016,12 +1021,12 @@ def sample_dit(dit, cond, noise, schedule, noise_level, train_steps, generators)
     timesteps, sigmas = schedule
     cache = write_source_cache(dit, cond)
     x, states, logps = noise.to(sigmas.device, torch.float32), [], []
-    group = x.shape[0] // len(generators)
     for i, t in enumerate(timesteps):
         states.append(x)
         v = dit_velocity(dit, x, t, cond, cache)
         if i < train_steps:
-            eps = torch.cat([torch.randn((group, *x.shape[1:]), generator=g) for g in generators]).to(x.device)
+            group = (x.shape[0] // len(generators), *x.shape[1:])
+            eps = torch.cat([torch.randn(group, generator=g) for g in generators]).to(x.device)
             x, logp, _ = sde_step(v, x, sigmas, i, noise_level, eps=eps)
             logps.append(logp)
         else:
@@ -1068,7 +1073,7 @@ def latents_to_images(pipe, latents):
 @torch.no_grad()
 def ode_decode(pipe, cond, noise, schedule):
     """The deterministic (a = 0) decode of the current DiT: what it paints without SDE noise."""
-    rollout = sample_dit(pipe.transformer, cond, noise, schedule, 0.0, 0, [None])
+    rollout = sample_dit(pipe.transformer, cond, noise, schedule, 0.0, 0, [])
     return latents_to_images(pipe, rollout.states[:, -1])
 
 
@@ -1094,6 +1099,7 @@ def dit_update_terms(dit, reference, cond, rollout, advantages, args):
 
 
 def dit_reference_mean(dit, reference, cond, rollout, i, noise_level):
+    """Step i's mean under the reference: the same DiT with its LoRA adapters off, or the frozen copy."""
     if reference is None:
         dit.disable_adapters()
         try:
@@ -1111,14 +1117,12 @@ def joint_update(trainer, ar_terms, dit_terms, args):
     ar_terms / dit_terms: callables epoch -> iterable of (loss, metrics). Returns the metrics (the
     DiT's prefixed 'dit/'), averaged over the passes that updated; logp_diff_max from the first."""
     done, skipped, first = [], 0, {}
-    halves = [(prefix, params) for prefix, params, terms in [("", trainer.params, ar_terms),
-                                                              ("dit/", trainer.dit_params, dit_terms)] if terms]
+    halves = [(prefix, params, terms) for prefix, params, terms in
+              [("", trainer.params, ar_terms), ("dit/", trainer.dit_params, dit_terms)] if terms]
     for epoch in range(args.inner_epochs):
         trainer.optimizer.zero_grad(set_to_none=True)
         metrics, finite = {}, True
-        for prefix, terms in [("", ar_terms), ("dit/", dit_terms)]:
-            if not terms:
-                continue
+        for prefix, params, terms in halves:
             parts = []
             for loss, m in terms(epoch):
                 loss.backward()
@@ -1128,7 +1132,6 @@ def joint_update(trainer, ar_terms, dit_terms, args):
                 values = [p[key] for p in parts]
                 metrics[prefix + key] = sum(values) if key == "loss" else (
                     max(values) if key == "logp_diff_max" else sum(values) / len(values))
-        for prefix, params in halves:
             norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
             finite &= bool(torch.isfinite(norm))
             metrics[prefix + "grad_norm"] = norm.item()
