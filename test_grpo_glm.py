@@ -798,7 +798,7 @@ def test_policy_dit_trains_only_the_dit_and_saves_it(tmp_path, lora):
 @pytest.mark.parametrize("policy", ["dit", "both"])
 def test_dit_resume_is_bit_identical(tmp_path, policy):
     flags = ["--policy", policy, "--inner-epochs", "2", "--beta", "0.01", "--save-every", "1",
-             "--group-size", "2", "--prompts-per-step", "2", "--sample-every", "0", "--num-inference-steps", "3"]
+             "--group-size", "2", "--prompts-per-step", "1", "--sample-every", "0", "--num-inference-steps", "3"]
     g.main(["--steps", "2", "--out", str(tmp_path / "a"), *flags])
     g.main(["--steps", "1", "--out", str(tmp_path / "b"), *flags])
     g.main(["--steps", "2", "--out", str(tmp_path / "b"), "--resume", "latest", *flags])
