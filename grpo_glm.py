@@ -866,10 +866,10 @@ def grpo_update(ar, optimizer, params, rollout, advantages, ref_logp, args, supp
 # The mean keeps a step's ratio near 1, but small: a clip of 0.2 would never act, hence
 # --dit-clip-eps 1e-4 (flow_grpo's value).
 # Which steps train (--dit-train-steps T, default K - 1): the first T steps run the SDE and enter
-# the loss; the rest run the plain ODE. The last step is never trained by default: sigma' = 0 makes
-# its Gaussian extremely sharp (std ~ a * sqrt(sigma_last)), so tiny weight changes give huge
-# log-ratios; and an SDE step that is not trained would only add reward noise nobody is credited
-# for. Cheaper variants are not built here: a random window of SDE steps inside an ODE trajectory
+# the loss; the rest run the plain ODE. The last step is not trained by default (as flow_grpo):
+# it lands on sigma' = 0, its Gaussian is the sharpest of the trajectory (std = std_t *
+# sqrt(sigma_last) ~ a * sigma_last), so small weight changes give large log-ratios and noisy
+# gradients; and an SDE step that is not trained would only add reward noise nobody is credited for. Cheaper variants are not built here: a random window of SDE steps inside an ODE trajectory
 # (Flow-GRPO-Fast, MixGRPO's sliding window) would need only --dit-train-steps' window to move.
 
 @dataclass
