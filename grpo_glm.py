@@ -7,6 +7,7 @@
     python grpo_glm.py --reward my_rewards.py:score --report-to tensorboard   # your reward, watched in TensorBoard
     python grpo_glm.py --model zai-org/GLM-Image --lora-rank 64 --height 512 --width 512
     python grpo_glm.py --plan --model zai-org/GLM-Image --height 1024 --width 1024   # memory plan, no GPU
+    python grpo_glm.py --policy dit --steps 150 --inner-epochs 1 --group-size 8      # Flow-GRPO on the DiT
 
 GLM-Image is a hybrid: an autoregressive (AR) transformer writes a grid of discrete image tokens,
 and a diffusion transformer (DiT) paints pixels conditioned on those tokens. We treat the AR
@@ -19,11 +20,13 @@ network: for each prompt it samples a *group* of G answers, and each answer's ad
 reward standardised within the group, A_i = (r_i - mean(r)) / (std(r) + eps). The policy is
 then pushed up on better-than-average samples with PPO's clipped surrogate (Schulman et al.
 2017), optionally with a KL penalty towards the initial model.
+--policy dit|both trains the other half too (section 10b): the DiT becomes a policy over denoising
+steps (Flow-GRPO), scored by the same advantage and loss functions.
 
 The file is sectioned in the order one training step runs:
     1. settings  2. model  3. prompts and targets  4. SAMPLE (group generation)
     5. decode  6. REWARD  7. ADVANTAGE  8. log-probs  9. loss  10. UPDATE
-    11. LOG / samples  12. CHECKPOINT  13. memory plan  14. the training loop
+    10b. the other policy: Flow-GRPO on the DiT  11. LOG / samples  12. CHECKPOINT  13. memory plan  14. the training loop
 The pure functions (mse_reward, group_advantages, token_logprobs, grpo_loss) use no globals:
 copy them out freely.
 """
@@ -43,6 +46,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -66,6 +70,7 @@ ALGORITHM_FLAGS = (
     "max_grad_norm", "clip_eps", "beta", "temperature", "height", "width", "num_inference_steps",
     "guidance_scale", "dit_noise", "loss_tokens", "lora_rank", "lora_alpha", "dtype",
     "reward", "weight_decay", "lr_scheduler", "lr_warmup_steps",
+    "policy", "dit_lr", "dit_clip_eps", "dit_noise_level", "dit_train_steps", "dit_lora_rank", "dit_prior",
 )
 
 
@@ -117,6 +122,22 @@ def parse_args(argv=None):
     a("--lora-rank", type=int, default=0, help="LoRA rank on the AR's attention and MLP projections "
       "(0 = full fine-tuning).")
     a("--lora-alpha", type=float, default=None, help="LoRA alpha (default: equal to --lora-rank).")
+    a("--policy", choices=["ar", "dit", "both"], default="ar", help="What GRPO trains: 'ar' the autoregressive "
+      "token model (the DiT renders, frozen); 'dit' the diffusion decoder with Flow-GRPO (tokens shared per "
+      "prompt); 'both' the two halves at once from one reward (section 10b).")
+    a("--dit-lr", type=float, default=3e-3, help="AdamW learning rate of the DiT (the default suits the tiny "
+      "model's full fine-tuning; flow_grpo uses 3e-4 with LoRA on real models).")
+    a("--dit-clip-eps", type=float, default=1e-4, help="PPO clip epsilon of the DiT's per-step ratio. Step "
+      "log-probs are means over latent dims, so ratios stay within ~1e-3 of 1 (flow_grpo's value).")
+    a("--dit-noise-level", type=float, default=0.7, help="a in Flow-GRPO's SDE, std_t = a sqrt(sigma / (1 - "
+      "sigma)); 0 would be the deterministic ODE, which has no log-prob.")
+    a("--dit-train-steps", type=int, default=None, help="How many denoising steps (from the first) run as SDE "
+      "steps and enter the DiT loss; the rest run the ODE (default: all but the last).")
+    a("--dit-prior", choices=["per-prompt", "per-step"], default="per-prompt", help="--policy dit: the AR "
+      "token grid a prompt's group shares is drawn once per prompt for the whole run (seeded by the prompt), "
+      "or afresh each step.")
+    a("--dit-lora-rank", type=int, default=0, help="LoRA rank on the DiT's attention projections (0 = full "
+      "fine-tuning of the DiT).")
     a("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
       help="Weights dtype: auto = float32 on CPU, bfloat16 on CUDA.")
     a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in the backward pass "
@@ -164,6 +185,7 @@ def validate_args(args):
     if args.report_to != "none" and importlib.util.find_spec(args.report_to) is None:   # package = flag value
         raise UsageError(f"--report-to {args.report_to} needs the '{args.report_to}' package: "
                          f"pip install {args.report_to}")
+    validate_dit_args(args)
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise UsageError(f"--out {args.out} exists and is not a directory")
     if args.model != TINY and not looks_like_hub_id(args.model) and not (Path(args.model) / "model_index.json").is_file():
@@ -172,6 +194,23 @@ def validate_args(args):
         raise UsageError("--device cuda was asked for but no CUDA device is available")
     if args.offload and not (args.device != "cpu" and torch.cuda.is_available()):
         raise UsageError("--offload moves the frozen DiT, VAE and text encoder to a CUDA device when used; there is none here")
+
+
+def validate_dit_args(args):
+    for flag, value in {"--dit-lr": args.dit_lr, "--dit-clip-eps": args.dit_clip_eps,
+                        "--dit-noise-level": args.dit_noise_level}.items():
+        if not value > 0:
+            raise UsageError(f"{flag} must be > 0, got {value}")
+    steps = args.dit_train_steps
+    if steps is not None and not 1 <= steps <= args.num_inference_steps:
+        raise UsageError(f"--dit-train-steps must be between 1 and --num-inference-steps "
+                         f"({args.num_inference_steps}), got {steps}")
+    if args.dit_lora_rank < 0:
+        raise UsageError("--dit-lora-rank must not be negative")
+    if args.policy == "ar" and (args.dit_lora_rank or steps is not None):
+        raise UsageError("--dit-lora-rank and --dit-train-steps need --policy dit or both")
+    if args.policy == "dit" and args.lora_rank:
+        raise UsageError("--lora-rank adapts the AR, which --policy dit does not train (use --dit-lora-rank)")
 
 
 def looks_like_hub_id(name):
@@ -188,6 +227,8 @@ def resolve_runtime(args):
         args.offload = args.device == "cuda"
     if args.lora_alpha is None:
         args.lora_alpha = float(args.lora_rank)
+    if args.dit_train_steps is None and args.policy != "ar":
+        args.dit_train_steps = max(args.num_inference_steps - 1, 1)
     return args
 
 
@@ -200,6 +241,7 @@ def resolve_runtime(args):
 # special ids (real: 16384 + 128, image start = 16384, image end = 16385), the DiT's prior codebook
 # equals the VQ codebook, M-RoPE splits the rotary half-dims 1:1.5:1.5 ([8, 12, 12] in the real one).
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]   # the AR's Linears
+DIT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]               # the DiT's attention Linears
 TINY_CODEBOOK = 64                       # real: 16384
 TINY_VISION_VOCAB = TINY_CODEBOOK + 16   # real: 16512 (codebook + 128 special ids)
 # A minimal stand-in chat template: the real processor ships its own, loaded by from_pretrained.
@@ -316,8 +358,10 @@ def load_pipeline(args):
         # must stay on the GPU so its parameters, gradients and AdamW state never move under the
         # optimizer. So it leaves the sequence and is excluded (diffusers then places it on the
         # device once); the frozen glyph encoder, DiT and VAE take turns on the GPU.
-        pipe.model_cpu_offload_seq = "text_encoder->transformer->vae"
-        pipe._exclude_from_cpu_offload = ["vision_language_encoder"]
+        # With --policy dit|both the DiT is trained too and stays on the GPU for the same reason.
+        trains_dit = args.policy != "ar"
+        pipe.model_cpu_offload_seq = "text_encoder->vae" if trains_dit else "text_encoder->transformer->vae"
+        pipe._exclude_from_cpu_offload = ["vision_language_encoder"] + (["transformer"] if trains_dit else [])
         pipe.enable_model_cpu_offload(device=args.device)
     else:
         pipe.to(args.device)
@@ -346,6 +390,26 @@ def prepare_policy(ar, args):
     if args.gradient_checkpointing:
         ar.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return [p for p in ar.parameters() if p.requires_grad]
+
+
+def prepare_dit_policy(dit, args):
+    """Marks what of the DiT is trained: all its weights (the tiny model's default), or LoRA adapters
+    on its attention projections through diffusers' PEFT integration (add_adapter; the KL reference
+    is then the same DiT with disable_adapters()). Adapters train in fp32, as the AR's."""
+    if args.dit_lora_rank:
+        from peft import LoraConfig
+
+        dit.requires_grad_(False)
+        dit.add_adapter(LoraConfig(r=args.dit_lora_rank, lora_alpha=args.dit_lora_rank, lora_dropout=0.0,
+                                   target_modules=DIT_LORA_TARGETS))
+        for p in dit.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+    else:
+        dit.requires_grad_(True)
+    if args.gradient_checkpointing:
+        dit.enable_gradient_checkpointing()
+    return [p for p in dit.parameters() if p.requires_grad]
 
 
 # =============================================================================================
@@ -912,6 +976,307 @@ def grpo_update(ar, optimizer, params, rollout, advantages, ref_logp, args, supp
 
 
 # =============================================================================================
+# 10b. The other policy: Flow-GRPO on the DiT (a denoising step plays the role of a token)
+# =============================================================================================
+# GLM-Image's authors post-train both halves ("decoupled RL"): the AR for low-frequency signals
+# (layout, semantics), the DiT for high-frequency ones (detail, text). To train the DiT with the
+# same group_advantages and grpo_loss we need what the AR has for free: a probability for what
+# was sampled. The pipeline's Euler ODE step x' = x + v * dt is deterministic, so there is no
+# log-prob to put in a ratio. Flow-GRPO (Liu et al. 2025, yifan123/flow_grpo,
+# `sde_step_with_logprob`, type 'sde') swaps each step for an SDE with the same marginals,
+#     std_t = a * sqrt(sigma / (1 - sigma))
+#     mean  = x * (1 + std_t^2 / (2 sigma) * dt) + v * (1 + std_t^2 (1 - sigma) / (2 sigma)) * dt
+#     x'    = mean + std_t * sqrt(-dt) * eps,          dt = sigma' - sigma < 0
+# so each step is a Gaussian policy pi_theta(x' | x_t) whose log-prob we can ratio, exactly as a
+# token's. a = --dit-noise-level; a = 0 gives back the pipeline's Euler step (tested).
+# A trajectory of K denoising steps is then a "sequence" of K actions: logp [N, K], mask all ones.
+# Log-probs are the MEAN over latent dims (as flow_grpo): a sum over C*h*w dims (256 on the tiny
+# model, 65536 at 1024^2) would make one step's log-ratio thousands of times larger than a token's.
+# The mean keeps a step's ratio near 1, but small: a clip of 0.2 would never act, hence
+# --dit-clip-eps 1e-4 (flow_grpo's value).
+# Which steps train (--dit-train-steps T, default K - 1): the first T steps run the SDE and enter
+# the loss; the rest run the plain ODE. The last step is not trained by default (as flow_grpo):
+# it lands on sigma' = 0, its Gaussian is the sharpest of the trajectory (std = std_t *
+# sqrt(sigma_last) ~ a * sigma_last), so small weight changes give large log-ratios and noisy
+# gradients; and an SDE step that is not trained would only add reward noise nobody is credited for. Cheaper variants are not built here: a random window of SDE steps inside an ODE trajectory
+# (Flow-GRPO-Fast, MixGRPO's sliding window) would need only --dit-train-steps' window to move.
+
+@dataclass
+class DitCondition:
+    """What the DiT is conditioned on, built as GlmImagePipeline.__call__ builds it (N = P x G rows)."""
+    prompt_embeds: torch.Tensor      # [N, S, D] glyph embeddings (encode_prompt)
+    negative_embeds: torch.Tensor    # [N, S', D] glyph embeddings of "" (CFG's unconditional branch), or None
+    prior: torch.Tensor              # [N, 4*H*W] target-grid tokens upsampled 2x (the DiT's 16-px grid)
+    target_size: torch.Tensor        # [N, 2] (height, width) in pixels
+    crop_coords: torch.Tensor        # [N, 2] zeros, the pipeline's default crops_coords_top_left
+    guidance_scale: float
+    source_latents: list = None      # i2i, per prompt: normalised VAE latent [1, C, h, w] of the source
+    source_prior: list = None        # i2i, per prompt: its VQ ids upsampled 2x [4*h*w]
+
+
+@dataclass
+class DitRollout:
+    states: torch.Tensor     # [N, K+1, C, h, w] x_0 (initial noise) ... x_K (final latent), fp32
+    old_logp: torch.Tensor   # [N, T] log pi_old(x_{i+1} | x_i) of the T trained steps at sampling time
+    timesteps: torch.Tensor  # [K] the pipeline's (unshifted) timesteps
+    sigmas: torch.Tensor     # [K+1] the scheduler's shifted sigmas, ending in 0
+
+
+def dit_schedule(pipe, height, width, num_inference_steps):
+    """(timesteps [K], sigmas [K+1]) exactly as GlmImagePipeline.__call__ sets them up: timesteps
+    int(linspace(1000, 1, K+1)[:-1]), sigmas = timesteps / 1000, shifted by the scheduler with the
+    pipeline's calculate_shift(mu) inside retrieve_timesteps. sigma is read back from
+    scheduler.sigmas, which is shifted: t / 1000 is not the sigma the DiT was run at."""
+    from diffusers.pipelines.glm_image.pipeline_glm_image import calculate_shift, retrieve_timesteps
+
+    scheduler, device = pipe.scheduler, pipe._execution_device
+    seq_len = (height // pipe.vae_scale_factor) * (width // pipe.vae_scale_factor) // pipe.transformer.config.patch_size ** 2
+    train_steps = scheduler.config.num_train_timesteps
+    timesteps = np.linspace(train_steps, 1.0, num_inference_steps + 1)[:-1].astype(np.int64).astype(np.float32)
+    mu = calculate_shift(seq_len, scheduler.config.get("base_image_seq_len", 256),
+                         scheduler.config.get("base_shift", 0.25), scheduler.config.get("max_shift", 0.75))
+    timesteps, _ = retrieve_timesteps(scheduler, num_inference_steps, device, timesteps, timesteps / train_steps, mu=mu)
+    return timesteps, scheduler.sigmas.to(device, torch.float32)
+
+
+@torch.no_grad()
+def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_scale, sources=None, source_prior=None):
+    """The DiT's inputs for P prompts x G samples. target_tokens [N, H*W]; i2i: `sources` (PIL) and
+    `source_prior` ((upsampled VQ ids, grid) as encode_sources makes them) per prompt. The frozen glyph
+    encoder and VAE run once here; the source's KV cache depends on the DiT's weights and is written
+    per pass (write_source_cache)."""
+    from diffusers.pipelines.glm_image.pipeline_glm_image import retrieve_latents
+
+    H, W = grid_hw
+    height, width = 32 * H, 32 * W
+    device, dtype = pipe._execution_device, pipe.dtype
+    n = target_tokens.shape[0]
+    embeds, negative = pipe.encode_prompt(prompts, guidance_scale > 1, num_images_per_prompt=group_size,
+                                          device=device, dtype=dtype)
+    prior = torch.cat([pipe._upsample_token_ids(t, H, W) for t in target_tokens]).to(device)
+    latents = None
+    if sources is not None:
+        # the pipeline's i2i path: preprocess, VAE mode (argmax), normalise with latents_mean/std
+        vae = pipe.vae
+        mean, std = (torch.tensor(v).view(1, -1, 1, 1).to(device, dtype)
+                     for v in (vae.config.latents_mean, vae.config.latents_std))
+        pixels = [pipe.image_processor.preprocess(s, height=height, width=width).to(device, dtype) for s in sources]
+        latents = [(retrieve_latents(vae.encode(p), sample_mode="argmax") - mean) / std for p in pixels]
+    size = torch.tensor([[height, width]], dtype=dtype, device=device).repeat(n, 1)
+    return DitCondition(embeds, negative, prior, size, torch.zeros_like(size), guidance_scale, latents,
+                        [ids.to(device) for ids, _ in source_prior] if sources is not None else None)
+
+
+def write_source_cache(dit, cond):
+    """i2i: one DiT pass per prompt over its source latent at timestep 0 writes every layer's
+    keys/values into a GlmImageKVCache (as the pipeline does); the denoising passes then attend to
+    them. The G samples of a prompt share its cache (GlmImageLayerKVCache.get expands P entries to
+    N = P x G rows). t2i: an empty cache, as the pipeline passes."""
+    from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
+
+    cache = GlmImageKVCache(num_layers=dit.config.num_layers)
+    if cond.source_latents is None:
+        return cache
+    cache.set_mode("write")
+    for latent, ids in zip(cond.source_latents, cond.source_prior):
+        dit(hidden_states=latent.to(dit.dtype), encoder_hidden_states=cond.prompt_embeds[:1, :0],
+            prior_token_id=ids, prior_token_drop=torch.zeros_like(ids, dtype=torch.bool),
+            timestep=torch.zeros(1, device=latent.device), target_size=cond.target_size[:1],
+            crop_coords=cond.crop_coords[:1], kv_caches=cache)
+        cache.next_sample()
+    return cache
+
+
+def dit_velocity(dit, latents, t, cond, cache):
+    """The guided velocity v [N, C, h, w] (fp32) at timestep t, as the pipeline's loop computes it:
+    the DiT gets `timestep = t - 1`; with CFG the unconditional branch drops the prior tokens
+    (prior_token_drop=True) and uses the glyph embeddings of "", v = v_u + g (v_c - v_u). With CFG
+    during training the policy *is* the guided velocity: two DiT passes per step."""
+    timestep = t.expand(latents.shape[0]) - 1
+    i2i = cond.source_latents is not None
+
+    def branch(embeds, drop, mode):
+        if i2i:
+            cache.set_mode(mode)     # read the source's keys/values; the unconditional branch skips them
+        return dit(hidden_states=latents.to(dit.dtype), encoder_hidden_states=embeds, prior_token_id=cond.prior,
+                   prior_token_drop=torch.full_like(cond.prior, drop, dtype=torch.bool), timestep=timestep,
+                   target_size=cond.target_size, crop_coords=cond.crop_coords, return_dict=False,
+                   kv_caches=cache)[0].float()
+
+    v = branch(cond.prompt_embeds, False, "read")
+    if cond.guidance_scale > 1:
+        v_uncond = branch(cond.negative_embeds, True, "skip")
+        v = v_uncond + cond.guidance_scale * (v - v_uncond)
+    return v
+
+
+def sde_step(v, x, sigmas, i, noise_level, eps=None, x_next=None):
+    """One Flow-GRPO SDE step from x = x_i at sigma_i (fp32 [N, C, h, w]). Returns (x', logp [N], mean).
+
+    x' = mean + std * eps with std = std_t * sqrt(-dt); pass `x_next` instead of `eps` to score a
+    stored transition (recomputation). logp is the Gaussian log-density averaged over latent dims.
+    noise_level = 0 is the plain Euler step (x' = mean = x + v dt, no log-prob). flow_grpo replaces
+    sigma = 1 by sigmas[1] only inside std_t, where sigma / (1 - sigma) would divide by zero."""
+    sigma, dt = sigmas[i], sigmas[i + 1] - sigmas[i]
+    std_t = noise_level * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigmas[1], sigma)))
+    mean = x * (1 + std_t ** 2 / (2 * sigma) * dt) + v * (1 + std_t ** 2 * (1 - sigma) / (2 * sigma)) * dt
+    if noise_level == 0:
+        return mean, None, mean
+    std = std_t * torch.sqrt(-dt)
+    if x_next is None:
+        x_next = mean + std * eps
+    logp = -((x_next.detach() - mean) ** 2) / (2 * std ** 2) - torch.log(std) - math.log(math.sqrt(2 * math.pi))
+    return x_next, logp.mean(dim=tuple(range(1, logp.ndim))), mean
+
+
+def step_std(sigmas, i, noise_level):
+    """The std of step i's Gaussian, std_t * sqrt(-dt) (a scalar), as in sde_step."""
+    sigma = sigmas[i]
+    std_t = noise_level * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigmas[1], sigma)))
+    return std_t * torch.sqrt(sigmas[i] - sigmas[i + 1])
+
+
+def sde_generators(seed, step, prompt_indices):
+    """One generator per prompt for the SDE noise, seeded from (seed, step, prompt index): a prompt's
+    noise does not depend on which other prompts share its batch."""
+    return [torch.Generator().manual_seed(seed * 7_919 + 2_000_003 * step + 17 * index + 1) for index in prompt_indices]
+
+
+@torch.no_grad()
+def sample_dit(dit, cond, noise, schedule, noise_level, train_steps, generators):
+    """Denoises `noise` [N, C, h, w] (N = len(generators) x G) over the pipeline's schedule. The first
+    `train_steps` steps are SDE steps (their eps drawn per prompt, [G, C, h, w] from its generator) and
+    record log-probs; the rest are ODE steps. Returns a DitRollout; its states[:, -1] is the latent."""
+    timesteps, sigmas = schedule
+    cache = write_source_cache(dit, cond)
+    x, states, logps = noise.to(sigmas.device, torch.float32), [], []
+    for i, t in enumerate(timesteps):
+        states.append(x)
+        v = dit_velocity(dit, x, t, cond, cache)
+        if i < train_steps:
+            group = (x.shape[0] // len(generators), *x.shape[1:])
+            eps = torch.cat([torch.randn(group, generator=g) for g in generators]).to(x.device)
+            x, logp, _ = sde_step(v, x, sigmas, i, noise_level, eps=eps)
+            logps.append(logp)
+        else:
+            x, _, _ = sde_step(v, x, sigmas, i, 0.0)
+    states.append(x)
+    old_logp = torch.stack(logps, 1) if logps else x.new_zeros(x.shape[0], 0)
+    return DitRollout(torch.stack(states, 1), old_logp, timesteps, sigmas)
+
+
+def dit_step_logprob(dit, cond, rollout, i, noise_level):
+    """Recomputes step i of every stored trajectory with gradients: (logp [N], mean [N, C, h, w]).
+    The source's KV cache is rewritten inside this step's graph (the DiT's weights made it), so each
+    step can be backpropagated and freed on its own."""
+    cache = write_source_cache(dit, cond)
+    x = rollout.states[:, i]
+    v = dit_velocity(dit, x, rollout.timesteps[i], cond, cache)
+    _, logp, mean = sde_step(v, x, rollout.sigmas, i, noise_level, x_next=rollout.states[:, i + 1])
+    return logp, mean
+
+
+def dit_policy_logprobs(dit, cond, rollout, noise_level):
+    """logp [N, T] of all T trained steps (with gradients when enabled): the DiT's policy_logprobs."""
+    return torch.stack([dit_step_logprob(dit, cond, rollout, i, noise_level)[0]
+                        for i in range(rollout.old_logp.shape[1])], 1)
+
+
+def dit_kl(mean, ref_mean, std):
+    """Closed-form KL between the step Gaussians of policy and reference (same std), per sample and
+    averaged over latent dims like the log-prob: ||mean - ref_mean||^2 / (2 std^2). [N, C, h, w] -> [N]."""
+    return ((mean - ref_mean) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * std ** 2)
+
+
+def latents_to_images(pipe, latents):
+    """The pipeline's own decode: un-normalise with the VAE's latents_mean/std, vae.decode, postprocess.
+    latents [N, C, h, w] -> images [N, 3, H, W] in [0, 1] (fp32, CPU)."""
+    vae = pipe.vae
+    latents = latents.to(vae.dtype)
+    mean, std = (torch.tensor(v).view(1, -1, 1, 1).to(latents.device, latents.dtype)
+                 for v in (vae.config.latents_mean, vae.config.latents_std))
+    image = vae.decode(latents * std + mean, return_dict=False)[0]
+    return pipe.image_processor.postprocess(image, output_type="pt").float().cpu()
+
+
+@torch.no_grad()
+def ode_decode(pipe, cond, noise, schedule):
+    """The deterministic (a = 0) decode of the current DiT: what it paints without SDE noise."""
+    rollout = sample_dit(pipe.transformer, cond, noise, schedule, 0.0, 0, [])
+    return latents_to_images(pipe, rollout.states[:, -1])
+
+
+def dit_update_terms(dit, reference, cond, rollout, advantages, args):
+    """The DiT's half of the UPDATE, one trained step at a time: yields (loss_i, metrics_i) with
+    loss_i = grpo_loss over that step's column / T, so the T per-step backward passes add up to the
+    gradient of grpo_loss over all [N, T] (mask all ones) while only one step's activations are
+    alive at once (flow_grpo does the same). KL (beta > 0): closed form on the step means against
+    the reference DiT (adapters off with LoRA, else a frozen copy)."""
+    steps = rollout.old_logp.shape[1]
+    ones = torch.ones_like(rollout.old_logp[:, :1])
+    for i in range(steps):
+        logp, mean = dit_step_logprob(dit, cond, rollout, i, args.dit_noise_level)
+        loss, metrics = grpo_loss(logp[:, None], rollout.old_logp[:, i:i + 1], advantages, ones, args.dit_clip_eps)
+        if args.beta > 0:
+            with torch.no_grad():
+                ref_mean = dit_reference_mean(dit, reference, cond, rollout, i, args.dit_noise_level)
+            kl = dit_kl(mean, ref_mean, step_std(rollout.sigmas, i, args.dit_noise_level)).mean()
+            loss = loss + args.beta * kl
+            metrics["kl"] = kl.item()
+        metrics["logp_diff_max"] = (logp.detach() - rollout.old_logp[:, i]).abs().max().item()
+        yield loss / steps, metrics
+
+
+def dit_reference_mean(dit, reference, cond, rollout, i, noise_level):
+    """Step i's mean under the reference: the same DiT with its LoRA adapters off, or the frozen copy."""
+    if reference is None:
+        dit.disable_adapters()
+        try:
+            return dit_step_logprob(dit, cond, rollout, i, noise_level)[1]
+        finally:
+            dit.enable_adapters()
+    return dit_step_logprob(reference, cond, rollout, i, noise_level)[1]
+
+
+def joint_update(trainer, ar_terms, dit_terms, args):
+    """mu passes over one batch for --policy dit|both. Each half's loss is backpropagated as it is
+    built (the AR's in one piece, the DiT's one denoising step at a time); one AdamW step then moves
+    both halves, each with its own learning rate (param groups). Gradients are clipped per half: the
+    two losses live on different scales, and a joint norm would let one half throttle the other.
+    ar_terms / dit_terms: callables epoch -> iterable of (loss, metrics). Returns the metrics (the
+    DiT's prefixed 'dit/'), averaged over the passes that updated; logp_diff_max from the first."""
+    done, skipped, first = [], 0, {}
+    halves = [(prefix, params, terms) for prefix, params, terms in
+              [("", trainer.params, ar_terms), ("dit/", trainer.dit_params, dit_terms)] if terms]
+    for epoch in range(args.inner_epochs):
+        trainer.optimizer.zero_grad(set_to_none=True)
+        metrics, finite = {}, True
+        for prefix, params, terms in halves:
+            parts = []
+            for loss, m in terms(epoch):
+                loss.backward()
+                finite &= bool(torch.isfinite(loss))
+                parts.append({**m, "loss": loss.item()})
+            for key in parts[0]:
+                values = [p[key] for p in parts]
+                metrics[prefix + key] = sum(values) if key == "loss" else (
+                    max(values) if key == "logp_diff_max" else sum(values) / len(values))
+            norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            finite &= bool(torch.isfinite(norm))
+            metrics[prefix + "grad_norm"] = norm.item()
+        if epoch == 0:
+            first = {k: v for k, v in metrics.items() if k.endswith("logp_diff_max")}
+        if not finite:
+            skipped += 1
+            trainer.optimizer.zero_grad(set_to_none=True)
+            continue
+        trainer.optimizer.step()
+        done.append({k: v for k, v in metrics.items() if not k.endswith("logp_diff_max")})
+    averaged = {key: sum(m[key] for m in done) / len(done) for key in done[0]} if done else {}
+    return {**averaged, **first, "skipped_updates": skipped}
+
+
+# =============================================================================================
 # 11. LOG and samples
 # =============================================================================================
 
@@ -930,9 +1295,10 @@ def truncate_metrics(path, last_step):
     atomic_write_bytes(path, "".join(r + "\n" for r in rows).encode())
 
 
-def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, scale=2):
+def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, scale=2):
     """One row per prompt: (i2i: the source,) the target (if any), then its G samples captioned with
-    their rewards. Images are how one notices collapse or reward hacking long before the numbers do.
+    their rewards, and (--policy dit|both, `ode` [P, 3, H, W]) the current DiT's deterministic a = 0
+    decode. Images are how one notices collapse or reward hacking long before the numbers do.
     Returns the sheet (PIL) for the trackers."""
     width, height = images.shape[-1] * scale, images.shape[-2] * scale
     caption = 14
@@ -944,6 +1310,8 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
             cells.append((to_pil(targets[row]), "target"))
         cells += [(to_pil(images[i]), f"{rewards[i].item():.4f}")
                   for i in range(row * group_size, (row + 1) * group_size)]
+        if ode is not None:
+            cells.append((to_pil(ode[row]), "a=0 (ODE)"))
         rows.append((prompt, cells))
     sheet = Image.new("RGB", (len(rows[0][1]) * width, len(rows) * (height + 2 * caption)), "white")
     draw = ImageDraw.Draw(sheet)
@@ -1259,6 +1627,42 @@ def memory_plan(components, height, width, samples, prompt_tokens=64, ranks=(64,
     return rows, counts, tokens
 
 
+def dit_lora_parameter_count(dit, rank):
+    return sum(rank * (m.in_features + m.out_features) for n, m in dit.named_modules()
+               if isinstance(m, torch.nn.Linear) and any(n.endswith(t) for t in DIT_LORA_TARGETS))
+
+
+def dit_memory_plan(components, height, width, samples, cfg, ar_row, text_tokens=64, ranks=(64,)):
+    """--policy dit|both rows, same conventions as memory_plan. The DiT's loss is backpropagated one
+    denoising step at a time (section 10b), so activations are those of ONE step's forward over the
+    batch, whatever --dit-train-steps is (x2 with CFG: the guided velocity keeps both passes). Per
+    block and token ~ 30 * hidden values (attention as the AR's, a 4x GELU MLP). The stored
+    trajectories (samples x (K+1) latents) are megabytes. 'both' adds the AR's trainable state
+    (`ar_row`); the AR's activations are freed before the DiT's backward starts."""
+    dit = components["dit"]
+    counts = {name: numel(module) for name, module in components.items()}
+    hidden = dit.config.num_attention_heads * dit.config.attention_head_dim
+    tokens = (height // 16) * (width // 16) + text_tokens
+    passes = 2 if cfg else 1
+    per_block = tokens * samples * passes * 30 * hidden * 2
+    frozen = max(2 * v for k, v in counts.items() if k not in ("dit", "ar"))
+    rows = []
+    for mode, trainable in [("full", counts["dit"])] + [(f"lora-{r}", dit_lora_parameter_count(dit, r)) for r in ranks]:
+        lora = mode != "full"
+        weights = 2 * counts["dit"] + (4 * trainable if lora else 0)
+        grads, adam = (4 if lora else 2) * trainable, 8 * trainable
+        for checkpointing in (False, True):
+            layers = dit.config.num_layers
+            act = (layers * tokens * samples * passes * hidden * 2 + per_block) if checkpointing else layers * per_block
+            dit_peak = weights + grads + adam + act
+            rows.append({"mode": mode, "grad_ckpt": checkpointing, "trainable_params": trainable, "dit_weights": weights,
+                         "grads": grads, "adam": adam, "activations": act,
+                         # the frozen AR (bf16) sits beside it, the other frozen parts are offloaded
+                         "peak_dit": dit_peak + 2 * counts["ar"] + frozen,
+                         "peak_both": dit_peak + ar_row["ar_weights"] + ar_row["grads"] + ar_row["adam"] + frozen})
+    return rows
+
+
 def print_memory_plan(args):
     if args.model == TINY:
         components = {name: getattr(build_tiny_pipeline(args.seed), attr) for name, attr in
@@ -1278,6 +1682,16 @@ def print_memory_plan(args):
         cells = [r["mode"], "yes" if r["grad_ckpt"] else "no", f"{r['trainable_params'] / 1e6:.1f} M"]
         cells += [f"{r[k] / GiB:.1f}" for k in ("ar_weights", "grads", "adam", "activations", "peak_offload",
                                                 "peak_no_offload")]
+        print("| " + " | ".join(cells) + " |")
+    ar_row = next(r for r in rows if r["mode"] == "lora-64" and r["grad_ckpt"])
+    dit_rows = dit_memory_plan(components, args.height, args.width, samples, args.guidance_scale > 1, ar_row)
+    print(f"\nDiT (Flow-GRPO, --policy dit|both): one denoising step's forward over {samples} samples, "
+          f"CFG {'on' if args.guidance_scale > 1 else 'off'}; 'both' adds the AR's LoRA-64 weights, grads and AdamW")
+    print("| DiT mode | grad ckpt | trainable | DiT weights | grads | AdamW | activations | peak, dit | peak, both |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in dit_rows:
+        cells = [r["mode"], "yes" if r["grad_ckpt"] else "no", f"{r['trainable_params'] / 1e6:.1f} M"]
+        cells += [f"{r[k] / GiB:.1f}" for k in ("dit_weights", "grads", "adam", "activations", "peak_dit", "peak_both")]
         print("| " + " | ".join(cells) + " |")
 
 
@@ -1323,6 +1737,10 @@ class Trainer:
     suppressed: list             # ids outside the VQ codebook, never sampled inside a grid
     rewards: list = None         # the --reward plug-ins (section 6)
     lr_scheduler: object = None  # diffusers' get_scheduler: one step per GRPO step
+    trained: torch.nn.Module = None   # what checkpoints hold: the AR, or {AR, DiT} with --policy dit|both
+    dit_params: list = None      # the DiT's trainable parameters (--policy dit|both)
+    dit_reference: object = None  # frozen initial DiT for the KL term (full fine-tuning, beta > 0)
+    prompt_tokens: dict = None   # --policy dit --dit-prior per-prompt: prompt index -> its token grid
 
 
 def grpo_step(trainer, items, indices, step, args):
@@ -1372,6 +1790,101 @@ def grpo_step(trainer, items, indices, step, args):
     return row, rewards, images, targets, sources
 
 
+def shared_prompt_tokens(pipe, prompts, sources, indices, args, cache):
+    """--policy dit: one token grid per prompt (its group shares it). 'per-prompt' (--dit-prior) draws
+    each prompt's grid from a seed of (seed, prompt index), the same grid every step: the tiny DiT
+    then sees a fixed input per prompt and can learn what to paint from it. A random AR's grids
+    say little about the prompt, so with 'per-step' grids the DiT can only learn an image that
+    suits every prompt on average. The AR is frozen, so a prompt's draw is kept in `cache` rather
+    than sampled again every step. Returns a Rollout-like object with target_tokens [P, H*W],
+    grid_hw and source_prior."""
+    sample = lambda p, s: sample_group(pipe, p, 1, args.temperature, args.height, args.width, args.loss_tokens,
+                                       s, record_logp=False)
+    if args.dit_prior == "per-step":
+        return sample(prompts, sources)
+    for i, index in enumerate(indices):
+        if index not in cache:
+            with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+                torch.manual_seed(args.seed * 7_919 + index)      # leaves the run's RNG stream untouched
+                cache[index] = sample([prompts[i]], sources and [sources[i]])
+    draws = [cache[index] for index in indices]
+    return SimpleNamespace(target_tokens=torch.cat([d.target_tokens for d in draws]), grid_hw=draws[0].grid_hw,
+                           source_prior=sources and [d.source_prior[0] for d in draws])
+
+
+def grpo_step_dit(trainer, items, indices, step, args):
+    """One GRPO step with the DiT as (part of) the policy, --policy dit|both. Returns grpo_step's tuple
+    plus the a = 0 decode of the updated DiT [P, 3, H, W] on sample-sheet steps (else None).
+
+    dit: the AR tokens are sampled once per prompt and shared by its group, as is the initial noise,
+    so the G samples differ only by their SDE noise and the advantage credits the DiT alone.
+    both: tokens and SDE noise both vary; each sample gets one reward and one advantage, used by both
+    halves. Credit assignment is then shared: the AR's advantage also carries the luck of the SDE
+    noise and the DiT's the luck of the tokens, each half's signal is the other's noise. On the tiny
+    model the DiT's noise moves the reward far more than the tokens, so the AR learns more slowly than
+    under --policy ar (the README compares them)."""
+    pipe, ar, dit = trainer.pipe, trainer.pipe.vision_language_encoder, trainer.pipe.transformer
+    batch = [items[i] for i in indices]
+    prompts = [it.text for it in batch]
+    sources = [it.source for it in batch] if args.mode == "i2i" else None
+    G, train_ar = args.group_size, args.policy == "both"
+    # ---- SAMPLE: tokens (AR), then trajectories (DiT SDE) -----------------------------------
+    ar.eval()
+    exact_fp32 = args.dtype == "float32"
+    if train_ar:
+        rollout = sample_group(pipe, prompts, G, args.temperature, args.height, args.width, args.loss_tokens,
+                               sources, record_logp=exact_fp32)
+        if not exact_fp32:
+            with torch.no_grad():
+                rollout.old_logp = policy_logprobs(ar, rollout, args.temperature, trainer.suppressed)
+    else:
+        rollout = shared_prompt_tokens(pipe, prompts, sources, indices, args, trainer.prompt_tokens)
+    tokens = rollout.target_tokens if train_ar else rollout.target_tokens.repeat_interleave(G, 0)   # [N, H*W]
+    source_prior = rollout.source_prior and rollout.source_prior[::G if train_ar else 1]          # per prompt
+    cond = dit_condition(pipe, prompts, G, tokens, rollout.grid_hw, args.guidance_scale, sources, source_prior)
+    schedule = dit_schedule(pipe, args.height, args.width, args.num_inference_steps)
+    noise = group_noise(pipe, indices, G, args.height, args.width, args.seed, step, args.dit_noise)
+    trajectories = sample_dit(dit, cond, noise, schedule, args.dit_noise_level, args.dit_train_steps,
+                              sde_generators(args.seed, step, indices))
+    # ---- DECODE + REWARD ---------------------------------------------------------------------
+    with torch.no_grad():
+        images = latents_to_images(pipe, trajectories.states[:, -1])                       # [N, 3, H, W]
+    targets = (torch.stack([image_to_tensor(it.target) for it in batch])                  # [P, 3, H, W]
+               if all(it.target is not None for it in batch) else None)
+    rewards, per_reward = compute_rewards(trainer.rewards, images, repeat_each(prompts, G),
+                                          None if targets is None else targets.repeat_interleave(G, 0))
+    # ---- ADVANTAGE: the same function for both halves ---------------------------------------
+    advantages = group_advantages(rewards, G)                                              # [N]
+    # ---- UPDATE ------------------------------------------------------------------------------
+    ar_terms = None
+    if train_ar:
+        ref_logp = (reference_logprobs(ar, trainer.reference, rollout, args.temperature, trainer.suppressed)
+                    if args.beta > 0 else None)
+        ar.train()
+
+        def ar_terms(epoch):
+            logp = policy_logprobs(ar, rollout, args.temperature, trainer.suppressed)
+            loss, metrics = grpo_loss(logp, rollout.old_logp, advantages, rollout.loss_mask, args.clip_eps,
+                                      args.beta, ref_logp)
+            metrics["logp_diff_max"] = ((logp - rollout.old_logp).abs() * rollout.loss_mask).max().item()
+            return [(loss, metrics)]
+    dit_adv = advantages.to(trajectories.old_logp.device)
+    update = joint_update(trainer, ar_terms, lambda epoch: dit_update_terms(
+        dit, trainer.dit_reference, cond, trajectories, dit_adv, args), args)
+    group_std = rewards.view(-1, G).std(dim=1)
+    row = {"step": step, "reward_mean": rewards.mean().item(), "reward_std": group_std.mean().item(),
+           "frac_reward_zero_std": (group_std == 0).float().mean().item(), **update,
+           "loss": update.get("loss", 0.0) + update.get("dit/loss", float("nan")),   # AR + DiT
+           **{f"rewards/{name}": value.mean().item() for name, value in per_reward.items()}}
+    ode = None
+    if args.sample_every and step % args.sample_every == 0:
+        first = slice(None, None, G)     # a = 0 decode of each prompt's first sample, shared noise
+        ode_cond = dit_condition(pipe, prompts, 1, tokens[first], rollout.grid_hw, args.guidance_scale, sources,
+                                 source_prior)
+        ode = ode_decode(pipe, ode_cond, noise[first], schedule)
+    return row, rewards, images, targets, sources, ode
+
+
 def setup_training(args, ckpt=None, ckpt_path=None, rewards=None):
     """Loads the model, marks what trains, builds AdamW and its learning-rate schedule, restores a
     checkpoint. Returns (Trainer, start step). `rewards`: the loaded --reward plug-ins (loaded here
@@ -1388,9 +1901,19 @@ def setup_training(args, ckpt=None, ckpt_path=None, rewards=None):
     suppressed = image_token_suppression(ar, pipe.transformer.config.prior_vq_quantizer_codebook_size)
     # For full fine-tuning with beta > 0, the KL reference is a frozen copy of the initial AR
     # (fine for the tiny model; at 9B use LoRA, whose reference is the base with adapters off).
-    reference = copy.deepcopy(ar).requires_grad_(False) if args.beta > 0 and not args.lora_rank else None
-    params = prepare_policy(ar, args)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    train_ar, dit = args.policy != "dit", pipe.transformer
+    reference = copy.deepcopy(ar).requires_grad_(False) if train_ar and args.beta > 0 and not args.lora_rank else None
+    params = prepare_policy(ar, args) if train_ar else []
+    groups, trained = [{"params": params, "lr": args.lr}], ar
+    dit_params, dit_reference = None, None
+    if args.policy != "ar":
+        dit_reference = copy.deepcopy(dit).requires_grad_(False) if args.beta > 0 and not args.dit_lora_rank else None
+        dit_params = prepare_dit_policy(dit, args)
+        # one AdamW, one param group per half, each with its own learning rate
+        groups = (groups if train_ar else []) + [{"params": dit_params, "lr": args.dit_lr}]
+        trained = torch.nn.ModuleDict({"vision_language_encoder": ar, "transformer": dit} if train_ar
+                                      else {"transformer": dit})
+    optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay)
     # The schedule spans --steps GRPO steps (each of --inner-epochs optimiser steps, all at the
     # step's lr). diffusers' 'constant' ignores warm-up, its 'constant_with_warmup' does not.
     with_warmup = args.lr_scheduler == "constant" and args.lr_warmup_steps
@@ -1398,11 +1921,12 @@ def setup_training(args, ckpt=None, ckpt_path=None, rewards=None):
                                  num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.steps)
     start = 0
     if ckpt is not None:
-        restore_checkpoint(ckpt, ckpt_path, ar, optimizer, lr_scheduler)
+        restore_checkpoint(ckpt, ckpt_path, trained, optimizer, lr_scheduler)
         start = ckpt["step"]
         print(f"Resuming from step {start} ({ckpt_path})")
     rewards = load_rewards(args.reward) if rewards is None else rewards
-    return Trainer(pipe, optimizer, params, reference, suppressed, rewards, lr_scheduler), start
+    return Trainer(pipe, optimizer, params, reference, suppressed, rewards, lr_scheduler, trained, dit_params,
+                   dit_reference, {}), start
 
 
 def train(args):
@@ -1420,15 +1944,16 @@ def train(args):
             raise UsageError(f"--resume {ckpt_path}: flags differ from the checkpoint's: {'; '.join(differences)} "
                              "(add --resume-force to accept)")
     trainer, start = setup_training(args, ckpt, ckpt_path, rewards)
-    ar = trainer.pipe.vision_language_encoder
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
     truncate_metrics(metrics_path, start)
-    trainable = sum(p.numel() for p in trainer.params) / 1e6
+    trainable = sum(p.numel() for p in trainer.trained.parameters() if p.requires_grad) / 1e6
     print(f"running with: mode={args.mode} model={args.model} device={args.device} dtype={args.dtype} "
           f"offload={args.offload} batch={args.prompts_per_step}x{args.group_size} mu={args.inner_epochs} "
           f"lr={args.lr} trainable={trainable:.2f}M ({f'LoRA r={args.lora_rank}' if args.lora_rank else 'full'}) "
-          f"image={args.height}x{args.width} loss_tokens={args.loss_tokens} dit_noise={args.dit_noise} out={out}")
+          f"image={args.height}x{args.width} loss_tokens={args.loss_tokens} dit_noise={args.dit_noise} out={out}"
+          + (f" policy={args.policy} dit_lr={args.dit_lr} dit_train_steps={args.dit_train_steps}/"
+             f"{args.num_inference_steps} dit_noise_level={args.dit_noise_level}" if args.policy != "ar" else ""))
     print("rewards: " + " + ".join(f"{r.weight:g} x {r.name}" for r in trainer.rewards)
           + f" | lr schedule {args.lr_scheduler}, warm-up {args.lr_warmup_steps} | report to {args.report_to}")
     tracker = open_tracker(args, out, start)
@@ -1439,7 +1964,10 @@ def train(args):
         for step in range(start + 1, args.steps + 1):
             t0 = time.time()
             indices = prompts_for_step(len(items), args.prompts_per_step, step, args.seed)
-            row, rewards, images, targets, sources = grpo_step(trainer, items, indices, step, args)
+            if args.policy == "ar":
+                (row, rewards, images, targets, sources), ode = grpo_step(trainer, items, indices, step, args), None
+            else:
+                row, rewards, images, targets, sources, ode = grpo_step_dit(trainer, items, indices, step, args)
             row["lr"] = trainer.lr_scheduler.get_last_lr()[0]    # the lr this step's updates used
             trainer.lr_scheduler.step()
             # ---- LOG -------------------------------------------------------------------------
@@ -1448,20 +1976,22 @@ def train(args):
             if tracker:
                 tracker.log(row, step)
             print(f"step {step:4d}/{args.steps} | loss {row['loss']:+.4f} | reward {row['reward_mean']:.5f} "
-                  f"± {row['reward_std']:.5f} | ratio {row['ratio_mean']:.4f} | clip {row['clip_ratio']:.3f} "
-                  f"| kl {row['kl']:.2e} | {row['seconds']:.2f}s", flush=True)
+                  f"± {row['reward_std']:.5f} | " + "".join(
+                      f"{prefix}ratio {row[prefix + 'ratio_mean']:.4f} | {prefix}clip {row[prefix + 'clip_ratio']:.3f} "
+                      f"| {prefix}kl {row[prefix + 'kl']:.2e} | " for prefix in ("", "dit/") if prefix + "kl" in row)
+                  + f"{row['seconds']:.2f}s", flush=True)
             bad_steps = bad_steps + 1 if row["skipped_updates"] == args.inner_epochs else 0
             if bad_steps >= 5:
                 raise UsageError(f"stopping: loss or gradients were non-finite for {bad_steps} steps in a row "
                                  f"(try a lower --lr); last good checkpoint is in {out / 'checkpoints'}")
             if args.sample_every and step % args.sample_every == 0:
                 sheet = save_sample_grid(out / "samples" / f"step_{step:06d}.png", [items[i].text for i in indices],
-                                         targets, images, rewards, args.group_size, sources)
+                                         targets, images, rewards, args.group_size, sources, ode)
                 if tracker:
                     tracker.log_image("samples", sheet, step)
             # ---- CHECKPOINT ------------------------------------------------------------------
             if step % args.save_every == 0 or step == args.steps or stop.requested:
-                path = save_checkpoint(out, step, ar, trainer.optimizer, args, trainer.lr_scheduler)
+                path = save_checkpoint(out, step, trainer.trained, trainer.optimizer, args, trainer.lr_scheduler)
                 last_saved = step
                 if args.checkpoints_total_limit:
                     prune_checkpoints(out, args.checkpoints_total_limit)
@@ -1484,16 +2014,19 @@ def train(args):
 
 def save_trained_pipeline(pipe, args):
     """Writes a pipeline that GlmImagePipeline.from_pretrained(dir) loads as usual. LoRA is merged
-    into the AR weights first, so loading needs no adapter code."""
-    if args.lora_rank:
+    into the AR's (and the DiT's) weights first, so loading needs no adapter code."""
+    if args.lora_rank and args.policy != "dit":
         merge_lora(pipe.vision_language_encoder)
+    if args.dit_lora_rank:
+        merge_lora(pipe.transformer)
     pipe.save_pretrained(args.save_pipeline)
     print(f"saved the trained pipeline to {args.save_pipeline}")
 
 
 def merge_lora(ar):
     """transformers' adapter API (add_adapter & co.) has no merge; peft's LoraLayer.merge folds
-    W += B @ A * alpha / r, then each wrapper is swapped back for its plain base Linear."""
+    W += B @ A * alpha / r, then each wrapper is swapped back for its plain base Linear. diffusers'
+    add_adapter wraps the DiT's Linears in the same peft layers, so this merges the DiT's too."""
     from peft.tuners.lora import LoraLayer
 
     wrappers = [(name, module) for name, module in ar.named_modules() if isinstance(module, LoraLayer)]
