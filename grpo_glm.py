@@ -1223,11 +1223,34 @@ def train(args):
 
 def save_trained_pipeline(pipe, args):
     """Writes a pipeline that GlmImagePipeline.from_pretrained(dir) loads as usual. LoRA is merged
-    into the AR weights first, so loading needs no adapter code."""
+    into the AR weights first, so loading needs no adapter code; the AR's generation config is
+    set to the policy that was trained, which the pipeline's own AR stage then samples."""
+    ar = pipe.vision_language_encoder
     if args.lora_rank:
-        merge_lora(pipe.vision_language_encoder)
+        merge_lora(ar)
+    ar.generation_config = policy_generation_config(
+        ar, pipe.transformer.config.prior_vq_quantizer_codebook_size, args.temperature)
     pipe.save_pretrained(args.save_pipeline)
     print(f"saved the trained pipeline to {args.save_pipeline}")
+
+
+def policy_generation_config(ar, codebook_size, temperature):
+    """The sampling settings training used, as a generation config for inference.
+
+    GlmImagePipeline.generate_prior_tokens calls `ar.generate(**inputs, max_new_tokens=..,
+    do_sample=True)` and takes everything else from `ar.generation_config`. The real checkpoint's
+    config samples with temperature 0.9 and top-p 0.75 and suppresses nothing: a trained AR
+    practically never writes image start/end inside a grid. A tiny or briefly trained one does,
+    and the pipeline then crashes upsampling a short grid (`shape '[1, 1, 2, 2]' is invalid`).
+    So the saved config is the policy GRPO optimised: softmax(logits / T) with no top-k/top-p and
+    the special ids suppressed, exactly as sample_group draws."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+        suppress_tokens=image_token_suppression(ar, codebook_size),
+        bos_token_id=ar.generation_config.bos_token_id, pad_token_id=ar.config.text_config.pad_token_id,
+        eos_token_id=ar.config.text_config.eos_token_id)
 
 
 def merge_lora(ar):
