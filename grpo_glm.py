@@ -658,19 +658,38 @@ def group_advantages(rewards, group_size, eps=1e-4):
     """GRPO's advantage: A_i = (r_i - mean_group(r)) / (std_group(r) + eps).
 
     rewards [N] hold consecutive groups of `group_size` (N = prompts x G). A group whose rewards
-    are all equal carries no preference and gets exactly 0 (its numerator is exactly 0).
+    are all equal carries no preference and gets exactly 0. Pitfall: r - mean(r) is not exactly 0
+    for such a group, since the float32 mean of 16 equal numbers can be one ulp off them; divided
+    by std + eps that ulp became a spurious advantage of ~3e-4. So constant groups (max == min)
+    are zeroed explicitly.
     eps is not tiny on purpose: MSE rewards within a group can differ by 1e-4, and a smaller eps
     would blow those differences up to full-size advantages. std is the unbiased one (as TRL)."""
     if rewards.ndim != 1 or rewards.numel() % group_size:
         raise ValueError(f"got {rewards.numel()} rewards, not a multiple of group_size={group_size}")
     groups = rewards.view(-1, group_size)
     centred = groups - groups.mean(dim=1, keepdim=True)
-    return (centred / (groups.std(dim=1, keepdim=True) + eps)).view(-1)
+    advantages = centred / (groups.std(dim=1, keepdim=True) + eps)
+    return torch.where(constant_groups(groups), 0.0, advantages).view(-1)
+
+
+def constant_groups(groups):
+    """[P, G] -> [P, 1] bool: groups whose G rewards are all identical (no learning signal)."""
+    return groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)
 
 
 # =============================================================================================
 # 8. Log-probs with gradients
 # =============================================================================================
+
+def token_entropy(logits, temperature, suppressed=()):
+    """H = -sum_v p_v log p_v of softmax(logits / T) with `suppressed` ids at probability 0, in fp32.
+    logits [N, L, V] -> [N, L] nats; log(V - len(suppressed)) at uniform, 0 when one token has it all."""
+    logits = logits.float() / temperature
+    if len(suppressed):
+        logits[..., list(suppressed)] = float("-inf")
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
+
 
 def token_logprobs(logits, tokens, temperature, suppressed=()):
     """log pi(token) under softmax(logits / T), computed in fp32 (bf16 log-softmax loses ~1e-2).
@@ -681,14 +700,19 @@ def token_logprobs(logits, tokens, temperature, suppressed=()):
     return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def policy_logprobs(ar, rollout, temperature, suppressed):
+def policy_logits(ar, rollout):
     """One teacher-forced forward over prompt + generated[:-1] with the M-RoPE positions
-    generate used; logits of the last L positions predict the L generated tokens.
+    generate used; logits [N, L, V] of the last L positions predict the L generated tokens.
     A plain forward without position_ids would number image tokens like text (off by nats)."""
     num_generated = rollout.sequences.shape[1] - rollout.prompt_len
-    logits = ar(input_ids=rollout.sequences[:, :-1], attention_mask=rollout.attention_mask,
-                position_ids=rollout.position_ids, logits_to_keep=num_generated, use_cache=False).logits
-    return token_logprobs(logits, rollout.sequences[:, rollout.prompt_len:], temperature, suppressed)
+    return ar(input_ids=rollout.sequences[:, :-1], attention_mask=rollout.attention_mask,
+              position_ids=rollout.position_ids, logits_to_keep=num_generated, use_cache=False).logits
+
+
+def policy_logprobs(ar, rollout, temperature, suppressed):
+    """log pi_theta of each generated token [N, L], differentiable."""
+    return token_logprobs(policy_logits(ar, rollout), rollout.sequences[:, rollout.prompt_len:], temperature,
+                          suppressed)
 
 
 # =============================================================================================
@@ -761,12 +785,19 @@ def grpo_update(ar, optimizer, params, rollout, advantages, ref_logp, args, supp
     Returns the metrics averaged over the passes that updated, plus `logp_diff_max` (first pass,
     max |logp - old_logp| over loss tokens: a live check of the bookkeeping, ~1e-6 in fp32) and
     `skipped_updates` (passes whose loss or gradient was not finite)."""
-    done, skipped, logp_diff_max = [], 0, float("nan")
+    done, skipped, logp_diff_max, entropy = [], 0, float("nan"), float("nan")
     advantages = advantages.to(rollout.old_logp.device)
     for epoch in range(args.inner_epochs):
-        logp = policy_logprobs(ar, rollout, args.temperature, suppressed)
+        logits = policy_logits(ar, rollout)
+        logp = token_logprobs(logits, rollout.sequences[:, rollout.prompt_len:], args.temperature, suppressed)
         if epoch == 0:
             logp_diff_max = ((logp - rollout.old_logp).abs() * rollout.loss_mask).max().item()
+            # Entropy collapse: GRPO sharpens the policy on whatever wins within a group. Once the
+            # loss tokens' entropy nears 0, the G samples of a group are identical, every reward
+            # ties, all advantages are 0 and learning stops for good (frac_reward_zero_std -> 1).
+            with torch.no_grad():
+                token_h = token_entropy(logits.detach(), args.temperature, suppressed)
+                entropy = ((token_h * rollout.loss_mask).sum() / rollout.loss_mask.sum()).item()
         loss, metrics = grpo_loss(logp, rollout.old_logp, advantages, rollout.loss_mask, args.clip_eps,
                                   args.beta, ref_logp)
         optimizer.zero_grad(set_to_none=True)
@@ -779,7 +810,7 @@ def grpo_update(ar, optimizer, params, rollout, advantages, ref_logp, args, supp
         optimizer.step()
         done.append({**metrics, "loss": loss.item(), "grad_norm": grad_norm.item()})
     averaged = {key: sum(m[key] for m in done) / len(done) for key in done[0]} if done else {}
-    return {**averaged, "logp_diff_max": logp_diff_max, "skipped_updates": skipped}
+    return {**averaged, "entropy": entropy, "logp_diff_max": logp_diff_max, "skipped_updates": skipped}
 
 
 # =============================================================================================
@@ -789,6 +820,17 @@ def grpo_update(ar, optimizer, params, rollout, advantages, ref_logp, args, supp
 def append_metrics(path, row):
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(row) + "\n")
+
+
+def warn_if_collapsed(row, warned):
+    """Once per run, on stderr: most groups tied, so most advantages are 0 and the step trained
+    on (almost) nothing. Returns whether the warning has been given."""
+    if warned or row["frac_reward_zero_std"] <= 0.5:
+        return warned
+    print(f"warning: step {row['step']}: {row['frac_reward_zero_std']:.0%} of groups have identical rewards "
+          f"(entropy {row['entropy']:.3f}): no learning signal: the policy has collapsed; lower --lr or raise "
+          f"--temperature", file=sys.stderr, flush=True)
+    return True
 
 
 def truncate_metrics(path, last_step):
@@ -1128,10 +1170,12 @@ def grpo_step(trainer, items, indices, step, args):
     update = grpo_update(ar, trainer.optimizer, trainer.params, rollout, advantages, ref_logp, args,
                          trainer.suppressed)
     group_std = rewards.view(-1, args.group_size).std(dim=1)
+    zero_std = constant_groups(rewards.view(-1, args.group_size))
     row = {"step": step, "loss": update.get("loss", float("nan")),
            "reward_mean": rewards.mean().item(), "reward_std": group_std.mean().item(),
            "ratio_mean": update.get("ratio_mean", float("nan")), "clip_ratio": update.get("clip_ratio", 0.0),
-           "kl": update.get("kl", 0.0), "frac_reward_zero_std": (group_std == 0).float().mean().item(),
+           "kl": update.get("kl", 0.0), "entropy": update["entropy"],
+           "frac_reward_zero_std": zero_std.float().mean().item(),
            "grad_norm": update.get("grad_norm", float("nan")), "logp_diff_max": update["logp_diff_max"],
            "skipped_updates": update["skipped_updates"]}
     return row, rewards, images, targets, sources
@@ -1183,7 +1227,7 @@ def train(args):
           f"lr={args.lr} trainable={trainable:.2f}M ({f'LoRA r={args.lora_rank}' if args.lora_rank else 'full'}) "
           f"image={args.height}x{args.width} loss_tokens={args.loss_tokens} dit_noise={args.dit_noise} out={out}")
 
-    last_saved, bad_steps = start, 0
+    last_saved, bad_steps, collapse_warned = start, 0, False
     stop = StopAfterStep()
     try:
         for step in range(start + 1, args.steps + 1):
@@ -1195,7 +1239,9 @@ def train(args):
             append_metrics(metrics_path, row)
             print(f"step {step:4d}/{args.steps} | loss {row['loss']:+.4f} | reward {row['reward_mean']:.5f} "
                   f"± {row['reward_std']:.5f} | ratio {row['ratio_mean']:.4f} | clip {row['clip_ratio']:.3f} "
-                  f"| kl {row['kl']:.2e} | {row['seconds']:.2f}s", flush=True)
+                  f"| kl {row['kl']:.2e} | entropy {row['entropy']:.3f} | zero_std {row['frac_reward_zero_std']:.2f} "
+                  f"| {row['seconds']:.2f}s", flush=True)
+            collapse_warned = warn_if_collapsed(row, collapse_warned)
             bad_steps = bad_steps + 1 if row["skipped_updates"] == args.inner_epochs else 0
             if bad_steps >= 5:
                 raise UsageError(f"stopping: loss or gradients were non-finite for {bad_steps} steps in a row "

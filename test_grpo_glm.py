@@ -49,6 +49,25 @@ def test_group_advantages_zero_std_group_gives_zeros():
     assert torch.isfinite(adv).all() and adv[3:].abs().sum() > 0
 
 
+def test_group_advantages_constant_group_is_exactly_zero_despite_rounding():
+    # the float32 mean of 16 copies of these values is one ulp off them: r - mean(r) != 0
+    values = [-0.16974, 0.3, 0.1, -0.17036]
+    rewards = torch.tensor(values).repeat_interleave(16)
+    assert any((b - b.mean()).abs().max() > 0 for b in rewards.view(-1, 16))
+    assert torch.equal(g.group_advantages(rewards, 16), torch.zeros(64))
+
+
+def test_token_entropy_uniform_peaked_and_suppressed():
+    logits = torch.zeros(1, 2, 8)
+    logits[0, 1, 3] = 100.0
+    h = g.token_entropy(logits, temperature=1.0)
+    torch.testing.assert_close(h[0, 0], torch.log(torch.tensor(8.0)))
+    assert h[0, 1].abs() < 1e-6
+    torch.testing.assert_close(g.token_entropy(logits, 1.0, suppressed=[6, 7])[0, 0], torch.log(torch.tensor(6.0)))
+    # a higher temperature flattens a peaked distribution
+    assert g.token_entropy(logits, 100.0)[0, 1] > h[0, 1] + 1
+
+
 def test_group_advantages_rejects_ragged_length():
     with pytest.raises(ValueError):
         g.group_advantages(torch.zeros(5), 2)
@@ -218,12 +237,31 @@ def test_cli_two_steps_writes_metrics_samples_and_checkpoint(tmp_path):
     assert result.returncode == 0, result.stderr
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
-    for key in ("loss", "reward_mean", "reward_std", "ratio_mean", "clip_ratio", "kl", "frac_reward_zero_std", "seconds"):
+    for key in ("loss", "reward_mean", "reward_std", "ratio_mean", "clip_ratio", "kl", "entropy", "frac_reward_zero_std",
+                "seconds"):
         assert all(key in r for r in rows), key
     assert all(r["logp_diff_max"] <= 1e-5 for r in rows)
     assert (out / "checkpoints" / "step_000002.pt").is_file()
     assert len(list((out / "samples").glob("*.png"))) == 2
     assert "step    2/2" in result.stdout
+    # the policy starts close to uniform over the 64 codebook ids: entropy ~ log 64 nats
+    assert all(3.5 < r["entropy"] <= torch.log(torch.tensor(64.0)).item() + 1e-4 for r in rows)
+    assert "entropy" in result.stdout and "zero_std" in result.stdout
+
+
+def test_collapse_is_warned_once(tmp_path, capsys, monkeypatch):
+    """A policy with all its mass on one token draws G identical samples: every group ties."""
+    out = tmp_path / "collapsed"
+    trainer_pipe = g.build_tiny_pipeline(seed=0)
+    with torch.no_grad():      # the end of an entropy collapse: one codebook id gets all the mass
+        trainer_pipe.vision_language_encoder.lm_head.bias = torch.nn.Parameter(torch.full((g.TINY_VISION_VOCAB,), -1e4))
+        trainer_pipe.vision_language_encoder.lm_head.bias[7] = 0.0
+    monkeypatch.setattr(g, "build_tiny_pipeline", lambda seed=0, ar_init_range=0.02: trainer_pipe)
+    g.main(["--steps", "3", "--out", str(out), "--group-size", "4", "--sample-every", "0"])
+    rows = read_metrics(out)
+    assert all(r["frac_reward_zero_std"] == 1.0 and r["entropy"] < 1e-3 for r in rows)
+    err = capsys.readouterr().err
+    assert err.count("no learning signal: the policy has collapsed") == 1 and "--temperature" in err
 
 
 def test_first_inner_epoch_has_ratio_one(tmp_path):
