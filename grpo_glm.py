@@ -76,8 +76,8 @@ def parse_args(argv=None):
     a("--model", default=TINY, help="'tiny' builds a small random-weight GLM-Image from the real classes; "
       "otherwise a hub id (zai-org/GLM-Image) or a local directory saved with save_pretrained.")
     a("--prompts", default="prompts.txt", help="Prompt file: one prompt per line, optionally '| target.png' "
-      "after it (i2i: '| target.png | source.png'); '#' starts a comment. Without paths, the demo images are "
-      "drawn from the prompt's colour/shape words.")
+      "after it (i2i: '| target.png | source.png'); a line starting with '#' is a comment. Without paths, the "
+      "demo images are drawn from the prompt's colour/shape words.")
     a("--out", default="runs/grpo_glm", help="Directory for metrics.jsonl, samples/ and checkpoints/.")
     a("--steps", type=int, default=10, help="Number of GRPO steps to run (in total, counting resumed ones).")
     a("--seed", type=int, default=0, help="Seed for the tiny model, the prompt order, sampling and DiT noise.")
@@ -119,7 +119,19 @@ def parse_args(argv=None):
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
     a("--plan", action="store_true", help="Print the memory plan of --model for --height x --width and the "
       "batch size, and exit (a hub id uses the real sizes, nothing is downloaded).")
-    return p.parse_args(argv)
+    return p.parse_args(attach_negative_numbers(sys.argv[1:] if argv is None else argv))
+
+
+def attach_negative_numbers(argv):
+    """['--lr', '-1e-3'] -> ['--lr=-1e-3']. argparse takes '-1e-3' for an option (its negative-number
+    rule knows '-1' and '-.5', not exponents) and fails with 'expected one argument'."""
+    out = []
+    for token in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and re.fullmatch(r"-[\d.]+(e[-+]?\d+)?", token, re.I):
+            out[-1] += "=" + token
+        else:
+            out.append(token)
+    return out
 
 
 def validate_args(args):
@@ -141,8 +153,17 @@ def validate_args(args):
         raise UsageError("--beta, --sample-every and --lora-rank must not be negative")
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise UsageError(f"--out {args.out} exists and is not a directory")
-    if args.model != TINY and not looks_like_hub_id(args.model) and not (Path(args.model) / "model_index.json").is_file():
-        raise UsageError(f"--model {args.model} is neither 'tiny', a hub id, nor a directory with model_index.json")
+    check_writable("--out", args.out)
+    if args.save_pipeline:
+        target = Path(args.save_pipeline)
+        if target.exists() and (not target.is_dir() or any(target.iterdir())):
+            raise UsageError(f"--save-pipeline {target} already exists; pick a new directory (nothing is overwritten)")
+        check_writable("--save-pipeline", target)
+    if args.model != TINY and not (Path(args.model) / "model_index.json").is_file():
+        if not looks_like_hub_id(args.model):
+            kind = "no such directory" if not Path(args.model).exists() else "not a directory with model_index.json"
+            raise UsageError(f"--model {args.model}: {kind} (give 'tiny', a hub id like zai-org/GLM-Image, "
+                             "or a save_pretrained directory)")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for but no CUDA device is available")
     if args.offload and not (args.device != "cpu" and torch.cuda.is_available()):
@@ -150,7 +171,28 @@ def validate_args(args):
 
 
 def looks_like_hub_id(name):
-    return re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None and not Path(name).exists()
+    """'owner/name' that is not a local path: a typo in './runs/x' or 'runs/x' (whose 'runs' is a
+    local directory) must not be sent to the hub as a repo id."""
+    owner = name.split("/", 1)[0]
+    return (re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", name) is not None and not Path(name).exists()
+            and not Path(owner).is_dir())
+
+
+def check_writable(flag, path):
+    """Fails now, not after loading the model or training: the nearest existing parent of `path`
+    must be a directory we can create files in (probed with a temporary file, removed at once)."""
+    import tempfile
+
+    parent = Path(path).absolute()
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path}: {parent} is a file, not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write in {parent} ({e.strerror})")
 
 
 def resolve_runtime(args):
@@ -340,16 +382,17 @@ class PromptItem:
 
 def read_prompts(path, height, width, mode="t2i"):
     """Parses the prompt file. Line format: `prompt`, `prompt | target.png`, and in i2i
-    `prompt | target.png | source.png` (paths relative to the prompt file). Blank lines and '#'
-    comments are skipped. Images of another size are resized to --width x --height; i2i sources
+    `prompt | target.png | source.png` (paths relative to the prompt file). Blank lines and
+    comment lines (first non-blank character '#') are skipped; a '#' later in a line is text
+    ('colour #ff0000'). Images of another size are resized to --width x --height; i2i sources
     too, which keeps them multiples of 32 px and lets a whole group decode in one call."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"--prompts {path}: file not found")
     items, resized = [], False
-    for lineno, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
+    for lineno, raw in enumerate(read_utf8(path).splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
             continue
         text, *paths = (part.strip() for part in line.split("|"))
         where = f"{path}:{lineno}"
@@ -370,6 +413,18 @@ def read_prompts(path, height, width, mode="t2i"):
     if resized:
         print(f"note: images resized to {width}x{height} (--width x --height)")
     return items
+
+
+def read_utf8(path):
+    """The prompt file as text. 'utf-8-sig' drops the BOM Windows editors put first (else it would
+    glue itself to a first '# comment' line and make it a prompt)."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        hint = " (it looks like UTF-16)" if data[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+        raise UsageError(f"--prompts {path}: not UTF-8 text{hint}: byte 0x{data[e.start]:02x} at offset {e.start}; "
+                         "save the file as UTF-8")
 
 
 def load_image(path, where, kind):

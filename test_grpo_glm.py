@@ -332,6 +332,8 @@ def _bad_cases(tmp, run):
     torch.save({"weights": torch.zeros(2)}, tmp / "foreign.pt")
     (tmp / "outfile").write_text("keep me")
     (tmp / "notapipe").mkdir()
+    (tmp / "utf16.txt").write_bytes("a red circle on a white background\n".encode("utf-16"))
+    (tmp / "latin1.txt").write_bytes("un café red circle\n".encode("latin-1"))
     ckpt = str(run / "checkpoints" / "step_000001.pt")
     fresh = str(tmp / "fresh")
     return {
@@ -361,6 +363,13 @@ def _bad_cases(tmp, run):
         "model dir not a pipeline": (["--model", str(tmp / "notapipe"), "--out", fresh], "--model"),
         "out is a file": (["--out", str(tmp / "outfile")], "--out"),
         "out holds a run": (["--out", str(run)], "--resume latest"),
+        "prompts UTF-16": (["--prompts", str(tmp / "utf16.txt"), "--out", fresh], "not UTF-8 text (it looks like UTF-16)"),
+        "prompts Latin-1": (["--prompts", str(tmp / "latin1.txt"), "--out", fresh], "not UTF-8 text: byte 0xe9"),
+        "save-pipeline is a file": (["--save-pipeline", str(tmp / "outfile"), "--out", fresh], "--save-pipeline"),
+        "save-pipeline holds files": (["--save-pipeline", str(run), "--out", fresh], "already exists"),
+        "out under a file": (["--out", str(tmp / "outfile" / "run")], "is a file, not a directory"),
+        "out not writable": (["--out", "/proc/grpo_glm_run"], "cannot write"),
+        "lr negative with exponent": (["--lr", "-1e-3", "--out", fresh], "--lr must be > 0, got -0.001"),
     }
 
 
@@ -369,7 +378,31 @@ CASE_NAMES = ["prompts missing", "prompts empty", "prompts only comments", "targ
               "height not multiple of 32", "width 100", "width 0", "temperature 0", "resume path missing",
               "resume junk file", "resume foreign torch file", "resume with other algorithm flags",
               "resume into a LoRA model", "model path missing", "model dir not a pipeline", "out is a file",
-              "out holds a run"]
+              "out holds a run", "prompts UTF-16", "prompts Latin-1", "save-pipeline is a file",
+              "save-pipeline holds files", "out under a file", "out not writable", "lr negative with exponent"]
+
+
+@pytest.mark.parametrize("model", ["./typo_dir", "runs/typo_dir"])
+def test_model_path_typo_is_not_sent_to_the_hub(model, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(SystemExit) as exit_:
+        g.main(["--model", model, "--out", "fresh"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == f"error: --model {model}: no such directory (give 'tiny', a hub id like " \
+        "zai-org/GLM-Image, or a save_pretrained directory)\n"
+    assert g.looks_like_hub_id("zai-org/GLM-Image") and not (tmp_path / "fresh").exists()
+
+
+def test_prompt_file_comments_bom_and_hash_in_text(tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (64, 64), "red").save(tmp_path / "t.png")
+    (tmp_path / "p.txt").write_bytes("# a comment line\ncolour #ff0000 | t.png\n   # indented comment\n"
+                                      "a blue square on a yellow background\n".encode("utf-8-sig"))
+    items = g.read_prompts(tmp_path / "p.txt", 64, 64)
+    assert [it.text for it in items] == ["colour #ff0000", "a blue square on a yellow background"]
+    assert items[0].target.getpixel((0, 0)) == (255, 0, 0)
 
 
 @pytest.mark.parametrize("case", CASE_NAMES)
