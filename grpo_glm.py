@@ -401,6 +401,10 @@ def read_prompts(path, height, width, mode="t2i"):
         paths += [""] * (2 - len(paths))
         images = [load_image(path.parent / p, where, kind) if p else None for p, kind in zip(paths, ("target", "source"))]
         resized |= any(im is not None and im.size != (width, height) for im in images)
+        for image, name, kind in zip(images, paths, ("target", "source")):
+            if image is not None and image.width * height != image.height * width:
+                print(f"note: {where}: {kind} {name} is {image.width}x{image.height}, squashed to {width}x{height} "
+                      "(another aspect ratio; crop it yourself to keep its proportions)")
         target, source = (im.resize((width, height), Image.BICUBIC) if im else None for im in images)
         if mode == "t2i":
             target = target or draw_demo_image(text, height, width, where)
@@ -430,11 +434,25 @@ def read_utf8(path):
 def load_image(path, where, kind):
     try:
         with Image.open(path) as image:
-            return image.convert("RGB")
+            return to_rgb(image)
     except FileNotFoundError:
         raise UsageError(f"{where}: {kind} image {path} not found")
     except (UnidentifiedImageError, OSError) as e:
         raise UsageError(f"{where}: {kind} {path} is not a readable image ({type(e).__name__})")
+
+
+def to_rgb(image):
+    """RGB as the user sees the file. PIL's convert('RGB') alone gets two cases wrong:
+    transparency is dropped, leaving whatever colour hides under alpha 0 (usually black), so
+    transparent pixels are composited on white as viewers show them; and 16-bit greyscale
+    ('I;16', 'I') is clipped to 0..255, turning almost every pixel white, so it is scaled by 255/65535."""
+    if image.mode in ("I", "I;16", "I;16B", "I;16L"):
+        scaled = np.asarray(image, dtype=np.float64) * (255.0 / 65535.0)
+        return Image.fromarray(np.clip(scaled.round(), 0, 255).astype(np.uint8)).convert("RGB")
+    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, "white"), rgba).convert("RGB")
+    return image.convert("RGB")
 
 
 def demo_words(prompt):

@@ -394,6 +394,26 @@ def test_model_path_typo_is_not_sent_to_the_hub(model, tmp_path, monkeypatch, ca
     assert g.looks_like_hub_id("zai-org/GLM-Image") and not (tmp_path / "fresh").exists()
 
 
+def test_images_are_read_as_the_user_sees_them(tmp_path, capsys):
+    import numpy as np
+    from PIL import Image
+
+    rgba = Image.new("RGBA", (64, 64), (0, 0, 0, 0))           # transparent ...
+    rgba.paste((0, 0, 255, 255), (16, 16, 48, 48))              # ... with an opaque blue square
+    rgba.save(tmp_path / "rgba.png")
+    grey = np.full((64, 64), 32768, dtype=np.uint16)            # 16-bit mid grey
+    Image.fromarray(grey).save(tmp_path / "grey16.png")
+    Image.new("RGB", (128, 64), "red").save(tmp_path / "wide.png")
+    (tmp_path / "p.txt").write_text("one | rgba.png\ntwo | grey16.png\nthree | wide.png\n")
+    assert Image.open(tmp_path / "grey16.png").mode.startswith("I")
+    items = g.read_prompts(tmp_path / "p.txt", 64, 64)
+    assert items[0].target.getpixel((0, 0)) == (255, 255, 255) and items[0].target.getpixel((32, 32)) == (0, 0, 255)
+    assert items[1].target.getpixel((10, 10)) == (128, 128, 128)
+    out = capsys.readouterr().out
+    assert "wide.png is 128x64, squashed to 64x64" in out and f"{tmp_path / 'p.txt'}:3" in out
+    assert "rgba.png" not in out and "grey16.png" not in out
+
+
 def test_prompt_file_comments_bom_and_hash_in_text(tmp_path):
     from PIL import Image
 
