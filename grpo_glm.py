@@ -29,6 +29,7 @@ copy them out freely.
 
 import argparse
 import copy
+import hashlib
 import io
 import json
 import math
@@ -59,7 +60,7 @@ class UsageError(Exception):
 # Flags that change what the algorithm computes. Resuming with different values would splice
 # two different runs into one log, so --resume refuses them (unless --resume-force).
 ALGORITHM_FLAGS = (
-    "mode", "model", "prompts", "seed", "group_size", "prompts_per_step", "inner_epochs", "lr",
+    "mode", "model", "prompts_sha256", "seed", "group_size", "prompts_per_step", "inner_epochs", "lr",
     "max_grad_norm", "clip_eps", "beta", "temperature", "height", "width", "num_inference_steps",
     "guidance_scale", "dit_noise", "loss_tokens", "lora_rank", "lora_alpha", "dtype",
 )
@@ -908,12 +909,19 @@ def warn_if_collapsed(row, warned):
 
 def truncate_metrics(path, last_step):
     """On resume, drop rows past the checkpoint's step (left by a run that died after it), so
-    the log holds exactly one history."""
+    the log holds exactly one history. The dropped rows are kept beside it, and the run says so."""
     if not path.exists():
         return
-    rows = [line for line in path.read_text(encoding="utf-8").splitlines()
-            if line.strip() and json.loads(line)["step"] <= last_step]
-    atomic_write_bytes(path, "".join(r + "\n" for r in rows).encode())
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line)["step"] <= last_step]
+    dropped = [line for line in lines if json.loads(line)["step"] > last_step]
+    if dropped:
+        aside = path.with_name(f"metrics.dropped_after_step_{last_step:06d}.jsonl")
+        atomic_write_bytes(aside, "".join(r + "\n" for r in dropped).encode())
+        steps = [json.loads(line)["step"] for line in dropped]
+        print(f"note: resuming at step {last_step} drops metrics rows of steps {steps[0]}..{steps[-1]} "
+              f"(no checkpoint after step {last_step}); kept in {aside}")
+    atomic_write_bytes(path, "".join(r + "\n" for r in kept).encode())
 
 
 def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, scale=2):
@@ -1005,11 +1013,14 @@ def save_checkpoint(out_dir, step, model, optimizer, args):
 
 
 def find_checkpoint(spec, out_dir):
-    """--resume latest -> newest complete step_*.pt in <out>/checkpoints; else the given path."""
+    """--resume latest -> newest complete step_*.pt in <out>/checkpoints, or None when there is
+    none yet (a run killed before its first checkpoint starts over, as in diffusers' scripts);
+    else the given path."""
     if spec == "latest":
         found = sorted((out_dir / "checkpoints").glob("step_*.pt"))
         if not found:
-            raise UsageError(f"--resume latest: no checkpoint in {out_dir / 'checkpoints'}")
+            print(f"--resume latest: no checkpoint in {out_dir / 'checkpoints'} yet; starting from step 0")
+            return None
         return found[-1]
     path = Path(spec)
     if not path.is_file():
@@ -1029,9 +1040,17 @@ def read_checkpoint(path):
 
 def check_resume_flags(saved_args, args):
     """Lists algorithm flags that differ from the checkpoint's; harmless ones (--steps, --out,
-    intervals, --resume) may change freely."""
-    return [f"--{k.replace('_', '-')} {saved_args.get(k)} -> {getattr(args, k)}"
-            for k in ALGORITHM_FLAGS if saved_args.get(k) != getattr(args, k)]
+    intervals, --resume) may change freely. The prompt file counts by its contents (a hash), not
+    by how its path was spelled: './prompts.txt' is 'prompts.txt', an edited file is not."""
+    def describe(k):
+        if k == "prompts_sha256":
+            return f"--prompts {saved_args.get('prompts')} -> {args.prompts}: contents differ"
+        return f"--{k.replace('_', '-')} {saved_args.get(k)} -> {getattr(args, k)}"
+    return [describe(k) for k in ALGORITHM_FLAGS if saved_args.get(k) != getattr(args, k)]
+
+
+def file_sha256(path):
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def restore_checkpoint(ckpt, path, model, optimizer):
@@ -1154,16 +1173,20 @@ def print_memory_plan(args):
     else:
         components = real_glm_image_on_meta()
     samples = args.group_size * args.prompts_per_step
-    rows, counts, tokens = memory_plan(components, args.height, args.width, samples)
-    print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / 1e9:.3f} B" for k, v in counts.items()))
+    ranks = (args.lora_rank,) if args.lora_rank else (64, 16)
+    rows, counts, tokens = memory_plan(components, args.height, args.width, samples, ranks=ranks)
+    # the tiny model's bytes would all print as 0.0 GiB: small models get MiB and thousands
+    unit, unit_name = (GiB, "GiB") if max(r["peak_no_offload"] for r in rows) >= GiB else (1024 ** 2, "MiB")
+    count_div, count_name = (1e6, "M") if max(counts.values()) >= 1e8 else (1e3, "k")
+    print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count_div:,.1f} {count_name}" for k, v in counts.items()))
     print(f"teacher-forced pass: {samples} samples x {tokens} tokens ({args.height}x{args.width}); "
-          f"estimates in GiB\n")
+          f"estimates in {unit_name}\n")
     print("| mode | grad ckpt | trainable | AR weights | grads | AdamW | activations | peak, offload | peak, no offload |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        cells = [r["mode"], "yes" if r["grad_ckpt"] else "no", f"{r['trainable_params'] / 1e6:.1f} M"]
-        cells += [f"{r[k] / GiB:.1f}" for k in ("ar_weights", "grads", "adam", "activations", "peak_offload",
-                                                "peak_no_offload")]
+        cells = [r["mode"], "yes" if r["grad_ckpt"] else "no", f"{r['trainable_params'] / count_div:.1f} {count_name}"]
+        cells += [f"{r[k] / unit:.1f}" for k in ("ar_weights", "grads", "adam", "activations", "peak_offload",
+                                                 "peak_no_offload")]
         print("| " + " | ".join(cells) + " |")
 
 
@@ -1172,11 +1195,51 @@ def print_memory_plan(args):
 # =============================================================================================
 
 def prepare_out_dir(args):
-    """Refuses to write a new run over an old one: resuming is the only way to continue a run."""
+    """Refuses to write a new run over an old one: resuming is the only way to continue a run
+    (also one killed before its first checkpoint: --resume latest then starts it over)."""
     out = Path(args.out)
     if args.resume is None and ((out / "metrics.jsonl").exists() or any((out / "checkpoints").glob("step_*.pt"))):
         raise UsageError(f"--out {out} already holds a run; pass --resume latest to continue it or pick another --out")
     return out
+
+
+def lock_out_dir(out):
+    """An exclusive fcntl.flock on <out>/.lock for the whole run, so that two runs never write
+    into one --out. The OS releases it when the process ends, even on kill -9: no stale locks.
+    Returns the open file; the lock lasts as long as it stays open."""
+    import fcntl
+
+    out.mkdir(parents=True, exist_ok=True)
+    handle = open(out / ".lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        raise UsageError(f"--out {out} is in use by another run (pid {handle.read().strip() or '?'}); "
+                         "wait for it to finish or pick another --out")
+    handle.truncate(0)
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def check_resume_point(ckpt_path, step, out, args):
+    """Resuming from step k of a run that went further (later checkpoints exist) would replace its
+    history after k: refused unless --resume-force, which keeps the later checkpoints beside the
+    new ones as step_*.pt.dropped (truncate_metrics keeps the later rows likewise). Returns them."""
+    later = [p for p in sorted((out / "checkpoints").glob("step_*.pt")) if int(p.stem[5:]) > step]
+    if later and not args.resume_force:
+        raise UsageError(f"--resume {ckpt_path}: {out} has later checkpoints ({later[-1].name}); resuming from step "
+                         f"{step} would drop them and the metrics after step {step} (add --resume-force to do so; "
+                         "they are then kept as *.dropped)")
+    return later
+
+
+def keep_aside(checkpoints):
+    """step_*.pt -> step_*.pt.dropped: out of --resume latest's way, not deleted."""
+    for path in checkpoints:
+        path.rename(path.with_name(path.name + ".dropped"))
+        print(f"note: kept {path.name} of the dropped history as {path.name}.dropped")
 
 
 class StopAfterStep:
@@ -1282,6 +1345,7 @@ def train(args):
     out = prepare_out_dir(args)
     resolve_runtime(args)
     items = read_prompts(args.prompts, args.height, args.width, args.mode)
+    args.prompts_sha256 = file_sha256(args.prompts)
     ckpt_path = find_checkpoint(args.resume, out) if args.resume else None
     ckpt = read_checkpoint(ckpt_path) if ckpt_path else None
     if ckpt is not None:
@@ -1289,9 +1353,17 @@ def train(args):
         if differences and not args.resume_force:
             raise UsageError(f"--resume {ckpt_path}: flags differ from the checkpoint's: {'; '.join(differences)} "
                              "(add --resume-force to accept)")
+        if ckpt["step"] >= args.steps:
+            print(f"nothing to do: {ckpt_path} is at step {ckpt['step']} and --steps is {args.steps} "
+                  f"(pass --steps {ckpt['step'] + args.steps} to train {args.steps} more)")
+            return None
+        later = check_resume_point(ckpt_path, ckpt["step"], out, args)
+    lock = lock_out_dir(out)   # held while this function runs (the open file keeps it)
+    prepare_out_dir(args)      # again under the lock: another run may have started meanwhile
+    if ckpt is not None:
+        keep_aside(later)
     trainer, start = setup_training(args, ckpt, ckpt_path)
     ar = trainer.pipe.vision_language_encoder
-    out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
     truncate_metrics(metrics_path, start)
     trainable = sum(p.numel() for p in trainer.params) / 1e6

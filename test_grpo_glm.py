@@ -284,9 +284,76 @@ def test_resume_drops_rows_of_the_killed_future(tmp_path, capsys):
     g.main(["--steps", "3", "--out", str(out), "--save-every", "2", *SMALL])
     # the run "died" after step 3; its last checkpoint is step 2
     (out / "checkpoints" / "step_000003.pt").unlink()
+    old_rows = read_metrics(out)
     g.main(["--steps", "4", "--out", str(out), "--save-every", "2", "--resume", "latest", *SMALL])
-    assert "Resuming from step 2" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "Resuming from step 2" in printed and "drops metrics rows of steps 3..3" in printed
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+    assert read_metrics(out)[:2] == old_rows[:2]
+    aside = [json.loads(x) for x in (out / "metrics.dropped_after_step_000002.jsonl").read_text().splitlines()]
+    assert aside == old_rows[2:]
+
+
+def test_run_killed_before_its_first_checkpoint_can_start_over(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward_mean": -1.0}) + "\n")
+    with pytest.raises(SystemExit):                      # a new run refuses and points to --resume latest
+        g.main(["--steps", "1", "--out", str(out), *SMALL])
+    assert "pass --resume latest" in capsys.readouterr().err
+    g.main(["--steps", "1", "--out", str(out), "--resume", "latest", *SMALL])   # which then works
+    assert "no checkpoint" in capsys.readouterr().out and (out / "checkpoints" / "step_000001.pt").is_file()
+    assert read_metrics(out)[0]["reward_mean"] != -1.0
+
+
+def test_resume_from_an_older_checkpoint_needs_force_and_keeps_what_it_drops(tmp_path, capsys):
+    out = tmp_path / "run"
+    g.main(["--steps", "4", "--out", str(out), "--save-every", "2", *SMALL])
+    before = snapshot(out)
+    older = str(out / "checkpoints" / "step_000002.pt")
+    with pytest.raises(SystemExit) as exit_:
+        g.main(["--steps", "3", "--out", str(out), "--resume", older, *SMALL])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "step_000004.pt" in err and "--resume-force" in err
+    assert snapshot(out) == before
+    old_rows = read_metrics(out)
+    g.main(["--steps", "3", "--out", str(out), "--resume", older, "--resume-force", *SMALL])
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    assert (out / "checkpoints" / "step_000004.pt.dropped").read_bytes() == before["checkpoints/step_000004.pt"]
+    aside = [json.loads(x) for x in (out / "metrics.dropped_after_step_000002.jsonl").read_text().splitlines()]
+    assert aside == old_rows[2:]
+
+
+def test_resume_with_nothing_left_to_do_says_so(finished_run, capsys):
+    before = snapshot(finished_run)
+    assert g.main(["--steps", "1", "--out", str(finished_run), "--resume", "latest", *SMALL]) is None
+    assert "nothing to do" in capsys.readouterr().out and snapshot(finished_run) == before
+
+
+def test_resume_compares_the_prompt_file_by_content(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.txt").write_text("a red circle on a white background\n")
+    g.main(["--steps", "1", "--out", "run", "--prompts", "p.txt", *SMALL])
+    g.main(["--steps", "1", "--out", "run", "--prompts", f"./../{tmp_path.name}/p.txt", "--resume", "latest", *SMALL])
+    assert "nothing to do" in capsys.readouterr().out            # same file spelled otherwise: accepted
+    (tmp_path / "p.txt").write_text("a blue circle on a white background\n")
+    with pytest.raises(SystemExit):
+        g.main(["--steps", "2", "--out", "run", "--prompts", "p.txt", "--resume", "latest", *SMALL])
+    assert "--prompts p.txt -> p.txt: contents differ" in capsys.readouterr().err
+
+
+def test_two_runs_cannot_share_an_out_dir(tmp_path, capsys):
+    import fcntl
+
+    out = tmp_path / "run"
+    holder = g.lock_out_dir(out)                   # as a running process holds it
+    with pytest.raises(SystemExit):
+        g.main(["--steps", "1", "--out", str(out), *SMALL])
+    assert f"in use by another run (pid {os.getpid()})" in capsys.readouterr().err
+    assert not (out / "metrics.jsonl").exists()
+    holder.close()
+    with open(out / ".lock") as again:             # released: anyone may take it
+        fcntl.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 def test_default_run_learns(tmp_path):
@@ -647,6 +714,14 @@ def test_memory_plan_matches_a_hand_count_on_the_tiny_model(tmp_path):
     assert full["trainable_params"] == counts["ar"] - frozen_vision
     assert full["peak_no_offload"] == full["ar_weights"] + full["grads"] + full["adam"] + full["activations"] + \
         2 * (counts["dit"] + counts["glyph_t5"] + counts["vae"])
+
+
+def test_plan_of_the_tiny_model_prints_no_zeros_and_uses_lora_rank():
+    result = run_cli("--plan", "--lora-rank", "8")
+    assert result.returncode == 0, result.stderr
+    assert "estimates in MiB" in result.stdout and "| lora-8 | yes |" in result.stdout
+    table = [line for line in result.stdout.splitlines() if line.startswith("| full") or line.startswith("| lora")]
+    assert len(table) == 4 and all(" 0.0 |" not in line for line in table)
 
 
 def test_plan_of_the_real_model_needs_no_download():
