@@ -1,4 +1,7 @@
-"""Tests for grpo_glm.py. Offline, CPU, tiny model built in code: `python -m pytest -q`."""
+"""Tests for grpo_glm.py. Offline, CPU, tiny model built in code. All of them (as CI):
+    python -m pytest -q -o "markers=slow: learning checks (minutes)"
+the quick subset: add -m "not slow". (A marker registered in this file's pytest_configure would not
+count: pytest reads that hook only from conftest.py and plugins.)"""
 
 import json
 import os
@@ -356,6 +359,7 @@ def test_two_runs_cannot_share_an_out_dir(tmp_path, capsys):
         fcntl.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
+@pytest.mark.slow
 def test_default_run_learns(tmp_path):
     """The issue's bar: with defaults, mean reward of the last 5 of 40 steps exceeds the first 5 by
     at least the first 5 steps' mean within-group reward std."""
