@@ -33,6 +33,7 @@ copy them out freely.
 
 import argparse
 import copy
+import hashlib
 import importlib
 import importlib.util
 import io
@@ -66,7 +67,7 @@ class UsageError(Exception):
 # Flags that change what the algorithm computes. Resuming with different values would splice
 # two different runs into one log, so --resume refuses them (unless --resume-force).
 ALGORITHM_FLAGS = (
-    "mode", "model", "prompts", "seed", "group_size", "prompts_per_step", "inner_epochs", "lr",
+    "mode", "model", "prompts_sha256", "seed", "group_size", "prompts_per_step", "inner_epochs", "lr",
     "max_grad_norm", "clip_eps", "beta", "temperature", "height", "width", "num_inference_steps",
     "guidance_scale", "dit_noise", "loss_tokens", "lora_rank", "lora_alpha", "dtype",
     "reward", "weight_decay", "lr_scheduler", "lr_warmup_steps",
@@ -86,8 +87,8 @@ def parse_args(argv=None):
     a("--model", default=TINY, help="'tiny' builds a small random-weight GLM-Image from the real classes; "
       "otherwise a hub id (zai-org/GLM-Image) or a local directory saved with save_pretrained.")
     a("--prompts", default="prompts.txt", help="Prompt file: one prompt per line, optionally '| target.png' "
-      "after it (i2i: '| target.png | source.png'); '#' starts a comment. Without paths, the demo images are "
-      "drawn from the prompt's colour/shape words.")
+      "after it (i2i: '| target.png | source.png'); a line starting with '#' is a comment. Without paths, the "
+      "demo images are drawn from the prompt's colour/shape words.")
     a("--reward", action="append", metavar="SPEC", help="A reward: 'mse' (-MSE to the target image), "
       "'module:function' or 'path/to/file.py:function', optionally '=WEIGHT'. Repeat it for a weighted sum "
       "(see section 6 and the README for the signature). Default: mse.")
@@ -157,9 +158,21 @@ def parse_args(argv=None):
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
     a("--plan", action="store_true", help="Print the memory plan of --model for --height x --width and the "
       "batch size, and exit (a hub id uses the real sizes, nothing is downloaded).")
-    args = p.parse_args(argv)
+    args = p.parse_args(attach_negative_numbers(sys.argv[1:] if argv is None else argv))
     args.reward = args.reward or ["mse"]
     return args
+
+
+def attach_negative_numbers(argv):
+    """['--lr', '-1e-3'] -> ['--lr=-1e-3']. argparse takes '-1e-3' for an option (its negative-number
+    rule knows '-1' and '-.5', not exponents) and fails with 'expected one argument'."""
+    out = []
+    for token in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and re.fullmatch(r"-[\d.]+(e[-+]?\d+)?", token, re.I):
+            out[-1] += "=" + token
+        else:
+            out.append(token)
+    return out
 
 
 def validate_args(args):
@@ -188,8 +201,17 @@ def validate_args(args):
     validate_dit_args(args)
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise UsageError(f"--out {args.out} exists and is not a directory")
-    if args.model != TINY and not looks_like_hub_id(args.model) and not (Path(args.model) / "model_index.json").is_file():
-        raise UsageError(f"--model {args.model} is neither 'tiny', a hub id, nor a directory with model_index.json")
+    check_writable("--out", args.out)
+    if args.save_pipeline:
+        target = Path(args.save_pipeline)
+        if target.exists() and (not target.is_dir() or any(target.iterdir())):
+            raise UsageError(f"--save-pipeline {target} already exists; pick a new directory (nothing is overwritten)")
+        check_writable("--save-pipeline", target)
+    if args.model != TINY and not (Path(args.model) / "model_index.json").is_file():
+        if not looks_like_hub_id(args.model):
+            kind = "no such directory" if not Path(args.model).exists() else "not a directory with model_index.json"
+            raise UsageError(f"--model {args.model}: {kind} (give 'tiny', a hub id like zai-org/GLM-Image, "
+                             "or a save_pretrained directory)")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for but no CUDA device is available")
     if args.offload and not (args.device != "cpu" and torch.cuda.is_available()):
@@ -214,7 +236,28 @@ def validate_dit_args(args):
 
 
 def looks_like_hub_id(name):
-    return re.fullmatch(r"[\w.-]+/[\w.-]+", name) is not None and not Path(name).exists()
+    """'owner/name' that is not a local path: a typo in './runs/x' or 'runs/x' (whose 'runs' is a
+    local directory) must not be sent to the hub as a repo id."""
+    owner = name.split("/", 1)[0]
+    return (re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", name) is not None and not Path(name).exists()
+            and not Path(owner).is_dir())
+
+
+def check_writable(flag, path):
+    """Fails now, not after loading the model or training: the nearest existing parent of `path`
+    must be a directory we can create files in (probed with a temporary file, removed at once)."""
+    import tempfile
+
+    parent = Path(path).absolute()
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path}: {parent} is a file, not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write in {parent} ({e.strerror})")
 
 
 def resolve_runtime(args):
@@ -429,8 +472,9 @@ class PromptItem:
 
 def read_prompts(path, height, width, mode="t2i", need_targets=True):
     """Parses the prompt file. Line format: `prompt`, `prompt | target.png`, and in i2i
-    `prompt | target.png | source.png` (paths relative to the prompt file). Blank lines and '#'
-    comments are skipped. Images of another size are resized to --width x --height; i2i sources
+    `prompt | target.png | source.png` (paths relative to the prompt file). Blank lines and
+    comment lines (first non-blank character '#') are skipped; a '#' later in a line is text
+    ('colour #ff0000'). Images of another size are resized to --width x --height; i2i sources
     too, which keeps them multiples of 32 px and lets a whole group decode in one call.
     With need_targets=False (no reward reads targets) a missing target stays None instead of
     being drawn from the prompt's words, so any line is a valid prompt."""
@@ -438,9 +482,9 @@ def read_prompts(path, height, width, mode="t2i", need_targets=True):
     if not path.is_file():
         raise UsageError(f"--prompts {path}: file not found")
     items, resized = [], False
-    for lineno, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
+    for lineno, raw in enumerate(read_utf8(path).splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
             continue
         text, *paths = (part.strip() for part in line.split("|"))
         where = f"{path}:{lineno}"
@@ -449,6 +493,10 @@ def read_prompts(path, height, width, mode="t2i", need_targets=True):
         paths += [""] * (2 - len(paths))
         images = [load_image(path.parent / p, where, kind) if p else None for p, kind in zip(paths, ("target", "source"))]
         resized |= any(im is not None and im.size != (width, height) for im in images)
+        for image, name, kind in zip(images, paths, ("target", "source")):
+            if image is not None and image.width * height != image.height * width:
+                print(f"note: {where}: {kind} {name} is {image.width}x{image.height}, squashed to {width}x{height} "
+                      "(another aspect ratio; crop it yourself to keep its proportions)")
         target, source = (im.resize((width, height), Image.BICUBIC) if im else None for im in images)
         if mode == "t2i":
             target = target or (draw_demo_image(text, height, width, where) if need_targets else None)
@@ -463,14 +511,40 @@ def read_prompts(path, height, width, mode="t2i", need_targets=True):
     return items
 
 
+def read_utf8(path):
+    """The prompt file as text. 'utf-8-sig' drops the BOM Windows editors put first (else it would
+    glue itself to a first '# comment' line and make it a prompt)."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        hint = " (it looks like UTF-16)" if data[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+        raise UsageError(f"--prompts {path}: not UTF-8 text{hint}: byte 0x{data[e.start]:02x} at offset {e.start}; "
+                         "save the file as UTF-8")
+
+
 def load_image(path, where, kind):
     try:
         with Image.open(path) as image:
-            return image.convert("RGB")
+            return to_rgb(image)
     except FileNotFoundError:
         raise UsageError(f"{where}: {kind} image {path} not found")
     except (UnidentifiedImageError, OSError) as e:
         raise UsageError(f"{where}: {kind} {path} is not a readable image ({type(e).__name__})")
+
+
+def to_rgb(image):
+    """RGB as the user sees the file. PIL's convert('RGB') alone gets two cases wrong:
+    transparency is dropped, leaving whatever colour hides under alpha 0 (usually black), so
+    transparent pixels are composited on white as viewers show them; and 16-bit greyscale
+    ('I;16', 'I') is clipped to 0..255, turning almost every pixel white, so it is scaled by 255/65535."""
+    if image.mode in ("I", "I;16", "I;16B", "I;16L"):
+        scaled = np.asarray(image, dtype=np.float64) * (255.0 / 65535.0)
+        return Image.fromarray(np.clip(scaled.round(), 0, 255).astype(np.uint8)).convert("RGB")
+    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, "white"), rgba).convert("RGB")
+    return image.convert("RGB")
 
 
 def demo_words(prompt):
@@ -851,19 +925,38 @@ def group_advantages(rewards, group_size, eps=1e-4):
     """GRPO's advantage: A_i = (r_i - mean_group(r)) / (std_group(r) + eps).
 
     rewards [N] hold consecutive groups of `group_size` (N = prompts x G). A group whose rewards
-    are all equal carries no preference and gets exactly 0 (its numerator is exactly 0).
+    are all equal carries no preference and gets exactly 0. Pitfall: r - mean(r) is not exactly 0
+    for such a group, since the float32 mean of 16 equal numbers can be one ulp off them; divided
+    by std + eps that ulp became a spurious advantage of ~3e-4. So constant groups (max == min)
+    are zeroed explicitly.
     eps is not tiny on purpose: MSE rewards within a group can differ by 1e-4, and a smaller eps
     would blow those differences up to full-size advantages. std is the unbiased one (as TRL)."""
     if rewards.ndim != 1 or rewards.numel() % group_size:
         raise ValueError(f"got {rewards.numel()} rewards, not a multiple of group_size={group_size}")
     groups = rewards.view(-1, group_size)
     centred = groups - groups.mean(dim=1, keepdim=True)
-    return (centred / (groups.std(dim=1, keepdim=True) + eps)).view(-1)
+    advantages = centred / (groups.std(dim=1, keepdim=True) + eps)
+    return torch.where(constant_groups(groups), 0.0, advantages).view(-1)
+
+
+def constant_groups(groups):
+    """[P, G] -> [P, 1] bool: groups whose G rewards are all identical (no learning signal)."""
+    return groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)
 
 
 # =============================================================================================
 # 8. Log-probs with gradients
 # =============================================================================================
+
+def token_entropy(logits, temperature, suppressed=()):
+    """H = -sum_v p_v log p_v of softmax(logits / T) with `suppressed` ids at probability 0, in fp32.
+    logits [N, L, V] -> [N, L] nats; log(V - len(suppressed)) at uniform, 0 when one token has it all."""
+    logits = logits.float() / temperature
+    if len(suppressed):
+        logits[..., list(suppressed)] = float("-inf")
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
+
 
 def token_logprobs(logits, tokens, temperature, suppressed=()):
     """log pi(token) under softmax(logits / T), computed in fp32 (bf16 log-softmax loses ~1e-2).
@@ -874,14 +967,19 @@ def token_logprobs(logits, tokens, temperature, suppressed=()):
     return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def policy_logprobs(ar, rollout, temperature, suppressed):
+def policy_logits(ar, rollout):
     """One teacher-forced forward over prompt + generated[:-1] with the M-RoPE positions
-    generate used; logits of the last L positions predict the L generated tokens.
+    generate used; logits [N, L, V] of the last L positions predict the L generated tokens.
     A plain forward without position_ids would number image tokens like text (off by nats)."""
     num_generated = rollout.sequences.shape[1] - rollout.prompt_len
-    logits = ar(input_ids=rollout.sequences[:, :-1], attention_mask=rollout.attention_mask,
-                position_ids=rollout.position_ids, logits_to_keep=num_generated, use_cache=False).logits
-    return token_logprobs(logits, rollout.sequences[:, rollout.prompt_len:], temperature, suppressed)
+    return ar(input_ids=rollout.sequences[:, :-1], attention_mask=rollout.attention_mask,
+              position_ids=rollout.position_ids, logits_to_keep=num_generated, use_cache=False).logits
+
+
+def policy_logprobs(ar, rollout, temperature, suppressed):
+    """log pi_theta of each generated token [N, L], differentiable."""
+    return token_logprobs(policy_logits(ar, rollout), rollout.sequences[:, rollout.prompt_len:], temperature,
+                          suppressed)
 
 
 # =============================================================================================
@@ -954,12 +1052,19 @@ def grpo_update(ar, optimizer, params, rollout, advantages, ref_logp, args, supp
     Returns the metrics averaged over the passes that updated, plus `logp_diff_max` (first pass,
     max |logp - old_logp| over loss tokens: a live check of the bookkeeping, ~1e-6 in fp32) and
     `skipped_updates` (passes whose loss or gradient was not finite)."""
-    done, skipped, logp_diff_max = [], 0, float("nan")
+    done, skipped, logp_diff_max, entropy = [], 0, float("nan"), float("nan")
     advantages = advantages.to(rollout.old_logp.device)
     for epoch in range(args.inner_epochs):
-        logp = policy_logprobs(ar, rollout, args.temperature, suppressed)
+        logits = policy_logits(ar, rollout)
+        logp = token_logprobs(logits, rollout.sequences[:, rollout.prompt_len:], args.temperature, suppressed)
         if epoch == 0:
             logp_diff_max = ((logp - rollout.old_logp).abs() * rollout.loss_mask).max().item()
+            # Entropy collapse: GRPO sharpens the policy on whatever wins within a group. Once the
+            # loss tokens' entropy nears 0, the G samples of a group are identical, every reward
+            # ties, all advantages are 0 and learning stops for good (frac_reward_zero_std -> 1).
+            with torch.no_grad():
+                token_h = token_entropy(logits.detach(), args.temperature, suppressed)
+                entropy = ((token_h * rollout.loss_mask).sum() / rollout.loss_mask.sum()).item()
         loss, metrics = grpo_loss(logp, rollout.old_logp, advantages, rollout.loss_mask, args.clip_eps,
                                   args.beta, ref_logp)
         optimizer.zero_grad(set_to_none=True)
@@ -972,7 +1077,7 @@ def grpo_update(ar, optimizer, params, rollout, advantages, ref_logp, args, supp
         optimizer.step()
         done.append({**metrics, "loss": loss.item(), "grad_norm": grad_norm.item()})
     averaged = {key: sum(m[key] for m in done) / len(done) for key in done[0]} if done else {}
-    return {**averaged, "logp_diff_max": logp_diff_max, "skipped_updates": skipped}
+    return {**averaged, "entropy": entropy, "logp_diff_max": logp_diff_max, "skipped_updates": skipped}
 
 
 # =============================================================================================
@@ -1285,14 +1390,32 @@ def append_metrics(path, row):
         f.write(json.dumps(row) + "\n")
 
 
+def warn_if_collapsed(row, warned):
+    """Once per run, on stderr: most groups tied, so most advantages are 0 and the step trained
+    on (almost) nothing. Returns whether the warning has been given."""
+    if warned or row["frac_reward_zero_std"] <= 0.5:
+        return warned
+    print(f"warning: step {row['step']}: {row['frac_reward_zero_std']:.0%} of groups have identical rewards "
+          f"(entropy {row['entropy']:.3f}): no learning signal: the policy has collapsed; lower --lr or raise "
+          f"--temperature", file=sys.stderr, flush=True)
+    return True
+
+
 def truncate_metrics(path, last_step):
     """On resume, drop rows past the checkpoint's step (left by a run that died after it), so
-    the log holds exactly one history."""
+    the log holds exactly one history. The dropped rows are kept beside it, and the run says so."""
     if not path.exists():
         return
-    rows = [line for line in path.read_text(encoding="utf-8").splitlines()
-            if line.strip() and json.loads(line)["step"] <= last_step]
-    atomic_write_bytes(path, "".join(r + "\n" for r in rows).encode())
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line)["step"] <= last_step]
+    dropped = [line for line in lines if json.loads(line)["step"] > last_step]
+    if dropped:
+        aside = path.with_name(f"metrics.dropped_after_step_{last_step:06d}.jsonl")
+        atomic_write_bytes(aside, "".join(r + "\n" for r in dropped).encode())
+        steps = [json.loads(line)["step"] for line in dropped]
+        print(f"note: resuming at step {last_step} drops metrics rows of steps {steps[0]}..{steps[-1]} "
+              f"(no checkpoint after step {last_step}); kept in {aside}")
+    atomic_write_bytes(path, "".join(r + "\n" for r in kept).encode())
 
 
 def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, scale=2):
@@ -1486,11 +1609,14 @@ def prune_checkpoints(out_dir, keep):
 
 
 def find_checkpoint(spec, out_dir):
-    """--resume latest -> newest complete step_*.pt in <out>/checkpoints; else the given path."""
+    """--resume latest -> newest complete step_*.pt in <out>/checkpoints, or None when there is
+    none yet (a run killed before its first checkpoint starts over, as in diffusers' scripts);
+    else the given path."""
     if spec == "latest":
         found = sorted((out_dir / "checkpoints").glob("step_*.pt"))
         if not found:
-            raise UsageError(f"--resume latest: no checkpoint in {out_dir / 'checkpoints'}")
+            print(f"--resume latest: no checkpoint in {out_dir / 'checkpoints'} yet; starting from step 0")
+            return None
         return found[-1]
     path = Path(spec)
     if not path.is_file():
@@ -1510,9 +1636,17 @@ def read_checkpoint(path):
 
 def check_resume_flags(saved_args, args):
     """Lists algorithm flags that differ from the checkpoint's; harmless ones (--steps, --out,
-    intervals, --resume) may change freely."""
-    return [f"--{k.replace('_', '-')} {saved_args.get(k)} -> {getattr(args, k)}"
-            for k in ALGORITHM_FLAGS if saved_args.get(k) != getattr(args, k)]
+    intervals, --resume) may change freely. The prompt file counts by its contents (a hash), not
+    by how its path was spelled: './prompts.txt' is 'prompts.txt', an edited file is not."""
+    def describe(k):
+        if k == "prompts_sha256":
+            return f"--prompts {saved_args.get('prompts')} -> {args.prompts}: contents differ"
+        return f"--{k.replace('_', '-')} {saved_args.get(k)} -> {getattr(args, k)}"
+    return [describe(k) for k in ALGORITHM_FLAGS if saved_args.get(k) != getattr(args, k)]
+
+
+def file_sha256(path):
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def restore_checkpoint(ckpt, path, model, optimizer, lr_scheduler):
@@ -1672,16 +1806,20 @@ def print_memory_plan(args):
     else:
         components = real_glm_image_on_meta()
     samples = args.group_size * args.prompts_per_step
-    rows, counts, tokens = memory_plan(components, args.height, args.width, samples)
-    print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / 1e9:.3f} B" for k, v in counts.items()))
+    ranks = (args.lora_rank,) if args.lora_rank else (64, 16)
+    rows, counts, tokens = memory_plan(components, args.height, args.width, samples, ranks=ranks)
+    # the tiny model's bytes would all print as 0.0 GiB: small models get MiB and thousands
+    unit, unit_name = (GiB, "GiB") if max(r["peak_no_offload"] for r in rows) >= GiB else (1024 ** 2, "MiB")
+    count_div, count_name = (1e6, "M") if max(counts.values()) >= 1e8 else (1e3, "k")
+    print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count_div:,.1f} {count_name}" for k, v in counts.items()))
     print(f"teacher-forced pass: {samples} samples x {tokens} tokens ({args.height}x{args.width}); "
-          f"estimates in GiB\n")
+          f"estimates in {unit_name}\n")
     print("| mode | grad ckpt | trainable | AR weights | grads | AdamW | activations | peak, offload | peak, no offload |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        cells = [r["mode"], "yes" if r["grad_ckpt"] else "no", f"{r['trainable_params'] / 1e6:.1f} M"]
-        cells += [f"{r[k] / GiB:.1f}" for k in ("ar_weights", "grads", "adam", "activations", "peak_offload",
-                                                "peak_no_offload")]
+        cells = [r["mode"], "yes" if r["grad_ckpt"] else "no", f"{r['trainable_params'] / count_div:.1f} {count_name}"]
+        cells += [f"{r[k] / unit:.1f}" for k in ("ar_weights", "grads", "adam", "activations", "peak_offload",
+                                                 "peak_no_offload")]
         print("| " + " | ".join(cells) + " |")
     ar_row = next(r for r in rows if r["mode"] == "lora-64" and r["grad_ckpt"])
     dit_rows = dit_memory_plan(components, args.height, args.width, samples, args.guidance_scale > 1, ar_row)
@@ -1700,11 +1838,51 @@ def print_memory_plan(args):
 # =============================================================================================
 
 def prepare_out_dir(args):
-    """Refuses to write a new run over an old one: resuming is the only way to continue a run."""
+    """Refuses to write a new run over an old one: resuming is the only way to continue a run
+    (also one killed before its first checkpoint: --resume latest then starts it over)."""
     out = Path(args.out)
     if args.resume is None and ((out / "metrics.jsonl").exists() or any((out / "checkpoints").glob("step_*.pt"))):
         raise UsageError(f"--out {out} already holds a run; pass --resume latest to continue it or pick another --out")
     return out
+
+
+def lock_out_dir(out):
+    """An exclusive fcntl.flock on <out>/.lock for the whole run, so that two runs never write
+    into one --out. The OS releases it when the process ends, even on kill -9: no stale locks.
+    Returns the open file; the lock lasts as long as it stays open."""
+    import fcntl
+
+    out.mkdir(parents=True, exist_ok=True)
+    handle = open(out / ".lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        raise UsageError(f"--out {out} is in use by another run (pid {handle.read().strip() or '?'}); "
+                         "wait for it to finish or pick another --out")
+    handle.truncate(0)
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def check_resume_point(ckpt_path, step, out, args):
+    """Resuming from step k of a run that went further (later checkpoints exist) would replace its
+    history after k: refused unless --resume-force, which keeps the later checkpoints beside the
+    new ones as step_*.pt.dropped (truncate_metrics keeps the later rows likewise). Returns them."""
+    later = [p for p in sorted((out / "checkpoints").glob("step_*.pt")) if int(p.stem[5:]) > step]
+    if later and not args.resume_force:
+        raise UsageError(f"--resume {ckpt_path}: {out} has later checkpoints ({later[-1].name}); resuming from step "
+                         f"{step} would drop them and the metrics after step {step} (add --resume-force to do so; "
+                         "they are then kept as *.dropped)")
+    return later
+
+
+def keep_aside(checkpoints):
+    """step_*.pt -> step_*.pt.dropped: out of --resume latest's way, not deleted."""
+    for path in checkpoints:
+        path.rename(path.with_name(path.name + ".dropped"))
+        print(f"note: kept {path.name} of the dropped history as {path.name}.dropped")
 
 
 class StopAfterStep:
@@ -1780,10 +1958,12 @@ def grpo_step(trainer, items, indices, step, args):
     update = grpo_update(ar, trainer.optimizer, trainer.params, rollout, advantages, ref_logp, args,
                          trainer.suppressed)
     group_std = rewards.view(-1, args.group_size).std(dim=1)
+    zero_std = constant_groups(rewards.view(-1, args.group_size))
     row = {"step": step, "loss": update.get("loss", float("nan")),
            "reward_mean": rewards.mean().item(), "reward_std": group_std.mean().item(),
            "ratio_mean": update.get("ratio_mean", float("nan")), "clip_ratio": update.get("clip_ratio", 0.0),
-           "kl": update.get("kl", 0.0), "frac_reward_zero_std": (group_std == 0).float().mean().item(),
+           "kl": update.get("kl", 0.0), "entropy": update["entropy"],
+           "frac_reward_zero_std": zero_std.float().mean().item(),
            "grad_norm": update.get("grad_norm", float("nan")), "logp_diff_max": update["logp_diff_max"],
            "skipped_updates": update["skipped_updates"],
            **{f"rewards/{name}": value.mean().item() for name, value in per_reward.items()}}
@@ -1936,6 +2116,7 @@ def train(args):
     rewards = load_rewards(args.reward)
     items = read_prompts(args.prompts, args.height, args.width, args.mode,
                          need_targets=any(r.uses_targets for r in rewards))
+    args.prompts_sha256 = file_sha256(args.prompts)
     ckpt_path = find_checkpoint(args.resume, out) if args.resume else None
     ckpt = read_checkpoint(ckpt_path) if ckpt_path else None
     if ckpt is not None:
@@ -1943,22 +2124,31 @@ def train(args):
         if differences and not args.resume_force:
             raise UsageError(f"--resume {ckpt_path}: flags differ from the checkpoint's: {'; '.join(differences)} "
                              "(add --resume-force to accept)")
+        if ckpt["step"] >= args.steps:
+            print(f"nothing to do: {ckpt_path} is at step {ckpt['step']} and --steps is {args.steps} "
+                  f"(pass --steps {ckpt['step'] + args.steps} to train {args.steps} more)")
+            return None
+        later = check_resume_point(ckpt_path, ckpt["step"], out, args)
+    lock = lock_out_dir(out)   # held while this function runs (the open file keeps it)
+    prepare_out_dir(args)      # again under the lock: another run may have started meanwhile
+    if ckpt is not None:
+        keep_aside(later)
     trainer, start = setup_training(args, ckpt, ckpt_path, rewards)
-    out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
     truncate_metrics(metrics_path, start)
     trainable = sum(p.numel() for p in trainer.trained.parameters() if p.requires_grad) / 1e6
     print(f"running with: mode={args.mode} model={args.model} device={args.device} dtype={args.dtype} "
           f"offload={args.offload} batch={args.prompts_per_step}x{args.group_size} mu={args.inner_epochs} "
           f"lr={args.lr} trainable={trainable:.2f}M ({f'LoRA r={args.lora_rank}' if args.lora_rank else 'full'}) "
-          f"image={args.height}x{args.width} loss_tokens={args.loss_tokens} dit_noise={args.dit_noise} out={out}"
+          f"image={args.height}x{args.width} loss_tokens={args.loss_tokens} dit_noise={args.dit_noise} out={out} "
+          f"threads={torch.get_num_threads()}"
           + (f" policy={args.policy} dit_lr={args.dit_lr} dit_train_steps={args.dit_train_steps}/"
              f"{args.num_inference_steps} dit_noise_level={args.dit_noise_level}" if args.policy != "ar" else ""))
     print("rewards: " + " + ".join(f"{r.weight:g} x {r.name}" for r in trainer.rewards)
           + f" | lr schedule {args.lr_scheduler}, warm-up {args.lr_warmup_steps} | report to {args.report_to}")
     tracker = open_tracker(args, out, start)
 
-    last_saved, bad_steps = start, 0
+    last_saved, bad_steps, collapse_warned = start, 0, False
     stop = StopAfterStep()
     try:
         for step in range(start + 1, args.steps + 1):
@@ -1979,7 +2169,9 @@ def train(args):
                   f"± {row['reward_std']:.5f} | " + "".join(
                       f"{prefix}ratio {row[prefix + 'ratio_mean']:.4f} | {prefix}clip {row[prefix + 'clip_ratio']:.3f} "
                       f"| {prefix}kl {row[prefix + 'kl']:.2e} | " for prefix in ("", "dit/") if prefix + "kl" in row)
-                  + f"{row['seconds']:.2f}s", flush=True)
+                  + (f"entropy {row['entropy']:.3f} | " if "entropy" in row else "")
+                  + f"zero_std {row['frac_reward_zero_std']:.2f} | {row['seconds']:.2f}s", flush=True)
+            collapse_warned = warn_if_collapsed(row, collapse_warned)
             bad_steps = bad_steps + 1 if row["skipped_updates"] == args.inner_epochs else 0
             if bad_steps >= 5:
                 raise UsageError(f"stopping: loss or gradients were non-finite for {bad_steps} steps in a row "
@@ -2014,13 +2206,37 @@ def train(args):
 
 def save_trained_pipeline(pipe, args):
     """Writes a pipeline that GlmImagePipeline.from_pretrained(dir) loads as usual. LoRA is merged
-    into the AR's (and the DiT's) weights first, so loading needs no adapter code."""
+    into the AR's (and the DiT's) weights first, so loading needs no adapter code; the AR's
+    generation config is set to the policy that was trained, which the pipeline's own AR stage
+    then samples."""
+    ar = pipe.vision_language_encoder
     if args.lora_rank and args.policy != "dit":
-        merge_lora(pipe.vision_language_encoder)
+        merge_lora(ar)
     if args.dit_lora_rank:
         merge_lora(pipe.transformer)
+    ar.generation_config = policy_generation_config(
+        ar, pipe.transformer.config.prior_vq_quantizer_codebook_size, args.temperature)
     pipe.save_pretrained(args.save_pipeline)
     print(f"saved the trained pipeline to {args.save_pipeline}")
+
+
+def policy_generation_config(ar, codebook_size, temperature):
+    """The sampling settings training used, as a generation config for inference.
+
+    GlmImagePipeline.generate_prior_tokens calls `ar.generate(**inputs, max_new_tokens=..,
+    do_sample=True)` and takes everything else from `ar.generation_config`. The real checkpoint's
+    config samples with temperature 0.9 and top-p 0.75 and suppresses nothing: a trained AR
+    practically never writes image start/end inside a grid. A tiny or briefly trained one does,
+    and the pipeline then crashes upsampling a short grid (`shape '[1, 1, 2, 2]' is invalid`).
+    So the saved config is the policy GRPO optimised: softmax(logits / T) with no top-k/top-p and
+    the special ids suppressed, exactly as sample_group draws."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+        suppress_tokens=image_token_suppression(ar, codebook_size),
+        bos_token_id=ar.generation_config.bos_token_id, pad_token_id=ar.config.text_config.pad_token_id,
+        eos_token_id=ar.config.text_config.eos_token_id)
 
 
 def merge_lora(ar):

@@ -1,4 +1,7 @@
-"""Tests for grpo_glm.py. Offline, CPU, tiny model built in code: `python -m pytest -q`."""
+"""Tests for grpo_glm.py. Offline, CPU, tiny model built in code. All of them (as CI):
+    python -m pytest -q -o "markers=slow: learning checks (minutes)"
+the quick subset: add -m "not slow". (A marker registered in this file's pytest_configure would not
+count: pytest reads that hook only from conftest.py and plugins.)"""
 
 import json
 import math
@@ -50,6 +53,25 @@ def test_group_advantages_zero_std_group_gives_zeros():
     adv = g.group_advantages(torch.tensor([0.5, 0.5, 0.5, 0.1, 0.2, 0.3]), 3)
     assert torch.equal(adv[:3], torch.zeros(3))
     assert torch.isfinite(adv).all() and adv[3:].abs().sum() > 0
+
+
+def test_group_advantages_constant_group_is_exactly_zero_despite_rounding():
+    # the float32 mean of 16 copies of these values is one ulp off them: r - mean(r) != 0
+    values = [-0.16974, 0.3, 0.1, -0.17036]
+    rewards = torch.tensor(values).repeat_interleave(16)
+    assert any((b - b.mean()).abs().max() > 0 for b in rewards.view(-1, 16))
+    assert torch.equal(g.group_advantages(rewards, 16), torch.zeros(64))
+
+
+def test_token_entropy_uniform_peaked_and_suppressed():
+    logits = torch.zeros(1, 2, 8)
+    logits[0, 1, 3] = 100.0
+    h = g.token_entropy(logits, temperature=1.0)
+    torch.testing.assert_close(h[0, 0], torch.log(torch.tensor(8.0)))
+    assert h[0, 1].abs() < 1e-6
+    torch.testing.assert_close(g.token_entropy(logits, 1.0, suppressed=[6, 7])[0, 0], torch.log(torch.tensor(6.0)))
+    # a higher temperature flattens a peaked distribution
+    assert g.token_entropy(logits, 100.0)[0, 1] > h[0, 1] + 1
 
 
 def test_group_advantages_rejects_ragged_length():
@@ -221,12 +243,31 @@ def test_cli_two_steps_writes_metrics_samples_and_checkpoint(tmp_path):
     assert result.returncode == 0, result.stderr
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
-    for key in ("loss", "reward_mean", "reward_std", "ratio_mean", "clip_ratio", "kl", "frac_reward_zero_std", "seconds"):
+    for key in ("loss", "reward_mean", "reward_std", "ratio_mean", "clip_ratio", "kl", "entropy", "frac_reward_zero_std",
+                "seconds"):
         assert all(key in r for r in rows), key
     assert all(r["logp_diff_max"] <= 1e-5 for r in rows)
     assert (out / "checkpoints" / "step_000002.pt").is_file()
     assert len(list((out / "samples").glob("*.png"))) == 2
     assert "step    2/2" in result.stdout
+    # the policy starts close to uniform over the 64 codebook ids: entropy ~ log 64 nats
+    assert all(3.5 < r["entropy"] <= torch.log(torch.tensor(64.0)).item() + 1e-4 for r in rows)
+    assert "entropy" in result.stdout and "zero_std" in result.stdout
+
+
+def test_collapse_is_warned_once(tmp_path, capsys, monkeypatch):
+    """A policy with all its mass on one token draws G identical samples: every group ties."""
+    out = tmp_path / "collapsed"
+    trainer_pipe = g.build_tiny_pipeline(seed=0)
+    with torch.no_grad():      # the end of an entropy collapse: one codebook id gets all the mass
+        trainer_pipe.vision_language_encoder.lm_head.bias = torch.nn.Parameter(torch.full((g.TINY_VISION_VOCAB,), -1e4))
+        trainer_pipe.vision_language_encoder.lm_head.bias[7] = 0.0
+    monkeypatch.setattr(g, "build_tiny_pipeline", lambda seed=0, ar_init_range=0.02: trainer_pipe)
+    g.main(["--steps", "3", "--out", str(out), "--group-size", "4", "--sample-every", "0"])
+    rows = read_metrics(out)
+    assert all(r["frac_reward_zero_std"] == 1.0 and r["entropy"] < 1e-3 for r in rows)
+    err = capsys.readouterr().err
+    assert err.count("no learning signal: the policy has collapsed") == 1 and "--temperature" in err
 
 
 def test_first_inner_epoch_has_ratio_one(tmp_path):
@@ -249,11 +290,79 @@ def test_resume_drops_rows_of_the_killed_future(tmp_path, capsys):
     g.main(["--steps", "3", "--out", str(out), "--save-every", "2", *SMALL])
     # the run "died" after step 3; its last checkpoint is step 2
     (out / "checkpoints" / "step_000003.pt").unlink()
+    old_rows = read_metrics(out)
     g.main(["--steps", "4", "--out", str(out), "--save-every", "2", "--resume", "latest", *SMALL])
-    assert "Resuming from step 2" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "Resuming from step 2" in printed and "drops metrics rows of steps 3..3" in printed
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+    assert read_metrics(out)[:2] == old_rows[:2]
+    aside = [json.loads(x) for x in (out / "metrics.dropped_after_step_000002.jsonl").read_text().splitlines()]
+    assert aside == old_rows[2:]
 
 
+def test_run_killed_before_its_first_checkpoint_can_start_over(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward_mean": -1.0}) + "\n")
+    with pytest.raises(SystemExit):                      # a new run refuses and points to --resume latest
+        g.main(["--steps", "1", "--out", str(out), *SMALL])
+    assert "pass --resume latest" in capsys.readouterr().err
+    g.main(["--steps", "1", "--out", str(out), "--resume", "latest", *SMALL])   # which then works
+    assert "no checkpoint" in capsys.readouterr().out and (out / "checkpoints" / "step_000001.pt").is_file()
+    assert read_metrics(out)[0]["reward_mean"] != -1.0
+
+
+def test_resume_from_an_older_checkpoint_needs_force_and_keeps_what_it_drops(tmp_path, capsys):
+    out = tmp_path / "run"
+    g.main(["--steps", "4", "--out", str(out), "--save-every", "2", *SMALL])
+    before = snapshot(out)
+    older = str(out / "checkpoints" / "step_000002.pt")
+    with pytest.raises(SystemExit) as exit_:
+        g.main(["--steps", "3", "--out", str(out), "--resume", older, *SMALL])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "step_000004.pt" in err and "--resume-force" in err
+    assert snapshot(out) == before
+    old_rows = read_metrics(out)
+    g.main(["--steps", "3", "--out", str(out), "--resume", older, "--resume-force", *SMALL])
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    assert (out / "checkpoints" / "step_000004.pt.dropped").read_bytes() == before["checkpoints/step_000004.pt"]
+    aside = [json.loads(x) for x in (out / "metrics.dropped_after_step_000002.jsonl").read_text().splitlines()]
+    assert aside == old_rows[2:]
+
+
+def test_resume_with_nothing_left_to_do_says_so(finished_run, capsys):
+    before = snapshot(finished_run)
+    assert g.main(["--steps", "1", "--out", str(finished_run), "--resume", "latest", *SMALL]) is None
+    assert "nothing to do" in capsys.readouterr().out and snapshot(finished_run) == before
+
+
+def test_resume_compares_the_prompt_file_by_content(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.txt").write_text("a red circle on a white background\n")
+    g.main(["--steps", "1", "--out", "run", "--prompts", "p.txt", *SMALL])
+    g.main(["--steps", "1", "--out", "run", "--prompts", f"./../{tmp_path.name}/p.txt", "--resume", "latest", *SMALL])
+    assert "nothing to do" in capsys.readouterr().out            # same file spelled otherwise: accepted
+    (tmp_path / "p.txt").write_text("a blue circle on a white background\n")
+    with pytest.raises(SystemExit):
+        g.main(["--steps", "2", "--out", "run", "--prompts", "p.txt", "--resume", "latest", *SMALL])
+    assert "--prompts p.txt -> p.txt: contents differ" in capsys.readouterr().err
+
+
+def test_two_runs_cannot_share_an_out_dir(tmp_path, capsys):
+    import fcntl
+
+    out = tmp_path / "run"
+    holder = g.lock_out_dir(out)                   # as a running process holds it
+    with pytest.raises(SystemExit):
+        g.main(["--steps", "1", "--out", str(out), *SMALL])
+    assert f"in use by another run (pid {os.getpid()})" in capsys.readouterr().err
+    assert not (out / "metrics.jsonl").exists()
+    holder.close()
+    with open(out / ".lock") as again:             # released: anyone may take it
+        fcntl.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+@pytest.mark.slow
 def test_default_run_learns(tmp_path):
     """The issue's bar: with defaults, mean reward of the last 5 of 40 steps exceeds the first 5 by
     at least the first 5 steps' mean within-group reward std."""
@@ -297,6 +406,8 @@ def _bad_cases(tmp, run):
     torch.save({"weights": torch.zeros(2)}, tmp / "foreign.pt")
     (tmp / "outfile").write_text("keep me")
     (tmp / "notapipe").mkdir()
+    (tmp / "utf16.txt").write_bytes("a red circle on a white background\n".encode("utf-16"))
+    (tmp / "latin1.txt").write_bytes("un café red circle\n".encode("latin-1"))
     ckpt = str(run / "checkpoints" / "step_000001.pt")
     fresh = str(tmp / "fresh")
     return {
@@ -326,6 +437,13 @@ def _bad_cases(tmp, run):
         "model dir not a pipeline": (["--model", str(tmp / "notapipe"), "--out", fresh], "--model"),
         "out is a file": (["--out", str(tmp / "outfile")], "--out"),
         "out holds a run": (["--out", str(run)], "--resume latest"),
+        "prompts UTF-16": (["--prompts", str(tmp / "utf16.txt"), "--out", fresh], "not UTF-8 text (it looks like UTF-16)"),
+        "prompts Latin-1": (["--prompts", str(tmp / "latin1.txt"), "--out", fresh], "not UTF-8 text: byte 0xe9"),
+        "save-pipeline is a file": (["--save-pipeline", str(tmp / "outfile"), "--out", fresh], "--save-pipeline"),
+        "save-pipeline holds files": (["--save-pipeline", str(run), "--out", fresh], "already exists"),
+        "out under a file": (["--out", str(tmp / "outfile" / "run")], "is a file, not a directory"),
+        "out not writable": (["--out", "/proc/grpo_glm_run"], "cannot write"),
+        "lr negative with exponent": (["--lr", "-1e-3", "--out", fresh], "--lr must be > 0, got -0.001"),
     }
 
 
@@ -334,7 +452,51 @@ CASE_NAMES = ["prompts missing", "prompts empty", "prompts only comments", "targ
               "height not multiple of 32", "width 100", "width 0", "temperature 0", "resume path missing",
               "resume junk file", "resume foreign torch file", "resume with other algorithm flags",
               "resume into a LoRA model", "model path missing", "model dir not a pipeline", "out is a file",
-              "out holds a run"]
+              "out holds a run", "prompts UTF-16", "prompts Latin-1", "save-pipeline is a file",
+              "save-pipeline holds files", "out under a file", "out not writable", "lr negative with exponent"]
+
+
+@pytest.mark.parametrize("model", ["./typo_dir", "runs/typo_dir"])
+def test_model_path_typo_is_not_sent_to_the_hub(model, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(SystemExit) as exit_:
+        g.main(["--model", model, "--out", "fresh"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == f"error: --model {model}: no such directory (give 'tiny', a hub id like " \
+        "zai-org/GLM-Image, or a save_pretrained directory)\n"
+    assert g.looks_like_hub_id("zai-org/GLM-Image") and not (tmp_path / "fresh").exists()
+
+
+def test_images_are_read_as_the_user_sees_them(tmp_path, capsys):
+    import numpy as np
+    from PIL import Image
+
+    rgba = Image.new("RGBA", (64, 64), (0, 0, 0, 0))           # transparent ...
+    rgba.paste((0, 0, 255, 255), (16, 16, 48, 48))              # ... with an opaque blue square
+    rgba.save(tmp_path / "rgba.png")
+    grey = np.full((64, 64), 32768, dtype=np.uint16)            # 16-bit mid grey
+    Image.fromarray(grey).save(tmp_path / "grey16.png")
+    Image.new("RGB", (128, 64), "red").save(tmp_path / "wide.png")
+    (tmp_path / "p.txt").write_text("one | rgba.png\ntwo | grey16.png\nthree | wide.png\n")
+    assert Image.open(tmp_path / "grey16.png").mode.startswith("I")
+    items = g.read_prompts(tmp_path / "p.txt", 64, 64)
+    assert items[0].target.getpixel((0, 0)) == (255, 255, 255) and items[0].target.getpixel((32, 32)) == (0, 0, 255)
+    assert items[1].target.getpixel((10, 10)) == (128, 128, 128)
+    out = capsys.readouterr().out
+    assert "wide.png is 128x64, squashed to 64x64" in out and f"{tmp_path / 'p.txt'}:3" in out
+    assert "rgba.png" not in out and "grey16.png" not in out
+
+
+def test_prompt_file_comments_bom_and_hash_in_text(tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (64, 64), "red").save(tmp_path / "t.png")
+    (tmp_path / "p.txt").write_bytes("# a comment line\ncolour #ff0000 | t.png\n   # indented comment\n"
+                                      "a blue square on a yellow background\n".encode("utf-8-sig"))
+    items = g.read_prompts(tmp_path / "p.txt", 64, 64)
+    assert [it.text for it in items] == ["colour #ff0000", "a blue square on a yellow background"]
+    assert items[0].target.getpixel((0, 0)) == (255, 0, 0)
 
 
 @pytest.mark.parametrize("case", CASE_NAMES)
@@ -471,7 +633,7 @@ def test_lora_resume_is_bit_identical_and_checkpoint_holds_only_adapters(tmp_pat
 def test_saved_pipeline_loads_and_carries_the_training(tmp_path):
     from diffusers import GlmImagePipeline
 
-    trained = g.main(["--steps", "2", "--out", str(tmp_path / "run"), "--lora-rank", "4", "--lr", "0.05",
+    trained = g.main(["--steps", "3", "--out", str(tmp_path / "run"), "--lora-rank", "4", "--lr", "0.5",
                       "--save-pipeline", str(tmp_path / "pipe"), *SMALL])
     loaded = GlmImagePipeline.from_pretrained(tmp_path / "pipe")
     base = g.build_tiny_pipeline(seed=0)
@@ -481,6 +643,19 @@ def test_saved_pipeline_loads_and_carries_the_training(tmp_path):
     assert not any("lora" in n for n, _ in loaded.vision_language_encoder.named_parameters())
     torch.testing.assert_close(logits["loaded"], logits["trained"], atol=1e-5, rtol=0)
     assert (logits["loaded"] - logits["base"]).abs().max() > 1e-3
+    # and it generates end to end, as the README shows, through the pipeline's own AR stage (which
+    # crashed on a mid-grid end id before the saved generation config suppressed them)
+    base.vision_language_encoder.generation_config = loaded.vision_language_encoder.generation_config
+    changed = 0
+    for seed in range(8):
+        images = [pipe("a red circle on a white background", height=64, width=64, num_inference_steps=4,
+                       generator=torch.Generator().manual_seed(seed), output_type="pt").images
+                  for pipe in (loaded, base)]
+        assert images[0].shape == (1, 3, 64, 64) and torch.isfinite(images[0]).all()
+        changed += (images[0] - images[1]).abs().max().item() > 1e-3
+    # 3 small steps move each grid token's probability by a few %: the same seed then draws
+    # other tokens for some seeds, not all
+    assert changed >= 2
 
 
 @pytest.mark.parametrize("lora", ["0", "2"])
@@ -546,6 +721,14 @@ def test_memory_plan_matches_a_hand_count_on_the_tiny_model(tmp_path):
     assert full["trainable_params"] == counts["ar"] - frozen_vision
     assert full["peak_no_offload"] == full["ar_weights"] + full["grads"] + full["adam"] + full["activations"] + \
         2 * (counts["dit"] + counts["glyph_t5"] + counts["vae"])
+
+
+def test_plan_of_the_tiny_model_prints_no_zeros_and_uses_lora_rank():
+    result = run_cli("--plan", "--lora-rank", "8")
+    assert result.returncode == 0, result.stderr
+    assert "estimates in MiB" in result.stdout and "| lora-8 | yes |" in result.stdout
+    table = [line for line in result.stdout.splitlines() if line.startswith("| full") or line.startswith("| lora")]
+    assert len(table) == 4 and all(" 0.0 |" not in line for line in table)
 
 
 def test_plan_of_the_real_model_needs_no_download():
