@@ -28,7 +28,9 @@ copy them out freely.
 """
 
 import argparse
+import contextlib
 import copy
+import datetime
 import io
 import json
 import math
@@ -38,11 +40,12 @@ import re
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from PIL import Image, ImageDraw, UnidentifiedImageError
 
 CHECKPOINT_FORMAT = "grpo_glm-checkpoint-v1"
@@ -106,6 +109,8 @@ def parse_args(argv=None):
     a("--lora-alpha", type=float, default=None, help="LoRA alpha (default: equal to --lora-rank).")
     a("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
       help="Weights dtype: auto = float32 on CPU, bfloat16 on CUDA.")
+    a("--micro-batch-size", type=int, default=None, help="Samples per forward/backward in the update (and per "
+      "decode call); gradients are accumulated over micro-batches. Default: --group-size, one group per pass.")
     a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in the backward pass "
       "(less memory, ~30%% more compute).")
     a("--offload", action=argparse.BooleanOptionalAction, default=None, help="Offload the frozen DiT, VAE "
@@ -117,6 +122,8 @@ def parse_args(argv=None):
     a("--save-pipeline", default=None, help="After training, write the whole pipeline (LoRA merged) to this "
       "directory for GlmImagePipeline.from_pretrained.")
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
+    a("--dist-timeout", type=int, default=600, help="Under torchrun: seconds a rank waits for the others in a "
+      "collective before it gives up with an error (a dead or hung rank then stops the run, no hang).")
     a("--plan", action="store_true", help="Print the memory plan of --model for --height x --width and the "
       "batch size, and exit (a hub id uses the real sizes, nothing is downloaded).")
     return p.parse_args(argv)
@@ -137,6 +144,12 @@ def validate_args(args):
     for flag, value in {"--height": args.height, "--width": args.width}.items():
         if value < 32 or value % 32:
             raise UsageError(f"{flag} must be a positive multiple of 32 (GLM-Image works on 32-pixel tokens), got {value}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))   # set by torchrun
+    if args.prompts_per_step % world:
+        raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes "
+                         f"({world}): each rank trains whole groups")
+    if args.micro_batch_size is not None and args.micro_batch_size < 1:
+        raise UsageError(f"--micro-batch-size must be at least 1, got {args.micro_batch_size}")
     if args.beta < 0 or args.sample_every < 0 or args.lora_rank < 0:
         raise UsageError("--beta, --sample-every and --lora-rank must not be negative")
     if Path(args.out).exists() and not Path(args.out).is_dir():
@@ -163,6 +176,8 @@ def resolve_runtime(args):
         args.offload = args.device == "cuda"
     if args.lora_alpha is None:
         args.lora_alpha = float(args.lora_rank)
+    if args.micro_batch_size is None:
+        args.micro_batch_size = args.group_size
     return args
 
 
@@ -591,6 +606,36 @@ def sample_group(pipe, prompts, group_size, temperature, height, width, loss_tok
         source_prior=source_prior)
 
 
+def sample_groups(pipe, prompts, sources, slots, step, args, record_logp=True):
+    """One generate() per prompt, its RNG seeded from (seed, step, slot): a group's samples are
+    then the same whether its rank holds 1 prompt or 8, so a run gives the same samples on 1 GPU
+    and on K. (generate takes no generator: torch.manual_seed seeds the global CPU and CUDA RNGs
+    it draws from.) The price is one generate call per prompt instead of one batched call: on
+    the tiny demo (2 prompts x 16) a step takes ~5% longer; at 1024^2 a group of 16 already fills
+    the GPU, so the loss of batching across prompts is small there too."""
+    rollouts = []
+    for k, slot in enumerate(slots):
+        torch.manual_seed(sampling_seed(args.seed, step, slot))
+        rollouts.append(sample_group(pipe, prompts[k: k + 1], args.group_size, args.temperature, args.height,
+                                     args.width, args.loss_tokens, sources and sources[k: k + 1], record_logp))
+    return concat_rollouts(rollouts, pipe.vision_language_encoder.config.text_config.pad_token_id)
+
+
+def concat_rollouts(rollouts, pad_id):
+    """Stacks rollouts whose prompts differ in length: left-pads each to the longest prompt
+    (pad id, attention 0; the positions of padding are never attended to)."""
+    width = max(r.prompt_len for r in rollouts)
+    pad = lambda t, r, value: torch.nn.functional.pad(t, (width - r.prompt_len, 0), value=value)
+    cat = lambda name: None if getattr(rollouts[0], name) is None else torch.cat([getattr(r, name) for r in rollouts])
+    return Rollout(
+        sequences=torch.cat([pad(r.sequences, r, pad_id) for r in rollouts]),
+        attention_mask=torch.cat([pad(r.attention_mask, r, 0) for r in rollouts]),
+        position_ids=torch.cat([pad(r.position_ids, r, 0) for r in rollouts], dim=1),
+        old_logp=cat("old_logp"), loss_mask=cat("loss_mask"), target_tokens=cat("target_tokens"),
+        grid_hw=rollouts[0].grid_hw, prompt_len=width,
+        source_prior=None if rollouts[0].source_prior is None else [x for r in rollouts for x in r.source_prior])
+
+
 # =============================================================================================
 # 5. Decode: target-grid tokens -> DiT -> VAE -> pixels
 # =============================================================================================
@@ -691,6 +736,13 @@ def policy_logprobs(ar, rollout, temperature, suppressed):
     return token_logprobs(logits, rollout.sequences[:, rollout.prompt_len:], temperature, suppressed)
 
 
+@torch.no_grad()
+def logprobs_by_micro_batch(model, rollout, temperature, suppressed, size):
+    """policy_logprobs without gradients, `size` samples per forward, concatenated [N, L]."""
+    return torch.cat([policy_logprobs(model, slice_rollout(rollout, rows), temperature, suppressed)
+                      for rows in row_slices(rollout.sequences.shape[0], size)])
+
+
 # =============================================================================================
 # 9. Loss
 # =============================================================================================
@@ -741,45 +793,60 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
 # =============================================================================================
 
 @torch.no_grad()
-def reference_logprobs(ar, reference, rollout, temperature, suppressed):
+def reference_logprobs(ar, reference, rollout, temperature, suppressed, micro_batch_size=None):
     """log pi_ref for the KL term. With LoRA the reference is the same model with its adapters
-    switched off (no second copy); for full fine-tuning it is a frozen copy of the initial AR."""
+    switched off (no second copy); for full fine-tuning it is a frozen copy of the initial AR.
+    `ar` is the bare module, never the DDP wrapper: this pass has no gradients to average."""
+    size = micro_batch_size or rollout.sequences.shape[0]
     if reference is None:
         ar.disable_adapters()
         try:
-            return policy_logprobs(ar, rollout, temperature, suppressed)
+            return logprobs_by_micro_batch(ar, rollout, temperature, suppressed, size)
         finally:
             ar.enable_adapters()
-    return policy_logprobs(reference, rollout, temperature, suppressed)
+    return logprobs_by_micro_batch(reference, rollout, temperature, suppressed, size)
 
 
-def grpo_update(ar, optimizer, params, rollout, advantages, ref_logp, args, suppressed):
+def grpo_update(policy, optimizer, params, rollout, advantages, ref_logp, args, suppressed):
     """mu = --inner-epochs optimiser steps on one batch. On the first pass the policy still equals
     pi_old, so ratio = 1 exactly and the clip cannot act; only from the second pass on, when the
     weights have moved, does clipping limit how far one batch pushes the policy (with mu = 1 it
     is dead code, as in several public GRPO scripts).
     Returns the metrics averaged over the passes that updated, plus `logp_diff_max` (first pass,
     max |logp - old_logp| over loss tokens: a live check of the bookkeeping, ~1e-6 in fp32) and
-    `skipped_updates` (passes whose loss or gradient was not finite)."""
-    done, skipped, logp_diff_max = [], 0, float("nan")
+    `skipped_updates` (passes whose loss or gradient was not finite).
+    `policy` is the AR, or its DDP wrapper under torchrun (the forward must go through the wrapper
+    for DDP to average the gradients). Each pass runs over micro-batches of --micro-batch-size
+    samples; the batch loss is the token mean over the whole batch, so each micro-batch's mean
+    is weighted by its share of the batch's tokens and the accumulated gradient is the full-batch
+    gradient."""
+    done, skipped, logp_diffs = [], 0, []
     advantages = advantages.to(rollout.old_logp.device)
+    tokens = rollout.loss_mask.sum()
     for epoch in range(args.inner_epochs):
-        logp = policy_logprobs(ar, rollout, args.temperature, suppressed)
-        if epoch == 0:
-            logp_diff_max = ((logp - rollout.old_logp).abs() * rollout.loss_mask).max().item()
-        loss, metrics = grpo_loss(logp, rollout.old_logp, advantages, rollout.loss_mask, args.clip_eps,
-                                  args.beta, ref_logp)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        summed = dict.fromkeys(("loss", "ratio_mean", "clip_ratio", "kl"), 0.0)
+        for rows in micro_batches(policy, advantages.shape[0], args.micro_batch_size):
+            part = slice_rollout(rollout, rows)
+            logp = policy_logprobs(policy, part, args.temperature, suppressed)
+            if epoch == 0:
+                logp_diffs.append(((logp - part.old_logp).abs() * part.loss_mask).max())
+            loss, metrics = grpo_loss(logp, part.old_logp, advantages[rows], part.loss_mask, args.clip_eps,
+                                      args.beta, None if ref_logp is None else ref_logp[rows])
+            share = part.loss_mask.sum() / tokens
+            (loss * share).backward()
+            for key, value in {**metrics, "loss": loss.item()}.items():
+                summed[key] += value * share.item()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-        if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+        # Under DDP the loss is this rank's, the gradient everyone's: decide together.
+        if not all_ranks_agree(math.isfinite(summed["loss"]) and torch.isfinite(grad_norm)):
             skipped += 1            # never let a NaN/inf reach the weights (or a checkpoint)
             optimizer.zero_grad(set_to_none=True)
             continue
         optimizer.step()
-        done.append({**metrics, "loss": loss.item(), "grad_norm": grad_norm.item()})
+        done.append({**summed, "grad_norm": grad_norm.item()})
     averaged = {key: sum(m[key] for m in done) / len(done) for key in done[0]} if done else {}
-    return {**averaged, "logp_diff_max": logp_diff_max, "skipped_updates": skipped}
+    return {**averaged, "logp_diff_max": torch.stack(logp_diffs).max().item(), "skipped_updates": skipped}
 
 
 # =============================================================================================
@@ -1053,6 +1120,136 @@ def print_memory_plan(args):
 
 
 # =============================================================================================
+# 13b. More GPUs: torchrun data parallel and micro-batches (plumbing, not GRPO)
+# =============================================================================================
+# `torchrun --nproc_per_node K grpo_glm.py ...` starts K copies of this script with RANK,
+# LOCAL_RANK and WORLD_SIZE in their environment. Layout (DanceGRPO's): --prompts-per-step is the
+# global count, cut into K contiguous blocks; each rank samples, decodes, rewards and standardises
+# whole groups of its own, so the advantages need no communication. What crosses ranks:
+# DistributedDataParallel's gradient average in the update, and a few scalars per step (metrics,
+# the skip and stop decisions). Rank 0 alone writes metrics, samples and checkpoints.
+# The run does not depend on K: a group's tokens are drawn from a seed of (seed, step, slot), its
+# DiT noise from (seed, prompt), and every forward covers at most one micro-batch of rows cut the
+# same way on any K (with the default micro-batch = G, exactly one group). So 1 process and K give
+# the same samples and, up to the order of floating-point sums, the same weights; a checkpoint
+# written at one world size resumes exactly at another.
+
+def init_distributed(args):
+    """Joins the process group torchrun described in the environment (nothing to do for one
+    process). gloo on CPU, nccl on CUDA. The timeout bounds every collective: if a rank dies or
+    hangs, the others raise after --dist-timeout seconds instead of waiting forever."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return
+    if args.device == "cuda":
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        args.device = f"cuda:{local_rank}"
+    dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo",
+                            timeout=datetime.timedelta(seconds=args.dist_timeout))
+
+
+def is_ddp():
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank():
+    return dist.get_rank() if is_ddp() else 0
+
+
+def world_size():
+    return dist.get_world_size() if is_ddp() else 1
+
+
+def collective_device():
+    """nccl reduces CUDA tensors only, gloo CPU ones."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def rank_slots(prompts_per_step):
+    """Positions (in the step's global prompt list) of this rank's groups: a contiguous block."""
+    per_rank = prompts_per_step // world_size()
+    return range(rank() * per_rank, (rank() + 1) * per_rank)
+
+
+def sampling_seed(seed, step, slot):
+    """Seed of the AR sampling for the group at position `slot` of step `step`: the same number
+    whichever rank draws that group, and different for every (step, slot)."""
+    return seed * 1_000_000_007 + step * 100_003 + slot
+
+
+def wrap_for_training(model, device):
+    """DistributedDataParallel around the module that trains (the AR here; any trained module
+    goes through the same call). Its backward averages the gradients over ranks, so every rank's
+    AdamW takes the same step and the weights stay identical. Only the training forward may go
+    through the wrapper: DDP has no `.generate`, so sampling and no-grad passes use the module
+    itself."""
+    if not is_ddp():
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [torch.device(device)] if str(device).startswith("cuda") else None
+    return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def all_ranks_agree(flag):
+    """True only if `flag` is True on every rank (a MIN all-reduce). Decisions that change how
+    many collectives a rank runs next (skip a non-finite update, stop after Ctrl+C) must be taken
+    together, or one rank waits forever in an all-reduce the others never start."""
+    if not is_ddp():
+        return bool(flag)
+    t = torch.tensor(int(bool(flag)), device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+MAX_METRICS = ("logp_diff_max",)
+
+
+def reduce_metrics(row):
+    """A metrics row averaged over ranks (maxima for MAX_METRICS). Every rank holds the same
+    number of samples of the same length, so the mean of the per-rank means is the global mean."""
+    if not is_ddp():
+        return row
+    keys = [k for k in row if k != "step"]
+    total = torch.tensor([float(row[k]) for k in keys], dtype=torch.float64, device=collective_device())
+    peak = total.clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    reduced = {k: (peak[i] if k in MAX_METRICS else total[i] / world_size()).item() for i, k in enumerate(keys)}
+    return {"step": row["step"], **{k: type(row[k])(v) for k, v in reduced.items()}}
+
+
+def row_slices(num_samples, size):
+    return [slice(start, min(start + size, num_samples)) for start in range(0, num_samples, size)]
+
+
+def slice_rollout(rollout, rows):
+    """Rows `rows` (a slice) of a Rollout, without the left-padding columns none of them needs,
+    so a group's forward is the same tensors whatever else shares its rank's batch."""
+    mask = rollout.attention_mask[rows]
+    first = int(mask.any(dim=0).nonzero()[0])          # only prompt columns can be all padding
+    return replace(
+        rollout, sequences=rollout.sequences[rows, first:], attention_mask=mask[:, first:],
+        position_ids=rollout.position_ids[:, rows, first:], loss_mask=rollout.loss_mask[rows],
+        old_logp=None if rollout.old_logp is None else rollout.old_logp[rows],
+        target_tokens=rollout.target_tokens[rows], prompt_len=rollout.prompt_len - first,
+        source_prior=None if rollout.source_prior is None else rollout.source_prior[rows])
+
+
+def micro_batches(policy, num_samples, size):
+    """Row slices of at most `size` samples for gradient accumulation. Under DDP each backward
+    all-reduces the gradients; inside no_sync() they only accumulate locally. So all micro-batches
+    but the last run in no_sync, and the last backward averages the accumulated sum once. Every
+    rank holds as many samples, hence runs as many backward passes (a missing one would leave the
+    other ranks waiting in the all-reduce)."""
+    slices = row_slices(num_samples, size)
+    for k, rows in enumerate(slices):
+        accumulate_only = hasattr(policy, "no_sync") and k < len(slices) - 1
+        with policy.no_sync() if accumulate_only else contextlib.nullcontext():
+            yield rows
+
+
+# =============================================================================================
 # 14. The training loop
 # =============================================================================================
 
@@ -1092,40 +1289,45 @@ class Trainer:
     params: list                 # the trainable parameters
     reference: object            # frozen initial AR for the KL term (full fine-tuning, beta > 0), else None
     suppressed: list             # ids outside the VQ codebook, never sampled inside a grid
+    policy: object               # what the training forward runs through: the AR, or its DDP wrapper
 
 
-def grpo_step(trainer, items, indices, step, args):
-    """One GRPO step on the prompts `items[indices]`.
+def grpo_step(trainer, items, indices, step, args, slots=None):
+    """One GRPO step on the prompts `items[indices]`, which sit at positions `slots` of the step's
+    global prompt list (under torchrun, this rank's share; default: all of them).
     Returns (metrics row, rewards [N], images [N, 3, H, W], targets [P, 3, H, W], sources or None)."""
     pipe, ar = trainer.pipe, trainer.pipe.vision_language_encoder
     batch = [items[i] for i in indices]
     prompts = [it.text for it in batch]
     sources = [it.source for it in batch] if args.mode == "i2i" else None
+    slots = range(len(indices)) if slots is None else slots
+    M = args.micro_batch_size
     # ---- SAMPLE ----------------------------------------------------------------------------
     ar.eval()
     # In bf16, generate's cached decode and a full teacher-forced pass differ by ~1e-2 per token;
     # pi_old then comes from a no-grad teacher-forced pass, so that the first-epoch ratio is
     # exactly 1 and only a real policy change moves it. In fp32 the two agree to ~1e-6.
     exact_fp32 = args.dtype == "float32"
-    rollout = sample_group(pipe, prompts, args.group_size, args.temperature, args.height, args.width,
-                           args.loss_tokens, sources, record_logp=exact_fp32)
+    rollout = sample_groups(pipe, prompts, sources, slots, step, args, record_logp=exact_fp32)
     if not exact_fp32:
-        with torch.no_grad():
-            rollout.old_logp = policy_logprobs(ar, rollout, args.temperature, trainer.suppressed)
+        rollout.old_logp = logprobs_by_micro_batch(ar, rollout, args.temperature, trainer.suppressed, M)
     # ---- DECODE + REWARD -------------------------------------------------------------------
     noise = group_noise(pipe, indices, args.group_size, args.height, args.width, args.seed, step, args.dit_noise)
-    images = decode_images(pipe, repeat_each(prompts, args.group_size), rollout, noise, args.num_inference_steps,
-                           args.guidance_scale, sources and repeat_each(sources, args.group_size))  # [N, 3, H, W]
+    sample_prompts, sample_sources = repeat_each(prompts, args.group_size), sources and repeat_each(sources, args.group_size)
+    images = torch.cat([decode_images(pipe, sample_prompts[rows], slice_rollout(rollout, rows), noise[rows],
+                                      args.num_inference_steps, args.guidance_scale,
+                                      sample_sources and sample_sources[rows])
+                        for rows in row_slices(len(sample_prompts), M)])                  # [N, 3, H, W]
     targets = torch.stack([image_to_tensor(it.target) for it in batch])                   # [P, 3, H, W]
     rewards = mse_reward(images, targets.repeat_interleave(args.group_size, 0))            # [N]
     # ---- ADVANTAGE -------------------------------------------------------------------------
     advantages = group_advantages(rewards, args.group_size)                                # [N]
     # ---- UPDATE ----------------------------------------------------------------------------
-    ref_logp = (reference_logprobs(ar, trainer.reference, rollout, args.temperature, trainer.suppressed)
+    ref_logp = (reference_logprobs(ar, trainer.reference, rollout, args.temperature, trainer.suppressed, M)
                 if args.beta > 0 else None)
     ar.train()   # only switches gradient checkpointing on: GLM-Image's AR has no dropout, so the
                  # first pass still reproduces pi_old exactly
-    update = grpo_update(ar, trainer.optimizer, trainer.params, rollout, advantages, ref_logp, args,
+    update = grpo_update(trainer.policy, trainer.optimizer, trainer.params, rollout, advantages, ref_logp, args,
                          trainer.suppressed)
     group_std = rewards.view(-1, args.group_size).std(dim=1)
     row = {"step": step, "loss": update.get("loss", float("nan")),
@@ -1156,14 +1358,16 @@ def setup_training(args, ckpt=None, ckpt_path=None):
     if ckpt is not None:
         restore_checkpoint(ckpt, ckpt_path, ar, optimizer)
         start = ckpt["step"]
-        print(f"Resuming from step {start} ({ckpt_path})")
-    return Trainer(pipe, optimizer, params, reference, suppressed), start
+        if rank() == 0:
+            print(f"Resuming from step {start} ({ckpt_path})")
+    return Trainer(pipe, optimizer, params, reference, suppressed, wrap_for_training(ar, args.device)), start
 
 
 def train(args):
     validate_args(args)
     out = prepare_out_dir(args)
     resolve_runtime(args)
+    init_distributed(args)
     items = read_prompts(args.prompts, args.height, args.width, args.mode)
     ckpt_path = find_checkpoint(args.resume, out) if args.resume else None
     ckpt = read_checkpoint(ckpt_path) if ckpt_path else None
@@ -1174,49 +1378,60 @@ def train(args):
                              "(add --resume-force to accept)")
     trainer, start = setup_training(args, ckpt, ckpt_path)
     ar = trainer.pipe.vision_language_encoder
-    out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
-    truncate_metrics(metrics_path, start)
-    trainable = sum(p.numel() for p in trainer.params) / 1e6
-    print(f"running with: mode={args.mode} model={args.model} device={args.device} dtype={args.dtype} "
-          f"offload={args.offload} batch={args.prompts_per_step}x{args.group_size} mu={args.inner_epochs} "
-          f"lr={args.lr} trainable={trainable:.2f}M ({f'LoRA r={args.lora_rank}' if args.lora_rank else 'full'}) "
-          f"image={args.height}x{args.width} loss_tokens={args.loss_tokens} dit_noise={args.dit_noise} out={out}")
+    lead = rank() == 0                       # the one rank that writes files and prints progress
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
+        truncate_metrics(metrics_path, start)
+        trainable = sum(p.numel() for p in trainer.params) / 1e6
+        print(f"running with: mode={args.mode} model={args.model} device={args.device} dtype={args.dtype} "
+              f"offload={args.offload} batch={args.prompts_per_step}x{args.group_size} mu={args.inner_epochs} "
+              f"lr={args.lr} trainable={trainable:.2f}M ({f'LoRA r={args.lora_rank}' if args.lora_rank else 'full'}) "
+              f"image={args.height}x{args.width} loss_tokens={args.loss_tokens} dit_noise={args.dit_noise} "
+              f"processes={world_size()} micro_batch={args.micro_batch_size} out={out}")
 
     last_saved, bad_steps = start, 0
     stop = StopAfterStep()
     try:
         for step in range(start + 1, args.steps + 1):
             t0 = time.time()
-            indices = prompts_for_step(len(items), args.prompts_per_step, step, args.seed)
-            row, rewards, images, targets, sources = grpo_step(trainer, items, indices, step, args)
+            # every rank computes the same global prompt list and takes its block of it
+            slots = rank_slots(args.prompts_per_step)
+            indices = [prompts_for_step(len(items), args.prompts_per_step, step, args.seed)[s] for s in slots]
+            row, rewards, images, targets, sources = grpo_step(trainer, items, indices, step, args, slots)
             # ---- LOG -------------------------------------------------------------------------
+            row = reduce_metrics(row)
             row["seconds"] = round(time.time() - t0, 3)
-            append_metrics(metrics_path, row)
-            print(f"step {step:4d}/{args.steps} | loss {row['loss']:+.4f} | reward {row['reward_mean']:.5f} "
-                  f"± {row['reward_std']:.5f} | ratio {row['ratio_mean']:.4f} | clip {row['clip_ratio']:.3f} "
-                  f"| kl {row['kl']:.2e} | {row['seconds']:.2f}s", flush=True)
+            stopping = not all_ranks_agree(not stop.requested)   # a Ctrl+C seen by any rank stops all
+            if lead:
+                append_metrics(metrics_path, row)
+                print(f"step {step:4d}/{args.steps} | loss {row['loss']:+.4f} | reward {row['reward_mean']:.5f} "
+                      f"± {row['reward_std']:.5f} | ratio {row['ratio_mean']:.4f} | clip {row['clip_ratio']:.3f} "
+                      f"| kl {row['kl']:.2e} | {row['seconds']:.2f}s", flush=True)
             bad_steps = bad_steps + 1 if row["skipped_updates"] == args.inner_epochs else 0
             if bad_steps >= 5:
                 raise UsageError(f"stopping: loss or gradients were non-finite for {bad_steps} steps in a row "
                                  f"(try a lower --lr); last good checkpoint is in {out / 'checkpoints'}")
-            if args.sample_every and step % args.sample_every == 0:
+            if lead and args.sample_every and step % args.sample_every == 0:   # rank 0's groups
                 save_sample_grid(out / "samples" / f"step_{step:06d}.png", [items[i].text for i in indices],
                                  targets, images, rewards, args.group_size, sources)
             # ---- CHECKPOINT ------------------------------------------------------------------
-            if step % args.save_every == 0 or step == args.steps or stop.requested:
-                path = save_checkpoint(out, step, ar, trainer.optimizer, args)
+            # Weights and AdamW state are identical on every rank, and no rank-local randomness
+            # is left (sampling seeds are per group): rank 0's checkpoint is the whole state.
+            if step % args.save_every == 0 or step == args.steps or stopping:
+                path = save_checkpoint(out, step, ar, trainer.optimizer, args) if lead else None
                 last_saved = step
-            if stop.requested:
-                print(f"interrupted: saved step {step} to {path}; continue with --resume latest --out {out}",
-                      file=sys.stderr)
+            if stopping:
+                if lead:
+                    print(f"interrupted: saved step {step} to {path}; continue with --resume latest --out {out}",
+                          file=sys.stderr)
                 sys.exit(130)
     except KeyboardInterrupt:   # the second Ctrl+C: leave now, the last checkpoint is complete
         print(f"\ninterrupted: last checkpoint is step {last_saved} in {out / 'checkpoints'}", file=sys.stderr)
         sys.exit(130)
     finally:
         stop.restore()
-    if args.save_pipeline:
+    if args.save_pipeline and lead:
         save_trained_pipeline(trainer.pipe, args)
     return trainer.pipe
 
@@ -1255,6 +1470,13 @@ def main(argv=None):
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except dist.DistError as e:   # a collective failed: another rank died, or hung past the timeout
+        print(f"error: rank {rank()} lost contact with the other processes ({str(e).splitlines()[0][:160]}); "
+              f"see the other ranks' output for the cause", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        if is_ddp():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
