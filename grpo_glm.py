@@ -1089,7 +1089,7 @@ def memory_plan(components, height, width, samples, prompt_tokens=64, ranks=(64,
         adam = 8 * trainable
         for checkpointing in (False, True):
             act = activation_bytes(ar.config.text_config, tokens, samples, checkpointing)
-            rows.append({"mode": mode, "grad_ckpt": checkpointing, "trainable_params": trainable,
+            rows.append({"mode": mode, "grad_ckpt": checkpointing, "micro_batch": samples, "trainable_params": trainable,
                          "ar_weights": weights, "grads": grads, "adam": adam, "activations": act,
                          # offloaded, a frozen part is on the GPU only while it runs, never during backward
                          "peak_offload": weights + grads + adam + max(act, max(frozen.values())),
@@ -1105,15 +1105,17 @@ def print_memory_plan(args):
         components = saved_glm_image_on_meta(args.model)
     else:
         components = real_glm_image_on_meta()
-    samples = args.group_size * args.prompts_per_step
+    # Activations are held for one forward/backward: --micro-batch-size samples (default G), not
+    # the whole batch; gradients and AdamW state do not depend on it.
+    samples = args.micro_batch_size or args.group_size
     rows, counts, tokens = memory_plan(components, args.height, args.width, samples)
     print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / 1e9:.3f} B" for k, v in counts.items()))
     print(f"teacher-forced pass: {samples} samples x {tokens} tokens ({args.height}x{args.width}); "
           f"estimates in GiB\n")
-    print("| mode | grad ckpt | trainable | AR weights | grads | AdamW | activations | peak, offload | peak, no offload |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| mode | grad ckpt | micro-batch | trainable | AR weights | grads | AdamW | activations | peak, offload | peak, no offload |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        cells = [r["mode"], "yes" if r["grad_ckpt"] else "no", f"{r['trainable_params'] / 1e6:.1f} M"]
+        cells = [r["mode"], "yes" if r["grad_ckpt"] else "no", str(r["micro_batch"]), f"{r['trainable_params'] / 1e6:.1f} M"]
         cells += [f"{r[k] / GiB:.1f}" for k in ("ar_weights", "grads", "adam", "activations", "peak_offload",
                                                 "peak_no_offload")]
         print("| " + " | ".join(cells) + " |")
