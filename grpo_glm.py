@@ -40,6 +40,7 @@ import re
 import signal
 import sys
 import time
+import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -1221,6 +1222,14 @@ def reduce_metrics(row):
     return {"step": row["step"], **{k: type(row[k])(v) for k, v in reduced.items()}}
 
 
+def collective_failed(error):
+    """True for an error raised inside torch.distributed or DDP: a peer that died or timed out
+    (gloo reports a dead peer as a plain RuntimeError, hence the look at where it came from)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return isinstance(error, dist.DistError) or bool(
+        frames and re.search(r"torch[/\\](distributed|nn[/\\]parallel)[/\\]", frames[-1].filename))
+
+
 def row_slices(num_samples, size):
     return [slice(start, min(start + size, num_samples)) for start in range(0, num_samples, size)]
 
@@ -1472,9 +1481,11 @@ def main(argv=None):
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except dist.DistError as e:   # a collective failed: another rank died, or hung past the timeout
-        print(f"error: rank {rank()} lost contact with the other processes ({str(e).splitlines()[0][:160]}); "
-              f"see the other ranks' output for the cause", file=sys.stderr)
+    except Exception as e:
+        if not (is_ddp() and collective_failed(e)):
+            raise
+        print(f"error: rank {rank()} lost contact with the other processes ({str(e).splitlines()[0][:160]}): "
+              f"one died or hung past --dist-timeout; its own output says why", file=sys.stderr)
         sys.exit(1)
     finally:
         if is_ddp():
