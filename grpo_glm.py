@@ -6,6 +6,7 @@
     python grpo_glm.py --resume latest --out runs/demo --steps 60
     python grpo_glm.py --model zai-org/GLM-Image --lora-rank 64 --height 512 --width 512
     python grpo_glm.py --plan --model zai-org/GLM-Image --height 1024 --width 1024   # memory plan, no GPU
+    torchrun --nproc_per_node 8 grpo_glm.py --prompts-per-step 8 ...   # 8 GPUs, same flags (section 13b)
 
 GLM-Image is a hybrid: an autoregressive (AR) transformer writes a grid of discrete image tokens,
 and a diffusion transformer (DiT) paints pixels conditioned on those tokens. We treat the AR
@@ -22,7 +23,7 @@ then pushed up on better-than-average samples with PPO's clipped surrogate (Schu
 The file is sectioned in the order one training step runs:
     1. settings  2. model  3. prompts and targets  4. SAMPLE (group generation)
     5. decode  6. REWARD  7. ADVANTAGE  8. log-probs  9. loss  10. UPDATE
-    11. LOG / samples  12. CHECKPOINT  13. memory plan  14. the training loop
+    11. LOG / samples  12. CHECKPOINT  13. memory plan  13b. more GPUs  14. the training loop
 The pure functions (mse_reward, group_advantages, token_logprobs, grpo_loss) use no globals:
 copy them out freely.
 """
