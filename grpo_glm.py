@@ -8,6 +8,7 @@
     python grpo_glm.py --model zai-org/GLM-Image --lora-rank 64 --height 512 --width 512
     python grpo_glm.py --plan --model zai-org/GLM-Image --height 1024 --width 1024   # memory plan, no GPU
     python grpo_glm.py --policy dit --steps 150 --inner-epochs 1 --group-size 8      # Flow-GRPO on the DiT
+    torchrun --nproc_per_node 8 grpo_glm.py --prompts-per-step 8 ...   # 8 GPUs, same flags (section 13b)
 
 GLM-Image is a hybrid: an autoregressive (AR) transformer writes a grid of discrete image tokens,
 and a diffusion transformer (DiT) paints pixels conditioned on those tokens. We treat the AR
@@ -26,13 +27,16 @@ steps (Flow-GRPO), scored by the same advantage and loss functions.
 The file is sectioned in the order one training step runs:
     1. settings  2. model  3. prompts and targets  4. SAMPLE (group generation)
     5. decode  6. REWARD  7. ADVANTAGE  8. log-probs  9. loss  10. UPDATE
-    10b. the other policy: Flow-GRPO on the DiT  11. LOG / samples  12. CHECKPOINT  13. memory plan  14. the training loop
+    10b. the other policy: Flow-GRPO on the DiT  11. LOG / samples  12. CHECKPOINT  13. memory plan
+    13b. more GPUs  14. the training loop
 The pure functions (mse_reward, group_advantages, token_logprobs, grpo_loss) use no globals:
 copy them out freely.
 """
 
 import argparse
+import contextlib
 import copy
+import datetime
 import hashlib
 import importlib
 import importlib.util
@@ -45,12 +49,14 @@ import re
 import signal
 import sys
 import time
-from dataclasses import dataclass
+import traceback
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from PIL import Image, ImageDraw, UnidentifiedImageError
 
 CHECKPOINT_FORMAT = "grpo_glm-checkpoint-v1"
@@ -141,6 +147,8 @@ def parse_args(argv=None):
       "fine-tuning of the DiT).")
     a("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
       help="Weights dtype: auto = float32 on CPU, bfloat16 on CUDA.")
+    a("--micro-batch-size", type=int, default=None, help="Samples per forward/backward in the update (and per "
+      "decode call); gradients are accumulated over micro-batches. Default: --group-size, one group per pass.")
     a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in the backward pass "
       "(less memory, ~30%% more compute).")
     a("--offload", action=argparse.BooleanOptionalAction, default=None, help="Offload the frozen DiT, VAE "
@@ -156,6 +164,8 @@ def parse_args(argv=None):
     a("--save-pipeline", default=None, help="After training, write the whole pipeline (LoRA merged) to this "
       "directory for GlmImagePipeline.from_pretrained.")
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
+    a("--dist-timeout", type=int, default=600, help="Under torchrun: seconds a rank waits for the others in a "
+      "collective before it gives up with an error (a dead or hung rank then stops the run, no hang).")
     a("--plan", action="store_true", help="Print the memory plan of --model for --height x --width and the "
       "batch size, and exit (a hub id uses the real sizes, nothing is downloaded).")
     args = p.parse_args(attach_negative_numbers(sys.argv[1:] if argv is None else argv))
@@ -190,6 +200,15 @@ def validate_args(args):
     for flag, value in {"--height": args.height, "--width": args.width}.items():
         if value < 32 or value % 32:
             raise UsageError(f"{flag} must be a positive multiple of 32 (GLM-Image works on 32-pixel tokens), got {value}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))   # set by torchrun
+    if args.prompts_per_step % world:
+        raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes "
+                         f"({world}): each rank trains whole groups")
+    if world > 1 and args.policy != "ar":
+        raise UsageError("--policy dit|both runs on one process for now: torchrun data parallel covers the AR "
+                         "policy only (see the README's 'More GPUs')")
+    if args.micro_batch_size is not None and args.micro_batch_size < 1:
+        raise UsageError(f"--micro-batch-size must be at least 1, got {args.micro_batch_size}")
     if min(args.beta, args.sample_every, args.lora_rank, args.weight_decay, args.lr_warmup_steps) < 0:
         raise UsageError("--beta, --sample-every, --lora-rank, --weight-decay and --lr-warmup-steps "
                          "must not be negative")
@@ -272,6 +291,8 @@ def resolve_runtime(args):
         args.lora_alpha = float(args.lora_rank)
     if args.dit_train_steps is None and args.policy != "ar":
         args.dit_train_steps = max(args.num_inference_steps - 1, 1)
+    if args.micro_batch_size is None:
+        args.micro_batch_size = args.group_size
     return args
 
 
@@ -756,6 +777,38 @@ def sample_group(pipe, prompts, group_size, temperature, height, width, loss_tok
         source_prior=source_prior)
 
 
+def sample_groups(pipe, prompts, sources, slots, step, args, record_logp=True):
+    """One generate() per prompt, its RNG seeded from (seed, step, slot): a group's samples are
+    then the same whether its rank holds 1 prompt or 8, so a run gives the same samples on 1 GPU
+    and on K. (generate takes no generator: torch.manual_seed seeds the global CPU and CUDA RNGs
+    it draws from.) The price is one generate call per prompt instead of one batched call. On the
+    tiny demo (2 prompts x 16, CPU) sampling took 1.6x as long and a whole step ~1.13x. Token-by-
+    token decoding costs about the same for 16 rows as for 32 while it is bound by reading the
+    weights, so on a GPU the price is similar: it vanishes with one prompt per rank
+    (--prompts-per-step = number of GPUs), where there is nothing left to batch."""
+    rollouts = []
+    for k, slot in enumerate(slots):
+        torch.manual_seed(sampling_seed(args.seed, step, slot))
+        rollouts.append(sample_group(pipe, prompts[k: k + 1], args.group_size, args.temperature, args.height,
+                                     args.width, args.loss_tokens, sources and sources[k: k + 1], record_logp))
+    return concat_rollouts(rollouts, pipe.vision_language_encoder.config.text_config.pad_token_id)
+
+
+def concat_rollouts(rollouts, pad_id):
+    """Stacks rollouts whose prompts differ in length: left-pads each to the longest prompt
+    (pad id, attention 0; the positions of padding are never attended to)."""
+    width = max(r.prompt_len for r in rollouts)
+    pad = lambda t, r, value: torch.nn.functional.pad(t, (width - r.prompt_len, 0), value=value)
+    cat = lambda name: None if getattr(rollouts[0], name) is None else torch.cat([getattr(r, name) for r in rollouts])
+    return Rollout(
+        sequences=torch.cat([pad(r.sequences, r, pad_id) for r in rollouts]),
+        attention_mask=torch.cat([pad(r.attention_mask, r, 0) for r in rollouts]),
+        position_ids=torch.cat([pad(r.position_ids, r, 0) for r in rollouts], dim=1),
+        old_logp=cat("old_logp"), loss_mask=cat("loss_mask"), target_tokens=cat("target_tokens"),
+        grid_hw=rollouts[0].grid_hw, prompt_len=width,
+        source_prior=None if rollouts[0].source_prior is None else [x for r in rollouts for x in r.source_prior])
+
+
 # =============================================================================================
 # 5. Decode: target-grid tokens -> DiT -> VAE -> pixels
 # =============================================================================================
@@ -982,6 +1035,13 @@ def policy_logprobs(ar, rollout, temperature, suppressed):
                           suppressed)
 
 
+@torch.no_grad()
+def logprobs_by_micro_batch(model, rollout, temperature, suppressed, size):
+    """policy_logprobs without gradients, `size` samples per forward, concatenated [N, L]."""
+    return torch.cat([policy_logprobs(model, slice_rollout(rollout, rows), temperature, suppressed)
+                      for rows in row_slices(rollout.sequences.shape[0], size)])
+
+
 # =============================================================================================
 # 9. Loss
 # =============================================================================================
@@ -1032,52 +1092,70 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
 # =============================================================================================
 
 @torch.no_grad()
-def reference_logprobs(ar, reference, rollout, temperature, suppressed):
+def reference_logprobs(ar, reference, rollout, temperature, suppressed, micro_batch_size=None):
     """log pi_ref for the KL term. With LoRA the reference is the same model with its adapters
-    switched off (no second copy); for full fine-tuning it is a frozen copy of the initial AR."""
+    switched off (no second copy); for full fine-tuning it is a frozen copy of the initial AR.
+    `ar` is the bare module, never the DDP wrapper: this pass has no gradients to average."""
+    size = micro_batch_size or rollout.sequences.shape[0]
     if reference is None:
         ar.disable_adapters()
         try:
-            return policy_logprobs(ar, rollout, temperature, suppressed)
+            return logprobs_by_micro_batch(ar, rollout, temperature, suppressed, size)
         finally:
             ar.enable_adapters()
-    return policy_logprobs(reference, rollout, temperature, suppressed)
+    return logprobs_by_micro_batch(reference, rollout, temperature, suppressed, size)
 
 
-def grpo_update(ar, optimizer, params, rollout, advantages, ref_logp, args, suppressed):
+def grpo_update(policy, optimizer, params, rollout, advantages, ref_logp, args, suppressed):
     """mu = --inner-epochs optimiser steps on one batch. On the first pass the policy still equals
     pi_old, so ratio = 1 exactly and the clip cannot act; only from the second pass on, when the
     weights have moved, does clipping limit how far one batch pushes the policy (with mu = 1 it
     is dead code, as in several public GRPO scripts).
     Returns the metrics averaged over the passes that updated, plus `logp_diff_max` (first pass,
     max |logp - old_logp| over loss tokens: a live check of the bookkeeping, ~1e-6 in fp32) and
-    `skipped_updates` (passes whose loss or gradient was not finite)."""
-    done, skipped, logp_diff_max, entropy = [], 0, float("nan"), float("nan")
+    `skipped_updates` (passes whose loss or gradient was not finite), and `entropy` (first pass,
+    the policy's mean entropy over the loss tokens, see below).
+    `policy` is the AR, or its DDP wrapper under torchrun (the forward must go through the wrapper
+    for DDP to average the gradients). Each pass runs over micro-batches of --micro-batch-size
+    samples; the batch loss is the token mean over the whole batch, so each micro-batch's mean
+    is weighted by its share of the batch's tokens and the accumulated gradient is the full-batch
+    gradient."""
+    done, skipped, logp_diffs, entropy = [], 0, [], 0.0
     advantages = advantages.to(rollout.old_logp.device)
+    tokens = rollout.loss_mask.sum()
     for epoch in range(args.inner_epochs):
-        logits = policy_logits(ar, rollout)
-        logp = token_logprobs(logits, rollout.sequences[:, rollout.prompt_len:], args.temperature, suppressed)
-        if epoch == 0:
-            logp_diff_max = ((logp - rollout.old_logp).abs() * rollout.loss_mask).max().item()
-            # Entropy collapse: GRPO sharpens the policy on whatever wins within a group. Once the
-            # loss tokens' entropy nears 0, the G samples of a group are identical, every reward
-            # ties, all advantages are 0 and learning stops for good (frac_reward_zero_std -> 1).
-            with torch.no_grad():
-                token_h = token_entropy(logits.detach(), args.temperature, suppressed)
-                entropy = ((token_h * rollout.loss_mask).sum() / rollout.loss_mask.sum()).item()
-        loss, metrics = grpo_loss(logp, rollout.old_logp, advantages, rollout.loss_mask, args.clip_eps,
-                                  args.beta, ref_logp)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        summed = dict.fromkeys(("loss", "ratio_mean", "clip_ratio", "kl"), 0.0)
+        for rows in micro_batches(policy, advantages.shape[0], args.micro_batch_size):
+            part = slice_rollout(rollout, rows)
+            logits = policy_logits(policy, part)
+            logp = token_logprobs(logits, part.sequences[:, part.prompt_len:], args.temperature, suppressed)
+            if epoch == 0:
+                logp_diffs.append(((logp - part.old_logp).abs() * part.loss_mask).max())
+                # Entropy collapse: GRPO sharpens the policy on whatever wins within a group. Once
+                # the loss tokens' entropy nears 0, the G samples of a group are identical, every
+                # reward ties, all advantages are 0 and learning stops for good
+                # (frac_reward_zero_std -> 1).
+                with torch.no_grad():
+                    token_h = token_entropy(logits.detach(), args.temperature, suppressed)
+                    entropy += ((token_h * part.loss_mask).sum() / tokens).item()
+            loss, metrics = grpo_loss(logp, part.old_logp, advantages[rows], part.loss_mask, args.clip_eps,
+                                      args.beta, None if ref_logp is None else ref_logp[rows])
+            share = part.loss_mask.sum() / tokens
+            (loss * share).backward()
+            for key, value in {**metrics, "loss": loss.item()}.items():
+                summed[key] += value * share.item()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-        if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+        # Under DDP the loss is this rank's, the gradient everyone's: decide together.
+        if not all_ranks_agree(math.isfinite(summed["loss"]) and torch.isfinite(grad_norm)):
             skipped += 1            # never let a NaN/inf reach the weights (or a checkpoint)
             optimizer.zero_grad(set_to_none=True)
             continue
         optimizer.step()
-        done.append({**metrics, "loss": loss.item(), "grad_norm": grad_norm.item()})
+        done.append({**summed, "grad_norm": grad_norm.item()})
     averaged = {key: sum(m[key] for m in done) / len(done) for key in done[0]} if done else {}
-    return {**averaged, "entropy": entropy, "logp_diff_max": logp_diff_max, "skipped_updates": skipped}
+    return {**averaged, "entropy": entropy, "logp_diff_max": torch.stack(logp_diffs).max().item(),
+            "skipped_updates": skipped}
 
 
 # =============================================================================================
@@ -1753,7 +1831,7 @@ def memory_plan(components, height, width, samples, prompt_tokens=64, ranks=(64,
         adam = 8 * trainable
         for checkpointing in (False, True):
             act = activation_bytes(ar.config.text_config, tokens, samples, checkpointing)
-            rows.append({"mode": mode, "grad_ckpt": checkpointing, "trainable_params": trainable,
+            rows.append({"mode": mode, "grad_ckpt": checkpointing, "micro_batch": samples, "trainable_params": trainable,
                          "ar_weights": weights, "grads": grads, "adam": adam, "activations": act,
                          # offloaded, a frozen part is on the GPU only while it runs, never during backward
                          "peak_offload": weights + grads + adam + max(act, max(frozen.values())),
@@ -1805,7 +1883,10 @@ def print_memory_plan(args):
         components = saved_glm_image_on_meta(args.model)
     else:
         components = real_glm_image_on_meta()
-    samples = args.group_size * args.prompts_per_step
+    # AR activations are held for one forward/backward: --micro-batch-size samples (default G),
+    # not the whole batch; gradients and AdamW state do not depend on it. The DiT's update runs a
+    # denoising step over the whole batch at once.
+    samples, batch = args.micro_batch_size or args.group_size, args.group_size * args.prompts_per_step
     ranks = (args.lora_rank,) if args.lora_rank else (64, 16)
     rows, counts, tokens = memory_plan(components, args.height, args.width, samples, ranks=ranks)
     # the tiny model's bytes would all print as 0.0 GiB: small models get MiB and thousands
@@ -1814,23 +1895,162 @@ def print_memory_plan(args):
     print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count_div:,.1f} {count_name}" for k, v in counts.items()))
     print(f"teacher-forced pass: {samples} samples x {tokens} tokens ({args.height}x{args.width}); "
           f"estimates in {unit_name}\n")
-    print("| mode | grad ckpt | trainable | AR weights | grads | AdamW | activations | peak, offload | peak, no offload |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| mode | grad ckpt | micro-batch | trainable | AR weights | grads | AdamW | activations | peak, offload | peak, no offload |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        cells = [r["mode"], "yes" if r["grad_ckpt"] else "no", f"{r['trainable_params'] / count_div:.1f} {count_name}"]
+        cells = [r["mode"], "yes" if r["grad_ckpt"] else "no", str(r["micro_batch"]),
+                 f"{r['trainable_params'] / count_div:.1f} {count_name}"]
         cells += [f"{r[k] / unit:.1f}" for k in ("ar_weights", "grads", "adam", "activations", "peak_offload",
                                                  "peak_no_offload")]
         print("| " + " | ".join(cells) + " |")
-    ar_row = next(r for r in rows if r["mode"] == "lora-64" and r["grad_ckpt"])
-    dit_rows = dit_memory_plan(components, args.height, args.width, samples, args.guidance_scale > 1, ar_row)
-    print(f"\nDiT (Flow-GRPO, --policy dit|both): one denoising step's forward over {samples} samples, "
-          f"CFG {'on' if args.guidance_scale > 1 else 'off'}; 'both' adds the AR's LoRA-64 weights, grads and AdamW")
+    ar_row = next(r for r in rows if r["mode"] == f"lora-{ranks[0]}" and r["grad_ckpt"])
+    dit_rows = dit_memory_plan(components, args.height, args.width, batch, args.guidance_scale > 1, ar_row)
+    print(f"\nDiT (Flow-GRPO, --policy dit|both): one denoising step's forward over {batch} samples, "
+          f"CFG {'on' if args.guidance_scale > 1 else 'off'}; 'both' adds the AR's {ar_row['mode']} weights, grads and AdamW")
     print("| DiT mode | grad ckpt | trainable | DiT weights | grads | AdamW | activations | peak, dit | peak, both |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in dit_rows:
-        cells = [r["mode"], "yes" if r["grad_ckpt"] else "no", f"{r['trainable_params'] / 1e6:.1f} M"]
-        cells += [f"{r[k] / GiB:.1f}" for k in ("dit_weights", "grads", "adam", "activations", "peak_dit", "peak_both")]
+        cells = [r["mode"], "yes" if r["grad_ckpt"] else "no", f"{r['trainable_params'] / count_div:.1f} {count_name}"]
+        cells += [f"{r[k] / unit:.1f}" for k in ("dit_weights", "grads", "adam", "activations", "peak_dit", "peak_both")]
         print("| " + " | ".join(cells) + " |")
+
+
+# =============================================================================================
+# 13b. More GPUs: torchrun data parallel and micro-batches (plumbing, not GRPO)
+# =============================================================================================
+# `torchrun --nproc_per_node K grpo_glm.py ...` starts K copies of this script with RANK,
+# LOCAL_RANK and WORLD_SIZE in their environment. Layout (DanceGRPO's): --prompts-per-step is the
+# global count, cut into K contiguous blocks; each rank samples, decodes, rewards and standardises
+# whole groups of its own, so the advantages need no communication. What crosses ranks:
+# DistributedDataParallel's gradient average in the update, and a few scalars per step (metrics,
+# the skip and stop decisions). Rank 0 alone writes metrics, samples and checkpoints.
+# The run does not depend on K: a group's tokens are drawn from a seed of (seed, step, slot), its
+# DiT noise from (seed, prompt), and every forward covers at most one micro-batch of rows cut the
+# same way on any K (with the default micro-batch = G, exactly one group). So 1 process and K give
+# the same samples and, up to the order of floating-point sums, the same weights; a checkpoint
+# written at one world size resumes exactly at another.
+
+def init_distributed(args):
+    """Joins the process group torchrun described in the environment (nothing to do for one
+    process). gloo on CPU, nccl on CUDA. The timeout bounds every collective: if a rank dies or
+    hangs, the others raise after --dist-timeout seconds instead of waiting forever."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return
+    if args.device == "cuda":
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        args.device = f"cuda:{local_rank}"
+    dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo",
+                            timeout=datetime.timedelta(seconds=args.dist_timeout))
+
+
+def is_ddp():
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank():
+    return dist.get_rank() if is_ddp() else 0
+
+
+def world_size():
+    return dist.get_world_size() if is_ddp() else 1
+
+
+def collective_device():
+    """nccl reduces CUDA tensors only, gloo CPU ones."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def rank_slots(prompts_per_step):
+    """Positions (in the step's global prompt list) of this rank's groups: a contiguous block."""
+    per_rank = prompts_per_step // world_size()
+    return range(rank() * per_rank, (rank() + 1) * per_rank)
+
+
+def sampling_seed(seed, step, slot):
+    """Seed of the AR sampling for the group at position `slot` of step `step`: the same number
+    whichever rank draws that group, and different for every (step, slot)."""
+    return seed * 1_000_000_007 + step * 100_003 + slot
+
+
+def wrap_for_training(model, device):
+    """DistributedDataParallel around the module that trains (the AR here; any trained module
+    goes through the same call). Its backward averages the gradients over ranks, so every rank's
+    AdamW takes the same step and the weights stay identical. Only the training forward may go
+    through the wrapper: DDP has no `.generate`, so sampling and no-grad passes use the module
+    itself."""
+    if not is_ddp():
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [torch.device(device)] if str(device).startswith("cuda") else None
+    return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def all_ranks_agree(flag):
+    """True only if `flag` is True on every rank (a MIN all-reduce). Decisions that change how
+    many collectives a rank runs next (skip a non-finite update, stop after Ctrl+C) must be taken
+    together, or one rank waits forever in an all-reduce the others never start."""
+    if not is_ddp():
+        return bool(flag)
+    t = torch.tensor(int(bool(flag)), device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+MAX_METRICS = ("logp_diff_max",)
+
+
+def reduce_metrics(row):
+    """A metrics row averaged over ranks (maxima for MAX_METRICS). Every rank holds the same
+    number of samples of the same length, so the mean of the per-rank means is the global mean."""
+    if not is_ddp():
+        return row
+    keys = [k for k in row if k != "step"]
+    total = torch.tensor([float(row[k]) for k in keys], dtype=torch.float64, device=collective_device())
+    peak = total.clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    reduced = {k: (peak[i] if k in MAX_METRICS else total[i] / world_size()).item() for i, k in enumerate(keys)}
+    return {"step": row["step"], **{k: type(row[k])(v) for k, v in reduced.items()}}
+
+
+def collective_failed(error):
+    """True for an error raised inside torch.distributed or DDP: a peer that died or timed out
+    (gloo reports a dead peer as a plain RuntimeError, hence the look at where it came from)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return isinstance(error, dist.DistError) or bool(
+        frames and re.search(r"torch[/\\](distributed|nn[/\\]parallel)[/\\]", frames[-1].filename))
+
+
+def row_slices(num_samples, size):
+    return [slice(start, min(start + size, num_samples)) for start in range(0, num_samples, size)]
+
+
+def slice_rollout(rollout, rows):
+    """Rows `rows` (a slice) of a Rollout, without the left-padding columns none of them needs,
+    so a group's forward is the same tensors whatever else shares its rank's batch."""
+    mask = rollout.attention_mask[rows]
+    first = int(mask.any(dim=0).nonzero()[0])          # only prompt columns can be all padding
+    return replace(
+        rollout, sequences=rollout.sequences[rows, first:], attention_mask=mask[:, first:],
+        position_ids=rollout.position_ids[:, rows, first:], loss_mask=rollout.loss_mask[rows],
+        old_logp=None if rollout.old_logp is None else rollout.old_logp[rows],
+        target_tokens=rollout.target_tokens[rows], prompt_len=rollout.prompt_len - first,
+        source_prior=None if rollout.source_prior is None else rollout.source_prior[rows])
+
+
+def micro_batches(policy, num_samples, size):
+    """Row slices of at most `size` samples for gradient accumulation. Under DDP each backward
+    all-reduces the gradients; inside no_sync() they only accumulate locally. So all micro-batches
+    but the last run in no_sync, and the last backward averages the accumulated sum once. Every
+    rank holds as many samples, hence runs as many backward passes (a missing one would leave the
+    other ranks waiting in the all-reduce)."""
+    slices = row_slices(num_samples, size)
+    for k, rows in enumerate(slices):
+        accumulate_only = hasattr(policy, "no_sync") and k < len(slices) - 1
+        with policy.no_sync() if accumulate_only else contextlib.nullcontext():
+            yield rows
 
 
 # =============================================================================================
@@ -1919,43 +2139,47 @@ class Trainer:
     dit_params: list = None      # the DiT's trainable parameters (--policy dit|both)
     dit_reference: object = None  # frozen initial DiT for the KL term (full fine-tuning, beta > 0)
     prompt_tokens: dict = None   # --policy dit --dit-prior per-prompt: prompt index -> its token grid
+    policy: object = None        # what the AR's training forward runs through: the AR, or its DDP wrapper
 
 
-def grpo_step(trainer, items, indices, step, args):
-    """One GRPO step on the prompts `items[indices]`.
+def grpo_step(trainer, items, indices, step, args, slots=None):
+    """One GRPO step on the prompts `items[indices]`, which sit at positions `slots` of the step's
+    global prompt list (under torchrun, this rank's share; default: all of them).
     Returns (metrics row, rewards [N], images [N, 3, H, W], targets [P, 3, H, W] or None, sources or None)."""
     pipe, ar = trainer.pipe, trainer.pipe.vision_language_encoder
     batch = [items[i] for i in indices]
     prompts = [it.text for it in batch]
     sources = [it.source for it in batch] if args.mode == "i2i" else None
+    slots = range(len(indices)) if slots is None else slots
+    M = args.micro_batch_size
     # ---- SAMPLE ----------------------------------------------------------------------------
     ar.eval()
     # In bf16, generate's cached decode and a full teacher-forced pass differ by ~1e-2 per token;
     # pi_old then comes from a no-grad teacher-forced pass, so that the first-epoch ratio is
     # exactly 1 and only a real policy change moves it. In fp32 the two agree to ~1e-6.
     exact_fp32 = args.dtype == "float32"
-    rollout = sample_group(pipe, prompts, args.group_size, args.temperature, args.height, args.width,
-                           args.loss_tokens, sources, record_logp=exact_fp32)
+    rollout = sample_groups(pipe, prompts, sources, slots, step, args, record_logp=exact_fp32)
     if not exact_fp32:
-        with torch.no_grad():
-            rollout.old_logp = policy_logprobs(ar, rollout, args.temperature, trainer.suppressed)
+        rollout.old_logp = logprobs_by_micro_batch(ar, rollout, args.temperature, trainer.suppressed, M)
     # ---- DECODE + REWARD -------------------------------------------------------------------
     noise = group_noise(pipe, indices, args.group_size, args.height, args.width, args.seed, step, args.dit_noise)
-    images = decode_images(pipe, repeat_each(prompts, args.group_size), rollout, noise, args.num_inference_steps,
-                           args.guidance_scale, sources and repeat_each(sources, args.group_size))  # [N, 3, H, W]
+    sample_prompts, sample_sources = repeat_each(prompts, args.group_size), sources and repeat_each(sources, args.group_size)
+    images = torch.cat([decode_images(pipe, sample_prompts[rows], slice_rollout(rollout, rows), noise[rows],
+                                      args.num_inference_steps, args.guidance_scale,
+                                      sample_sources and sample_sources[rows])
+                        for rows in row_slices(len(sample_prompts), M)])                  # [N, 3, H, W]
     targets = (torch.stack([image_to_tensor(it.target) for it in batch])                  # [P, 3, H, W]
                if all(it.target is not None for it in batch) else None)
     per_sample_targets = None if targets is None else targets.repeat_interleave(args.group_size, 0)
-    rewards, per_reward = compute_rewards(trainer.rewards, images, repeat_each(prompts, args.group_size),
-                                          per_sample_targets)                              # [N], {name: [N]}
+    rewards, per_reward = compute_rewards(trainer.rewards, images, sample_prompts, per_sample_targets)  # [N], {name: [N]}
     # ---- ADVANTAGE -------------------------------------------------------------------------
     advantages = group_advantages(rewards, args.group_size)                                # [N]
     # ---- UPDATE ----------------------------------------------------------------------------
-    ref_logp = (reference_logprobs(ar, trainer.reference, rollout, args.temperature, trainer.suppressed)
+    ref_logp = (reference_logprobs(ar, trainer.reference, rollout, args.temperature, trainer.suppressed, M)
                 if args.beta > 0 else None)
     ar.train()   # only switches gradient checkpointing on: GLM-Image's AR has no dropout, so the
                  # first pass still reproduces pi_old exactly
-    update = grpo_update(ar, trainer.optimizer, trainer.params, rollout, advantages, ref_logp, args,
+    update = grpo_update(trainer.policy, trainer.optimizer, trainer.params, rollout, advantages, ref_logp, args,
                          trainer.suppressed)
     group_std = rewards.view(-1, args.group_size).std(dim=1)
     zero_std = constant_groups(rewards.view(-1, args.group_size))
@@ -2103,16 +2327,18 @@ def setup_training(args, ckpt=None, ckpt_path=None, rewards=None):
     if ckpt is not None:
         restore_checkpoint(ckpt, ckpt_path, trained, optimizer, lr_scheduler)
         start = ckpt["step"]
-        print(f"Resuming from step {start} ({ckpt_path})")
+        if rank() == 0:
+            print(f"Resuming from step {start} ({ckpt_path})")
     rewards = load_rewards(args.reward) if rewards is None else rewards
     return Trainer(pipe, optimizer, params, reference, suppressed, rewards, lr_scheduler, trained, dit_params,
-                   dit_reference, {}), start
+                   dit_reference, {}, policy=wrap_for_training(ar, args.device) if train_ar else None), start
 
 
 def train(args):
     validate_args(args)
     out = prepare_out_dir(args)
     resolve_runtime(args)
+    init_distributed(args)
     rewards = load_rewards(args.reward)
     items = read_prompts(args.prompts, args.height, args.width, args.mode,
                          need_targets=any(r.uses_targets for r in rewards))
@@ -2129,77 +2355,91 @@ def train(args):
                   f"(pass --steps {ckpt['step'] + args.steps} to train {args.steps} more)")
             return None
         later = check_resume_point(ckpt_path, ckpt["step"], out, args)
-    lock = lock_out_dir(out)   # held while this function runs (the open file keeps it)
-    prepare_out_dir(args)      # again under the lock: another run may have started meanwhile
-    if ckpt is not None:
-        keep_aside(later)
+    lead = rank() == 0                       # the one rank that writes files and prints progress
+    if lead:
+        lock = lock_out_dir(out)   # held while this function runs (the open file keeps it)
+        prepare_out_dir(args)      # again under the lock: another run may have started meanwhile
+        if ckpt is not None:
+            keep_aside(later)
     trainer, start = setup_training(args, ckpt, ckpt_path, rewards)
     metrics_path = out / "metrics.jsonl"
-    truncate_metrics(metrics_path, start)
-    trainable = sum(p.numel() for p in trainer.trained.parameters() if p.requires_grad) / 1e6
-    print(f"running with: mode={args.mode} model={args.model} device={args.device} dtype={args.dtype} "
-          f"offload={args.offload} batch={args.prompts_per_step}x{args.group_size} mu={args.inner_epochs} "
-          f"lr={args.lr} trainable={trainable:.2f}M ({f'LoRA r={args.lora_rank}' if args.lora_rank else 'full'}) "
-          f"image={args.height}x{args.width} loss_tokens={args.loss_tokens} dit_noise={args.dit_noise} out={out} "
-          f"threads={torch.get_num_threads()}"
-          + (f" policy={args.policy} dit_lr={args.dit_lr} dit_train_steps={args.dit_train_steps}/"
-             f"{args.num_inference_steps} dit_noise_level={args.dit_noise_level}" if args.policy != "ar" else ""))
-    print("rewards: " + " + ".join(f"{r.weight:g} x {r.name}" for r in trainer.rewards)
-          + f" | lr schedule {args.lr_scheduler}, warm-up {args.lr_warmup_steps} | report to {args.report_to}")
-    tracker = open_tracker(args, out, start)
+    tracker = None
+    if lead:
+        truncate_metrics(metrics_path, start)
+        trainable = sum(p.numel() for p in trainer.trained.parameters() if p.requires_grad) / 1e6
+        print(f"running with: mode={args.mode} model={args.model} device={args.device} dtype={args.dtype} "
+              f"offload={args.offload} batch={args.prompts_per_step}x{args.group_size} mu={args.inner_epochs} "
+              f"lr={args.lr} trainable={trainable:.2f}M ({f'LoRA r={args.lora_rank}' if args.lora_rank else 'full'}) "
+              f"image={args.height}x{args.width} loss_tokens={args.loss_tokens} dit_noise={args.dit_noise} out={out} "
+              f"threads={torch.get_num_threads()} processes={world_size()} micro_batch={args.micro_batch_size}"
+              + (f" policy={args.policy} dit_lr={args.dit_lr} dit_train_steps={args.dit_train_steps}/"
+                 f"{args.num_inference_steps} dit_noise_level={args.dit_noise_level}" if args.policy != "ar" else ""))
+        print("rewards: " + " + ".join(f"{r.weight:g} x {r.name}" for r in trainer.rewards)
+              + f" | lr schedule {args.lr_scheduler}, warm-up {args.lr_warmup_steps} | report to {args.report_to}")
+        tracker = open_tracker(args, out, start)
 
     last_saved, bad_steps, collapse_warned = start, 0, False
     stop = StopAfterStep()
     try:
         for step in range(start + 1, args.steps + 1):
             t0 = time.time()
-            indices = prompts_for_step(len(items), args.prompts_per_step, step, args.seed)
+            # every rank computes the same global prompt list and takes its block of it
+            slots = rank_slots(args.prompts_per_step)
+            indices = [prompts_for_step(len(items), args.prompts_per_step, step, args.seed)[s] for s in slots]
             if args.policy == "ar":
-                (row, rewards, images, targets, sources), ode = grpo_step(trainer, items, indices, step, args), None
+                (row, rewards, images, targets, sources), ode = grpo_step(trainer, items, indices, step, args, slots), None
             else:
                 row, rewards, images, targets, sources, ode = grpo_step_dit(trainer, items, indices, step, args)
             row["lr"] = trainer.lr_scheduler.get_last_lr()[0]    # the lr this step's updates used
             trainer.lr_scheduler.step()
             # ---- LOG -------------------------------------------------------------------------
+            row = reduce_metrics(row)
             row["seconds"] = round(time.time() - t0, 3)
-            append_metrics(metrics_path, row)
-            if tracker:
-                tracker.log(row, step)
-            print(f"step {step:4d}/{args.steps} | loss {row['loss']:+.4f} | reward {row['reward_mean']:.5f} "
-                  f"± {row['reward_std']:.5f} | " + "".join(
-                      f"{prefix}ratio {row[prefix + 'ratio_mean']:.4f} | {prefix}clip {row[prefix + 'clip_ratio']:.3f} "
-                      f"| {prefix}kl {row[prefix + 'kl']:.2e} | " for prefix in ("", "dit/") if prefix + "kl" in row)
-                  + (f"entropy {row['entropy']:.3f} | " if "entropy" in row else "")
-                  + f"zero_std {row['frac_reward_zero_std']:.2f} | {row['seconds']:.2f}s", flush=True)
-            collapse_warned = warn_if_collapsed(row, collapse_warned)
+            stopping = not all_ranks_agree(not stop.requested)   # a Ctrl+C seen by any rank stops all
+            if lead:
+                append_metrics(metrics_path, row)
+                if tracker:
+                    tracker.log(row, step)
+                print(f"step {step:4d}/{args.steps} | loss {row['loss']:+.4f} | reward {row['reward_mean']:.5f} "
+                      f"± {row['reward_std']:.5f} | " + "".join(
+                          f"{prefix}ratio {row[prefix + 'ratio_mean']:.4f} | {prefix}clip {row[prefix + 'clip_ratio']:.3f} "
+                          f"| {prefix}kl {row[prefix + 'kl']:.2e} | " for prefix in ("", "dit/") if prefix + "kl" in row)
+                      + (f"entropy {row['entropy']:.3f} | " if "entropy" in row else "")
+                      + f"zero_std {row['frac_reward_zero_std']:.2f} | {row['seconds']:.2f}s", flush=True)
+                collapse_warned = warn_if_collapsed(row, collapse_warned)
             bad_steps = bad_steps + 1 if row["skipped_updates"] == args.inner_epochs else 0
             if bad_steps >= 5:
                 raise UsageError(f"stopping: loss or gradients were non-finite for {bad_steps} steps in a row "
                                  f"(try a lower --lr); last good checkpoint is in {out / 'checkpoints'}")
-            if args.sample_every and step % args.sample_every == 0:
+            if lead and args.sample_every and step % args.sample_every == 0:   # rank 0's groups
                 sheet = save_sample_grid(out / "samples" / f"step_{step:06d}.png", [items[i].text for i in indices],
                                          targets, images, rewards, args.group_size, sources, ode)
                 if tracker:
                     tracker.log_image("samples", sheet, step)
             # ---- CHECKPOINT ------------------------------------------------------------------
-            if step % args.save_every == 0 or step == args.steps or stop.requested:
-                path = save_checkpoint(out, step, trainer.trained, trainer.optimizer, args, trainer.lr_scheduler)
+            # Weights and AdamW state are identical on every rank, and no rank-local randomness
+            # is left (sampling seeds are per group): rank 0's checkpoint is the whole state.
+            if step % args.save_every == 0 or step == args.steps or stopping:
+                if lead:
+                    path = save_checkpoint(out, step, trainer.trained, trainer.optimizer, args, trainer.lr_scheduler)
+                    if args.checkpoints_total_limit:
+                        prune_checkpoints(out, args.checkpoints_total_limit)
                 last_saved = step
-                if args.checkpoints_total_limit:
-                    prune_checkpoints(out, args.checkpoints_total_limit)
-            if stop.requested:
-                print(f"interrupted: saved step {step} to {path}; continue with --resume latest --out {out}",
-                      file=sys.stderr)
+            if stopping:
+                if lead:
+                    print(f"interrupted: saved step {step} to {path}; continue with --resume latest --out {out}",
+                          file=sys.stderr)
                 sys.exit(130)
     except KeyboardInterrupt:   # the second Ctrl+C: leave now, the last checkpoint is complete
         print(f"\ninterrupted: last checkpoint is step {last_saved} in {out / 'checkpoints'}", file=sys.stderr)
         sys.exit(130)
     finally:
         stop.restore()
-        save_reward_curve(out / "reward_curve.png", read_metrics(metrics_path))
+        if lead:
+            save_reward_curve(out / "reward_curve.png", read_metrics(metrics_path))
         if tracker:
             tracker.close()
-    if args.save_pipeline:
+    if args.save_pipeline and lead:
         save_trained_pipeline(trainer.pipe, args)
     return trainer.pipe
 
@@ -2265,6 +2505,15 @@ def main(argv=None):
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except Exception as e:
+        if not (is_ddp() and collective_failed(e)):
+            raise
+        print(f"error: rank {rank()} lost contact with the other processes ({str(e).splitlines()[0][:160]}): "
+              f"one died or hung past --dist-timeout; its own output says why", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        if is_ddp():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1296,3 +1296,160 @@ def test_dit_policy_learns(tmp_path):
     std = sum(r["reward_std"] for r in rows[:5]) / 5
     print(f"first5 {first:.5f} last5 {last:.5f} gain {last - first:.5f} = {(last - first) / std:.1f} x first5 std")
     assert last - first >= 3 * std
+
+
+# ---------------------------------------------------------------------------------------------
+# More GPUs: micro-batches, per-group sampling seeds, torchrun / DDP on gloo (2 CPU processes)
+# ---------------------------------------------------------------------------------------------
+
+def test_micro_batches_give_the_full_batch_gradient():
+    """Prompts of different lengths (left padding), micro-batches that split groups and the batch
+    unevenly: the accumulated gradient is the full-batch one."""
+    pipe, params, args = _policy(group_size=3, inner_epochs=1, max_grad_norm=1e9, beta=0.1)
+    ar = pipe.vision_language_encoder
+    suppressed = g.image_token_suppression(ar, g.TINY_CODEBOOK)
+    prompts = ["a red circle", "a blue square on a green background"]
+    rollout = g.sample_groups(pipe, prompts, None, range(2), 1, args)
+    assert rollout.attention_mask[0, 0] == 0                          # the short prompt is padded
+    advantages = torch.tensor([1.0, -0.5, -0.5, 0.3, 0.7, -1.0])
+    ref_logp = rollout.old_logp - 0.01 * torch.arange(6.0)[:, None]    # any reference, to exercise the KL
+    results = {}
+    for size in (6, 4, 1):
+        args.micro_batch_size = size
+        optimizer = torch.optim.SGD(params, lr=0.0)                    # keeps the weights, leaves .grad
+        update = g.grpo_update(ar, optimizer, params, rollout, advantages, ref_logp, args, suppressed)
+        results[size] = (update, torch.cat([p.grad.flatten() for p in params]))
+    full_update, full_grad = results[6]
+    assert full_grad.norm() > 0
+    for size in (4, 1):
+        update, grad = results[size]
+        assert (grad - full_grad).norm() <= 1e-6 * full_grad.norm(), size
+        for key in ("loss", "ratio_mean", "kl", "grad_norm"):
+            # the loss is a mean of O(1) terms that cancel: compare it at float32 resolution
+            assert update[key] == pytest.approx(full_update[key], rel=1e-6, abs=1e-6), (size, key)
+
+
+def test_a_group_samples_the_same_whatever_else_its_rank_holds(sharp_pipe):
+    """The seed of (seed, step, slot): the group at slot 1 is the same when one process samples
+    both groups and when a second rank samples it alone."""
+    args = g.resolve_runtime(g.parse_args(["--group-size", "3"]))
+    both = g.sample_groups(sharp_pipe, ["a red circle", "a blue square on a green background"], None, range(2), 5, args)
+    alone = g.sample_groups(sharp_pipe, ["a blue square on a green background"], None, range(1, 2), 5, args)
+    assert torch.equal(g.slice_rollout(both, slice(3, 6)).sequences, alone.sequences)
+    torch.testing.assert_close(both.old_logp[3:], alone.old_logp, rtol=0, atol=1e-6)
+    other_step = g.sample_groups(sharp_pipe, ["a blue square on a green background"], None, range(1, 2), 6, args)
+    assert not torch.equal(other_step.sequences, alone.sequences)
+
+
+def test_prompts_per_step_must_divide_by_the_world_size(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")                      # what torchrun --nproc_per_node 2 sets
+    with pytest.raises(SystemExit) as stop:
+        g.main(["--steps", "1", "--out", str(tmp_path / "run"), "--group-size", "4", "--prompts-per-step", "3"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "--prompts-per-step 3 must be divisible" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank, world, port):
+    """The environment torchrun gives each process."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+
+
+def trained_weights(pipe):
+    return {n: p.detach().clone() for n, p in pipe.vision_language_encoder.named_parameters() if p.requires_grad}
+
+
+def _rank_worker(rank, world, port, argv, dump):
+    os.environ.update(rank_env(rank, world, port))
+    torch.set_num_threads(1)
+    torch.save(trained_weights(g.main(argv)), Path(dump) / f"rank{rank}.pt")
+
+
+def run_two_ranks(argv, dump):
+    """grpo_glm.main(argv) in 2 processes on gloo; returns each rank's trained weights."""
+    torch.multiprocessing.spawn(_rank_worker, args=(2, free_port(), argv, str(dump)), nprocs=2)
+    return [torch.load(Path(dump) / f"rank{r}.pt") for r in range(2)]
+
+
+def assert_weights_close(a, b, rel=1e-6):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert (a[name] - b[name]).norm() <= rel * b[name].norm(), name
+
+
+def assert_rows_close(rows, expected):
+    assert [r["step"] for r in rows] == [r["step"] for r in expected]
+    for row, want in zip(deterministic(rows), deterministic(expected)):
+        assert row.keys() == want.keys()
+        for key in row:
+            assert row[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), (row["step"], key)
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one_and_resume_exactly(tmp_path):
+    """2 ranks x 1 group == 1 process x 2 groups: same weights on both ranks, equal to the
+    1-process run's, same metrics rows; a 2-process resume is bit-identical to the uninterrupted
+    2-process run, and a 1-process resume of a 2-process checkpoint stays on the same track."""
+    flags = ["--steps", "3", "--save-every", "2", "--sample-every", "0", "--group-size", "4", "--inner-epochs", "2"]
+    one = trained_weights(g.main(flags + ["--out", str(tmp_path / "one")]))
+    rank0, rank1 = run_two_ranks(flags + ["--out", str(tmp_path / "two")], tmp_path)
+    assert all(torch.equal(rank0[n], rank1[n]) for n in rank0)
+    assert_weights_close(rank0, one)
+    two_rows = read_metrics(tmp_path / "two")
+    assert_rows_close(two_rows, read_metrics(tmp_path / "one"))
+
+    for name in ("resumed2", "resumed1"):       # a run that stopped after its step-2 checkpoint
+        (tmp_path / name / "checkpoints").mkdir(parents=True)
+        for part in ("checkpoints/step_000002.pt", "metrics.jsonl"):
+            (tmp_path / name / part).write_bytes((tmp_path / "two" / part).read_bytes())
+    resumed2, _ = run_two_ranks(flags + ["--out", str(tmp_path / "resumed2"), "--resume", "latest"], tmp_path)
+    assert all(torch.equal(resumed2[n], rank0[n]) for n in rank0)
+    assert deterministic(read_metrics(tmp_path / "resumed2")) == deterministic(two_rows)
+    resumed1 = trained_weights(g.main(flags + ["--out", str(tmp_path / "resumed1"), "--resume", "latest"]))
+    assert_weights_close(resumed1, rank0)
+    assert_rows_close(read_metrics(tmp_path / "resumed1"), two_rows)
+
+
+@pytest.mark.slow
+def test_lora_with_kl_under_ddp_trains_like_one_process(tmp_path):
+    flags = ["--steps", "1", "--sample-every", "0", "--group-size", "4", "--inner-epochs", "2", "--lora-rank", "4",
+             "--beta", "0.05"]
+    one = trained_weights(g.main(flags + ["--out", str(tmp_path / "one")]))
+    rank0, rank1 = run_two_ranks(flags + ["--out", str(tmp_path / "two")], tmp_path)
+    assert all("lora_" in n for n in rank0) and all(torch.equal(rank0[n], rank1[n]) for n in rank0)
+    assert_weights_close(rank0, one)
+    rows = read_metrics(tmp_path / "two")
+    assert rows[0]["kl"] > 0        # by the second inner epoch the reference (adapters off) differs
+    assert_rows_close(rows, read_metrics(tmp_path / "one"))
+
+
+@pytest.mark.slow
+def test_a_dying_rank_stops_the_other_with_a_message(tmp_path):
+    """Rank 1 is killed after step 1; rank 0 must not wait forever in the next all-reduce. (Two
+    micro-batches per rank: step 1 also shows that no_sync + one synced backward does not hang.)"""
+    out, port = tmp_path / "run", free_port()
+    argv = [sys.executable, str(HERE / "grpo_glm.py"), "--steps", "50", "--out", str(out), "--group-size", "4",
+            "--sample-every", "0", "--dist-timeout", "60", "--micro-batch-size", "2"]
+    procs = [subprocess.Popen(argv, env={**os.environ, **rank_env(r, 2, port)}, cwd=HERE, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        deadline = time.time() + 120
+        while not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text()):
+            assert time.time() < deadline and procs[0].poll() is None
+            time.sleep(0.2)
+        procs[1].kill()
+        _, stderr = procs[0].communicate(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode == 1
+    assert "error: rank 0 lost contact with the other processes" in stderr and "Traceback" not in stderr
