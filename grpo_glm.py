@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 from PIL import Image, ImageDraw, UnidentifiedImageError
 
-CHECKPOINT_FORMAT = "grpo_glm-checkpoint-v1"
+CHECKPOINT_FORMAT = "grpo_glm-checkpoint-v2"   # v2: + lr schedule, DiT weights (--policy)
 TINY = "tiny"
 
 
@@ -1707,8 +1707,11 @@ def read_checkpoint(path):
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a foreign or truncated file
         raise UsageError(f"--resume {path}: not a readable checkpoint ({type(e).__name__})")
-    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
+    if not isinstance(ckpt, dict) or not str(ckpt.get("format", "")).startswith("grpo_glm-checkpoint-"):
         raise UsageError(f"--resume {path}: not a checkpoint of grpo_glm.py")
+    if ckpt["format"] != CHECKPOINT_FORMAT:
+        raise UsageError(f"--resume {path}: written by an older grpo_glm.py ({ckpt['format']}, this one reads "
+                         f"{CHECKPOINT_FORMAT}); start a new run")
     return ckpt
 
 

@@ -406,6 +406,7 @@ def _bad_cases(tmp, run):
     (tmp / "undrawable.txt").write_text("a cat wearing a hat\n")
     (tmp / "junk.pt").write_bytes(os.urandom(256))
     torch.save({"weights": torch.zeros(2)}, tmp / "foreign.pt")
+    torch.save({"format": "grpo_glm-checkpoint-v1", "step": 1}, tmp / "v1.pt")
     (tmp / "outfile").write_text("keep me")
     (tmp / "notapipe").mkdir()
     (tmp / "utf16.txt").write_bytes("a red circle on a white background\n".encode("utf-16"))
@@ -431,6 +432,7 @@ def _bad_cases(tmp, run):
         "resume path missing": (["--resume", str(tmp / "none.pt"), "--out", str(run)], "--resume"),
         "resume junk file": (["--resume", str(tmp / "junk.pt"), "--out", str(run)], "not a readable checkpoint"),
         "resume foreign torch file": (["--resume", str(tmp / "foreign.pt"), "--out", str(run)], "not a checkpoint of grpo_glm"),
+        "resume older checkpoint format": (["--resume", str(tmp / "v1.pt"), "--out", str(run)], "older grpo_glm.py"),
         "resume with other algorithm flags": (["--resume", ckpt, "--out", str(run), "--steps", "3", "--lr", "0.5", *SMALL],
                                               "--lr"),
         "resume into a LoRA model": (["--resume", ckpt, "--out", str(run), "--steps", "3", "--lora-rank", "2",
@@ -452,7 +454,8 @@ def _bad_cases(tmp, run):
 CASE_NAMES = ["prompts missing", "prompts empty", "prompts only comments", "target missing", "target not an image",
               "no target, nothing to draw", "group size 1", "steps 0", "lr 0", "clip eps negative", "inner epochs 0",
               "height not multiple of 32", "width 100", "width 0", "temperature 0", "resume path missing",
-              "resume junk file", "resume foreign torch file", "resume with other algorithm flags",
+              "resume junk file", "resume foreign torch file", "resume older checkpoint format",
+              "resume with other algorithm flags",
               "resume into a LoRA model", "model path missing", "model dir not a pipeline", "out is a file",
               "out holds a run", "prompts UTF-16", "prompts Latin-1", "save-pipeline is a file",
               "save-pipeline holds files", "out under a file", "out not writable", "lr negative with exponent"]
