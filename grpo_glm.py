@@ -2076,16 +2076,11 @@ def lock_out_dir(out):
     import fcntl
 
     out.mkdir(parents=True, exist_ok=True)
-    handle = open(out / ".lock", "a+")
+    handle = open(out / ".lock", "a")      # stays empty: a failed start leaves --out byte-identical
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        handle.seek(0)
-        raise UsageError(f"--out {out} is in use by another run (pid {handle.read().strip() or '?'}); "
-                         "wait for it to finish or pick another --out")
-    handle.truncate(0)
-    handle.write(f"{os.getpid()}\n")
-    handle.flush()
+        raise UsageError(f"--out {out} is in use by another run; wait for it to finish or pick another --out")
     return handle
 
 
