@@ -1353,6 +1353,17 @@ def test_prompts_per_step_must_divide_by_the_world_size(tmp_path, monkeypatch, c
     assert not (tmp_path / "run").exists()
 
 
+def test_dit_policies_are_refused_under_torchrun(tmp_path, monkeypatch, capsys):
+    """DDP wraps the AR only: --policy dit|both under torchrun would train the DiT on each rank's
+    own gradients and let the ranks' weights drift apart. It is refused, in one line."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as stop:
+        g.main(["--steps", "1", "--out", str(tmp_path / "run"), "--policy", "both"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "--policy dit|both runs on one process" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
 def free_port():
     import socket
 
