@@ -543,15 +543,14 @@ def test_bad_input_gives_one_line_error_from_the_command_line(case, tmp_path, fi
     assert_one_line_error_and_out_untouched(case, tmp_path, finished_run, run_main)
 
 
-def test_target_of_another_size_is_resized_not_rejected(tmp_path):
+def test_target_of_another_size_is_resized_not_rejected(tmp_path, capsys):
     from PIL import Image
 
     Image.new("RGB", (40, 24), "red").save(tmp_path / "small.png")
     (tmp_path / "p.txt").write_text("anything at all | small.png\n")
-    result = run_cli("--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "run"), "--steps", "1",
-                     "--group-size", "2", "--prompts-per-step", "1")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.count("resized") == 1
+    g.main(["--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "run"), "--steps", "1",
+            "--group-size", "2", "--prompts-per-step", "1"])
+    assert capsys.readouterr().out.count("resized") == 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -750,20 +749,20 @@ def test_memory_plan_matches_a_hand_count_on_the_tiny_model(tmp_path):
         2 * (counts["dit"] + counts["glyph_t5"] + counts["vae"])
 
 
-def test_plan_of_the_tiny_model_prints_no_zeros_and_uses_lora_rank():
-    result = run_cli("--plan", "--lora-rank", "8")
-    assert result.returncode == 0, result.stderr
-    assert "estimates in MiB" in result.stdout and "| lora-8 | yes |" in result.stdout
-    ar_table = result.stdout.split("DiT (Flow-GRPO")[0]
+def test_plan_of_the_tiny_model_prints_no_zeros_and_uses_lora_rank(capsys):
+    g.main(["--plan", "--lora-rank", "8"])
+    printed = capsys.readouterr().out
+    assert "estimates in MiB" in printed and "| lora-8 | yes |" in printed
+    ar_table = printed.split("DiT (Flow-GRPO")[0]
     table = [line for line in ar_table.splitlines() if line.startswith("| full") or line.startswith("| lora")]
     assert len(table) == 4 and all(" 0.0 |" not in line for line in table)
 
 
-def test_plan_of_the_real_model_needs_no_download():
-    result = run_cli("--plan", "--model", "zai-org/GLM-Image", "--height", "1024", "--width", "1024",
-                     "--group-size", "8", "--prompts-per-step", "1")
-    assert result.returncode == 0, result.stderr
-    assert "8 samples x 1345 tokens" in result.stdout and "| lora-64 | yes |" in result.stdout
+def test_plan_of_the_real_model_needs_no_download(capsys):
+    g.main(["--plan", "--model", "zai-org/GLM-Image", "--height", "1024", "--width", "1024",
+            "--group-size", "8", "--prompts-per-step", "1"])
+    printed = capsys.readouterr().out
+    assert "8 samples x 1345 tokens" in printed and "| lora-64 | yes |" in printed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -828,16 +827,16 @@ def test_i2i_resume_is_bit_identical(tmp_path, i2i_prompts):
 @pytest.mark.parametrize("line, needle", [("make it blue | t.png | gone.png", "source image"),
                                           ("make it blue | t.png | t.txt", "source"),
                                           ("a cat", "--mode i2i needs")])
-def test_i2i_bad_source_gives_one_line_error(tmp_path, line, needle):
+def test_i2i_bad_source_gives_one_line_error(tmp_path, line, needle, capsys):
     from PIL import Image
 
     Image.new("RGB", (64, 64), "blue").save(tmp_path / "t.png")
     (tmp_path / "t.txt").write_text("not an image")
     (tmp_path / "p.txt").write_text(line + "\n")
-    result = run_cli("--mode", "i2i", "--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "run"))
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert len(lines) == 1 and needle in lines[0], result.stderr
+    with pytest.raises(SystemExit) as exit_:
+        g.main(["--mode", "i2i", "--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "run")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(lines) == 1 and needle in lines[0], lines
     assert not (tmp_path / "run").exists()
 
 
