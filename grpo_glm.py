@@ -1427,8 +1427,10 @@ def joint_update(trainer, ar_terms, dit_terms, args):
     both halves, each with its own learning rate (param groups). Gradients are clipped per half: the
     two losses live on different scales, and a joint norm would let one half throttle the other.
     ar_terms / dit_terms: callables epoch -> iterable of (loss, metrics). Returns the metrics (the
-    DiT's prefixed 'dit/'), averaged over the passes that updated; logp_diff_max from the first."""
+    DiT's prefixed 'dit/'), averaged over the passes that updated; logp_diff_max and entropy, which
+    the terms give on the first pass only, from the first."""
     done, skipped, first = [], 0, {}
+    first_pass_only = ("logp_diff_max", "entropy")
     halves = [(prefix, params, terms) for prefix, params, terms in
               [("", trainer.params, ar_terms), ("dit/", trainer.dit_params, dit_terms)] if terms]
     for epoch in range(args.inner_epochs):
@@ -1448,13 +1450,13 @@ def joint_update(trainer, ar_terms, dit_terms, args):
             finite &= bool(torch.isfinite(norm))
             metrics[prefix + "grad_norm"] = norm.item()
         if epoch == 0:
-            first = {k: v for k, v in metrics.items() if k.endswith("logp_diff_max")}
+            first = {k: v for k, v in metrics.items() if k.endswith(first_pass_only)}
         if not finite:
             skipped += 1
             trainer.optimizer.zero_grad(set_to_none=True)
             continue
         trainer.optimizer.step()
-        done.append({k: v for k, v in metrics.items() if not k.endswith("logp_diff_max")})
+        done.append({k: v for k, v in metrics.items() if not k.endswith(first_pass_only)})
     averaged = {key: sum(m[key] for m in done) / len(done) for key in done[0]} if done else {}
     return {**averaged, **first, "skipped_updates": skipped}
 
@@ -1473,9 +1475,10 @@ def warn_if_collapsed(row, warned):
     on (almost) nothing. Returns whether the warning has been given."""
     if warned or row["frac_reward_zero_std"] <= 0.5:
         return warned
-    print(f"warning: step {row['step']}: {row['frac_reward_zero_std']:.0%} of groups have identical rewards "
-          f"(entropy {row['entropy']:.3f}): no learning signal: the policy has collapsed; lower --lr or raise "
-          f"--temperature", file=sys.stderr, flush=True)
+    entropy = f" (entropy {row['entropy']:.3f})" if "entropy" in row else ""     # --policy dit has no AR entropy
+    print(f"warning: step {row['step']}: {row['frac_reward_zero_std']:.0%} of groups have identical rewards"
+          f"{entropy}: no learning signal: the policy has collapsed; lower --lr or raise --temperature",
+          file=sys.stderr, flush=True)
     return True
 
 
@@ -2265,10 +2268,15 @@ def grpo_step_dit(trainer, items, indices, step, args):
         ar.train()
 
         def ar_terms(epoch):
-            logp = policy_logprobs(ar, rollout, args.temperature, trainer.suppressed)
+            logits = policy_logits(ar, rollout)
+            logp = token_logprobs(logits, rollout.sequences[:, rollout.prompt_len:], args.temperature,
+                                  trainer.suppressed)
             loss, metrics = grpo_loss(logp, rollout.old_logp, advantages, rollout.loss_mask, args.clip_eps,
                                       args.beta, ref_logp)
-            metrics["logp_diff_max"] = ((logp - rollout.old_logp).abs() * rollout.loss_mask).max().item()
+            if epoch == 0:     # the first-pass checks, as grpo_update logs them for --policy ar
+                metrics["logp_diff_max"] = ((logp - rollout.old_logp).abs() * rollout.loss_mask).max().item()
+                token_h = token_entropy(logits.detach(), args.temperature, trainer.suppressed)
+                metrics["entropy"] = ((token_h * rollout.loss_mask).sum() / rollout.loss_mask.sum()).item()
             return [(loss, metrics)]
     dit_adv = advantages.to(trajectories.old_logp.device)
     update = joint_update(trainer, ar_terms, lambda epoch: dit_update_terms(

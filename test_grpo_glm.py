@@ -1308,8 +1308,12 @@ def test_dit_resume_is_bit_identical(tmp_path, policy):
     rows = read_metrics(tmp_path / "a")
     assert deterministic(read_metrics(tmp_path / "b")) == deterministic(rows)
     assert all(r["dit/logp_diff_max"] <= 1e-5 for r in rows)
-    if policy == "both":
+    if policy == "both":    # the AR half logs its first-pass checks too, entropy included (near log 64)
         assert all(r["logp_diff_max"] <= 1e-5 and r["dit/ratio_mean"] != 1.0 for r in rows)
+        assert all(3.5 < r["entropy"] <= math.log(64) + 1e-4 for r in rows)
+    else:                   # no AR is trained: no entropy, and the collapse warning does without it
+        assert all("entropy" not in r for r in rows)
+        assert g.warn_if_collapsed({**rows[0], "frac_reward_zero_std": 1.0}, warned=False)
 
 
 @pytest.mark.slow
