@@ -266,7 +266,7 @@ def test_collapse_is_warned_once(tmp_path, capsys, monkeypatch):
         trainer_pipe.vision_language_encoder.lm_head.bias = torch.nn.Parameter(torch.full((g.TINY_VISION_VOCAB,), -1e4))
         trainer_pipe.vision_language_encoder.lm_head.bias[7] = 0.0
     monkeypatch.setattr(g, "build_tiny_pipeline", lambda seed=0, ar_init_range=0.02: trainer_pipe)
-    g.main(["--steps", "3", "--out", str(out), "--group-size", "4", "--sample-every", "0"])
+    g.main(["--steps", "3", "--out", str(out), "--group-size", "4", "--prompts-per-step", "1", "--sample-every", "0"])
     rows = read_metrics(out)
     assert all(r["frac_reward_zero_std"] == 1.0 and r["entropy"] < 1e-3 for r in rows)
     err = capsys.readouterr().err
@@ -534,7 +534,7 @@ def test_bad_input_gives_one_line_error(case, tmp_path, finished_run, capsys):
     assert_one_line_error_and_out_untouched(case, tmp_path, finished_run, run_main)
 
 
-@pytest.mark.parametrize("case", ["prompts UTF-16", "resume junk file", "lr negative with exponent"])
+@pytest.mark.parametrize("case", ["prompts UTF-16", "resume junk file"])
 def test_bad_input_gives_one_line_error_from_the_command_line(case, tmp_path, finished_run):
     def run_main(args):
         result = run_cli(*args)
@@ -647,12 +647,12 @@ def test_lora_trains_only_adapters_and_reference_is_the_base_model():
 
 
 def test_lora_resume_is_bit_identical_and_checkpoint_holds_only_adapters(tmp_path):
-    lora = ["--lora-rank", "4", "--beta", "0.05", "--save-every", "2", *SMALL]
-    g.main(["--steps", "4", "--out", str(tmp_path / "a"), *lora])
-    g.main(["--steps", "2", "--out", str(tmp_path / "b"), *lora])
-    g.main(["--steps", "4", "--out", str(tmp_path / "b"), "--resume", "latest", *lora])
+    lora = ["--lora-rank", "4", "--beta", "0.05", "--save-every", "1", *SMALL]
+    g.main(["--steps", "2", "--out", str(tmp_path / "a"), *lora])
+    g.main(["--steps", "1", "--out", str(tmp_path / "b"), *lora])
+    g.main(["--steps", "2", "--out", str(tmp_path / "b"), "--resume", "latest", *lora])
     assert deterministic(read_metrics(tmp_path / "b")) == deterministic(read_metrics(tmp_path / "a"))
-    ckpt = g.read_checkpoint(tmp_path / "a" / "checkpoints" / "step_000004.pt")
+    ckpt = g.read_checkpoint(tmp_path / "a" / "checkpoints" / "step_000002.pt")
     assert ckpt["trainable"] and all("lora_" in n for n in ckpt["trainable"])
 
 
@@ -805,8 +805,7 @@ def test_i2i_recomputed_logprobs_match_sampling_logprobs(sharp_pipe):
 
 def test_i2i_cli_writes_metrics_samples_and_checkpoint(tmp_path, i2i_prompts):
     out = tmp_path / "run"
-    result = run_cli("--prompts", str(i2i_prompts), "--steps", "2", "--out", str(out), *I2I)
-    assert result.returncode == 0, result.stderr
+    g.main(["--prompts", str(i2i_prompts), "--steps", "2", "--out", str(out), *I2I])
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2] and all(r["logp_diff_max"] <= 1e-5 for r in rows)
     assert (out / "checkpoints" / "step_000002.pt").is_file()
@@ -865,7 +864,7 @@ def test_offload_hooks_only_the_frozen_parts_and_keep_training_exact():
     forward/backward -> optimizer step) under the hooks; only the CUDA transfers are not."""
     rows = {}
     for offload in (False, True):
-        args = g.resolve_runtime(g.parse_args(["--group-size", "4", "--prompts-per-step", "2", "--lora-rank", "4",
+        args = g.resolve_runtime(g.parse_args(["--group-size", "4", "--prompts-per-step", "1", "--lora-rank", "4",
                                                "--beta", "0.1"]))
         args.offload = offload
         trainer, _ = g.setup_training(args)
@@ -874,7 +873,7 @@ def test_offload_hooks_only_the_frozen_parts_and_keep_training_exact():
             assert all(hasattr(getattr(pipe, n), "_hf_hook") for n in ("text_encoder", "transformer", "vae"))
             assert not hasattr(pipe.vision_language_encoder, "_hf_hook")
         items = g.read_prompts(HERE / "prompts.txt", 64, 64)
-        rows[offload] = [g.grpo_step(trainer, items, [0, 1], step, args)[0] for step in (1, 2)]
+        rows[offload] = [g.grpo_step(trainer, items, [0], step, args)[0] for step in (1, 2)]
         ar_device = next(pipe.vision_language_encoder.parameters()).device
         assert all(p.device == ar_device for p in trainer.params)
         assert all(s.device == ar_device for state in trainer.optimizer.state.values() for s in state.values()
