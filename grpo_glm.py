@@ -200,7 +200,7 @@ def validate_args(args):
     for flag, value in {"--height": args.height, "--width": args.width}.items():
         if value < 32 or value % 32:
             raise UsageError(f"{flag} must be a positive multiple of 32 (GLM-Image works on 32-pixel tokens), got {value}")
-    world = int(os.environ.get("WORLD_SIZE", "1"))   # set by torchrun
+    world = launched_world_size()
     if args.prompts_per_step % world:
         raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes "
                          f"({world}): each rank trains whole groups")
@@ -1011,6 +1011,12 @@ def token_entropy(logits, temperature, suppressed=()):
     return -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
 
 
+@torch.no_grad()
+def loss_token_entropy_sum(logits, mask, temperature, suppressed=()):
+    """sum of token_entropy over the loss tokens (mask [N, L]): a monitor, never differentiated."""
+    return (token_entropy(logits, temperature, suppressed) * mask).sum()
+
+
 def token_logprobs(logits, tokens, temperature, suppressed=()):
     """log pi(token) under softmax(logits / T), computed in fp32 (bf16 log-softmax loses ~1e-2).
     logits [N, L, V], tokens [N, L] -> [N, L]. `suppressed` ids get probability 0, as in sampling."""
@@ -1136,9 +1142,7 @@ def grpo_update(policy, optimizer, params, rollout, advantages, ref_logp, args, 
                 # the loss tokens' entropy nears 0, the G samples of a group are identical, every
                 # reward ties, all advantages are 0 and learning stops for good
                 # (frac_reward_zero_std -> 1).
-                with torch.no_grad():
-                    token_h = token_entropy(logits.detach(), args.temperature, suppressed)
-                    entropy += ((token_h * part.loss_mask).sum() / tokens).item()
+                entropy += (loss_token_entropy_sum(logits, part.loss_mask, args.temperature, suppressed) / tokens).item()
             loss, metrics = grpo_loss(logp, part.old_logp, advantages[rows], part.loss_mask, args.clip_eps,
                                       args.beta, None if ref_logp is None else ref_logp[rows])
             share = part.loss_mask.sum() / tokens
@@ -1940,7 +1944,7 @@ def init_distributed(args):
     """Joins the process group torchrun described in the environment (nothing to do for one
     process). gloo on CPU, nccl on CUDA. The timeout bounds every collective: if a rank dies or
     hangs, the others raise after --dist-timeout seconds instead of waiting forever."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if launched_world_size() == 1:
         return
     if args.device == "cuda":
         local_rank = int(os.environ["LOCAL_RANK"])
@@ -1948,6 +1952,11 @@ def init_distributed(args):
         args.device = f"cuda:{local_rank}"
     dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo",
                             timeout=datetime.timedelta(seconds=args.dist_timeout))
+
+
+def launched_world_size():
+    """The process count torchrun set in the environment (readable before the group is joined)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def is_ddp():
@@ -2275,8 +2284,8 @@ def grpo_step_dit(trainer, items, indices, step, args):
                                       args.beta, ref_logp)
             if epoch == 0:     # the first-pass checks, as grpo_update logs them for --policy ar
                 metrics["logp_diff_max"] = ((logp - rollout.old_logp).abs() * rollout.loss_mask).max().item()
-                token_h = token_entropy(logits.detach(), args.temperature, trainer.suppressed)
-                metrics["entropy"] = ((token_h * rollout.loss_mask).sum() / rollout.loss_mask.sum()).item()
+                metrics["entropy"] = (loss_token_entropy_sum(logits, rollout.loss_mask, args.temperature,
+                                                             trainer.suppressed) / rollout.loss_mask.sum()).item()
             return [(loss, metrics)]
     dit_adv = advantages.to(trajectories.old_logp.device)
     update = joint_update(trainer, ar_terms, lambda epoch: dit_update_terms(
@@ -2391,7 +2400,8 @@ def train(args):
             t0 = time.time()
             # every rank computes the same global prompt list and takes its block of it
             slots = rank_slots(args.prompts_per_step)
-            indices = [prompts_for_step(len(items), args.prompts_per_step, step, args.seed)[s] for s in slots]
+            step_prompts = prompts_for_step(len(items), args.prompts_per_step, step, args.seed)
+            indices = [step_prompts[s] for s in slots]
             if args.policy == "ar":
                 (row, rewards, images, targets, sources), ode = grpo_step(trainer, items, indices, step, args, slots), None
             else:
