@@ -1001,10 +1001,16 @@ def constant_groups(groups):
 # 8. Log-probs with gradients
 # =============================================================================================
 
+def at_least_fp32(x):
+    """bf16/fp16 -> fp32; fp32 and fp64 unchanged."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def token_entropy(logits, temperature, suppressed=()):
-    """H = -sum_v p_v log p_v of softmax(logits / T) with `suppressed` ids at probability 0, in fp32.
-    logits [N, L, V] -> [N, L] nats; log(V - len(suppressed)) at uniform, 0 when one token has it all."""
-    logits = logits.float() / temperature
+    """H = -sum_v p_v log p_v of softmax(logits / T) with `suppressed` ids at probability 0, in fp32
+    (or fp64 for a fp64 model). logits [N, L, V] -> [N, L] nats; log(V - len(suppressed)) at
+    uniform, 0 when one token has it all."""
+    logits = at_least_fp32(logits) / temperature
     if len(suppressed):
         logits[..., list(suppressed)] = float("-inf")
     logp = torch.log_softmax(logits, dim=-1)
@@ -1018,9 +1024,10 @@ def loss_token_entropy_sum(logits, mask, temperature, suppressed=()):
 
 
 def token_logprobs(logits, tokens, temperature, suppressed=()):
-    """log pi(token) under softmax(logits / T), computed in fp32 (bf16 log-softmax loses ~1e-2).
-    logits [N, L, V], tokens [N, L] -> [N, L]. `suppressed` ids get probability 0, as in sampling."""
-    logits = logits.float() / temperature
+    """log pi(token) under softmax(logits / T), computed in fp32 (bf16 log-softmax loses ~1e-2;
+    a fp64 model stays fp64). logits [N, L, V], tokens [N, L] -> [N, L]. `suppressed` ids get
+    probability 0, as in sampling."""
+    logits = at_least_fp32(logits) / temperature
     if len(suppressed):
         logits[..., list(suppressed)] = float("-inf")
     return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

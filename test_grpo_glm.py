@@ -1,7 +1,8 @@
 """Tests for grpo_glm.py. Offline, CPU, tiny model built in code. All of them (as CI):
-    python -m pytest -q -o "markers=slow: learning checks (minutes)"
-the quick subset: add -m "not slow". (A marker registered in this file's pytest_configure would not
-count: pytest reads that hook only from conftest.py and plugins.)"""
+    python -m pytest -q
+the quick subset: python -m pytest -q -k "not slow". The minutes-long learning and multi-process
+checks carry `slow` in their names, not a pytest mark: a custom mark needs registering in a
+config file (pytest.ini, conftest.py, ...), and this project keeps its top level to five files."""
 
 import json
 import math
@@ -365,8 +366,7 @@ def test_two_runs_cannot_share_an_out_dir(tmp_path, capsys):
         fcntl.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
-@pytest.mark.slow
-def test_default_run_learns(tmp_path):
+def test_slow_default_run_learns(tmp_path):
     """The issue's bar: with defaults, mean reward of the last 5 of 40 steps exceeds the first 5 by
     at least the first 5 steps' mean within-group reward std."""
     out = tmp_path / "learn"
@@ -1315,8 +1315,7 @@ def test_dit_resume_is_bit_identical(tmp_path, policy):
         assert g.warn_if_collapsed({**rows[0], "frac_reward_zero_std": 1.0}, warned=False)
 
 
-@pytest.mark.slow
-def test_dit_policy_learns(tmp_path):
+def test_slow_dit_policy_learns(tmp_path):
     """The issue's bar for the DiT: mean reward of the last 5 steps beats the first 5 by at least 3x
     the first 5 steps' mean within-group std (~45 s on 2 cores)."""
     g.main(["--policy", "dit", "--steps", "150", "--inner-epochs", "1", "--group-size", "8", "--out",
@@ -1335,15 +1334,21 @@ def test_dit_policy_learns(tmp_path):
 
 def test_micro_batches_give_the_full_batch_gradient():
     """Prompts of different lengths (left padding), micro-batches that split groups and the batch
-    unevenly: the accumulated gradient is the full-batch one."""
+    unevenly: the accumulated gradient is the full-batch one.
+    The update runs in float64: in fp32 the micro-batch split changes the summation order, and the
+    gradient then differs in its ~7th digit (by an amount that changes with the torch build); in
+    float64 (unit roundoff 1.1e-16) sums over the ~1e5 terms in play stay within ~1e-11 relative,
+    so 1e-9 leaves room and still catches a wrongly weighted micro-batch (an error of order 1)."""
     pipe, params, args = _policy(group_size=3, inner_epochs=1, max_grad_norm=1e9, beta=0.1)
     ar = pipe.vision_language_encoder
     suppressed = g.image_token_suppression(ar, g.TINY_CODEBOOK)
     prompts = ["a red circle", "a blue square on a green background"]
     rollout = g.sample_groups(pipe, prompts, None, range(2), 1, args)
     assert rollout.attention_mask[0, 0] == 0                          # the short prompt is padded
-    advantages = torch.tensor([1.0, -0.5, -0.5, 0.3, 0.7, -1.0])
-    ref_logp = rollout.old_logp - 0.01 * torch.arange(6.0)[:, None]    # any reference, to exercise the KL
+    ar.double()                                                       # same Parameter objects, fp64 data
+    rollout.old_logp, rollout.loss_mask = rollout.old_logp.double(), rollout.loss_mask.double()
+    advantages = torch.tensor([1.0, -0.5, -0.5, 0.3, 0.7, -1.0], dtype=torch.float64)
+    ref_logp = rollout.old_logp - 0.01 * torch.arange(6.0, dtype=torch.float64)[:, None]   # any reference, to exercise the KL
     results = {}
     for size in (6, 4, 1):
         args.micro_batch_size = size
@@ -1354,10 +1359,10 @@ def test_micro_batches_give_the_full_batch_gradient():
     assert full_grad.norm() > 0
     for size in (4, 1):
         update, grad = results[size]
-        assert (grad - full_grad).norm() <= 1e-6 * full_grad.norm(), size
+        assert (grad - full_grad).norm() <= 1e-9 * full_grad.norm(), size
         for key in ("loss", "ratio_mean", "kl", "grad_norm"):
-            # the loss is a mean of O(1) terms that cancel: compare it at float32 resolution
-            assert update[key] == pytest.approx(full_update[key], rel=1e-6, abs=1e-6), (size, key)
+            # the loss is a mean of O(1) terms that cancel: an absolute bound as well
+            assert update[key] == pytest.approx(full_update[key], rel=1e-9, abs=1e-9), (size, key)
 
 
 def test_a_group_samples_the_same_whatever_else_its_rank_holds(sharp_pipe):
@@ -1448,8 +1453,7 @@ def assert_rows_close(rows, expected):
             assert row[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), (row["step"], key)
 
 
-@pytest.mark.slow
-def test_two_processes_train_like_one_and_resume_exactly(tmp_path):
+def test_slow_two_processes_train_like_one_and_resume_exactly(tmp_path):
     """2 ranks x 1 group == 1 process x 2 groups: same weights on both ranks, equal to the
     1-process run's, same metrics rows; a 2-process resume is bit-identical to the uninterrupted
     2-process run, and a 1-process resume of a 2-process checkpoint stays on the same track."""
@@ -1473,8 +1477,7 @@ def test_two_processes_train_like_one_and_resume_exactly(tmp_path):
     assert_rows_close(read_metrics(tmp_path / "resumed1"), two_rows)
 
 
-@pytest.mark.slow
-def test_lora_with_kl_under_ddp_trains_like_one_process(tmp_path):
+def test_slow_lora_with_kl_under_ddp_trains_like_one_process(tmp_path):
     flags = ["--steps", "1", "--sample-every", "0", "--group-size", "4", "--inner-epochs", "2", "--lora-rank", "4",
              "--beta", "0.05"]
     one = one_process_reference(flags + ["--out", str(tmp_path / "one")])
@@ -1486,8 +1489,7 @@ def test_lora_with_kl_under_ddp_trains_like_one_process(tmp_path):
     assert_rows_close(rows, read_metrics(tmp_path / "one"))
 
 
-@pytest.mark.slow
-def test_a_dying_rank_stops_the_other_with_a_message(tmp_path):
+def test_slow_a_dying_rank_stops_the_other_with_a_message(tmp_path):
     """Rank 1 is killed after step 1; rank 0 must not wait forever in the next all-reduce. (Two
     micro-batches per rank: step 1 also shows that no_sync + one synced backward does not hang.)"""
     out, port = tmp_path / "run", free_port()
