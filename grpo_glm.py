@@ -625,6 +625,13 @@ def image_to_tensor(image):
     return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
 
 
+def batch_targets(batch):
+    """The target images [P, 3, H, W] of a step's prompts, or None if any has none."""
+    if any(it.target is None for it in batch):
+        return None
+    return torch.stack([image_to_tensor(it.target) for it in batch])
+
+
 # =============================================================================================
 # 4. SAMPLE: a group of G token grids per prompt, with the log-prob of every sampled token
 # =============================================================================================
@@ -997,6 +1004,20 @@ def constant_groups(groups):
     return groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)
 
 
+def score_groups(rewards_fns, images, prompts, targets, group_size):
+    """REWARD then ADVANTAGE for N = P x G samples, the same path for every policy.
+    images [N, 3, H, W]; prompts: one per sample; targets [P, 3, H, W] or None.
+    Returns (rewards [N], advantages [N], metrics: TRL's names)."""
+    per_sample_targets = None if targets is None else targets.repeat_interleave(group_size, 0)
+    rewards, per_reward = compute_rewards(rewards_fns, images, prompts, per_sample_targets)   # [N], {name: [N]}
+    advantages = group_advantages(rewards, group_size)                                        # [N]
+    groups = rewards.view(-1, group_size)                                                     # [P, G]
+    metrics = {"reward_mean": rewards.mean().item(), "reward_std": groups.std(dim=1).mean().item(),
+               "frac_reward_zero_std": constant_groups(groups).float().mean().item(),   # groups with no signal
+               **{f"rewards/{name}": value.mean().item() for name, value in per_reward.items()}}
+    return rewards, advantages, metrics
+
+
 # =============================================================================================
 # 8. Log-probs with gradients
 # =============================================================================================
@@ -1119,54 +1140,81 @@ def reference_logprobs(ar, reference, rollout, temperature, suppressed, micro_ba
     return logprobs_by_micro_batch(reference, rollout, temperature, suppressed, size)
 
 
-def grpo_update(policy, optimizer, params, rollout, advantages, ref_logp, args, suppressed):
-    """mu = --inner-epochs optimiser steps on one batch. On the first pass the policy still equals
-    pi_old, so ratio = 1 exactly and the clip cannot act; only from the second pass on, when the
-    weights have moved, does clipping limit how far one batch pushes the policy (with mu = 1 it
-    is dead code, as in several public GRPO scripts).
-    Returns the metrics averaged over the passes that updated, plus `logp_diff_max` (first pass,
-    max |logp - old_logp| over loss tokens: a live check of the bookkeeping, ~1e-6 in fp32) and
-    `skipped_updates` (passes whose loss or gradient was not finite), and `entropy` (first pass,
-    the policy's mean entropy over the loss tokens, see below).
+def ar_loss_terms(policy, rollout, advantages, ref_logp, args, suppressed):
+    """The AR's loss for grpo_update, in pieces: one per micro-batch of --micro-batch-size samples.
+    The batch loss is the token mean over the whole batch, so a piece's weight is its share of the
+    batch's loss tokens, and the accumulated gradient is the full-batch gradient.
     `policy` is the AR, or its DDP wrapper under torchrun (the forward must go through the wrapper
-    for DDP to average the gradients). Each pass runs over micro-batches of --micro-batch-size
-    samples; the batch loss is the token mean over the whole batch, so each micro-batch's mean
-    is weighted by its share of the batch's tokens and the accumulated gradient is the full-batch
-    gradient."""
-    done, skipped, logp_diffs, entropy = [], 0, [], 0.0
+    for DDP to average the gradients). Returns terms(epoch) -> iterable of (loss, metrics, weight)."""
     advantages = advantages.to(rollout.old_logp.device)
     tokens = rollout.loss_mask.sum()
-    for epoch in range(args.inner_epochs):
-        optimizer.zero_grad(set_to_none=True)
-        summed = dict.fromkeys(("loss", "ratio_mean", "clip_ratio", "kl"), 0.0)
+
+    def terms(epoch):
         for rows in micro_batches(policy, advantages.shape[0], args.micro_batch_size):
             part = slice_rollout(rollout, rows)
-            logits = policy_logits(policy, part)
+            logits = policy_logits(policy, part)                                   # [n, L, V]
             logp = token_logprobs(logits, part.sequences[:, part.prompt_len:], args.temperature, suppressed)
-            if epoch == 0:
-                logp_diffs.append(((logp - part.old_logp).abs() * part.loss_mask).max())
-                # Entropy collapse: GRPO sharpens the policy on whatever wins within a group. Once
-                # the loss tokens' entropy nears 0, the G samples of a group are identical, every
-                # reward ties, all advantages are 0 and learning stops for good
-                # (frac_reward_zero_std -> 1).
-                entropy += (loss_token_entropy_sum(logits, part.loss_mask, args.temperature, suppressed) / tokens).item()
             loss, metrics = grpo_loss(logp, part.old_logp, advantages[rows], part.loss_mask, args.clip_eps,
                                       args.beta, None if ref_logp is None else ref_logp[rows])
-            share = part.loss_mask.sum() / tokens
-            (loss * share).backward()
-            for key, value in {**metrics, "loss": loss.item()}.items():
-                summed[key] += value * share.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            if epoch == 0:
+                # The policy still equals pi_old: |logp - old_logp| is a live check of the bookkeeping.
+                metrics["logp_diff_max"] = ((logp - part.old_logp).abs() * part.loss_mask).max().item()
+                # Entropy collapse: GRPO sharpens the policy on whatever wins within a group. Once the
+                # loss tokens' entropy nears 0, the G samples of a group are identical, every reward
+                # ties, all advantages are 0 and learning stops for good (frac_reward_zero_std -> 1).
+                metrics["entropy"] = (loss_token_entropy_sum(logits, part.loss_mask, args.temperature, suppressed)
+                                      / part.loss_mask.sum()).item()
+            yield loss, {**metrics, "loss": loss.item()}, (part.loss_mask.sum() / tokens).item()
+    return terms
+
+
+FIRST_PASS_ONLY = ("logp_diff_max", "entropy")   # measured while the policy still equals pi_old
+
+
+def grpo_update(optimizer, halves, args):
+    """mu = --inner-epochs optimiser steps on one batch: the one optimiser loop of every policy.
+
+    halves: [(prefix, params, terms)], one per trained half ('' the AR, 'dit/' the DiT, section 10b).
+    terms(epoch) yields the half's loss in pieces (loss, metrics, weight) whose weights add up to 1:
+    a micro-batch of samples for the AR, one denoising step for the DiT. Each piece is
+    backpropagated as it is built, so only one piece's activations are alive at once, and the
+    gradients add up to the gradient of the whole batch's loss. One optimizer.step then moves
+    every half (one AdamW, a param group and learning rate per half). Gradients are clipped per
+    half: the two losses live on different scales, and a joint norm would let one throttle the other.
+
+    On the first pass the policy still equals pi_old, so ratio = 1 exactly and the clip cannot act;
+    only from the second pass on, when the weights have moved, does clipping limit how far one
+    batch pushes the policy (with mu = 1 it is dead code, as in several public GRPO scripts).
+    Returns the metrics averaged over the passes that updated (the weighted mean of the pieces;
+    logp_diff_max and entropy from the first pass) and `skipped_updates`: passes whose loss or
+    gradient was not finite, which never reach the weights."""
+    done, first, skipped = [], {}, 0
+    for epoch in range(args.inner_epochs):
+        optimizer.zero_grad(set_to_none=True)
+        metrics, finite = {}, True
+        for prefix, params, terms in halves:
+            for loss, piece, weight in terms(epoch):
+                (loss * weight).backward()
+                finite &= math.isfinite(piece["loss"])
+                for key, value in piece.items():
+                    key = prefix + key
+                    metrics[key] = (max(metrics.get(key, value), value) if key.endswith("logp_diff_max")
+                                    else metrics.get(key, 0.0) + value * weight)
+            norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            finite &= bool(torch.isfinite(norm))
+            metrics[prefix + "grad_norm"] = norm.item()
+        if epoch == 0:
+            first = {k: v for k, v in metrics.items() if k.endswith(FIRST_PASS_ONLY)}
         # Under DDP the loss is this rank's, the gradient everyone's: decide together.
-        if not all_ranks_agree(math.isfinite(summed["loss"]) and torch.isfinite(grad_norm)):
-            skipped += 1            # never let a NaN/inf reach the weights (or a checkpoint)
+        if not all_ranks_agree(finite):
+            skipped += 1
             optimizer.zero_grad(set_to_none=True)
             continue
         optimizer.step()
-        done.append({**summed, "grad_norm": grad_norm.item()})
-    averaged = {key: sum(m[key] for m in done) / len(done) for key in done[0]} if done else {}
-    return {**averaged, "entropy": entropy, "logp_diff_max": torch.stack(logp_diffs).max().item(),
-            "skipped_updates": skipped}
+        done.append({k: v for k, v in metrics.items() if not k.endswith(FIRST_PASS_ONLY)})
+    keys = [k for k in metrics if not k.endswith(FIRST_PASS_ONLY)]
+    averaged = {k: sum(m[k] for m in done) / len(done) if done else float("nan") for k in keys}
+    return {**averaged, **first, "skipped_updates": skipped}
 
 
 # =============================================================================================
@@ -1400,25 +1448,31 @@ def ode_decode(pipe, cond, noise, schedule):
     return latents_to_images(pipe, rollout.states[:, -1])
 
 
-def dit_update_terms(dit, reference, cond, rollout, advantages, args):
-    """The DiT's half of the UPDATE, one trained step at a time: yields (loss_i, metrics_i) with
-    loss_i = grpo_loss over that step's column / T, so the T per-step backward passes add up to the
-    gradient of grpo_loss over all [N, T] (mask all ones) while only one step's activations are
-    alive at once (flow_grpo does the same). KL (beta > 0): closed form on the step means against
-    the reference DiT (adapters off with LoRA, else a frozen copy)."""
+def dit_loss_terms(dit, reference, cond, rollout, advantages, args):
+    """The DiT's loss for grpo_update, in pieces: one per trained denoising step, each grpo_loss over
+    that step's column with weight 1/T, so the T per-step backward passes add up to the gradient of
+    grpo_loss over all [N, T] (mask all ones) while only one step's activations are alive at once
+    (flow_grpo does the same). KL (beta > 0): closed form on the step means against the reference
+    DiT (adapters off with LoRA, else a frozen copy). Returns terms(epoch), as ar_loss_terms."""
     steps = rollout.old_logp.shape[1]
     ones = torch.ones_like(rollout.old_logp[:, :1])
-    for i in range(steps):
-        logp, mean = dit_step_logprob(dit, cond, rollout, i, args.dit_noise_level)
-        loss, metrics = grpo_loss(logp[:, None], rollout.old_logp[:, i:i + 1], advantages, ones, args.dit_clip_eps)
-        if args.beta > 0:
-            with torch.no_grad():
-                ref_mean = dit_reference_mean(dit, reference, cond, rollout, i, args.dit_noise_level)
-            kl = dit_kl(mean, ref_mean, step_std(rollout.sigmas, i, args.dit_noise_level)).mean()
-            loss = loss + args.beta * kl
-            metrics["kl"] = kl.item()
-        metrics["logp_diff_max"] = (logp.detach() - rollout.old_logp[:, i]).abs().max().item()
-        yield loss / steps, metrics
+    advantages = advantages.to(rollout.old_logp.device)
+
+    def terms(epoch):
+        for i in range(steps):
+            logp, mean = dit_step_logprob(dit, cond, rollout, i, args.dit_noise_level)
+            loss, metrics = grpo_loss(logp[:, None], rollout.old_logp[:, i:i + 1], advantages, ones,
+                                      args.dit_clip_eps)
+            if args.beta > 0:
+                with torch.no_grad():
+                    ref_mean = dit_reference_mean(dit, reference, cond, rollout, i, args.dit_noise_level)
+                kl = dit_kl(mean, ref_mean, step_std(rollout.sigmas, i, args.dit_noise_level)).mean()
+                loss = loss + args.beta * kl
+                metrics["kl"] = kl.item()
+            if epoch == 0:
+                metrics["logp_diff_max"] = (logp.detach() - rollout.old_logp[:, i]).abs().max().item()
+            yield loss, {**metrics, "loss": loss.item()}, 1 / steps
+    return terms
 
 
 def dit_reference_mean(dit, reference, cond, rollout, i, noise_level):
@@ -1430,46 +1484,6 @@ def dit_reference_mean(dit, reference, cond, rollout, i, noise_level):
         finally:
             dit.enable_adapters()
     return dit_step_logprob(reference, cond, rollout, i, noise_level)[1]
-
-
-def joint_update(trainer, ar_terms, dit_terms, args):
-    """mu passes over one batch for --policy dit|both. Each half's loss is backpropagated as it is
-    built (the AR's in one piece, the DiT's one denoising step at a time); one AdamW step then moves
-    both halves, each with its own learning rate (param groups). Gradients are clipped per half: the
-    two losses live on different scales, and a joint norm would let one half throttle the other.
-    ar_terms / dit_terms: callables epoch -> iterable of (loss, metrics). Returns the metrics (the
-    DiT's prefixed 'dit/'), averaged over the passes that updated; logp_diff_max and entropy, which
-    the terms give on the first pass only, from the first."""
-    done, skipped, first = [], 0, {}
-    first_pass_only = ("logp_diff_max", "entropy")
-    halves = [(prefix, params, terms) for prefix, params, terms in
-              [("", trainer.params, ar_terms), ("dit/", trainer.dit_params, dit_terms)] if terms]
-    for epoch in range(args.inner_epochs):
-        trainer.optimizer.zero_grad(set_to_none=True)
-        metrics, finite = {}, True
-        for prefix, params, terms in halves:
-            parts = []
-            for loss, m in terms(epoch):
-                loss.backward()
-                finite &= bool(torch.isfinite(loss))
-                parts.append({**m, "loss": loss.item()})
-            for key in parts[0]:
-                values = [p[key] for p in parts]
-                metrics[prefix + key] = sum(values) if key == "loss" else (
-                    max(values) if key == "logp_diff_max" else sum(values) / len(values))
-            norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            finite &= bool(torch.isfinite(norm))
-            metrics[prefix + "grad_norm"] = norm.item()
-        if epoch == 0:
-            first = {k: v for k, v in metrics.items() if k.endswith(first_pass_only)}
-        if not finite:
-            skipped += 1
-            trainer.optimizer.zero_grad(set_to_none=True)
-            continue
-        trainer.optimizer.step()
-        done.append({k: v for k, v in metrics.items() if not k.endswith(first_pass_only)})
-    averaged = {key: sum(m[key] for m in done) / len(done) for key in done[0]} if done else {}
-    return {**averaged, **first, "skipped_updates": skipped}
 
 
 # =============================================================================================
@@ -2159,6 +2173,21 @@ class Trainer:
     policy: object = None        # what the AR's training forward runs through: the AR, or its DDP wrapper
 
 
+def sample_tokens(trainer, prompts, sources, slots, step, args):
+    """SAMPLE with the AR in eval mode; a Rollout with old log-probs. In bf16, generate's cached
+    decode and a full teacher-forced pass differ by ~1e-2 per token; pi_old then comes from a no-grad
+    teacher-forced pass, so that the first-epoch ratio is exactly 1 and only a real policy change
+    moves it. In fp32 the two agree to ~1e-6 and the sampler's own log-probs are used."""
+    ar = trainer.pipe.vision_language_encoder
+    ar.eval()
+    exact_fp32 = args.dtype == "float32"
+    rollout = sample_groups(trainer.pipe, prompts, sources, slots, step, args, record_logp=exact_fp32)
+    if not exact_fp32:
+        rollout.old_logp = logprobs_by_micro_batch(ar, rollout, args.temperature, trainer.suppressed,
+                                                   args.micro_batch_size)
+    return rollout
+
+
 def grpo_step(trainer, items, indices, step, args, slots=None):
     """One GRPO step on the prompts `items[indices]`, which sit at positions `slots` of the step's
     global prompt list (under torchrun, this rank's share; default: all of them).
@@ -2170,44 +2199,26 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
     slots = range(len(indices)) if slots is None else slots
     M = args.micro_batch_size
     # ---- SAMPLE ----------------------------------------------------------------------------
-    ar.eval()
-    # In bf16, generate's cached decode and a full teacher-forced pass differ by ~1e-2 per token;
-    # pi_old then comes from a no-grad teacher-forced pass, so that the first-epoch ratio is
-    # exactly 1 and only a real policy change moves it. In fp32 the two agree to ~1e-6.
-    exact_fp32 = args.dtype == "float32"
-    rollout = sample_groups(pipe, prompts, sources, slots, step, args, record_logp=exact_fp32)
-    if not exact_fp32:
-        rollout.old_logp = logprobs_by_micro_batch(ar, rollout, args.temperature, trainer.suppressed, M)
-    # ---- DECODE + REWARD -------------------------------------------------------------------
+    rollout = sample_tokens(trainer, prompts, sources, slots, step, args)
+    # ---- DECODE ----------------------------------------------------------------------------
     noise = group_noise(pipe, indices, args.group_size, args.height, args.width, args.seed, step, args.dit_noise)
     sample_prompts, sample_sources = repeat_each(prompts, args.group_size), sources and repeat_each(sources, args.group_size)
     images = torch.cat([decode_images(pipe, sample_prompts[rows], slice_rollout(rollout, rows), noise[rows],
                                       args.num_inference_steps, args.guidance_scale,
                                       sample_sources and sample_sources[rows])
                         for rows in row_slices(len(sample_prompts), M)])                  # [N, 3, H, W]
-    targets = (torch.stack([image_to_tensor(it.target) for it in batch])                  # [P, 3, H, W]
-               if all(it.target is not None for it in batch) else None)
-    per_sample_targets = None if targets is None else targets.repeat_interleave(args.group_size, 0)
-    rewards, per_reward = compute_rewards(trainer.rewards, images, sample_prompts, per_sample_targets)  # [N], {name: [N]}
-    # ---- ADVANTAGE -------------------------------------------------------------------------
-    advantages = group_advantages(rewards, args.group_size)                                # [N]
+    # ---- REWARD + ADVANTAGE ----------------------------------------------------------------
+    targets = batch_targets(batch)                                                        # [P, 3, H, W]
+    rewards, advantages, reward_metrics = score_groups(trainer.rewards, images, sample_prompts, targets,
+                                                       args.group_size)                  # [N], [N]
     # ---- UPDATE ----------------------------------------------------------------------------
     ref_logp = (reference_logprobs(ar, trainer.reference, rollout, args.temperature, trainer.suppressed, M)
                 if args.beta > 0 else None)
     ar.train()   # only switches gradient checkpointing on: GLM-Image's AR has no dropout, so the
                  # first pass still reproduces pi_old exactly
-    update = grpo_update(trainer.policy, trainer.optimizer, trainer.params, rollout, advantages, ref_logp, args,
-                         trainer.suppressed)
-    group_std = rewards.view(-1, args.group_size).std(dim=1)
-    zero_std = constant_groups(rewards.view(-1, args.group_size))
-    row = {"step": step, "loss": update.get("loss", float("nan")),
-           "reward_mean": rewards.mean().item(), "reward_std": group_std.mean().item(),
-           "ratio_mean": update.get("ratio_mean", float("nan")), "clip_ratio": update.get("clip_ratio", 0.0),
-           "kl": update.get("kl", 0.0), "entropy": update["entropy"],
-           "frac_reward_zero_std": zero_std.float().mean().item(),
-           "grad_norm": update.get("grad_norm", float("nan")), "logp_diff_max": update["logp_diff_max"],
-           "skipped_updates": update["skipped_updates"],
-           **{f"rewards/{name}": value.mean().item() for name, value in per_reward.items()}}
+    terms = ar_loss_terms(trainer.policy, rollout, advantages, ref_logp, args, trainer.suppressed)
+    update = grpo_update(trainer.optimizer, [("", trainer.params, terms)], args)
+    row = {"step": step, **reward_metrics, **update}
     return row, rewards, images, targets, sources
 
 
@@ -2233,7 +2244,7 @@ def shared_prompt_tokens(pipe, prompts, sources, indices, args, cache):
                            source_prior=sources and [d.source_prior[0] for d in draws])
 
 
-def grpo_step_dit(trainer, items, indices, step, args):
+def grpo_step_dit(trainer, items, indices, step, args, slots=None):
     """One GRPO step with the DiT as (part of) the policy, --policy dit|both. Returns grpo_step's tuple
     plus the a = 0 decode of the updated DiT [P, 3, H, W] on sample-sheet steps (else None).
 
@@ -2249,15 +2260,10 @@ def grpo_step_dit(trainer, items, indices, step, args):
     prompts = [it.text for it in batch]
     sources = [it.source for it in batch] if args.mode == "i2i" else None
     G, train_ar = args.group_size, args.policy == "both"
+    slots = range(len(indices)) if slots is None else slots
     # ---- SAMPLE: tokens (AR), then trajectories (DiT SDE) -----------------------------------
-    ar.eval()
-    exact_fp32 = args.dtype == "float32"
     if train_ar:
-        rollout = sample_group(pipe, prompts, G, args.temperature, args.height, args.width, args.loss_tokens,
-                               sources, record_logp=exact_fp32)
-        if not exact_fp32:
-            with torch.no_grad():
-                rollout.old_logp = policy_logprobs(ar, rollout, args.temperature, trainer.suppressed)
+        rollout = sample_tokens(trainer, prompts, sources, slots, step, args)
     else:
         rollout = shared_prompt_tokens(pipe, prompts, sources, indices, args, trainer.prompt_tokens)
     tokens = rollout.target_tokens if train_ar else rollout.target_tokens.repeat_interleave(G, 0)   # [N, H*W]
@@ -2267,41 +2273,25 @@ def grpo_step_dit(trainer, items, indices, step, args):
     noise = group_noise(pipe, indices, G, args.height, args.width, args.seed, step, args.dit_noise)
     trajectories = sample_dit(dit, cond, noise, schedule, args.dit_noise_level, args.dit_train_steps,
                               sde_generators(args.seed, step, indices))
-    # ---- DECODE + REWARD ---------------------------------------------------------------------
+    # ---- DECODE ------------------------------------------------------------------------------
     with torch.no_grad():
         images = latents_to_images(pipe, trajectories.states[:, -1])                       # [N, 3, H, W]
-    targets = (torch.stack([image_to_tensor(it.target) for it in batch])                  # [P, 3, H, W]
-               if all(it.target is not None for it in batch) else None)
-    rewards, per_reward = compute_rewards(trainer.rewards, images, repeat_each(prompts, G),
-                                          None if targets is None else targets.repeat_interleave(G, 0))
-    # ---- ADVANTAGE: the same function for both halves ---------------------------------------
-    advantages = group_advantages(rewards, G)                                              # [N]
-    # ---- UPDATE ------------------------------------------------------------------------------
-    ar_terms = None
+    # ---- REWARD + ADVANTAGE: the same function for both halves --------------------------------
+    targets = batch_targets(batch)                                                        # [P, 3, H, W]
+    rewards, advantages, reward_metrics = score_groups(trainer.rewards, images, repeat_each(prompts, G), targets, G)
+    # ---- UPDATE: one optimiser loop; each trained half contributes its loss terms ------------
+    halves = []
     if train_ar:
-        ref_logp = (reference_logprobs(ar, trainer.reference, rollout, args.temperature, trainer.suppressed)
-                    if args.beta > 0 else None)
+        ref_logp = (reference_logprobs(ar, trainer.reference, rollout, args.temperature, trainer.suppressed,
+                                       args.micro_batch_size) if args.beta > 0 else None)
         ar.train()
-
-        def ar_terms(epoch):
-            logits = policy_logits(ar, rollout)
-            logp = token_logprobs(logits, rollout.sequences[:, rollout.prompt_len:], args.temperature,
-                                  trainer.suppressed)
-            loss, metrics = grpo_loss(logp, rollout.old_logp, advantages, rollout.loss_mask, args.clip_eps,
-                                      args.beta, ref_logp)
-            if epoch == 0:     # the first-pass checks, as grpo_update logs them for --policy ar
-                metrics["logp_diff_max"] = ((logp - rollout.old_logp).abs() * rollout.loss_mask).max().item()
-                metrics["entropy"] = (loss_token_entropy_sum(logits, rollout.loss_mask, args.temperature,
-                                                             trainer.suppressed) / rollout.loss_mask.sum()).item()
-            return [(loss, metrics)]
-    dit_adv = advantages.to(trajectories.old_logp.device)
-    update = joint_update(trainer, ar_terms, lambda epoch: dit_update_terms(
-        dit, trainer.dit_reference, cond, trajectories, dit_adv, args), args)
-    group_std = rewards.view(-1, G).std(dim=1)
-    row = {"step": step, "reward_mean": rewards.mean().item(), "reward_std": group_std.mean().item(),
-           "frac_reward_zero_std": (group_std == 0).float().mean().item(), **update,
-           "loss": update.get("loss", 0.0) + update.get("dit/loss", float("nan")),   # AR + DiT
-           **{f"rewards/{name}": value.mean().item() for name, value in per_reward.items()}}
+        halves.append(("", trainer.params, ar_loss_terms(trainer.policy, rollout, advantages, ref_logp, args,
+                                                         trainer.suppressed)))
+    halves.append(("dit/", trainer.dit_params, dit_loss_terms(dit, trainer.dit_reference, cond, trajectories,
+                                                              advantages, args)))
+    update = grpo_update(trainer.optimizer, halves, args)
+    row = {"step": step, **reward_metrics, **update,
+           "loss": update.get("loss", 0.0) + update["dit/loss"]}                         # AR + DiT
     ode = None
     if args.sample_every and step % args.sample_every == 0:
         first = slice(None, None, G)     # a = 0 decode of each prompt's first sample, shared noise
@@ -2412,7 +2402,7 @@ def train(args):
             if args.policy == "ar":
                 (row, rewards, images, targets, sources), ode = grpo_step(trainer, items, indices, step, args, slots), None
             else:
-                row, rewards, images, targets, sources, ode = grpo_step_dit(trainer, items, indices, step, args)
+                row, rewards, images, targets, sources, ode = grpo_step_dit(trainer, items, indices, step, args, slots)
             row["lr"] = trainer.lr_scheduler.get_last_lr()[0]    # the lr this step's updates used
             trainer.lr_scheduler.step()
             # ---- LOG -------------------------------------------------------------------------

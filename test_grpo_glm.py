@@ -637,7 +637,8 @@ def test_lora_trains_only_adapters_and_reference_is_the_base_model():
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
     ref_logp = g.reference_logprobs(ar, None, rollout, 1.0, suppressed)
     torch.testing.assert_close(ref_logp, base_logp, atol=1e-5, rtol=0)
-    g.grpo_update(ar, optimizer, params, rollout, advantages, ref_logp, args, suppressed)
+    g.grpo_update(optimizer, [("", params, g.ar_loss_terms(ar, rollout, advantages, ref_logp, args, suppressed))],
+                               args)
     changed = {n for n, p in ar.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all("lora_" in n for n in changed)
     # after the update the adapters change the policy, the reference still equals the base model
@@ -1259,10 +1260,9 @@ def test_dit_gradient_raises_the_logprob_of_a_positive_advantage_trajectory():
     reference = __import__("copy").deepcopy(dit).requires_grad_(False)
     _, cond, noise, schedule, _ = _dit_case(pipe, "t2i", 1.0, group=2)
     trajectories = g.sample_dit(dit, cond, noise, schedule, 0.7, 3, g.sde_generators(0, 1, [0]))
-    trainer = SimpleNamespace(optimizer=torch.optim.SGD(params, lr=1e-2), params=[], dit_params=params)
     advantages = torch.tensor([1.0, -1.0])
-    update = g.joint_update(trainer, None, lambda epoch: g.dit_update_terms(dit, reference, cond, trajectories,
-                                                                            advantages, args), args)
+    terms = g.dit_loss_terms(dit, reference, cond, trajectories, advantages, args)
+    update = g.grpo_update(torch.optim.SGD(params, lr=1e-2), [("dit/", params, terms)], args)
     assert update["dit/kl"] == 0.0 and update["dit/logp_diff_max"] <= 1e-5    # first pass: policy = reference
     with torch.no_grad():
         moved = g.dit_policy_logprobs(dit, cond, trajectories, 0.7).sum(1) - trajectories.old_logp.sum(1)
@@ -1353,7 +1353,8 @@ def test_micro_batches_give_the_full_batch_gradient():
     for size in (6, 4, 1):
         args.micro_batch_size = size
         optimizer = torch.optim.SGD(params, lr=0.0)                    # keeps the weights, leaves .grad
-        update = g.grpo_update(ar, optimizer, params, rollout, advantages, ref_logp, args, suppressed)
+        terms = g.ar_loss_terms(ar, rollout, advantages, ref_logp, args, suppressed)
+        update = g.grpo_update(optimizer, [("", params, terms)], args)
         results[size] = (update, torch.cat([p.grad.flatten() for p in params]))
     full_update, full_grad = results[6]
     assert full_grad.norm() > 0
@@ -1363,6 +1364,28 @@ def test_micro_batches_give_the_full_batch_gradient():
         for key in ("loss", "ratio_mean", "kl", "grad_norm"):
             # the loss is a mean of O(1) terms that cancel: an absolute bound as well
             assert update[key] == pytest.approx(full_update[key], rel=1e-9, abs=1e-9), (size, key)
+
+
+def test_policy_both_honours_micro_batch_size(monkeypatch):
+    """--policy both runs the AR's training forward in --micro-batch-size pieces (the memory plan's
+    micro-batch column assumes it), and the accumulated gradient is still the full-batch one.
+    fp32 here: each gradient entry sums n ~ 5e3 terms (4 samples x 17 loss tokens x 80 logits), whose
+    worst-case rounding bound is n * 6e-8 ~ 3e-4 relative; a mis-weighted piece is off by O(1)."""
+    sizes, grads = [], {}
+    original = g.policy_logits
+    monkeypatch.setattr(g, "policy_logits", lambda ar, part: sizes.append(part.sequences.shape[0]) or original(ar, part))
+    items = g.read_prompts(HERE / "prompts.txt", 64, 64)
+    for micro in ("4", "3"):
+        args = g.resolve_runtime(g.parse_args(["--policy", "both", "--group-size", "4", "--prompts-per-step", "1",
+                                               "--micro-batch-size", micro, "--inner-epochs", "1", "--lr", "0",
+                                               "--dit-lr", "0", "--sample-every", "0"]))
+        trainer, _ = g.setup_training(args)
+        sizes.clear()
+        g.grpo_step_dit(trainer, items, [0], 1, args)
+        assert max(sizes) <= int(micro) and sum(sizes) == 4, sizes
+        grads[micro] = torch.cat([p.grad.flatten() for p in trainer.params])
+    assert grads["4"].norm() > 0
+    assert (grads["3"] - grads["4"]).norm() <= 3e-4 * grads["4"].norm()
 
 
 def test_a_group_samples_the_same_whatever_else_its_rank_holds(sharp_pipe):
