@@ -435,17 +435,17 @@ def load_pipeline(args):
 def prepare_policy(ar, args):
     """Marks what is trained: all AR weights, or LoRA adapters (transformers' PEFT integration)."""
     if args.lora_rank:
+        from diffusers.training_utils import cast_training_params
         from peft import LoraConfig
 
         ar.requires_grad_(False)
         ar.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
                                   target_modules=LORA_TARGETS,
                                   exclude_modules=r".*visual.*|.*vqmodel.*"))
-        # Adapters train in fp32 even on a bf16 base (as peft's get_peft_model does): bf16 weights
-        # would round AdamW's small updates away. peft casts the adapter's input to match.
-        for p in ar.parameters():
-            if p.requires_grad:
-                p.data = p.data.float()
+        # Adapters train in fp32 even on a bf16 base (diffusers' cast_training_params, as its
+        # training scripts do): bf16 weights would round AdamW's small updates away. peft casts
+        # the adapter's input to match.
+        cast_training_params(ar, dtype=torch.float32)
     else:
         # The vision encoder and VQ tokenizer only read source images; keep them frozen.
         ar.requires_grad_(True)
@@ -461,14 +461,13 @@ def prepare_dit_policy(dit, args):
     on its attention projections through diffusers' PEFT integration (add_adapter; the KL reference
     is then the same DiT with disable_adapters()). Adapters train in fp32, as the AR's."""
     if args.dit_lora_rank:
+        from diffusers.training_utils import cast_training_params
         from peft import LoraConfig
 
         dit.requires_grad_(False)
         dit.add_adapter(LoraConfig(r=args.dit_lora_rank, lora_alpha=args.dit_lora_rank, lora_dropout=0.0,
                                    target_modules=DIT_LORA_TARGETS))
-        for p in dit.parameters():
-            if p.requires_grad:
-                p.data = p.data.float()
+        cast_training_params(dit, dtype=torch.float32)
     else:
         dit.requires_grad_(True)
     if args.gradient_checkpointing:
@@ -1034,8 +1033,7 @@ def token_entropy(logits, temperature, suppressed=()):
     logits = at_least_fp32(logits) / temperature
     if len(suppressed):
         logits[..., list(suppressed)] = float("-inf")
-    logp = torch.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
+    return torch.distributions.Categorical(logits=logits).entropy()    # treats -inf as p = 0
 
 
 @torch.no_grad()
@@ -1618,7 +1616,10 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
-    """Weights & Biases; WANDB_MODE=offline writes the run under <out>/wandb for a later `wandb sync`."""
+    """Weights & Biases; WANDB_MODE=offline writes the run under <out>/wandb for a later `wandb sync`.
+    Logged directly, not mirrored from TensorBoard with wandb.init(sync_tensorboard=True) as CleanRL
+    does: that path syncs asynchronously, rounds values to fp32, and lost a run's events when it
+    closed early (seen in this project's offline test)."""
 
     def __init__(self, out, args, start):
         import wandb
@@ -2466,7 +2467,10 @@ def save_trained_pipeline(pipe, args):
     if args.lora_rank and args.policy != "dit":
         merge_lora(ar)
     if args.dit_lora_rank:
-        merge_lora(pipe.transformer)
+        # diffusers' own merge for its models: fuse_lora folds W += B @ A * alpha / r, unload_lora
+        # swaps each peft wrapper back for its base Linear.
+        pipe.transformer.fuse_lora()
+        pipe.transformer.unload_lora()
     ar.generation_config = policy_generation_config(
         ar, pipe.transformer.config.prior_vq_quantizer_codebook_size, args.temperature)
     pipe.save_pretrained(args.save_pipeline)
@@ -2494,8 +2498,7 @@ def policy_generation_config(ar, codebook_size, temperature):
 
 def merge_lora(ar):
     """transformers' adapter API (add_adapter & co.) has no merge; peft's LoraLayer.merge folds
-    W += B @ A * alpha / r, then each wrapper is swapped back for its plain base Linear. diffusers'
-    add_adapter wraps the DiT's Linears in the same peft layers, so this merges the DiT's too."""
+    W += B @ A * alpha / r, then each wrapper is swapped back for its plain base Linear."""
     from peft.tuners.lora import LoraLayer
 
     wrappers = [(name, module) for name, module in ar.named_modules() if isinstance(module, LoraLayer)]
