@@ -1354,7 +1354,9 @@ def test_micro_batches_give_the_full_batch_gradient():
     assert full_grad.norm() > 0
     for size in (4, 1):
         update, grad = results[size]
-        assert (grad - full_grad).norm() <= 1e-6 * full_grad.norm(), size
+        # fp32 sums in another order: without the padding columns, the short prompt's rows differ by
+        # 0.8-1.05e-6 relative at micro-batch 1 (measured over 5 sampling seeds)
+        assert (grad - full_grad).norm() <= 2e-6 * full_grad.norm(), size
         for key in ("loss", "ratio_mean", "kl", "grad_norm"):
             # the loss is a mean of O(1) terms that cancel: compare it at float32 resolution
             assert update[key] == pytest.approx(full_update[key], rel=1e-6, abs=1e-6), (size, key)
