@@ -819,19 +819,23 @@ def sample_group(pipe, prompts, group_size, temperature, height, width, loss_tok
 
 def sample_groups(pipe, prompts, sources, slots, step, args, record_logp=True, prompt_len=None):
     """This rank's groups in one generate() call. The group at position `slot` of the step's
-    prompt list draws from a generator seeded by (seed, step, slot), so its samples are the same
-    whether its rank holds 1 prompt or 8: a run samples the same on 1 GPU and on K.
+    prompt list draws its noise from a generator seeded by (seed, step, slot), so its samples are
+    the same whether its rank holds 1 prompt or 8: a run samples the same on 1 GPU and on K.
 
-    Same seeds are not yet same tokens: left padding changes the fp32 sums of a row's forward
-    (logits ~1e-6 apart), and a near-tie between two noisy scores could then go the other way.
-    So every rank pads to the step's longest prompt (`prompt_len`, default: a MAX all-reduce of the
-    ranks' longest): a group's rows are then the same tensors whatever else shares its batch. On
-    CPU that makes them bit-identical (tested); kernels that pick another summation order for
-    another batch size (common on GPUs) can still flip a near-tie, about once per 1e6 tokens at
-    1e-6 of difference."""
+    Same noise is not yet same tokens: the logits must be the same bits too, or a near-tie between
+    two noisy scores can go the other way (a token flips with probability below 2 d / T when its
+    logits move by d). A row's fp32 sums change with the batch around it: SDPA's masked sums
+    depend on how many padding columns come first (~1e-7), and transformers drops the attention
+    mask of a batch without any padding, whose rows then go through SDPA's causal kernel and another
+    summation order (logits ~5e-6 apart on the tiny model). So every rank pads to one column more
+    than the step's longest prompt (`prompt_len`, default: a MAX all-reduce of the ranks' longest,
+    + 1): a group's rows are then the same tensors on any split, always on the masked path. On CPU
+    its tokens and log-probs are then bit-identical (tested), given at least 4 rows per rank (below
+    that the CPU matmul takes another kernel). Kernels that choose their summation order by batch
+    size, common on GPUs, can still flip a near-tie: 1 GPU and K then agree only statistically."""
     ar = pipe.vision_language_encoder
     if prompt_len is None:
-        prompt_len = longest_prompt_on_all_ranks(pipe, prompts, sources, args.height, args.width)
+        prompt_len = longest_prompt_on_all_ranks(pipe, prompts, sources, args.height, args.width) + 1
     generators = [torch.Generator(ar.device).manual_seed(sampling_seed(args.seed, step, slot)) for slot in slots]
     return sample_group(pipe, prompts, args.group_size, args.temperature, args.height, args.width, args.loss_tokens,
                         sources, record_logp, generators, prompt_len)
