@@ -1558,8 +1558,10 @@ def test_two_processes_train_like_one_and_resume_exactly(tmp_path):
 
 @pytest.mark.slow
 def test_lora_with_kl_under_ddp_trains_like_one_process(tmp_path):
+    """Also 2 groups per rank: each rank batches prompts of two lengths in its one generate() call
+    (the 2-prompt file shuffled twice into the step's 4), and still matches the 1-process run."""
     flags = ["--steps", "1", "--sample-every", "0", "--group-size", "4", "--inner-epochs", "2", "--lora-rank", "4",
-             "--beta", "0.05"]
+             "--beta", "0.05", "--prompts-per-step", "4"]
     one = one_process_reference(flags + ["--out", str(tmp_path / "one")])
     rank0, rank1 = run_two_ranks(flags + ["--out", str(tmp_path / "two")], tmp_path)
     assert all("lora_" in n for n in rank0) and all(torch.equal(rank0[n], rank1[n]) for n in rank0)
