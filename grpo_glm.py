@@ -740,8 +740,9 @@ class GumbelMax:
     Why not generate(do_sample=True): torch.multinomial draws from the global RNG row after row, so
     a row's random numbers depend on how many rows come before it in the batch, i.e. on how the
     step's prompts are split over ranks. Here group k's noise, [G, V] per token, comes from
-    generators[k] alone, seeded by (seed, step, slot): a group draws the same tokens whatever else
-    shares its batch and in whatever order, on 1 GPU or K, and again after a resume."""
+    generators[k] alone, seeded by (seed, step, slot): a group gets the same noise whatever else
+    shares its batch and in whatever order, on 1 GPU or K, and again after a resume (same tokens
+    too if its logits are the same bits: see sample_groups)."""
 
     def __init__(self, generators, group_size, temperature):
         self.generators, self.group_size, self.temperature = generators, group_size, temperature
