@@ -733,34 +733,75 @@ def decode_position_ids(ar, inputs, num_generated):
     return torch.cat([prompt_positions, decode[:, :, : num_generated - 1].permute(1, 0, 2)], dim=-1)
 
 
+class GumbelMax:
+    """Makes generate's greedy argmax draw exactly from softmax(logits / T), each group's randomness
+    coming from its own torch.Generator. (Any callable (input_ids, scores) -> scores is a transformers
+    logits processor; generate runs it after its own suppress_tokens, which has set the special ids
+    to -inf.)
+
+    The Gumbel-max trick: with g_v = -log(-log(u_v)), u_v ~ U(0, 1) i.i.d. (standard Gumbel noise),
+        argmax_v (l_v / T + g_v)   is distributed as   softmax(l / T)_v,
+    exactly, over the ids whose l_v is finite: no top-k, no top-p (generate's own sampler would fill
+    in top_k=50). Suppressed ids stay at -inf and are never drawn.
+    Why not generate(do_sample=True): torch.multinomial draws from the global RNG row after row, so
+    a row's random numbers depend on how many rows come before it in the batch, i.e. on how the
+    step's prompts are split over ranks. Here group k's noise, [G, V] per token, comes from
+    generators[k] alone, seeded by (seed, step, slot): a group gets the same noise whatever else
+    shares its batch and in whatever order, on 1 GPU or K, and again after a resume (same tokens
+    too if its logits are the same bits: see sample_groups)."""
+
+    def __init__(self, generators, group_size, temperature):
+        self.generators, self.group_size, self.temperature = generators, group_size, temperature
+
+    def __call__(self, input_ids, scores):                    # scores [N, V] fp32, N = groups x G
+        u = torch.cat([torch.rand(self.group_size, scores.shape[-1], generator=gen, device=gen.device,
+                                  dtype=torch.float64) for gen in self.generators])   # [N, V]
+        return scores.double() / self.temperature - torch.log(-torch.log(u))        # u = 0: -inf, never drawn
+
+
+def left_pad(inputs, length, pad_id):
+    """The processor's batch left-padded to `length` tokens (pad id, attention 0)."""
+    extra = length - inputs["input_ids"].shape[1]
+    if extra < 0:
+        raise ValueError(f"prompt of {inputs['input_ids'].shape[1]} tokens does not fit in {length}")
+    pad = lambda t, value: torch.nn.functional.pad(t, (extra, 0), value=value)
+    return {**inputs, "input_ids": pad(inputs["input_ids"], pad_id), "attention_mask": pad(inputs["attention_mask"], 0)}
+
+
 @torch.no_grad()
 def sample_group(pipe, prompts, group_size, temperature, height, width, loss_tokens, sources=None,
-                 record_logp=True):
+                 record_logp=True, generators=None, prompt_len=None):
     """One batched generate() call for all prompts x G samples (i2i when `sources` is given).
 
-    Sampling is from exactly softmax(logits / T) over the allowed image tokens: top-k and top-p
-    are switched off (transformers otherwise fills in top_k=50 whenever do_sample is set), so
-    pi_old is the policy the loss differentiates. We keep the processed scores generate sampled
-    from and read old log-probs off them. Returns a Rollout."""
+    Tokens are drawn from exactly softmax(logits / T) over the allowed image tokens (GumbelMax),
+    group k's from generators[k] (default: seeded from the global torch RNG). `prompt_len` left-pads
+    every prompt to that many tokens (default: the longest of `prompts`).
+    Old log-probs are read off generate's raw logits (output_logits: the model's fp32 logits before
+    any processor), divided by T and with the suppressed ids at -inf, by the same token_logprobs
+    the loss uses; never off the processed scores, which carry the Gumbel noise. Returns a Rollout."""
     from transformers import GenerationConfig
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
     ar = pipe.vision_language_encoder
     is_t2i = sources is None
+    pad_id = ar.config.text_config.pad_token_id
+    suppressed = image_token_suppression(ar, pipe.transformer.config.prior_vq_quantizer_codebook_size)
     inputs = processor_inputs(pipe, prompts, sources or [None] * len(prompts), height, width, ar.device)
+    inputs = left_pad(inputs, prompt_len or inputs["input_ids"].shape[1], pad_id)
     batch = repeat_samples(inputs, group_size)
     source_prior, extra = None, {}
     if not is_t2i:
         features, vq_ids, source_prior = encode_sources(pipe, inputs, group_size)
         extra["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=features)}
     num_generated, offset, (H, W) = generation_layout(pipe, inputs, is_t2i)
+    if generators is None:
+        generators = [torch.Generator(ar.device).manual_seed(int(torch.randint(2**62, ()))) for _ in prompts]
+    # do_sample=False: generate takes the argmax of what GumbelMax returns, with no warper of its own.
     generation_config = GenerationConfig(
-        do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=num_generated,
-        min_new_tokens=num_generated,
-        suppress_tokens=image_token_suppression(ar, pipe.transformer.config.prior_vq_quantizer_codebook_size),
-        pad_token_id=ar.config.text_config.pad_token_id, eos_token_id=None,
-        return_dict_in_generate=True, output_scores=record_logp)
-    out = ar.generate(**batch, **extra, generation_config=generation_config)
+        do_sample=False, max_new_tokens=num_generated, min_new_tokens=num_generated, suppress_tokens=suppressed,
+        pad_token_id=pad_id, eos_token_id=None, return_dict_in_generate=True, output_logits=record_logp)
+    out = ar.generate(**batch, **extra, generation_config=generation_config,
+                      logits_processor=[GumbelMax(generators, group_size, temperature)])
     sequences = out.sequences
     if not is_t2i:
         # generate swapped the <|image|> placeholders for the source's VQ ids only inside its
@@ -769,9 +810,9 @@ def sample_group(pipe, prompts, group_size, temperature, height, width, loss_tok
     prompt_len = batch["input_ids"].shape[1]
     generated = sequences[:, prompt_len:]                                     # [N, L]
     old_logp = None
-    if record_logp:
-        scores = torch.stack(out.scores, dim=1)                                # [N, L, V], already / T
-        old_logp = torch.log_softmax(scores.float(), -1).gather(-1, generated[..., None]).squeeze(-1)
+    if record_logp:      # one decode step at a time: no [N, L, V] copy of the logits
+        old_logp = torch.cat([token_logprobs(logits[:, None], generated[:, t, None], temperature, suppressed)
+                              for t, logits in enumerate(out.logits)], dim=1)  # [N, L]
     loss_mask = torch.zeros_like(generated, dtype=torch.float32)
     first = offset if loss_tokens == "target" else 0
     loss_mask[:, first: offset + H * W] = 1.0                                  # never the end slot
@@ -783,36 +824,39 @@ def sample_group(pipe, prompts, group_size, temperature, height, width, loss_tok
         source_prior=source_prior)
 
 
-def sample_groups(pipe, prompts, sources, slots, step, args, record_logp=True):
-    """One generate() per prompt, its RNG seeded from (seed, step, slot): a group's samples are
-    then the same whether its rank holds 1 prompt or 8, so a run gives the same samples on 1 GPU
-    and on K. (generate takes no generator: torch.manual_seed seeds the global CPU and CUDA RNGs
-    it draws from.) The price is one generate call per prompt instead of one batched call. On the
-    tiny demo (2 prompts x 16, CPU) sampling took 1.6x as long and a whole step ~1.13x. Token-by-
-    token decoding costs about the same for 16 rows as for 32 while it is bound by reading the
-    weights, so on a GPU the price is similar: it vanishes with one prompt per rank
-    (--prompts-per-step = number of GPUs), where there is nothing left to batch."""
-    rollouts = []
-    for k, slot in enumerate(slots):
-        torch.manual_seed(sampling_seed(args.seed, step, slot))
-        rollouts.append(sample_group(pipe, prompts[k: k + 1], args.group_size, args.temperature, args.height,
-                                     args.width, args.loss_tokens, sources and sources[k: k + 1], record_logp))
-    return concat_rollouts(rollouts, pipe.vision_language_encoder.config.text_config.pad_token_id)
+def sample_groups(pipe, prompts, sources, slots, step, args, record_logp=True, prompt_len=None):
+    """This rank's groups in one generate() call. The group at position `slot` of the step's
+    prompt list draws its noise from a generator seeded by (seed, step, slot), so its samples are
+    the same whether its rank holds 1 prompt or 8: a run samples the same on 1 GPU and on K.
+
+    Same noise is not yet same tokens: the logits must be the same bits too, or a near-tie between
+    two noisy scores can go the other way (a token flips with probability below 2 d / T when its
+    logits move by d). A row's fp32 sums change with the batch around it: SDPA's masked sums
+    depend on how many padding columns come first (~1e-7), and transformers drops the attention
+    mask of a batch without any padding, whose rows then go through SDPA's causal kernel and another
+    summation order (logits ~5e-6 apart on the tiny model). So every rank pads to one column more
+    than the step's longest prompt (`prompt_len`, default: a MAX all-reduce of the ranks' longest,
+    + 1): a group's rows are then the same tensors on any split, always on the masked path. On CPU
+    its tokens and log-probs are then bit-identical (tested), given at least 4 rows per rank (below
+    that the CPU matmul takes another kernel). Kernels that choose their summation order by batch
+    size, common on GPUs, can still flip a near-tie: 1 GPU and K then agree only statistically."""
+    ar = pipe.vision_language_encoder
+    if prompt_len is None:
+        prompt_len = longest_prompt_on_all_ranks(pipe, prompts, sources, args.height, args.width) + 1
+    generators = [torch.Generator(ar.device).manual_seed(sampling_seed(args.seed, step, slot)) for slot in slots]
+    return sample_group(pipe, prompts, args.group_size, args.temperature, args.height, args.width, args.loss_tokens,
+                        sources, record_logp, generators, prompt_len)
 
 
-def concat_rollouts(rollouts, pad_id):
-    """Stacks rollouts whose prompts differ in length: left-pads each to the longest prompt
-    (pad id, attention 0; the positions of padding are never attended to)."""
-    width = max(r.prompt_len for r in rollouts)
-    pad = lambda t, r, value: torch.nn.functional.pad(t, (width - r.prompt_len, 0), value=value)
-    cat = lambda name: None if getattr(rollouts[0], name) is None else torch.cat([getattr(r, name) for r in rollouts])
-    return Rollout(
-        sequences=torch.cat([pad(r.sequences, r, pad_id) for r in rollouts]),
-        attention_mask=torch.cat([pad(r.attention_mask, r, 0) for r in rollouts]),
-        position_ids=torch.cat([pad(r.position_ids, r, 0) for r in rollouts], dim=1),
-        old_logp=cat("old_logp"), loss_mask=cat("loss_mask"), target_tokens=cat("target_tokens"),
-        grid_hw=rollouts[0].grid_hw, prompt_len=width,
-        source_prior=None if rollouts[0].source_prior is None else [x for r in rollouts for x in r.source_prior])
+def longest_prompt_on_all_ranks(pipe, prompts, sources, height, width):
+    """Tokens in the step's longest prompt, over all ranks (a MAX all-reduce under torchrun; the
+    processor runs once more for it, nothing next to generate)."""
+    length = processor_inputs(pipe, prompts, sources or [None] * len(prompts), height, width, "cpu")["input_ids"].shape[1]
+    if not is_ddp():
+        return length
+    t = torch.tensor(length, device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 # =============================================================================================

@@ -915,6 +915,54 @@ def test_special_ids_are_never_sampled_inside_a_grid(sharp_pipe):
     assert torch.isfinite(rollout.old_logp).all()
 
 
+def chi_square(counts, p):
+    """Pearson's statistic of `counts` against probabilities `p`, ids expected < 5 times pooled in
+    one bin. Returns (statistic, degrees of freedom)."""
+    expected = counts.sum() * p
+    rare = expected < 5
+    stat = ((counts - expected) ** 2 / expected)[~rare].sum()
+    if rare.any() and expected[rare].sum() > 0:
+        stat += (counts[rare].sum() - expected[rare].sum()) ** 2 / expected[rare].sum()
+    return stat.item(), int((~rare).sum()) + int(rare.any()) - 1
+
+
+def chi_square_too_large(stat, dof):
+    return stat > dof + 6 * math.sqrt(2 * dof)        # far in the tail: p < 1e-5 for these dof
+
+
+def test_gumbel_max_draws_from_softmax_over_the_allowed_ids():
+    """argmax(logits / T + Gumbel noise) is a draw from softmax(logits / T); -inf ids never win."""
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 3.0, float("-inf")])      # the last id is suppressed
+    n, T = 200_000, 2.0
+    draws = g.GumbelMax([torch.Generator().manual_seed(0)], n, T)(None, logits.expand(n, -1)).argmax(-1)
+    counts = torch.bincount(draws, minlength=6).double()
+    assert counts[5] == 0
+    assert not chi_square_too_large(*chi_square(counts, torch.softmax(logits / T, -1).double()))
+    assert chi_square_too_large(*chi_square(counts, torch.softmax(logits, -1).double()))   # T matters
+
+
+def test_sampler_draws_the_first_token_from_softmax_of_the_logits(sharp_pipe):
+    """Through generate: 4 groups x 300 samples of one prompt (one generator each) give first tokens
+    distributed as softmax(logits / T) over the 64 codebook ids, all of them drawn (a top-k 50
+    sampler would show at most 50). i2i, whose AR writes only 7 tokens, keeps it quick."""
+    ar, T = sharp_pipe.vision_language_encoder, 2.0
+    red = g.draw_shape("circle", "red", "white", 64, 64)
+    generators = [torch.Generator().manual_seed(k) for k in range(4)]
+    rollout = g.sample_group(sharp_pipe, ["make it blue"] * 4, 300, T, 96, 64, "all", sources=[red] * 4,
+                             generators=generators)
+    with torch.no_grad():        # the first position's logits, shared by every row
+        logits = g.policy_logits(ar, g.slice_rollout(rollout, slice(0, 1)))[0, 0]
+    p = torch.softmax(logits.double() / T, -1)
+    p[g.TINY_CODEBOOK:] = 0.0
+    p /= p.sum()
+    counts = torch.bincount(rollout.sequences[:, rollout.prompt_len], minlength=g.TINY_VISION_VOCAB).double()
+    assert (counts[:g.TINY_CODEBOOK] > 0).all() and counts[g.TINY_CODEBOOK:].sum() == 0
+    assert not chi_square_too_large(*chi_square(counts, p))
+    wrong = torch.softmax(logits.double(), -1)                                  # T = 1: the test can tell
+    wrong[g.TINY_CODEBOOK:] = 0.0
+    assert chi_square_too_large(*chi_square(counts, wrong / wrong.sum()))
+
+
 # ---------------------------------------------------------------------------------------------
 # Rewards you bring, runs you can watch, training-loop conveniences
 # ---------------------------------------------------------------------------------------------
@@ -1315,6 +1363,20 @@ def test_dit_resume_is_bit_identical(tmp_path, policy):
         assert g.warn_if_collapsed({**rows[0], "frac_reward_zero_std": 1.0}, warned=False)
 
 
+def test_both_policies_count_tied_groups_alike(tmp_path):
+    """A constant reward whose float32 std over the group is not exactly 0 (the mean of 3 copies
+    is one ulp off): every group is tied, under --policy ar and --policy dit alike."""
+    value = next(v for v in (-0.17036, -0.998, -0.995) if torch.full((1, 3), v).std(dim=1).item() != 0)
+    (tmp_path / "flat.py").write_text(f"import torch\ndef flat(images, prompts, targets):\n"
+                                      f"    return torch.full((len(images),), {value!r})\n")
+    flags = ["--steps", "1", "--group-size", "3", "--prompts-per-step", "1", "--sample-every", "0",
+             "--num-inference-steps", "3", "--reward", f"{tmp_path / 'flat.py'}:flat"]
+    for policy in ("ar", "dit"):
+        g.main(flags + ["--policy", policy, "--out", str(tmp_path / policy)])
+        row = read_metrics(tmp_path / policy)[0]
+        assert row["reward_std"] > 0 and row["frac_reward_zero_std"] == 1.0, policy
+
+
 def test_slow_dit_policy_learns(tmp_path):
     """The issue's bar for the DiT: mean reward of the last 5 steps beats the first 5 by at least 3x
     the first 5 steps' mean within-group std (~45 s on 2 cores)."""
@@ -1388,16 +1450,35 @@ def test_policy_both_honours_micro_batch_size(monkeypatch):
     assert (grads["3"] - grads["4"]).norm() <= 3e-4 * grads["4"].norm()
 
 
-def test_a_group_samples_the_same_whatever_else_its_rank_holds(sharp_pipe):
-    """The seed of (seed, step, slot): the group at slot 1 is the same when one process samples
-    both groups and when a second rank samples it alone."""
-    args = g.resolve_runtime(g.parse_args(["--group-size", "3"]))
-    both = g.sample_groups(sharp_pipe, ["a red circle", "a blue square on a green background"], None, range(2), 5, args)
-    alone = g.sample_groups(sharp_pipe, ["a blue square on a green background"], None, range(1, 2), 5, args)
-    assert torch.equal(g.slice_rollout(both, slice(3, 6)).sequences, alone.sequences)
-    torch.testing.assert_close(both.old_logp[3:], alone.old_logp, rtol=0, atol=1e-6)
-    other_step = g.sample_groups(sharp_pipe, ["a blue square on a green background"], None, range(1, 2), 6, args)
-    assert not torch.equal(other_step.sequences, alone.sequences)
+@pytest.mark.parametrize("mode", ["t2i", "i2i"])
+def test_a_group_samples_the_same_whatever_else_its_rank_holds(sharp_pipe, mode):
+    """One generate() for all of a rank's groups; group k's noise comes from its own generator,
+    seeded by (seed, step, slot), and every rank pads to one column past the step's longest prompt.
+    So the group at slot 0 (short prompt) and the one at slot 1 (long prompt) draw bit-identical
+    tokens and old log-probs when one process samples both, when each of two ranks samples one,
+    and in either order. (G = 4: with fewer rows per rank this CPU's matmul takes another kernel.)"""
+    args = g.resolve_runtime(g.parse_args(["--group-size", "4", "--height", "96", "--width", "64"]))
+    short, long = "red", "a blue square on a green background"
+    red, green = g.draw_shape("circle", "red", "white", 64, 64), g.draw_shape("square", "green", "black", 64, 64)
+    sources = (lambda *s: list(s)) if mode == "i2i" else (lambda *s: None)
+    sample = lambda prompts, srcs, slots, **kw: g.sample_groups(sharp_pipe, prompts, srcs, slots, 5, args, **kw)
+    both = sample([short, long], sources(red, green), range(2))
+    rank1 = sample([long], sources(green), range(1, 2))
+    # rank 0 pads as far, the length the MAX all-reduce gives it under torchrun
+    rank0 = sample([short], sources(red), range(1), prompt_len=both.prompt_len)
+    swapped = sample([long, short], sources(green, red), [1, 0])
+    for part, rows in ((rank0, slice(0, 4)), (rank1, slice(4, 8)), (swapped, [4, 5, 6, 7, 0, 1, 2, 3])):
+        assert torch.equal(both.sequences[rows], part.sequences) and torch.equal(both.old_logp[rows], part.old_logp)
+    # What the padding buys: without a single padding column (a rank holding only the longest prompt,
+    # were there no extra column) transformers drops the attention mask and SDPA sums in another
+    # order. The tokens agree at this seed, the log-probs only to ~1e-6: a near-tie could flip.
+    bare = sample([short], sources(red), range(1), prompt_len=g.longest_prompt_on_all_ranks(
+        sharp_pipe, [short], sources(red), args.height, args.width))
+    assert not (bare.attention_mask == 0).any()
+    assert torch.equal(bare.sequences[:, bare.prompt_len:], rank0.sequences[:, rank0.prompt_len:])
+    assert 0 < (bare.old_logp - rank0.old_logp).abs().max() < 1e-4
+    other_step = g.sample_groups(sharp_pipe, [long], sources(green), range(1, 2), 6, args)
+    assert not torch.equal(other_step.sequences, rank1.sequences)
 
 
 def test_prompts_per_step_must_divide_by_the_world_size(tmp_path, monkeypatch, capsys):
@@ -1501,8 +1582,10 @@ def test_slow_two_processes_train_like_one_and_resume_exactly(tmp_path):
 
 
 def test_slow_lora_with_kl_under_ddp_trains_like_one_process(tmp_path):
+    """Also 2 groups per rank: each rank batches prompts of two lengths in its one generate() call
+    (the 2-prompt file shuffled twice into the step's 4), and still matches the 1-process run."""
     flags = ["--steps", "1", "--sample-every", "0", "--group-size", "4", "--inner-epochs", "2", "--lora-rank", "4",
-             "--beta", "0.05"]
+             "--beta", "0.05", "--prompts-per-step", "4"]
     one = one_process_reference(flags + ["--out", str(tmp_path / "one")])
     rank0, rank1 = run_two_ranks(flags + ["--out", str(tmp_path / "two")], tmp_path)
     assert all("lora_" in n for n in rank0) and all(torch.equal(rank0[n], rank1[n]) for n in rank0)
