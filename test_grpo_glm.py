@@ -745,7 +745,12 @@ def test_memory_plan_matches_a_hand_count_on_the_tiny_model(tmp_path):
     ar = pipe.vision_language_encoder
     frozen_vision = sum(p.numel() for p in ar.model.visual.parameters()) + sum(p.numel() for p in ar.model.vqmodel.parameters())
     assert full["trainable_params"] == counts["ar"] - frozen_vision
-    assert full["peak_no_offload"] == full["ar_weights"] + full["grads"] + full["adam"] + full["activations"] + \
+    _, params, _ = _policy()                                # what prepare_policy trains in full fine-tuning
+    assert sum(p.numel() for p in params) == full["trainable_params"]
+    # bf16 weights: torch's AdamW keeps its two moments in the parameters' dtype
+    assert full["grads"] == 2 * full["trainable_params"] and full["adam"] == 4 * full["trainable_params"]
+    assert full["peak_no_offload"] == full["ar_weights"] + full["adam"] + max(full["update_peak"] - full["ar_weights"] -
+                                                                              full["adam"], full["grads"]) + \
         2 * (counts["dit"] + counts["glyph_t5"] + counts["vae"])
 
 
@@ -763,6 +768,33 @@ def test_plan_of_the_real_model_needs_no_download(capsys):
             "--group-size", "8", "--prompts-per-step", "1"])
     printed = capsys.readouterr().out
     assert "8 samples x 1345 tokens" in printed and "| lora-64 | yes |" in printed
+
+
+def test_plan_of_i2i_counts_the_source_tokens_and_no_preview(capsys):
+    # issue 20: --plan --mode i2i planned t2i (64 prompt + 1,281 generated at 1024^2). An i2i
+    # prompt holds the source's VQ tokens between image start and end, and the AR writes the grid
+    # and the end slot only.
+    g.main(["--plan", "--model", "zai-org/GLM-Image", "--mode", "i2i", "--height", "1024", "--width", "1024",
+            "--group-size", "8", "--prompts-per-step", "1"])
+    printed = capsys.readouterr().out
+    assert "--mode i2i" in printed and "8 samples x 2115 tokens" in printed and "source's 1024 VQ tokens" in printed
+    assert g.ar_sequence("i2i", 1024, 1024) == (64 + 2 + 1024, 1024 + 1)
+    assert g.ar_sequence("t2i", 1024, 1024) == (64, 256 + 1024 + 1)
+    # the real processor settings turn a 1024^2 source into a 32 x 32 grid of VQ tokens
+    from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
+    real = GlmImageImageProcessorPil(**g.REAL_IMAGE_PROCESSOR)
+    assert real(images=[Image.new("RGB", (1024, 1024))])["image_grid_thw"].tolist() == [[1, 32, 32]]
+    # and on the tiny model the counts are what the processor and generate lay out
+    pipe = g.build_tiny_pipeline()
+    image_token = pipe.vision_language_encoder.config.image_token_id
+    for height, width in [(64, 64), (96, 64)]:
+        inputs = g.processor_inputs(pipe, ["x"], [Image.new("RGB", (width, height))], height, width, "cpu")
+        prompt_len, generated = g.ar_sequence("i2i", height, width, prompt_tokens=0,
+                                              image_processor=pipe.processor.image_processor)
+        assert prompt_len - 2 == int((inputs["input_ids"] == image_token).sum())
+        assert generated == g.generation_layout(pipe, inputs, is_t2i=False)[0]
+        t2i = g.processor_inputs(pipe, ["x"], [None], height, width, "cpu")
+        assert g.ar_sequence("t2i", height, width)[1] == g.generation_layout(pipe, t2i, is_t2i=True)[0]
 
 
 # ---------------------------------------------------------------------------------------------
