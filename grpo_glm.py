@@ -1874,16 +1874,24 @@ def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, c
     AdamW's moments (which stay allocated between steps). Gradients start at None each update.
     `trainable`: trainable parameters; `largest_trainable`: the largest trainable tensor's numel;
     `head_trainable`: parameters whose gradients exist from the start of backward (final norm and
-    lm_head; 0 under LoRA). Returns grads, adam (the moments), activations (the largest working set
-    besides gradients), optimizer_temp and peak (the largest of the phases below).
-      forward end: the kept activations, then the logits [n, L, V] (model dtype) and fp32 copies:
-        token_logprobs keeps its log_softmax; the first pass's entropy monitor holds
-        logits / T, log_softmax, exp, nan_to_num and their product at once        (d + 4 + 20) V
-      backward start: kept + logits + the fp32 gradient chain (gather, log_softmax) (d + 12) V,
-        with checkpointing instead one layer recomputed in full, plus the head's gradients
-      step: all gradients + AdamW's temporaries: with foreach (the default on CUDA) one copy of
-        exp_avg_sq for all parameters (its sqrt); per tensor (CPU), sqrt and its quotient of
-        the largest tensor."""
+    lm_head; 0 under LoRA). Returns grads, adam (the moments), optimizer_temp, activations (the
+    largest working set besides gradients), the peak of each phase below and their max ("peak").
+      forward, model: the kept activations and the logits [n, L, V] (model dtype, d V), then
+        token_logprobs' fp32 copy and its division by T                                  8 V
+      forward, logits: token_logprobs keeps its fp32 log_softmax (4 V); the first pass's entropy
+        monitor holds logits / T, log_softmax, exp, nan_to_num and their product at once  20 V
+      forward, lm_head under LoRA: logits_to_keep slices the hidden states; with a frozen weight
+        matmul does not fold the non-contiguous [n, L, h] slice into one matrix (torch folds only
+        when the weight needs a gradient) but broadcasts the weight to [n, h, V] for bmm, and the
+        CPU's bmm copies it (n V h; its backward copies it again). CUDA's batched GEMM may read the
+        expanded weight in place; then the plan is high by this term (1 GiB at n = 8).
+      backward: the fp32 gradient chain of the logits (gather, log_softmax)           (d + 12) V;
+        lm_head's backward (the logits' gradient, the weight copy, the head's gradients);
+        with checkpointing, the layer inputs + one layer recomputed in full; at its end all
+        gradients (they grow layer by layer as the activations are freed)
+      step: all gradients + AdamW's temporaries (+ the logits, still referenced): with foreach (the
+        default on CUDA) one copy of exp_avg_sq for all parameters (its sqrt); per tensor (CPU),
+        sqrt and its quotient of the largest tensor."""
     d, h, V = bytes_per, text_config.hidden_size, text_config.vision_vocab_size
     tokens = samples * (prompt_tokens + generated - 1)       # teacher-forced input: prompt + generated[:-1]
     logit_rows = samples * generated
@@ -1897,14 +1905,26 @@ def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, c
     outside = tokens * (4 * h + (0 if lora_rank else 2 * d * h) + 2 * rotary * d)
     grad_bytes = ADAPTER_BYTES if lora_rank else d      # gradients and moments in the parameters' dtype
     grads = grad_bytes * trainable
-    forward_end = kept + outside + logit_rows * (d + 24) * V
-    backward_start = kept + outside + logit_rows * d * V + head_trainable * grad_bytes + \
-        (layer if checkpointing else logit_rows * 12 * V)
+    head_grads = head_trainable * grad_bytes
+    logits = logit_rows * d * V                               # held by the update until the next micro-batch
+    head_copy = 0 if head_trainable else samples * V * h * d  # a frozen lm_head's weight, once per sample
+    held = kept + outside + logits
+    forward_model = held + max(head_copy, logit_rows * 8 * V)
+    forward_logits = held + logit_rows * 24 * V
+    backward_activations = max(held + logit_rows * 12 * V, held + logits + head_copy,
+                               kept + logits + layer if checkpointing else 0)
+    backward = max(backward_activations + head_grads, grads + logits)
     optimizer_temp = grad_bytes * (trainable if foreach else 2 * largest_trainable)
-    activations = max(forward_end, backward_start - head_trainable * grad_bytes)
-    return {"grads": grads, "adam": 2 * grad_bytes * trainable, "activations": activations,
-            "optimizer_temp": optimizer_temp,
-            "peak": max(forward_end, backward_start, grads + optimizer_temp)}
+    step = grads + optimizer_temp + logits
+    return {"grads": grads, "adam": 2 * grad_bytes * trainable, "optimizer_temp": optimizer_temp,
+            "activations": max(forward_model, forward_logits, backward_activations),
+            "forward_model": forward_model, "forward_logits": forward_logits, "backward": backward, "step": step,
+            "peak": max(forward_model, forward_logits, backward, step)}
+
+
+def ar_weight_bytes(total_params, trainable, lora_rank, bytes_per=2):
+    """The AR's weights in the model dtype, plus fp32 LoRA adapters (which are not in a bare model's count)."""
+    return bytes_per * total_params + (ADAPTER_BYTES * trainable if lora_rank else 0)
 
 
 def trainable_tensors(ar, lora_rank):
@@ -1939,7 +1959,7 @@ def memory_plan(components, height, width, samples, prompt_tokens=64, ranks=(64,
         tensors = trainable_tensors(ar, rank)
         trainable = sum(tensors)
         # the KL reference of full fine-tuning is a frozen copy of the AR (LoRA: adapters off)
-        weights = bytes_per * counts["ar"] + (ADAPTER_BYTES * trainable if rank else 0)
+        weights = ar_weight_bytes(counts["ar"], trainable, rank, bytes_per)
         reference = bytes_per * counts["ar"] if beta > 0 and not rank else 0
         for checkpointing in (False, True):
             u = ar_update_bytes(tc, samples, prompt_len, generated, rank, checkpointing, trainable, max(tensors),
@@ -1979,11 +1999,15 @@ def dit_memory_plan(components, height, width, samples, cfg, ar_row, text_tokens
     for mode, trainable in [("full", counts["dit"])] + [(f"lora-{r}", dit_lora_parameter_count(dit, r)) for r in ranks]:
         lora = mode != "full"
         weights = 2 * counts["dit"] + (4 * trainable if lora else 0)
-        grads, adam = (4 if lora else 2) * trainable, 8 * trainable
+        # AdamW's moments take the parameters' dtype (bf16 DiT weights: bf16 moments); its foreach
+        # step (CUDA) holds one more moment-sized copy. Gradients accumulate over the trained
+        # steps, so they sit beside one step's activations. (Activations: not measured, unlike the AR's.)
+        grad_bytes = ADAPTER_BYTES if lora else 2
+        grads, adam = grad_bytes * trainable, 2 * grad_bytes * trainable
         for checkpointing in (False, True):
             layers = dit.config.num_layers
             act = (layers * tokens * samples * passes * hidden * 2 + per_block) if checkpointing else layers * per_block
-            dit_peak = weights + grads + adam + act
+            dit_peak = weights + grads + adam + max(act, grad_bytes * trainable)
             rows.append({"mode": mode, "grad_ckpt": checkpointing, "trainable_params": trainable, "dit_weights": weights,
                          "grads": grads, "adam": adam, "activations": act,
                          # the frozen AR (bf16) sits beside it, the other frozen parts are offloaded
