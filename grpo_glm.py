@@ -1851,7 +1851,7 @@ def layer_activation_bytes(text_config, lora_rank=0, bytes_per=2):
     and on CPU alike, keeps no T^2 matrix, only a log-sum-exp per head):
       attention: q, k, v after RoPE, SDPA's output                      h + 2 kv + h   (model dtype)
       MLP: gate_up's output (kept by SiLU and the product), SiLU's       2 i + i
-      each of the 4 RMSNorms: its input in fp32                          4 x 4 h bytes
+      each of the 4 RMSNorms: its input and 1 / rms in fp32              4 x (4 h + 4) bytes
     full fine-tuning adds what only a trained weight needs:
       each RMSNorm's normalised value; the inputs of q/k/v (shared), o, gate_up, down    4 h + 3 h + i
     LoRA instead (frozen base Linears and norms keep nothing): each adapter's input cast to fp32,
@@ -1860,7 +1860,7 @@ def layer_activation_bytes(text_config, lora_rank=0, bytes_per=2):
     h, i, heads = text_config.hidden_size, text_config.intermediate_size, text_config.num_attention_heads
     kv = text_config.num_key_value_heads * (getattr(text_config, "head_dim", None) or h // heads)
     d = bytes_per
-    common = d * (2 * h + 2 * kv + 3 * i) + 4 * heads + 4 * 4 * h
+    common = d * (2 * h + 2 * kv + 3 * i) + 4 * heads + 4 * (4 * h + 4)      # + each norm's fp32 1/rms
     if not lora_rank:
         return common + d * (4 * h + 3 * h + i)
     a = ADAPTER_BYTES

@@ -770,6 +770,36 @@ def test_plan_of_the_real_model_needs_no_download(capsys):
     assert "8 samples x 1345 tokens" in printed and "| lora-64 | yes |" in printed
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_plan_counts_the_tensors_a_decoder_layer_keeps_for_backward(dtype, lora_rank):
+    # layer_activation_bytes against what autograd really saves, byte for byte: every tensor a
+    # saved_tensors_hook sees during one decoder layer's forward (parameters excluded, and the
+    # rotary cos/sin, which all layers share), counted once per storage
+    pipe, _, args = _policy(lora_rank=lora_rank, dtype="float32")
+    ar = pipe.vision_language_encoder.to(dtype).train()
+    if lora_rank:
+        for p in ar.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()                     # as prepare_policy leaves the adapters
+    language_model = ar.model.language_model
+    n, T, h = 2, 24, language_model.config.hidden_size
+    x = torch.randn(n, T, h, dtype=dtype, requires_grad=True)
+    cos, sin = language_model.rotary_emb(x, torch.arange(T).expand(3, n, -1))
+    excluded = {t.untyped_storage().data_ptr() for t in [cos, sin, *ar.parameters()]}
+    kept = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in excluded:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        language_model.layers[0](x, position_embeddings=(cos, sin), attention_mask=None)
+    bytes_per = torch.finfo(dtype).bits // 8
+    assert sum(kept.values()) == n * T * g.layer_activation_bytes(language_model.config, lora_rank, bytes_per)
+
+
 def test_plan_of_i2i_counts_the_source_tokens_and_no_preview(capsys):
     # issue 20: --plan --mode i2i planned t2i (64 prompt + 1,281 generated at 1024^2). An i2i
     # prompt holds the source's VQ tokens between image start and end, and the AR writes the grid
