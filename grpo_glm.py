@@ -1855,8 +1855,8 @@ def layer_activation_bytes(text_config, lora_rank=0, bytes_per=2):
     full fine-tuning adds what only a trained weight needs:
       each RMSNorm's normalised value; the inputs of q/k/v (shared), o, gate_up, down    4 h + 3 h + i
     LoRA instead (frozen base Linears and norms keep nothing): each adapter's input cast to fp32,
-      one copy per adapted Linear (q, k and v cast the same input three times; none when the model
-      is fp32 too), and its r-wide A output."""
+      one copy per adapted Linear (q, k and v cast the same input three times; an fp32 model keeps
+      the shared inputs uncast, 3 h + i), and its r-wide A output."""
     h, i, heads = text_config.hidden_size, text_config.intermediate_size, text_config.num_attention_heads
     kv = text_config.num_key_value_heads * (getattr(text_config, "head_dim", None) or h // heads)
     d = bytes_per
