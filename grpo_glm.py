@@ -1860,14 +1860,18 @@ def saved_glm_image_on_meta(directory):
         }
 
 
+def saved_image_processor(directory):
+    """The image processor a saved pipeline ships (it decides an i2i source's token count)."""
+    from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
+
+    try:
+        return GlmImageImageProcessorPil.from_pretrained(Path(directory) / "processor")
+    except (OSError, ValueError):
+        return None                                         # then the real checkpoint's settings
+
+
 def numel(module):
     return sum(p.numel() for p in module.parameters())
-
-
-def lora_parameter_count(ar, rank):
-    """r * (in + out) per adapted Linear of the language model: A is [r, in], B is [out, r]."""
-    return sum(rank * (m.in_features + m.out_features) for n, m in ar.model.language_model.named_modules()
-               if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in LORA_TARGETS)
 
 
 def generated_tokens(height, width):
@@ -1878,41 +1882,164 @@ def generated_tokens(height, width):
     return preview + (height // 32) * (width // 32) + 1
 
 
-def activation_bytes(text_config, tokens, samples, checkpointing, bytes_per=2):
-    """Activations of the teacher-forced pass kept for backward. Per layer and token about
-    18 * hidden + 3 * intermediate values (q/k/v/o inputs and outputs, norms, residuals, the MLP's
-    gate/up/act); SDPA/flash attention keeps no T^2 matrix. With checkpointing only each layer's
-    input stays, plus one layer's full set while it is recomputed. fp32 logits and log-softmax
-    over the vision vocabulary come on top."""
-    hidden, inter, layers = text_config.hidden_size, text_config.intermediate_size, text_config.num_hidden_layers
-    per_layer = tokens * samples * (18 * hidden + 3 * inter) * bytes_per
-    kept = layers * tokens * samples * hidden * bytes_per + per_layer if checkpointing else layers * per_layer
-    return kept + tokens * samples * text_config.vision_vocab_size * 4 * 2
+# The real checkpoint's image-processor settings (read from its public config; the tiny model
+# differs only in min_pixels, see build_tiny_pipeline).
+REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, min_pixels=512 * 512,
+                            max_pixels=2048 * 2048)
 
 
-def memory_plan(components, height, width, samples, prompt_tokens=64, ranks=(64, 16)):
-    """Bytes per component and per training mode. Weights bf16 (2 B/param); trainable LoRA weights,
-    their gradients and AdamW's two moments fp32 (4 + 4 + 8 B/param); full fine-tuning keeps bf16
-    gradients (2 B) and fp32 moments (8 B). Returns (rows, parameter counts, tokens per sample)."""
+def source_tokens(height, width, image_processor=None):
+    """VQ tokens of one i2i source image (resized to height x width, as read_prompts does), counted
+    by the processor's own rule (a half-size resize cut into 16-px patches: 1,024 at 1024^2)."""
+    if image_processor is None:
+        from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
+        image_processor = GlmImageImageProcessorPil(**REAL_IMAGE_PROCESSOR)
+    return image_processor.get_number_of_image_patches(height, width) // image_processor.merge_size ** 2
+
+
+def ar_sequence(mode, height, width, prompt_tokens=64, image_processor=None):
+    """(P, L): prompt and generated tokens of one AR sample, in section 4's layouts. t2i: P =
+    `prompt_tokens` (text and grid sizes), L = preview + grid + end slot. i2i: the prompt also holds
+    the source's VQ tokens between image start and end; L = grid + end slot (no preview)."""
+    if mode == "t2i":
+        return prompt_tokens, generated_tokens(height, width)
+    return prompt_tokens + 2 + source_tokens(height, width, image_processor), (height // 32) * (width // 32) + 1
+
+
+# What the update holds, tensor by tensor. These formulas were checked against the live bytes the
+# CPU allocator reports for one update of a 2-layer AR of the real width (test_memory_plan_matches_
+# a_measured_update_at_the_real_width); the per-layer count was read off autograd's saved tensors.
+ADAPTER_BYTES = 4        # LoRA adapters train in fp32 (prepare_policy): weights, grads, AdamW moments
+
+
+def layer_activation_bytes(text_config, lora_rank=0, bytes_per=2):
+    """Bytes autograd keeps per token for one decoder layer's backward (SDPA's flash kernel, on CUDA
+    and on CPU alike, keeps no T^2 matrix, only a log-sum-exp per head):
+      attention: q, k, v after RoPE, SDPA's output                      h + 2 kv + h   (model dtype)
+      MLP: gate_up's output (kept by SiLU and the product), SiLU's       2 i + i
+      each of the 4 RMSNorms: its input and 1 / rms in fp32              4 x (4 h + 4) bytes
+    full fine-tuning adds what only a trained weight needs:
+      each RMSNorm's normalised value; the inputs of q/k/v (shared), o, gate_up, down    4 h + 3 h + i
+    LoRA instead (frozen base Linears and norms keep nothing): each adapter's input cast to fp32,
+      one copy per adapted Linear (q, k and v cast the same input three times; an fp32 model keeps
+      the shared inputs uncast, 3 h + i), and its r-wide A output."""
+    h, i, heads = text_config.hidden_size, text_config.intermediate_size, text_config.num_attention_heads
+    kv = text_config.num_key_value_heads * (getattr(text_config, "head_dim", None) or h // heads)
+    d = bytes_per
+    common = d * (2 * h + 2 * kv + 3 * i) + 4 * heads + 4 * (4 * h + 4)      # + each norm's fp32 1/rms
+    if not lora_rank:
+        return common + d * (4 * h + 3 * h + i)
+    a = ADAPTER_BYTES
+    cast_inputs = 5 * h + i if d != a else 3 * h + i
+    return common + a * cast_inputs + len(LORA_TARGETS) * a * lora_rank
+
+
+def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, checkpointing, trainable,
+                    largest_trainable, head_trainable=0, bytes_per=2, foreach=True):
+    """One micro-batch's forward/backward and the AdamW step, in bytes on top of the weights and
+    AdamW's moments (which stay allocated between steps). Gradients start at None each update.
+    `trainable`: trainable parameters; `largest_trainable`: the largest trainable tensor's numel;
+    `head_trainable`: parameters whose gradients exist from the start of backward (final norm and
+    lm_head; 0 under LoRA). Returns grads, adam (the moments), optimizer_temp, activations (the
+    largest working set besides gradients), the peak of each phase below and their max ("peak").
+      forward, model: the kept activations and the logits [n, L, V] (model dtype, d V), then
+        token_logprobs' fp32 copy and its division by T                                  8 V
+      forward, logits: token_logprobs keeps its fp32 log_softmax (4 V); the first pass's entropy
+        monitor holds logits / T, log_softmax, exp, nan_to_num and their product at once  20 V
+      forward, lm_head under LoRA: logits_to_keep slices the hidden states; with a frozen weight
+        matmul does not fold the non-contiguous [n, L, h] slice into one matrix (torch folds only
+        when the weight needs a gradient) but broadcasts the weight to [n, h, V] for bmm, and the
+        CPU's bmm copies it (n V h; its backward copies it again). CUDA's batched GEMM may read the
+        expanded weight in place; then the plan is high by this term (1 GiB at n = 8).
+      backward: the fp32 gradient chain of the logits (gather, log_softmax)           (d + 12) V;
+        lm_head's backward (the logits' gradient, the weight copy, the head's gradients);
+        with checkpointing, the layer inputs + one layer recomputed in full; at its end all
+        gradients (they grow layer by layer as the activations are freed)
+      step: all gradients + AdamW's temporaries (+ the logits, still referenced): with foreach (the
+        default on CUDA) one copy of exp_avg_sq for all parameters (its sqrt); per tensor (CPU),
+        sqrt and its quotient of the largest tensor."""
+    d, h, V = bytes_per, text_config.hidden_size, text_config.vision_vocab_size
+    tokens = samples * (prompt_tokens + generated - 1)       # teacher-forced input: prompt + generated[:-1]
+    logit_rows = samples * generated
+    layer = layer_activation_bytes(text_config, lora_rank, d) * tokens
+    layers = text_config.num_hidden_layers
+    kept = layers * d * h * tokens if checkpointing else layers * layer
+    # final norm's fp32 input (+ with a trained head its normalised value and lm_head's input);
+    # M-RoPE's cos and sin [n, T, rotary dim], shared by all layers
+    rotary = int((getattr(text_config, "head_dim", None) or h // text_config.num_attention_heads)
+                 * text_config.rope_parameters.get("partial_rotary_factor", 1.0))
+    outside = tokens * (4 * h + (0 if lora_rank else 2 * d * h) + 2 * rotary * d)
+    grad_bytes = ADAPTER_BYTES if lora_rank else d      # gradients and moments in the parameters' dtype
+    grads = grad_bytes * trainable
+    head_grads = head_trainable * grad_bytes
+    logits = logit_rows * d * V                               # held by the update until the next micro-batch
+    head_copy = 0 if head_trainable else samples * V * h * d  # a frozen lm_head's weight, once per sample
+    held = kept + outside + logits
+    forward_model = held + max(head_copy, logit_rows * 8 * V)
+    forward_logits = held + logit_rows * 24 * V
+    backward_activations = max(held + logit_rows * 12 * V, held + logits + head_copy,
+                               kept + logits + layer if checkpointing else 0)
+    backward = max(backward_activations + head_grads, grads + logits)
+    optimizer_temp = grad_bytes * (trainable if foreach else 2 * largest_trainable)
+    step = grads + optimizer_temp + logits
+    return {"grads": grads, "adam": 2 * grad_bytes * trainable, "optimizer_temp": optimizer_temp,
+            "activations": max(forward_model, forward_logits, backward_activations),
+            "forward_model": forward_model, "forward_logits": forward_logits, "backward": backward, "step": step,
+            "peak": max(forward_model, forward_logits, backward, step)}
+
+
+def ar_weight_bytes(total_params, trainable, lora_rank, bytes_per=2):
+    """The AR's weights in the model dtype, plus fp32 LoRA adapters (which are not in a bare model's count)."""
+    return bytes_per * total_params + (ADAPTER_BYTES * trainable if lora_rank else 0)
+
+
+def trainable_tensors(ar, lora_rank):
+    """Numels of the tensors prepare_policy trains: every language-model weight and lm_head (the
+    vision encoder and VQ stay frozen), or LoRA's A [r, in] and B [out, r] of each adapted Linear."""
+    if not lora_rank:
+        return [p.numel() for m in (ar.model.language_model, ar.lm_head) for p in m.parameters()]
+    return [n for name, m in ar.model.language_model.named_modules()
+            if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in LORA_TARGETS
+            for n in (lora_rank * m.in_features, m.out_features * lora_rank)]
+
+
+def lora_parameter_count(ar, rank):
+    """r * (in + out) per adapted Linear of the language model: A is [r, in], B is [out, r]."""
+    return sum(trainable_tensors(ar, rank))
+
+
+def memory_plan(components, height, width, samples, prompt_tokens=64, ranks=(64, 16), mode="t2i",
+                image_processor=None, bytes_per=2, foreach=True, beta=0.0):
+    """Bytes per component and per training mode. Weights in the model dtype (bf16 on CUDA: 2 B);
+    LoRA adapters, their gradients and AdamW moments fp32; under full fine-tuning gradients and
+    moments take the weights' dtype (torch's AdamW allocates its state like the parameter: bf16
+    weights get bf16 moments). Returns (rows, parameter counts, tokens per sample)."""
     ar = components["ar"]
+    tc = ar.config.text_config
     counts = {name: numel(module) for name, module in components.items()}
-    frozen = {k: 2 * v for k, v in counts.items() if k != "ar"}
-    full = numel(ar.model.language_model) + numel(ar.lm_head)      # vision encoder + VQ stay frozen
-    tokens = prompt_tokens + generated_tokens(height, width)
+    frozen = {k: bytes_per * v for k, v in counts.items() if k != "ar"}
+    prompt_len, generated = ar_sequence(mode, height, width, prompt_tokens, image_processor)
+    head = numel(ar.model.language_model.norm) + numel(ar.lm_head)
     rows = []
-    for mode, trainable in [("full", full)] + [(f"lora-{r}", lora_parameter_count(ar, r)) for r in ranks]:
-        lora = mode != "full"
-        weights = 2 * counts["ar"] + (4 * trainable if lora else 0)
-        grads = (4 if lora else 2) * trainable
-        adam = 8 * trainable
+    for rank in (0,) + tuple(ranks):
+        tensors = trainable_tensors(ar, rank)
+        trainable = sum(tensors)
+        # the KL reference of full fine-tuning is a frozen copy of the AR (LoRA: adapters off)
+        weights = ar_weight_bytes(counts["ar"], trainable, rank, bytes_per)
+        reference = bytes_per * counts["ar"] if beta > 0 and not rank else 0
         for checkpointing in (False, True):
-            act = activation_bytes(ar.config.text_config, tokens, samples, checkpointing)
-            rows.append({"mode": mode, "grad_ckpt": checkpointing, "micro_batch": samples, "trainable_params": trainable,
-                         "ar_weights": weights, "grads": grads, "adam": adam, "activations": act,
-                         # offloaded, a frozen part is on the GPU only while it runs, never during backward
-                         "peak_offload": weights + grads + adam + max(act, max(frozen.values())),
-                         "peak_no_offload": weights + grads + adam + act + sum(frozen.values())})
-    return rows, counts, tokens
+            u = ar_update_bytes(tc, samples, prompt_len, generated, rank, checkpointing, trainable, max(tensors),
+                                0 if rank else head, bytes_per, foreach)
+            resident = weights + reference + u["adam"]
+            # between updates the gradients stay allocated (zero_grad comes at the next update)
+            # while the frozen parts run: offloaded, one at a time; else all of them, always
+            rows.append({"mode": f"lora-{rank}" if rank else "full", "grad_ckpt": checkpointing,
+                         "micro_batch": samples, "trainable_params": trainable, "ar_weights": weights + reference,
+                         "grads": u["grads"], "adam": u["adam"], "activations": u["activations"],
+                         "update_peak": resident + u["peak"],
+                         "peak_offload": resident + max(u["peak"], u["grads"] + max(frozen.values())),
+                         "peak_no_offload": resident + max(u["peak"], u["grads"]) + sum(frozen.values())})
+    return rows, counts, prompt_len + generated
 
 
 def dit_lora_parameter_count(dit, rank):
@@ -1938,11 +2065,15 @@ def dit_memory_plan(components, height, width, samples, cfg, ar_row, text_tokens
     for mode, trainable in [("full", counts["dit"])] + [(f"lora-{r}", dit_lora_parameter_count(dit, r)) for r in ranks]:
         lora = mode != "full"
         weights = 2 * counts["dit"] + (4 * trainable if lora else 0)
-        grads, adam = (4 if lora else 2) * trainable, 8 * trainable
+        # AdamW's moments take the parameters' dtype (bf16 DiT weights: bf16 moments); its foreach
+        # step (CUDA) holds one more moment-sized copy. Gradients accumulate over the trained
+        # steps, so they sit beside one step's activations. (Activations: not measured, unlike the AR's.)
+        grad_bytes = ADAPTER_BYTES if lora else 2
+        grads, adam = grad_bytes * trainable, 2 * grad_bytes * trainable
         for checkpointing in (False, True):
             layers = dit.config.num_layers
             act = (layers * tokens * samples * passes * hidden * 2 + per_block) if checkpointing else layers * per_block
-            dit_peak = weights + grads + adam + act
+            dit_peak = weights + grads + adam + max(act, grad_bytes * trainable)
             rows.append({"mode": mode, "grad_ckpt": checkpointing, "trainable_params": trainable, "dit_weights": weights,
                          "grads": grads, "adam": adam, "activations": act,
                          # the frozen AR (bf16) sits beside it, the other frozen parts are offloaded
@@ -1952,11 +2083,15 @@ def dit_memory_plan(components, height, width, samples, cfg, ar_row, text_tokens
 
 
 def print_memory_plan(args):
+    image_processor = None
     if args.model == TINY:
-        components = {name: getattr(build_tiny_pipeline(args.seed), attr) for name, attr in
+        pipe = build_tiny_pipeline(args.seed)
+        image_processor = pipe.processor.image_processor
+        components = {name: getattr(pipe, attr) for name, attr in
                       [("ar", "vision_language_encoder"), ("dit", "transformer"), ("glyph_t5", "text_encoder"), ("vae", "vae")]}
     elif Path(args.model).is_dir():
         components = saved_glm_image_on_meta(args.model)
+        image_processor = saved_image_processor(args.model)
     else:
         components = real_glm_image_on_meta()
     # AR activations are held for one forward/backward: --micro-batch-size samples (default G),
@@ -1964,20 +2099,27 @@ def print_memory_plan(args):
     # denoising step over the whole batch at once.
     samples, batch = args.micro_batch_size or args.group_size, args.group_size * args.prompts_per_step
     ranks = (args.lora_rank,) if args.lora_rank else (64, 16)
-    rows, counts, tokens = memory_plan(components, args.height, args.width, samples, ranks=ranks)
+    rows, counts, tokens = memory_plan(components, args.height, args.width, samples, ranks=ranks, mode=args.mode,
+                                       image_processor=image_processor, beta=args.beta)
+    prompt_len, generated = ar_sequence(args.mode, args.height, args.width, image_processor=image_processor)
     # the tiny model's bytes would all print as 0.0 GiB: small models get MiB and thousands
     unit, unit_name = (GiB, "GiB") if max(r["peak_no_offload"] for r in rows) >= GiB else (1024 ** 2, "MiB")
     count_div, count_name = (1e6, "M") if max(counts.values()) >= 1e8 else (1e3, "k")
     print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count_div:,.1f} {count_name}" for k, v in counts.items()))
-    print(f"teacher-forced pass: {samples} samples x {tokens} tokens ({args.height}x{args.width}); "
-          f"estimates in {unit_name}\n")
-    print("| mode | grad ckpt | micro-batch | trainable | AR weights | grads | AdamW | activations | peak, offload | peak, no offload |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    layout = f"{prompt_len} prompt + {generated} generated"
+    if args.mode == "i2i":
+        layout = layout.replace(" prompt", f" prompt incl. the source's {source_tokens(args.height, args.width, image_processor)} VQ tokens")
+    print(f"--mode {args.mode}, teacher-forced pass: {samples} samples x {tokens} tokens ({layout}, "
+          f"{args.height}x{args.width}); estimates in {unit_name}, bf16 weights, torch's AdamW (foreach)"
+          + (", KL reference copy for full fine-tuning" if args.beta > 0 else "") + "\n")
+    print("| mode | grad ckpt | micro-batch | trainable | AR weights | grads | AdamW | activations | update peak | "
+          "peak, offload | peak, no offload |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         cells = [r["mode"], "yes" if r["grad_ckpt"] else "no", str(r["micro_batch"]),
                  f"{r['trainable_params'] / count_div:.1f} {count_name}"]
-        cells += [f"{r[k] / unit:.1f}" for k in ("ar_weights", "grads", "adam", "activations", "peak_offload",
-                                                 "peak_no_offload")]
+        cells += [f"{r[k] / unit:.1f}" for k in ("ar_weights", "grads", "adam", "activations", "update_peak",
+                                                 "peak_offload", "peak_no_offload")]
         print("| " + " | ".join(cells) + " |")
     ar_row = next(r for r in rows if r["mode"] == f"lora-{ranks[0]}" and r["grad_ckpt"])
     dit_rows = dit_memory_plan(components, args.height, args.width, batch, args.guidance_scale > 1, ar_row)
