@@ -1813,8 +1813,7 @@ PLAN_BAND = (0.75, 1.25)
 MEASURED_CONFIGS = [(64, False), (64, True), (0, False), (0, True)]        # (LoRA rank, checkpointing)
 
 
-@pytest.mark.slow
-def test_memory_plan_matches_a_measured_update_at_the_real_width():
+def test_slow_memory_plan_matches_a_measured_update_at_the_real_width():
     code = ("import json, test_grpo_glm as t; "
             f"print(json.dumps([t.measure_update(r, c) for r, c in {MEASURED_CONFIGS}]))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, timeout=900,
