@@ -1666,8 +1666,8 @@ def trainable_state(model):
 
 
 def save_checkpoint(out_dir, step, model, optimizer, args, lr_scheduler):
-    """Writes <out>/checkpoints/step_NNNNNN.pt atomically. A Ctrl+C during the write is held
-    back and re-raised once the file is complete."""
+    """Writes <out>/checkpoints/step_NNNNNN.pt atomically. A Ctrl+C or SIGTERM during the write is
+    held back and re-raised once the file is complete."""
     path = out_dir / "checkpoints" / f"step_{step:06d}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": CHECKPOINT_FORMAT, "step": step, "trainable": trainable_state(model),
@@ -1676,13 +1676,14 @@ def save_checkpoint(out_dir, step, model, optimizer, args, lr_scheduler):
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     interrupted = []
-    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
+    previous = {s: signal.signal(s, lambda signum, _: interrupted.append(signum)) for s in STOP_SIGNALS}
     try:
         atomic_write_bytes(path, buffer.getvalue())
     finally:
-        signal.signal(signal.SIGINT, previous)
-    if interrupted:
-        signal.raise_signal(signal.SIGINT)   # now handled as usual (see StopAfterStep)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    for signum in interrupted:
+        signal.raise_signal(signum)   # now handled as usual (see StopAfterStep)
     return path
 
 
@@ -2115,24 +2116,85 @@ def keep_aside(checkpoints):
         print(f"note: kept {path.name} of the dropped history as {path.name}.dropped")
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)   # Ctrl+C; what Slurm, Kubernetes and torchrun send before SIGKILL
+
+
+class AbandonStep(BaseException):
+    """A stop signal came before the step's UPDATE: drop the step (a BaseException, so that no
+    `except Exception` on the way, e.g. around a reward plug-in, swallows it)."""
+
+
 class StopAfterStep:
-    """The first Ctrl+C asks the loop to finish the current step and checkpoint it: a step
-    interrupted halfway (weights updated by some inner epochs, not all) is no state to resume
-    from. A second Ctrl+C stops at once."""
+    """Ctrl+C (SIGINT) and SIGTERM stop the run at a state that can be resumed, and exit 128 + signal
+    number (130, 143). Before the step's UPDATE (sampling, decoding, rewards: most of a step) nothing
+    has touched the weights yet, so the step is abandoned at once and the previous step is the one
+    saved; a schedulers' grace period (Slurm's KillWait, Kubernetes' 30 s) is then enough. Once the
+    update has begun, the step is finished and saved: a step updated by some inner epochs, not all,
+    is no state to resume from. A second Ctrl+C stops at once (the last checkpoint is complete); a
+    second SIGTERM changes nothing (Slurm signals every process and torchrun forwards its own, so a
+    rank may get two). Under torchrun the ranks decide together (`before_update`, and the loop's
+    check after each step)."""
 
     def __init__(self):
-        self.requested = False
-        self.previous = signal.signal(signal.SIGINT, self.request)
+        self.signum = None          # the first stop signal received
+        self.abandonable = False    # True from a step's start until its update begins
+        self.previous = {s: signal.signal(s, self.request) for s in STOP_SIGNALS}
 
-    def request(self, *_):
+    @property
+    def requested(self):
+        return self.signum is not None
+
+    def request(self, signum, _frame):
         if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        print("\nCtrl+C: finishing this step and saving a checkpoint (Ctrl+C again to quit now)",
-              file=sys.stderr, flush=True)
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
+        self.signum = signum
+        name = "Ctrl+C" if signum == signal.SIGINT else signal.Signals(signum).name
+        if rank() == 0:
+            print(f"\n{name}: " + ("abandoning this step (its update has not begun) and saving the last one"
+                                   if self.abandonable else "finishing this step and saving a checkpoint")
+                  + " (Ctrl+C to quit now)", file=sys.stderr, flush=True)
+        if self.abandonable:
+            self.abandonable = False
+            raise AbandonStep
+
+    def begin_step(self):
+        self.abandonable, self.agreed = True, False
+        if self.requested:          # came after the last step's stop check: nothing of this step to keep
+            self.abandonable = False
+            raise AbandonStep
+
+    def agree(self):
+        """True if any rank got a stop signal; all ranks then adopt its number (for the exit code)."""
+        if is_ddp():
+            seen = torch.tensor(int(self.signum or 0), device=collective_device())
+            dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+            if seen.item() and not self.requested:
+                self.signum = int(seen.item())
+                if rank() == 0:
+                    print(f"{signal.Signals(self.signum).name} on another rank: stopping", file=sys.stderr, flush=True)
+        return self.requested
+
+    def before_update(self):
+        """Called by the step right before its UPDATE: the last moment to drop it. All ranks take
+        part (a rank whose handler raised AbandonStep joins from the loop, see `agree_after_abandon`)."""
+        self.abandonable, self.agreed = False, True
+        if self.agree():
+            raise AbandonStep
+
+    def agree_after_abandon(self):
+        """A rank that left its step early still answers the other ranks' before_update vote."""
+        if not self.agreed:
+            self.agreed = True
+            self.agree()
+
+    def exit_code(self):
+        return 128 + self.signum
 
     def restore(self):
-        signal.signal(signal.SIGINT, self.previous)
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
 
 
 @dataclass
@@ -2150,6 +2212,7 @@ class Trainer:
     dit_reference: object = None  # frozen initial DiT for the KL term (full fine-tuning, beta > 0)
     prompt_tokens: dict = None   # --policy dit --dit-prior per-prompt: prompt index -> its token grid
     policy: object = None        # what the AR's training forward runs through: the AR, or its DDP wrapper
+    before_update: object = None  # called right before each UPDATE (the stop handler's last chance to drop the step)
 
 
 def grpo_step(trainer, items, indices, step, args, slots=None):
@@ -2185,6 +2248,8 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
     # ---- ADVANTAGE -------------------------------------------------------------------------
     advantages = group_advantages(rewards, args.group_size)                                # [N]
     # ---- UPDATE ----------------------------------------------------------------------------
+    if trainer.before_update:
+        trainer.before_update()
     ref_logp = (reference_logprobs(ar, trainer.reference, rollout, args.temperature, trainer.suppressed, M)
                 if args.beta > 0 else None)
     ar.train()   # only switches gradient checkpointing on: GLM-Image's AR has no dropout, so the
@@ -2270,6 +2335,8 @@ def grpo_step_dit(trainer, items, indices, step, args):
     # ---- ADVANTAGE: the same function for both halves ---------------------------------------
     advantages = group_advantages(rewards, G)                                              # [N]
     # ---- UPDATE ------------------------------------------------------------------------------
+    if trainer.before_update:
+        trainer.before_update()
     ar_terms = None
     if train_ar:
         ref_logp = (reference_logprobs(ar, trainer.reference, rollout, args.temperature, trainer.suppressed)
@@ -2393,25 +2460,46 @@ def train(args):
               + f" | lr schedule {args.lr_scheduler}, warm-up {args.lr_warmup_steps} | report to {args.report_to}")
         tracker = open_tracker(args, out, start)
 
+    def indices_of(step):
+        """This rank's prompts of `step`: every rank computes the same global list and takes its block."""
+        step_prompts = prompts_for_step(len(items), args.prompts_per_step, step, args.seed)
+        return [step_prompts[s] for s in rank_slots(args.prompts_per_step)]
+
     last_saved, bad_steps, collapse_warned = start, 0, False
     stop = StopAfterStep()
+    trainer.before_update = stop.before_update
     try:
         for step in range(start + 1, args.steps + 1):
             t0 = time.time()
-            # every rank computes the same global prompt list and takes its block of it
-            slots = rank_slots(args.prompts_per_step)
-            step_prompts = prompts_for_step(len(items), args.prompts_per_step, step, args.seed)
-            indices = [step_prompts[s] for s in slots]
-            if args.policy == "ar":
-                (row, rewards, images, targets, sources), ode = grpo_step(trainer, items, indices, step, args, slots), None
-            else:
-                row, rewards, images, targets, sources, ode = grpo_step_dit(trainer, items, indices, step, args)
+            indices = indices_of(step)
+            step_rng = rng_state()        # what a checkpoint of the previous step holds, if this one is dropped
+            try:
+                stop.begin_step()
+                if args.policy == "ar":
+                    (row, rewards, images, targets, sources), ode = grpo_step(
+                        trainer, items, indices, step, args, rank_slots(args.prompts_per_step)), None
+                else:
+                    row, rewards, images, targets, sources, ode = grpo_step_dit(trainer, items, indices, step, args)
+            except AbandonStep:           # a stop signal before the update: the weights are still step - 1's
+                stop.agree_after_abandon()
+                set_rng_state(step_rng)
+                if step - 1 > last_saved and lead:
+                    save_checkpoint(out, step - 1, trainer.trained, trainer.optimizer, args, trainer.lr_scheduler)
+                    if args.checkpoints_total_limit:
+                        prune_checkpoints(out, args.checkpoints_total_limit)
+                all_ranks_agree(True)     # the others wait for rank 0's file before they exit
+                if lead:
+                    print(f"interrupted in step {step} before its update: " + (
+                        f"step {step - 1} is saved in {out / 'checkpoints' / f'step_{step - 1:06d}.pt'}; continue with "
+                        f"--resume latest --out {out}"
+                        if step - 1 > 0 else "no step finished, nothing to save"), file=sys.stderr)
+                sys.exit(stop.exit_code())
             row["lr"] = trainer.lr_scheduler.get_last_lr()[0]    # the lr this step's updates used
             trainer.lr_scheduler.step()
             # ---- LOG -------------------------------------------------------------------------
             row = reduce_metrics(row)
             row["seconds"] = round(time.time() - t0, 3)
-            stopping = not all_ranks_agree(not stop.requested)   # a Ctrl+C seen by any rank stops all
+            stopping = stop.agree()                               # a stop signal seen by any rank stops all
             if lead:
                 append_metrics(metrics_path, row)
                 if tracker:
@@ -2442,10 +2530,11 @@ def train(args):
                         prune_checkpoints(out, args.checkpoints_total_limit)
                 last_saved = step
             if stopping:
+                all_ranks_agree(True)     # the others wait for rank 0's file before they exit
                 if lead:
                     print(f"interrupted: saved step {step} to {path}; continue with --resume latest --out {out}",
                           file=sys.stderr)
-                sys.exit(130)
+                sys.exit(stop.exit_code())
     except KeyboardInterrupt:   # the second Ctrl+C: leave now, the last checkpoint is complete
         print(f"\ninterrupted: last checkpoint is step {last_saved} in {out / 'checkpoints'}", file=sys.stderr)
         sys.exit(130)
@@ -2455,6 +2544,8 @@ def train(args):
             save_reward_curve(out / "reward_curve.png", read_metrics(metrics_path))
         if tracker:
             tracker.close()
+        if lead:
+            lock.close()     # (the process's end would release it too; an in-process caller may run again)
     if args.save_pipeline and lead:
         save_trained_pipeline(trainer.pipe, args)
     return trainer.pipe

@@ -881,6 +881,55 @@ def test_offload_hooks_only_the_frozen_parts_and_keep_training_exact():
     assert rows[True] == rows[False]
 
 
+SIGNAL_REWARD = """import os, signal
+import grpo_glm
+calls = []
+def score(images, prompts, targets):
+    calls.append(1)
+    if len(calls) == int(os.environ.get("SIGNAL_AT_CALL", "0")) and os.environ.get("RANK", "0") == os.environ.get(
+            "SIGNAL_RANK", "0"):
+        signal.raise_signal(signal.SIGTERM)       # as Slurm or Kubernetes would, while the step computes rewards
+    return grpo_glm.mse_reward(images, targets)
+score.uses_targets = True
+"""
+
+
+def test_sigterm_before_the_update_drops_the_step_and_saves_the_last_one(tmp_path, monkeypatch, capsys):
+    (tmp_path / "term.py").write_text(SIGNAL_REWARD)
+    monkeypatch.setenv("SIGNAL_AT_CALL", "2")            # in step 2, before its update
+    flags = ["--save-every", "10", "--reward", f"{tmp_path}/term.py:score", *SMALL]
+    with pytest.raises(SystemExit) as stop:
+        g.main(["--steps", "5", "--out", str(tmp_path / "a"), *flags])
+    err = capsys.readouterr().err
+    assert stop.value.code == 143 and "SIGTERM: abandoning this step" in err and "Traceback" not in err
+    assert "interrupted in step 2 before its update: step 1 is saved" in err
+    assert [p.name for p in (tmp_path / "a" / "checkpoints").glob("*.pt")] == ["step_000001.pt"]
+    assert [r["step"] for r in read_metrics(tmp_path / "a")] == [1]
+    monkeypatch.setenv("SIGNAL_AT_CALL", "0")
+    g.main(["--steps", "2", "--out", str(tmp_path / "a"), "--resume", "latest", *flags])
+    g.main(["--steps", "2", "--out", str(tmp_path / "b"), *flags])
+    assert deterministic(read_metrics(tmp_path / "a")) == deterministic(read_metrics(tmp_path / "b"))
+
+
+def test_sigterm_during_the_update_finishes_and_saves_the_step(tmp_path, monkeypatch, capsys):
+    real = g.grpo_update
+
+    def update_then_sigterm(*args):
+        signal.raise_signal(signal.SIGTERM)       # arrives during the update: the step is finished
+        signal.raise_signal(signal.SIGTERM)       # a second one (Slurm and torchrun both send one) changes nothing
+        return real(*args)
+
+    monkeypatch.setattr(g, "grpo_update", update_then_sigterm)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as stop:
+        g.main(["--steps", "5", "--out", str(out), "--save-every", "10", *SMALL])
+    err = capsys.readouterr().err
+    assert stop.value.code == 143 and "SIGTERM: finishing this step" in err
+    assert f"saved step 1 to {out / 'checkpoints' / 'step_000001.pt'}" in err
+    assert [r["step"] for r in read_metrics(out)] == [1] and g.read_checkpoint(out / "checkpoints" / "step_000001.pt")
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL       # the run's handler is gone again
+
+
 def test_ctrl_c_during_a_checkpoint_write_is_held_until_the_file_is_complete(tmp_path, monkeypatch):
     args = g.resolve_runtime(g.parse_args([]))
     model = torch.nn.Linear(3, 2)
@@ -1507,3 +1556,25 @@ def test_a_dying_rank_stops_the_other_with_a_message(tmp_path):
             p.kill()
     assert procs[0].returncode == 1
     assert "error: rank 0 lost contact with the other processes" in stderr and "Traceback" not in stderr
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_rank_stops_both_with_the_last_step_saved(tmp_path):
+    """Rank 1 alone gets SIGTERM in step 2, before the update: both ranks drop step 2 together
+    (no rank waits in an update the other never starts), rank 0 saves step 1, both exit 143."""
+    (tmp_path / "term.py").write_text(SIGNAL_REWARD)
+    out, port = tmp_path / "run", free_port()
+    argv = [sys.executable, str(HERE / "grpo_glm.py"), "--steps", "5", "--out", str(out), "--group-size", "4",
+            "--sample-every", "0", "--dist-timeout", "60", "--reward", f"{tmp_path}/term.py:score"]
+    env = {**os.environ, "SIGNAL_AT_CALL": "2", "SIGNAL_RANK": "1"}
+    procs = [subprocess.Popen(argv, env={**env, **rank_env(r, 2, port)}, cwd=HERE, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        errs = [p.communicate(timeout=180)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [143, 143], errs
+    assert "interrupted in step 2 before its update: step 1 is saved" in errs[0] and "Traceback" not in errs[0] + errs[1]
+    assert [p.name for p in (out / "checkpoints").glob("*.pt")] == ["step_000001.pt"]
+    assert [r["step"] for r in read_metrics(out)] == [1]
