@@ -57,7 +57,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 import torch.distributed as dist
-from PIL import Image, ImageDraw, UnidentifiedImageError
+from PIL import Image, ImageDraw, ImageOps, UnidentifiedImageError
 
 CHECKPOINT_FORMAT = "grpo_glm-checkpoint-v2"   # v2: + lr schedule, DiT weights (--policy)
 TINY = "tiny"
@@ -479,6 +479,7 @@ def prepare_dit_policy(dit, args):
 # =============================================================================================
 # 3. Prompts and targets
 # =============================================================================================
+EXIF_ORIENTATION = 0x0112
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (240, 210, 40),
            "white": (255, 255, 255), "black": (0, 0, 0), "orange": (245, 140, 30), "purple": (140, 60, 180)}
 SHAPES = ("circle", "square", "triangle")
@@ -486,9 +487,31 @@ SHAPES = ("circle", "square", "triangle")
 
 @dataclass
 class PromptItem:
+    """One prompt line. Its images are read (or drawn) each time a step asks for them, never kept:
+    1,000 targets at 1024^2 held 4.6 GB per process. `target` / `source`: RGB, --width x --height,
+    or None (no target given and no reward reads one; t2i has no source)."""
     text: str
-    target: Image.Image          # RGB, --width x --height; None when no reward uses targets and none is given
-    source: Image.Image = None   # i2i only: the image to edit, RGB, --width x --height
+    where: str                   # 'prompts.txt:3', for messages
+    size: tuple                  # (height, width) images are resized to
+    mode: str = "t2i"
+    target_file: Path = None
+    source_file: Path = None
+    draw_target: bool = False    # no target file: draw the demo target from the prompt's words
+    draw_source: bool = False    # i2i, no source file: draw the demo source
+
+    @property
+    def target(self):
+        if self.target_file:
+            return read_image(self.target_file, self.where, "target", self.size)
+        if self.draw_target:
+            return draw_demo(self.text, *self.size, self.where, "target" if self.mode == "i2i" else None)
+        return None
+
+    @property
+    def source(self):
+        if self.source_file:
+            return read_image(self.source_file, self.where, "source", self.size)
+        return draw_demo(self.text, *self.size, self.where, "source") if self.draw_source else None
 
 
 def read_prompts(path, height, width, mode="t2i", need_targets=True):
@@ -498,7 +521,9 @@ def read_prompts(path, height, width, mode="t2i", need_targets=True):
     ('colour #ff0000'). Images of another size are resized to --width x --height; i2i sources
     too, which keeps them multiples of 32 px and lets a whole group decode in one call.
     With need_targets=False (no reward reads targets) a missing target stays None instead of
-    being drawn from the prompt's words, so any line is a valid prompt."""
+    being drawn from the prompt's words, so any line is a valid prompt.
+    Every image is checked here (it opens, its header and size read) but its pixels are read only
+    when a step uses it (PromptItem)."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"--prompts {path}: file not found")
@@ -512,19 +537,25 @@ def read_prompts(path, height, width, mode="t2i", need_targets=True):
         if len(paths) > (2 if mode == "i2i" else 1):
             raise UsageError(f"{where}: too many '|' fields for --mode {mode}")
         paths += [""] * (2 - len(paths))
-        images = [load_image(path.parent / p, where, kind) if p else None for p, kind in zip(paths, ("target", "source"))]
-        resized |= any(im is not None and im.size != (width, height) for im in images)
-        for image, name, kind in zip(images, paths, ("target", "source")):
-            if image is not None and image.width * height != image.height * width:
-                print(f"note: {where}: {kind} {name} is {image.width}x{image.height}, squashed to {width}x{height} "
+        files = [path.parent / p if p else None for p in paths]
+        for file, name, kind in zip(files, paths, ("target", "source")):
+            if file is None:
+                continue
+            w, h = check_image(file, where, kind)
+            resized |= (w, h) != (width, height)
+            if w * height != h * width:
+                print(f"note: {where}: {kind} {name} is {w}x{h}, squashed to {width}x{height} "
                       "(another aspect ratio; crop it yourself to keep its proportions)")
-        target, source = (im.resize((width, height), Image.BICUBIC) if im else None for im in images)
+        target_file, source_file = files
         if mode == "t2i":
-            target = target or (draw_demo_image(text, height, width, where) if need_targets else None)
-        elif source is None or (target is None and need_targets):
-            drawn_source, drawn_target = draw_demo_edit(text, height, width, where)
-            target, source = target or drawn_target, source or drawn_source
-        items.append(PromptItem(text, target, source))
+            draw_target, draw_source = target_file is None and need_targets, False
+        else:
+            draw_source = source_file is None
+            draw_target = target_file is None and (need_targets or draw_source)
+        item = PromptItem(text, where, (height, width), mode, target_file, source_file, draw_target, draw_source)
+        if draw_target or draw_source:
+            demo_words_or_fail(text, where, mode)
+        items.append(item)
     if not items:
         raise UsageError(f"--prompts {path}: no prompts (only blank or comment lines)")
     if resized:
@@ -544,14 +575,44 @@ def read_utf8(path):
                          "save the file as UTF-8")
 
 
-def load_image(path, where, kind):
+def check_image(path, where, kind):
+    """(width, height) of an image file as it will be shown, from its header alone (PIL decodes
+    pixels only on load); a file PIL cannot identify, or whose data is broken, is a UsageError."""
     try:
         with Image.open(path) as image:
-            return to_rgb(image)
+            image.verify()            # PNG: chunk CRCs (no decoding); other formats: what PIL can check
+        with Image.open(path) as image:   # (verify must come first and leaves the file unusable)
+            size = image.size
+            turned = header_exif(image).get(EXIF_ORIENTATION, 1) in (5, 6, 7, 8)   # 90-degree turns
     except FileNotFoundError:
         raise UsageError(f"{where}: {kind} image {path} not found")
+    except (UnidentifiedImageError, OSError, SyntaxError) as e:
+        raise UsageError(f"{where}: {kind} {path} is not a readable image ({type(e).__name__})")
+    return size[::-1] if turned else size
+
+
+def header_exif(image):
+    """EXIF tags without decoding pixels. (PNG's getexif() decodes the whole image to look for an
+    eXIf chunk after the pixel data; one before it is in image.info.)"""
+    if image.format != "PNG":
+        return image.getexif()
+    exif = Image.Exif()
+    if "exif" in image.info:
+        exif.load(image.info["exif"])
+    return exif
+
+
+def read_image(path, where, kind, size):
+    """An image file as RGB, upright (its EXIF orientation applied, as viewers show a phone photo),
+    resized to size = (height, width)."""
+    try:
+        with Image.open(path) as image:
+            image = to_rgb(ImageOps.exif_transpose(image))
+    except FileNotFoundError:
+        raise UsageError(f"{where}: {kind} image {path} not found (it was there at start-up)")
     except (UnidentifiedImageError, OSError) as e:
         raise UsageError(f"{where}: {kind} {path} is not a readable image ({type(e).__name__})")
+    return image if image.size == size[::-1] else image.resize(size[::-1], Image.BICUBIC)
 
 
 def to_rgb(image):
@@ -586,24 +647,26 @@ def draw_shape(shape, colour, background, height, width):
     return image
 
 
-def draw_demo_image(prompt, height, width, where):
-    """t2i demo target from the prompt's words: '<colour> <shape> on a <colour> background'."""
+def demo_words_or_fail(prompt, where, mode):
+    """(colours, shape) to draw the demo images from, or a UsageError saying what the line lacks."""
     colours, shape = demo_words(prompt)
-    if not colours or shape is None:
+    if mode == "t2i" and (not colours or shape is None):
         raise UsageError(f"{where}: no target image given and no colour+shape words to draw one "
                          f"(write 'prompt | target.png')")
-    return draw_shape(shape, colours[0], colours[1] if len(colours) > 1 else "white", height, width)
-
-
-def draw_demo_edit(prompt, height, width, where):
-    """i2i demo (source, target) from '... <colour> <shape> ... <colour>', e.g. 'make the red circle
-    blue': the source is the shape in the first colour, the target in the second, on white."""
-    colours, shape = demo_words(prompt)
-    if len(colours) < 2 or shape is None:
+    if mode == "i2i" and (len(colours) < 2 or shape is None):
         raise UsageError(f"{where}: --mode i2i needs 'prompt | target.png | source.png', or two colours and "
                          f"a shape to draw them (e.g. 'make the red circle blue')")
-    return (draw_shape(shape, colours[0], "white", height, width),
-            draw_shape(shape, colours[1], "white", height, width))
+    return colours, shape
+
+
+def draw_demo(prompt, height, width, where, role=None):
+    """Demo images from the prompt's words. t2i (role None): '<colour> <shape> on a <colour>
+    background'. i2i, from '... <colour> <shape> ... <colour>', e.g. 'make the red circle blue':
+    the source is the shape in the first colour, the target in the second, on white."""
+    colours, shape = demo_words_or_fail(prompt, where, "t2i" if role is None else "i2i")
+    if role is None:
+        return draw_shape(shape, colours[0], colours[1] if len(colours) > 1 else "white", height, width)
+    return draw_shape(shape, colours[0 if role == "source" else 1], "white", height, width)
 
 
 def prompts_for_step(num_prompts, per_step, step, seed):
@@ -618,6 +681,12 @@ def prompts_for_step(num_prompts, per_step, step, seed):
         indices.append(order[offset])
         position += 1
     return indices
+
+
+def batch_targets(batch):
+    """The step's target images [P, 3, H, W] in [0, 1], read now (PromptItem), or None if any is missing."""
+    targets = [it.target for it in batch]
+    return None if any(t is None for t in targets) else torch.stack([image_to_tensor(t) for t in targets])
 
 
 def image_to_tensor(image):
@@ -2241,8 +2310,7 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
                                       args.num_inference_steps, args.guidance_scale,
                                       sample_sources and sample_sources[rows])
                         for rows in row_slices(len(sample_prompts), M)])                  # [N, 3, H, W]
-    targets = (torch.stack([image_to_tensor(it.target) for it in batch])                  # [P, 3, H, W]
-               if all(it.target is not None for it in batch) else None)
+    targets = batch_targets(batch)                                                         # [P, 3, H, W] or None
     per_sample_targets = None if targets is None else targets.repeat_interleave(args.group_size, 0)
     rewards, per_reward = compute_rewards(trainer.rewards, images, sample_prompts, per_sample_targets)  # [N], {name: [N]}
     # ---- ADVANTAGE -------------------------------------------------------------------------
@@ -2328,8 +2396,7 @@ def grpo_step_dit(trainer, items, indices, step, args):
     # ---- DECODE + REWARD ---------------------------------------------------------------------
     with torch.no_grad():
         images = latents_to_images(pipe, trajectories.states[:, -1])                       # [N, 3, H, W]
-    targets = (torch.stack([image_to_tensor(it.target) for it in batch])                  # [P, 3, H, W]
-               if all(it.target is not None for it in batch) else None)
+    targets = batch_targets(batch)                                                         # [P, 3, H, W] or None
     rewards, per_reward = compute_rewards(trainer.rewards, images, repeat_each(prompts, G),
                                           None if targets is None else targets.repeat_interleave(G, 0))
     # ---- ADVANTAGE: the same function for both halves ---------------------------------------
