@@ -2634,6 +2634,40 @@ def save_trained_pipeline(pipe, args):
     print(f"saved the trained pipeline to {args.save_pipeline}")
 
 
+@torch.no_grad()
+def generate_images(pipe, prompts, sources=None, height=64, width=64, num_inference_steps=4, guidance_scale=1.0,
+                    temperature=None, seed=0):
+    """Text-to-image, or edits when `sources` (one PIL image per prompt) are given, with a pipeline
+    trained here (GlmImagePipeline.from_pretrained(--save-pipeline dir), or main()'s return value).
+    Returns one PIL image per prompt.
+
+    It runs the training's own code: sample_group (the AR samples the target grid, for an edit
+    reading the source's VQ tokens) and decode_images (DiT + VAE with prior_token_ids=). The
+    library's `pipe(prompt, image=[source])` fails in generate_prior_tokens (diffusers 0.42.1 with
+    transformers 5, see encode_sources); its text-to-image call works. Sources are made upright and
+    resized to width x height, as in training. temperature: default the saved generation config's
+    (the --temperature trained with). Seeds the global torch RNG (generate takes no generator)."""
+    if height % 32 or width % 32:
+        raise ValueError(f"height and width must be multiples of 32, got {height}x{width}")
+    if sources is not None and len(sources) != len(prompts):
+        raise ValueError(f"one source per prompt: got {len(sources)} sources for {len(prompts)} prompts")
+    ar = pipe.vision_language_encoder
+    temperature = temperature or getattr(ar.generation_config, "temperature", None) or 1.0
+    pipe.processor.tokenizer.padding_side = "left"        # as load_pipeline sets it for training
+    if sources is not None:
+        sources = [to_rgb(ImageOps.exif_transpose(s)).resize((width, height), Image.BICUBIC) for s in sources]
+    noise = group_noise(pipe, range(len(prompts)), 1, height, width, seed, 0, "per-prompt")
+    images = []
+    for k, prompt in enumerate(prompts):
+        torch.manual_seed(seed * 1_000_003 + k)
+        source = sources and sources[k: k + 1]
+        rollout = sample_group(pipe, [prompt], 1, temperature, height, width, "target", source, record_logp=False)
+        images.append(decode_images(pipe, [prompt], rollout, noise[k: k + 1], num_inference_steps, guidance_scale,
+                                    source))
+    pixels = torch.cat(images).clamp(0, 1).permute(0, 2, 3, 1).numpy()
+    return [Image.fromarray((p * 255).round().astype(np.uint8)) for p in pixels]
+
+
 def policy_generation_config(ar, codebook_size, temperature):
     """The sampling settings training used, as a generation config for inference.
 
