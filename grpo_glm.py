@@ -1188,14 +1188,15 @@ def grpo_update(policy, optimizer, params, rollout, advantages, ref_logp, args, 
     is dead code, as in several public GRPO scripts).
     Returns the metrics averaged over the passes that updated, plus `logp_diff_max` (first pass,
     max |logp - old_logp| over loss tokens: a live check of the bookkeeping, ~1e-6 in fp32) and
-    `skipped_updates` (passes whose loss or gradient was not finite), and `entropy` (first pass,
+    `skipped_updates` (passes whose loss or gradient was not finite; `skipped_nonfinite_loss` of them
+    for the loss), and `entropy` (first pass,
     the policy's mean entropy over the loss tokens, see below).
     `policy` is the AR, or its DDP wrapper under torchrun (the forward must go through the wrapper
     for DDP to average the gradients). Each pass runs over micro-batches of --micro-batch-size
     samples; the batch loss is the token mean over the whole batch, so each micro-batch's mean
     is weighted by its share of the batch's tokens and the accumulated gradient is the full-batch
     gradient."""
-    done, skipped, logp_diffs, entropy = [], 0, [], 0.0
+    done, skipped, bad_loss, logp_diffs, entropy = [], 0, 0, [], 0.0
     advantages = advantages.to(rollout.old_logp.device)
     tokens = rollout.loss_mask.sum()
     for epoch in range(args.inner_epochs):
@@ -1222,13 +1223,14 @@ def grpo_update(policy, optimizer, params, rollout, advantages, ref_logp, args, 
         # Under DDP the loss is this rank's, the gradient everyone's: decide together.
         if not all_ranks_agree(math.isfinite(summed["loss"]) and torch.isfinite(grad_norm)):
             skipped += 1            # never let a NaN/inf reach the weights (or a checkpoint)
+            bad_loss += not math.isfinite(summed["loss"])
             optimizer.zero_grad(set_to_none=True)
             continue
         optimizer.step()
         done.append({**summed, "grad_norm": grad_norm.item()})
     averaged = {key: sum(m[key] for m in done) / len(done) for key in done[0]} if done else {}
     return {**averaged, "entropy": entropy, "logp_diff_max": torch.stack(logp_diffs).max().item(),
-            "skipped_updates": skipped}
+            "skipped_updates": skipped, "skipped_nonfinite_loss": bad_loss}
 
 
 # =============================================================================================
@@ -1502,36 +1504,37 @@ def joint_update(trainer, ar_terms, dit_terms, args):
     ar_terms / dit_terms: callables epoch -> iterable of (loss, metrics). Returns the metrics (the
     DiT's prefixed 'dit/'), averaged over the passes that updated; logp_diff_max and entropy, which
     the terms give on the first pass only, from the first."""
-    done, skipped, first = [], 0, {}
+    done, skipped, bad_loss, first = [], 0, 0, {}
     first_pass_only = ("logp_diff_max", "entropy")
     halves = [(prefix, params, terms) for prefix, params, terms in
               [("", trainer.params, ar_terms), ("dit/", trainer.dit_params, dit_terms)] if terms]
     for epoch in range(args.inner_epochs):
         trainer.optimizer.zero_grad(set_to_none=True)
-        metrics, finite = {}, True
+        metrics, finite, loss_finite = {}, True, True
         for prefix, params, terms in halves:
             parts = []
             for loss, m in terms(epoch):
                 loss.backward()
-                finite &= bool(torch.isfinite(loss))
+                loss_finite &= bool(torch.isfinite(loss))
                 parts.append({**m, "loss": loss.item()})
             for key in parts[0]:
                 values = [p[key] for p in parts]
                 metrics[prefix + key] = sum(values) if key == "loss" else (
                     max(values) if key == "logp_diff_max" else sum(values) / len(values))
             norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            finite &= bool(torch.isfinite(norm))
+            finite &= bool(torch.isfinite(norm)) and loss_finite
             metrics[prefix + "grad_norm"] = norm.item()
         if epoch == 0:
             first = {k: v for k, v in metrics.items() if k.endswith(first_pass_only)}
         if not finite:
             skipped += 1
+            bad_loss += not loss_finite
             trainer.optimizer.zero_grad(set_to_none=True)
             continue
         trainer.optimizer.step()
         done.append({k: v for k, v in metrics.items() if not k.endswith(first_pass_only)})
     averaged = {key: sum(m[key] for m in done) / len(done) for key in done[0]} if done else {}
-    return {**averaged, **first, "skipped_updates": skipped}
+    return {**averaged, **first, "skipped_updates": skipped, "skipped_nonfinite_loss": bad_loss}
 
 
 # =============================================================================================
@@ -1553,6 +1556,25 @@ def warn_if_collapsed(row, warned):
           f"{entropy}: no learning signal: the policy has collapsed; lower --lr or raise --temperature",
           file=sys.stderr, flush=True)
     return True
+
+
+def skip_cause(row):
+    """What made a step skip all its updates: 'reward <names>', 'loss' or 'gradient'."""
+    bad = [k[len("rewards/"):] for k, v in row.items() if k.startswith("rewards/") and not math.isfinite(v)]
+    return f"reward {', '.join(bad)}" if bad else "loss" if row.get("skipped_nonfinite_loss") else "gradient"
+
+
+def non_finite_stop(causes, step, out):
+    """The message of the stop after 5 steps in a row whose updates were all skipped, naming what
+    was non-finite and only checkpoints that exist (the weights are still those of the last step that
+    updated, step - 5 or earlier)."""
+    seen = list(dict.fromkeys(causes))
+    advice = {"loss": "the policy's log-probs overflowed: try a lower --lr",
+              "gradient": "try a lower --lr or --max-grad-norm"}
+    what = "; ".join(f"non-finite {c} ({advice.get(c, 'fix the reward: it returned NaN or inf')})" for c in seen)
+    found = sorted((out / "checkpoints").glob("step_*.pt"))
+    saved = f"the last checkpoint is {found[-1]}" if found else "no checkpoint was written yet (none reached --save-every)"
+    return f"stopping: steps {step - len(causes) + 1}-{step} updated nothing: {what}; {saved}"
 
 
 def truncate_metrics(path, last_step):
@@ -2332,7 +2354,7 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
            "kl": update.get("kl", 0.0), "entropy": update["entropy"],
            "frac_reward_zero_std": zero_std.float().mean().item(),
            "grad_norm": update.get("grad_norm", float("nan")), "logp_diff_max": update["logp_diff_max"],
-           "skipped_updates": update["skipped_updates"],
+           "skipped_updates": update["skipped_updates"], "skipped_nonfinite_loss": update["skipped_nonfinite_loss"],
            **{f"rewards/{name}": value.mean().item() for name, value in per_reward.items()}}
     return row, rewards, images, targets, sources
 
@@ -2532,7 +2554,7 @@ def train(args):
         step_prompts = prompts_for_step(len(items), args.prompts_per_step, step, args.seed)
         return [step_prompts[s] for s in rank_slots(args.prompts_per_step)]
 
-    last_saved, bad_steps, collapse_warned = start, 0, False
+    last_saved, bad_steps, collapse_warned = start, [], False
     stop = StopAfterStep()
     trainer.before_update = stop.before_update
     try:
@@ -2578,10 +2600,9 @@ def train(args):
                       + (f"entropy {row['entropy']:.3f} | " if "entropy" in row else "")
                       + f"zero_std {row['frac_reward_zero_std']:.2f} | {row['seconds']:.2f}s", flush=True)
                 collapse_warned = warn_if_collapsed(row, collapse_warned)
-            bad_steps = bad_steps + 1 if row["skipped_updates"] == args.inner_epochs else 0
-            if bad_steps >= 5:
-                raise UsageError(f"stopping: loss or gradients were non-finite for {bad_steps} steps in a row "
-                                 f"(try a lower --lr); last good checkpoint is in {out / 'checkpoints'}")
+            bad_steps = bad_steps + [skip_cause(row)] if row["skipped_updates"] == args.inner_epochs else []
+            if len(bad_steps) >= 5:
+                raise UsageError(non_finite_stop(bad_steps, step, out))
             if lead and args.sample_every and step % args.sample_every == 0:   # rank 0's groups
                 sheet = save_sample_grid(out / "samples" / f"step_{step:06d}.png", [items[i].text for i in indices],
                                          targets, images, rewards, args.group_size, sources, ode)

@@ -636,7 +636,9 @@ def test_non_finite_loss_skips_the_update(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(g, "mse_reward", lambda images, targets: torch.full((images.shape[0],), float("nan")))
     with pytest.raises(SystemExit) as stop:
         g.main(["--steps", "8", "--out", str(out), "--save-every", "2", *SMALL])
-    assert stop.value.code == 2 and "non-finite" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "steps 1-5 updated nothing: non-finite reward mse (fix the reward" in err
+    assert f"the last checkpoint is {out / 'checkpoints' / 'step_000004.pt'}" in err and "--lr" not in err
     rows = read_metrics(out)
     assert len(rows) == 5 and all(r["skipped_updates"] == 4 for r in rows)
     initial = g.build_tiny_pipeline(0).vision_language_encoder.state_dict()
@@ -644,6 +646,22 @@ def test_non_finite_loss_skips_the_update(tmp_path, monkeypatch, capsys):
         weights = g.read_checkpoint(path)["trainable"]
         assert all(torch.isfinite(w).all() for w in weights.values())
         assert all(torch.equal(w, initial[name]) for name, w in weights.items())
+
+
+@pytest.mark.parametrize("cause", ["loss", "gradient"])
+def test_non_finite_stop_names_the_cause_and_no_missing_checkpoint(cause, tmp_path, monkeypatch, capsys):
+    if cause == "loss":
+        real = g.grpo_loss
+        monkeypatch.setattr(g, "grpo_loss", lambda *a, **k: (lambda loss, m: (loss * float("nan"), m))(*real(*a, **k)))
+    else:
+        monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, max_norm: torch.tensor(float("inf")))
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as stop:
+        g.main(["--steps", "8", "--out", str(out), "--inner-epochs", "1", "--sample-every", "0", *SMALL[:4]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1, err
+    assert f"non-finite {cause} (" in err[0] and "--lr" in err[0] and "reward" not in err[0]
+    assert "no checkpoint was written yet" in err[0] and not (out / "checkpoints").exists()
 
 
 # ---------------------------------------------------------------------------------------------
