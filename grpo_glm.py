@@ -972,6 +972,8 @@ def load_reward(spec):
             weight = float(text)
         except ValueError:
             raise UsageError(f"--reward {spec}: the weight after '=' must be a number, got {text!r}")
+        if not math.isfinite(weight):
+            raise UsageError(f"--reward {spec}: the weight after '=' must be finite, got {text!r}")
     if where == "mse":
         return Reward("mse", mse, weight, True)
     module_name, _, fn_name = where.rpartition(":")

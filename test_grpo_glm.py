@@ -1102,6 +1102,8 @@ def plugins(tmp_path):
     ("{tmp}/missing.py:f", "missing.py not found"),
     ("{tmp}/plug.py:nothing", "has no function nothing"),
     ("{tmp}/plug.py:half_nan=heavy", "weight after '=' must be a number"),
+    ("mse=nan", "weight after '=' must be finite, got 'nan'"),
+    ("mse=-inf", "weight after '=' must be finite, got '-inf'"),
     ("{tmp}/broken_import.py:f", "RuntimeError: no GPU here"),
     ("os.path:no_such_fn", "os.path has no function no_such_fn"),
 ])
