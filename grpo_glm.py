@@ -1548,15 +1548,24 @@ def append_metrics(path, row):
         f.write(json.dumps(row) + "\n")
 
 
-def warn_if_collapsed(row, warned):
+def warn_if_collapsed(row, warned, max_entropy):
     """Once per run, on stderr: most groups tied, so most advantages are 0 and the step trained
-    on (almost) nothing. Returns whether the warning has been given."""
+    on (almost) nothing. The entropy tells why: near 0, the policy has collapsed and draws G
+    identical samples; high (`max_entropy` = uniform over the codebook), the samples differ but
+    the reward gives them all the same value (a 0/1 reward that no sample passes yet). Returns
+    whether the warning has been given."""
     if warned or row["frac_reward_zero_std"] <= 0.5:
         return warned
-    entropy = f" (entropy {row['entropy']:.3f})" if "entropy" in row else ""     # --policy dit has no AR entropy
-    print(f"warning: step {row['step']}: {row['frac_reward_zero_std']:.0%} of groups have identical rewards"
-          f"{entropy}: no learning signal: the policy has collapsed; lower --lr or raise --temperature",
-          file=sys.stderr, flush=True)
+    head = f"warning: step {row['step']}: {row['frac_reward_zero_std']:.0%} of groups have identical rewards"
+    if "entropy" not in row:          # --policy dit: no AR entropy; the SDE noise keeps samples apart
+        why = "the reward does not separate the samples"
+    elif row["entropy"] < 0.5 * max_entropy:
+        why = (f"entropy {row['entropy']:.3f} of {max_entropy:.2f}: the policy has collapsed; lower --lr or "
+               "raise --temperature")
+    else:
+        why = (f"entropy {row['entropy']:.3f} of {max_entropy:.2f}: the samples differ but the reward does not "
+               "separate them (a pass/fail reward that no sample passes?); make the reward graded")
+    print(f"{head}: no learning signal: {why}", file=sys.stderr, flush=True)
     return True
 
 
@@ -2601,7 +2610,8 @@ def train(args):
                           f"| {prefix}kl {row[prefix + 'kl']:.2e} | " for prefix in ("", "dit/") if prefix + "kl" in row)
                       + (f"entropy {row['entropy']:.3f} | " if "entropy" in row else "")
                       + f"zero_std {row['frac_reward_zero_std']:.2f} | {row['seconds']:.2f}s", flush=True)
-                collapse_warned = warn_if_collapsed(row, collapse_warned)
+                collapse_warned = warn_if_collapsed(row, collapse_warned, math.log(
+                    trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size))
             bad_steps = bad_steps + [skip_cause(row)] if row["skipped_updates"] == args.inner_epochs else []
             if len(bad_steps) >= 5:
                 raise UsageError(non_finite_stop(bad_steps, step, out))

@@ -270,7 +270,16 @@ def test_collapse_is_warned_once(tmp_path, capsys, monkeypatch):
     rows = read_metrics(out)
     assert all(r["frac_reward_zero_std"] == 1.0 and r["entropy"] < 1e-3 for r in rows)
     err = capsys.readouterr().err
-    assert err.count("no learning signal: the policy has collapsed") == 1 and "--temperature" in err
+    assert err.count("no learning signal: entropy 0.000 of 4.16: the policy has collapsed") == 1 and "--temperature" in err
+
+
+def test_a_reward_that_ties_every_sample_is_not_called_a_collapse(tmp_path, capsys):
+    (tmp_path / "flat.py").write_text("import torch\ndef zero(images, prompts, targets):\n"
+                                      "    return torch.zeros(images.shape[0])\n")
+    g.main(["--steps", "1", "--out", str(tmp_path / "run"), "--reward", f"{tmp_path}/flat.py:zero",
+            "--sample-every", "0", *SMALL[:4]])
+    err = capsys.readouterr().err
+    assert "the samples differ but the reward does not separate them" in err and "collapsed" not in err
 
 
 def test_first_inner_epoch_has_ratio_one(tmp_path):
