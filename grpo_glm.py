@@ -518,10 +518,11 @@ def read_prompts(path, height, width, mode="t2i", need_targets=True):
     """Parses the prompt file. Line format: `prompt`, `prompt | target.png`, and in i2i
     `prompt | target.png | source.png` (paths relative to the prompt file). Blank lines and
     comment lines (first non-blank character '#') are skipped; a '#' later in a line is text
-    ('colour #ff0000'). Images of another size are resized to --width x --height; i2i sources
-    too, which keeps them multiples of 32 px and lets a whole group decode in one call.
-    With need_targets=False (no reward reads targets) a missing target stays None instead of
-    being drawn from the prompt's words, so any line is a valid prompt.
+    ('colour #ff0000'); `\\|` is a '|' inside the prompt; tabs become spaces. Images of another
+    size are resized to --width x --height; i2i sources too, which keeps them multiples of 32 px
+    and lets a whole group decode in one call.
+    need_targets: False (no reward reads targets: a missing target stays None, any line is a valid
+    prompt), or True / the names of the rewards that read them (see require_targets).
     Every image is checked here (it opens, its header and size read) but its pixels are read only
     when a step uses it (PromptItem)."""
     path = Path(path)
@@ -532,10 +533,13 @@ def read_prompts(path, height, width, mode="t2i", need_targets=True):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
-        text, *paths = (part.strip() for part in line.split("|"))
+        text, *paths = (part.strip() for part in re.split(r"(?<!\\)\|", line))
+        text = text.replace("\\|", "|").replace("\t", " ")
         where = f"{path}:{lineno}"
+        if not text:
+            raise UsageError(f"{where}: empty prompt before '|'")
         if len(paths) > (2 if mode == "i2i" else 1):
-            raise UsageError(f"{where}: too many '|' fields for --mode {mode}")
+            raise UsageError(f"{where}: too many '|' fields for --mode {mode} (write \\| for a '|' in the prompt)")
         paths += [""] * (2 - len(paths))
         files = [path.parent / p if p else None for p in paths]
         for file, name, kind in zip(files, paths, ("target", "source")):
@@ -547,20 +551,29 @@ def read_prompts(path, height, width, mode="t2i", need_targets=True):
                 print(f"note: {where}: {kind} {name} is {w}x{h}, squashed to {width}x{height} "
                       "(another aspect ratio; crop it yourself to keep its proportions)")
         target_file, source_file = files
-        if mode == "t2i":
-            draw_target, draw_source = target_file is None and need_targets, False
-        else:
-            draw_source = source_file is None
-            draw_target = target_file is None and (need_targets or draw_source)
-        item = PromptItem(text, where, (height, width), mode, target_file, source_file, draw_target, draw_source)
-        if draw_target or draw_source:
+        draw_source = mode == "i2i" and source_file is None
+        item = PromptItem(text, where, (height, width), mode, target_file, source_file,
+                          draw_target=draw_source and target_file is None, draw_source=draw_source)
+        if draw_source:
             demo_words_or_fail(text, where, mode)
         items.append(item)
     if not items:
         raise UsageError(f"--prompts {path}: no prompts (only blank or comment lines)")
     if resized:
         print(f"note: images resized to {width}x{height} (--width x --height)")
+    if need_targets:
+        require_targets(items, [] if need_targets is True else need_targets)
     return items
+
+
+def require_targets(items, reward_names=()):
+    """Every prompt needs a target (a reward reads them): one without a target file gets the demo
+    target drawn from its words, or is a UsageError naming the line and the rewards."""
+    for item in items:
+        if item.target_file is None and not item.draw_target:
+            demo_words_or_fail(item.text, item.where, item.mode,
+                               f"the reward {', '.join(reward_names)} reads targets" if reward_names else "")
+            item.draw_target = True
 
 
 def read_utf8(path):
@@ -647,15 +660,17 @@ def draw_shape(shape, colour, background, height, width):
     return image
 
 
-def demo_words_or_fail(prompt, where, mode):
-    """(colours, shape) to draw the demo images from, or a UsageError saying what the line lacks."""
+def demo_words_or_fail(prompt, where, mode, why=""):
+    """(colours, shape) to draw the demo images from, or a UsageError saying what the line lacks
+    (and `why` it needs them)."""
     colours, shape = demo_words(prompt)
+    why = f"{why}; " if why else ""
     if mode == "t2i" and (not colours or shape is None):
         raise UsageError(f"{where}: no target image given and no colour+shape words to draw one "
-                         f"(write 'prompt | target.png')")
+                         f"({why}write 'prompt | target.png')")
     if mode == "i2i" and (len(colours) < 2 or shape is None):
         raise UsageError(f"{where}: --mode i2i needs 'prompt | target.png | source.png', or two colours and "
-                         f"a shape to draw them (e.g. 'make the red circle blue')")
+                         f"a shape to draw them (e.g. 'make the red circle blue'){f' ({why[:-2]})' if why else ''}")
     return colours, shape
 
 
@@ -987,7 +1002,13 @@ def load_reward(spec):
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
         else:
-            module = importlib.import_module(module_name)
+            # the current directory first, as `python -m` has it (`python grpo_glm.py` puts only
+            # the script's own directory on sys.path)
+            sys.path.insert(0, os.getcwd())
+            try:
+                module = importlib.import_module(module_name)
+            finally:
+                sys.path.remove(os.getcwd())
     except UsageError:
         raise
     except Exception as e:   # whatever the plug-in's own import raises
@@ -2516,14 +2537,17 @@ def setup_training(args, ckpt=None, ckpt_path=None, rewards=None):
                    dit_reference, {}, policy=wrap_for_training(ar, args.device) if train_ar else None), start
 
 
-def train(args):
-    validate_args(args)
-    out = prepare_out_dir(args)
-    resolve_runtime(args)
-    init_distributed(args)
+def start_training(args, out, lead):
+    """Everything between the lock and the first step: prompts, rewards, checkpoint, model, and the
+    checks that need them. Returns (items, trainer, start step), or None when there is nothing to do."""
+    # Targets are checked for the built-in mse before any plug-in loads (a CLIP model takes a
+    # while), for plug-ins that read them once they are loaded.
+    builtin = ["mse"] if any(spec.partition("=")[0] == "mse" for spec in args.reward) else []
+    items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
     rewards = load_rewards(args.reward)
-    items = read_prompts(args.prompts, args.height, args.width, args.mode,
-                         need_targets=any(r.uses_targets for r in rewards))
+    readers = [r.name for r in rewards if r.uses_targets]
+    if readers and not builtin:
+        require_targets(items, readers)
     args.prompts_sha256 = file_sha256(args.prompts)
     ckpt_path = find_checkpoint(args.resume, out) if args.resume else None
     ckpt = read_checkpoint(ckpt_path) if ckpt_path else None
@@ -2537,13 +2561,55 @@ def train(args):
                   f"(pass --steps {ckpt['step'] + args.steps} to train {args.steps} more)")
             return None
         later = check_resume_point(ckpt_path, ckpt["step"], out, args)
+    trainer, start = setup_training(args, ckpt, ckpt_path, rewards)
+    check_prompt_lengths(trainer.pipe, items, args)
+    if lead and ckpt is not None:
+        keep_aside(later)
+    return items, trainer, start
+
+
+def check_prompt_lengths(pipe, items, args):
+    """A prompt longer than the AR's context is a UsageError naming its line and the limit (a
+    100k-character line otherwise ran for minutes at 3.6 GB with no message). The context
+    (max_position_embeddings) holds the prompt, an i2i source's tokens, the generated tokens and
+    the template's few grid markers (32 are set aside for them)."""
+    grid = (args.height // 32) * (args.width // 32)
+    others = (2 * grid + 1 if args.mode == "i2i" else generated_tokens(args.height, args.width)) + 32
+    context = pipe.vision_language_encoder.config.text_config.max_position_embeddings
+    lengths = [len(ids) for ids in pipe.processor.tokenizer([it.text for it in items], add_special_tokens=False)["input_ids"]]
+    for item, length in zip(items, lengths):
+        if length > context - others:
+            raise UsageError(f"{item.where}: the prompt is {length} tokens; the model's context of {context} leaves "
+                             f"{context - others} for a prompt at {args.height}x{args.width}")
+
+
+def train(args):
+    validate_args(args)
+    out = prepare_out_dir(args)
+    resolve_runtime(args)
+    init_distributed(args)
     lead = rank() == 0                       # the one rank that writes files and prints progress
+    # The lock first: nothing is loaded for a run that may not write here. If the start then stops
+    # (bad input), a --out made for this run is removed again, so bad input leaves nothing behind.
+    made = [d for d in [out.absolute(), *out.absolute().parents] if not d.exists()]    # directories the lock will create
     if lead:
         lock = lock_out_dir(out)   # held while this function runs (the open file keeps it)
-        prepare_out_dir(args)      # again under the lock: another run may have started meanwhile
-        if ckpt is not None:
-            keep_aside(later)
-    trainer, start = setup_training(args, ckpt, ckpt_path, rewards)
+    started = None
+    try:
+        if lead:
+            prepare_out_dir(args)      # again under the lock: another run may have started meanwhile
+        started = start_training(args, out, lead)
+    finally:
+        if lead and started is None:
+            lock.close()
+            if made:
+                (out / ".lock").unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    for directory in made:       # innermost first; stops at one that is not empty
+                        directory.rmdir()
+    if started is None:
+        return None
+    items, trainer, start = started
     metrics_path = out / "metrics.jsonl"
     tracker = None
     if lead:

@@ -369,6 +369,10 @@ def test_two_runs_cannot_share_an_out_dir(tmp_path, capsys):
         g.main(["--steps", "1", "--out", str(out), *SMALL])
     assert "in use by another run" in capsys.readouterr().err
     assert not (out / "metrics.jsonl").exists()
+    with pytest.raises(SystemExit):                # checked first: no "starting from step 0" before it
+        g.main(["--steps", "1", "--out", str(out), "--resume", "latest", *SMALL])
+    printed = capsys.readouterr()
+    assert "in use by another run" in printed.err and "starting from step 0" not in printed.out
     holder.close()
     with open(out / ".lock") as again:             # released: anyone may take it
         fcntl.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -541,6 +545,28 @@ def test_exif_orientation_is_applied_to_targets_and_sources(tmp_path, capsys):
         assert image.size == (32, 64)
         r, gr, b = image.getpixel((16, 3))                  # shown upright, the band is at the top
         assert r > 200 and gr < 60 and b < 60, (r, gr, b)
+
+
+def test_prompt_lines_escape_pipes_normalise_tabs_and_reject_empty_prompts(tmp_path):
+    Image.new("RGB", (64, 64), "red").save(tmp_path / "t.png")
+    (tmp_path / "p.txt").write_text("a sign saying \"A \\| B\" | t.png\nred\tcircle\n")
+    items = g.read_prompts(tmp_path / "p.txt", 64, 64)
+    assert [it.text for it in items] == ['a sign saying "A | B"', "red circle"] and items[0].target_file.name == "t.png"
+    for line, needle in [(" | t.png", "p.txt:1: empty prompt"), ("a | b | t.png", "write \\| for a '|'")]:
+        (tmp_path / "p.txt").write_text(line + "\n")
+        with pytest.raises(g.UsageError, match=needle.replace("|", "\\|")):
+            g.read_prompts(tmp_path / "p.txt", 64, 64)
+
+
+def test_a_prompt_longer_than_the_context_is_a_one_line_error(tmp_path, capsys):
+    (tmp_path / "p.txt").write_text("a red circle\n" + "a blue square " * 200 + "\n")
+    out = tmp_path / "new" / "run"
+    with pytest.raises(SystemExit) as stop:
+        g.main(["--prompts", str(tmp_path / "p.txt"), "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1, err
+    assert "p.txt:2: the prompt is 2799 tokens; the model's context of 2048 leaves" in err[0]
+    assert not (tmp_path / "new").exists()          # nothing written, not even the lock's directory
 
 
 def test_prompt_file_comments_bom_and_hash_in_text(tmp_path):
@@ -1125,11 +1151,25 @@ def test_bad_reward_spec_fails_before_the_model_loads(spec, needle, plugins, cap
     assert not out.exists()
 
 
+def test_reward_module_is_found_in_the_current_directory(tmp_path, monkeypatch):
+    (tmp_path / "myrew_in_cwd.py").write_text("def fn(images, prompts, targets):\n    return [1.0] * len(prompts)\n")
+    monkeypatch.chdir(tmp_path)
+    reward = g.load_reward("myrew_in_cwd:fn=0.5")
+    assert reward.name == "fn" and reward.weight == 0.5 and str(tmp_path) not in sys.path
+
+
 def test_targets_are_required_only_by_rewards_that_read_them(plugins, capsys):
     with pytest.raises(SystemExit):
         g.main(["--reward", f"{plugins}/plug.py:needs", "--prompts", str(plugins / "free.txt"),
                 "--out", str(plugins / "a")])
-    assert "no target image given" in capsys.readouterr().err
+    assert "free.txt:1: no target image given and no colour+shape words to draw one (the reward needs reads " \
+           "targets; write 'prompt | target.png')" in capsys.readouterr().err
+    # the built-in mse's need is checked before any plug-in loads (the broken one is never imported)
+    with pytest.raises(SystemExit):
+        g.main(["--reward", f"{plugins}/broken_import.py:f", "--reward", "mse=0.5", "--prompts",
+                str(plugins / "free.txt"), "--out", str(plugins / "a")])
+    err = capsys.readouterr().err
+    assert "(the reward mse reads targets;" in err and "no GPU here" not in err
     items = g.read_prompts(plugins / "free.txt", 64, 64, need_targets=False)
     assert [it.target for it in items] == [None, None]
 
