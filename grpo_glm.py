@@ -50,6 +50,7 @@ import signal
 import sys
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -1565,8 +1566,11 @@ def joint_update(trainer, ar_terms, dit_terms, args):
 # =============================================================================================
 
 def append_metrics(path, row):
+    """One JSON line per step. NaN and inf (a skipped update's loss, a broken reward) are written
+    as null: JSON has no such numbers, and jq or JSON.parse reject Python's bare NaN."""
+    row = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
     with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(row) + "\n")
+        f.write(json.dumps(row, allow_nan=False) + "\n")
 
 
 def warn_if_collapsed(row, warned, max_entropy):
@@ -1660,7 +1664,7 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
 def save_reward_curve(path, rows, size=(640, 360), margin=48):
     """reward_curve.png: mean reward per step (line) +- the mean within-group std (band), drawn
     with Pillow so that a run with no tracker still shows its curve. Written at the end and on Ctrl+C."""
-    rows = [r for r in rows if math.isfinite(r["reward_mean"]) and math.isfinite(r["reward_std"])]
+    rows = [r for r in rows if r["reward_mean"] is not None and r["reward_std"] is not None]   # null: non-finite
     if not rows:
         return
     steps = [r["step"] for r in rows]
@@ -2661,7 +2665,11 @@ def train(args):
                         if step - 1 > 0 else "no step finished, nothing to save"), file=sys.stderr)
                 sys.exit(stop.exit_code())
             row["lr"] = trainer.lr_scheduler.get_last_lr()[0]    # the lr this step's updates used
-            trainer.lr_scheduler.step()
+            with warnings.catch_warnings():
+                # a step whose updates were all skipped (non-finite) never called optimizer.step();
+                # the schedule still moves on by one GRPO step, as planned, and PyTorch need not warn
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+                trainer.lr_scheduler.step()
             # ---- LOG -------------------------------------------------------------------------
             row = reduce_metrics(row)
             row["seconds"] = round(time.time() - t0, 3)

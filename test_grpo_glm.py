@@ -1174,13 +1174,15 @@ def test_targets_are_required_only_by_rewards_that_read_them(plugins, capsys):
     assert [it.target for it in items] == [None, None]
 
 
-def test_nan_reward_is_named_and_never_reaches_the_weights(plugins, capsys):
+def test_nan_reward_is_named_and_never_reaches_the_weights(plugins, capsys, recwarn):
     out = plugins / "nan"
     g.main(["--steps", "1", "--out", str(out), "--reward", f"{plugins}/plug.py:half_nan", "--reward", "mse", *SMALL])
     err = capsys.readouterr().err
     assert "reward half_nan returned 2 non-finite values of 4" in err and "mse" not in err
     row = read_metrics(out)[0]
-    assert row["skipped_updates"] == 4 and math.isnan(row["rewards/half_nan"]) and math.isfinite(row["rewards/mse"])
+    assert row["skipped_updates"] == 4 and row["rewards/half_nan"] is None and math.isfinite(row["rewards/mse"])
+    assert row["loss"] is None and "NaN" not in (out / "metrics.jsonl").read_text()    # null: JSON has no NaN
+    assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]       # no optimizer.step() is fine
     initial = g.build_tiny_pipeline(0).vision_language_encoder.state_dict()
     weights = g.read_checkpoint(out / "checkpoints" / "step_000001.pt")["trainable"]
     assert all(torch.equal(w, initial[name]) for name, w in weights.items())
