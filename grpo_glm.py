@@ -65,7 +65,14 @@ TINY = "tiny"
 
 
 class UsageError(Exception):
-    """Bad input from the user: printed as one line on stderr, exit code 2, no traceback."""
+    """Bad input from the user: printed as one line on stderr, exit code 2, no traceback. Under
+    torchrun every rank checks the same input and stops on the same error: rank 0 alone prints it,
+    unless it is local to a rank (`local=True`: a reward failing on that rank's images), which
+    that rank prints with its number."""
+
+    def __init__(self, message, local=False):
+        super().__init__(message)
+        self.local = local
 
 
 # =============================================================================================
@@ -623,9 +630,9 @@ def read_image(path, where, kind, size):
         with Image.open(path) as image:
             image = to_rgb(ImageOps.exif_transpose(image))
     except FileNotFoundError:
-        raise UsageError(f"{where}: {kind} image {path} not found (it was there at start-up)")
+        raise UsageError(f"{where}: {kind} image {path} not found (it was there at start-up)", local=True)
     except (UnidentifiedImageError, OSError) as e:
-        raise UsageError(f"{where}: {kind} {path} is not a readable image ({type(e).__name__})")
+        raise UsageError(f"{where}: {kind} {path} is not a readable image ({type(e).__name__})", local=True)
     return image if image.size == size[::-1] else image.resize(size[::-1], Image.BICUBIC)
 
 
@@ -1046,14 +1053,16 @@ def compute_rewards(rewards, images, prompts, targets):
         try:
             value = reward.fn(images, prompts, targets)
         except Exception as e:
-            raise UsageError(f"reward {reward.name} raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+            raise UsageError(f"reward {reward.name} raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}",
+                             local=True)
         try:
             value = torch.as_tensor(value, dtype=torch.float32).detach().cpu()
         except (TypeError, ValueError, RuntimeError):
-            raise UsageError(f"reward {reward.name} returned {type(value).__name__}, not a tensor or list of floats")
+            raise UsageError(f"reward {reward.name} returned {type(value).__name__}, not a tensor or list of floats",
+                             local=True)
         if value.shape != (len(prompts),):
             raise UsageError(f"reward {reward.name} returned shape {list(value.shape)}, expected [{len(prompts)}] "
-                             "(one value per image)")
+                             "(one value per image)", local=True)
         bad = (~torch.isfinite(value)).sum().item()
         if bad:
             print(f"warning: reward {reward.name} returned {bad} non-finite values of {len(prompts)}; "
@@ -2651,13 +2660,20 @@ def train(args):
                 else:
                     row, rewards, images, targets, sources, ode = grpo_step_dit(trainer, items, indices, step, args)
             except AbandonStep:           # a stop signal before the update: the weights are still step - 1's
-                stop.agree_after_abandon()
+                peers = True
+                try:
+                    stop.agree_after_abandon()
+                except Exception as e:    # a rank was killed (kill -9, OOM; torchrun then SIGTERMs the rest):
+                    if not (is_ddp() and collective_failed(e)):   # the others still hold step - 1, save it
+                        raise
+                    peers = False
                 set_rng_state(step_rng)
                 if step - 1 > last_saved and lead:
                     save_checkpoint(out, step - 1, trainer.trained, trainer.optimizer, args, trainer.lr_scheduler)
                     if args.checkpoints_total_limit:
                         prune_checkpoints(out, args.checkpoints_total_limit)
-                all_ranks_agree(True)     # the others wait for rank 0's file before they exit
+                if peers:
+                    all_ranks_agree(True)     # the others wait for rank 0's file before they exit
                 if lead:
                     print(f"interrupted in step {step} before its update: " + (
                         f"step {step - 1} is saved in {out / 'checkpoints' / f'step_{step - 1:06d}.pt'}; continue with "
@@ -2818,7 +2834,11 @@ def main(argv=None):
             return
         return train(args)
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
+        where = int(os.environ.get("RANK", "0"))      # torchrun's rank (the group may not be joined yet)
+        if e.local and launched_world_size() > 1:
+            print(f"error: rank {where}: {e}", file=sys.stderr)
+        elif where == 0:
+            print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except Exception as e:
         if not (is_ddp() and collective_failed(e)):

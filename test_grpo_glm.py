@@ -997,14 +997,18 @@ def test_offload_hooks_only_the_frozen_parts_and_keep_training_exact():
     assert rows[True] == rows[False]
 
 
-SIGNAL_REWARD = """import os, signal
+SIGNAL_REWARD = """import os, signal, time
 import grpo_glm
 calls = []
 def score(images, prompts, targets):
     calls.append(1)
-    if len(calls) == int(os.environ.get("SIGNAL_AT_CALL", "0")) and os.environ.get("RANK", "0") == os.environ.get(
-            "SIGNAL_RANK", "0"):
-        signal.raise_signal(signal.SIGTERM)       # as Slurm or Kubernetes would, while the step computes rewards
+    if len(calls) == int(os.environ.get("SIGNAL_AT_CALL", "0")):
+        if os.environ.get("RANK", "0") == os.environ.get("KILL_RANK"):
+            os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would
+        if os.environ.get("RANK", "0") == os.environ.get("SIGNAL_RANK", "0"):
+            if "KILL_RANK" in os.environ:
+                time.sleep(2)                     # torchrun notices the dead rank, then SIGTERMs the others
+            signal.raise_signal(signal.SIGTERM)   # as Slurm or Kubernetes would, while the step computes rewards
     return grpo_glm.mse_reward(images, targets)
 score.uses_targets = True
 """
@@ -1564,6 +1568,20 @@ def test_prompts_per_step_must_divide_by_the_world_size(tmp_path, monkeypatch, c
     assert not (tmp_path / "run").exists()
 
 
+def test_under_torchrun_a_bad_input_is_printed_by_rank_0_only(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, printed in [("0", True), ("1", False)]:
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as stop:
+            g.main(["--out", str(tmp_path / "run"), "--group-size", "1"])
+        assert stop.value.code == 2 and ("--group-size must be" in capsys.readouterr().err) == printed
+    error = g.UsageError("reward score raised ValueError: x", local=True)     # seen by this rank alone
+    monkeypatch.setattr(g, "train", lambda args: (_ for _ in ()).throw(error))
+    with pytest.raises(SystemExit):
+        g.main([])
+    assert capsys.readouterr().err == "error: rank 1: reward score raised ValueError: x\n"
+
+
 def test_dit_policies_are_refused_under_torchrun(tmp_path, monkeypatch, capsys):
     """DDP wraps the AR only: --policy dit|both under torchrun would train the DiT on each rank's
     own gradients and let the ranks' weights drift apart. It is refused, in one line."""
@@ -1712,3 +1730,24 @@ def test_sigterm_to_one_rank_stops_both_with_the_last_step_saved(tmp_path):
     assert "interrupted in step 2 before its update: step 1 is saved" in errs[0] and "Traceback" not in errs[0] + errs[1]
     assert [p.name for p in (out / "checkpoints").glob("*.pt")] == ["step_000001.pt"]
     assert [r["step"] for r in read_metrics(out)] == [1]
+
+
+@pytest.mark.slow
+def test_after_kill_9_of_one_rank_sigterm_still_saves_the_last_step(tmp_path):
+    """Under torchrun a killed rank makes torchrun SIGTERM the others: rank 0, still in step 2's
+    sampling, cannot agree with a dead peer but saves step 1, whose weights it holds."""
+    (tmp_path / "term.py").write_text(SIGNAL_REWARD)
+    out, port = tmp_path / "run", free_port()
+    argv = [sys.executable, str(HERE / "grpo_glm.py"), "--steps", "5", "--out", str(out), "--group-size", "4",
+            "--sample-every", "0", "--dist-timeout", "60", "--reward", f"{tmp_path}/term.py:score"]
+    env = {**os.environ, "SIGNAL_AT_CALL": "2", "SIGNAL_RANK": "0", "KILL_RANK": "1"}
+    procs = [subprocess.Popen(argv, env={**env, **rank_env(r, 2, port)}, cwd=HERE, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        errs = [p.communicate(timeout=180)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [143, -9], errs
+    assert "interrupted in step 2 before its update: step 1 is saved" in errs[0] and "Traceback" not in errs[0]
+    assert [p.name for p in (out / "checkpoints").glob("*.pt")] == ["step_000001.pt"]
