@@ -1582,7 +1582,7 @@ def append_metrics(path, row):
         f.write(json.dumps(row, allow_nan=False) + "\n")
 
 
-def warn_if_collapsed(row, warned, max_entropy):
+def warn_if_collapsed(row, warned, max_entropy=None):
     """Once per run, on stderr: most groups tied, so most advantages are 0 and the step trained
     on (almost) nothing. The entropy tells why: near 0, the policy has collapsed and draws G
     identical samples; high (`max_entropy` = uniform over the codebook), the samples differ but
@@ -2596,6 +2596,14 @@ def check_prompt_lengths(pipe, items, args):
                              f"{context - others} for a prompt at {args.height}x{args.width}")
 
 
+def count_text(n):
+    """A parameter count readable at any size: 3.2k, 0.09M would be 90.1k, 8.91B."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}" if unit != "k" else f"{n / size:.1f}k"
+    return str(n)
+
+
 def train(args):
     validate_args(args)
     out = prepare_out_dir(args)
@@ -2627,10 +2635,13 @@ def train(args):
     tracker = None
     if lead:
         truncate_metrics(metrics_path, start)
-        trainable = sum(p.numel() for p in trainer.trained.parameters() if p.requires_grad) / 1e6
+        trainable = sum(p.numel() for p in trainer.trained.parameters() if p.requires_grad)
+        halves = {"ar": [("", args.lora_rank)], "dit": [("DiT ", args.dit_lora_rank)],
+                  "both": [("AR ", args.lora_rank), ("DiT ", args.dit_lora_rank)]}[args.policy]
+        how = ", ".join(f"{half}{f'LoRA r={r}' if r else 'full'}" for half, r in halves)
         print(f"running with: mode={args.mode} model={args.model} device={args.device} dtype={args.dtype} "
               f"offload={args.offload} batch={args.prompts_per_step}x{args.group_size} mu={args.inner_epochs} "
-              f"lr={args.lr} trainable={trainable:.2f}M ({f'LoRA r={args.lora_rank}' if args.lora_rank else 'full'}) "
+              + (f"lr={args.lr} " if args.policy != "dit" else "") + f"trainable={count_text(trainable)} ({how}) "
               f"image={args.height}x{args.width} loss_tokens={args.loss_tokens} dit_noise={args.dit_noise} out={out} "
               f"threads={torch.get_num_threads()} processes={world_size()} micro_batch={args.micro_batch_size}"
               + (f" policy={args.policy} dit_lr={args.dit_lr} dit_train_steps={args.dit_train_steps}/"
@@ -2680,7 +2691,11 @@ def train(args):
                         f"--resume latest --out {out}"
                         if step - 1 > 0 else "no step finished, nothing to save"), file=sys.stderr)
                 sys.exit(stop.exit_code())
-            row["lr"] = trainer.lr_scheduler.get_last_lr()[0]    # the lr this step's updates used
+            lrs = trainer.lr_scheduler.get_last_lr()    # the lrs this step's updates used: [AR][, DiT]
+            if args.policy != "dit":
+                row["lr"] = lrs[0]
+            if args.policy != "ar":
+                row["dit/lr"] = lrs[-1]
             with warnings.catch_warnings():
                 # a step whose updates were all skipped (non-finite) never called optimizer.step();
                 # the schedule still moves on by one GRPO step, as planned, and PyTorch need not warn
@@ -2694,7 +2709,10 @@ def train(args):
                 append_metrics(metrics_path, row)
                 if tracker:
                     tracker.log(row, step)
-                print(f"step {step:4d}/{args.steps} | loss {row['loss']:+.4f} | reward {row['reward_mean']:.5f} "
+                dit_loss = f"dit loss {row.get('dit/loss', math.nan):+.3e}"     # ~1e-5: step log-probs are means
+                losses = {"ar": f"loss {row['loss']:+.4f}", "dit": dit_loss,
+                          "both": f"loss {row['loss'] - row.get('dit/loss', math.nan):+.4f} | {dit_loss}"}[args.policy]
+                print(f"step {step:4d}/{args.steps} | {losses} | reward {row['reward_mean']:.5f} "
                       f"± {row['reward_std']:.5f} | " + "".join(
                           f"{prefix}ratio {row[prefix + 'ratio_mean']:.4f} | {prefix}clip {row[prefix + 'clip_ratio']:.3f} "
                           f"| {prefix}kl {row[prefix + 'kl']:.2e} | " for prefix in ("", "dit/") if prefix + "kl" in row)

@@ -6,6 +6,7 @@ count: pytest reads that hook only from conftest.py and plugins.)"""
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -1459,11 +1460,17 @@ def test_dit_gradient_raises_the_logprob_of_a_positive_advantage_trajectory():
 
 
 @pytest.mark.parametrize("lora", ["0", "4"])
-def test_policy_dit_trains_only_the_dit_and_saves_it(tmp_path, lora):
+def test_policy_dit_trains_only_the_dit_and_saves_it(tmp_path, lora, capsys):
     from diffusers import GlmImagePipeline
 
     trained = g.main(["--policy", "dit", "--steps", "2", "--out", str(tmp_path / "run"), "--dit-lr", "0.05",
                       "--dit-lora-rank", lora, "--save-pipeline", str(tmp_path / "pipe"), *SMALL])
+    printed = capsys.readouterr().out
+    header = next(line for line in printed.splitlines() if line.startswith("running with:"))
+    assert " lr=" not in header and "dit_lr=0.05" in header and ".00M" not in header     # no unused AR lr
+    assert ("trainable=1.0k (DiT LoRA r=4)" if lora != "0" else "(DiT full)") in header
+    assert re.search(r"step    1/2 \| dit loss [-+]\d\.\d{3}e[-+]\d\d \|", printed), printed
+    assert all(r["dit/lr"] == 0.05 and "lr" not in r for r in read_metrics(tmp_path / "run"))
     base = g.build_tiny_pipeline(seed=0)
     for (n, p), (_, q) in zip(trained.vision_language_encoder.state_dict().items(),
                               base.vision_language_encoder.state_dict().items()):
@@ -1496,6 +1503,7 @@ def test_dit_resume_is_bit_identical(tmp_path, policy):
     assert all(r["dit/logp_diff_max"] <= 1e-5 for r in rows)
     if policy == "both":    # the AR half logs its first-pass checks too, entropy included (near log 64)
         assert all(r["logp_diff_max"] <= 1e-5 and r["dit/ratio_mean"] != 1.0 for r in rows)
+        assert all(r["lr"] == 5e-3 and r["dit/lr"] == 3e-3 for r in rows)                 # each half's lr
         assert all(3.5 < r["entropy"] <= math.log(64) + 1e-4 for r in rows)
     else:                   # no AR is trained: no entropy, and the collapse warning does without it
         assert all("entropy" not in r for r in rows)
