@@ -89,11 +89,19 @@ ALGORITHM_FLAGS = (
 )
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends '(default: X)' to each flag's help, except for X = None: those flags say in words
+    what happens without them ('Default: mse.'), which '(default: None)' would contradict."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description="GRPO fine-tuning of GLM-Image's autoregressive model against image rewards (MSE to a "
                     "target by default, or your own --reward plug-ins).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     a = p.add_argument
     a("--mode", choices=["t2i", "i2i"], default="t2i", help="t2i: text to image; i2i: edit a source image "

@@ -1567,6 +1567,13 @@ def test_a_group_samples_the_same_whatever_else_its_rank_holds(sharp_pipe):
     assert not torch.equal(other_step.sequences, alone.sequences)
 
 
+def test_help_gives_each_default_once(capsys):
+    with pytest.raises(SystemExit):
+        g.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Default: mse." in text and "(default: None)" not in text and "(default: 0.005)" in text
+
+
 def test_prompts_per_step_must_divide_by_the_world_size(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")                      # what torchrun --nproc_per_node 2 sets
     with pytest.raises(SystemExit) as stop:
