@@ -1055,11 +1055,14 @@ def compute_rewards(rewards, images, prompts, targets):
     stay what they say, and one reward alone gives exactly today's advantages.
     A reward that raises or returns the wrong shape stops the run with one line naming it. NaN
     values are reported by name and passed on: the NaN total then makes the loss non-finite and
-    grpo_update skips the step, so they never reach the weights."""
+    grpo_update skips the step, so they never reach the weights.
+
+    Each reward gets its own copy of the batch: one that edits `images` in place (a normalisation
+    with `sub_`, say) must not change what the next reward, or the sample sheet, sees."""
     total, per_reward = None, {}
     for reward in rewards:
         try:
-            value = reward.fn(images, prompts, targets)
+            value = reward.fn(images.clone(), list(prompts), None if targets is None else targets.clone())
         except Exception as e:
             raise UsageError(f"reward {reward.name} raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}",
                              local=True)

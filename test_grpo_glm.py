@@ -1109,6 +1109,16 @@ def test_compute_rewards_weighted_sum_and_per_name():
     torch.testing.assert_close(total, 2.0 * images.mean(dim=(1, 2, 3)) - 0.5 * torch.full((4,), 0.1))
 
 
+def test_a_reward_that_edits_images_in_place_changes_nothing_for_the_next():
+    images, targets = torch.rand(4, 3, 8, 8), torch.rand(4, 3, 8, 8)
+    before = images.clone()
+    mutate = lambda im, p, t: (im.mul_(0), t.mul_(0), p.clear(), [0.0] * 4)[-1]
+    mse = g.Reward("mse", g.mse, 1.0, True)
+    _, parts = g.compute_rewards([_reward("mutate", mutate), mse], images, list("abcd"), targets)
+    torch.testing.assert_close(parts["mse"], g.mse_reward(before, targets))
+    assert torch.equal(images, before)
+
+
 @pytest.mark.parametrize("fn, needle", [
     (lambda im, p, t: 1 / 0, "reward bad raised ZeroDivisionError"),
     (lambda im, p, t: torch.zeros(4, 1), "reward bad returned shape [4, 1], expected [4]"),
