@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -50,6 +51,7 @@ import signal
 import sys
 import time
 import traceback
+import unicodedata
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -1669,21 +1671,46 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
             cells.append((to_pil(ode[row]), "a=0 (ODE)"))
         rows.append((prompt, cells))
     sheet = Image.new("RGB", (len(rows[0][1]) * width, len(rows) * (height + 2 * caption)), "white")
-    draw = ImageDraw.Draw(sheet)
+    draw, font = ImageDraw.Draw(sheet), label_font()
     for r, (prompt, cells) in enumerate(rows):
         y = r * (height + 2 * caption)
-        draw.text((2, y), prompt[:80], fill="black")
+        draw.text((2, y), drawable(prompt[:80], font), fill="black", font=font)
         for c, (image, label) in enumerate(cells):
             sheet.paste(image.resize((width, height), Image.NEAREST), (c * width, y + caption))
-            draw.text((c * width + 2, y + caption + height), label, fill="black")
+            draw.text((c * width + 2, y + caption + height), label, fill="black", font=font)
     path.parent.mkdir(parents=True, exist_ok=True)
     sheet.save(path)
     return sheet
 
 
-def save_reward_curve(path, rows, size=(640, 360), margin=48):
-    """reward_curve.png: mean reward per step (line) +- the mean within-group std (band), drawn
-    with Pillow so that a run with no tracker still shows its curve. Written at the end and on Ctrl+C."""
+@functools.lru_cache(maxsize=1)
+def label_font():
+    """Pillow's built-in font at 12 px (at its default 10 px some spaces shrink to nothing)."""
+    from PIL import ImageFont
+
+    return ImageFont.load_default(size=12)
+
+
+def drawable(text, font):
+    """`text` as `font` can draw it: a character it has no glyph for (the built-in font has ASCII,
+    not even 'é') loses its accents ('é' -> 'e') or becomes '?' (emoji, CJK), instead of a box."""
+    glyph = lambda ch: (lambda m: (m.size, bytes(m)))(font.getmask(ch))
+    missing = glyph("\U0010FFFD")       # a private-use code point: the font's 'no glyph' box
+    out = []
+    for ch in text:
+        if ch != " " and glyph(ch) == missing:
+            plain = unicodedata.normalize("NFKD", ch).encode("ascii", "ignore").decode()
+            ch = plain if plain and all(c == " " or glyph(c) != missing for c in plain) else "?"
+        out.append(ch)
+    return "".join(out)
+
+
+def save_reward_curve(path, rows, size=(640, 360), margin=48, window=1):
+    """reward_curve.png: mean reward per step (thin line) +- the mean within-group std (band), and
+    its moving average over `window` steps (thick line; the caller passes the steps one pass over
+    the prompt file takes: with one prompt per step the raw curve zig-zags between prompts). Drawn
+    with Pillow so that a run with no tracker still shows its curve. Written at the end and on
+    Ctrl+C or SIGTERM."""
     rows = [r for r in rows if r["reward_mean"] is not None and r["reward_std"] is not None]   # null: non-finite
     if not rows:
         return
@@ -1700,13 +1727,21 @@ def save_reward_curve(path, rows, size=(640, 360), margin=48):
     draw = ImageDraw.Draw(image)
     band = [to_xy(s, y) for s, y in zip(steps, high)] + [to_xy(s, y) for s, y in zip(steps[::-1], low[::-1])]
     draw.polygon(band, fill=(190, 210, 240))
-    draw.line([to_xy(r["step"], r["reward_mean"]) for r in rows], fill=(30, 60, 170), width=2)
+    means = [r["reward_mean"] for r in rows]
+    draw.line([to_xy(s, m) for s, m in zip(steps, means)], fill=(110, 140, 220), width=1)
+    title = "reward per step: mean +- within-group std"
+    if 1 < window < len(rows):
+        average = [sum(means[max(0, i - window + 1): i + 1]) / len(means[max(0, i - window + 1): i + 1])
+                   for i in range(len(means))]
+        draw.line([to_xy(s, m) for s, m in zip(steps, average)], fill=(20, 40, 140), width=3)
+        title += f"; thick: moving average over {window} steps"
     draw.rectangle((margin, margin, w - margin, h - margin), outline="black")
-    draw.text((margin, 8), "reward: mean +- within-group std, per step", fill="black")
-    draw.text((4, margin - 12), f"{y1:.4g}", fill="black")
-    draw.text((4, h - margin), f"{y0:.4g}", fill="black")
-    draw.text((margin, h - margin + 6), f"step {x0}", fill="black")
-    draw.text((w - margin - 50, h - margin + 6), f"step {max(steps)}", fill="black")
+    font = label_font()
+    draw.text((margin, 8), title, fill="black", font=font)
+    draw.text((4, margin - 14), f"{y1:.4g}", fill="black", font=font)
+    draw.text((4, h - margin + 2), f"{y0:.4g}", fill="black", font=font)
+    draw.text((margin, h - margin + 6), f"step {x0}", fill="black", font=font)
+    draw.text((w - margin - 50, h - margin + 6), f"step {max(steps)}", fill="black", font=font)
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path)
 
@@ -2760,7 +2795,8 @@ def train(args):
     finally:
         stop.restore()
         if lead:
-            save_reward_curve(out / "reward_curve.png", read_metrics(metrics_path))
+            save_reward_curve(out / "reward_curve.png", read_metrics(metrics_path),   # window: one pass over the prompts
+                              window=min(20, math.ceil(len(items) / args.prompts_per_step)))
         if tracker:
             tracker.close()
         if lead:

@@ -1357,15 +1357,25 @@ def test_missing_tracker_package_is_a_one_line_error(tmp_path, monkeypatch, caps
 
 
 def test_reward_curve_is_drawn(tmp_path):
-    rows = [{"step": s, "reward_mean": -0.2 + 0.01 * s, "reward_std": 0.002} for s in range(1, 11)]
-    g.save_reward_curve(tmp_path / "curve.png", rows)
+    """Two prompts taking turns, one per step: the raw curve zig-zags, its moving average over a pass
+    over the prompts (2 steps, the thick line) rises steadily."""
+    rows = [{"step": s, "reward_mean": -0.2 + 0.01 * s + 0.03 * (s % 2), "reward_std": 0.002} for s in range(1, 11)]
+    g.save_reward_curve(tmp_path / "curve.png", rows, window=2)
     pixels = np.asarray(Image.open(tmp_path / "curve.png"))
-    line = (pixels == (30, 60, 170)).all(-1)
+    line = (pixels == (20, 40, 140)).all(-1)
     rows_with_line = np.nonzero(line.any(1))[0]
     columns = np.nonzero(line.any(0))[0]
     # a rising reward: the line's left end sits lower in the picture than its right end
     assert columns.max() - columns.min() > 400 and rows_with_line.max() - rows_with_line.min() > 100
     assert np.nonzero(line[:, columns.min()])[0].mean() > np.nonzero(line[:, columns.max()])[0].mean()
+    tops = [np.nonzero(line[:, c])[0].min() for c in range(columns.min() + 60, columns.max(), 55)]
+    assert all(a >= b for a, b in zip(tops, tops[1:]))      # no zig-zag left after the first pass
+
+
+def test_sample_sheet_captions_draw_no_boxes():
+    font = g.label_font()
+    assert g.drawable("a café 🎨 sign, 中 ok", font) == "a cafe ? sign, ? ok"
+    assert g.drawable("plain ASCII: #ff0000 | 0.1234", font) == "plain ASCII: #ff0000 | 0.1234"
 
 
 def test_cosine_schedule_with_warmup_is_followed_and_resumes_bit_identically(tmp_path):
