@@ -1233,10 +1233,9 @@ def grpo_update(policy, optimizer, params, rollout, advantages, ref_logp, args, 
     weights have moved, does clipping limit how far one batch pushes the policy (with mu = 1 it
     is dead code, as in several public GRPO scripts).
     Returns the metrics averaged over the passes that updated, plus `logp_diff_max` (first pass,
-    max |logp - old_logp| over loss tokens: a live check of the bookkeeping, ~1e-6 in fp32) and
-    `skipped_updates` (passes whose loss or gradient was not finite; `skipped_nonfinite_loss` of them
-    for the loss), and `entropy` (first pass,
-    the policy's mean entropy over the loss tokens, see below).
+    max |logp - old_logp| over loss tokens: a live check of the bookkeeping, ~1e-6 in fp32),
+    `skipped_updates` (passes whose loss or gradient was not finite; `skipped_nonfinite_loss` of
+    them for the loss) and `entropy` (first pass, the policy's mean entropy over the loss tokens).
     `policy` is the AR, or its DDP wrapper under torchrun (the forward must go through the wrapper
     for DDP to average the gradients). Each pass runs over micro-batches of --micro-batch-size
     samples; the batch loss is the token mean over the whole batch, so each micro-batch's mean
