@@ -1742,14 +1742,16 @@ def test_a_dying_rank_stops_the_other_with_a_message(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_to_one_rank_stops_both_with_the_last_step_saved(tmp_path):
-    """Rank 1 alone gets SIGTERM in step 2, before the update: both ranks drop step 2 together
-    (no rank waits in an update the other never starts), rank 0 saves step 1, both exit 143."""
+def test_sigterm_to_one_rank_stops_both(tmp_path):
+    """Rank 1 alone gets SIGTERM in step 1, before the update: both ranks drop the step together
+    (no rank waits in an update the other never starts) and exit 143. (Saving the previous step on
+    a stop before the update is checked in-process above.)"""
     (tmp_path / "term.py").write_text(SIGNAL_REWARD)
     out, port = tmp_path / "run", free_port()
     argv = [sys.executable, str(HERE / "grpo_glm.py"), "--steps", "5", "--out", str(out), "--group-size", "4",
-            "--sample-every", "0", "--dist-timeout", "60", "--reward", f"{tmp_path}/term.py:score"]
-    env = {**os.environ, "SIGNAL_AT_CALL": "2", "SIGNAL_RANK": "1"}
+            "--inner-epochs", "1", "--sample-every", "0", "--dist-timeout", "60",
+            "--reward", f"{tmp_path}/term.py:score"]
+    env = {**os.environ, "SIGNAL_AT_CALL": "1", "SIGNAL_RANK": "1"}
     procs = [subprocess.Popen(argv, env={**env, **rank_env(r, 2, port)}, cwd=HERE, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
     try:
@@ -1758,9 +1760,9 @@ def test_sigterm_to_one_rank_stops_both_with_the_last_step_saved(tmp_path):
         for p in procs:
             p.kill()
     assert [p.returncode for p in procs] == [143, 143], errs
-    assert "interrupted in step 2 before its update: step 1 is saved" in errs[0] and "Traceback" not in errs[0] + errs[1]
-    assert [p.name for p in (out / "checkpoints").glob("*.pt")] == ["step_000001.pt"]
-    assert [r["step"] for r in read_metrics(out)] == [1]
+    assert "SIGTERM on another rank: stopping" in errs[0] and "Traceback" not in errs[0] + errs[1]
+    assert "interrupted in step 1 before its update: no step finished, nothing to save" in errs[0]
+    assert not (out / "checkpoints").exists()
 
 
 @pytest.mark.slow
@@ -1770,7 +1772,8 @@ def test_after_kill_9_of_one_rank_sigterm_still_saves_the_last_step(tmp_path):
     (tmp_path / "term.py").write_text(SIGNAL_REWARD)
     out, port = tmp_path / "run", free_port()
     argv = [sys.executable, str(HERE / "grpo_glm.py"), "--steps", "5", "--out", str(out), "--group-size", "4",
-            "--sample-every", "0", "--dist-timeout", "60", "--reward", f"{tmp_path}/term.py:score"]
+            "--inner-epochs", "1", "--sample-every", "0", "--dist-timeout", "60",
+            "--reward", f"{tmp_path}/term.py:score"]
     env = {**os.environ, "SIGNAL_AT_CALL": "2", "SIGNAL_RANK": "0", "KILL_RANK": "1"}
     procs = [subprocess.Popen(argv, env={**env, **rank_env(r, 2, port)}, cwd=HERE, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
