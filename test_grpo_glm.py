@@ -774,15 +774,20 @@ def test_saved_pipeline_loads_and_carries_the_training(tmp_path):
     assert changed >= 2
 
 
-def test_saved_i2i_pipeline_edits_images_with_generate_images(tmp_path, i2i_prompts):
+def test_saved_i2i_pipeline_edits_images_with_generate_images(tmp_path, i2i_prompts, monkeypatch):
     """The library's pipe(prompt, image=[source]) dies in generate_prior_tokens; grpo_glm.generate_images
     runs the training's sampling and decoding on the reloaded pipeline, and the edit carries the training."""
     from diffusers import GlmImagePipeline
 
     trained = g.main(["--prompts", str(i2i_prompts), "--steps", "1", "--out", str(tmp_path / "run"), "--lr", "1.0",
-                      "--save-pipeline", str(tmp_path / "pipe"), *I2I])
-    loaded = GlmImagePipeline.from_pretrained(tmp_path / "pipe")
+                      "--save-pipeline", str(tmp_path / "runs" / "pipe"), *I2I])
+    loaded = GlmImagePipeline.from_pretrained(tmp_path / "runs" / "pipe")
     source = g.draw_shape("circle", "red", "white", 64, 64)
+    (tmp_path / "sources").mkdir()
+    source.save(tmp_path / "sources" / "sunny.png")
+    monkeypatch.chdir(tmp_path)
+    exec(readme_block("from diffusers import GlmImagePipeline\nfrom PIL import Image\nfrom grpo_glm"), {})
+    assert Image.open(tmp_path / "stormy.png").size == (64, 64)           # the README's example runs
     with pytest.raises(Exception):       # if diffusers fixes this, the README's warning can go
         loaded("make the red circle blue", image=[source], height=64, width=64, num_inference_steps=4)
     kwargs = dict(height=64, width=64, num_inference_steps=4)
