@@ -2848,7 +2848,8 @@ def generate_images(pipe, prompts, sources=None, height=64, width=64, num_infere
     for k, prompt in enumerate(prompts):
         torch.manual_seed(seed * 1_000_003 + k)
         source = sources and sources[k: k + 1]
-        rollout = sample_group(pipe, [prompt], 1, temperature, height, width, "target", source, record_logp=False)
+        rollout = sample_group(pipe, [prompt], 1, temperature, height, width, "target", sources=source,
+                               record_logp=False)
         images.append(decode_images(pipe, [prompt], rollout, noise[k: k + 1], num_inference_steps, guidance_scale,
                                     source))
     pixels = torch.cat(images).clamp(0, 1).permute(0, 2, 3, 1).numpy()
