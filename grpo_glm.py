@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -50,6 +51,8 @@ import signal
 import sys
 import time
 import traceback
+import unicodedata
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -57,14 +60,21 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 import torch.distributed as dist
-from PIL import Image, ImageDraw, UnidentifiedImageError
+from PIL import Image, ImageDraw, ImageOps, UnidentifiedImageError
 
 CHECKPOINT_FORMAT = "grpo_glm-checkpoint-v2"   # v2: + lr schedule, DiT weights (--policy)
 TINY = "tiny"
 
 
 class UsageError(Exception):
-    """Bad input from the user: printed as one line on stderr, exit code 2, no traceback."""
+    """Bad input from the user: printed as one line on stderr, exit code 2, no traceback. Under
+    torchrun every rank checks the same input and stops on the same error: rank 0 alone prints it,
+    unless it is local to a rank (`local=True`: a reward failing on that rank's images), which
+    that rank prints with its number."""
+
+    def __init__(self, message, local=False):
+        super().__init__(message)
+        self.local = local
 
 
 # =============================================================================================
@@ -81,11 +91,19 @@ ALGORITHM_FLAGS = (
 )
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends '(default: X)' to each flag's help, except for X = None: those flags say in words
+    what happens without them ('Default: mse.'), which '(default: None)' would contradict."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description="GRPO fine-tuning of GLM-Image's autoregressive model against image rewards (MSE to a "
                     "target by default, or your own --reward plug-ins).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     a = p.add_argument
     a("--mode", choices=["t2i", "i2i"], default="t2i", help="t2i: text to image; i2i: edit a source image "
@@ -478,6 +496,7 @@ def prepare_dit_policy(dit, args):
 # =============================================================================================
 # 3. Prompts and targets
 # =============================================================================================
+EXIF_ORIENTATION = 0x0112
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (240, 210, 40),
            "white": (255, 255, 255), "black": (0, 0, 0), "orange": (245, 140, 30), "purple": (140, 60, 180)}
 SHAPES = ("circle", "square", "triangle")
@@ -485,19 +504,44 @@ SHAPES = ("circle", "square", "triangle")
 
 @dataclass
 class PromptItem:
+    """One prompt line. Its images are read (or drawn) each time a step asks for them, never kept:
+    1,000 targets at 1024^2 held 4.6 GB per process. `target` / `source`: RGB, --width x --height,
+    or None (no target given and no reward reads one; t2i has no source)."""
     text: str
-    target: Image.Image          # RGB, --width x --height; None when no reward uses targets and none is given
-    source: Image.Image = None   # i2i only: the image to edit, RGB, --width x --height
+    where: str                   # 'prompts.txt:3', for messages
+    size: tuple                  # (height, width) images are resized to
+    mode: str = "t2i"
+    target_file: Path = None
+    source_file: Path = None
+    draw_target: bool = False    # no target file: draw the demo target from the prompt's words
+    draw_source: bool = False    # i2i, no source file: draw the demo source
+
+    @property
+    def target(self):
+        if self.target_file:
+            return read_image(self.target_file, self.where, "target", self.size)
+        if self.draw_target:
+            return draw_demo(self.text, *self.size, self.where, "target" if self.mode == "i2i" else None)
+        return None
+
+    @property
+    def source(self):
+        if self.source_file:
+            return read_image(self.source_file, self.where, "source", self.size)
+        return draw_demo(self.text, *self.size, self.where, "source") if self.draw_source else None
 
 
 def read_prompts(path, height, width, mode="t2i", need_targets=True):
     """Parses the prompt file. Line format: `prompt`, `prompt | target.png`, and in i2i
     `prompt | target.png | source.png` (paths relative to the prompt file). Blank lines and
     comment lines (first non-blank character '#') are skipped; a '#' later in a line is text
-    ('colour #ff0000'). Images of another size are resized to --width x --height; i2i sources
-    too, which keeps them multiples of 32 px and lets a whole group decode in one call.
-    With need_targets=False (no reward reads targets) a missing target stays None instead of
-    being drawn from the prompt's words, so any line is a valid prompt."""
+    ('colour #ff0000'); `\\|` is a '|' inside the prompt; tabs become spaces. Images of another
+    size are resized to --width x --height; i2i sources too, which keeps them multiples of 32 px
+    and lets a whole group decode in one call.
+    need_targets: False (no reward reads targets: a missing target stays None, any line is a valid
+    prompt), or True / the names of the rewards that read them (see require_targets).
+    Every image is checked here (it opens, its header and size read) but its pixels are read only
+    when a step uses it (PromptItem)."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"--prompts {path}: file not found")
@@ -506,29 +550,47 @@ def read_prompts(path, height, width, mode="t2i", need_targets=True):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
-        text, *paths = (part.strip() for part in line.split("|"))
+        text, *paths = (part.strip() for part in re.split(r"(?<!\\)\|", line))
+        text = text.replace("\\|", "|").replace("\t", " ")
         where = f"{path}:{lineno}"
+        if not text:
+            raise UsageError(f"{where}: empty prompt before '|'")
         if len(paths) > (2 if mode == "i2i" else 1):
-            raise UsageError(f"{where}: too many '|' fields for --mode {mode}")
+            raise UsageError(f"{where}: too many '|' fields for --mode {mode} (write \\| for a '|' in the prompt)")
         paths += [""] * (2 - len(paths))
-        images = [load_image(path.parent / p, where, kind) if p else None for p, kind in zip(paths, ("target", "source"))]
-        resized |= any(im is not None and im.size != (width, height) for im in images)
-        for image, name, kind in zip(images, paths, ("target", "source")):
-            if image is not None and image.width * height != image.height * width:
-                print(f"note: {where}: {kind} {name} is {image.width}x{image.height}, squashed to {width}x{height} "
+        files = [path.parent / p if p else None for p in paths]
+        for file, name, kind in zip(files, paths, ("target", "source")):
+            if file is None:
+                continue
+            w, h = check_image(file, where, kind)
+            resized |= (w, h) != (width, height)
+            if w * height != h * width:
+                print(f"note: {where}: {kind} {name} is {w}x{h}, squashed to {width}x{height} "
                       "(another aspect ratio; crop it yourself to keep its proportions)")
-        target, source = (im.resize((width, height), Image.BICUBIC) if im else None for im in images)
-        if mode == "t2i":
-            target = target or (draw_demo_image(text, height, width, where) if need_targets else None)
-        elif source is None or (target is None and need_targets):
-            drawn_source, drawn_target = draw_demo_edit(text, height, width, where)
-            target, source = target or drawn_target, source or drawn_source
-        items.append(PromptItem(text, target, source))
+        target_file, source_file = files
+        draw_source = mode == "i2i" and source_file is None
+        item = PromptItem(text, where, (height, width), mode, target_file, source_file,
+                          draw_target=draw_source and target_file is None, draw_source=draw_source)
+        if draw_source:
+            demo_words_or_fail(text, where, mode)
+        items.append(item)
     if not items:
         raise UsageError(f"--prompts {path}: no prompts (only blank or comment lines)")
     if resized:
         print(f"note: images resized to {width}x{height} (--width x --height)")
+    if need_targets:
+        require_targets(items, [] if need_targets is True else need_targets)
     return items
+
+
+def require_targets(items, reward_names=()):
+    """Every prompt needs a target (a reward reads them): one without a target file gets the demo
+    target drawn from its words, or is a UsageError naming the line and the rewards."""
+    for item in items:
+        if item.target_file is None and not item.draw_target:
+            demo_words_or_fail(item.text, item.where, item.mode,
+                               f"the reward {', '.join(reward_names)} reads targets" if reward_names else "")
+            item.draw_target = True
 
 
 def read_utf8(path):
@@ -543,14 +605,44 @@ def read_utf8(path):
                          "save the file as UTF-8")
 
 
-def load_image(path, where, kind):
+def check_image(path, where, kind):
+    """(width, height) of an image file as it will be shown, from its header alone (PIL decodes
+    pixels only on load); a file PIL cannot identify, or whose data is broken, is a UsageError."""
     try:
         with Image.open(path) as image:
-            return to_rgb(image)
+            image.verify()            # PNG: chunk CRCs (no decoding); other formats: what PIL can check
+        with Image.open(path) as image:   # (verify must come first and leaves the file unusable)
+            size = image.size
+            turned = header_exif(image).get(EXIF_ORIENTATION, 1) in (5, 6, 7, 8)   # 90-degree turns
     except FileNotFoundError:
         raise UsageError(f"{where}: {kind} image {path} not found")
-    except (UnidentifiedImageError, OSError) as e:
+    except (UnidentifiedImageError, OSError, SyntaxError) as e:
         raise UsageError(f"{where}: {kind} {path} is not a readable image ({type(e).__name__})")
+    return size[::-1] if turned else size
+
+
+def header_exif(image):
+    """EXIF tags without decoding pixels. (PNG's getexif() decodes the whole image to look for an
+    eXIf chunk after the pixel data; one before it is in image.info.)"""
+    if image.format != "PNG":
+        return image.getexif()
+    exif = Image.Exif()
+    if "exif" in image.info:
+        exif.load(image.info["exif"])
+    return exif
+
+
+def read_image(path, where, kind, size):
+    """An image file as RGB, upright (its EXIF orientation applied, as viewers show a phone photo),
+    resized to size = (height, width)."""
+    try:
+        with Image.open(path) as image:
+            image = to_rgb(ImageOps.exif_transpose(image))
+    except FileNotFoundError:
+        raise UsageError(f"{where}: {kind} image {path} not found (it was there at start-up)", local=True)
+    except (UnidentifiedImageError, OSError) as e:
+        raise UsageError(f"{where}: {kind} {path} is not a readable image ({type(e).__name__})", local=True)
+    return image if image.size == size[::-1] else image.resize(size[::-1], Image.BICUBIC)
 
 
 def to_rgb(image):
@@ -585,24 +677,28 @@ def draw_shape(shape, colour, background, height, width):
     return image
 
 
-def draw_demo_image(prompt, height, width, where):
-    """t2i demo target from the prompt's words: '<colour> <shape> on a <colour> background'."""
+def demo_words_or_fail(prompt, where, mode, why=""):
+    """(colours, shape) to draw the demo images from, or a UsageError saying what the line lacks
+    (and `why` it needs them)."""
     colours, shape = demo_words(prompt)
-    if not colours or shape is None:
+    why = f"{why}; " if why else ""
+    if mode == "t2i" and (not colours or shape is None):
         raise UsageError(f"{where}: no target image given and no colour+shape words to draw one "
-                         f"(write 'prompt | target.png')")
-    return draw_shape(shape, colours[0], colours[1] if len(colours) > 1 else "white", height, width)
-
-
-def draw_demo_edit(prompt, height, width, where):
-    """i2i demo (source, target) from '... <colour> <shape> ... <colour>', e.g. 'make the red circle
-    blue': the source is the shape in the first colour, the target in the second, on white."""
-    colours, shape = demo_words(prompt)
-    if len(colours) < 2 or shape is None:
+                         f"({why}write 'prompt | target.png')")
+    if mode == "i2i" and (len(colours) < 2 or shape is None):
         raise UsageError(f"{where}: --mode i2i needs 'prompt | target.png | source.png', or two colours and "
-                         f"a shape to draw them (e.g. 'make the red circle blue')")
-    return (draw_shape(shape, colours[0], "white", height, width),
-            draw_shape(shape, colours[1], "white", height, width))
+                         f"a shape to draw them (e.g. 'make the red circle blue'){f' ({why[:-2]})' if why else ''}")
+    return colours, shape
+
+
+def draw_demo(prompt, height, width, where, role=None):
+    """Demo images from the prompt's words. t2i (role None): '<colour> <shape> on a <colour>
+    background'. i2i, from '... <colour> <shape> ... <colour>', e.g. 'make the red circle blue':
+    the source is the shape in the first colour, the target in the second, on white."""
+    colours, shape = demo_words_or_fail(prompt, where, "t2i" if role is None else "i2i")
+    if role is None:
+        return draw_shape(shape, colours[0], colours[1] if len(colours) > 1 else "white", height, width)
+    return draw_shape(shape, colours[0 if role == "source" else 1], "white", height, width)
 
 
 def prompts_for_step(num_prompts, per_step, step, seed):
@@ -617,6 +713,12 @@ def prompts_for_step(num_prompts, per_step, step, seed):
         indices.append(order[offset])
         position += 1
     return indices
+
+
+def batch_targets(batch):
+    """The step's target images [P, 3, H, W] in [0, 1], read now (PromptItem), or None if any is missing."""
+    targets = [it.target for it in batch]
+    return None if any(t is None for t in targets) else torch.stack([image_to_tensor(t) for t in targets])
 
 
 def image_to_tensor(image):
@@ -953,6 +1055,8 @@ def load_reward(spec):
             weight = float(text)
         except ValueError:
             raise UsageError(f"--reward {spec}: the weight after '=' must be a number, got {text!r}")
+        if not math.isfinite(weight):
+            raise UsageError(f"--reward {spec}: the weight after '=' must be finite, got {text!r}")
     if where == "mse":
         return Reward("mse", mse, weight, True)
     module_name, _, fn_name = where.rpartition(":")
@@ -966,7 +1070,13 @@ def load_reward(spec):
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
         else:
-            module = importlib.import_module(module_name)
+            # the current directory first, as `python -m` has it (`python grpo_glm.py` puts only
+            # the script's own directory on sys.path)
+            sys.path.insert(0, os.getcwd())
+            try:
+                module = importlib.import_module(module_name)
+            finally:
+                sys.path.remove(os.getcwd())
     except UsageError:
         raise
     except Exception as e:   # whatever the plug-in's own import raises
@@ -997,20 +1107,25 @@ def compute_rewards(rewards, images, prompts, targets):
     stay what they say, and one reward alone gives exactly today's advantages.
     A reward that raises or returns the wrong shape stops the run with one line naming it. NaN
     values are reported by name and passed on: the NaN total then makes the loss non-finite and
-    grpo_update skips the step, so they never reach the weights."""
+    grpo_update skips the step, so they never reach the weights.
+
+    Each reward gets its own copy of the batch: one that edits `images` in place (a normalisation
+    with `sub_`, say) must not change what the next reward, or the sample sheet, sees."""
     total, per_reward = None, {}
     for reward in rewards:
         try:
-            value = reward.fn(images, prompts, targets)
+            value = reward.fn(images.clone(), list(prompts), None if targets is None else targets.clone())
         except Exception as e:
-            raise UsageError(f"reward {reward.name} raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+            raise UsageError(f"reward {reward.name} raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}",
+                             local=True)
         try:
             value = torch.as_tensor(value, dtype=torch.float32).detach().cpu()
         except (TypeError, ValueError, RuntimeError):
-            raise UsageError(f"reward {reward.name} returned {type(value).__name__}, not a tensor or list of floats")
+            raise UsageError(f"reward {reward.name} returned {type(value).__name__}, not a tensor or list of floats",
+                             local=True)
         if value.shape != (len(prompts),):
             raise UsageError(f"reward {reward.name} returned shape {list(value.shape)}, expected [{len(prompts)}] "
-                             "(one value per image)")
+                             "(one value per image)", local=True)
         bad = (~torch.isfinite(value)).sum().item()
         if bad:
             print(f"warning: reward {reward.name} returned {bad} non-finite values of {len(prompts)}; "
@@ -1228,35 +1343,37 @@ def grpo_update(optimizer, halves, args):
     only from the second pass on, when the weights have moved, does clipping limit how far one
     batch pushes the policy (with mu = 1 it is dead code, as in several public GRPO scripts).
     Returns the metrics averaged over the passes that updated (the weighted mean of the pieces;
-    logp_diff_max and entropy from the first pass) and `skipped_updates`: passes whose loss or
-    gradient was not finite, which never reach the weights."""
-    done, first, skipped = [], {}, 0
+    logp_diff_max and entropy from the first pass), `skipped_updates`: passes whose loss or gradient
+    was not finite, which never reach the weights, and `skipped_nonfinite_loss`: those of them whose
+    loss was."""
+    done, first, skipped, bad_loss = [], {}, 0, 0
     for epoch in range(args.inner_epochs):
         optimizer.zero_grad(set_to_none=True)
-        metrics, finite = {}, True
+        metrics, loss_finite, finite = {}, True, True
         for prefix, params, terms in halves:
             for loss, piece, weight in terms(epoch):
                 (loss * weight).backward()
-                finite &= math.isfinite(piece["loss"])
+                loss_finite &= math.isfinite(piece["loss"])
                 for key, value in piece.items():
                     key = prefix + key
                     metrics[key] = (max(metrics.get(key, value), value) if key.endswith("logp_diff_max")
                                     else metrics.get(key, 0.0) + value * weight)
             norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            finite &= bool(torch.isfinite(norm))
+            finite &= loss_finite and bool(torch.isfinite(norm))
             metrics[prefix + "grad_norm"] = norm.item()
         if epoch == 0:
             first = {k: v for k, v in metrics.items() if k.endswith(FIRST_PASS_ONLY)}
         # Under DDP the loss is this rank's, the gradient everyone's: decide together.
         if not all_ranks_agree(finite):
-            skipped += 1
+            skipped += 1            # never let a NaN/inf reach the weights (or a checkpoint)
+            bad_loss += not loss_finite
             optimizer.zero_grad(set_to_none=True)
             continue
         optimizer.step()
         done.append({k: v for k, v in metrics.items() if not k.endswith(FIRST_PASS_ONLY)})
     keys = [k for k in metrics if not k.endswith(FIRST_PASS_ONLY)]
     averaged = {k: sum(m[k] for m in done) / len(done) if done else float("nan") for k in keys}
-    return {**averaged, **first, "skipped_updates": skipped}
+    return {**averaged, **first, "skipped_updates": skipped, "skipped_nonfinite_loss": bad_loss}
 
 
 # =============================================================================================
@@ -1533,20 +1650,51 @@ def dit_reference_mean(dit, reference, cond, rollout, i, noise_level):
 # =============================================================================================
 
 def append_metrics(path, row):
+    """One JSON line per step. NaN and inf (a skipped update's loss, a broken reward) are written
+    as null: JSON has no such numbers, and jq or JSON.parse reject Python's bare NaN."""
+    row = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
     with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(row) + "\n")
+        f.write(json.dumps(row, allow_nan=False) + "\n")
 
 
-def warn_if_collapsed(row, warned):
+def warn_if_collapsed(row, warned, max_entropy=None):
     """Once per run, on stderr: most groups tied, so most advantages are 0 and the step trained
-    on (almost) nothing. Returns whether the warning has been given."""
+    on (almost) nothing. The entropy tells why: near 0, the policy has collapsed and draws G
+    identical samples; high (`max_entropy` = uniform over the codebook), the samples differ but
+    the reward gives them all the same value (a 0/1 reward that no sample passes yet). Returns
+    whether the warning has been given."""
     if warned or row["frac_reward_zero_std"] <= 0.5:
         return warned
-    entropy = f" (entropy {row['entropy']:.3f})" if "entropy" in row else ""     # --policy dit has no AR entropy
-    print(f"warning: step {row['step']}: {row['frac_reward_zero_std']:.0%} of groups have identical rewards"
-          f"{entropy}: no learning signal: the policy has collapsed; lower --lr or raise --temperature",
-          file=sys.stderr, flush=True)
+    head = f"warning: step {row['step']}: {row['frac_reward_zero_std']:.0%} of groups have identical rewards"
+    if "entropy" not in row:          # --policy dit: no AR entropy; the SDE noise keeps samples apart
+        why = "the reward does not separate the samples"
+    elif row["entropy"] < 0.5 * max_entropy:
+        why = (f"entropy {row['entropy']:.3f} of {max_entropy:.2f}: the policy has collapsed; lower --lr or "
+               "raise --temperature")
+    else:
+        why = (f"entropy {row['entropy']:.3f} of {max_entropy:.2f}: the samples differ but the reward does not "
+               "separate them (a pass/fail reward that no sample passes?); make the reward graded")
+    print(f"{head}: no learning signal: {why}", file=sys.stderr, flush=True)
     return True
+
+
+def skip_cause(row):
+    """What made a step skip all its updates: 'reward <names>', 'loss' or 'gradient'."""
+    bad = [k[len("rewards/"):] for k, v in row.items() if k.startswith("rewards/") and not math.isfinite(v)]
+    return f"reward {', '.join(bad)}" if bad else "loss" if row.get("skipped_nonfinite_loss") else "gradient"
+
+
+def non_finite_stop(causes, step, out):
+    """The message of the stop after 5 steps in a row whose updates were all skipped, naming what
+    was non-finite and only checkpoints that exist (the weights are still those of the last step that
+    updated, step - 5 or earlier)."""
+    seen = list(dict.fromkeys(causes))
+    advice = {"loss": "the policy's log-probs overflowed: try a lower --lr",
+              "gradient": "try a lower --lr or --max-grad-norm"}
+    what = "; ".join(f"non-finite {c} ({advice.get(c, 'fix the reward: it returned NaN or inf')})" for c in seen)
+    found = sorted((out / "checkpoints").glob("step_*.pt"))
+    saved = f"the last checkpoint is {found[-1]}" if found else "no checkpoint was written yet (none reached --save-every)"
+    return f"stopping: steps {step - len(causes) + 1}-{step} updated nothing: {what}; {saved}"
 
 
 def truncate_metrics(path, last_step):
@@ -1585,22 +1733,47 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
             cells.append((to_pil(ode[row]), "a=0 (ODE)"))
         rows.append((prompt, cells))
     sheet = Image.new("RGB", (len(rows[0][1]) * width, len(rows) * (height + 2 * caption)), "white")
-    draw = ImageDraw.Draw(sheet)
+    draw, font = ImageDraw.Draw(sheet), label_font()
     for r, (prompt, cells) in enumerate(rows):
         y = r * (height + 2 * caption)
-        draw.text((2, y), prompt[:80], fill="black")
+        draw.text((2, y), drawable(prompt[:80], font), fill="black", font=font)
         for c, (image, label) in enumerate(cells):
             sheet.paste(image.resize((width, height), Image.NEAREST), (c * width, y + caption))
-            draw.text((c * width + 2, y + caption + height), label, fill="black")
+            draw.text((c * width + 2, y + caption + height), label, fill="black", font=font)
     path.parent.mkdir(parents=True, exist_ok=True)
     sheet.save(path)
     return sheet
 
 
-def save_reward_curve(path, rows, size=(640, 360), margin=48):
-    """reward_curve.png: mean reward per step (line) +- the mean within-group std (band), drawn
-    with Pillow so that a run with no tracker still shows its curve. Written at the end and on Ctrl+C."""
-    rows = [r for r in rows if math.isfinite(r["reward_mean"]) and math.isfinite(r["reward_std"])]
+@functools.lru_cache(maxsize=1)
+def label_font():
+    """Pillow's built-in font at 12 px (at its default 10 px some spaces shrink to nothing)."""
+    from PIL import ImageFont
+
+    return ImageFont.load_default(size=12)
+
+
+def drawable(text, font):
+    """`text` as `font` can draw it: a character it has no glyph for (the built-in font has ASCII,
+    not even 'é') loses its accents ('é' -> 'e') or becomes '?' (emoji, CJK), instead of a box."""
+    glyph = lambda ch: (lambda m: (m.size, bytes(m)))(font.getmask(ch))
+    missing = glyph("\U0010FFFD")       # a private-use code point: the font's 'no glyph' box
+    out = []
+    for ch in text:
+        if ch != " " and glyph(ch) == missing:
+            plain = unicodedata.normalize("NFKD", ch).encode("ascii", "ignore").decode()
+            ch = plain if plain and all(c == " " or glyph(c) != missing for c in plain) else "?"
+        out.append(ch)
+    return "".join(out)
+
+
+def save_reward_curve(path, rows, size=(640, 360), margin=48, window=1):
+    """reward_curve.png: mean reward per step (thin line) +- the mean within-group std (band), and
+    its moving average over `window` steps (thick line; the caller passes the steps one pass over
+    the prompt file takes: with one prompt per step the raw curve zig-zags between prompts). Drawn
+    with Pillow so that a run with no tracker still shows its curve. Written at the end and on
+    Ctrl+C or SIGTERM."""
+    rows = [r for r in rows if r["reward_mean"] is not None and r["reward_std"] is not None]   # null: non-finite
     if not rows:
         return
     steps = [r["step"] for r in rows]
@@ -1616,13 +1789,21 @@ def save_reward_curve(path, rows, size=(640, 360), margin=48):
     draw = ImageDraw.Draw(image)
     band = [to_xy(s, y) for s, y in zip(steps, high)] + [to_xy(s, y) for s, y in zip(steps[::-1], low[::-1])]
     draw.polygon(band, fill=(190, 210, 240))
-    draw.line([to_xy(r["step"], r["reward_mean"]) for r in rows], fill=(30, 60, 170), width=2)
+    means = [r["reward_mean"] for r in rows]
+    draw.line([to_xy(s, m) for s, m in zip(steps, means)], fill=(110, 140, 220), width=1)
+    title = "reward per step: mean +- within-group std"
+    if 1 < window < len(rows):
+        average = [sum(means[max(0, i - window + 1): i + 1]) / len(means[max(0, i - window + 1): i + 1])
+                   for i in range(len(means))]
+        draw.line([to_xy(s, m) for s, m in zip(steps, average)], fill=(20, 40, 140), width=3)
+        title += f"; thick: moving average over {window} steps"
     draw.rectangle((margin, margin, w - margin, h - margin), outline="black")
-    draw.text((margin, 8), "reward: mean +- within-group std, per step", fill="black")
-    draw.text((4, margin - 12), f"{y1:.4g}", fill="black")
-    draw.text((4, h - margin), f"{y0:.4g}", fill="black")
-    draw.text((margin, h - margin + 6), f"step {x0}", fill="black")
-    draw.text((w - margin - 50, h - margin + 6), f"step {max(steps)}", fill="black")
+    font = label_font()
+    draw.text((margin, 8), title, fill="black", font=font)
+    draw.text((4, margin - 14), f"{y1:.4g}", fill="black", font=font)
+    draw.text((4, h - margin + 2), f"{y0:.4g}", fill="black", font=font)
+    draw.text((margin, h - margin + 6), f"step {x0}", fill="black", font=font)
+    draw.text((w - margin - 50, h - margin + 6), f"step {max(steps)}", fill="black", font=font)
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path)
 
@@ -1732,8 +1913,8 @@ def trainable_state(model):
 
 
 def save_checkpoint(out_dir, step, model, optimizer, args, lr_scheduler):
-    """Writes <out>/checkpoints/step_NNNNNN.pt atomically. A Ctrl+C during the write is held
-    back and re-raised once the file is complete."""
+    """Writes <out>/checkpoints/step_NNNNNN.pt atomically. A Ctrl+C or SIGTERM during the write is
+    held back and re-raised once the file is complete."""
     path = out_dir / "checkpoints" / f"step_{step:06d}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": CHECKPOINT_FORMAT, "step": step, "trainable": trainable_state(model),
@@ -1742,13 +1923,14 @@ def save_checkpoint(out_dir, step, model, optimizer, args, lr_scheduler):
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     interrupted = []
-    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
+    previous = {s: signal.signal(s, lambda signum, _: interrupted.append(signum)) for s in STOP_SIGNALS}
     try:
         atomic_write_bytes(path, buffer.getvalue())
     finally:
-        signal.signal(signal.SIGINT, previous)
-    if interrupted:
-        signal.raise_signal(signal.SIGINT)   # now handled as usual (see StopAfterStep)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    for signum in interrupted:
+        signal.raise_signal(signum)   # now handled as usual (see StopAfterStep)
     return path
 
 
@@ -2323,24 +2505,85 @@ def keep_aside(checkpoints):
         print(f"note: kept {path.name} of the dropped history as {path.name}.dropped")
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)   # Ctrl+C; what Slurm, Kubernetes and torchrun send before SIGKILL
+
+
+class AbandonStep(BaseException):
+    """A stop signal came before the step's UPDATE: drop the step (a BaseException, so that no
+    `except Exception` on the way, e.g. around a reward plug-in, swallows it)."""
+
+
 class StopAfterStep:
-    """The first Ctrl+C asks the loop to finish the current step and checkpoint it: a step
-    interrupted halfway (weights updated by some inner epochs, not all) is no state to resume
-    from. A second Ctrl+C stops at once."""
+    """Ctrl+C (SIGINT) and SIGTERM stop the run at a state that can be resumed, and exit 128 + signal
+    number (130, 143). Before the step's UPDATE (sampling, decoding, rewards: most of a step) nothing
+    has touched the weights yet, so the step is abandoned at once and the previous step is the one
+    saved; a schedulers' grace period (Slurm's KillWait, Kubernetes' 30 s) is then enough. Once the
+    update has begun, the step is finished and saved: a step updated by some inner epochs, not all,
+    is no state to resume from. A second Ctrl+C stops at once (the last checkpoint is complete); a
+    second SIGTERM changes nothing (Slurm signals every process and torchrun forwards its own, so a
+    rank may get two). Under torchrun the ranks decide together (`before_update`, and the loop's
+    check after each step)."""
 
     def __init__(self):
-        self.requested = False
-        self.previous = signal.signal(signal.SIGINT, self.request)
+        self.signum = None          # the first stop signal received
+        self.abandonable = False    # True from a step's start until its update begins
+        self.previous = {s: signal.signal(s, self.request) for s in STOP_SIGNALS}
 
-    def request(self, *_):
+    @property
+    def requested(self):
+        return self.signum is not None
+
+    def request(self, signum, _frame):
         if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        print("\nCtrl+C: finishing this step and saving a checkpoint (Ctrl+C again to quit now)",
-              file=sys.stderr, flush=True)
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
+        self.signum = signum
+        name = "Ctrl+C" if signum == signal.SIGINT else signal.Signals(signum).name
+        if rank() == 0:
+            print(f"\n{name}: " + ("abandoning this step (its update has not begun) and saving the last one"
+                                   if self.abandonable else "finishing this step and saving a checkpoint")
+                  + " (Ctrl+C to quit now)", file=sys.stderr, flush=True)
+        if self.abandonable:
+            self.abandonable = False
+            raise AbandonStep
+
+    def begin_step(self):
+        self.abandonable, self.agreed = True, False
+        if self.requested:          # came after the last step's stop check: nothing of this step to keep
+            self.abandonable = False
+            raise AbandonStep
+
+    def agree(self):
+        """True if any rank got a stop signal; all ranks then adopt its number (for the exit code)."""
+        if is_ddp():
+            seen = torch.tensor(int(self.signum or 0), device=collective_device())
+            dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+            if seen.item() and not self.requested:
+                self.signum = int(seen.item())
+                if rank() == 0:
+                    print(f"{signal.Signals(self.signum).name} on another rank: stopping", file=sys.stderr, flush=True)
+        return self.requested
+
+    def before_update(self):
+        """Called by the step right before its UPDATE: the last moment to drop it. All ranks take
+        part (a rank whose handler raised AbandonStep joins from the loop, see `agree_after_abandon`)."""
+        self.abandonable, self.agreed = False, True
+        if self.agree():
+            raise AbandonStep
+
+    def agree_after_abandon(self):
+        """A rank that left its step early still answers the other ranks' before_update vote."""
+        if not self.agreed:
+            self.agreed = True
+            self.agree()
+
+    def exit_code(self):
+        return 128 + self.signum
 
     def restore(self):
-        signal.signal(signal.SIGINT, self.previous)
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
 
 
 @dataclass
@@ -2358,6 +2601,7 @@ class Trainer:
     dit_reference: object = None  # frozen initial DiT for the KL term (full fine-tuning, beta > 0)
     prompt_tokens: dict = None   # --policy dit --dit-prior per-prompt: prompt index -> its token grid
     policy: object = None        # what the AR's training forward runs through: the AR, or its DDP wrapper
+    before_update: object = None  # called right before each UPDATE (the stop handler's last chance to drop the step)
 
 
 def sample_tokens(trainer, prompts, sources, slots, step, args):
@@ -2399,6 +2643,8 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
     rewards, advantages, reward_metrics = score_groups(trainer.rewards, images, sample_prompts, targets,
                                                        args.group_size)                  # [N], [N]
     # ---- UPDATE ----------------------------------------------------------------------------
+    if trainer.before_update:
+        trainer.before_update()
     ref_logp = (reference_logprobs(ar, trainer.reference, rollout, args.temperature, trainer.suppressed, M)
                 if args.beta > 0 else None)
     ar.train()   # only switches gradient checkpointing on: GLM-Image's AR has no dropout, so the
@@ -2467,6 +2713,8 @@ def grpo_step_dit(trainer, items, indices, step, args, slots=None):
     targets = batch_targets(batch)                                                        # [P, 3, H, W]
     rewards, advantages, reward_metrics = score_groups(trainer.rewards, images, repeat_each(prompts, G), targets, G)
     # ---- UPDATE: one optimiser loop; each trained half contributes its loss terms ------------
+    if trainer.before_update:
+        trainer.before_update()
     halves = []
     if train_ar:
         ref_logp = (reference_logprobs(ar, trainer.reference, rollout, args.temperature, trainer.suppressed,
@@ -2533,14 +2781,17 @@ def setup_training(args, ckpt=None, ckpt_path=None, rewards=None):
                    dit_reference, {}, policy=wrap_for_training(ar, args.device) if train_ar else None), start
 
 
-def train(args):
-    validate_args(args)
-    out = prepare_out_dir(args)
-    resolve_runtime(args)
-    init_distributed(args)
+def start_training(args, out, lead):
+    """Everything between the lock and the first step: prompts, rewards, checkpoint, model, and the
+    checks that need them. Returns (items, trainer, start step), or None when there is nothing to do."""
+    # Targets are checked for the built-in mse before any plug-in loads (a CLIP model takes a
+    # while), for plug-ins that read them once they are loaded.
+    builtin = ["mse"] if any(spec.partition("=")[0] == "mse" for spec in args.reward) else []
+    items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
     rewards = load_rewards(args.reward)
-    items = read_prompts(args.prompts, args.height, args.width, args.mode,
-                         need_targets=any(r.uses_targets for r in rewards))
+    readers = [r.name for r in rewards if r.uses_targets]
+    if readers and not builtin:
+        require_targets(items, readers)
     args.prompts_sha256 = file_sha256(args.prompts)
     ckpt_path = find_checkpoint(args.resume, out) if args.resume else None
     ckpt = read_checkpoint(ckpt_path) if ckpt_path else None
@@ -2554,21 +2805,74 @@ def train(args):
                   f"(pass --steps {ckpt['step'] + args.steps} to train {args.steps} more)")
             return None
         later = check_resume_point(ckpt_path, ckpt["step"], out, args)
+    trainer, start = setup_training(args, ckpt, ckpt_path, rewards)
+    check_prompt_lengths(trainer.pipe, items, args)
+    if lead and ckpt is not None:
+        keep_aside(later)
+    return items, trainer, start
+
+
+def check_prompt_lengths(pipe, items, args):
+    """A prompt longer than the AR's context is a UsageError naming its line and the limit (a
+    100k-character line otherwise ran for minutes at 3.6 GB with no message). The context
+    (max_position_embeddings) holds the prompt, an i2i source's tokens, the generated tokens and
+    the template's few grid markers (32 are set aside for them)."""
+    grid = (args.height // 32) * (args.width // 32)
+    others = (2 * grid + 1 if args.mode == "i2i" else generated_tokens(args.height, args.width)) + 32
+    context = pipe.vision_language_encoder.config.text_config.max_position_embeddings
+    lengths = [len(ids) for ids in pipe.processor.tokenizer([it.text for it in items], add_special_tokens=False)["input_ids"]]
+    for item, length in zip(items, lengths):
+        if length > context - others:
+            raise UsageError(f"{item.where}: the prompt is {length} tokens; the model's context of {context} leaves "
+                             f"{context - others} for a prompt at {args.height}x{args.width}")
+
+
+def count_text(n):
+    """A parameter count readable at any size: 3.2k, 0.09M would be 90.1k, 8.91B."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}" if unit != "k" else f"{n / size:.1f}k"
+    return str(n)
+
+
+def train(args):
+    validate_args(args)
+    out = prepare_out_dir(args)
+    resolve_runtime(args)
+    init_distributed(args)
     lead = rank() == 0                       # the one rank that writes files and prints progress
+    # The lock first: nothing is loaded for a run that may not write here. If the start then stops
+    # (bad input), a --out made for this run is removed again, so bad input leaves nothing behind.
+    made = [d for d in [out.absolute(), *out.absolute().parents] if not d.exists()]    # directories the lock will create
     if lead:
         lock = lock_out_dir(out)   # held while this function runs (the open file keeps it)
-        prepare_out_dir(args)      # again under the lock: another run may have started meanwhile
-        if ckpt is not None:
-            keep_aside(later)
-    trainer, start = setup_training(args, ckpt, ckpt_path, rewards)
+    started = None
+    try:
+        if lead:
+            prepare_out_dir(args)      # again under the lock: another run may have started meanwhile
+        started = start_training(args, out, lead)
+    finally:
+        if lead and started is None:
+            lock.close()
+            if made:
+                (out / ".lock").unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    for directory in made:       # innermost first; stops at one that is not empty
+                        directory.rmdir()
+    if started is None:
+        return None
+    items, trainer, start = started
     metrics_path = out / "metrics.jsonl"
     tracker = None
     if lead:
         truncate_metrics(metrics_path, start)
-        trainable = sum(p.numel() for p in trainer.trained.parameters() if p.requires_grad) / 1e6
+        trainable = sum(p.numel() for p in trainer.trained.parameters() if p.requires_grad)
+        halves = {"ar": [("", args.lora_rank)], "dit": [("DiT ", args.dit_lora_rank)],
+                  "both": [("AR ", args.lora_rank), ("DiT ", args.dit_lora_rank)]}[args.policy]
+        how = ", ".join(f"{half}{f'LoRA r={r}' if r else 'full'}" for half, r in halves)
         print(f"running with: mode={args.mode} model={args.model} device={args.device} dtype={args.dtype} "
               f"offload={args.offload} batch={args.prompts_per_step}x{args.group_size} mu={args.inner_epochs} "
-              f"lr={args.lr} trainable={trainable:.2f}M ({f'LoRA r={args.lora_rank}' if args.lora_rank else 'full'}) "
+              + (f"lr={args.lr} " if args.policy != "dit" else "") + f"trainable={count_text(trainable)} ({how}) "
               f"image={args.height}x{args.width} loss_tokens={args.loss_tokens} dit_noise={args.dit_noise} out={out} "
               f"threads={torch.get_num_threads()} processes={world_size()} micro_batch={args.micro_batch_size}"
               + (f" policy={args.policy} dit_lr={args.dit_lr} dit_train_steps={args.dit_train_steps}/"
@@ -2577,40 +2881,80 @@ def train(args):
               + f" | lr schedule {args.lr_scheduler}, warm-up {args.lr_warmup_steps} | report to {args.report_to}")
         tracker = open_tracker(args, out, start)
 
-    last_saved, bad_steps, collapse_warned = start, 0, False
+    def indices_of(step):
+        """This rank's prompts of `step`: every rank computes the same global list and takes its block."""
+        step_prompts = prompts_for_step(len(items), args.prompts_per_step, step, args.seed)
+        return [step_prompts[s] for s in rank_slots(args.prompts_per_step)]
+
+    last_saved, bad_steps, collapse_warned = start, [], False
     stop = StopAfterStep()
+    trainer.before_update = stop.before_update
     try:
         for step in range(start + 1, args.steps + 1):
             t0 = time.time()
-            # every rank computes the same global prompt list and takes its block of it
-            slots = rank_slots(args.prompts_per_step)
-            step_prompts = prompts_for_step(len(items), args.prompts_per_step, step, args.seed)
-            indices = [step_prompts[s] for s in slots]
-            if args.policy == "ar":
-                (row, rewards, images, targets, sources), ode = grpo_step(trainer, items, indices, step, args, slots), None
-            else:
-                row, rewards, images, targets, sources, ode = grpo_step_dit(trainer, items, indices, step, args, slots)
-            row["lr"] = trainer.lr_scheduler.get_last_lr()[0]    # the lr this step's updates used
-            trainer.lr_scheduler.step()
+            indices = indices_of(step)
+            step_rng = rng_state()        # what a checkpoint of the previous step holds, if this one is dropped
+            try:
+                stop.begin_step()
+                if args.policy == "ar":
+                    (row, rewards, images, targets, sources), ode = grpo_step(
+                        trainer, items, indices, step, args, rank_slots(args.prompts_per_step)), None
+                else:
+                    row, rewards, images, targets, sources, ode = grpo_step_dit(
+                        trainer, items, indices, step, args, rank_slots(args.prompts_per_step))
+            except AbandonStep:           # a stop signal before the update: the weights are still step - 1's
+                peers = True
+                try:
+                    stop.agree_after_abandon()
+                except Exception as e:    # a rank was killed (kill -9, OOM; torchrun then SIGTERMs the rest):
+                    if not (is_ddp() and collective_failed(e)):   # the others still hold step - 1, save it
+                        raise
+                    peers = False
+                set_rng_state(step_rng)
+                if step - 1 > last_saved and lead:
+                    save_checkpoint(out, step - 1, trainer.trained, trainer.optimizer, args, trainer.lr_scheduler)
+                    if args.checkpoints_total_limit:
+                        prune_checkpoints(out, args.checkpoints_total_limit)
+                if peers:
+                    all_ranks_agree(True)     # the others wait for rank 0's file before they exit
+                if lead:
+                    print(f"interrupted in step {step} before its update: " + (
+                        f"step {step - 1} is saved in {out / 'checkpoints' / f'step_{step - 1:06d}.pt'}; continue with "
+                        f"--resume latest --out {out}"
+                        if step - 1 > 0 else "no step finished, nothing to save"), file=sys.stderr)
+                sys.exit(stop.exit_code())
+            lrs = trainer.lr_scheduler.get_last_lr()    # the lrs this step's updates used: [AR][, DiT]
+            if args.policy != "dit":
+                row["lr"] = lrs[0]
+            if args.policy != "ar":
+                row["dit/lr"] = lrs[-1]
+            with warnings.catch_warnings():
+                # a step whose updates were all skipped (non-finite) never called optimizer.step();
+                # the schedule still moves on by one GRPO step, as planned, and PyTorch need not warn
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+                trainer.lr_scheduler.step()
             # ---- LOG -------------------------------------------------------------------------
             row = reduce_metrics(row)
             row["seconds"] = round(time.time() - t0, 3)
-            stopping = not all_ranks_agree(not stop.requested)   # a Ctrl+C seen by any rank stops all
+            stopping = stop.agree()                               # a stop signal seen by any rank stops all
             if lead:
                 append_metrics(metrics_path, row)
                 if tracker:
                     tracker.log(row, step)
-                print(f"step {step:4d}/{args.steps} | loss {row['loss']:+.4f} | reward {row['reward_mean']:.5f} "
+                dit_loss = f"dit loss {row.get('dit/loss', math.nan):+.3e}"     # ~1e-5: step log-probs are means
+                losses = {"ar": f"loss {row['loss']:+.4f}", "dit": dit_loss,
+                          "both": f"loss {row['loss'] - row.get('dit/loss', math.nan):+.4f} | {dit_loss}"}[args.policy]
+                print(f"step {step:4d}/{args.steps} | {losses} | reward {row['reward_mean']:.5f} "
                       f"± {row['reward_std']:.5f} | " + "".join(
                           f"{prefix}ratio {row[prefix + 'ratio_mean']:.4f} | {prefix}clip {row[prefix + 'clip_ratio']:.3f} "
                           f"| {prefix}kl {row[prefix + 'kl']:.2e} | " for prefix in ("", "dit/") if prefix + "kl" in row)
                       + (f"entropy {row['entropy']:.3f} | " if "entropy" in row else "")
                       + f"zero_std {row['frac_reward_zero_std']:.2f} | {row['seconds']:.2f}s", flush=True)
-                collapse_warned = warn_if_collapsed(row, collapse_warned)
-            bad_steps = bad_steps + 1 if row["skipped_updates"] == args.inner_epochs else 0
-            if bad_steps >= 5:
-                raise UsageError(f"stopping: loss or gradients were non-finite for {bad_steps} steps in a row "
-                                 f"(try a lower --lr); last good checkpoint is in {out / 'checkpoints'}")
+                collapse_warned = warn_if_collapsed(row, collapse_warned, math.log(
+                    trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size))
+            bad_steps = bad_steps + [skip_cause(row)] if row["skipped_updates"] == args.inner_epochs else []
+            if len(bad_steps) >= 5:
+                raise UsageError(non_finite_stop(bad_steps, step, out))
             if lead and args.sample_every and step % args.sample_every == 0:   # rank 0's groups
                 sheet = save_sample_grid(out / "samples" / f"step_{step:06d}.png", [items[i].text for i in indices],
                                          targets, images, rewards, args.group_size, sources, ode)
@@ -2626,19 +2970,23 @@ def train(args):
                         prune_checkpoints(out, args.checkpoints_total_limit)
                 last_saved = step
             if stopping:
+                all_ranks_agree(True)     # the others wait for rank 0's file before they exit
                 if lead:
                     print(f"interrupted: saved step {step} to {path}; continue with --resume latest --out {out}",
                           file=sys.stderr)
-                sys.exit(130)
+                sys.exit(stop.exit_code())
     except KeyboardInterrupt:   # the second Ctrl+C: leave now, the last checkpoint is complete
         print(f"\ninterrupted: last checkpoint is step {last_saved} in {out / 'checkpoints'}", file=sys.stderr)
         sys.exit(130)
     finally:
         stop.restore()
         if lead:
-            save_reward_curve(out / "reward_curve.png", read_metrics(metrics_path))
+            save_reward_curve(out / "reward_curve.png", read_metrics(metrics_path),   # window: one pass over the prompts
+                              window=min(20, math.ceil(len(items) / args.prompts_per_step)))
         if tracker:
             tracker.close()
+        if lead:
+            lock.close()     # (the process's end would release it too; an in-process caller may run again)
     if args.save_pipeline and lead:
         save_trained_pipeline(trainer.pipe, args)
     return trainer.pipe
@@ -2661,6 +3009,41 @@ def save_trained_pipeline(pipe, args):
         ar, pipe.transformer.config.prior_vq_quantizer_codebook_size, args.temperature)
     pipe.save_pretrained(args.save_pipeline)
     print(f"saved the trained pipeline to {args.save_pipeline}")
+
+
+@torch.no_grad()
+def generate_images(pipe, prompts, sources=None, height=64, width=64, num_inference_steps=4, guidance_scale=1.0,
+                    temperature=None, seed=0):
+    """Text-to-image, or edits when `sources` (one PIL image per prompt) are given, with a pipeline
+    trained here (GlmImagePipeline.from_pretrained(--save-pipeline dir), or main()'s return value).
+    Returns one PIL image per prompt.
+
+    It runs the training's own code: sample_group (the AR samples the target grid, for an edit
+    reading the source's VQ tokens) and decode_images (DiT + VAE with prior_token_ids=). The
+    library's `pipe(prompt, image=[source])` fails in generate_prior_tokens (diffusers 0.42.1 with
+    transformers 5, see encode_sources); its text-to-image call works. Sources are made upright and
+    resized to width x height, as in training. temperature: default the saved generation config's
+    (the --temperature trained with). Seeds the global torch RNG (generate takes no generator)."""
+    if height % 32 or width % 32:
+        raise ValueError(f"height and width must be multiples of 32, got {height}x{width}")
+    if sources is not None and len(sources) != len(prompts):
+        raise ValueError(f"one source per prompt: got {len(sources)} sources for {len(prompts)} prompts")
+    ar = pipe.vision_language_encoder
+    temperature = temperature or getattr(ar.generation_config, "temperature", None) or 1.0
+    pipe.processor.tokenizer.padding_side = "left"        # as load_pipeline sets it for training
+    if sources is not None:
+        sources = [to_rgb(ImageOps.exif_transpose(s)).resize((width, height), Image.BICUBIC) for s in sources]
+    noise = group_noise(pipe, range(len(prompts)), 1, height, width, seed, 0, "per-prompt")
+    images = []
+    for k, prompt in enumerate(prompts):
+        torch.manual_seed(seed * 1_000_003 + k)
+        source = sources and sources[k: k + 1]
+        rollout = sample_group(pipe, [prompt], 1, temperature, height, width, "target", sources=source,
+                               record_logp=False)
+        images.append(decode_images(pipe, [prompt], rollout, noise[k: k + 1], num_inference_steps, guidance_scale,
+                                    source))
+    pixels = torch.cat(images).clamp(0, 1).permute(0, 2, 3, 1).numpy()
+    return [Image.fromarray((p * 255).round().astype(np.uint8)) for p in pixels]
 
 
 def policy_generation_config(ar, codebook_size, temperature):
@@ -2705,7 +3088,11 @@ def main(argv=None):
             return
         return train(args)
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
+        where = int(os.environ.get("RANK", "0"))      # torchrun's rank (the group may not be joined yet)
+        if e.local and launched_world_size() > 1:
+            print(f"error: rank {where}: {e}", file=sys.stderr)
+        elif where == 0:
+            print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except Exception as e:
         if not (is_ddp() and collective_failed(e)):

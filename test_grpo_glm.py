@@ -7,6 +7,7 @@ config file (pytest.ini, conftest.py, ...), and this project keeps its top level
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -271,7 +272,14 @@ def test_collapse_is_warned_once(tmp_path, capsys, monkeypatch):
     rows = read_metrics(out)
     assert all(r["frac_reward_zero_std"] == 1.0 and r["entropy"] < 1e-3 for r in rows)
     err = capsys.readouterr().err
-    assert err.count("no learning signal: the policy has collapsed") == 1 and "--temperature" in err
+    assert err.count("no learning signal: entropy 0.000 of 4.16: the policy has collapsed") == 1 and "--temperature" in err
+
+
+def test_a_reward_that_ties_every_sample_is_not_called_a_collapse(capsys):
+    row = {"step": 1, "frac_reward_zero_std": 1.0, "entropy": 4.15}     # a 0/1 reward nothing passes yet
+    assert g.warn_if_collapsed(row, False, math.log(64))
+    err = capsys.readouterr().err
+    assert "the samples differ but the reward does not separate them" in err and "collapsed" not in err
 
 
 def test_first_inner_epoch_has_ratio_one(tmp_path):
@@ -361,6 +369,10 @@ def test_two_runs_cannot_share_an_out_dir(tmp_path, capsys):
         g.main(["--steps", "1", "--out", str(out), *SMALL])
     assert "in use by another run" in capsys.readouterr().err
     assert not (out / "metrics.jsonl").exists()
+    with pytest.raises(SystemExit):                # checked first: no "starting from step 0" before it
+        g.main(["--steps", "1", "--out", str(out), "--resume", "latest", *SMALL])
+    printed = capsys.readouterr()
+    assert "in use by another run" in printed.err and "starting from step 0" not in printed.out
     holder.close()
     with open(out / ".lock") as again:             # released: anyone may take it
         fcntl.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -494,6 +506,68 @@ def test_images_are_read_as_the_user_sees_them(tmp_path, capsys):
     assert "rgba.png" not in out and "grey16.png" not in out
 
 
+def test_prompt_images_are_checked_at_start_but_read_only_when_used(tmp_path, monkeypatch):
+    """1,000 targets at 1024^2 took 4.6 GB per process when read at start-up: the prompt list keeps
+    paths, a step reads its own prompts' images. A broken file still fails at start-up."""
+    from PIL import ImageFile
+
+    for name in ("a", "b", "s"):
+        Image.new("RGB", (64, 64), "blue").save(tmp_path / f"{name}.png")
+    (tmp_path / "p.txt").write_text("one | a.png\ntwo | b.png\n")
+    (tmp_path / "i.txt").write_text("make it red | a.png | s.png\nmake the red circle blue\n")
+    decoded = []
+    real_load = ImageFile.ImageFile.load
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda self: decoded.append(self) or real_load(self))
+    items = g.read_prompts(tmp_path / "p.txt", 64, 64) + g.read_prompts(tmp_path / "i.txt", 64, 64, "i2i")
+    assert decoded == []
+    assert not any(isinstance(v, Image.Image) for it in items for v in vars(it).values())
+    assert items[1].target.getpixel((0, 0)) == (0, 0, 255) and len(set(map(id, decoded))) == 1
+    assert items[2].source.size == (64, 64) and items[3].source.getpixel((32, 32)) == g.COLOURS["red"]
+    data = (tmp_path / "a.png").read_bytes()
+    (tmp_path / "broken.png").write_bytes(data[:40] + bytes([data[40] ^ 0xFF]) + data[41:])   # a corrupt chunk
+    (tmp_path / "q.txt").write_text("one | broken.png\n")
+    with pytest.raises(g.UsageError, match="broken.png is not a readable image"):
+        g.read_prompts(tmp_path / "q.txt", 64, 64)
+
+
+def test_exif_orientation_is_applied_to_targets_and_sources(tmp_path, capsys):
+    """A phone photo stored sideways with EXIF orientation 6 (rotate 90 degrees clockwise to view)."""
+    stored = Image.new("RGB", (64, 32), "white")
+    stored.paste((255, 0, 0), (0, 0, 8, 32))                # red band on the left of the stored pixels
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    stored.save(tmp_path / "photo.jpg", exif=exif, quality=95)
+    (tmp_path / "p.txt").write_text("make it so | photo.jpg | photo.jpg\n")
+    item = g.read_prompts(tmp_path / "p.txt", 64, 32, "i2i")[0]   # upright it is 32 wide, 64 high
+    assert "squashed" not in capsys.readouterr().out
+    for image in (item.target, item.source):
+        assert image.size == (32, 64)
+        r, gr, b = image.getpixel((16, 3))                  # shown upright, the band is at the top
+        assert r > 200 and gr < 60 and b < 60, (r, gr, b)
+
+
+def test_prompt_lines_escape_pipes_normalise_tabs_and_reject_empty_prompts(tmp_path):
+    Image.new("RGB", (64, 64), "red").save(tmp_path / "t.png")
+    (tmp_path / "p.txt").write_text("a sign saying \"A \\| B\" | t.png\nred\tcircle\n")
+    items = g.read_prompts(tmp_path / "p.txt", 64, 64)
+    assert [it.text for it in items] == ['a sign saying "A | B"', "red circle"] and items[0].target_file.name == "t.png"
+    for line, needle in [(" | t.png", "p.txt:1: empty prompt"), ("a | b | t.png", "write \\| for a '|'")]:
+        (tmp_path / "p.txt").write_text(line + "\n")
+        with pytest.raises(g.UsageError, match=needle.replace("|", "\\|")):
+            g.read_prompts(tmp_path / "p.txt", 64, 64)
+
+
+def test_a_prompt_longer_than_the_context_is_a_one_line_error(tmp_path, capsys):
+    (tmp_path / "p.txt").write_text("a red circle\n" + "a blue square " * 200 + "\n")
+    out = tmp_path / "new" / "run"
+    with pytest.raises(SystemExit) as stop:
+        g.main(["--prompts", str(tmp_path / "p.txt"), "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1, err
+    assert "p.txt:2: the prompt is 2799 tokens; the model's context of 2048 leaves" in err[0]
+    assert not (tmp_path / "new").exists()          # nothing written, not even the lock's directory
+
+
 def test_prompt_file_comments_bom_and_hash_in_text(tmp_path):
     from PIL import Image
 
@@ -596,7 +670,9 @@ def test_non_finite_loss_skips_the_update(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(g, "mse_reward", lambda images, targets: torch.full((images.shape[0],), float("nan")))
     with pytest.raises(SystemExit) as stop:
         g.main(["--steps", "8", "--out", str(out), "--save-every", "2", *SMALL])
-    assert stop.value.code == 2 and "non-finite" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "steps 1-5 updated nothing: non-finite reward mse (fix the reward" in err
+    assert f"the last checkpoint is {out / 'checkpoints' / 'step_000004.pt'}" in err and "--lr" not in err
     rows = read_metrics(out)
     assert len(rows) == 5 and all(r["skipped_updates"] == 4 for r in rows)
     initial = g.build_tiny_pipeline(0).vision_language_encoder.state_dict()
@@ -604,6 +680,20 @@ def test_non_finite_loss_skips_the_update(tmp_path, monkeypatch, capsys):
         weights = g.read_checkpoint(path)["trainable"]
         assert all(torch.isfinite(w).all() for w in weights.values())
         assert all(torch.equal(w, initial[name]) for name, w in weights.items())
+
+
+def test_non_finite_stop_names_the_cause_and_no_missing_checkpoint(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, max_norm: torch.tensor(float("inf")))
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as stop:
+        g.main(["--steps", "8", "--out", str(out), "--inner-epochs", "1", "--sample-every", "0", *SMALL[:4]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1, err
+    assert "non-finite gradient (try a lower --lr or --max-grad-norm)" in err[0] and "reward" not in err[0]
+    assert "no checkpoint was written yet" in err[0] and not (out / "checkpoints").exists()
+    row = {"rewards/mse": -0.2, "skipped_nonfinite_loss": 1}             # a NaN loss with a finite reward
+    assert g.skip_cause(row) == "loss" and "non-finite loss (the policy's log-probs overflowed" in \
+        g.non_finite_stop(["loss"] * 5, 9, out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -683,6 +773,34 @@ def test_saved_pipeline_loads_and_carries_the_training(tmp_path):
     # 3 small steps move each grid token's probability by a few %: the same seed then draws
     # other tokens for some seeds, not all
     assert changed >= 2
+
+
+def test_saved_i2i_pipeline_edits_images_with_generate_images(tmp_path, i2i_prompts, monkeypatch):
+    """The library's pipe(prompt, image=[source]) dies in generate_prior_tokens; grpo_glm.generate_images
+    runs the training's sampling and decoding on the reloaded pipeline, and the edit carries the training."""
+    from diffusers import GlmImagePipeline
+
+    trained = g.main(["--prompts", str(i2i_prompts), "--steps", "1", "--out", str(tmp_path / "run"), "--lr", "1.0",
+                      "--save-pipeline", str(tmp_path / "runs" / "pipe"), *I2I])
+    loaded = GlmImagePipeline.from_pretrained(tmp_path / "runs" / "pipe")
+    source = g.draw_shape("circle", "red", "white", 64, 64)
+    (tmp_path / "sources").mkdir()
+    source.save(tmp_path / "sources" / "sunny.png")
+    monkeypatch.chdir(tmp_path)
+    exec(readme_block("from diffusers import GlmImagePipeline\nfrom PIL import Image\nfrom grpo_glm"), {})
+    assert Image.open(tmp_path / "stormy.png").size == (64, 64)           # the README's example runs
+    with pytest.raises(Exception):       # if diffusers fixes this, the README's warning can go
+        loaded("make the red circle blue", image=[source], height=64, width=64, num_inference_steps=4)
+    kwargs = dict(height=64, width=64, num_inference_steps=4)
+    edits = {name: [g.generate_images(p, ["make the red circle blue"], [source], seed=seed, **kwargs)[0]
+                    for seed in range(4)] for name, p in [("loaded", loaded), ("trained", trained),
+                                                          ("base", g.build_tiny_pipeline(0))]}
+    as_array = lambda ims: np.stack([np.asarray(im, dtype=np.int16) for im in ims])
+    assert edits["loaded"][0].size == (64, 64)
+    assert np.abs(as_array(edits["loaded"]) - as_array(edits["trained"])).max() <= 1
+    assert np.abs(as_array(edits["loaded"]) - as_array(edits["base"])).max() > 10
+    text = g.generate_images(loaded, ["a red circle", "a blue square"], **kwargs)      # t2i too
+    assert [im.size for im in text] == [(64, 64)] * 2
 
 
 @pytest.mark.parametrize("lora", ["0", "2"])
@@ -945,6 +1063,59 @@ def test_offload_hooks_only_the_frozen_parts_and_keep_training_exact():
     assert rows[True] == rows[False]
 
 
+SIGNAL_REWARD = """import os, signal, time
+import grpo_glm
+calls = []
+def score(images, prompts, targets):
+    calls.append(1)
+    if len(calls) == int(os.environ.get("SIGNAL_AT_CALL", "0")):
+        if os.environ.get("RANK", "0") == os.environ.get("KILL_RANK"):
+            os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would
+        if os.environ.get("RANK", "0") == os.environ.get("SIGNAL_RANK", "0"):
+            if "KILL_RANK" in os.environ:
+                time.sleep(2)                     # torchrun notices the dead rank, then SIGTERMs the others
+            signal.raise_signal(signal.SIGTERM)   # as Slurm or Kubernetes would, while the step computes rewards
+    return grpo_glm.mse_reward(images, targets)
+score.uses_targets = True
+"""
+
+
+def test_sigterm_before_the_update_drops_the_step_and_saves_the_last_one(tmp_path, monkeypatch, capsys):
+    (tmp_path / "term.py").write_text(SIGNAL_REWARD)
+    monkeypatch.setenv("SIGNAL_AT_CALL", "2")            # in step 2, before its update
+    flags = ["--save-every", "10", "--reward", f"{tmp_path}/term.py:score", *SMALL]
+    with pytest.raises(SystemExit) as stop:
+        g.main(["--steps", "5", "--out", str(tmp_path / "a"), *flags])
+    err = capsys.readouterr().err
+    assert stop.value.code == 143 and "SIGTERM: abandoning this step" in err and "Traceback" not in err
+    assert "interrupted in step 2 before its update: step 1 is saved" in err
+    assert [p.name for p in (tmp_path / "a" / "checkpoints").glob("*.pt")] == ["step_000001.pt"]
+    assert [r["step"] for r in read_metrics(tmp_path / "a")] == [1]
+    monkeypatch.setenv("SIGNAL_AT_CALL", "0")
+    g.main(["--steps", "2", "--out", str(tmp_path / "a"), "--resume", "latest", *flags])
+    g.main(["--steps", "2", "--out", str(tmp_path / "b"), *flags])
+    assert deterministic(read_metrics(tmp_path / "a")) == deterministic(read_metrics(tmp_path / "b"))
+
+
+def test_sigterm_during_the_update_finishes_and_saves_the_step(tmp_path, monkeypatch, capsys):
+    real = g.grpo_update
+
+    def update_then_sigterm(*args):
+        signal.raise_signal(signal.SIGTERM)       # arrives during the update: the step is finished
+        signal.raise_signal(signal.SIGTERM)       # a second one (Slurm and torchrun both send one) changes nothing
+        return real(*args)
+
+    monkeypatch.setattr(g, "grpo_update", update_then_sigterm)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as stop:
+        g.main(["--steps", "5", "--out", str(out), "--save-every", "10", *SMALL])
+    err = capsys.readouterr().err
+    assert stop.value.code == 143 and "SIGTERM: finishing this step" in err
+    assert f"saved step 1 to {out / 'checkpoints' / 'step_000001.pt'}" in err
+    assert [r["step"] for r in read_metrics(out)] == [1] and g.read_checkpoint(out / "checkpoints" / "step_000001.pt")
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL       # the run's handler is gone again
+
+
 def test_ctrl_c_during_a_checkpoint_write_is_held_until_the_file_is_complete(tmp_path, monkeypatch):
     args = g.resolve_runtime(g.parse_args([]))
     model = torch.nn.Linear(3, 2)
@@ -1051,6 +1222,16 @@ def test_compute_rewards_weighted_sum_and_per_name():
     torch.testing.assert_close(total, 2.0 * images.mean(dim=(1, 2, 3)) - 0.5 * torch.full((4,), 0.1))
 
 
+def test_a_reward_that_edits_images_in_place_changes_nothing_for_the_next():
+    images, targets = torch.rand(4, 3, 8, 8), torch.rand(4, 3, 8, 8)
+    before = images.clone()
+    mutate = lambda im, p, t: (im.mul_(0), t.mul_(0), p.clear(), [0.0] * 4)[-1]
+    mse = g.Reward("mse", g.mse, 1.0, True)
+    _, parts = g.compute_rewards([_reward("mutate", mutate), mse], images, list("abcd"), targets)
+    torch.testing.assert_close(parts["mse"], g.mse_reward(before, targets))
+    assert torch.equal(images, before)
+
+
 @pytest.mark.parametrize("fn, needle", [
     (lambda im, p, t: 1 / 0, "reward bad raised ZeroDivisionError"),
     (lambda im, p, t: torch.zeros(4, 1), "reward bad returned shape [4, 1], expected [4]"),
@@ -1084,6 +1265,8 @@ def plugins(tmp_path):
     ("{tmp}/missing.py:f", "missing.py not found"),
     ("{tmp}/plug.py:nothing", "has no function nothing"),
     ("{tmp}/plug.py:half_nan=heavy", "weight after '=' must be a number"),
+    ("mse=nan", "weight after '=' must be finite, got 'nan'"),
+    ("mse=-inf", "weight after '=' must be finite, got '-inf'"),
     ("{tmp}/broken_import.py:f", "RuntimeError: no GPU here"),
     ("os.path:no_such_fn", "os.path has no function no_such_fn"),
 ])
@@ -1096,22 +1279,38 @@ def test_bad_reward_spec_fails_before_the_model_loads(spec, needle, plugins, cap
     assert not out.exists()
 
 
+def test_reward_module_is_found_in_the_current_directory(tmp_path, monkeypatch):
+    (tmp_path / "myrew_in_cwd.py").write_text("def fn(images, prompts, targets):\n    return [1.0] * len(prompts)\n")
+    monkeypatch.chdir(tmp_path)
+    reward = g.load_reward("myrew_in_cwd:fn=0.5")
+    assert reward.name == "fn" and reward.weight == 0.5 and str(tmp_path) not in sys.path
+
+
 def test_targets_are_required_only_by_rewards_that_read_them(plugins, capsys):
     with pytest.raises(SystemExit):
         g.main(["--reward", f"{plugins}/plug.py:needs", "--prompts", str(plugins / "free.txt"),
                 "--out", str(plugins / "a")])
-    assert "no target image given" in capsys.readouterr().err
+    assert "free.txt:1: no target image given and no colour+shape words to draw one (the reward needs reads " \
+           "targets; write 'prompt | target.png')" in capsys.readouterr().err
+    # the built-in mse's need is checked before any plug-in loads (the broken one is never imported)
+    with pytest.raises(SystemExit):
+        g.main(["--reward", f"{plugins}/broken_import.py:f", "--reward", "mse=0.5", "--prompts",
+                str(plugins / "free.txt"), "--out", str(plugins / "a")])
+    err = capsys.readouterr().err
+    assert "(the reward mse reads targets;" in err and "no GPU here" not in err
     items = g.read_prompts(plugins / "free.txt", 64, 64, need_targets=False)
     assert [it.target for it in items] == [None, None]
 
 
-def test_nan_reward_is_named_and_never_reaches_the_weights(plugins, capsys):
+def test_nan_reward_is_named_and_never_reaches_the_weights(plugins, capsys, recwarn):
     out = plugins / "nan"
     g.main(["--steps", "1", "--out", str(out), "--reward", f"{plugins}/plug.py:half_nan", "--reward", "mse", *SMALL])
     err = capsys.readouterr().err
     assert "reward half_nan returned 2 non-finite values of 4" in err and "mse" not in err
     row = read_metrics(out)[0]
-    assert row["skipped_updates"] == 4 and math.isnan(row["rewards/half_nan"]) and math.isfinite(row["rewards/mse"])
+    assert row["skipped_updates"] == 4 and row["rewards/half_nan"] is None and math.isfinite(row["rewards/mse"])
+    assert row["loss"] is None and "NaN" not in (out / "metrics.jsonl").read_text()    # null: JSON has no NaN
+    assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]       # no optimizer.step() is fine
     initial = g.build_tiny_pipeline(0).vision_language_encoder.state_dict()
     weights = g.read_checkpoint(out / "checkpoints" / "step_000001.pt")["trainable"]
     assert all(torch.equal(w, initial[name]) for name, w in weights.items())
@@ -1271,15 +1470,25 @@ def test_missing_tracker_package_is_a_one_line_error(tmp_path, monkeypatch, caps
 
 
 def test_reward_curve_is_drawn(tmp_path):
-    rows = [{"step": s, "reward_mean": -0.2 + 0.01 * s, "reward_std": 0.002} for s in range(1, 11)]
-    g.save_reward_curve(tmp_path / "curve.png", rows)
+    """Two prompts taking turns, one per step: the raw curve zig-zags, its moving average over a pass
+    over the prompts (2 steps, the thick line) rises steadily."""
+    rows = [{"step": s, "reward_mean": -0.2 + 0.01 * s + 0.03 * (s % 2), "reward_std": 0.002} for s in range(1, 11)]
+    g.save_reward_curve(tmp_path / "curve.png", rows, window=2)
     pixels = np.asarray(Image.open(tmp_path / "curve.png"))
-    line = (pixels == (30, 60, 170)).all(-1)
+    line = (pixels == (20, 40, 140)).all(-1)
     rows_with_line = np.nonzero(line.any(1))[0]
     columns = np.nonzero(line.any(0))[0]
     # a rising reward: the line's left end sits lower in the picture than its right end
     assert columns.max() - columns.min() > 400 and rows_with_line.max() - rows_with_line.min() > 100
     assert np.nonzero(line[:, columns.min()])[0].mean() > np.nonzero(line[:, columns.max()])[0].mean()
+    tops = [np.nonzero(line[:, c])[0].min() for c in range(columns.min() + 60, columns.max(), 55)]
+    assert all(a >= b for a, b in zip(tops, tops[1:]))      # no zig-zag left after the first pass
+
+
+def test_sample_sheet_captions_draw_no_boxes():
+    font = g.label_font()
+    assert g.drawable("a café 🎨 sign, 中 ok", font) == "a cafe ? sign, ? ok"
+    assert g.drawable("plain ASCII: #ff0000 | 0.1234", font) == "plain ASCII: #ff0000 | 0.1234"
 
 
 def test_cosine_schedule_with_warmup_is_followed_and_resumes_bit_identically(tmp_path):
@@ -1383,11 +1592,17 @@ def test_dit_gradient_raises_the_logprob_of_a_positive_advantage_trajectory():
 
 
 @pytest.mark.parametrize("lora", ["0", "4"])
-def test_policy_dit_trains_only_the_dit_and_saves_it(tmp_path, lora):
+def test_policy_dit_trains_only_the_dit_and_saves_it(tmp_path, lora, capsys):
     from diffusers import GlmImagePipeline
 
     trained = g.main(["--policy", "dit", "--steps", "2", "--out", str(tmp_path / "run"), "--dit-lr", "0.05",
                       "--dit-lora-rank", lora, "--save-pipeline", str(tmp_path / "pipe"), *SMALL])
+    printed = capsys.readouterr().out
+    header = next(line for line in printed.splitlines() if line.startswith("running with:"))
+    assert " lr=" not in header and "dit_lr=0.05" in header and ".00M" not in header     # no unused AR lr
+    assert ("trainable=1.0k (DiT LoRA r=4)" if lora != "0" else "(DiT full)") in header
+    assert re.search(r"step    1/2 \| dit loss [-+]\d\.\d{3}e[-+]\d\d \|", printed), printed
+    assert all(r["dit/lr"] == 0.05 and "lr" not in r for r in read_metrics(tmp_path / "run"))
     base = g.build_tiny_pipeline(seed=0)
     for (n, p), (_, q) in zip(trained.vision_language_encoder.state_dict().items(),
                               base.vision_language_encoder.state_dict().items()):
@@ -1420,6 +1635,7 @@ def test_dit_resume_is_bit_identical(tmp_path, policy):
     assert all(r["dit/logp_diff_max"] <= 1e-5 for r in rows)
     if policy == "both":    # the AR half logs its first-pass checks too, entropy included (near log 64)
         assert all(r["logp_diff_max"] <= 1e-5 and r["dit/ratio_mean"] != 1.0 for r in rows)
+        assert all(r["lr"] == 5e-3 and r["dit/lr"] == 3e-3 for r in rows)                 # each half's lr
         assert all(3.5 < r["entropy"] <= math.log(64) + 1e-4 for r in rows)
     else:                   # no AR is trained: no entropy, and the collapse warning does without it
         assert all("entropy" not in r for r in rows)
@@ -1544,6 +1760,13 @@ def test_a_group_samples_the_same_whatever_else_its_rank_holds(sharp_pipe, mode)
     assert not torch.equal(other_step.sequences, rank1.sequences)
 
 
+def test_help_gives_each_default_once(capsys):
+    with pytest.raises(SystemExit):
+        g.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Default: mse." in text and "(default: None)" not in text and "(default: 0.005)" in text
+
+
 def test_prompts_per_step_must_divide_by_the_world_size(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")                      # what torchrun --nproc_per_node 2 sets
     with pytest.raises(SystemExit) as stop:
@@ -1551,6 +1774,20 @@ def test_prompts_per_step_must_divide_by_the_world_size(tmp_path, monkeypatch, c
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "--prompts-per-step 3 must be divisible" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "run").exists()
+
+
+def test_under_torchrun_a_bad_input_is_printed_by_rank_0_only(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, printed in [("0", True), ("1", False)]:
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as stop:
+            g.main(["--out", str(tmp_path / "run"), "--group-size", "1"])
+        assert stop.value.code == 2 and ("--group-size must be" in capsys.readouterr().err) == printed
+    error = g.UsageError("reward score raised ValueError: x", local=True)     # seen by this rank alone
+    monkeypatch.setattr(g, "train", lambda args: (_ for _ in ()).throw(error))
+    with pytest.raises(SystemExit):
+        g.main([])
+    assert capsys.readouterr().err == "error: rank 1: reward score raised ValueError: x\n"
 
 
 def test_dit_policies_are_refused_under_torchrun(tmp_path, monkeypatch, capsys):
@@ -1785,8 +2022,8 @@ def measure_update(lora_rank, checkpointing, layout=None):
     rss_before = _status_bytes("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")                         # restart VmHWM from here
     start = time.time()
-    metrics, measured = _live_peaks(lambda: g.grpo_update(ar, optimizer, params, rollout, torch.tensor([1.0, -1.0]),
-                                                          None, args, suppressed))
+    terms = g.ar_loss_terms(ar, rollout, torch.tensor([1.0, -1.0]), None, args, suppressed)
+    metrics, measured = _live_peaks(lambda: g.grpo_update(optimizer, [("", params, terms)], args))
     assert metrics["skipped_updates"] == 0
     head = 0 if lora_rank else g.numel(ar.model.language_model.norm) + g.numel(ar.lm_head)
     planned = g.ar_update_bytes(ar.config.text_config, n, P, G, lora_rank, checkpointing, sum(tensors), max(tensors),
@@ -1829,3 +2066,47 @@ def test_slow_memory_plan_matches_a_measured_update_at_the_real_width():
         for phase in ("forward_model", "forward_logits", "backward", "step", "peak"):
             ratio = planned[phase] / measured[phase]
             assert PLAN_BAND[0] <= ratio <= PLAN_BAND[1], (label, phase, measured[phase], planned[phase])
+
+
+def test_slow_sigterm_to_one_rank_stops_both(tmp_path):
+    """Rank 1 alone gets SIGTERM in step 1, before the update: both ranks drop the step together
+    (no rank waits in an update the other never starts) and exit 143. (Saving the previous step on
+    a stop before the update is checked in-process above.)"""
+    (tmp_path / "term.py").write_text(SIGNAL_REWARD)
+    out, port = tmp_path / "run", free_port()
+    argv = [sys.executable, str(HERE / "grpo_glm.py"), "--steps", "5", "--out", str(out), "--group-size", "4",
+            "--inner-epochs", "1", "--sample-every", "0", "--dist-timeout", "60",
+            "--reward", f"{tmp_path}/term.py:score"]
+    env = {**os.environ, "SIGNAL_AT_CALL": "1", "SIGNAL_RANK": "1"}
+    procs = [subprocess.Popen(argv, env={**env, **rank_env(r, 2, port)}, cwd=HERE, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        errs = [p.communicate(timeout=180)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [143, 143], errs
+    assert "SIGTERM on another rank: stopping" in errs[0] and "Traceback" not in errs[0] + errs[1]
+    assert "interrupted in step 1 before its update: no step finished, nothing to save" in errs[0]
+    assert not (out / "checkpoints").exists()
+
+
+def test_slow_after_kill_9_of_one_rank_sigterm_still_saves_the_last_step(tmp_path):
+    """Under torchrun a killed rank makes torchrun SIGTERM the others: rank 0, still in step 2's
+    sampling, cannot agree with a dead peer but saves step 1, whose weights it holds."""
+    (tmp_path / "term.py").write_text(SIGNAL_REWARD)
+    out, port = tmp_path / "run", free_port()
+    argv = [sys.executable, str(HERE / "grpo_glm.py"), "--steps", "5", "--out", str(out), "--group-size", "4",
+            "--inner-epochs", "1", "--sample-every", "0", "--dist-timeout", "60",
+            "--reward", f"{tmp_path}/term.py:score"]
+    env = {**os.environ, "SIGNAL_AT_CALL": "2", "SIGNAL_RANK": "0", "KILL_RANK": "1"}
+    procs = [subprocess.Popen(argv, env={**env, **rank_env(r, 2, port)}, cwd=HERE, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        errs = [p.communicate(timeout=180)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [143, -9], errs
+    assert "interrupted in step 2 before its update: step 1 is saved" in errs[0] and "Traceback" not in errs[0]
+    assert [p.name for p in (out / "checkpoints").glob("*.pt")] == ["step_000001.pt"]
