@@ -2137,7 +2137,8 @@ def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, c
         lm_head's backward (the logits' gradient, the weight copy, the head's gradients);
         with checkpointing, the layer inputs + one layer recomputed in full; at its end all
         gradients (they grow layer by layer as the activations are freed)
-      step: all gradients + AdamW's temporaries (+ the logits, still referenced): with foreach (the
+      step: all gradients + AdamW's temporaries (the last logits are freed with ar_loss_terms'
+        generator before it): with foreach (the
         default on CUDA) one copy of exp_avg_sq for all parameters (its sqrt); per tensor (CPU),
         sqrt and its quotient of the largest tensor."""
     d, h, V = bytes_per, text_config.hidden_size, text_config.vision_vocab_size
@@ -2154,7 +2155,7 @@ def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, c
     grad_bytes = ADAPTER_BYTES if lora_rank else d      # gradients and moments in the parameters' dtype
     grads = grad_bytes * trainable
     head_grads = head_trainable * grad_bytes
-    logits = logit_rows * d * V                               # held by the update until the next micro-batch
+    logits = logit_rows * d * V                               # held by ar_loss_terms until the next micro-batch
     head_copy = 0 if head_trainable else samples * V * h * d  # a frozen lm_head's weight, once per sample
     held = kept + outside + logits
     forward_model = held + max(head_copy, logit_rows * 8 * V)
@@ -2163,7 +2164,7 @@ def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, c
                                kept + logits + layer if checkpointing else 0)
     backward = max(backward_activations + head_grads, grads + logits)
     optimizer_temp = grad_bytes * (trainable if foreach else 2 * largest_trainable)
-    step = grads + optimizer_temp + logits
+    step = grads + optimizer_temp
     return {"grads": grads, "adam": 2 * grad_bytes * trainable, "optimizer_temp": optimizer_temp,
             "activations": max(forward_model, forward_logits, backward_activations),
             "forward_model": forward_model, "forward_logits": forward_logits, "backward": backward, "step": step,
