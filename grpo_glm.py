@@ -204,9 +204,6 @@ def validate_args(args):
     if args.prompts_per_step % world:
         raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes "
                          f"({world}): each rank trains whole groups")
-    if world > 1 and args.policy != "ar":
-        raise UsageError("--policy dit|both runs on one process for now: torchrun data parallel covers the AR "
-                         "policy only (see the README's 'More GPUs')")
     if args.micro_batch_size is not None and args.micro_batch_size < 1:
         raise UsageError(f"--micro-batch-size must be at least 1, got {args.micro_batch_size}")
     if min(args.beta, args.sample_every, args.lora_rank, args.weight_decay, args.lr_warmup_steps) < 0:
@@ -1243,9 +1240,10 @@ def grpo_update(optimizer, halves, args):
 
 @dataclass
 class DitCondition:
-    """What the DiT is conditioned on, built as GlmImagePipeline.__call__ builds it (N = P x G rows)."""
-    prompt_embeds: torch.Tensor      # [N, S, D] glyph embeddings (encode_prompt)
-    negative_embeds: torch.Tensor    # [N, S', D] glyph embeddings of "" (CFG's unconditional branch), or None
+    """What the DiT is conditioned on, built as GlmImagePipeline.__call__ builds it for one prompt at a
+    time (N = P x G rows, prompt p's G samples at rows p*G .. p*G+G-1)."""
+    prompt_embeds: list              # per prompt: [G, S_p, D] glyph embeddings (encode_prompt of it alone)
+    negative_embeds: list            # per prompt: [G, S', D] glyph embeddings of "" (CFG's unconditional branch), or None
     prior: torch.Tensor              # [N, 4*H*W] target-grid tokens upsampled 2x (the DiT's 16-px grid)
     target_size: torch.Tensor        # [N, 2] (height, width) in pixels
     crop_coords: torch.Tensor        # [N, 2] zeros, the pipeline's default crops_coords_top_left
@@ -1284,15 +1282,16 @@ def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_sc
     """The DiT's inputs for P prompts x G samples. target_tokens [N, H*W]; i2i: `sources` (PIL) and
     `source_prior` ((upsampled VQ ids, grid) as encode_sources makes them) per prompt. The frozen glyph
     encoder and VAE run once here; the source's KV cache depends on the DiT's weights and is written
-    per pass (write_source_cache)."""
+    per pass (write_source_caches). Each prompt's glyphs are encoded alone, unpadded (see dit_velocity)."""
     from diffusers.pipelines.glm_image.pipeline_glm_image import retrieve_latents
 
     H, W = grid_hw
     height, width = 32 * H, 32 * W
     device, dtype = pipe._execution_device, pipe.dtype
     n = target_tokens.shape[0]
-    embeds, negative = pipe.encode_prompt(prompts, guidance_scale > 1, num_images_per_prompt=group_size,
-                                          device=device, dtype=dtype)
+    encoded = [pipe.encode_prompt([p], guidance_scale > 1, num_images_per_prompt=group_size, device=device,
+                                  dtype=dtype) for p in prompts]
+    embeds, negative = [e for e, _ in encoded], [u for _, u in encoded] if guidance_scale > 1 else None
     prior = torch.cat([pipe._upsample_token_ids(t, H, W) for t in target_tokens]).to(device)
     latents = None
     if sources is not None:
@@ -1307,47 +1306,63 @@ def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_sc
                         [ids.to(device) for ids, _ in source_prior] if sources is not None else None)
 
 
-def write_source_cache(dit, cond):
-    """i2i: one DiT pass per prompt over its source latent at timestep 0 writes every layer's
-    keys/values into a GlmImageKVCache (as the pipeline does); the denoising passes then attend to
-    them. The G samples of a prompt share its cache (GlmImageLayerKVCache.get expands P entries to
-    N = P x G rows). t2i: an empty cache, as the pipeline passes."""
+def write_source_caches(dit, cond):
+    """One GlmImageKVCache per prompt. i2i: a DiT pass over the prompt's source latent at timestep 0
+    writes every layer's keys/values into it (as the pipeline does); the denoising passes of its G
+    samples then attend to them (GlmImageLayerKVCache.get expands the entry to G rows). t2i: empty
+    caches, as the pipeline passes. `dit` may be the DDP wrapper (section 13b): this pass is part
+    of the training graph."""
     from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
 
-    cache = GlmImageKVCache(num_layers=dit.config.num_layers)
+    module = unwrap(dit)
+    caches = [GlmImageKVCache(num_layers=module.config.num_layers) for _ in cond.prompt_embeds]
     if cond.source_latents is None:
-        return cache
-    cache.set_mode("write")
-    for latent, ids in zip(cond.source_latents, cond.source_prior):
-        dit(hidden_states=latent.to(dit.dtype), encoder_hidden_states=cond.prompt_embeds[:1, :0],
+        return caches
+    for cache, latent, ids, embeds in zip(caches, cond.source_latents, cond.source_prior, cond.prompt_embeds):
+        cache.set_mode("write")
+        dit(hidden_states=latent.to(module.dtype), encoder_hidden_states=embeds[:1, :0],
             prior_token_id=ids, prior_token_drop=torch.zeros_like(ids, dtype=torch.bool),
             timestep=torch.zeros(1, device=latent.device), target_size=cond.target_size[:1],
             crop_coords=cond.crop_coords[:1], kv_caches=cache)
-        cache.next_sample()
-    return cache
+    return caches
 
 
-def dit_velocity(dit, latents, t, cond, cache):
+def dit_velocity(dit, latents, t, cond, caches):
     """The guided velocity v [N, C, h, w] (fp32) at timestep t, as the pipeline's loop computes it:
     the DiT gets `timestep = t - 1`; with CFG the unconditional branch drops the prior tokens
     (prior_token_drop=True) and uses the glyph embeddings of "", v = v_u + g (v_c - v_u). With CFG
-    during training the policy *is* the guided velocity: two DiT passes per step."""
-    timestep = t.expand(latents.shape[0]) - 1
-    i2i = cond.source_latents is not None
+    during training the policy *is* the guided velocity: two DiT passes per step.
 
-    def branch(embeds, drop, mode):
+    One DiT call per prompt (its G rows), never one over prompts: a prompt's glyph embeddings are as
+    long as its quoted text, and a batch of prompts is left-padded with zero embeddings that the DiT
+    then attends to. diffusers' pipeline passes no attention mask, and the DiT's own attention_mask
+    would not help: it becomes a float 0/1 tensor that SDPA adds as a bias (diffusers issue 13587).
+    Measured on the tiny DiT: "a red circle ..." batched with a prompt holding 17 glyph tokens moved
+    its velocity by up to 2.2e-2 (1.1 % of its norm; 1.6e-2 with the mask passed). Per prompt, a
+    group's DiT input is exactly the pipeline's for that prompt alone, whatever shares its batch or
+    rank, so 1 process and K compute the same samples and gradients."""
+    n = latents.shape[0] // len(cond.prompt_embeds)
+    timestep = t.expand(n) - 1
+    i2i, dtype = cond.source_latents is not None, unwrap(dit).dtype
+
+    def branch(rows, embeds, drop, cache, mode):
         if i2i:
             cache.set_mode(mode)     # read the source's keys/values; the unconditional branch skips them
-        return dit(hidden_states=latents.to(dit.dtype), encoder_hidden_states=embeds, prior_token_id=cond.prior,
-                   prior_token_drop=torch.full_like(cond.prior, drop, dtype=torch.bool), timestep=timestep,
-                   target_size=cond.target_size, crop_coords=cond.crop_coords, return_dict=False,
+        prior = cond.prior[rows]
+        return dit(hidden_states=latents[rows].to(dtype), encoder_hidden_states=embeds, prior_token_id=prior,
+                   prior_token_drop=torch.full_like(prior, drop, dtype=torch.bool), timestep=timestep,
+                   target_size=cond.target_size[rows], crop_coords=cond.crop_coords[rows], return_dict=False,
                    kv_caches=cache)[0].float()
 
-    v = branch(cond.prompt_embeds, False, "read")
-    if cond.guidance_scale > 1:
-        v_uncond = branch(cond.negative_embeds, True, "skip")
-        v = v_uncond + cond.guidance_scale * (v - v_uncond)
-    return v
+    velocities = []
+    for p, cache in enumerate(caches):
+        rows = slice(p * n, (p + 1) * n)
+        v = branch(rows, cond.prompt_embeds[p], False, cache, "read")
+        if cond.guidance_scale > 1:
+            v_uncond = branch(rows, cond.negative_embeds[p], True, cache, "skip")
+            v = v_uncond + cond.guidance_scale * (v - v_uncond)
+        velocities.append(v)
+    return torch.cat(velocities)
 
 
 def sde_step(v, x, sigmas, i, noise_level, eps=None, x_next=None):
@@ -1388,11 +1403,11 @@ def sample_dit(dit, cond, noise, schedule, noise_level, train_steps, generators)
     `train_steps` steps are SDE steps (their eps drawn per prompt, [G, C, h, w] from its generator) and
     record log-probs; the rest are ODE steps. Returns a DitRollout; its states[:, -1] is the latent."""
     timesteps, sigmas = schedule
-    cache = write_source_cache(dit, cond)
+    caches = write_source_caches(dit, cond)
     x, states, logps = noise.to(sigmas.device, torch.float32), [], []
     for i, t in enumerate(timesteps):
         states.append(x)
-        v = dit_velocity(dit, x, t, cond, cache)
+        v = dit_velocity(dit, x, t, cond, caches)
         if i < train_steps:
             group = (x.shape[0] // len(generators), *x.shape[1:])
             eps = torch.cat([torch.randn(group, generator=g) for g in generators]).to(x.device)
@@ -1409,9 +1424,9 @@ def dit_step_logprob(dit, cond, rollout, i, noise_level):
     """Recomputes step i of every stored trajectory with gradients: (logp [N], mean [N, C, h, w]).
     The source's KV cache is rewritten inside this step's graph (the DiT's weights made it), so each
     step can be backpropagated and freed on its own."""
-    cache = write_source_cache(dit, cond)
+    caches = write_source_caches(dit, cond)
     x = rollout.states[:, i]
-    v = dit_velocity(dit, x, rollout.timesteps[i], cond, cache)
+    v = dit_velocity(dit, x, rollout.timesteps[i], cond, caches)
     _, logp, mean = sde_step(v, x, rollout.sigmas, i, noise_level, x_next=rollout.states[:, i + 1])
     return logp, mean
 
@@ -1446,24 +1461,26 @@ def ode_decode(pipe, cond, noise, schedule):
     return latents_to_images(pipe, rollout.states[:, -1])
 
 
-def dit_loss_terms(dit, reference, cond, rollout, advantages, args):
+def dit_loss_terms(policy, reference, cond, rollout, advantages, args):
     """The DiT's loss for grpo_update, in pieces: one per trained denoising step, each grpo_loss over
     that step's column with weight 1/T, so the T per-step backward passes add up to the gradient of
     grpo_loss over all [N, T] (mask all ones) while only one step's activations are alive at once
     (flow_grpo does the same). KL (beta > 0): closed form on the step means against the reference
-    DiT (adapters off with LoRA, else a frozen copy). Returns terms(epoch), as ar_loss_terms."""
+    DiT (adapters off with LoRA, else a frozen copy). `policy` is the DiT or its DDP wrapper (the
+    training forward goes through it; under DDP the gradients are averaged on the last step's
+    backward). Returns terms(epoch), as ar_loss_terms."""
     steps = rollout.old_logp.shape[1]
     ones = torch.ones_like(rollout.old_logp[:, :1])
     advantages = advantages.to(rollout.old_logp.device)
 
     def terms(epoch):
-        for i in range(steps):
-            logp, mean = dit_step_logprob(dit, cond, rollout, i, args.dit_noise_level)
+        for i in sync_on_last(policy, range(steps)):
+            logp, mean = dit_step_logprob(policy, cond, rollout, i, args.dit_noise_level)
             loss, metrics = grpo_loss(logp[:, None], rollout.old_logp[:, i:i + 1], advantages, ones,
                                       args.dit_clip_eps)
             if args.beta > 0:
                 with torch.no_grad():
-                    ref_mean = dit_reference_mean(dit, reference, cond, rollout, i, args.dit_noise_level)
+                    ref_mean = dit_reference_mean(unwrap(policy), reference, cond, rollout, i, args.dit_noise_level)
                 kl = dit_kl(mean, ref_mean, step_std(rollout.sigmas, i, args.dit_noise_level)).mean()
                 loss = loss + args.beta * kl
                 metrics["kl"] = kl.item()
@@ -1958,7 +1975,8 @@ def print_memory_plan(args):
 # the skip and stop decisions). Rank 0 alone writes metrics, samples and checkpoints.
 # The run does not depend on K: a group's tokens are drawn from a seed of (seed, step, slot), its
 # DiT noise from (seed, prompt), and every forward covers at most one micro-batch of rows cut the
-# same way on any K (with the default micro-batch = G, exactly one group). So 1 process and K give
+# same way on any K (with the default micro-batch = G, exactly one group; the DiT one prompt's group,
+# see dit_velocity). --policy dit|both wraps the DiT too. So 1 process and K give
 # the same samples and, up to the order of floating-point sums, the same weights; a checkpoint
 # written at one world size resumes exactly at another.
 
@@ -2011,17 +2029,26 @@ def sampling_seed(seed, step, slot):
 
 
 def wrap_for_training(model, device):
-    """DistributedDataParallel around the module that trains (the AR here; any trained module
-    goes through the same call). Its backward averages the gradients over ranks, so every rank's
-    AdamW takes the same step and the weights stay identical. Only the training forward may go
-    through the wrapper: DDP has no `.generate`, so sampling and no-grad passes use the module
-    itself."""
+    """DistributedDataParallel around a module that trains (the AR, the DiT under --policy dit|both).
+    Its backward averages the gradients over ranks, so every rank's AdamW takes the same step and
+    the weights stay identical. Only the training forward may go through the wrapper: DDP has no
+    `.generate`, so sampling and no-grad passes use the module itself (unwrap).
+    The DiT's training forward calls the module several times before one backward (once per
+    prompt, twice with CFG, once more per prompt for the i2i source cache): DDP copes, since a
+    parameter used by several calls still gets one gradient hook per backward, and every rank makes
+    the same number of calls (as many prompts each). Buffers are not broadcast: none changes
+    during training, and a broadcast per call would be one more collective each."""
     if not is_ddp():
         return model
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [torch.device(device)] if str(device).startswith("cuda") else None
-    return DistributedDataParallel(model, device_ids=device_ids)
+    return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
+
+
+def unwrap(model):
+    """The module inside a DDP wrapper (for its attributes and its no-grad passes), else the model."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 def all_ranks_agree(flag):
@@ -2078,16 +2105,21 @@ def slice_rollout(rollout, rows):
 
 
 def micro_batches(policy, num_samples, size):
-    """Row slices of at most `size` samples for gradient accumulation. Under DDP each backward
-    all-reduces the gradients; inside no_sync() they only accumulate locally. So all micro-batches
-    but the last run in no_sync, and the last backward averages the accumulated sum once. Every
-    rank holds as many samples, hence runs as many backward passes (a missing one would leave the
-    other ranks waiting in the all-reduce)."""
-    slices = row_slices(num_samples, size)
-    for k, rows in enumerate(slices):
-        accumulate_only = hasattr(policy, "no_sync") and k < len(slices) - 1
+    """Row slices of at most `size` samples for gradient accumulation (see sync_on_last)."""
+    return sync_on_last(policy, row_slices(num_samples, size))
+
+
+def sync_on_last(policy, pieces):
+    """Yields `pieces` (micro-batches of rows, the DiT's denoising steps), each to be backpropagated
+    before the next. Under DDP each backward all-reduces the gradients; inside no_sync() they only
+    accumulate locally. So all pieces but the last run in no_sync, and the last backward averages
+    the accumulated sum once. Every rank holds as many samples (and runs as many steps), hence
+    runs as many backward passes (a missing one would leave the other ranks waiting)."""
+    pieces = list(pieces)
+    for k, piece in enumerate(pieces):
+        accumulate_only = hasattr(policy, "no_sync") and k < len(pieces) - 1
         with policy.no_sync() if accumulate_only else contextlib.nullcontext():
-            yield rows
+            yield piece
 
 
 # =============================================================================================
@@ -2172,6 +2204,7 @@ class Trainer:
     dit_reference: object = None  # frozen initial DiT for the KL term (full fine-tuning, beta > 0)
     prompt_tokens: dict = None   # --policy dit --dit-prior per-prompt: prompt index -> its token grid
     policy: object = None        # what the AR's training forward runs through: the AR, or its DDP wrapper
+    dit_policy: object = None    # the same for the DiT (--policy dit|both)
 
 
 def sample_tokens(trainer, prompts, sources, slots, step, args):
@@ -2223,24 +2256,28 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
     return row, rewards, images, targets, sources
 
 
-def shared_prompt_tokens(pipe, prompts, sources, indices, args, cache):
+def shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, cache):
     """--policy dit: one token grid per prompt (its group shares it). 'per-prompt' (--dit-prior) draws
     each prompt's grid from a seed of (seed, prompt index), the same grid every step: the tiny DiT
     then sees a fixed input per prompt and can learn what to paint from it. A random AR's grids
     say little about the prompt, so with 'per-step' grids the DiT can only learn an image that
-    suits every prompt on average. The AR is frozen, so a prompt's draw is kept in `cache` rather
-    than sampled again every step. Returns a Rollout-like object with target_tokens [P, H*W],
-    grid_hw and source_prior."""
-    sample = lambda p, s: sample_group(pipe, p, 1, args.temperature, args.height, args.width, args.loss_tokens,
-                                       s, record_logp=False)
+    suits every prompt on average; those are drawn from the seed of (seed, step, slot), as the AR's
+    groups (so any number of processes draws the same grids). The AR is frozen, so a prompt's
+    per-prompt draw is kept in `cache` rather than sampled again every step. Returns a Rollout-like
+    object with target_tokens [P, H*W], grid_hw and source_prior."""
+    def draw(i, seed):
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            torch.manual_seed(seed)                               # leaves the run's RNG stream untouched
+            return sample_group(pipe, [prompts[i]], 1, args.temperature, args.height, args.width, args.loss_tokens,
+                                sources and [sources[i]], record_logp=False)
+
     if args.dit_prior == "per-step":
-        return sample(prompts, sources)
-    for i, index in enumerate(indices):
-        if index not in cache:
-            with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-                torch.manual_seed(args.seed * 7_919 + index)      # leaves the run's RNG stream untouched
-                cache[index] = sample([prompts[i]], sources and [sources[i]])
-    draws = [cache[index] for index in indices]
+        draws = [draw(i, sampling_seed(args.seed, step, slot)) for i, slot in enumerate(slots)]
+    else:
+        for i, index in enumerate(indices):
+            if index not in cache:
+                cache[index] = draw(i, args.seed * 7_919 + index)
+        draws = [cache[index] for index in indices]
     return SimpleNamespace(target_tokens=torch.cat([d.target_tokens for d in draws]), grid_hw=draws[0].grid_hw,
                            source_prior=sources and [d.source_prior[0] for d in draws])
 
@@ -2266,7 +2303,7 @@ def grpo_step_dit(trainer, items, indices, step, args, slots=None):
     if train_ar:
         rollout = sample_tokens(trainer, prompts, sources, slots, step, args)
     else:
-        rollout = shared_prompt_tokens(pipe, prompts, sources, indices, args, trainer.prompt_tokens)
+        rollout = shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, trainer.prompt_tokens)
     tokens = rollout.target_tokens if train_ar else rollout.target_tokens.repeat_interleave(G, 0)   # [N, H*W]
     source_prior = rollout.source_prior and rollout.source_prior[::G if train_ar else 1]          # per prompt
     cond = dit_condition(pipe, prompts, G, tokens, rollout.grid_hw, args.guidance_scale, sources, source_prior)
@@ -2288,8 +2325,8 @@ def grpo_step_dit(trainer, items, indices, step, args, slots=None):
         ar.train()
         halves.append(("", trainer.params, ar_loss_terms(trainer.policy, rollout, advantages, ref_logp, args,
                                                          trainer.suppressed)))
-    halves.append(("dit/", trainer.dit_params, dit_loss_terms(dit, trainer.dit_reference, cond, trajectories,
-                                                              advantages, args)))
+    halves.append(("dit/", trainer.dit_params, dit_loss_terms(trainer.dit_policy, trainer.dit_reference, cond,
+                                                              trajectories, advantages, args)))
     update = grpo_update(trainer.optimizer, halves, args)
     row = {"step": step, **reward_metrics, **update,
            "loss": update.get("loss", 0.0) + update["dit/loss"]}                         # AR + DiT
@@ -2344,7 +2381,8 @@ def setup_training(args, ckpt=None, ckpt_path=None, rewards=None):
             print(f"Resuming from step {start} ({ckpt_path})")
     rewards = load_rewards(args.reward) if rewards is None else rewards
     return Trainer(pipe, optimizer, params, reference, suppressed, rewards, lr_scheduler, trained, dit_params,
-                   dit_reference, {}, policy=wrap_for_training(ar, args.device) if train_ar else None), start
+                   dit_reference, {}, policy=wrap_for_training(ar, args.device) if train_ar else None,
+                   dit_policy=wrap_for_training(dit, args.device) if args.policy != "ar" else None), start
 
 
 def train(args):
