@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -164,6 +165,8 @@ def parse_args(argv=None):
     a("--save-pipeline", default=None, help="After training, write the whole pipeline (LoRA merged) to this "
       "directory for GlmImagePipeline.from_pretrained.")
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
+    a("--fsdp", action="store_true", help="Under torchrun: shard the trained weights, gradients and AdamW state "
+      "over the processes (FSDP2, full fine-tuning of the AR and/or the DiT) instead of replicating them (DDP).")
     a("--dist-timeout", type=int, default=600, help="Under torchrun: seconds a rank waits for the others in a "
       "collective before it gives up with an error (a dead or hung rank then stops the run, no hang).")
     a("--plan", action="store_true", help="Print the memory plan of --model for --height x --width and the "
@@ -204,6 +207,9 @@ def validate_args(args):
     if args.prompts_per_step % world:
         raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes "
                          f"({world}): each rank trains whole groups")
+    if args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline):
+        raise UsageError("--fsdp shards full fine-tuning; LoRA adapters are small enough to replicate (drop --fsdp), "
+                         "and --save-pipeline needs whole weights (resume the last checkpoint in one process)")
     if args.micro_batch_size is not None and args.micro_batch_size < 1:
         raise UsageError(f"--micro-batch-size must be at least 1, got {args.micro_batch_size}")
     if min(args.beta, args.sample_every, args.lora_rank, args.weight_decay, args.lr_warmup_steps) < 0:
@@ -1195,7 +1201,7 @@ def grpo_update(optimizer, halves, args):
                     key = prefix + key
                     metrics[key] = (max(metrics.get(key, value), value) if key.endswith("logp_diff_max")
                                     else metrics.get(key, 0.0) + value * weight)
-            norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            norm = clip_gradients(params, args.max_grad_norm)
             finite &= bool(torch.isfinite(norm))
             metrics[prefix + "grad_norm"] = norm.item()
         if epoch == 0:
@@ -1320,10 +1326,16 @@ def write_source_caches(dit, cond):
         return caches
     for cache, latent, ids, embeds in zip(caches, cond.source_latents, cond.source_prior, cond.prompt_embeds):
         cache.set_mode("write")
-        dit(hidden_states=latent.to(module.dtype), encoder_hidden_states=embeds[:1, :0],
-            prior_token_id=ids, prior_token_drop=torch.zeros_like(ids, dtype=torch.bool),
-            timestep=torch.zeros(1, device=latent.device), target_size=cond.target_size[:1],
-            crop_coords=cond.crop_coords[:1], kv_caches=cache)
+        out = dit(hidden_states=latent.to(module.dtype), encoder_hidden_states=embeds[:1, :0],
+                  prior_token_id=ids, prior_token_drop=torch.zeros_like(ids, dtype=torch.bool),
+                  timestep=torch.zeros(1, device=latent.device), target_size=cond.target_size[:1],
+                  crop_coords=cond.crop_coords[:1], kv_caches=cache, return_dict=False)[0]
+        if torch.is_grad_enabled() and is_sharded(module):
+            # --fsdp: FSDP2 gathers a layer's weights for backward when the gradient reaches the
+            # layer's *output*; the cached keys/values are side outputs it does not watch, so their
+            # backward would find the weights freed. 0 x this pass's output, added to the velocity
+            # (dit_velocity), routes the gradient through the outputs too: no value changes.
+            cache.anchor = out.float().sum() * 0
     return caches
 
 
@@ -1361,7 +1373,7 @@ def dit_velocity(dit, latents, t, cond, caches):
         if cond.guidance_scale > 1:
             v_uncond = branch(rows, cond.negative_embeds[p], True, cache, "skip")
             v = v_uncond + cond.guidance_scale * (v - v_uncond)
-        velocities.append(v)
+        velocities.append(v + cache.anchor if hasattr(cache, "anchor") else v)
     return torch.cat(velocities)
 
 
@@ -1704,13 +1716,15 @@ def trainable_state(model):
     return {name: p.detach().cpu().clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
-def save_checkpoint(out_dir, step, model, optimizer, args, lr_scheduler):
+def save_checkpoint(out_dir, step, model, optimizer, args, lr_scheduler, state=None):
     """Writes <out>/checkpoints/step_NNNNNN.pt atomically. A Ctrl+C during the write is held
-    back and re-raised once the file is complete."""
+    back and re-raised once the file is complete. `state`: (weights, AdamW state) already gathered
+    from the ranks under --fsdp (gather_training_state), in the same format as here."""
     path = out_dir / "checkpoints" / f"step_{step:06d}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"format": CHECKPOINT_FORMAT, "step": step, "trainable": trainable_state(model),
-               "optimizer": optimizer.state_dict(), "lr_scheduler": lr_scheduler.state_dict(),
+    trainable, optimizer_state = state or (trainable_state(model), optimizer.state_dict())
+    payload = {"format": CHECKPOINT_FORMAT, "step": step, "trainable": trainable,
+               "optimizer": optimizer_state, "lr_scheduler": lr_scheduler.state_dict(),
                "rng": rng_state(), "args": vars(args)}
     buffer = io.BytesIO()
     torch.save(payload, buffer)
@@ -1781,8 +1795,9 @@ def restore_checkpoint(ckpt, path, model, optimizer, lr_scheduler):
     if set(ckpt["trainable"]) != names:
         raise UsageError(f"--resume {path}: its weights do not fit this model (different --model or --lora-rank)")
     try:
-        model.load_state_dict(ckpt["trainable"], strict=False)
-        optimizer.load_state_dict(ckpt["optimizer"])
+        if not load_sharded_state(model, optimizer, ckpt["trainable"], ckpt["optimizer"]):   # --fsdp: 13b
+            model.load_state_dict(ckpt["trainable"], strict=False)
+            optimizer.load_state_dict(ckpt["optimizer"])
         lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
     except (RuntimeError, ValueError) as e:
         raise UsageError(f"--resume {path}: its weights do not fit this model ({str(e).splitlines()[0][:120]})")
@@ -2038,7 +2053,7 @@ def wrap_for_training(model, device):
     parameter used by several calls still gets one gradient hook per backward, and every rank makes
     the same number of calls (as many prompts each). Buffers are not broadcast: none changes
     during training, and a broadcast per call would be one more collective each."""
-    if not is_ddp():
+    if not is_ddp() or is_sharded(model):        # FSDP2 shards in place and averages by itself
         return model
     from torch.nn.parallel import DistributedDataParallel
 
@@ -2049,6 +2064,134 @@ def wrap_for_training(model, device):
 def unwrap(model):
     """The module inside a DDP wrapper (for its attributes and its no-grad passes), else the model."""
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+# --fsdp: FSDP2 (torch.distributed.fsdp.fully_shard). Each rank keeps 1/K of every trained weight,
+# its gradient and its AdamW moments (DTensors on a 1-D device mesh over the ranks). A unit's
+# weights are all-gathered just before its forward and backward and freed after; gradients are
+# reduce-scattered (averaged, as DDP's all-reduce) into the shards. Units: each decoder layer (the
+# AR's language_model.layers, the DiT's transformer_blocks), then the root (embeddings, norms,
+# heads, the AR's frozen vision encoder and VQ tokenizer). Sampling runs on whole weights
+# (whole_weights): generate would otherwise all-gather every layer once per generated token, and
+# the i2i source encoding calls the vision encoder and VQ outside any forward. Checkpoints hold
+# whole weights and AdamW state, exactly as a 1-process run writes them, so either resumes the other.
+
+def is_sharded(model):
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+@functools.cache
+def device_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(collective_device().type, (world_size(),))
+
+
+def shard_for_training(model, params, args, reference=None):
+    """--fsdp under torchrun: shards `model` (the AR or the DiT, `params` its trainable parameters)
+    and its frozen KL `reference` copy if any, in place. Returns the trainable parameters, which
+    are new (DTensor) Parameter objects after sharding: AdamW must be built on these. Without
+    --fsdp or with one process: `params` unchanged.
+    bf16 (CUDA): the trained weights' shards are kept in fp32 (AdamW's updates of a bf16 weight
+    round away) and MixedPrecisionPolicy all-gathers them as bf16 for compute and reduce-scatters
+    gradients in fp32. Frozen parts (the AR's vision encoder and VQ tokenizer, in the root unit) stay
+    bf16: FSDP2 asks one dtype of a unit's trained weights only."""
+    if not (args.fsdp and is_ddp()):
+        return params
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy()
+    if args.dtype == "bfloat16":
+        from diffusers.training_utils import cast_training_params
+
+        cast_training_params(model, dtype=torch.float32)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for module in (model, reference):
+        if module is None:
+            continue
+        inner = getattr(module, "model", None)           # the AR: GlmImageForConditionalGeneration.model
+        for unit in inner.language_model.layers if inner is not None else module.transformer_blocks:
+            fully_shard(unit, mesh=device_mesh(), mp_policy=policy)
+        fully_shard(module, mesh=device_mesh(), mp_policy=policy)
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+@contextlib.contextmanager
+def whole_weights(model):
+    """Gathers a sharded model's whole weights for the duration (sampling, no-grad passes), so
+    that every forward inside runs without communication; frees them after. The per-GPU cost is
+    one whole copy of the model in its compute dtype while it samples, which DDP holds always.
+    A no-op for a model that is not sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        yield
+        return
+    model.set_reshard_after_forward(False)
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        model.set_reshard_after_forward(True)
+        for unit in units:
+            unit.reshard()
+
+
+def clip_gradients(params, max_norm):
+    """torch's clip_grad_norm_ in its two halves, so that a sharded (DTensor) norm is reduced to
+    the whole gradient's norm before it scales the gradients (torchtitan does the same).
+    Returns the norm before clipping, a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+def gather_training_state(model, optimizer):
+    """--fsdp: the trained weights and AdamW state gathered whole onto rank 0's CPU (a collective:
+    every rank calls it), as (weights by name, optimizer.state_dict()-style AdamW state with
+    parameters numbered in param-group order) -- the format a 1-process run saves. None for a
+    model that is not sharded (save_checkpoint then reads model and optimizer itself)."""
+    if not is_sharded(model):
+        return None
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    weights = get_model_state_dict(model, options=options)
+    by_name = get_optimizer_state_dict(model, optimizer, options=options)
+    if rank() != 0:
+        return None
+    index = {name: i for i, name in enumerate(n for group in by_name["param_groups"] for n in group["params"])}
+    return weights, {"state": {index[n]: s for n, s in by_name["state"].items()},
+                     "param_groups": [{**group, "params": [index[n] for n in group["params"]]}
+                                      for group in by_name["param_groups"]]}
+
+
+def load_sharded_state(model, optimizer, weights, optimizer_state):
+    """--fsdp: loads whole weights and AdamW state (a checkpoint of any world size) into the shards
+    (every rank calls it; each keeps its part). Returns False for a model that is not sharded."""
+    if not is_sharded(model):
+        return False
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(model, weights, options=options)
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    by_name = {"state": {order[i]: s for i, s in optimizer_state["state"].items()},
+               "param_groups": [{**group, "params": [order[i] for i in group["params"]]}
+                                for group in optimizer_state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, by_name, options=options)
+    return True
 
 
 def all_ranks_agree(flag):
@@ -2215,10 +2358,11 @@ def sample_tokens(trainer, prompts, sources, slots, step, args):
     ar = trainer.pipe.vision_language_encoder
     ar.eval()
     exact_fp32 = args.dtype == "float32"
-    rollout = sample_groups(trainer.pipe, prompts, sources, slots, step, args, record_logp=exact_fp32)
-    if not exact_fp32:
-        rollout.old_logp = logprobs_by_micro_batch(ar, rollout, args.temperature, trainer.suppressed,
-                                                   args.micro_batch_size)
+    with whole_weights(ar):
+        rollout = sample_groups(trainer.pipe, prompts, sources, slots, step, args, record_logp=exact_fp32)
+        if not exact_fp32:
+            rollout.old_logp = logprobs_by_micro_batch(ar, rollout, args.temperature, trainer.suppressed,
+                                                       args.micro_batch_size)
     return rollout
 
 
@@ -2309,8 +2453,9 @@ def grpo_step_dit(trainer, items, indices, step, args, slots=None):
     cond = dit_condition(pipe, prompts, G, tokens, rollout.grid_hw, args.guidance_scale, sources, source_prior)
     schedule = dit_schedule(pipe, args.height, args.width, args.num_inference_steps)
     noise = group_noise(pipe, indices, G, args.height, args.width, args.seed, step, args.dit_noise)
-    trajectories = sample_dit(dit, cond, noise, schedule, args.dit_noise_level, args.dit_train_steps,
-                              sde_generators(args.seed, step, indices))
+    with whole_weights(dit):
+        trajectories = sample_dit(dit, cond, noise, schedule, args.dit_noise_level, args.dit_train_steps,
+                                  sde_generators(args.seed, step, indices))
     # ---- DECODE ------------------------------------------------------------------------------
     with torch.no_grad():
         images = latents_to_images(pipe, trajectories.states[:, -1])                       # [N, 3, H, W]
@@ -2335,7 +2480,8 @@ def grpo_step_dit(trainer, items, indices, step, args, slots=None):
         first = slice(None, None, G)     # a = 0 decode of each prompt's first sample, shared noise
         ode_cond = dit_condition(pipe, prompts, 1, tokens[first], rollout.grid_hw, args.guidance_scale, sources,
                                  source_prior)
-        ode = ode_decode(pipe, ode_cond, noise[first], schedule)
+        with whole_weights(dit):
+            ode = ode_decode(pipe, ode_cond, noise[first], schedule)
     return row, rewards, images, targets, sources, ode
 
 
@@ -2357,12 +2503,12 @@ def setup_training(args, ckpt=None, ckpt_path=None, rewards=None):
     # (fine for the tiny model; at 9B use LoRA, whose reference is the base with adapters off).
     train_ar, dit = args.policy != "dit", pipe.transformer
     reference = copy.deepcopy(ar).requires_grad_(False) if train_ar and args.beta > 0 and not args.lora_rank else None
-    params = prepare_policy(ar, args) if train_ar else []
+    params = shard_for_training(ar, prepare_policy(ar, args), args, reference) if train_ar else []
     groups, trained = [{"params": params, "lr": args.lr}], ar
     dit_params, dit_reference = None, None
     if args.policy != "ar":
         dit_reference = copy.deepcopy(dit).requires_grad_(False) if args.beta > 0 and not args.dit_lora_rank else None
-        dit_params = prepare_dit_policy(dit, args)
+        dit_params = shard_for_training(dit, prepare_dit_policy(dit, args), args, dit_reference)
         # one AdamW, one param group per half, each with its own learning rate
         groups = (groups if train_ar else []) + [{"params": dit_params, "lr": args.dit_lr}]
         trained = torch.nn.ModuleDict({"vision_language_encoder": ar, "transformer": dit} if train_ar
@@ -2472,8 +2618,10 @@ def train(args):
             # Weights and AdamW state are identical on every rank, and no rank-local randomness
             # is left (sampling seeds are per group): rank 0's checkpoint is the whole state.
             if step % args.save_every == 0 or step == args.steps or stopping:
+                state = gather_training_state(trainer.trained, trainer.optimizer)   # a collective under --fsdp
                 if lead:
-                    path = save_checkpoint(out, step, trainer.trained, trainer.optimizer, args, trainer.lr_scheduler)
+                    path = save_checkpoint(out, step, trainer.trained, trainer.optimizer, args, trainer.lr_scheduler,
+                                           state)
                     if args.checkpoints_total_limit:
                         prune_checkpoints(out, args.checkpoints_total_limit)
                 last_saved = step
