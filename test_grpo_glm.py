@@ -1482,6 +1482,7 @@ def assert_vectors_close(a, b, rel):
     """All tensors compared as one vector: a few get pure rounding noise for a gradient (the AR's
     k_proj bias, which softmax ignores), and AdamW scales that noise up to a full step."""
     assert a.keys() == b.keys()
+    print(f"relative distance {float(sum((a[n] - b[n]).norm() ** 2 for n in b) ** 0.5 / sum(p.norm() ** 2 for p in b.values()) ** 0.5):.2e}")
     assert sum((a[n] - b[n]).norm() ** 2 for n in b) ** 0.5 <= rel * sum(p.norm() ** 2 for p in b.values()) ** 0.5
 
 
@@ -1567,6 +1568,60 @@ def test_slow_two_processes_train_the_dit_like_one_and_resume_exactly(tmp_path):
     resumed1 = one_process_reference(flags + ["--out", str(tmp_path / "resumed1"), "--resume", "latest"])
     assert_vectors_close(resumed1, rank0, rel=1e-6)
     assert_rows_close(read_metrics(tmp_path / "resumed1"), two_rows, abs=1e-7)
+
+
+def _main_worker(rank, world, port, argv):
+    os.environ.update(rank_env(rank, world, port))
+    torch.set_num_threads(1)
+    g.main(argv)
+
+
+def checkpoint_weights(out, step):
+    return g.read_checkpoint(Path(out) / "checkpoints" / f"step_{step:06d}.pt")["trainable"]
+
+
+def test_slow_fsdp_trains_like_one_process_and_resumes_across_world_sizes(tmp_path):
+    """--fsdp on 2 processes (AR and DiT sharded, --policy both, i2i: source cache, KL references,
+    CFG, micro-batches) against 1 unsharded process. Checkpoints hold whole weights, so they are
+    compared directly, and each resumes at the other world size.
+    Tolerances: the sharded gradient norm sums its squares shard by shard, then over the ranks, so
+    it differs from the 1-process norm by rounding (~1e-7 relative); clipping is active (norm ~3 >
+    1), so every gradient is scaled by that slightly different factor. Step 1: weights < 1e-6 as one
+    vector (AdamW turns the pure-noise gradient of the AR's k_proj bias into full steps, hence one
+    vector), metrics rel 1e-6 (losses abs 1e-7: means of terms that cancel). Step 2: the trained DiT
+    carries those differences into the rewards, which the group std amplifies (as under DDP): 1e-5
+    and 1e-3. A 2-process resume of the sharded run is bit-identical."""
+    lines = ["make the red circle blue", 'make the green square that says "GRPO ON GLM" yellow']
+    (tmp_path / "prompts.txt").write_text("\n".join(lines) + "\n")
+    flags = ["--steps", "2", "--save-every", "1", "--sample-every", "0", "--group-size", "2", "--inner-epochs", "2",
+             "--guidance-scale", "2", "--num-inference-steps", "3", "--prompts", str(tmp_path / "prompts.txt"),
+             "--policy", "both", "--mode", "i2i", "--micro-batch-size", "1", "--beta", "0.01"]
+    two = lambda *argv: torch.multiprocessing.spawn(_main_worker, args=(2, free_port(), flags + ["--fsdp", *argv]),
+                                                    nprocs=2)
+    one_process_reference(flags + ["--out", str(tmp_path / "one")])
+    two("--out", str(tmp_path / "fsdp"))
+    one_rows, fsdp_rows = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "fsdp")
+    for step, rel, rows_rel, rows_abs in ((1, 1e-6, 1e-6, 1e-7), (2, 1e-5, 1e-3, 5e-5)):
+        assert_vectors_close(checkpoint_weights(tmp_path / "fsdp", step), checkpoint_weights(tmp_path / "one", step), rel)
+        assert_rows_close(fsdp_rows[step - 1: step], one_rows[step - 1: step], rel=rows_rel, abs=rows_abs)
+
+    def resume(source, name, run):             # a run that stopped after `source`'s step-1 checkpoint
+        (tmp_path / name / "checkpoints").mkdir(parents=True)
+        (tmp_path / name / "checkpoints/step_000001.pt").write_bytes(
+            (tmp_path / source / "checkpoints/step_000001.pt").read_bytes())
+        (tmp_path / name / "metrics.jsonl").write_text((tmp_path / source / "metrics.jsonl").read_text().splitlines()[0] + "\n")
+        run("--out", str(tmp_path / name), "--resume", "latest")
+        return checkpoint_weights(tmp_path / name, 2), read_metrics(tmp_path / name)
+
+    weights, rows = resume("fsdp", "fsdp_again", two)
+    final = checkpoint_weights(tmp_path / "fsdp", 2)
+    assert all(torch.equal(weights[n], final[n]) for n in final) and deterministic(rows) == deterministic(fsdp_rows)
+    weights, rows = resume("fsdp", "on_one", lambda *argv: one_process_reference(flags + list(argv)))
+    assert_vectors_close(weights, final, rel=1e-6)
+    assert_rows_close(rows, fsdp_rows, abs=1e-7)
+    weights, rows = resume("one", "on_two", two)
+    assert_vectors_close(weights, checkpoint_weights(tmp_path / "one", 2), rel=1e-6)
+    assert_rows_close(rows, one_rows, abs=1e-7)
 
 
 def test_slow_a_dying_rank_stops_the_other_with_a_message(tmp_path):
