@@ -449,6 +449,7 @@ def _bad_cases(tmp, run):
         "out under a file": (["--out", str(tmp / "outfile" / "run")], "is a file, not a directory"),
         "out not writable": (["--out", "/proc/grpo_glm_run"], "cannot write"),
         "lr negative with exponent": (["--lr", "-1e-3", "--out", fresh], "--lr must be > 0, got -0.001"),
+        "fsdp with LoRA": (["--fsdp", "--lora-rank", "4", "--out", fresh], "--fsdp shards full fine-tuning"),
     }
 
 
@@ -459,7 +460,8 @@ CASE_NAMES = ["prompts missing", "prompts empty", "prompts only comments", "targ
               "resume with other algorithm flags",
               "resume into a LoRA model", "model path missing", "model dir not a pipeline", "out is a file",
               "out holds a run", "prompts UTF-16", "prompts Latin-1", "save-pipeline is a file",
-              "save-pipeline holds files", "out under a file", "out not writable", "lr negative with exponent"]
+              "save-pipeline holds files", "out under a file", "out not writable", "lr negative with exponent",
+              "fsdp with LoRA"]
 
 
 @pytest.mark.parametrize("model", ["./typo_dir", "runs/typo_dir"])
