@@ -2100,8 +2100,13 @@ def shard_for_training(model, params, args, reference=None):
     bf16: FSDP2 asks one dtype of a unit's trained weights only."""
     if not (args.fsdp and is_ddp()):
         return params
+    import warnings
+
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    # The DiT returns a view (its unpatchify); FSDP2 warns in case the caller modifies it in place,
+    # which would skip its pre-backward hook. Nothing here does (dit_velocity is out of place).
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     policy = MixedPrecisionPolicy()
     if args.dtype == "bfloat16":
         from diffusers.training_utils import cast_training_params
