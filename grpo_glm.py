@@ -2229,10 +2229,13 @@ def reduce_metrics(row):
 
 def collective_failed(error):
     """True for an error raised inside torch.distributed or DDP: a peer that died or timed out
-    (gloo reports a dead peer as a plain RuntimeError, hence the look at where it came from)."""
+    (gloo reports a dead peer as a plain RuntimeError, hence the look at where it came from). The
+    gradient all-reduce (DDP) and reduce-scatter (FSDP) run inside autograd's backward, whose
+    frame is autograd's: there the message names the backend."""
     frames = traceback.extract_tb(error.__traceback__)
-    return isinstance(error, dist.DistError) or bool(
-        frames and re.search(r"torch[/\\](distributed|nn[/\\]parallel)[/\\]", frames[-1].filename))
+    return isinstance(error, dist.DistError) or bool(frames and (
+        re.search(r"torch[/\\](distributed|nn[/\\]parallel)[/\\]", frames[-1].filename)
+        or re.search(r"torch[/\\]autograd[/\\]", frames[-1].filename) and re.search(r"gloo|nccl", str(error), re.I)))
 
 
 def row_slices(num_samples, size):
