@@ -2073,8 +2073,10 @@ def unwrap(model):
 # AR's language_model.layers, the DiT's transformer_blocks), then the root (embeddings, norms,
 # heads, the AR's frozen vision encoder and VQ tokenizer). Sampling runs on whole weights
 # (whole_weights): generate would otherwise all-gather every layer once per generated token, and
-# the i2i source encoding calls the vision encoder and VQ outside any forward. Checkpoints hold
-# whole weights and AdamW state, exactly as a 1-process run writes them, so either resumes the other.
+# the i2i source encoding calls the vision encoder and VQ outside any forward. Every micro-batch's
+# (and denoising step's) backward reduce-scatters: FSDP's way to skip that, like DDP's no_sync,
+# would keep whole gradients, the memory sharding saves. Checkpoints hold whole weights and AdamW
+# state, exactly as a 1-process run writes them, so either resumes the other.
 
 def is_sharded(model):
     from torch.distributed.fsdp import FSDPModule
@@ -2142,6 +2144,7 @@ def whole_weights(model):
         yield
     finally:
         model.set_reshard_after_forward(True)
+        model.set_reshard_after_forward(False, recurse=False)   # FSDP2's default for the root
         for unit in units:
             unit.reshard()
 
