@@ -182,6 +182,8 @@ def parse_args(argv=None):
     a("--save-pipeline", default=None, help="After training, write the whole pipeline (LoRA merged) to this "
       "directory for GlmImagePipeline.from_pretrained.")
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
+    a("--fsdp", action="store_true", help="Under torchrun: shard the trained weights, gradients and AdamW state "
+      "over the processes (FSDP2, full fine-tuning of the AR and/or the DiT) instead of replicating them (DDP).")
     a("--dist-timeout", type=int, default=600, help="Under torchrun: seconds a rank waits for the others in a "
       "collective before it gives up with an error (a dead or hung rank then stops the run, no hang).")
     a("--plan", action="store_true", help="Print the memory plan of --model for --height x --width and the "
@@ -222,9 +224,9 @@ def validate_args(args):
     if args.prompts_per_step % world:
         raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes "
                          f"({world}): each rank trains whole groups")
-    if world > 1 and args.policy != "ar":
-        raise UsageError("--policy dit|both runs on one process for now: torchrun data parallel covers the AR "
-                         "policy only (see the README's 'More GPUs')")
+    if args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline):
+        raise UsageError("--fsdp shards full fine-tuning; LoRA adapters are small enough to replicate (drop --fsdp), "
+                         "and --save-pipeline needs whole weights (resume the last checkpoint in one process)")
     if args.micro_batch_size is not None and args.micro_batch_size < 1:
         raise UsageError(f"--micro-batch-size must be at least 1, got {args.micro_batch_size}")
     if min(args.beta, args.sample_every, args.lora_rank, args.weight_decay, args.lr_warmup_steps) < 0:
@@ -1358,7 +1360,7 @@ def grpo_update(optimizer, halves, args):
                     key = prefix + key
                     metrics[key] = (max(metrics.get(key, value), value) if key.endswith("logp_diff_max")
                                     else metrics.get(key, 0.0) + value * weight)
-            norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            norm = clip_gradients(params, args.max_grad_norm)
             finite &= loss_finite and bool(torch.isfinite(norm))
             metrics[prefix + "grad_norm"] = norm.item()
         if epoch == 0:
@@ -1404,9 +1406,10 @@ def grpo_update(optimizer, halves, args):
 
 @dataclass
 class DitCondition:
-    """What the DiT is conditioned on, built as GlmImagePipeline.__call__ builds it (N = P x G rows)."""
-    prompt_embeds: torch.Tensor      # [N, S, D] glyph embeddings (encode_prompt)
-    negative_embeds: torch.Tensor    # [N, S', D] glyph embeddings of "" (CFG's unconditional branch), or None
+    """What the DiT is conditioned on, built as GlmImagePipeline.__call__ builds it for one prompt at a
+    time (N = P x G rows, prompt p's G samples at rows p*G .. p*G+G-1)."""
+    prompt_embeds: list              # per prompt: [G, S_p, D] glyph embeddings (encode_prompt of it alone)
+    negative_embeds: list            # per prompt: [G, S', D] glyph embeddings of "" (CFG's unconditional branch), or None
     prior: torch.Tensor              # [N, 4*H*W] target-grid tokens upsampled 2x (the DiT's 16-px grid)
     target_size: torch.Tensor        # [N, 2] (height, width) in pixels
     crop_coords: torch.Tensor        # [N, 2] zeros, the pipeline's default crops_coords_top_left
@@ -1445,15 +1448,16 @@ def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_sc
     """The DiT's inputs for P prompts x G samples. target_tokens [N, H*W]; i2i: `sources` (PIL) and
     `source_prior` ((upsampled VQ ids, grid) as encode_sources makes them) per prompt. The frozen glyph
     encoder and VAE run once here; the source's KV cache depends on the DiT's weights and is written
-    per pass (write_source_cache)."""
+    per pass (write_source_caches). Each prompt's glyphs are encoded alone, unpadded (see dit_velocity)."""
     from diffusers.pipelines.glm_image.pipeline_glm_image import retrieve_latents
 
     H, W = grid_hw
     height, width = 32 * H, 32 * W
     device, dtype = pipe._execution_device, pipe.dtype
     n = target_tokens.shape[0]
-    embeds, negative = pipe.encode_prompt(prompts, guidance_scale > 1, num_images_per_prompt=group_size,
-                                          device=device, dtype=dtype)
+    encoded = [pipe.encode_prompt([p], guidance_scale > 1, num_images_per_prompt=group_size, device=device,
+                                  dtype=dtype) for p in prompts]
+    embeds, negative = [e for e, _ in encoded], [u for _, u in encoded] if guidance_scale > 1 else None
     prior = torch.cat([pipe._upsample_token_ids(t, H, W) for t in target_tokens]).to(device)
     latents = None
     if sources is not None:
@@ -1468,47 +1472,69 @@ def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_sc
                         [ids.to(device) for ids, _ in source_prior] if sources is not None else None)
 
 
-def write_source_cache(dit, cond):
-    """i2i: one DiT pass per prompt over its source latent at timestep 0 writes every layer's
-    keys/values into a GlmImageKVCache (as the pipeline does); the denoising passes then attend to
-    them. The G samples of a prompt share its cache (GlmImageLayerKVCache.get expands P entries to
-    N = P x G rows). t2i: an empty cache, as the pipeline passes."""
+def write_source_caches(dit, cond):
+    """One GlmImageKVCache per prompt. i2i: a DiT pass over the prompt's source latent at timestep 0
+    writes every layer's keys/values into it (as the pipeline does); the denoising passes of its G
+    samples then attend to them (GlmImageLayerKVCache.get expands the entry to G rows). t2i: empty
+    caches, as the pipeline passes. `dit` may be the DDP wrapper (section 13b): this pass is part
+    of the training graph."""
     from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
 
-    cache = GlmImageKVCache(num_layers=dit.config.num_layers)
+    module = unwrap(dit)
+    caches = [GlmImageKVCache(num_layers=module.config.num_layers) for _ in cond.prompt_embeds]
     if cond.source_latents is None:
-        return cache
-    cache.set_mode("write")
-    for latent, ids in zip(cond.source_latents, cond.source_prior):
-        dit(hidden_states=latent.to(dit.dtype), encoder_hidden_states=cond.prompt_embeds[:1, :0],
-            prior_token_id=ids, prior_token_drop=torch.zeros_like(ids, dtype=torch.bool),
-            timestep=torch.zeros(1, device=latent.device), target_size=cond.target_size[:1],
-            crop_coords=cond.crop_coords[:1], kv_caches=cache)
-        cache.next_sample()
-    return cache
+        return caches
+    for cache, latent, ids, embeds in zip(caches, cond.source_latents, cond.source_prior, cond.prompt_embeds):
+        cache.set_mode("write")
+        out = dit(hidden_states=latent.to(module.dtype), encoder_hidden_states=embeds[:1, :0],
+                  prior_token_id=ids, prior_token_drop=torch.zeros_like(ids, dtype=torch.bool),
+                  timestep=torch.zeros(1, device=latent.device), target_size=cond.target_size[:1],
+                  crop_coords=cond.crop_coords[:1], kv_caches=cache, return_dict=False)[0]
+        if torch.is_grad_enabled() and is_sharded(module):
+            # --fsdp: FSDP2 gathers a layer's weights for backward when the gradient reaches the
+            # layer's *output*; the cached keys/values are side outputs it does not watch, so their
+            # backward would find the weights freed. 0 x this pass's output, added to the velocity
+            # (dit_velocity), routes the gradient through the outputs too: no value changes.
+            cache.anchor = out.float().sum() * 0
+    return caches
 
 
-def dit_velocity(dit, latents, t, cond, cache):
+def dit_velocity(dit, latents, t, cond, caches):
     """The guided velocity v [N, C, h, w] (fp32) at timestep t, as the pipeline's loop computes it:
     the DiT gets `timestep = t - 1`; with CFG the unconditional branch drops the prior tokens
     (prior_token_drop=True) and uses the glyph embeddings of "", v = v_u + g (v_c - v_u). With CFG
-    during training the policy *is* the guided velocity: two DiT passes per step."""
-    timestep = t.expand(latents.shape[0]) - 1
-    i2i = cond.source_latents is not None
+    during training the policy *is* the guided velocity: two DiT passes per step.
 
-    def branch(embeds, drop, mode):
+    One DiT call per prompt (its G rows), never one over prompts: a prompt's glyph embeddings are as
+    long as its quoted text, and a batch of prompts is left-padded with zero embeddings that the DiT
+    then attends to. diffusers' pipeline passes no attention mask, and the DiT's own attention_mask
+    would not help: it becomes a float 0/1 tensor that SDPA adds as a bias (diffusers issue 13587).
+    Measured on the tiny DiT: "a red circle ..." batched with a prompt holding 17 glyph tokens moved
+    its velocity by up to 2.2e-2 (1.1 % of its norm; 1.6e-2 with the mask passed). Per prompt, a
+    group's DiT input is exactly the pipeline's for that prompt alone, whatever shares its batch or
+    rank, so 1 process and K compute the same samples and gradients."""
+    n = latents.shape[0] // len(cond.prompt_embeds)
+    timestep = t.expand(n) - 1
+    i2i, dtype = cond.source_latents is not None, unwrap(dit).dtype
+
+    def branch(rows, embeds, drop, cache, mode):
         if i2i:
             cache.set_mode(mode)     # read the source's keys/values; the unconditional branch skips them
-        return dit(hidden_states=latents.to(dit.dtype), encoder_hidden_states=embeds, prior_token_id=cond.prior,
-                   prior_token_drop=torch.full_like(cond.prior, drop, dtype=torch.bool), timestep=timestep,
-                   target_size=cond.target_size, crop_coords=cond.crop_coords, return_dict=False,
+        prior = cond.prior[rows]
+        return dit(hidden_states=latents[rows].to(dtype), encoder_hidden_states=embeds, prior_token_id=prior,
+                   prior_token_drop=torch.full_like(prior, drop, dtype=torch.bool), timestep=timestep,
+                   target_size=cond.target_size[rows], crop_coords=cond.crop_coords[rows], return_dict=False,
                    kv_caches=cache)[0].float()
 
-    v = branch(cond.prompt_embeds, False, "read")
-    if cond.guidance_scale > 1:
-        v_uncond = branch(cond.negative_embeds, True, "skip")
-        v = v_uncond + cond.guidance_scale * (v - v_uncond)
-    return v
+    velocities = []
+    for p, cache in enumerate(caches):
+        rows = slice(p * n, (p + 1) * n)
+        v = branch(rows, cond.prompt_embeds[p], False, cache, "read")
+        if cond.guidance_scale > 1:
+            v_uncond = branch(rows, cond.negative_embeds[p], True, cache, "skip")
+            v = v_uncond + cond.guidance_scale * (v - v_uncond)
+        velocities.append(v + cache.anchor if hasattr(cache, "anchor") else v)
+    return torch.cat(velocities)
 
 
 def sde_step(v, x, sigmas, i, noise_level, eps=None, x_next=None):
@@ -1549,11 +1575,11 @@ def sample_dit(dit, cond, noise, schedule, noise_level, train_steps, generators)
     `train_steps` steps are SDE steps (their eps drawn per prompt, [G, C, h, w] from its generator) and
     record log-probs; the rest are ODE steps. Returns a DitRollout; its states[:, -1] is the latent."""
     timesteps, sigmas = schedule
-    cache = write_source_cache(dit, cond)
+    caches = write_source_caches(dit, cond)
     x, states, logps = noise.to(sigmas.device, torch.float32), [], []
     for i, t in enumerate(timesteps):
         states.append(x)
-        v = dit_velocity(dit, x, t, cond, cache)
+        v = dit_velocity(dit, x, t, cond, caches)
         if i < train_steps:
             group = (x.shape[0] // len(generators), *x.shape[1:])
             eps = torch.cat([torch.randn(group, generator=g) for g in generators]).to(x.device)
@@ -1570,9 +1596,9 @@ def dit_step_logprob(dit, cond, rollout, i, noise_level):
     """Recomputes step i of every stored trajectory with gradients: (logp [N], mean [N, C, h, w]).
     The source's KV cache is rewritten inside this step's graph (the DiT's weights made it), so each
     step can be backpropagated and freed on its own."""
-    cache = write_source_cache(dit, cond)
+    caches = write_source_caches(dit, cond)
     x = rollout.states[:, i]
-    v = dit_velocity(dit, x, rollout.timesteps[i], cond, cache)
+    v = dit_velocity(dit, x, rollout.timesteps[i], cond, caches)
     _, logp, mean = sde_step(v, x, rollout.sigmas, i, noise_level, x_next=rollout.states[:, i + 1])
     return logp, mean
 
@@ -1607,24 +1633,26 @@ def ode_decode(pipe, cond, noise, schedule):
     return latents_to_images(pipe, rollout.states[:, -1])
 
 
-def dit_loss_terms(dit, reference, cond, rollout, advantages, args):
+def dit_loss_terms(policy, reference, cond, rollout, advantages, args):
     """The DiT's loss for grpo_update, in pieces: one per trained denoising step, each grpo_loss over
     that step's column with weight 1/T, so the T per-step backward passes add up to the gradient of
     grpo_loss over all [N, T] (mask all ones) while only one step's activations are alive at once
     (flow_grpo does the same). KL (beta > 0): closed form on the step means against the reference
-    DiT (adapters off with LoRA, else a frozen copy). Returns terms(epoch), as ar_loss_terms."""
+    DiT (adapters off with LoRA, else a frozen copy). `policy` is the DiT or its DDP wrapper (the
+    training forward goes through it; under DDP the gradients are averaged on the last step's
+    backward). Returns terms(epoch), as ar_loss_terms."""
     steps = rollout.old_logp.shape[1]
     ones = torch.ones_like(rollout.old_logp[:, :1])
     advantages = advantages.to(rollout.old_logp.device)
 
     def terms(epoch):
-        for i in range(steps):
-            logp, mean = dit_step_logprob(dit, cond, rollout, i, args.dit_noise_level)
+        for i in sync_on_last(policy, range(steps)):
+            logp, mean = dit_step_logprob(policy, cond, rollout, i, args.dit_noise_level)
             loss, metrics = grpo_loss(logp[:, None], rollout.old_logp[:, i:i + 1], advantages, ones,
                                       args.dit_clip_eps)
             if args.beta > 0:
                 with torch.no_grad():
-                    ref_mean = dit_reference_mean(dit, reference, cond, rollout, i, args.dit_noise_level)
+                    ref_mean = dit_reference_mean(unwrap(policy), reference, cond, rollout, i, args.dit_noise_level)
                 kl = dit_kl(mean, ref_mean, step_std(rollout.sigmas, i, args.dit_noise_level)).mean()
                 loss = loss + args.beta * kl
                 metrics["kl"] = kl.item()
@@ -1912,13 +1940,15 @@ def trainable_state(model):
     return {name: p.detach().cpu().clone() for name, p in model.named_parameters() if p.requires_grad}
 
 
-def save_checkpoint(out_dir, step, model, optimizer, args, lr_scheduler):
+def save_checkpoint(out_dir, step, model, optimizer, args, lr_scheduler, state=None):
     """Writes <out>/checkpoints/step_NNNNNN.pt atomically. A Ctrl+C or SIGTERM during the write is
-    held back and re-raised once the file is complete."""
+    held back and re-raised once the file is complete. `state`: (weights, AdamW state) already
+    gathered from the ranks under --fsdp (gather_training_state), in the same format as here."""
     path = out_dir / "checkpoints" / f"step_{step:06d}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"format": CHECKPOINT_FORMAT, "step": step, "trainable": trainable_state(model),
-               "optimizer": optimizer.state_dict(), "lr_scheduler": lr_scheduler.state_dict(),
+    trainable, optimizer_state = state or (trainable_state(model), optimizer.state_dict())
+    payload = {"format": CHECKPOINT_FORMAT, "step": step, "trainable": trainable,
+               "optimizer": optimizer_state, "lr_scheduler": lr_scheduler.state_dict(),
                "rng": rng_state(), "args": vars(args)}
     buffer = io.BytesIO()
     torch.save(payload, buffer)
@@ -1990,8 +2020,9 @@ def restore_checkpoint(ckpt, path, model, optimizer, lr_scheduler):
     if set(ckpt["trainable"]) != names:
         raise UsageError(f"--resume {path}: its weights do not fit this model (different --model or --lora-rank)")
     try:
-        model.load_state_dict(ckpt["trainable"], strict=False)
-        optimizer.load_state_dict(ckpt["optimizer"])
+        if not load_sharded_state(model, optimizer, ckpt["trainable"], ckpt["optimizer"]):   # --fsdp: 13b
+            model.load_state_dict(ckpt["trainable"], strict=False)
+            optimizer.load_state_dict(ckpt["optimizer"])
         lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
     except (RuntimeError, ValueError) as e:
         raise UsageError(f"--resume {path}: its weights do not fit this model ({str(e).splitlines()[0][:120]})")
@@ -2327,7 +2358,8 @@ def print_memory_plan(args):
 # the skip and stop decisions). Rank 0 alone writes metrics, samples and checkpoints.
 # The run does not depend on K: a group's tokens are drawn from a seed of (seed, step, slot), its
 # DiT noise from (seed, prompt), and every forward covers at most one micro-batch of rows cut the
-# same way on any K (with the default micro-batch = G, exactly one group). So 1 process and K give
+# same way on any K (with the default micro-batch = G, exactly one group; the DiT one prompt's group,
+# see dit_velocity). --policy dit|both wraps the DiT too. So 1 process and K give
 # the same samples and, up to the order of floating-point sums, the same weights; a checkpoint
 # written at one world size resumes exactly at another.
 
@@ -2380,17 +2412,162 @@ def sampling_seed(seed, step, slot):
 
 
 def wrap_for_training(model, device):
-    """DistributedDataParallel around the module that trains (the AR here; any trained module
-    goes through the same call). Its backward averages the gradients over ranks, so every rank's
-    AdamW takes the same step and the weights stay identical. Only the training forward may go
-    through the wrapper: DDP has no `.generate`, so sampling and no-grad passes use the module
-    itself."""
-    if not is_ddp():
+    """DistributedDataParallel around a module that trains (the AR, the DiT under --policy dit|both).
+    Its backward averages the gradients over ranks, so every rank's AdamW takes the same step and
+    the weights stay identical. Only the training forward may go through the wrapper: DDP has no
+    `.generate`, so sampling and no-grad passes use the module itself (unwrap).
+    The DiT's training forward calls the module several times before one backward (once per
+    prompt, twice with CFG, once more per prompt for the i2i source cache): DDP copes, since a
+    parameter used by several calls still gets one gradient hook per backward, and every rank makes
+    the same number of calls (as many prompts each). Buffers are not broadcast: none changes
+    during training, and a broadcast per call would be one more collective each."""
+    if not is_ddp() or is_sharded(model):        # FSDP2 shards in place and averages by itself
         return model
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [torch.device(device)] if str(device).startswith("cuda") else None
-    return DistributedDataParallel(model, device_ids=device_ids)
+    return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
+
+
+def unwrap(model):
+    """The module inside a DDP wrapper (for its attributes and its no-grad passes), else the model."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+# --fsdp: FSDP2 (torch.distributed.fsdp.fully_shard). Each rank keeps 1/K of every trained weight,
+# its gradient and its AdamW moments (DTensors on a 1-D device mesh over the ranks). A unit's
+# weights are all-gathered just before its forward and backward and freed after; gradients are
+# reduce-scattered (averaged, as DDP's all-reduce) into the shards. Units: each decoder layer (the
+# AR's language_model.layers, the DiT's transformer_blocks), then the root (embeddings, norms,
+# heads, the AR's frozen vision encoder and VQ tokenizer). Sampling runs on whole weights
+# (whole_weights): generate would otherwise all-gather every layer once per generated token, and
+# the i2i source encoding calls the vision encoder and VQ outside any forward. Every micro-batch's
+# (and denoising step's) backward reduce-scatters: FSDP's way to skip that, like DDP's no_sync,
+# would keep whole gradients, the memory sharding saves. Checkpoints hold whole weights and AdamW
+# state, exactly as a 1-process run writes them, so either resumes the other.
+
+def is_sharded(model):
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+@functools.cache
+def device_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(collective_device().type, (world_size(),))
+
+
+def shard_for_training(model, params, args, reference=None):
+    """--fsdp under torchrun: shards `model` (the AR or the DiT, `params` its trainable parameters)
+    and its frozen KL `reference` copy if any, in place. Returns the trainable parameters, which
+    are new (DTensor) Parameter objects after sharding: AdamW must be built on these. Without
+    --fsdp or with one process: `params` unchanged.
+    bf16 (CUDA): the trained weights' shards are kept in fp32 (AdamW's updates of a bf16 weight
+    round away) and MixedPrecisionPolicy all-gathers them as bf16 for compute and reduce-scatters
+    gradients in fp32. Frozen parts (the AR's vision encoder and VQ tokenizer, in the root unit) stay
+    bf16: FSDP2 asks one dtype of a unit's trained weights only."""
+    if not (args.fsdp and is_ddp()):
+        return params
+    import warnings
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # The DiT returns a view (its unpatchify); FSDP2 warns in case the caller modifies it in place,
+    # which would skip its pre-backward hook. Nothing here does (dit_velocity is out of place).
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    policy = MixedPrecisionPolicy()
+    if args.dtype == "bfloat16":
+        from diffusers.training_utils import cast_training_params
+
+        cast_training_params(model, dtype=torch.float32)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for module in (model, reference):
+        if module is None:
+            continue
+        inner = getattr(module, "model", None)           # the AR: GlmImageForConditionalGeneration.model
+        for unit in inner.language_model.layers if inner is not None else module.transformer_blocks:
+            fully_shard(unit, mesh=device_mesh(), mp_policy=policy)
+        fully_shard(module, mesh=device_mesh(), mp_policy=policy)
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+@contextlib.contextmanager
+def whole_weights(model):
+    """Gathers a sharded model's whole weights for the duration (sampling, no-grad passes), so
+    that every forward inside runs without communication; frees them after. The per-GPU cost is
+    one whole copy of the model in its compute dtype while it samples, which DDP holds always.
+    A no-op for a model that is not sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        yield
+        return
+    model.set_reshard_after_forward(False)
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        model.set_reshard_after_forward(True)
+        model.set_reshard_after_forward(False, recurse=False)   # FSDP2's default for the root
+        for unit in units:
+            unit.reshard()
+
+
+def clip_gradients(params, max_norm):
+    """torch's clip_grad_norm_ in its two halves, so that a sharded (DTensor) norm is reduced to
+    the whole gradient's norm before it scales the gradients (torchtitan does the same).
+    Returns the norm before clipping, a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+def gather_training_state(model, optimizer):
+    """--fsdp: the trained weights and AdamW state gathered whole onto rank 0's CPU (a collective:
+    every rank calls it), as (weights by name, optimizer.state_dict()-style AdamW state with
+    parameters numbered in param-group order) -- the format a 1-process run saves. None for a
+    model that is not sharded (save_checkpoint then reads model and optimizer itself)."""
+    if not is_sharded(model):
+        return None
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    weights = get_model_state_dict(model, options=options)
+    by_name = get_optimizer_state_dict(model, optimizer, options=options)
+    if rank() != 0:
+        return None
+    index = {name: i for i, name in enumerate(n for group in by_name["param_groups"] for n in group["params"])}
+    return weights, {"state": {index[n]: s for n, s in by_name["state"].items()},
+                     "param_groups": [{**group, "params": [index[n] for n in group["params"]]}
+                                      for group in by_name["param_groups"]]}
+
+
+def load_sharded_state(model, optimizer, weights, optimizer_state):
+    """--fsdp: loads whole weights and AdamW state (a checkpoint of any world size) into the shards
+    (every rank calls it; each keeps its part). Returns False for a model that is not sharded."""
+    if not is_sharded(model):
+        return False
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(model, weights, options=options)
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    by_name = {"state": {order[i]: s for i, s in optimizer_state["state"].items()},
+               "param_groups": [{**group, "params": [order[i] for i in group["params"]]}
+                                for group in optimizer_state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, by_name, options=options)
+    return True
 
 
 def all_ranks_agree(flag):
@@ -2423,10 +2600,13 @@ def reduce_metrics(row):
 
 def collective_failed(error):
     """True for an error raised inside torch.distributed or DDP: a peer that died or timed out
-    (gloo reports a dead peer as a plain RuntimeError, hence the look at where it came from)."""
+    (gloo reports a dead peer as a plain RuntimeError, hence the look at where it came from). The
+    gradient all-reduce (DDP) and reduce-scatter (FSDP) run inside autograd's backward, whose
+    frame is autograd's: there the message names the backend."""
     frames = traceback.extract_tb(error.__traceback__)
-    return isinstance(error, dist.DistError) or bool(
-        frames and re.search(r"torch[/\\](distributed|nn[/\\]parallel)[/\\]", frames[-1].filename))
+    return isinstance(error, dist.DistError) or bool(frames and (
+        re.search(r"torch[/\\](distributed|nn[/\\]parallel)[/\\]", frames[-1].filename)
+        or re.search(r"torch[/\\]autograd[/\\]", frames[-1].filename) and re.search(r"gloo|nccl", str(error), re.I)))
 
 
 def row_slices(num_samples, size):
@@ -2447,16 +2627,21 @@ def slice_rollout(rollout, rows):
 
 
 def micro_batches(policy, num_samples, size):
-    """Row slices of at most `size` samples for gradient accumulation. Under DDP each backward
-    all-reduces the gradients; inside no_sync() they only accumulate locally. So all micro-batches
-    but the last run in no_sync, and the last backward averages the accumulated sum once. Every
-    rank holds as many samples, hence runs as many backward passes (a missing one would leave the
-    other ranks waiting in the all-reduce)."""
-    slices = row_slices(num_samples, size)
-    for k, rows in enumerate(slices):
-        accumulate_only = hasattr(policy, "no_sync") and k < len(slices) - 1
+    """Row slices of at most `size` samples for gradient accumulation (see sync_on_last)."""
+    return sync_on_last(policy, row_slices(num_samples, size))
+
+
+def sync_on_last(policy, pieces):
+    """Yields `pieces` (micro-batches of rows, the DiT's denoising steps), each to be backpropagated
+    before the next. Under DDP each backward all-reduces the gradients; inside no_sync() they only
+    accumulate locally. So all pieces but the last run in no_sync, and the last backward averages
+    the accumulated sum once. Every rank holds as many samples (and runs as many steps), hence
+    runs as many backward passes (a missing one would leave the other ranks waiting)."""
+    pieces = list(pieces)
+    for k, piece in enumerate(pieces):
+        accumulate_only = hasattr(policy, "no_sync") and k < len(pieces) - 1
         with policy.no_sync() if accumulate_only else contextlib.nullcontext():
-            yield rows
+            yield piece
 
 
 # =============================================================================================
@@ -2602,6 +2787,7 @@ class Trainer:
     dit_reference: object = None  # frozen initial DiT for the KL term (full fine-tuning, beta > 0)
     prompt_tokens: dict = None   # --policy dit --dit-prior per-prompt: prompt index -> its token grid
     policy: object = None        # what the AR's training forward runs through: the AR, or its DDP wrapper
+    dit_policy: object = None    # the same for the DiT (--policy dit|both)
     before_update: object = None  # called right before each UPDATE (the stop handler's last chance to drop the step)
 
 
@@ -2613,10 +2799,11 @@ def sample_tokens(trainer, prompts, sources, slots, step, args):
     ar = trainer.pipe.vision_language_encoder
     ar.eval()
     exact_fp32 = args.dtype == "float32"
-    rollout = sample_groups(trainer.pipe, prompts, sources, slots, step, args, record_logp=exact_fp32)
-    if not exact_fp32:
-        rollout.old_logp = logprobs_by_micro_batch(ar, rollout, args.temperature, trainer.suppressed,
-                                                   args.micro_batch_size)
+    with whole_weights(ar):
+        rollout = sample_groups(trainer.pipe, prompts, sources, slots, step, args, record_logp=exact_fp32)
+        if not exact_fp32:
+            rollout.old_logp = logprobs_by_micro_batch(ar, rollout, args.temperature, trainer.suppressed,
+                                                       args.micro_batch_size)
     return rollout
 
 
@@ -2656,24 +2843,28 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
     return row, rewards, images, targets, sources
 
 
-def shared_prompt_tokens(pipe, prompts, sources, indices, args, cache):
+def shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, cache):
     """--policy dit: one token grid per prompt (its group shares it). 'per-prompt' (--dit-prior) draws
     each prompt's grid from a seed of (seed, prompt index), the same grid every step: the tiny DiT
     then sees a fixed input per prompt and can learn what to paint from it. A random AR's grids
     say little about the prompt, so with 'per-step' grids the DiT can only learn an image that
-    suits every prompt on average. The AR is frozen, so a prompt's draw is kept in `cache` rather
-    than sampled again every step. Returns a Rollout-like object with target_tokens [P, H*W],
-    grid_hw and source_prior."""
-    sample = lambda p, s: sample_group(pipe, p, 1, args.temperature, args.height, args.width, args.loss_tokens,
-                                       s, record_logp=False)
+    suits every prompt on average; those are drawn from the seed of (seed, step, slot), as the AR's
+    groups (so any number of processes draws the same grids). The AR is frozen, so a prompt's
+    per-prompt draw is kept in `cache` rather than sampled again every step. Returns a Rollout-like
+    object with target_tokens [P, H*W], grid_hw and source_prior."""
+    def draw(i, seed):
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            torch.manual_seed(seed)                               # leaves the run's RNG stream untouched
+            return sample_group(pipe, [prompts[i]], 1, args.temperature, args.height, args.width, args.loss_tokens,
+                                sources and [sources[i]], record_logp=False)
+
     if args.dit_prior == "per-step":
-        return sample(prompts, sources)
-    for i, index in enumerate(indices):
-        if index not in cache:
-            with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-                torch.manual_seed(args.seed * 7_919 + index)      # leaves the run's RNG stream untouched
-                cache[index] = sample([prompts[i]], sources and [sources[i]])
-    draws = [cache[index] for index in indices]
+        draws = [draw(i, sampling_seed(args.seed, step, slot)) for i, slot in enumerate(slots)]
+    else:
+        for i, index in enumerate(indices):
+            if index not in cache:
+                cache[index] = draw(i, args.seed * 7_919 + index)
+        draws = [cache[index] for index in indices]
     return SimpleNamespace(target_tokens=torch.cat([d.target_tokens for d in draws]), grid_hw=draws[0].grid_hw,
                            source_prior=sources and [d.source_prior[0] for d in draws])
 
@@ -2699,14 +2890,15 @@ def grpo_step_dit(trainer, items, indices, step, args, slots=None):
     if train_ar:
         rollout = sample_tokens(trainer, prompts, sources, slots, step, args)
     else:
-        rollout = shared_prompt_tokens(pipe, prompts, sources, indices, args, trainer.prompt_tokens)
+        rollout = shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, trainer.prompt_tokens)
     tokens = rollout.target_tokens if train_ar else rollout.target_tokens.repeat_interleave(G, 0)   # [N, H*W]
     source_prior = rollout.source_prior and rollout.source_prior[::G if train_ar else 1]          # per prompt
     cond = dit_condition(pipe, prompts, G, tokens, rollout.grid_hw, args.guidance_scale, sources, source_prior)
     schedule = dit_schedule(pipe, args.height, args.width, args.num_inference_steps)
     noise = group_noise(pipe, indices, G, args.height, args.width, args.seed, step, args.dit_noise)
-    trajectories = sample_dit(dit, cond, noise, schedule, args.dit_noise_level, args.dit_train_steps,
-                              sde_generators(args.seed, step, indices))
+    with whole_weights(dit):
+        trajectories = sample_dit(dit, cond, noise, schedule, args.dit_noise_level, args.dit_train_steps,
+                                  sde_generators(args.seed, step, indices))
     # ---- DECODE ------------------------------------------------------------------------------
     with torch.no_grad():
         images = latents_to_images(pipe, trajectories.states[:, -1])                       # [N, 3, H, W]
@@ -2723,8 +2915,8 @@ def grpo_step_dit(trainer, items, indices, step, args, slots=None):
         ar.train()
         halves.append(("", trainer.params, ar_loss_terms(trainer.policy, rollout, advantages, ref_logp, args,
                                                          trainer.suppressed)))
-    halves.append(("dit/", trainer.dit_params, dit_loss_terms(dit, trainer.dit_reference, cond, trajectories,
-                                                              advantages, args)))
+    halves.append(("dit/", trainer.dit_params, dit_loss_terms(trainer.dit_policy, trainer.dit_reference, cond,
+                                                              trajectories, advantages, args)))
     update = grpo_update(trainer.optimizer, halves, args)
     row = {"step": step, **reward_metrics, **update,
            "loss": update.get("loss", 0.0) + update["dit/loss"]}                         # AR + DiT
@@ -2733,7 +2925,8 @@ def grpo_step_dit(trainer, items, indices, step, args, slots=None):
         first = slice(None, None, G)     # a = 0 decode of each prompt's first sample, shared noise
         ode_cond = dit_condition(pipe, prompts, 1, tokens[first], rollout.grid_hw, args.guidance_scale, sources,
                                  source_prior)
-        ode = ode_decode(pipe, ode_cond, noise[first], schedule)
+        with whole_weights(dit):
+            ode = ode_decode(pipe, ode_cond, noise[first], schedule)
     return row, rewards, images, targets, sources, ode
 
 
@@ -2755,12 +2948,12 @@ def setup_training(args, ckpt=None, ckpt_path=None, rewards=None):
     # (fine for the tiny model; at 9B use LoRA, whose reference is the base with adapters off).
     train_ar, dit = args.policy != "dit", pipe.transformer
     reference = copy.deepcopy(ar).requires_grad_(False) if train_ar and args.beta > 0 and not args.lora_rank else None
-    params = prepare_policy(ar, args) if train_ar else []
+    params = shard_for_training(ar, prepare_policy(ar, args), args, reference) if train_ar else []
     groups, trained = [{"params": params, "lr": args.lr}], ar
     dit_params, dit_reference = None, None
     if args.policy != "ar":
         dit_reference = copy.deepcopy(dit).requires_grad_(False) if args.beta > 0 and not args.dit_lora_rank else None
-        dit_params = prepare_dit_policy(dit, args)
+        dit_params = shard_for_training(dit, prepare_dit_policy(dit, args), args, dit_reference)
         # one AdamW, one param group per half, each with its own learning rate
         groups = (groups if train_ar else []) + [{"params": dit_params, "lr": args.dit_lr}]
         trained = torch.nn.ModuleDict({"vision_language_encoder": ar, "transformer": dit} if train_ar
@@ -2779,7 +2972,8 @@ def setup_training(args, ckpt=None, ckpt_path=None, rewards=None):
             print(f"Resuming from step {start} ({ckpt_path})")
     rewards = load_rewards(args.reward) if rewards is None else rewards
     return Trainer(pipe, optimizer, params, reference, suppressed, rewards, lr_scheduler, trained, dit_params,
-                   dit_reference, {}, policy=wrap_for_training(ar, args.device) if train_ar else None), start
+                   dit_reference, {}, policy=wrap_for_training(ar, args.device) if train_ar else None,
+                   dit_policy=wrap_for_training(dit, args.device) if args.policy != "ar" else None), start
 
 
 def start_training(args, out, lead):
@@ -2965,8 +3159,10 @@ def train(args):
             # Weights and AdamW state are identical on every rank, and no rank-local randomness
             # is left (sampling seeds are per group): rank 0's checkpoint is the whole state.
             if step % args.save_every == 0 or step == args.steps or stopping:
+                state = gather_training_state(trainer.trained, trainer.optimizer)   # a collective under --fsdp
                 if lead:
-                    path = save_checkpoint(out, step, trainer.trained, trainer.optimizer, args, trainer.lr_scheduler)
+                    path = save_checkpoint(out, step, trainer.trained, trainer.optimizer, args, trainer.lr_scheduler,
+                                           state)
                     if args.checkpoints_total_limit:
                         prune_checkpoints(out, args.checkpoints_total_limit)
                 last_saved = step
