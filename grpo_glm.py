@@ -1,7 +1,7 @@
 """GRPO for GLM-Image, in one file.
 
     pip install -r requirements.txt
-    python grpo_glm.py --steps 10                        # tiny random GLM-Image, CPU, ~1 min
+    python grpo_glm.py --steps 10                        # tiny GLM-Image (see below), CPU, ~1 min
     python grpo_glm.py --steps 40 --out runs/demo        # long enough to see the reward rise
     python grpo_glm.py --resume latest --out runs/demo --steps 60
     python grpo_glm.py --reward my_rewards.py:score --report-to tensorboard   # your reward, watched in TensorBoard
@@ -23,6 +23,15 @@ then pushed up on better-than-average samples with PPO's clipped surrogate (Schu
 2017), optionally with a KL penalty towards the initial model.
 --policy dit|both trains the other half too (section 10b): the DiT becomes a policy over denoising
 steps (Flow-GRPO), scored by the same advantage and loss functions.
+
+`--model tiny` (the default) is GLM-Image at toy size, built from the real classes: a random AR,
+and a renderer that paints what its tokens say. A random DiT + VAE would paint colour noise
+whatever the tokens, and nothing GRPO does would show in the pictures; so on first use the DiT
+is pre-trained (~15 s of CPU) on a synthetic task, token grid -> its colour mosaic (codebook id k
+paints the k-th of the demo's 8 colours, mod 8), the VAE decoder is set to paint its latent's
+colour, and the pipeline is saved with save_pretrained to ~/.cache/grpo_glm (or $GRPO_GLM_CACHE,
+or $XDG_CACHE_HOME/grpo_glm) and loaded back with from_pretrained, like any local checkpoint.
+Learning what to paint from the prompt stays GRPO's job (section 2, tiny_pipeline_dir).
 
 The file is sectioned in the order one training step runs:
     1. settings  2. model  3. prompts and targets  4. SAMPLE (group generation)
@@ -423,11 +432,12 @@ TINY_RENDERER = dict(        # everything that shapes the training (all of it en
 
 
 def tiny_palette(codebook_size=TINY_CODEBOOK):
-    """Colour [K, 3] in [0, 1] of each codebook id: id = 16 r + 4 g + b over the levels {0, 1/3, 2/3, 1}
-    (64 colours: pure red, green, blue, yellow, white, black, orange, purple ... are all in it)."""
-    levels = torch.linspace(0, 1, 4)
-    rgb = torch.stack(torch.meshgrid(levels, levels, levels, indexing="ij"), -1).reshape(-1, 3)
-    return rgb[:codebook_size]
+    """Colour [K, 3] in [0, 1] of each codebook id: the demo's 8 colours (section 3), id k painting
+    colour k mod 8. Many ids per colour, as in a real VQ codebook where many codes look alike; so
+    few colours that a random policy draws the right one for a cell 1 time in 8."""
+    names = ("red", "green", "blue", "yellow", "white", "black", "orange", "purple")
+    colours = torch.tensor([COLOURS[n] for n in names], dtype=torch.float32) / 255
+    return colours[torch.arange(codebook_size) % len(names)]
 
 
 def token_mosaic(tokens, grid_hw, palette, cell=32):
