@@ -1,7 +1,7 @@
 """GRPO for GLM-Image, in one file.
 
     pip install -r requirements.txt
-    python grpo_glm.py --steps 10                        # tiny random GLM-Image, CPU, ~1 min
+    python grpo_glm.py --steps 10                        # tiny GLM-Image (see below), CPU, ~1 min
     python grpo_glm.py --steps 40 --out runs/demo        # long enough to see the reward rise
     python grpo_glm.py --resume latest --out runs/demo --steps 60
     python grpo_glm.py --reward my_rewards.py:score --report-to tensorboard   # your reward, watched in TensorBoard
@@ -23,6 +23,15 @@ then pushed up on better-than-average samples with PPO's clipped surrogate (Schu
 2017), optionally with a KL penalty towards the initial model.
 --policy dit|both trains the other half too (section 10b): the DiT becomes a policy over denoising
 steps (Flow-GRPO), scored by the same advantage and loss functions.
+
+`--model tiny` (the default) is GLM-Image at toy size, built from the real classes: a random AR,
+and a renderer that paints what its tokens say. A random DiT + VAE would paint colour noise
+whatever the tokens, and nothing GRPO does would show in the pictures; so on first use the DiT
+is pre-trained (~15 s of CPU) on a synthetic task, token grid -> its colour mosaic (codebook id k
+paints the k-th of the demo's 8 colours, mod 8), the VAE decoder is set to paint its latent's
+colour, and the pipeline is saved with save_pretrained to ~/.cache/grpo_glm (or $GRPO_GLM_CACHE,
+or $XDG_CACHE_HOME/grpo_glm) and loaded back with from_pretrained, like any local checkpoint.
+Learning what to paint from the prompt stays GRPO's job (section 2, tiny_pipeline_dir).
 
 The file is sectioned in the order one training step runs:
     1. settings  2. model  3. prompts and targets  4. SAMPLE (group generation)
@@ -359,9 +368,13 @@ def build_tiny_tokenizer():
     )
 
 
-def build_tiny_pipeline(seed=0, ar_init_range=0.02):
+def build_tiny_pipeline(seed=0, ar_init_range=0.02, renderer="random"):
     """A random-weight GLM-Image from the real classes in ~1 s. `ar_init_range` > 0.02 sharpens
-    the AR's logits (tests use it so that wrong M-RoPE positions change log-probs visibly)."""
+    the AR's logits (tests use it so that wrong M-RoPE positions change log-probs visibly).
+    renderer="random": DiT and VAE at their random init (they paint colour noise; tests that only
+    need the code path use it). renderer="mosaic": the untrained start of `--model tiny`'s renderer,
+    a DiT twice as wide and the colour-painting VAE (see tiny_pipeline_dir, which trains and caches
+    it). The AR is built first from the same seed, so it is the same random AR in both."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, GlmImagePipeline, GlmImageTransformer2DModel
     from transformers import (ByT5Tokenizer, GlmImageConfig, GlmImageForConditionalGeneration, GlmImageProcessor,
                               T5Config, T5EncoderModel)
@@ -395,18 +408,23 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02):
     text_encoder = T5EncoderModel(T5Config(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2))
     # patch_size x vae_scale_factor = 16 pixels per DiT token, because the AR's 32-pixel tokens
     # are upsampled 2x before they reach the DiT (as in the real model).
+    # (the mosaic renderer's DiT is 32 wide: at 16 it learns the task ~50x less accurately, MSE 0.02)
     transformer = GlmImageTransformer2DModel(
-        patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
-        text_embed_dim=32, time_embed_dim=16, condition_dim=8, prior_vq_quantizer_codebook_size=TINY_CODEBOOK)
-    # A trained DiT draws the layout from the AR tokens; a random one mostly ignores them and
-    # paints its noise. Strengthening the prior-token embedding restores the real model's
-    # division of labour (tokens decide the content), which is what RL on the AR relies on.
-    with torch.no_grad():
-        transformer.prior_token_embedding.weight.mul_(30.0)
-    vae = AutoencoderKL(
-        block_out_channels=(8, 8, 8, 8), in_channels=3, out_channels=3, latent_channels=4, norm_num_groups=4,
-        down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
-        latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+        patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16 if renderer == "mosaic" else 8,
+        num_attention_heads=2, text_embed_dim=32, time_embed_dim=16, condition_dim=8,
+        prior_vq_quantizer_codebook_size=TINY_CODEBOOK)
+    if renderer == "mosaic":
+        vae = colour_vae()
+    else:
+        # A trained DiT draws the layout from the AR tokens; a random one mostly ignores them and
+        # paints its noise. Strengthening the prior-token embedding restores the real model's
+        # division of labour (tokens decide the content), which is what RL on the AR relies on.
+        with torch.no_grad():
+            transformer.prior_token_embedding.weight.mul_(30.0)
+        vae = AutoencoderKL(
+            block_out_channels=(8, 8, 8, 8), in_channels=3, out_channels=3, latent_channels=4, norm_num_groups=4,
+            down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+            latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
     pipe = GlmImagePipeline(
         tokenizer=ByT5Tokenizer(), processor=processor, text_encoder=text_encoder, vision_language_encoder=ar,
         vae=vae, transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler())
@@ -417,20 +435,256 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02):
     return pipe
 
 
+# ---- The tiny model's renderer: pre-trained once on token mosaics, then cached ---------------
+# A random DiT + VAE paints colour noise whatever the tokens say, so nothing GRPO does to the AR
+# would show in the pictures. On first use `--model tiny` therefore pre-trains the renderer (the
+# AR stays random: learning what to paint from the prompt is GRPO's job) on a synthetic task:
+# codebook id k means palette colour k, and a token grid's truth is its "mosaic", every 32-px cell
+# filled with its token's colour. The VAE latent carries the colour directly (channels 0-2 = the
+# cell's colour in [-1, 1], channel 3 = 0, per 8-px latent pixel), so the VAE *decoder* learns
+# latent -> mosaic and the DiT learns, by flow matching, prior tokens -> that latent. The result is
+# written with save_pretrained to a cache directory and read back with from_pretrained, the path
+# a user's own checkpoint takes.
+TINY_RENDERER_FORMAT = "grpo_glm-tiny-renderer-v1"
+TINY_RENDERER = dict(        # everything that shapes the training (all of it enters the cache key)
+    dit_steps=800, dit_lr=3e-3, batch=8, dit_grids=((2, 2), (3, 3), (4, 4), (3, 2)), inference_steps=4,
+)
+
+
+def tiny_palette(codebook_size=TINY_CODEBOOK):
+    """Colour [K, 3] in [0, 1] of each codebook id: the demo's 8 colours (section 3), id k painting
+    colour k mod 8. Many ids per colour, as in a real VQ codebook where many codes look alike; so
+    few colours that a random policy draws the right one for a cell 1 time in 8."""
+    names = ("red", "green", "blue", "yellow", "white", "black", "orange", "purple")
+    colours = torch.tensor([COLOURS[n] for n in names], dtype=torch.float32) / 255
+    return colours[torch.arange(codebook_size) % len(names)]
+
+
+def token_mosaic(tokens, grid_hw, palette, cell=32):
+    """tokens [N, H*W] -> the grid's truth [N, 3, H*cell, W*cell] in [0, 1]: each cell in its colour."""
+    H, W = grid_hw
+    colours = palette[tokens].view(-1, H, W, 3).permute(0, 3, 1, 2)
+    return colours.repeat_interleave(cell, 2).repeat_interleave(cell, 3)
+
+
+def colour_latents(tokens, grid_hw, palette, channels, cell):
+    """The latent a grid should decode from [N, channels, H*cell, W*cell]: its mosaic in [-1, 1]
+    (cell = 32 px / the VAE's scale factor), the channels past the third zero."""
+    mosaic = token_mosaic(tokens, grid_hw, palette, cell) * 2 - 1
+    return torch.cat([mosaic, mosaic.new_zeros(mosaic.shape[0], channels - 3, *mosaic.shape[2:])], 1)
+
+
+def random_grids(batch, grid_hw, codebook_size, generator):
+    """Training grids [batch, H*W]: each drawn from its own sub-palette of 1, 2, 4 or all colours,
+    so uniform fields and two-colour shapes are as familiar to the renderer as confetti."""
+    rows = []
+    for _ in range(batch):
+        k = [1, 2, 4, codebook_size][int(torch.randint(4, (1,), generator=generator))]
+        colours = torch.randperm(codebook_size, generator=generator)[:k]
+        rows.append(colours[torch.randint(k, (grid_hw[0] * grid_hw[1],), generator=generator)])
+    return torch.stack(rows)
+
+
+def colour_vae(latent_channels=4, width=8, carrier=32.0):
+    """A tiny AutoencoderKL whose decoder paints its latent's colour: pixel = latent channels 0-2 at
+    that place, nearest-upsampled 8x, mapped from [-1, 1] to [0, 1] by the pipeline's postprocess.
+
+    Its weights are set, not learnt. Gradient descent gets there too, but spends ~60 s of CPU on a
+    plateau at MSE 0.2 first: the decoder's GroupNorm normalises each image by its own statistics,
+    which erases absolute colour (a uniform red and a uniform white field normalise alike). Set by
+    hand, every residual branch is zeroed (conv2, the attention's to_out), every upsampler's conv is
+    the identity, conv_in writes the colour twice, (c, -c), next to a constant pair (+carrier,
+    -carrier): the group's mean is then exactly 0 and its std ~ carrier / 2 whatever the colours, so
+    conv_norm_out keeps them; conv_out reads SiLU(c) - SiLU(-c) = c. The encoder stays random
+    (the DiT is trained on text-to-image only)."""
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL(
+        block_out_channels=(width,) * 4, in_channels=3, out_channels=3, latent_channels=latent_channels,
+        norm_num_groups=1, down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+        latents_mean=[0.0] * latent_channels, latents_std=[1.0] * latent_channels)
+    decoder, eye = vae.decoder, torch.eye(width)
+    with torch.no_grad():
+        for name, module in decoder.named_modules():
+            if name.endswith((".conv2", ".to_out.0")):                       # residual branches: off
+                module.weight.zero_(), module.bias.zero_()
+            elif name.endswith("upsamplers.0.conv"):                          # nearest upsample, then identity
+                module.weight.zero_(), module.bias.zero_()
+                module.weight[:, :, 1, 1] = eye
+        vae.post_quant_conv.weight.copy_(torch.eye(latent_channels)[:, :, None, None])
+        vae.post_quant_conv.bias.zero_()
+        decoder.conv_in.weight.zero_(), decoder.conv_in.bias.zero_()
+        for c in range(3):
+            decoder.conv_in.weight[c, c, 1, 1], decoder.conv_in.weight[3 + c, c, 1, 1] = 1.0, -1.0
+        decoder.conv_in.bias[6:] = carrier * torch.tensor([1.0, -1.0]).repeat(width // 2)[: width - 6]
+        decoder.conv_norm_out.weight.fill_(math.sqrt((decoder.conv_in.bias ** 2).mean().item()))
+        decoder.conv_norm_out.bias.zero_()
+        decoder.conv_out.weight.zero_(), decoder.conv_out.bias.zero_()
+        for c in range(3):
+            decoder.conv_out.weight[c, c, 1, 1], decoder.conv_out.weight[c, 3 + c, 1, 1] = 1.0, -1.0
+    return vae.eval().requires_grad_(False)
+
+
+def train_tiny_renderer(pipe, settings, seed):
+    """Trains the DiT in place (fp32, CPU) by flow matching onto the colour latents; returns its last loss.
+    x_t = (1 - sigma) x0 + sigma eps (the scheduler's own scale_noise) at the schedule's (t, sigma)
+    pairs, velocity target eps - x0, through the same conditioning and velocity functions the
+    sampler and Flow-GRPO use (section 10b)."""
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    codebook = pipe.transformer.config.prior_vq_quantizer_codebook_size
+    palette, cell, channels = tiny_palette(codebook), 32 // pipe.vae_scale_factor, pipe.vae.config.latent_channels
+    dit = pipe.transformer.train().requires_grad_(True)
+    optimizer = torch.optim.Adam(dit.parameters(), lr=settings["dit_lr"])
+    loss, batch = torch.tensor(float("nan")), settings["batch"]
+    # the glyph condition of "" per grid size, computed once (it does not depend on the tokens)
+    conds = {hw: dit_condition(pipe, [""], batch, torch.zeros(batch, hw[0] * hw[1], dtype=torch.long), hw, 1.0)
+             for hw in map(tuple, settings["dit_grids"])}    # one prompt, "", of `batch` rows: one DiT call
+    for step in range(settings["dit_steps"]):
+        hw = tuple(settings["dit_grids"][step % len(settings["dit_grids"])])
+        timesteps, _ = dit_schedule(pipe, 32 * hw[0], 32 * hw[1], settings["inference_steps"])   # sets the scheduler
+        tokens = random_grids(batch, hw, codebook, generator)                            # [B, H*W]
+        x0 = colour_latents(tokens, hw, palette, channels, cell)                         # [B, C, h, w]
+        t = timesteps[torch.randint(len(timesteps), (batch,), generator=generator)]
+        eps = torch.randn(x0.shape, generator=generator)
+        x_t = pipe.scheduler.scale_noise(x0, t, eps)
+        cond = replace(conds[hw], prior=torch.cat([pipe._upsample_token_ids(row, *hw) for row in tokens]))
+        v = dit_velocity(dit, x_t, t, cond, write_source_caches(dit, cond))
+        loss = ((v - (eps - x0)) ** 2).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    dit.eval().requires_grad_(False)
+    return loss.item()
+
+
+@contextlib.contextmanager
+def quiet_progress_bars():
+    """diffusers' and transformers' loading/saving bars, off (the tiny model's ~1 MB loads in a blink)."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    was = diffusers_logging.is_progress_bar_enabled(), transformers_logging.is_progress_bar_enabled()
+    diffusers_logging.disable_progress_bar(), transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was[0]:
+            diffusers_logging.enable_progress_bar()
+        if was[1]:
+            transformers_logging.enable_progress_bar()
+
+
+def tiny_cache_root():
+    """Where built tiny models live: $GRPO_GLM_CACHE, else $XDG_CACHE_HOME/grpo_glm, else ~/.cache/grpo_glm."""
+    if os.environ.get("GRPO_GLM_CACHE"):
+        return Path(os.environ["GRPO_GLM_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "grpo_glm"
+
+
+def tiny_cache_key(seed, settings):
+    """A hash of everything that shapes the built model: the seed, the training settings, the format
+    version, the library versions, and the source of the functions that build and train it (so an
+    edit to any of them, or to the configs written inside them, builds a new model)."""
+    import inspect
+
+    import diffusers
+    import transformers
+
+    code = [inspect.getsource(f) for f in (build_tiny_tokenizer, build_tiny_pipeline, colour_vae, tiny_palette,
+                                            token_mosaic, colour_latents, random_grids, train_tiny_renderer,
+                                            dit_schedule, dit_condition, dit_velocity, write_source_caches,
+                                            policy_generation_config, image_token_suppression)]
+    parts = {"format": TINY_RENDERER_FORMAT, "seed": seed, "settings": settings, "code": code,
+             "constants": [TINY_CODEBOOK, TINY_VISION_VOCAB, TINY_CHAT_TEMPLATE],
+             "versions": [torch.__version__, diffusers.__version__, transformers.__version__]}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+TINY_MANIFEST = "grpo_glm_tiny.json"   # written last: a directory without it (or with a wrong one) is never loaded
+
+
+def tiny_cache_is_complete(path, key):
+    """True only for a finished build of this key whose files are all there, byte for byte."""
+    try:
+        manifest = json.loads((path / TINY_MANIFEST).read_text(encoding="utf-8"))
+        return manifest["key"] == key and all(
+            hashlib.sha256((path / name).read_bytes()).hexdigest() == digest for name, digest in manifest["files"].items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def tiny_pipeline_dir(seed=0, settings=None):
+    """The directory of `--model tiny` for this seed, built on first use (~15 s of CPU), then reused.
+
+    The build is atomic: it is written to a temporary directory beside the cache entry and renamed
+    into place after its manifest (sha256 of every file) is written; a lock file makes a second run
+    wait for the first run's build instead of building it again. A killed build leaves only a
+    temporary directory that nothing loads; an entry whose files do not match its manifest is set
+    aside and rebuilt."""
+    import fcntl
+    import shutil
+    import tempfile
+
+    settings = dict(TINY_RENDERER if settings is None else settings)
+    key = tiny_cache_key(seed, settings)
+    root = tiny_cache_root()
+    final = root / f"tiny-seed{seed}-{key}"
+    if tiny_cache_is_complete(final, key):
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)        # held until the with-block ends (or the process dies)
+        if tiny_cache_is_complete(final, key):  # another run built it while we waited
+            return final
+        if final.exists():
+            print(f"note: {final} is incomplete or corrupt; rebuilding it")
+            aside = Path(tempfile.mkdtemp(prefix=f".{final.name}.broken-", dir=root))
+            os.rename(final, aside / "entry")
+            shutil.rmtree(aside, ignore_errors=True)
+        for stale in root.glob(f".{final.name}.tmp-*"):     # left by a killed build (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
+        try:
+            start = time.time()
+            print(f"building --model tiny (seed {seed}): a random AR, and a renderer (DiT) pre-trained on token "
+                  f"mosaics for {settings['dit_steps']} steps, once ...", end=" ", flush=True)
+            with torch.random.fork_rng(devices=[]):
+                pipe = build_tiny_pipeline(seed, renderer="mosaic")
+                pipe.set_progress_bar_config(disable=True)
+                loss = train_tiny_renderer(pipe, settings, seed)
+            ar = pipe.vision_language_encoder
+            # generate_prior_tokens samples with the AR's generation config: without suppression the
+            # random AR writes image start/end ids mid-grid and the pipeline crashes (section 14).
+            ar.generation_config = policy_generation_config(
+                ar, pipe.transformer.config.prior_vq_quantizer_codebook_size, temperature=1.0)
+            with quiet_progress_bars():
+                pipe.save_pretrained(tmp)
+            files = {str(p.relative_to(tmp)): hashlib.sha256(p.read_bytes()).hexdigest()
+                     for p in sorted(tmp.rglob("*")) if p.is_file()}
+            atomic_write_bytes(tmp / TINY_MANIFEST, json.dumps(
+                {"key": key, "seed": seed, "settings": settings, "final_loss": loss, "files": files},
+                indent=1).encode())
+            os.rename(tmp, final)
+            print(f"done in {time.time() - start:.0f} s (flow-matching loss {loss:.4f}), cached in {final}", flush=True)
+        except BaseException:
+            print("failed", flush=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final
+
 def load_pipeline(args):
     """Returns a GlmImagePipeline on args.device with the AR ready to train."""
     from diffusers import GlmImagePipeline
 
     dtype = getattr(torch, args.dtype)
-    if args.model == TINY:
-        pipe = build_tiny_pipeline(args.seed)
-        if dtype != torch.float32:
-            pipe.to(dtype=dtype)
-    else:
-        try:
-            pipe = GlmImagePipeline.from_pretrained(args.model, dtype=dtype)
-        except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-            raise UsageError(f"--model {args.model} could not be loaded as a GlmImagePipeline: {str(e).splitlines()[0]}")
+    # 'tiny' is a directory too: built and cached on first use, then loaded like any saved pipeline
+    path = tiny_pipeline_dir(args.seed) if args.model == TINY else args.model
+    try:
+        with quiet_progress_bars() if args.model == TINY else contextlib.nullcontext():
+            pipe = GlmImagePipeline.from_pretrained(path, dtype=dtype)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise UsageError(f"--model {args.model} could not be loaded as a GlmImagePipeline: {str(e).splitlines()[0]}")
     # Only the AR is trained; the DiT, VAE and glyph encoder are frozen renderers here.
     for name in ("text_encoder", "transformer", "vae"):
         getattr(pipe, name).requires_grad_(False)

@@ -29,6 +29,16 @@ HERE = Path(__file__).parent
 SMALL = ["--group-size", "4", "--prompts-per-step", "1", "--sample-every", "1"]
 
 
+def tiny_model(seed=0):
+    """`--model tiny` as runs load it: the cached pipeline (built on the first call of the session)."""
+    from diffusers import GlmImagePipeline
+
+    with g.quiet_progress_bars():
+        pipe = GlmImagePipeline.from_pretrained(g.tiny_pipeline_dir(seed))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def run_cli(*args, timeout=300):
     return subprocess.run([sys.executable, str(HERE / "grpo_glm.py"), *args], capture_output=True, text=True,
                           timeout=timeout, cwd=HERE)
@@ -239,6 +249,99 @@ def test_decode_depends_on_tokens_not_only_noise(sharp_pipe):
 
 
 # ---------------------------------------------------------------------------------------------
+# The tiny model's pre-trained renderer and its cache
+# ---------------------------------------------------------------------------------------------
+
+def test_tiny_renderer_paints_the_token_mosaic():
+    """--model tiny decodes any token grid, through the pipeline's own DiT + VAE stages, into the
+    grid's colour mosaic: mean squared error <= 0.005 per image (measured ~0.0005; random grids
+    are ~0.35 apart), at the sizes and step count it was trained for and at 3 DiT steps."""
+    from diffusers import GlmImagePipeline
+
+    pipe = tiny_model()
+    assert type(pipe) is GlmImagePipeline
+    palette = g.tiny_palette()
+    generator = torch.Generator().manual_seed(1)
+    for (H, W), steps in [((4, 4), 4), ((2, 2), 4), ((3, 2), 3)]:
+        tokens = g.random_grids(6, (H, W), g.TINY_CODEBOOK, generator)
+        noise = torch.randn(6, 4, 4 * H, 4 * W, generator=generator)
+        images = g.decode_images(pipe, ["a red circle on a white background"] * 6,
+                                 SimpleNamespace(target_tokens=tokens, grid_hw=(H, W), source_prior=None), noise, steps, 1.0)
+        mse = ((images - g.token_mosaic(tokens, (H, W), palette)) ** 2).mean(dim=(1, 2, 3))
+        assert mse.max() <= 0.005, (H, W, steps, mse)
+    # the demo's colours are in the palette, exactly
+    for name in ("red", "white", "blue", "yellow", "black"):
+        rgb = torch.tensor(g.COLOURS[name], dtype=torch.float32) / 255
+        assert ((palette - rgb).abs().max(dim=1).values <= 0.17).any(), name
+
+
+@pytest.fixture()
+def cheap_cache(tmp_path, monkeypatch):
+    """An empty cache directory and 3-step renderer settings: the cache's mechanics without the cost."""
+    monkeypatch.setenv("GRPO_GLM_CACHE", str(tmp_path / "cache"))
+    builds = []
+    train = g.train_tiny_renderer
+
+    def counted(pipe, settings, seed):
+        builds.append(seed)
+        return train(pipe, settings, seed)
+    monkeypatch.setattr(g, "train_tiny_renderer", counted)
+    return SimpleNamespace(root=tmp_path / "cache", builds=builds, settings=dict(g.TINY_RENDERER, dit_steps=3))
+
+
+def test_tiny_cache_is_reused_and_rebuilt_when_its_key_changes(cheap_cache, capsys):
+    path = g.tiny_pipeline_dir(0, cheap_cache.settings)
+    assert path.parent == cheap_cache.root and cheap_cache.builds == [0]
+    printed = capsys.readouterr().out
+    assert printed.count("\n") == 1 and "building --model tiny" in printed and "cached in" in printed
+    assert g.tiny_pipeline_dir(0, cheap_cache.settings) == path and cheap_cache.builds == [0]   # reused
+    assert capsys.readouterr().out == ""
+    other = g.tiny_pipeline_dir(0, dict(cheap_cache.settings, dit_lr=1e-3))                   # settings are in the key
+    seed1 = g.tiny_pipeline_dir(1, cheap_cache.settings)                                       # and so is the seed
+    assert len({path, other, seed1}) == 3 and cheap_cache.builds == [0, 0, 1]
+    assert not list(cheap_cache.root.glob(".*tmp-*"))          # no temporary directory left behind
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "no manifest", "leftover of a killed build"])
+def test_a_corrupt_or_partial_tiny_cache_is_rebuilt_not_loaded(cheap_cache, damage, capsys):
+    path = g.tiny_pipeline_dir(0, cheap_cache.settings)
+    weights = next(path.glob("transformer/*.safetensors"))
+    if damage == "truncated weights":
+        weights.write_bytes(weights.read_bytes()[:100])
+    elif damage == "no manifest":        # a copy interrupted before its last file
+        (path / g.TINY_MANIFEST).unlink()
+    else:                                # a build killed before its rename: a temporary directory only
+        os.rename(path, cheap_cache.root / f".{path.name}.tmp-killed")
+    assert g.tiny_pipeline_dir(0, cheap_cache.settings) == path and cheap_cache.builds == [0, 0]
+    assert ("incomplete or corrupt" in capsys.readouterr().out) == (damage != "leftover of a killed build")
+    assert g.tiny_cache_is_complete(path, g.tiny_cache_key(0, cheap_cache.settings))
+    assert [p.name for p in cheap_cache.root.iterdir() if not p.name.endswith(".lock")] == [path.name]
+
+
+def test_an_interrupted_tiny_build_leaves_nothing_to_load(cheap_cache, monkeypatch):
+    def killed(*args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(g, "train_tiny_renderer", killed)
+    with pytest.raises(KeyboardInterrupt):
+        g.tiny_pipeline_dir(0, cheap_cache.settings)
+    assert [p.name for p in cheap_cache.root.iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_two_runs_building_at_once_build_once(cheap_cache):
+    """The second waits on the build lock, then loads what the first built."""
+    import threading
+
+    paths = []
+    threads = [threading.Thread(target=lambda: paths.append(g.tiny_pipeline_dir(0, cheap_cache.settings)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(paths) == 2 and paths[0] == paths[1] and cheap_cache.builds == [0]
+
+
+# ---------------------------------------------------------------------------------------------
 # The CLI end to end
 # ---------------------------------------------------------------------------------------------
 
@@ -263,11 +366,15 @@ def test_cli_two_steps_writes_metrics_samples_and_checkpoint(tmp_path):
 def test_collapse_is_warned_once(tmp_path, capsys, monkeypatch):
     """A policy with all its mass on one token draws G identical samples: every group ties."""
     out = tmp_path / "collapsed"
-    trainer_pipe = g.build_tiny_pipeline(seed=0)
-    with torch.no_grad():      # the end of an entropy collapse: one codebook id gets all the mass
-        trainer_pipe.vision_language_encoder.lm_head.bias = torch.nn.Parameter(torch.full((g.TINY_VISION_VOCAB,), -1e4))
-        trainer_pipe.vision_language_encoder.lm_head.bias[7] = 0.0
-    monkeypatch.setattr(g, "build_tiny_pipeline", lambda seed=0, ar_init_range=0.02: trainer_pipe)
+    load = g.load_pipeline
+
+    def collapsed(args):
+        trainer_pipe = load(args)
+        with torch.no_grad():      # the end of an entropy collapse: one codebook id gets all the mass
+            trainer_pipe.vision_language_encoder.lm_head.bias = torch.nn.Parameter(torch.full((g.TINY_VISION_VOCAB,), -1e4))
+            trainer_pipe.vision_language_encoder.lm_head.bias[7] = 0.0
+        return trainer_pipe
+    monkeypatch.setattr(g, "load_pipeline", collapsed)
     g.main(["--steps", "3", "--out", str(out), "--group-size", "4", "--prompts-per-step", "1", "--sample-every", "0"])
     rows = read_metrics(out)
     assert all(r["frac_reward_zero_std"] == 1.0 and r["entropy"] < 1e-3 for r in rows)
@@ -755,7 +862,7 @@ def test_saved_pipeline_loads_and_carries_the_training(tmp_path):
     trained = g.main(["--steps", "3", "--out", str(tmp_path / "run"), "--lora-rank", "4", "--lr", "1.0",
                       "--save-pipeline", str(tmp_path / "pipe"), *SMALL, "--prompts-per-step", "2"])
     loaded = GlmImagePipeline.from_pretrained(tmp_path / "pipe")
-    base = g.build_tiny_pipeline(seed=0)
+    base = tiny_model()
     ids = torch.tensor([[5, 6, 7, 8]])
     logits = {name: p.vision_language_encoder(input_ids=ids).logits for name, p in
               [("trained", trained), ("loaded", loaded), ("base", base)]}
@@ -819,7 +926,7 @@ def test_bf16_runs_end_to_end(tmp_path, lora):
 
 
 def test_from_pretrained_directory_behaves_like_tiny(tmp_path):
-    g.build_tiny_pipeline(seed=0).save_pretrained(tmp_path / "tiny")
+    tiny_model().save_pretrained(tmp_path / "tiny")
     g.main(["--steps", "2", "--out", str(tmp_path / "a"), *SMALL])
     g.main(["--steps", "2", "--out", str(tmp_path / "b"), "--model", str(tmp_path / "tiny"), *SMALL])
     drop = lambda rows: [{k: v for k, v in r.items() if k not in ("seconds",)} for r in rows]
@@ -1605,7 +1712,7 @@ def test_policy_dit_trains_only_the_dit_and_saves_it(tmp_path, lora, capsys):
     assert ("trainable=1.0k (DiT LoRA r=4)" if lora != "0" else "(DiT full)") in header
     assert re.search(r"step    1/2 \| dit loss [-+]\d\.\d{3}e[-+]\d\d \|", printed), printed
     assert all(r["dit/lr"] == 0.05 and "lr" not in r for r in read_metrics(tmp_path / "run"))
-    base = g.build_tiny_pipeline(seed=0)
+    base = tiny_model()
     for (n, p), (_, q) in zip(trained.vision_language_encoder.state_dict().items(),
                               base.vision_language_encoder.state_dict().items()):
         assert torch.equal(p, q), n
