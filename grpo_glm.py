@@ -601,15 +601,19 @@ def tiny_cache_key(seed, settings):
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+TINY_WEIGHTED = ("vision_language_encoder", "text_encoder", "transformer", "vae")   # components with weight files
 TINY_MANIFEST = "grpo_glm_tiny.json"   # written last: a directory without it (or with a wrong one) is never loaded
 
 
 def tiny_cache_is_complete(path, key):
-    """True only for a finished build of this key whose files are all there, byte for byte."""
+    """True only for a finished build of this key whose files are all there, byte for byte, with
+    weights for every model in it."""
     try:
         manifest = json.loads((path / TINY_MANIFEST).read_text(encoding="utf-8"))
-        return manifest["key"] == key and all(
-            hashlib.sha256((path / name).read_bytes()).hexdigest() == digest for name, digest in manifest["files"].items())
+        files = manifest["files"]
+        return manifest["key"] == key and all(any(name.startswith(f"{component}/") and name.endswith(".safetensors")
+                                                  for name in files) for component in TINY_WEIGHTED) and all(
+            hashlib.sha256((path / name).read_bytes()).hexdigest() == digest for name, digest in files.items())
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
@@ -678,7 +682,12 @@ def load_pipeline(args):
     from diffusers import GlmImagePipeline
 
     dtype = getattr(torch, args.dtype)
-    # 'tiny' is a directory too: built and cached on first use, then loaded like any saved pipeline
+    # 'tiny' is a directory too: built and cached on first use, then loaded like any saved pipeline.
+    # Under torchrun rank 0 builds it while the others wait: transformers' save_pretrained writes
+    # nothing on a rank other than 0 once torch.distributed is initialised.
+    if args.model == TINY and rank() == 0:
+        tiny_pipeline_dir(args.seed)
+    all_ranks_agree(True)
     path = tiny_pipeline_dir(args.seed) if args.model == TINY else args.model
     try:
         with quiet_progress_bars() if args.model == TINY else contextlib.nullcontext():
@@ -3064,7 +3073,8 @@ def sample_tokens(trainer, prompts, sources, slots, step, args):
 def grpo_step(trainer, items, indices, step, args, slots=None):
     """One GRPO step on the prompts `items[indices]`, which sit at positions `slots` of the step's
     global prompt list (under torchrun, this rank's share; default: all of them).
-    Returns (metrics row, rewards [N], images [N, 3, H, W], targets [P, 3, H, W] or None, sources or None)."""
+    Returns (metrics row, rewards [N], images [N, 3, H, W], targets [P, 3, H, W] or None, sources or None,
+    None): the last is grpo_step_dit's a = 0 decode, which the AR policy has not."""
     pipe, ar = trainer.pipe, trainer.pipe.vision_language_encoder
     batch = [items[i] for i in indices]
     prompts = [it.text for it in batch]
@@ -3094,7 +3104,7 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
     terms = ar_loss_terms(trainer.policy, rollout, advantages, ref_logp, args, trainer.suppressed)
     update = grpo_update(trainer.optimizer, [("", trainer.params, terms)], args)
     row = {"step": step, **reward_metrics, **update}
-    return row, rewards, images, targets, sources
+    return row, rewards, images, targets, sources, None
 
 
 def shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, cache):
@@ -3230,6 +3240,154 @@ def setup_training(args, ckpt=None, ckpt_path=None, rewards=None):
                    dit_policy=wrap_for_training(dit, args.device) if args.policy != "ar" else None), start
 
 
+def open_run(args):
+    """Everything before the first step. Validates the flags, takes the --out lock first (nothing is
+    loaded for a run that may not write here), then loads prompts, rewards, the checkpoint and the
+    model (start_training). If the start stops (bad input), a --out made for this run is removed
+    again: bad input leaves nothing behind. Returns (items, trainer, start step, out, lead), or
+    None when there is nothing to do. `lead`: rank 0, the one rank that writes and prints; `lock`: its
+    --out lock (an open file; None on the other ranks)."""
+    validate_args(args)
+    out = prepare_out_dir(args)
+    resolve_runtime(args)
+    init_distributed(args)
+    lead = rank() == 0
+    made = [d for d in [out.absolute(), *out.absolute().parents] if not d.exists()]    # directories the lock will create
+    lock = lock_out_dir(out) if lead else None     # held while the run lasts (the open file keeps it)
+    started = None
+    try:
+        if lead:
+            prepare_out_dir(args)      # again under the lock: another run may have started meanwhile
+        started = start_training(args, out, lead)
+    finally:
+        if lead and started is None:
+            lock.close()
+            if made:
+                (out / ".lock").unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    for directory in made:       # innermost first; stops at one that is not empty
+                        directory.rmdir()
+    return None if started is None else (*started, out, lead, lock)
+
+
+def close_run(args, items, out, tracker, lock):
+    """At the end, and on any exit: the reward curve (its moving average over one pass through the
+    prompts), the tracker, the --out lock (rank 0 holds it)."""
+    if lock:
+        save_reward_curve(out / "reward_curve.png", read_metrics(out / "metrics.jsonl"),
+                          window=min(20, math.ceil(len(items) / args.prompts_per_step)))
+    if tracker:
+        tracker.close()
+    if lock:
+        lock.close()     # (the process's end would release it too; an in-process caller may run again)
+
+
+def start_logging(args, trainer, out, start):
+    """Drops metrics rows a killed run wrote after its checkpoint, prints the 'running with' block
+    and opens the tracker (or None)."""
+    truncate_metrics(out / "metrics.jsonl", start)
+    trainable = sum(p.numel() for p in trainer.trained.parameters() if p.requires_grad)
+    halves = {"ar": [("", args.lora_rank)], "dit": [("DiT ", args.dit_lora_rank)],
+              "both": [("AR ", args.lora_rank), ("DiT ", args.dit_lora_rank)]}[args.policy]
+    how = ", ".join(f"{half}{f'LoRA r={r}' if r else 'full'}" for half, r in halves)
+    print(f"running with: mode={args.mode} model={args.model} device={args.device} dtype={args.dtype} "
+          f"offload={args.offload} batch={args.prompts_per_step}x{args.group_size} mu={args.inner_epochs} "
+          + (f"lr={args.lr} " if args.policy != "dit" else "") + f"trainable={count_text(trainable)} ({how}) "
+          f"image={args.height}x{args.width} loss_tokens={args.loss_tokens} dit_noise={args.dit_noise} out={out} "
+          f"threads={torch.get_num_threads()} processes={world_size()} micro_batch={args.micro_batch_size}"
+          + (f" policy={args.policy} dit_lr={args.dit_lr} dit_train_steps={args.dit_train_steps}/"
+             f"{args.num_inference_steps} dit_noise_level={args.dit_noise_level}" if args.policy != "ar" else ""))
+    print("rewards: " + " + ".join(f"{r.weight:g} x {r.name}" for r in trainer.rewards)
+          + f" | lr schedule {args.lr_scheduler}, warm-up {args.lr_warmup_steps} | report to {args.report_to}")
+    return open_tracker(args, out, start)
+
+
+def finish_row(row, trainer, args, t0):
+    """Adds the learning rates this step's updates used, moves the schedule on by one GRPO step,
+    averages the row over ranks and times it."""
+    lrs = trainer.lr_scheduler.get_last_lr()    # [AR][, DiT]
+    if args.policy != "dit":
+        row["lr"] = lrs[0]
+    if args.policy != "ar":
+        row["dit/lr"] = lrs[-1]
+    with warnings.catch_warnings():
+        # a step whose updates were all skipped (non-finite) never called optimizer.step();
+        # the schedule still moves on by one GRPO step, as planned, and PyTorch need not warn
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        trainer.lr_scheduler.step()
+    row = reduce_metrics(row)
+    row["seconds"] = round(time.time() - t0, 3)
+    return row
+
+
+def log_step(row, step, args, trainer, out, tracker, warned):
+    """metrics.jsonl, the tracker, one console line, the one-time collapse warning. Returns `warned`."""
+    append_metrics(out / "metrics.jsonl", row)
+    if tracker:
+        tracker.log(row, step)
+    dit_loss = f"dit loss {row.get('dit/loss', math.nan):+.3e}"     # ~1e-5: step log-probs are means
+    losses = {"ar": f"loss {row['loss']:+.4f}", "dit": dit_loss,
+              "both": f"loss {row['loss'] - row.get('dit/loss', math.nan):+.4f} | {dit_loss}"}[args.policy]
+    print(f"step {step:4d}/{args.steps} | {losses} | reward {row['reward_mean']:.5f} "
+          f"± {row['reward_std']:.5f} | " + "".join(
+              f"{prefix}ratio {row[prefix + 'ratio_mean']:.4f} | {prefix}clip {row[prefix + 'clip_ratio']:.3f} "
+              f"| {prefix}kl {row[prefix + 'kl']:.2e} | " for prefix in ("", "dit/") if prefix + "kl" in row)
+          + (f"entropy {row['entropy']:.3f} | " if "entropy" in row else "")
+          + f"zero_std {row['frac_reward_zero_std']:.2f} | {row['seconds']:.2f}s", flush=True)
+    return warn_if_collapsed(row, warned, math.log(trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size))
+
+
+def save_samples(out, step, prompts, targets, images, rewards, sources, ode, args, tracker):
+    sheet = save_sample_grid(out / "samples" / f"step_{step:06d}.png", prompts, targets, images, rewards,
+                             args.group_size, sources, ode)
+    if tracker:
+        tracker.log_image("samples", sheet, step)
+
+
+def save_step_checkpoint(out, step, trainer, args, lead):
+    """All ranks: the training state (gathered under --fsdp, a collective); rank 0 writes it. Weights
+    and AdamW state are identical on every rank, and no rank-local randomness is left (sampling
+    seeds are per group): rank 0's checkpoint is the whole state. Returns its path (rank 0)."""
+    state = gather_training_state(trainer.trained, trainer.optimizer)
+    if not lead:
+        return None
+    path = save_checkpoint(out, step, trainer.trained, trainer.optimizer, args, trainer.lr_scheduler, state)
+    if args.checkpoints_total_limit:
+        prune_checkpoints(out, args.checkpoints_total_limit)
+    return path
+
+
+def stop_before_update(stop, trainer, args, out, step, last_saved, step_rng):
+    """A stop signal arrived before this step's update: the weights are still step - 1's. Saves
+    step - 1 (if not saved yet) and exits. If a rank was killed (kill -9, OOM; torchrun then
+    SIGTERMs the rest), the others still hold step - 1 and rank 0 saves it alone."""
+    lead = rank() == 0
+    peers = True
+    try:
+        stop.agree_after_abandon()
+    except Exception as e:
+        if not (is_ddp() and collective_failed(e)):
+            raise
+        peers = False
+    set_rng_state(step_rng)                   # what a checkpoint of step - 1 holds
+    if step - 1 > last_saved and (peers or lead):
+        save_step_checkpoint(out, step - 1, trainer, args, lead)
+    if peers:
+        all_ranks_agree(True)     # the others wait for rank 0's file before they exit
+    if lead:
+        print(f"interrupted in step {step} before its update: " + (
+            f"step {step - 1} is saved in {out / 'checkpoints' / f'step_{step - 1:06d}.pt'}; continue with "
+            f"--resume latest --out {out}" if step - 1 > 0 else "no step finished, nothing to save"), file=sys.stderr)
+    sys.exit(stop.exit_code())
+
+
+def exit_after_checkpoint(stop, out, step, path, lead):
+    all_ranks_agree(True)     # the others wait for rank 0's file before they exit
+    if lead:
+        print(f"interrupted: saved step {step} to {path}; continue with --resume latest --out {out}", file=sys.stderr)
+    sys.exit(stop.exit_code())
+
+
 def start_training(args, out, lead):
     """Everything between the lock and the first step: prompts, rewards, checkpoint, model, and the
     checks that need them. Returns (items, trainer, start step), or None when there is nothing to do."""
@@ -3285,159 +3443,51 @@ def count_text(n):
 
 
 def train(args):
-    validate_args(args)
-    out = prepare_out_dir(args)
-    resolve_runtime(args)
-    init_distributed(args)
-    lead = rank() == 0                       # the one rank that writes files and prints progress
-    # The lock first: nothing is loaded for a run that may not write here. If the start then stops
-    # (bad input), a --out made for this run is removed again, so bad input leaves nothing behind.
-    made = [d for d in [out.absolute(), *out.absolute().parents] if not d.exists()]    # directories the lock will create
-    if lead:
-        lock = lock_out_dir(out)   # held while this function runs (the open file keeps it)
-    started = None
-    try:
-        if lead:
-            prepare_out_dir(args)      # again under the lock: another run may have started meanwhile
-        started = start_training(args, out, lead)
-    finally:
-        if lead and started is None:
-            lock.close()
-            if made:
-                (out / ".lock").unlink(missing_ok=True)
-                with contextlib.suppress(OSError):
-                    for directory in made:       # innermost first; stops at one that is not empty
-                        directory.rmdir()
-    if started is None:
+    """The training loop. Each step: GRPO (grpo_step, or grpo_step_dit for --policy dit|both), then
+    LOG, sample sheets and CHECKPOINT, each one call into the plumbing (Part III)."""
+    run = open_run(args)                      # checks, --out lock, prompts, rewards, model, resume point
+    if run is None:
         return None
-    items, trainer, start = started
-    metrics_path = out / "metrics.jsonl"
-    tracker = None
-    if lead:
-        truncate_metrics(metrics_path, start)
-        trainable = sum(p.numel() for p in trainer.trained.parameters() if p.requires_grad)
-        halves = {"ar": [("", args.lora_rank)], "dit": [("DiT ", args.dit_lora_rank)],
-                  "both": [("AR ", args.lora_rank), ("DiT ", args.dit_lora_rank)]}[args.policy]
-        how = ", ".join(f"{half}{f'LoRA r={r}' if r else 'full'}" for half, r in halves)
-        print(f"running with: mode={args.mode} model={args.model} device={args.device} dtype={args.dtype} "
-              f"offload={args.offload} batch={args.prompts_per_step}x{args.group_size} mu={args.inner_epochs} "
-              + (f"lr={args.lr} " if args.policy != "dit" else "") + f"trainable={count_text(trainable)} ({how}) "
-              f"image={args.height}x{args.width} loss_tokens={args.loss_tokens} dit_noise={args.dit_noise} out={out} "
-              f"threads={torch.get_num_threads()} processes={world_size()} micro_batch={args.micro_batch_size}"
-              + (f" policy={args.policy} dit_lr={args.dit_lr} dit_train_steps={args.dit_train_steps}/"
-                 f"{args.num_inference_steps} dit_noise_level={args.dit_noise_level}" if args.policy != "ar" else ""))
-        print("rewards: " + " + ".join(f"{r.weight:g} x {r.name}" for r in trainer.rewards)
-              + f" | lr schedule {args.lr_scheduler}, warm-up {args.lr_warmup_steps} | report to {args.report_to}")
-        tracker = open_tracker(args, out, start)
-
-    def indices_of(step):
-        """This rank's prompts of `step`: every rank computes the same global list and takes its block."""
-        step_prompts = prompts_for_step(len(items), args.prompts_per_step, step, args.seed)
-        return [step_prompts[s] for s in rank_slots(args.prompts_per_step)]
-
-    last_saved, bad_steps, collapse_warned = start, [], False
-    stop = StopAfterStep()
+    items, trainer, start, out, lead, lock = run
+    tracker = start_logging(args, trainer, out, start) if lead else None
+    step_fn = grpo_step if args.policy == "ar" else grpo_step_dit
+    stop = StopAfterStep()                    # Ctrl+C / SIGTERM: finish or drop the step, checkpoint, exit
     trainer.before_update = stop.before_update
+    last_saved, bad_steps, warned = start, [], False
     try:
         for step in range(start + 1, args.steps + 1):
             t0 = time.time()
-            indices = indices_of(step)
-            step_rng = rng_state()        # what a checkpoint of the previous step holds, if this one is dropped
+            slots = rank_slots(args.prompts_per_step)            # this rank's share of the step's prompts
+            indices = [prompts_for_step(len(items), args.prompts_per_step, step, args.seed)[s] for s in slots]
+            step_rng = rng_state()
             try:
                 stop.begin_step()
-                if args.policy == "ar":
-                    (row, rewards, images, targets, sources), ode = grpo_step(
-                        trainer, items, indices, step, args, rank_slots(args.prompts_per_step)), None
-                else:
-                    row, rewards, images, targets, sources, ode = grpo_step_dit(
-                        trainer, items, indices, step, args, rank_slots(args.prompts_per_step))
-            except AbandonStep:           # a stop signal before the update: the weights are still step - 1's
-                peers = True
-                try:
-                    stop.agree_after_abandon()
-                except Exception as e:    # a rank was killed (kill -9, OOM; torchrun then SIGTERMs the rest):
-                    if not (is_ddp() and collective_failed(e)):   # the others still hold step - 1, save it
-                        raise
-                    peers = False
-                set_rng_state(step_rng)
-                if step - 1 > last_saved and lead:
-                    save_checkpoint(out, step - 1, trainer.trained, trainer.optimizer, args, trainer.lr_scheduler)
-                    if args.checkpoints_total_limit:
-                        prune_checkpoints(out, args.checkpoints_total_limit)
-                if peers:
-                    all_ranks_agree(True)     # the others wait for rank 0's file before they exit
-                if lead:
-                    print(f"interrupted in step {step} before its update: " + (
-                        f"step {step - 1} is saved in {out / 'checkpoints' / f'step_{step - 1:06d}.pt'}; continue with "
-                        f"--resume latest --out {out}"
-                        if step - 1 > 0 else "no step finished, nothing to save"), file=sys.stderr)
-                sys.exit(stop.exit_code())
-            lrs = trainer.lr_scheduler.get_last_lr()    # the lrs this step's updates used: [AR][, DiT]
-            if args.policy != "dit":
-                row["lr"] = lrs[0]
-            if args.policy != "ar":
-                row["dit/lr"] = lrs[-1]
-            with warnings.catch_warnings():
-                # a step whose updates were all skipped (non-finite) never called optimizer.step();
-                # the schedule still moves on by one GRPO step, as planned, and PyTorch need not warn
-                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-                trainer.lr_scheduler.step()
+                row, rewards, images, targets, sources, ode = step_fn(trainer, items, indices, step, args, slots)
+            except AbandonStep:               # a stop signal before the update: the weights are still step - 1's
+                stop_before_update(stop, trainer, args, out, step, last_saved, step_rng)
+            row = finish_row(row, trainer, args, t0)
+            stopping = stop.agree()                              # a stop signal seen by any rank stops all
             # ---- LOG -------------------------------------------------------------------------
-            row = reduce_metrics(row)
-            row["seconds"] = round(time.time() - t0, 3)
-            stopping = stop.agree()                               # a stop signal seen by any rank stops all
             if lead:
-                append_metrics(metrics_path, row)
-                if tracker:
-                    tracker.log(row, step)
-                dit_loss = f"dit loss {row.get('dit/loss', math.nan):+.3e}"     # ~1e-5: step log-probs are means
-                losses = {"ar": f"loss {row['loss']:+.4f}", "dit": dit_loss,
-                          "both": f"loss {row['loss'] - row.get('dit/loss', math.nan):+.4f} | {dit_loss}"}[args.policy]
-                print(f"step {step:4d}/{args.steps} | {losses} | reward {row['reward_mean']:.5f} "
-                      f"± {row['reward_std']:.5f} | " + "".join(
-                          f"{prefix}ratio {row[prefix + 'ratio_mean']:.4f} | {prefix}clip {row[prefix + 'clip_ratio']:.3f} "
-                          f"| {prefix}kl {row[prefix + 'kl']:.2e} | " for prefix in ("", "dit/") if prefix + "kl" in row)
-                      + (f"entropy {row['entropy']:.3f} | " if "entropy" in row else "")
-                      + f"zero_std {row['frac_reward_zero_std']:.2f} | {row['seconds']:.2f}s", flush=True)
-                collapse_warned = warn_if_collapsed(row, collapse_warned, math.log(
-                    trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size))
+                warned = log_step(row, step, args, trainer, out, tracker, warned)
             bad_steps = bad_steps + [skip_cause(row)] if row["skipped_updates"] == args.inner_epochs else []
             if len(bad_steps) >= 5:
                 raise UsageError(non_finite_stop(bad_steps, step, out))
-            if lead and args.sample_every and step % args.sample_every == 0:   # rank 0's groups
-                sheet = save_sample_grid(out / "samples" / f"step_{step:06d}.png", [items[i].text for i in indices],
-                                         targets, images, rewards, args.group_size, sources, ode)
-                if tracker:
-                    tracker.log_image("samples", sheet, step)
+            if lead and args.sample_every and step % args.sample_every == 0:     # rank 0's groups
+                save_samples(out, step, [items[i].text for i in indices], targets, images, rewards, sources, ode,
+                             args, tracker)
             # ---- CHECKPOINT ------------------------------------------------------------------
-            # Weights and AdamW state are identical on every rank, and no rank-local randomness
-            # is left (sampling seeds are per group): rank 0's checkpoint is the whole state.
             if step % args.save_every == 0 or step == args.steps or stopping:
-                state = gather_training_state(trainer.trained, trainer.optimizer)   # a collective under --fsdp
-                if lead:
-                    path = save_checkpoint(out, step, trainer.trained, trainer.optimizer, args, trainer.lr_scheduler,
-                                           state)
-                    if args.checkpoints_total_limit:
-                        prune_checkpoints(out, args.checkpoints_total_limit)
+                path = save_step_checkpoint(out, step, trainer, args, lead)
                 last_saved = step
             if stopping:
-                all_ranks_agree(True)     # the others wait for rank 0's file before they exit
-                if lead:
-                    print(f"interrupted: saved step {step} to {path}; continue with --resume latest --out {out}",
-                          file=sys.stderr)
-                sys.exit(stop.exit_code())
+                exit_after_checkpoint(stop, out, step, path, lead)
     except KeyboardInterrupt:   # the second Ctrl+C: leave now, the last checkpoint is complete
         print(f"\ninterrupted: last checkpoint is step {last_saved} in {out / 'checkpoints'}", file=sys.stderr)
         sys.exit(130)
     finally:
         stop.restore()
-        if lead:
-            save_reward_curve(out / "reward_curve.png", read_metrics(metrics_path),   # window: one pass over the prompts
-                              window=min(20, math.ceil(len(items) / args.prompts_per_step)))
-        if tracker:
-            tracker.close()
-        if lead:
-            lock.close()     # (the process's end would release it too; an in-process caller may run again)
+        close_run(args, items, out, tracker, lock)
     if args.save_pipeline and lead:
         save_trained_pipeline(trainer.pipe, args)
     return trainer.pipe
