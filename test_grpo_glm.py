@@ -1977,20 +1977,34 @@ def assert_weights_close(a, b, rel=1e-6):
         assert (a[name] - b[name]).norm() <= rel * b[name].norm(), name
 
 
+def key_bias(name):
+    """The bias of an attention key projection (the AR's k_proj, the DiT's to_k): it adds q . b to
+    every score of a query, which softmax ignores, so its true gradient is exactly 0 and its computed
+    one pure rounding noise, which AdamW scales up to steps of size lr in a random direction."""
+    return name.endswith(("k_proj.bias", "to_k.bias"))
+
+
 def assert_vectors_close(a, b, rel):
-    """All tensors compared as one vector: a few get pure rounding noise for a gradient (the AR's
-    k_proj bias, which softmax ignores), and AdamW scales that noise up to a full step."""
+    """All tensors but the key biases (whose trajectories are amplified noise, see key_bias) compared
+    as one vector."""
     assert a.keys() == b.keys()
-    print(f"relative distance {float(sum((a[n] - b[n]).norm() ** 2 for n in b) ** 0.5 / sum(p.norm() ** 2 for p in b.values()) ** 0.5):.2e}")
-    assert sum((a[n] - b[n]).norm() ** 2 for n in b) ** 0.5 <= rel * sum(p.norm() ** 2 for p in b.values()) ** 0.5
+    names = [n for n in b if not key_bias(n)]
+    distance = sum((a[n] - b[n]).norm() ** 2 for n in names) ** 0.5
+    size = sum(b[n].norm() ** 2 for n in names) ** 0.5
+    print(f"relative distance {float(distance / size):.2e}; largest: "
+          f"{sorted(names, key=lambda n: -float((a[n] - b[n]).norm()))[:3]}")
+    assert distance <= rel * size
 
 
 def assert_rows_close(rows, expected, rel=1e-6, abs=1e-9):
+    """logp_diff_max is itself a rounding error (|recomputed - sampled| log-prob, ~1 fp32 ulp of a
+    log-prob near -4..-8, i.e. 4.8e-7..9.5e-7): it is compared at that scale, 2 ulps."""
     assert [r["step"] for r in rows] == [r["step"] for r in expected]
     for row, want in zip(deterministic(rows), deterministic(expected)):
         assert row.keys() == want.keys()
         for key in row:
-            assert row[key] == pytest.approx(want[key], rel=rel, abs=abs), (row["step"], key)
+            tolerance = dict(rel=0, abs=2e-6) if key.endswith("logp_diff_max") else dict(rel=rel, abs=abs)
+            assert row[key] == pytest.approx(want[key], **tolerance), (row["step"], key)
 
 
 def test_slow_two_processes_train_like_one_and_resume_exactly(tmp_path):
