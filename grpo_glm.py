@@ -8,7 +8,7 @@
     python grpo_glm.py --model zai-org/GLM-Image --lora-rank 64 --height 512 --width 512
     python grpo_glm.py --plan --model zai-org/GLM-Image --height 1024 --width 1024   # memory plan, no GPU
     python grpo_glm.py --policy dit --steps 150 --inner-epochs 1 --group-size 8      # Flow-GRPO on the DiT
-    torchrun --nproc_per_node 8 grpo_glm.py --prompts-per-step 8 ...   # 8 GPUs, same flags (section 13b)
+    torchrun --nproc_per_node 8 grpo_glm.py --prompts-per-step 8 ...   # 8 GPUs, same flags (section 21)
 
 GLM-Image is a hybrid: an autoregressive (AR) transformer writes a grid of discrete image tokens,
 and a diffusion transformer (DiT) paints pixels conditioned on those tokens. We treat the AR
@@ -21,7 +21,7 @@ network: for each prompt it samples a *group* of G answers, and each answer's ad
 reward standardised within the group, A_i = (r_i - mean(r)) / (std(r) + eps). The policy is
 then pushed up on better-than-average samples with PPO's clipped surrogate (Schulman et al.
 2017), optionally with a KL penalty towards the initial model.
---policy dit|both trains the other half too (section 10b): the DiT becomes a policy over denoising
+--policy dit|both trains the other half too (Part II): the DiT becomes a policy over denoising
 steps (Flow-GRPO), scored by the same advantage and loss functions.
 
 `--model tiny` (the default) is GLM-Image at toy size, built from the real classes: a random AR,
@@ -31,13 +31,17 @@ is pre-trained (~15 s of CPU) on a synthetic task, token grid -> its colour mosa
 paints the k-th of the demo's 8 colours, mod 8), the VAE decoder is set to paint its latent's
 colour, and the pipeline is saved with save_pretrained to ~/.cache/grpo_glm (or $GRPO_GLM_CACHE,
 or $XDG_CACHE_HOME/grpo_glm) and loaded back with from_pretrained, like any local checkpoint.
-Learning what to paint from the prompt stays GRPO's job (section 2, tiny_pipeline_dir).
+Learning what to paint from the prompt stays GRPO's job (section 20, tiny_pipeline_dir).
 
-The file is sectioned in the order one training step runs:
-    1. settings  2. model  3. prompts and targets  4. SAMPLE (group generation)
-    5. decode  6. REWARD  7. ADVANTAGE  8. log-probs  9. loss  10. UPDATE
-    10b. the other policy: Flow-GRPO on the DiT  11. LOG / samples  12. CHECKPOINT  13. memory plan
-    13b. more GPUs  14. the training loop
+Reading map. The file reads in three parts:
+    Part I   GRPO on the AR, in the order a step runs (one contiguous read, stop there and you have
+             seen a whole run): 1. settings  2. model  3. prompts and targets  4. SAMPLE  5. DECODE
+             6. REWARD  7. ADVANTAGE  8. log-probs  9. loss  10. UPDATE  11. the step and train().
+    Part II  Flow-GRPO on the DiT (--policy dit|both): 12. the SDE step, DiT rollout and loss
+             13. the DiT's step. It reuses Part I's advantage, loss and update functions.
+    Part III plumbing, "skip on first read": 14. starting a run and flag checks  15. prompt files
+             and images  16. reward plug-ins  17. LOG  18. Ctrl+C / SIGTERM  19. CHECKPOINT
+             20. the tiny model's renderer  21. torchrun and --fsdp  22. memory plan  23. saving.
 The pure functions (mse_reward, group_advantages, token_logprobs, grpo_loss) use no globals:
 copy them out freely.
 """
@@ -86,11 +90,19 @@ class UsageError(Exception):
         self.local = local
 
 
+# #############################################################################################
+# PART I. GRPO on the autoregressive half: one contiguous read, from the flags to the training loop
+# #############################################################################################
+# The AR model is the policy; DiT + VAE render its tokens. Stop at the end of this part and you
+# have seen a whole run: sample, decode, reward, advantage, log-probs, loss, update, the loop.
+
+
 # =============================================================================================
 # 1. Settings
 # =============================================================================================
 # Flags that change what the algorithm computes. Resuming with different values would splice
 # two different runs into one log, so --resume refuses them (unless --resume-force).
+
 ALGORITHM_FLAGS = (
     "mode", "model", "prompts_sha256", "seed", "group_size", "prompts_per_step", "inner_epochs", "lr",
     "max_grad_norm", "clip_eps", "beta", "temperature", "height", "width", "num_inference_steps",
@@ -98,14 +110,6 @@ ALGORITHM_FLAGS = (
     "reward", "weight_decay", "lr_scheduler", "lr_warmup_steps",
     "policy", "dit_lr", "dit_clip_eps", "dit_noise_level", "dit_train_steps", "dit_lora_rank", "dit_prior",
 )
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends '(default: X)' to each flag's help, except for X = None: those flags say in words
-    what happens without them ('Default: mse.'), which '(default: None)' would contradict."""
-
-    def _get_help_string(self, action):
-        return action.help if action.default is None else super()._get_help_string(action)
 
 
 def parse_args(argv=None):
@@ -160,7 +164,7 @@ def parse_args(argv=None):
     a("--lora-alpha", type=float, default=None, help="LoRA alpha (default: equal to --lora-rank).")
     a("--policy", choices=["ar", "dit", "both"], default="ar", help="What GRPO trains: 'ar' the autoregressive "
       "token model (the DiT renders, frozen); 'dit' the diffusion decoder with Flow-GRPO (tokens shared per "
-      "prompt); 'both' the two halves at once from one reward (section 10b).")
+      "prompt); 'both' the two halves at once from one reward (Part II).")
     a("--dit-lr", type=float, default=3e-3, help="AdamW learning rate of the DiT (the default suits the tiny "
       "model's full fine-tuning; flow_grpo uses 3e-4 with LoRA on real models).")
     a("--dit-clip-eps", type=float, default=1e-4, help="PPO clip epsilon of the DiT's per-step ratio. Step "
@@ -204,129 +208,6 @@ def parse_args(argv=None):
     return args
 
 
-def attach_negative_numbers(argv):
-    """['--lr', '-1e-3'] -> ['--lr=-1e-3']. argparse takes '-1e-3' for an option (its negative-number
-    rule knows '-1' and '-.5', not exponents) and fails with 'expected one argument'."""
-    out = []
-    for token in argv:
-        if out and out[-1].startswith("--") and "=" not in out[-1] and re.fullmatch(r"-[\d.]+(e[-+]?\d+)?", token, re.I):
-            out[-1] += "=" + token
-        else:
-            out.append(token)
-    return out
-
-
-def validate_args(args):
-    """Cheap checks before any model is loaded, so a typo fails at once (in the ~1.4 s torch takes to import)."""
-    positive = {"--steps": args.steps, "--inner-epochs": args.inner_epochs, "--prompts-per-step": args.prompts_per_step,
-                "--num-inference-steps": args.num_inference_steps, "--save-every": args.save_every}
-    for flag, value in positive.items():
-        if value < 1:
-            raise UsageError(f"{flag} must be at least 1, got {value}")
-    if args.group_size < 2:
-        raise UsageError(f"--group-size must be at least 2 (advantages compare samples within a group), got {args.group_size}")
-    for flag, value in {"--lr": args.lr, "--clip-eps": args.clip_eps, "--temperature": args.temperature}.items():
-        if not value > 0:
-            raise UsageError(f"{flag} must be > 0, got {value}")
-    for flag, value in {"--height": args.height, "--width": args.width}.items():
-        if value < 32 or value % 32:
-            raise UsageError(f"{flag} must be a positive multiple of 32 (GLM-Image works on 32-pixel tokens), got {value}")
-    world = launched_world_size()
-    if args.prompts_per_step % world:
-        raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes "
-                         f"({world}): each rank trains whole groups")
-    if args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline):
-        raise UsageError("--fsdp shards full fine-tuning; LoRA adapters are small enough to replicate (drop --fsdp), "
-                         "and --save-pipeline needs whole weights (resume the last checkpoint in one process)")
-    if args.micro_batch_size is not None and args.micro_batch_size < 1:
-        raise UsageError(f"--micro-batch-size must be at least 1, got {args.micro_batch_size}")
-    if min(args.beta, args.sample_every, args.lora_rank, args.weight_decay, args.lr_warmup_steps) < 0:
-        raise UsageError("--beta, --sample-every, --lora-rank, --weight-decay and --lr-warmup-steps "
-                         "must not be negative")
-    if args.checkpoints_total_limit is not None and args.checkpoints_total_limit < 1:
-        raise UsageError(f"--checkpoints-total-limit must be at least 1, got {args.checkpoints_total_limit}")
-    if args.report_to != "none" and importlib.util.find_spec(args.report_to) is None:   # package = flag value
-        raise UsageError(f"--report-to {args.report_to} needs the '{args.report_to}' package: "
-                         f"pip install {args.report_to}")
-    validate_dit_args(args)
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise UsageError(f"--out {args.out} exists and is not a directory")
-    check_writable("--out", args.out)
-    if args.save_pipeline:
-        target = Path(args.save_pipeline)
-        if target.exists() and (not target.is_dir() or any(target.iterdir())):
-            raise UsageError(f"--save-pipeline {target} already exists; pick a new directory (nothing is overwritten)")
-        check_writable("--save-pipeline", target)
-    if args.model != TINY and not (Path(args.model) / "model_index.json").is_file():
-        if not looks_like_hub_id(args.model):
-            kind = "no such directory" if not Path(args.model).exists() else "not a directory with model_index.json"
-            raise UsageError(f"--model {args.model}: {kind} (give 'tiny', a hub id like zai-org/GLM-Image, "
-                             "or a save_pretrained directory)")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda was asked for but no CUDA device is available")
-    if args.offload and not (args.device != "cpu" and torch.cuda.is_available()):
-        raise UsageError("--offload moves the frozen DiT, VAE and text encoder to a CUDA device when used; there is none here")
-
-
-def validate_dit_args(args):
-    for flag, value in {"--dit-lr": args.dit_lr, "--dit-clip-eps": args.dit_clip_eps,
-                        "--dit-noise-level": args.dit_noise_level}.items():
-        if not value > 0:
-            raise UsageError(f"{flag} must be > 0, got {value}")
-    steps = args.dit_train_steps
-    if steps is not None and not 1 <= steps <= args.num_inference_steps:
-        raise UsageError(f"--dit-train-steps must be between 1 and --num-inference-steps "
-                         f"({args.num_inference_steps}), got {steps}")
-    if args.dit_lora_rank < 0:
-        raise UsageError("--dit-lora-rank must not be negative")
-    if args.policy == "ar" and (args.dit_lora_rank or steps is not None):
-        raise UsageError("--dit-lora-rank and --dit-train-steps need --policy dit or both")
-    if args.policy == "dit" and args.lora_rank:
-        raise UsageError("--lora-rank adapts the AR, which --policy dit does not train (use --dit-lora-rank)")
-
-
-def looks_like_hub_id(name):
-    """'owner/name' that is not a local path: a typo in './runs/x' or 'runs/x' (whose 'runs' is a
-    local directory) must not be sent to the hub as a repo id."""
-    owner = name.split("/", 1)[0]
-    return (re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", name) is not None and not Path(name).exists()
-            and not Path(owner).is_dir())
-
-
-def check_writable(flag, path):
-    """Fails now, not after loading the model or training: the nearest existing parent of `path`
-    must be a directory we can create files in (probed with a temporary file, removed at once)."""
-    import tempfile
-
-    parent = Path(path).absolute()
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UsageError(f"{flag} {path}: {parent} is a file, not a directory")
-    try:
-        with tempfile.TemporaryFile(dir=parent):
-            pass
-    except OSError as e:
-        raise UsageError(f"{flag} {path}: cannot write in {parent} ({e.strerror})")
-
-
-def resolve_runtime(args):
-    """Values derived from flags, computed once and printed in the 'running with' block."""
-    args.device = "cuda" if args.device == "auto" and torch.cuda.is_available() else (
-        "cpu" if args.device == "auto" else args.device)
-    if args.dtype == "auto":
-        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
-    if args.offload is None:
-        args.offload = args.device == "cuda"
-    if args.lora_alpha is None:
-        args.lora_alpha = float(args.lora_rank)
-    if args.dit_train_steps is None and args.policy != "ar":
-        args.dit_train_steps = max(args.num_inference_steps - 1, 1)
-    if args.micro_batch_size is None:
-        args.micro_batch_size = args.group_size
-    return args
-
-
 # =============================================================================================
 # 2. Model: GLM-Image = AR (transformers) + DiT/VAE/glyph encoder (diffusers)
 # =============================================================================================
@@ -335,13 +216,21 @@ def resolve_runtime(args):
 # Its sizes keep the real structure: the AR's output vocabulary is the VQ codebook plus a few
 # special ids (real: 16384 + 128, image start = 16384, image end = 16385), the DiT's prior codebook
 # equals the VQ codebook, M-RoPE splits the rotary half-dims 1:1.5:1.5 ([8, 12, 12] in the real one).
+
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]   # the AR's Linears
+
+
 DIT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]               # the DiT's attention Linears
+
+
 TINY_CODEBOOK = 64                       # real: 16384
+
+
 TINY_VISION_VOCAB = TINY_CODEBOOK + 16   # real: 16512 (codebook + 128 special ids)
 # A minimal stand-in chat template: the real processor ships its own, loaded by from_pretrained.
 # A source image must sit between image start and end tokens: get_rope_index finds source images
 # by those markers (and gives them 2-D positions); a bare <|image|> would be numbered like text.
+
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
                       "<|dit_token_16384|><|image|><|dit_token_16385|>"
                       "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}")
@@ -455,248 +344,6 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, renderer="random"):
     return pipe
 
 
-# ---- The tiny model's renderer: pre-trained once on token mosaics, then cached ---------------
-# A random DiT + VAE paints colour noise whatever the tokens say, so nothing GRPO does to the AR
-# would show in the pictures. On first use `--model tiny` therefore pre-trains the renderer (the
-# AR stays random: learning what to paint from the prompt is GRPO's job) on a synthetic task:
-# codebook id k means palette colour k, and a token grid's truth is its "mosaic", every 32-px cell
-# filled with its token's colour. The VAE latent carries the colour directly (channels 0-2 = the
-# cell's colour in [-1, 1], channel 3 = 0, per 8-px latent pixel), so the VAE *decoder* learns
-# latent -> mosaic and the DiT learns, by flow matching, prior tokens -> that latent. The result is
-# written with save_pretrained to a cache directory and read back with from_pretrained, the path
-# a user's own checkpoint takes.
-TINY_RENDERER_FORMAT = "grpo_glm-tiny-renderer-v1"
-TINY_RENDERER = dict(        # everything that shapes the training (all of it enters the cache key)
-    dit_steps=800, dit_lr=3e-3, batch=8, dit_grids=((2, 2), (3, 3), (4, 4), (3, 2)), inference_steps=4,
-)
-
-
-def tiny_palette(codebook_size=TINY_CODEBOOK):
-    """Colour [K, 3] in [0, 1] of each codebook id: the demo's 8 colours (section 3), id k painting
-    colour k mod 8. Many ids per colour, as in a real VQ codebook where many codes look alike; so
-    few colours that a random policy draws the right one for a cell 1 time in 8."""
-    names = ("red", "green", "blue", "yellow", "white", "black", "orange", "purple")
-    colours = torch.tensor([COLOURS[n] for n in names], dtype=torch.float32) / 255
-    return colours[torch.arange(codebook_size) % len(names)]
-
-
-def token_mosaic(tokens, grid_hw, palette, cell=32):
-    """tokens [N, H*W] -> the grid's truth [N, 3, H*cell, W*cell] in [0, 1]: each cell in its colour."""
-    H, W = grid_hw
-    colours = palette[tokens].view(-1, H, W, 3).permute(0, 3, 1, 2)
-    return colours.repeat_interleave(cell, 2).repeat_interleave(cell, 3)
-
-
-def colour_latents(tokens, grid_hw, palette, channels, cell):
-    """The latent a grid should decode from [N, channels, H*cell, W*cell]: its mosaic in [-1, 1]
-    (cell = 32 px / the VAE's scale factor), the channels past the third zero."""
-    mosaic = token_mosaic(tokens, grid_hw, palette, cell) * 2 - 1
-    return torch.cat([mosaic, mosaic.new_zeros(mosaic.shape[0], channels - 3, *mosaic.shape[2:])], 1)
-
-
-def random_grids(batch, grid_hw, codebook_size, generator):
-    """Training grids [batch, H*W]: each drawn from its own sub-palette of 1, 2, 4 or all colours,
-    so uniform fields and two-colour shapes are as familiar to the renderer as confetti."""
-    rows = []
-    for _ in range(batch):
-        k = [1, 2, 4, codebook_size][int(torch.randint(4, (1,), generator=generator))]
-        colours = torch.randperm(codebook_size, generator=generator)[:k]
-        rows.append(colours[torch.randint(k, (grid_hw[0] * grid_hw[1],), generator=generator)])
-    return torch.stack(rows)
-
-
-def colour_vae(latent_channels=4, width=8, carrier=32.0):
-    """A tiny AutoencoderKL whose decoder paints its latent's colour: pixel = latent channels 0-2 at
-    that place, nearest-upsampled 8x, mapped from [-1, 1] to [0, 1] by the pipeline's postprocess.
-
-    Its weights are set, not learnt. Gradient descent gets there too, but spends ~60 s of CPU on a
-    plateau at MSE 0.2 first: the decoder's GroupNorm normalises each image by its own statistics,
-    which erases absolute colour (a uniform red and a uniform white field normalise alike). Set by
-    hand, every residual branch is zeroed (conv2, the attention's to_out), every upsampler's conv is
-    the identity, conv_in writes the colour twice, (c, -c), next to a constant pair (+carrier,
-    -carrier): the group's mean is then exactly 0 and its std ~ carrier / 2 whatever the colours, so
-    conv_norm_out keeps them; conv_out reads SiLU(c) - SiLU(-c) = c. The encoder stays random
-    (the DiT is trained on text-to-image only)."""
-    from diffusers import AutoencoderKL
-
-    vae = AutoencoderKL(
-        block_out_channels=(width,) * 4, in_channels=3, out_channels=3, latent_channels=latent_channels,
-        norm_num_groups=1, down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
-        latents_mean=[0.0] * latent_channels, latents_std=[1.0] * latent_channels)
-    decoder, eye = vae.decoder, torch.eye(width)
-    with torch.no_grad():
-        for name, module in decoder.named_modules():
-            if name.endswith((".conv2", ".to_out.0")):                       # residual branches: off
-                module.weight.zero_(), module.bias.zero_()
-            elif name.endswith("upsamplers.0.conv"):                          # nearest upsample, then identity
-                module.weight.zero_(), module.bias.zero_()
-                module.weight[:, :, 1, 1] = eye
-        vae.post_quant_conv.weight.copy_(torch.eye(latent_channels)[:, :, None, None])
-        vae.post_quant_conv.bias.zero_()
-        decoder.conv_in.weight.zero_(), decoder.conv_in.bias.zero_()
-        for c in range(3):
-            decoder.conv_in.weight[c, c, 1, 1], decoder.conv_in.weight[3 + c, c, 1, 1] = 1.0, -1.0
-        decoder.conv_in.bias[6:] = carrier * torch.tensor([1.0, -1.0]).repeat(width // 2)[: width - 6]
-        decoder.conv_norm_out.weight.fill_(math.sqrt((decoder.conv_in.bias ** 2).mean().item()))
-        decoder.conv_norm_out.bias.zero_()
-        decoder.conv_out.weight.zero_(), decoder.conv_out.bias.zero_()
-        for c in range(3):
-            decoder.conv_out.weight[c, c, 1, 1], decoder.conv_out.weight[c, 3 + c, 1, 1] = 1.0, -1.0
-    return vae.eval().requires_grad_(False)
-
-
-def train_tiny_renderer(pipe, settings, seed):
-    """Trains the DiT in place (fp32, CPU) by flow matching onto the colour latents; returns its last loss.
-    x_t = (1 - sigma) x0 + sigma eps (the scheduler's own scale_noise) at the schedule's (t, sigma)
-    pairs, velocity target eps - x0, through the same conditioning and velocity functions the
-    sampler and Flow-GRPO use (section 10b)."""
-    generator = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    codebook = pipe.transformer.config.prior_vq_quantizer_codebook_size
-    palette, cell, channels = tiny_palette(codebook), 32 // pipe.vae_scale_factor, pipe.vae.config.latent_channels
-    dit = pipe.transformer.train().requires_grad_(True)
-    optimizer = torch.optim.Adam(dit.parameters(), lr=settings["dit_lr"])
-    loss, batch = torch.tensor(float("nan")), settings["batch"]
-    # the glyph condition of "" per grid size, computed once (it does not depend on the tokens)
-    conds = {hw: dit_condition(pipe, [""], batch, torch.zeros(batch, hw[0] * hw[1], dtype=torch.long), hw, 1.0)
-             for hw in map(tuple, settings["dit_grids"])}    # one prompt, "", of `batch` rows: one DiT call
-    for step in range(settings["dit_steps"]):
-        hw = tuple(settings["dit_grids"][step % len(settings["dit_grids"])])
-        timesteps, _ = dit_schedule(pipe, 32 * hw[0], 32 * hw[1], settings["inference_steps"])   # sets the scheduler
-        tokens = random_grids(batch, hw, codebook, generator)                            # [B, H*W]
-        x0 = colour_latents(tokens, hw, palette, channels, cell)                         # [B, C, h, w]
-        t = timesteps[torch.randint(len(timesteps), (batch,), generator=generator)]
-        eps = torch.randn(x0.shape, generator=generator)
-        x_t = pipe.scheduler.scale_noise(x0, t, eps)
-        cond = replace(conds[hw], prior=torch.cat([pipe._upsample_token_ids(row, *hw) for row in tokens]))
-        v = dit_velocity(dit, x_t, t, cond, write_source_caches(dit, cond))
-        loss = ((v - (eps - x0)) ** 2).mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-    dit.eval().requires_grad_(False)
-    return loss.item()
-
-
-@contextlib.contextmanager
-def quiet_progress_bars():
-    """diffusers' and transformers' loading/saving bars, off (the tiny model's ~1 MB loads in a blink)."""
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
-
-    was = diffusers_logging.is_progress_bar_enabled(), transformers_logging.is_progress_bar_enabled()
-    diffusers_logging.disable_progress_bar(), transformers_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was[0]:
-            diffusers_logging.enable_progress_bar()
-        if was[1]:
-            transformers_logging.enable_progress_bar()
-
-
-def tiny_cache_root():
-    """Where built tiny models live: $GRPO_GLM_CACHE, else $XDG_CACHE_HOME/grpo_glm, else ~/.cache/grpo_glm."""
-    if os.environ.get("GRPO_GLM_CACHE"):
-        return Path(os.environ["GRPO_GLM_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "grpo_glm"
-
-
-def tiny_cache_key(seed, settings):
-    """A hash of everything that shapes the built model: the seed, the training settings, the format
-    version, the library versions, and the source of the functions that build and train it (so an
-    edit to any of them, or to the configs written inside them, builds a new model)."""
-    import inspect
-
-    import diffusers
-    import transformers
-
-    code = [inspect.getsource(f) for f in (build_tiny_tokenizer, build_tiny_pipeline, colour_vae, tiny_palette,
-                                            token_mosaic, colour_latents, random_grids, train_tiny_renderer,
-                                            dit_schedule, dit_condition, dit_velocity, write_source_caches,
-                                            policy_generation_config, image_token_suppression)]
-    parts = {"format": TINY_RENDERER_FORMAT, "seed": seed, "settings": settings, "code": code,
-             "constants": [TINY_CODEBOOK, TINY_VISION_VOCAB, TINY_CHAT_TEMPLATE],
-             "versions": [torch.__version__, diffusers.__version__, transformers.__version__]}
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-TINY_WEIGHTED = ("vision_language_encoder", "text_encoder", "transformer", "vae")   # components with weight files
-TINY_MANIFEST = "grpo_glm_tiny.json"   # written last: a directory without it (or with a wrong one) is never loaded
-
-
-def tiny_cache_is_complete(path, key):
-    """True only for a finished build of this key whose files are all there, byte for byte, with
-    weights for every model in it."""
-    try:
-        manifest = json.loads((path / TINY_MANIFEST).read_text(encoding="utf-8"))
-        files = manifest["files"]
-        return manifest["key"] == key and all(any(name.startswith(f"{component}/") and name.endswith(".safetensors")
-                                                  for name in files) for component in TINY_WEIGHTED) and all(
-            hashlib.sha256((path / name).read_bytes()).hexdigest() == digest for name, digest in files.items())
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-
-
-def tiny_pipeline_dir(seed=0, settings=None):
-    """The directory of `--model tiny` for this seed, built on first use (~15 s of CPU), then reused.
-
-    The build is atomic: it is written to a temporary directory beside the cache entry and renamed
-    into place after its manifest (sha256 of every file) is written; a lock file makes a second run
-    wait for the first run's build instead of building it again. A killed build leaves only a
-    temporary directory that nothing loads; an entry whose files do not match its manifest is set
-    aside and rebuilt."""
-    import fcntl
-    import shutil
-    import tempfile
-
-    settings = dict(TINY_RENDERER if settings is None else settings)
-    key = tiny_cache_key(seed, settings)
-    root = tiny_cache_root()
-    final = root / f"tiny-seed{seed}-{key}"
-    if tiny_cache_is_complete(final, key):
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{final.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)        # held until the with-block ends (or the process dies)
-        if tiny_cache_is_complete(final, key):  # another run built it while we waited
-            return final
-        if final.exists():
-            print(f"note: {final} is incomplete or corrupt; rebuilding it")
-            aside = Path(tempfile.mkdtemp(prefix=f".{final.name}.broken-", dir=root))
-            os.rename(final, aside / "entry")
-            shutil.rmtree(aside, ignore_errors=True)
-        for stale in root.glob(f".{final.name}.tmp-*"):     # left by a killed build (we hold the lock)
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
-        try:
-            start = time.time()
-            print(f"building --model tiny (seed {seed}): a random AR, and a renderer (DiT) pre-trained on token "
-                  f"mosaics for {settings['dit_steps']} steps, once ...", end=" ", flush=True)
-            with torch.random.fork_rng(devices=[]):
-                pipe = build_tiny_pipeline(seed, renderer="mosaic")
-                pipe.set_progress_bar_config(disable=True)
-                loss = train_tiny_renderer(pipe, settings, seed)
-            ar = pipe.vision_language_encoder
-            # generate_prior_tokens samples with the AR's generation config: without suppression the
-            # random AR writes image start/end ids mid-grid and the pipeline crashes (section 14).
-            ar.generation_config = policy_generation_config(
-                ar, pipe.transformer.config.prior_vq_quantizer_codebook_size, temperature=1.0)
-            with quiet_progress_bars():
-                pipe.save_pretrained(tmp)
-            files = {str(p.relative_to(tmp)): hashlib.sha256(p.read_bytes()).hexdigest()
-                     for p in sorted(tmp.rglob("*")) if p.is_file()}
-            atomic_write_bytes(tmp / TINY_MANIFEST, json.dumps(
-                {"key": key, "seed": seed, "settings": settings, "final_loss": loss, "files": files},
-                indent=1).encode())
-            os.rename(tmp, final)
-            print(f"done in {time.time() - start:.0f} s (flow-matching loss {loss:.4f}), cached in {final}", flush=True)
-        except BaseException:
-            print("failed", flush=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return final
-
 def load_pipeline(args):
     """Returns a GlmImagePipeline on args.device with the AR ready to train."""
     from diffusers import GlmImagePipeline
@@ -759,33 +406,9 @@ def prepare_policy(ar, args):
     return [p for p in ar.parameters() if p.requires_grad]
 
 
-def prepare_dit_policy(dit, args):
-    """Marks what of the DiT is trained: all its weights (the tiny model's default), or LoRA adapters
-    on its attention projections through diffusers' PEFT integration (add_adapter; the KL reference
-    is then the same DiT with disable_adapters()). Adapters train in fp32, as the AR's."""
-    if args.dit_lora_rank:
-        from diffusers.training_utils import cast_training_params
-        from peft import LoraConfig
-
-        dit.requires_grad_(False)
-        dit.add_adapter(LoraConfig(r=args.dit_lora_rank, lora_alpha=args.dit_lora_rank, lora_dropout=0.0,
-                                   target_modules=DIT_LORA_TARGETS))
-        cast_training_params(dit, dtype=torch.float32)
-    else:
-        dit.requires_grad_(True)
-    if args.gradient_checkpointing:
-        dit.enable_gradient_checkpointing()
-    return [p for p in dit.parameters() if p.requires_grad]
-
-
 # =============================================================================================
 # 3. Prompts and targets
 # =============================================================================================
-EXIF_ORIENTATION = 0x0112
-COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (240, 210, 40),
-           "white": (255, 255, 255), "black": (0, 0, 0), "orange": (245, 140, 30), "purple": (140, 60, 180)}
-SHAPES = ("circle", "square", "triangle")
-
 
 @dataclass
 class PromptItem:
@@ -868,124 +491,6 @@ def read_prompts(path, height, width, mode="t2i", need_targets=True):
     return items
 
 
-def require_targets(items, reward_names=()):
-    """Every prompt needs a target (a reward reads them): one without a target file gets the demo
-    target drawn from its words, or is a UsageError naming the line and the rewards."""
-    for item in items:
-        if item.target_file is None and not item.draw_target:
-            demo_words_or_fail(item.text, item.where, item.mode,
-                               f"the reward {', '.join(reward_names)} reads targets" if reward_names else "")
-            item.draw_target = True
-
-
-def read_utf8(path):
-    """The prompt file as text. 'utf-8-sig' drops the BOM Windows editors put first (else it would
-    glue itself to a first '# comment' line and make it a prompt)."""
-    data = path.read_bytes()
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        hint = " (it looks like UTF-16)" if data[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
-        raise UsageError(f"--prompts {path}: not UTF-8 text{hint}: byte 0x{data[e.start]:02x} at offset {e.start}; "
-                         "save the file as UTF-8")
-
-
-def check_image(path, where, kind):
-    """(width, height) of an image file as it will be shown, from its header alone (PIL decodes
-    pixels only on load); a file PIL cannot identify, or whose data is broken, is a UsageError."""
-    try:
-        with Image.open(path) as image:
-            image.verify()            # PNG: chunk CRCs (no decoding); other formats: what PIL can check
-        with Image.open(path) as image:   # (verify must come first and leaves the file unusable)
-            size = image.size
-            turned = header_exif(image).get(EXIF_ORIENTATION, 1) in (5, 6, 7, 8)   # 90-degree turns
-    except FileNotFoundError:
-        raise UsageError(f"{where}: {kind} image {path} not found")
-    except (UnidentifiedImageError, OSError, SyntaxError) as e:
-        raise UsageError(f"{where}: {kind} {path} is not a readable image ({type(e).__name__})")
-    return size[::-1] if turned else size
-
-
-def header_exif(image):
-    """EXIF tags without decoding pixels. (PNG's getexif() decodes the whole image to look for an
-    eXIf chunk after the pixel data; one before it is in image.info.)"""
-    if image.format != "PNG":
-        return image.getexif()
-    exif = Image.Exif()
-    if "exif" in image.info:
-        exif.load(image.info["exif"])
-    return exif
-
-
-def read_image(path, where, kind, size):
-    """An image file as RGB, upright (its EXIF orientation applied, as viewers show a phone photo),
-    resized to size = (height, width)."""
-    try:
-        with Image.open(path) as image:
-            image = to_rgb(ImageOps.exif_transpose(image))
-    except FileNotFoundError:
-        raise UsageError(f"{where}: {kind} image {path} not found (it was there at start-up)", local=True)
-    except (UnidentifiedImageError, OSError) as e:
-        raise UsageError(f"{where}: {kind} {path} is not a readable image ({type(e).__name__})", local=True)
-    return image if image.size == size[::-1] else image.resize(size[::-1], Image.BICUBIC)
-
-
-def to_rgb(image):
-    """RGB as the user sees the file. PIL's convert('RGB') alone gets two cases wrong:
-    transparency is dropped, leaving whatever colour hides under alpha 0 (usually black), so
-    transparent pixels are composited on white as viewers show them; and 16-bit greyscale
-    ('I;16', 'I') is clipped to 0..255, turning almost every pixel white, so it is scaled by 255/65535."""
-    if image.mode in ("I", "I;16", "I;16B", "I;16L"):
-        scaled = np.asarray(image, dtype=np.float64) * (255.0 / 65535.0)
-        return Image.fromarray(np.clip(scaled.round(), 0, 255).astype(np.uint8)).convert("RGB")
-    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
-        rgba = image.convert("RGBA")
-        return Image.alpha_composite(Image.new("RGBA", rgba.size, "white"), rgba).convert("RGB")
-    return image.convert("RGB")
-
-
-def demo_words(prompt):
-    words = re.findall(r"[a-z]+", prompt.lower())
-    return [w for w in words if w in COLOURS], next((w for w in words if w in SHAPES), None)
-
-
-def draw_shape(shape, colour, background, height, width):
-    image = Image.new("RGB", (width, height), COLOURS[background])
-    draw = ImageDraw.Draw(image)
-    box = (width * 0.2, height * 0.2, width * 0.8, height * 0.8)
-    if shape == "circle":
-        draw.ellipse(box, fill=COLOURS[colour])
-    elif shape == "square":
-        draw.rectangle(box, fill=COLOURS[colour])
-    else:
-        draw.polygon([(width / 2, box[1]), (box[2], box[3]), (box[0], box[3])], fill=COLOURS[colour])
-    return image
-
-
-def demo_words_or_fail(prompt, where, mode, why=""):
-    """(colours, shape) to draw the demo images from, or a UsageError saying what the line lacks
-    (and `why` it needs them)."""
-    colours, shape = demo_words(prompt)
-    why = f"{why}; " if why else ""
-    if mode == "t2i" and (not colours or shape is None):
-        raise UsageError(f"{where}: no target image given and no colour+shape words to draw one "
-                         f"({why}write 'prompt | target.png')")
-    if mode == "i2i" and (len(colours) < 2 or shape is None):
-        raise UsageError(f"{where}: --mode i2i needs 'prompt | target.png | source.png', or two colours and "
-                         f"a shape to draw them (e.g. 'make the red circle blue'){f' ({why[:-2]})' if why else ''}")
-    return colours, shape
-
-
-def draw_demo(prompt, height, width, where, role=None):
-    """Demo images from the prompt's words. t2i (role None): '<colour> <shape> on a <colour>
-    background'. i2i, from '... <colour> <shape> ... <colour>', e.g. 'make the red circle blue':
-    the source is the shape in the first colour, the target in the second, on white."""
-    colours, shape = demo_words_or_fail(prompt, where, "t2i" if role is None else "i2i")
-    if role is None:
-        return draw_shape(shape, colours[0], colours[1] if len(colours) > 1 else "white", height, width)
-    return draw_shape(shape, colours[0 if role == "source" else 1], "white", height, width)
-
-
 def prompts_for_step(num_prompts, per_step, step, seed):
     """Indices of the prompts of step `step` (1-based): a fresh seeded shuffle per pass over the
     prompt file. A pure function of (seed, step), so a resumed run sees the same prompts."""
@@ -1009,13 +514,6 @@ def batch_targets(batch):
 def image_to_tensor(image):
     """PIL RGB -> float tensor [3, H, W] in [0, 1]."""
     return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
-
-
-def batch_targets(batch):
-    """The target images [P, 3, H, W] of a step's prompts, or None if any has none."""
-    if any(it.target is None for it in batch):
-        return None
-    return torch.stack([image_to_tensor(it.target) for it in batch])
 
 
 # =============================================================================================
@@ -1211,6 +709,12 @@ def sample_group(pipe, prompts, group_size, temperature, height, width, loss_tok
         source_prior=source_prior)
 
 
+def sampling_seed(seed, step, slot):
+    """Seed of the AR sampling for the group at position `slot` of step `step`: the same number
+    whichever rank draws that group, and different for every (step, slot)."""
+    return seed * 1_000_000_007 + step * 100_003 + slot
+
+
 def sample_groups(pipe, prompts, sources, slots, step, args, record_logp=True, prompt_len=None):
     """This rank's groups in one generate() call. The group at position `slot` of the step's
     prompt list draws its noise from a generator seeded by (seed, step, slot), so its samples are
@@ -1246,8 +750,25 @@ def longest_prompt_on_all_ranks(pipe, prompts, sources, height, width):
     return int(t.item())
 
 
+def row_slices(num_samples, size):
+    return [slice(start, min(start + size, num_samples)) for start in range(0, num_samples, size)]
+
+
+def slice_rollout(rollout, rows):
+    """Rows `rows` (a slice) of a Rollout, without the left-padding columns none of them needs,
+    so a group's forward is the same tensors whatever else shares its rank's batch."""
+    mask = rollout.attention_mask[rows]
+    first = int(mask.any(dim=0).nonzero()[0])          # only prompt columns can be all padding
+    return replace(
+        rollout, sequences=rollout.sequences[rows, first:], attention_mask=mask[:, first:],
+        position_ids=rollout.position_ids[:, rows, first:], loss_mask=rollout.loss_mask[rows],
+        old_logp=None if rollout.old_logp is None else rollout.old_logp[rows],
+        target_tokens=rollout.target_tokens[rows], prompt_len=rollout.prompt_len - first,
+        source_prior=None if rollout.source_prior is None else rollout.source_prior[rows])
+
+
 # =============================================================================================
-# 5. Decode: target-grid tokens -> DiT -> VAE -> pixels
+# 5. DECODE: target-grid tokens -> DiT -> VAE -> pixels
 # =============================================================================================
 
 def group_noise(pipe, prompt_indices, group_size, height, width, seed, step, mode):
@@ -1303,8 +824,6 @@ def mse_reward(images, targets):
     """r = -mean((image - target)^2) over channels and pixels.
     images, targets: float [N, 3, H, W] in [0, 1]  ->  rewards [N] in [-1, 0]; 0 = perfect."""
     return -((images.float() - targets.float()) ** 2).mean(dim=(1, 2, 3))
-
-
 # Reward plug-ins. A reward is any function
 #     fn(images: Tensor [N, 3, H, W] in [0, 1], prompts: list[str] (N), targets: Tensor [N, 3, H, W] | None)
 #         -> Tensor [N] (or a list of N floats), higher = better
@@ -1329,56 +848,6 @@ def mse(images, prompts, targets):
 
 
 mse.uses_targets = True
-
-
-def load_reward(spec):
-    """'mse' | 'module:fn' | 'path/file.py:fn', each optionally followed by '=WEIGHT' -> Reward."""
-    where, weight = spec, 1.0
-    if "=" in spec:
-        where, _, text = spec.rpartition("=")
-        try:
-            weight = float(text)
-        except ValueError:
-            raise UsageError(f"--reward {spec}: the weight after '=' must be a number, got {text!r}")
-        if not math.isfinite(weight):
-            raise UsageError(f"--reward {spec}: the weight after '=' must be finite, got {text!r}")
-    if where == "mse":
-        return Reward("mse", mse, weight, True)
-    module_name, _, fn_name = where.rpartition(":")
-    if not module_name or not fn_name:
-        raise UsageError(f"--reward {spec}: expected 'mse', 'module:function' or 'path/to/file.py:function'")
-    try:
-        if module_name.endswith(".py"):
-            if not Path(module_name).is_file():
-                raise UsageError(f"--reward {spec}: file {module_name} not found")
-            module_spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            # the current directory first, as `python -m` has it (`python grpo_glm.py` puts only
-            # the script's own directory on sys.path)
-            sys.path.insert(0, os.getcwd())
-            try:
-                module = importlib.import_module(module_name)
-            finally:
-                sys.path.remove(os.getcwd())
-    except UsageError:
-        raise
-    except Exception as e:   # whatever the plug-in's own import raises
-        raise UsageError(f"--reward {spec}: importing {module_name} failed: {type(e).__name__}: "
-                         f"{(str(e).splitlines() or [''])[0]}")
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise UsageError(f"--reward {spec}: {module_name} has no function {fn_name}")
-    return Reward(fn_name, fn, weight, bool(getattr(fn, "uses_targets", False)))
-
-
-def load_rewards(specs):
-    rewards = [load_reward(spec) for spec in specs]
-    names = [r.name for r in rewards]
-    if len(set(names)) < len(names):
-        raise UsageError(f"--reward: two rewards share a name ({', '.join(names)}); rename one function")
-    return rewards
 
 
 def compute_rewards(rewards, images, prompts, targets):
@@ -1564,7 +1033,7 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
 
 
 # =============================================================================================
-# 10. UPDATE: mu passes of clipped-surrogate ascent over the same batch
+# 10. UPDATE: mu passes of clipped-surrogate ascent over the same batch (one loop for every policy)
 # =============================================================================================
 
 @torch.no_grad()
@@ -1580,6 +1049,24 @@ def reference_logprobs(ar, reference, rollout, temperature, suppressed, micro_ba
         finally:
             ar.enable_adapters()
     return logprobs_by_micro_batch(reference, rollout, temperature, suppressed, size)
+
+
+def micro_batches(policy, num_samples, size):
+    """Row slices of at most `size` samples for gradient accumulation (see sync_on_last)."""
+    return sync_on_last(policy, row_slices(num_samples, size))
+
+
+def sync_on_last(policy, pieces):
+    """Yields `pieces` (micro-batches of rows, the DiT's denoising steps), each to be backpropagated
+    before the next. Under DDP each backward all-reduces the gradients; inside no_sync() they only
+    accumulate locally. So all pieces but the last run in no_sync, and the last backward averages
+    the accumulated sum once. Every rank holds as many samples (and runs as many steps), hence
+    runs as many backward passes (a missing one would leave the other ranks waiting)."""
+    pieces = list(pieces)
+    for k, piece in enumerate(pieces):
+        accumulate_only = hasattr(policy, "no_sync") and k < len(pieces) - 1
+        with policy.no_sync() if accumulate_only else contextlib.nullcontext():
+            yield piece
 
 
 def ar_loss_terms(policy, rollout, advantages, ref_logp, args, suppressed):
@@ -1616,7 +1103,7 @@ FIRST_PASS_ONLY = ("logp_diff_max", "entropy")   # measured while the policy sti
 def grpo_update(optimizer, halves, args):
     """mu = --inner-epochs optimiser steps on one batch: the one optimiser loop of every policy.
 
-    halves: [(prefix, params, terms)], one per trained half ('' the AR, 'dit/' the DiT, section 10b).
+    halves: [(prefix, params, terms)], one per trained half ('' the AR, 'dit/' the DiT, Part II).
     terms(epoch) yields the half's loss in pieces (loss, metrics, weight) whose weights add up to 1:
     a micro-batch of samples for the AR, one denoising step for the DiT. Each piece is
     backpropagated as it is built, so only one piece's activations are alive at once, and the
@@ -1662,7 +1149,186 @@ def grpo_update(optimizer, halves, args):
 
 
 # =============================================================================================
-# 10b. The other policy: Flow-GRPO on the DiT (a denoising step plays the role of a token)
+# 11. One GRPO step, and the training loop
+# =============================================================================================
+
+@dataclass
+class Trainer:
+    """What the loop carries from step to step."""
+    pipe: object                 # GlmImagePipeline; its vision_language_encoder is the policy
+    optimizer: torch.optim.Optimizer
+    params: list                 # the trainable parameters
+    reference: object            # frozen initial AR for the KL term (full fine-tuning, beta > 0), else None
+    suppressed: list             # ids outside the VQ codebook, never sampled inside a grid
+    rewards: list = None         # the --reward plug-ins (section 6)
+    lr_scheduler: object = None  # diffusers' get_scheduler: one step per GRPO step
+    trained: torch.nn.Module = None   # what checkpoints hold: the AR, or {AR, DiT} with --policy dit|both
+    dit_params: list = None      # the DiT's trainable parameters (--policy dit|both)
+    dit_reference: object = None  # frozen initial DiT for the KL term (full fine-tuning, beta > 0)
+    prompt_tokens: dict = None   # --policy dit --dit-prior per-prompt: prompt index -> its token grid
+    policy: object = None        # what the AR's training forward runs through: the AR, or its DDP wrapper
+    dit_policy: object = None    # the same for the DiT (--policy dit|both)
+    before_update: object = None  # called right before each UPDATE (the stop handler's last chance to drop the step)
+
+
+def setup_training(args, ckpt=None, ckpt_path=None, rewards=None):
+    """Loads the model, marks what trains, builds AdamW and its learning-rate schedule, restores a
+    checkpoint. Returns (Trainer, start step). `rewards`: the loaded --reward plug-ins (loaded here
+    if not given; train loads them first, to know whether prompts need targets)."""
+    from diffusers.optimization import get_scheduler
+
+    pipe = load_pipeline(args)
+    # Seeded after loading, so the sampling stream is the same however the model was made
+    # (building the tiny model draws from the RNG, from_pretrained does not).
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    ar = pipe.vision_language_encoder
+    suppressed = image_token_suppression(ar, pipe.transformer.config.prior_vq_quantizer_codebook_size)
+    # For full fine-tuning with beta > 0, the KL reference is a frozen copy of the initial AR
+    # (fine for the tiny model; at 9B use LoRA, whose reference is the base with adapters off).
+    train_ar, dit = args.policy != "dit", pipe.transformer
+    reference = copy.deepcopy(ar).requires_grad_(False) if train_ar and args.beta > 0 and not args.lora_rank else None
+    params = shard_for_training(ar, prepare_policy(ar, args), args, reference) if train_ar else []
+    groups, trained = [{"params": params, "lr": args.lr}], ar
+    dit_params, dit_reference = None, None
+    if args.policy != "ar":
+        dit_reference = copy.deepcopy(dit).requires_grad_(False) if args.beta > 0 and not args.dit_lora_rank else None
+        dit_params = shard_for_training(dit, prepare_dit_policy(dit, args), args, dit_reference)
+        # one AdamW, one param group per half, each with its own learning rate
+        groups = (groups if train_ar else []) + [{"params": dit_params, "lr": args.dit_lr}]
+        trained = torch.nn.ModuleDict({"vision_language_encoder": ar, "transformer": dit} if train_ar
+                                      else {"transformer": dit})
+    optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay)
+    # The schedule spans --steps GRPO steps (each of --inner-epochs optimiser steps, all at the
+    # step's lr). diffusers' 'constant' ignores warm-up, its 'constant_with_warmup' does not.
+    with_warmup = args.lr_scheduler == "constant" and args.lr_warmup_steps
+    lr_scheduler = get_scheduler("constant_with_warmup" if with_warmup else args.lr_scheduler, optimizer,
+                                 num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.steps)
+    start = 0
+    if ckpt is not None:
+        restore_checkpoint(ckpt, ckpt_path, trained, optimizer, lr_scheduler)
+        start = ckpt["step"]
+        if rank() == 0:
+            print(f"Resuming from step {start} ({ckpt_path})")
+    rewards = load_rewards(args.reward) if rewards is None else rewards
+    return Trainer(pipe, optimizer, params, reference, suppressed, rewards, lr_scheduler, trained, dit_params,
+                   dit_reference, {}, policy=wrap_for_training(ar, args.device) if train_ar else None,
+                   dit_policy=wrap_for_training(dit, args.device) if args.policy != "ar" else None), start
+
+
+def sample_tokens(trainer, prompts, sources, slots, step, args):
+    """SAMPLE with the AR in eval mode; a Rollout with old log-probs. In bf16, generate's cached
+    decode and a full teacher-forced pass differ by ~1e-2 per token; pi_old then comes from a no-grad
+    teacher-forced pass, so that the first-epoch ratio is exactly 1 and only a real policy change
+    moves it. In fp32 the two agree to ~1e-6 and the sampler's own log-probs are used."""
+    ar = trainer.pipe.vision_language_encoder
+    ar.eval()
+    exact_fp32 = args.dtype == "float32"
+    with whole_weights(ar):
+        rollout = sample_groups(trainer.pipe, prompts, sources, slots, step, args, record_logp=exact_fp32)
+        if not exact_fp32:
+            rollout.old_logp = logprobs_by_micro_batch(ar, rollout, args.temperature, trainer.suppressed,
+                                                       args.micro_batch_size)
+    return rollout
+
+
+def grpo_step(trainer, items, indices, step, args, slots=None):
+    """One GRPO step on the prompts `items[indices]`, which sit at positions `slots` of the step's
+    global prompt list (under torchrun, this rank's share; default: all of them).
+    Returns (metrics row, rewards [N], images [N, 3, H, W], targets [P, 3, H, W] or None, sources or None,
+    None): the last is grpo_step_dit's a = 0 decode, which the AR policy has not."""
+    pipe, ar = trainer.pipe, trainer.pipe.vision_language_encoder
+    batch = [items[i] for i in indices]
+    prompts = [it.text for it in batch]
+    sources = [it.source for it in batch] if args.mode == "i2i" else None
+    slots = range(len(indices)) if slots is None else slots
+    M = args.micro_batch_size
+    # ---- SAMPLE ----------------------------------------------------------------------------
+    rollout = sample_tokens(trainer, prompts, sources, slots, step, args)
+    # ---- DECODE ----------------------------------------------------------------------------
+    noise = group_noise(pipe, indices, args.group_size, args.height, args.width, args.seed, step, args.dit_noise)
+    sample_prompts, sample_sources = repeat_each(prompts, args.group_size), sources and repeat_each(sources, args.group_size)
+    images = torch.cat([decode_images(pipe, sample_prompts[rows], slice_rollout(rollout, rows), noise[rows],
+                                      args.num_inference_steps, args.guidance_scale,
+                                      sample_sources and sample_sources[rows])
+                        for rows in row_slices(len(sample_prompts), M)])                  # [N, 3, H, W]
+    # ---- REWARD + ADVANTAGE ----------------------------------------------------------------
+    targets = batch_targets(batch)                                                        # [P, 3, H, W]
+    rewards, advantages, reward_metrics = score_groups(trainer.rewards, images, sample_prompts, targets,
+                                                       args.group_size)                  # [N], [N]
+    # ---- UPDATE ----------------------------------------------------------------------------
+    if trainer.before_update:
+        trainer.before_update()
+    ref_logp = (reference_logprobs(ar, trainer.reference, rollout, args.temperature, trainer.suppressed, M)
+                if args.beta > 0 else None)
+    ar.train()   # only switches gradient checkpointing on: GLM-Image's AR has no dropout, so the
+                 # first pass still reproduces pi_old exactly
+    terms = ar_loss_terms(trainer.policy, rollout, advantages, ref_logp, args, trainer.suppressed)
+    update = grpo_update(trainer.optimizer, [("", trainer.params, terms)], args)
+    row = {"step": step, **reward_metrics, **update}
+    return row, rewards, images, targets, sources, None
+
+
+def train(args):
+    """The training loop. Each step: GRPO (grpo_step, or grpo_step_dit for --policy dit|both), then
+    LOG, sample sheets and CHECKPOINT, each one call into the plumbing (Part III)."""
+    run = open_run(args)                      # checks, --out lock, prompts, rewards, model, resume point
+    if run is None:
+        return None
+    items, trainer, start, out, lead, lock = run
+    tracker = start_logging(args, trainer, out, start) if lead else None
+    step_fn = grpo_step if args.policy == "ar" else grpo_step_dit
+    stop = StopAfterStep()                    # Ctrl+C / SIGTERM: finish or drop the step, checkpoint, exit
+    trainer.before_update = stop.before_update
+    last_saved, bad_steps, warned = start, [], False
+    try:
+        for step in range(start + 1, args.steps + 1):
+            t0 = time.time()
+            slots = rank_slots(args.prompts_per_step)            # this rank's share of the step's prompts
+            indices = [prompts_for_step(len(items), args.prompts_per_step, step, args.seed)[s] for s in slots]
+            step_rng = rng_state()
+            try:
+                stop.begin_step()
+                row, rewards, images, targets, sources, ode = step_fn(trainer, items, indices, step, args, slots)
+            except AbandonStep:               # a stop signal before the update: the weights are still step - 1's
+                stop_before_update(stop, trainer, args, out, step, last_saved, step_rng)
+            row = finish_row(row, trainer, args, t0)
+            stopping = stop.agree()                              # a stop signal seen by any rank stops all
+            # ---- LOG -------------------------------------------------------------------------
+            if lead:
+                warned = log_step(row, step, args, trainer, out, tracker, warned)
+            bad_steps = bad_steps + [skip_cause(row)] if row["skipped_updates"] == args.inner_epochs else []
+            if len(bad_steps) >= 5:
+                raise UsageError(non_finite_stop(bad_steps, step, out))
+            if lead and args.sample_every and step % args.sample_every == 0:     # rank 0's groups
+                save_samples(out, step, [items[i].text for i in indices], targets, images, rewards, sources, ode,
+                             args, tracker)
+            # ---- CHECKPOINT ------------------------------------------------------------------
+            if step % args.save_every == 0 or step == args.steps or stopping:
+                path = save_step_checkpoint(out, step, trainer, args, lead)
+                last_saved = step
+            if stopping:
+                exit_after_checkpoint(stop, out, step, path, lead)
+    except KeyboardInterrupt:   # the second Ctrl+C: leave now, the last checkpoint is complete
+        print(f"\ninterrupted: last checkpoint is step {last_saved} in {out / 'checkpoints'}", file=sys.stderr)
+        sys.exit(130)
+    finally:
+        stop.restore()
+        close_run(args, items, out, tracker, lock)
+    if args.save_pipeline and lead:
+        save_trained_pipeline(trainer.pipe, args)
+    return trainer.pipe
+
+
+# #############################################################################################
+# PART II. Flow-GRPO: the DiT as a policy over denoising steps (--policy dit|both)
+# #############################################################################################
+# It reuses Part I's score_groups, grpo_loss and grpo_update: a denoising step plays the role of a token.
+
+
+# =============================================================================================
+# 12. The SDE step, the DiT rollout and its loss
 # =============================================================================================
 # GLM-Image's authors post-train both halves ("decoupled RL"): the AR for low-frequency signals
 # (layout, semantics), the DiT for high-frequency ones (detail, text). To train the DiT with the
@@ -1759,7 +1425,7 @@ def write_source_caches(dit, cond):
     """One GlmImageKVCache per prompt. i2i: a DiT pass over the prompt's source latent at timestep 0
     writes every layer's keys/values into it (as the pipeline does); the denoising passes of its G
     samples then attend to them (GlmImageLayerKVCache.get expands the entry to G rows). t2i: empty
-    caches, as the pipeline passes. `dit` may be the DDP wrapper (section 13b): this pass is part
+    caches, as the pipeline passes. `dit` may be the DDP wrapper (section 21): this pass is part
     of the training graph."""
     from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
 
@@ -1957,8 +1623,640 @@ def dit_reference_mean(dit, reference, cond, rollout, i, noise_level):
 
 
 # =============================================================================================
-# 11. LOG and samples
+# 13. The DiT's training step
 # =============================================================================================
+
+def prepare_dit_policy(dit, args):
+    """Marks what of the DiT is trained: all its weights (the tiny model's default), or LoRA adapters
+    on its attention projections through diffusers' PEFT integration (add_adapter; the KL reference
+    is then the same DiT with disable_adapters()). Adapters train in fp32, as the AR's."""
+    if args.dit_lora_rank:
+        from diffusers.training_utils import cast_training_params
+        from peft import LoraConfig
+
+        dit.requires_grad_(False)
+        dit.add_adapter(LoraConfig(r=args.dit_lora_rank, lora_alpha=args.dit_lora_rank, lora_dropout=0.0,
+                                   target_modules=DIT_LORA_TARGETS))
+        cast_training_params(dit, dtype=torch.float32)
+    else:
+        dit.requires_grad_(True)
+    if args.gradient_checkpointing:
+        dit.enable_gradient_checkpointing()
+    return [p for p in dit.parameters() if p.requires_grad]
+
+
+def shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, cache):
+    """--policy dit: one token grid per prompt (its group shares it). 'per-prompt' (--dit-prior) draws
+    each prompt's grid from a seed of (seed, prompt index), the same grid every step: the tiny DiT
+    then sees a fixed input per prompt and can learn what to paint from it. A random AR's grids
+    say little about the prompt, so with 'per-step' grids the DiT can only learn an image that
+    suits every prompt on average; those are drawn from the seed of (seed, step, slot), as the AR's
+    groups (so any number of processes draws the same grids). The AR is frozen, so a prompt's
+    per-prompt draw is kept in `cache` rather than sampled again every step. Returns a Rollout-like
+    object with target_tokens [P, H*W], grid_hw and source_prior."""
+    def draw(i, seed):
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            torch.manual_seed(seed)                               # leaves the run's RNG stream untouched
+            return sample_group(pipe, [prompts[i]], 1, args.temperature, args.height, args.width, args.loss_tokens,
+                                sources and [sources[i]], record_logp=False)
+
+    if args.dit_prior == "per-step":
+        draws = [draw(i, sampling_seed(args.seed, step, slot)) for i, slot in enumerate(slots)]
+    else:
+        for i, index in enumerate(indices):
+            if index not in cache:
+                cache[index] = draw(i, args.seed * 7_919 + index)
+        draws = [cache[index] for index in indices]
+    return SimpleNamespace(target_tokens=torch.cat([d.target_tokens for d in draws]), grid_hw=draws[0].grid_hw,
+                           source_prior=sources and [d.source_prior[0] for d in draws])
+
+
+def grpo_step_dit(trainer, items, indices, step, args, slots=None):
+    """One GRPO step with the DiT as (part of) the policy, --policy dit|both. Returns grpo_step's tuple
+    plus the a = 0 decode of the updated DiT [P, 3, H, W] on sample-sheet steps (else None).
+
+    dit: the AR tokens are sampled once per prompt and shared by its group, as is the initial noise,
+    so the G samples differ only by their SDE noise and the advantage credits the DiT alone.
+    both: tokens and SDE noise both vary; each sample gets one reward and one advantage, used by both
+    halves. Credit assignment is then shared: the AR's advantage also carries the luck of the SDE
+    noise and the DiT's the luck of the tokens, each half's signal is the other's noise. On the tiny
+    model the DiT's noise moves the reward far more than the tokens, so the AR learns more slowly than
+    under --policy ar (the README compares them)."""
+    pipe, ar, dit = trainer.pipe, trainer.pipe.vision_language_encoder, trainer.pipe.transformer
+    batch = [items[i] for i in indices]
+    prompts = [it.text for it in batch]
+    sources = [it.source for it in batch] if args.mode == "i2i" else None
+    G, train_ar = args.group_size, args.policy == "both"
+    slots = range(len(indices)) if slots is None else slots
+    # ---- SAMPLE: tokens (AR), then trajectories (DiT SDE) -----------------------------------
+    if train_ar:
+        rollout = sample_tokens(trainer, prompts, sources, slots, step, args)
+    else:
+        rollout = shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, trainer.prompt_tokens)
+    tokens = rollout.target_tokens if train_ar else rollout.target_tokens.repeat_interleave(G, 0)   # [N, H*W]
+    source_prior = rollout.source_prior and rollout.source_prior[::G if train_ar else 1]          # per prompt
+    cond = dit_condition(pipe, prompts, G, tokens, rollout.grid_hw, args.guidance_scale, sources, source_prior)
+    schedule = dit_schedule(pipe, args.height, args.width, args.num_inference_steps)
+    noise = group_noise(pipe, indices, G, args.height, args.width, args.seed, step, args.dit_noise)
+    with whole_weights(dit):
+        trajectories = sample_dit(dit, cond, noise, schedule, args.dit_noise_level, args.dit_train_steps,
+                                  sde_generators(args.seed, step, indices))
+    # ---- DECODE ------------------------------------------------------------------------------
+    with torch.no_grad():
+        images = latents_to_images(pipe, trajectories.states[:, -1])                       # [N, 3, H, W]
+    # ---- REWARD + ADVANTAGE: the same function for both halves --------------------------------
+    targets = batch_targets(batch)                                                        # [P, 3, H, W]
+    rewards, advantages, reward_metrics = score_groups(trainer.rewards, images, repeat_each(prompts, G), targets, G)
+    # ---- UPDATE: one optimiser loop; each trained half contributes its loss terms ------------
+    if trainer.before_update:
+        trainer.before_update()
+    halves = []
+    if train_ar:
+        ref_logp = (reference_logprobs(ar, trainer.reference, rollout, args.temperature, trainer.suppressed,
+                                       args.micro_batch_size) if args.beta > 0 else None)
+        ar.train()
+        halves.append(("", trainer.params, ar_loss_terms(trainer.policy, rollout, advantages, ref_logp, args,
+                                                         trainer.suppressed)))
+    halves.append(("dit/", trainer.dit_params, dit_loss_terms(trainer.dit_policy, trainer.dit_reference, cond,
+                                                              trajectories, advantages, args)))
+    update = grpo_update(trainer.optimizer, halves, args)
+    row = {"step": step, **reward_metrics, **update,
+           "loss": update.get("loss", 0.0) + update["dit/loss"]}                         # AR + DiT
+    ode = None
+    if args.sample_every and step % args.sample_every == 0:
+        first = slice(None, None, G)     # a = 0 decode of each prompt's first sample, shared noise
+        ode_cond = dit_condition(pipe, prompts, 1, tokens[first], rollout.grid_hw, args.guidance_scale, sources,
+                                 source_prior)
+        with whole_weights(dit):
+            ode = ode_decode(pipe, ode_cond, noise[first], schedule)
+    return row, rewards, images, targets, sources, ode
+
+
+# #############################################################################################
+# PART III. Plumbing: skip on first read
+# #############################################################################################
+# Nothing below is GRPO: how the run starts, stops and logs, file formats, the tiny model's renderer,
+# checkpoints, torchrun and FSDP, the memory plan, saving. Part I calls each piece in one line.
+
+
+# =============================================================================================
+# 14. Starting a run: flag checks (one-line errors before anything loads), --out, resume point
+# =============================================================================================
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends '(default: X)' to each flag's help, except for X = None: those flags say in words
+    what happens without them ('Default: mse.'), which '(default: None)' would contradict."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def attach_negative_numbers(argv):
+    """['--lr', '-1e-3'] -> ['--lr=-1e-3']. argparse takes '-1e-3' for an option (its negative-number
+    rule knows '-1' and '-.5', not exponents) and fails with 'expected one argument'."""
+    out = []
+    for token in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and re.fullmatch(r"-[\d.]+(e[-+]?\d+)?", token, re.I):
+            out[-1] += "=" + token
+        else:
+            out.append(token)
+    return out
+
+
+def validate_args(args):
+    """Cheap checks before any model is loaded, so a typo fails at once (in the ~1.4 s torch takes to import)."""
+    positive = {"--steps": args.steps, "--inner-epochs": args.inner_epochs, "--prompts-per-step": args.prompts_per_step,
+                "--num-inference-steps": args.num_inference_steps, "--save-every": args.save_every}
+    for flag, value in positive.items():
+        if value < 1:
+            raise UsageError(f"{flag} must be at least 1, got {value}")
+    if args.group_size < 2:
+        raise UsageError(f"--group-size must be at least 2 (advantages compare samples within a group), got {args.group_size}")
+    for flag, value in {"--lr": args.lr, "--clip-eps": args.clip_eps, "--temperature": args.temperature}.items():
+        if not value > 0:
+            raise UsageError(f"{flag} must be > 0, got {value}")
+    for flag, value in {"--height": args.height, "--width": args.width}.items():
+        if value < 32 or value % 32:
+            raise UsageError(f"{flag} must be a positive multiple of 32 (GLM-Image works on 32-pixel tokens), got {value}")
+    world = launched_world_size()
+    if args.prompts_per_step % world:
+        raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes "
+                         f"({world}): each rank trains whole groups")
+    if args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline):
+        raise UsageError("--fsdp shards full fine-tuning; LoRA adapters are small enough to replicate (drop --fsdp), "
+                         "and --save-pipeline needs whole weights (resume the last checkpoint in one process)")
+    if args.micro_batch_size is not None and args.micro_batch_size < 1:
+        raise UsageError(f"--micro-batch-size must be at least 1, got {args.micro_batch_size}")
+    if min(args.beta, args.sample_every, args.lora_rank, args.weight_decay, args.lr_warmup_steps) < 0:
+        raise UsageError("--beta, --sample-every, --lora-rank, --weight-decay and --lr-warmup-steps "
+                         "must not be negative")
+    if args.checkpoints_total_limit is not None and args.checkpoints_total_limit < 1:
+        raise UsageError(f"--checkpoints-total-limit must be at least 1, got {args.checkpoints_total_limit}")
+    if args.report_to != "none" and importlib.util.find_spec(args.report_to) is None:   # package = flag value
+        raise UsageError(f"--report-to {args.report_to} needs the '{args.report_to}' package: "
+                         f"pip install {args.report_to}")
+    validate_dit_args(args)
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out} exists and is not a directory")
+    check_writable("--out", args.out)
+    if args.save_pipeline:
+        target = Path(args.save_pipeline)
+        if target.exists() and (not target.is_dir() or any(target.iterdir())):
+            raise UsageError(f"--save-pipeline {target} already exists; pick a new directory (nothing is overwritten)")
+        check_writable("--save-pipeline", target)
+    if args.model != TINY and not (Path(args.model) / "model_index.json").is_file():
+        if not looks_like_hub_id(args.model):
+            kind = "no such directory" if not Path(args.model).exists() else "not a directory with model_index.json"
+            raise UsageError(f"--model {args.model}: {kind} (give 'tiny', a hub id like zai-org/GLM-Image, "
+                             "or a save_pretrained directory)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was asked for but no CUDA device is available")
+    if args.offload and not (args.device != "cpu" and torch.cuda.is_available()):
+        raise UsageError("--offload moves the frozen DiT, VAE and text encoder to a CUDA device when used; there is none here")
+
+
+def validate_dit_args(args):
+    for flag, value in {"--dit-lr": args.dit_lr, "--dit-clip-eps": args.dit_clip_eps,
+                        "--dit-noise-level": args.dit_noise_level}.items():
+        if not value > 0:
+            raise UsageError(f"{flag} must be > 0, got {value}")
+    steps = args.dit_train_steps
+    if steps is not None and not 1 <= steps <= args.num_inference_steps:
+        raise UsageError(f"--dit-train-steps must be between 1 and --num-inference-steps "
+                         f"({args.num_inference_steps}), got {steps}")
+    if args.dit_lora_rank < 0:
+        raise UsageError("--dit-lora-rank must not be negative")
+    if args.policy == "ar" and (args.dit_lora_rank or steps is not None):
+        raise UsageError("--dit-lora-rank and --dit-train-steps need --policy dit or both")
+    if args.policy == "dit" and args.lora_rank:
+        raise UsageError("--lora-rank adapts the AR, which --policy dit does not train (use --dit-lora-rank)")
+
+
+def looks_like_hub_id(name):
+    """'owner/name' that is not a local path: a typo in './runs/x' or 'runs/x' (whose 'runs' is a
+    local directory) must not be sent to the hub as a repo id."""
+    owner = name.split("/", 1)[0]
+    return (re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", name) is not None and not Path(name).exists()
+            and not Path(owner).is_dir())
+
+
+def check_writable(flag, path):
+    """Fails now, not after loading the model or training: the nearest existing parent of `path`
+    must be a directory we can create files in (probed with a temporary file, removed at once)."""
+    import tempfile
+
+    parent = Path(path).absolute()
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path}: {parent} is a file, not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write in {parent} ({e.strerror})")
+
+
+def resolve_runtime(args):
+    """Values derived from flags, computed once and printed in the 'running with' block."""
+    args.device = "cuda" if args.device == "auto" and torch.cuda.is_available() else (
+        "cpu" if args.device == "auto" else args.device)
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    if args.offload is None:
+        args.offload = args.device == "cuda"
+    if args.lora_alpha is None:
+        args.lora_alpha = float(args.lora_rank)
+    if args.dit_train_steps is None and args.policy != "ar":
+        args.dit_train_steps = max(args.num_inference_steps - 1, 1)
+    if args.micro_batch_size is None:
+        args.micro_batch_size = args.group_size
+    return args
+
+
+def open_run(args):
+    """Everything before the first step. Validates the flags, takes the --out lock first (nothing is
+    loaded for a run that may not write here), then loads prompts, rewards, the checkpoint and the
+    model (start_training). If the start stops (bad input), a --out made for this run is removed
+    again: bad input leaves nothing behind. Returns (items, trainer, start step, out, lead), or
+    None when there is nothing to do. `lead`: rank 0, the one rank that writes and prints; `lock`: its
+    --out lock (an open file; None on the other ranks)."""
+    validate_args(args)
+    out = prepare_out_dir(args)
+    resolve_runtime(args)
+    init_distributed(args)
+    lead = rank() == 0
+    made = [d for d in [out.absolute(), *out.absolute().parents] if not d.exists()]    # directories the lock will create
+    lock = lock_out_dir(out) if lead else None     # held while the run lasts (the open file keeps it)
+    started = None
+    try:
+        if lead:
+            prepare_out_dir(args)      # again under the lock: another run may have started meanwhile
+        started = start_training(args, out, lead)
+    finally:
+        if lead and started is None:
+            lock.close()
+            if made:
+                (out / ".lock").unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    for directory in made:       # innermost first; stops at one that is not empty
+                        directory.rmdir()
+    return None if started is None else (*started, out, lead, lock)
+
+
+def start_training(args, out, lead):
+    """Everything between the lock and the first step: prompts, rewards, checkpoint, model, and the
+    checks that need them. Returns (items, trainer, start step), or None when there is nothing to do."""
+    # Targets are checked for the built-in mse before any plug-in loads (a CLIP model takes a
+    # while), for plug-ins that read them once they are loaded.
+    builtin = ["mse"] if any(spec.partition("=")[0] == "mse" for spec in args.reward) else []
+    items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
+    rewards = load_rewards(args.reward)
+    readers = [r.name for r in rewards if r.uses_targets]
+    if readers and not builtin:
+        require_targets(items, readers)
+    args.prompts_sha256 = file_sha256(args.prompts)
+    ckpt_path = find_checkpoint(args.resume, out) if args.resume else None
+    ckpt = read_checkpoint(ckpt_path) if ckpt_path else None
+    if ckpt is not None:
+        differences = check_resume_flags(ckpt["args"], args)
+        if differences and not args.resume_force:
+            raise UsageError(f"--resume {ckpt_path}: flags differ from the checkpoint's: {'; '.join(differences)} "
+                             "(add --resume-force to accept)")
+        if ckpt["step"] >= args.steps:
+            print(f"nothing to do: {ckpt_path} is at step {ckpt['step']} and --steps is {args.steps} "
+                  f"(pass --steps {ckpt['step'] + args.steps} to train {args.steps} more)")
+            return None
+        later = check_resume_point(ckpt_path, ckpt["step"], out, args)
+    trainer, start = setup_training(args, ckpt, ckpt_path, rewards)
+    check_prompt_lengths(trainer.pipe, items, args)
+    if lead and ckpt is not None:
+        keep_aside(later)
+    return items, trainer, start
+
+
+def check_prompt_lengths(pipe, items, args):
+    """A prompt longer than the AR's context is a UsageError naming its line and the limit (a
+    100k-character line otherwise ran for minutes at 3.6 GB with no message). The context
+    (max_position_embeddings) holds the prompt, an i2i source's tokens, the generated tokens and
+    the template's few grid markers (32 are set aside for them)."""
+    grid = (args.height // 32) * (args.width // 32)
+    others = (2 * grid + 1 if args.mode == "i2i" else generated_tokens(args.height, args.width)) + 32
+    context = pipe.vision_language_encoder.config.text_config.max_position_embeddings
+    lengths = [len(ids) for ids in pipe.processor.tokenizer([it.text for it in items], add_special_tokens=False)["input_ids"]]
+    for item, length in zip(items, lengths):
+        if length > context - others:
+            raise UsageError(f"{item.where}: the prompt is {length} tokens; the model's context of {context} leaves "
+                             f"{context - others} for a prompt at {args.height}x{args.width}")
+
+
+def prepare_out_dir(args):
+    """Refuses to write a new run over an old one: resuming is the only way to continue a run
+    (also one killed before its first checkpoint: --resume latest then starts it over)."""
+    out = Path(args.out)
+    if args.resume is None and ((out / "metrics.jsonl").exists() or any((out / "checkpoints").glob("step_*.pt"))):
+        raise UsageError(f"--out {out} already holds a run; pass --resume latest to continue it or pick another --out")
+    return out
+
+
+def lock_out_dir(out):
+    """An exclusive fcntl.flock on <out>/.lock for the whole run, so that two runs never write
+    into one --out. The OS releases it when the process ends, even on kill -9: no stale locks.
+    Returns the open file; the lock lasts as long as it stays open."""
+    import fcntl
+
+    out.mkdir(parents=True, exist_ok=True)
+    handle = open(out / ".lock", "a")      # stays empty: a failed start leaves --out byte-identical
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UsageError(f"--out {out} is in use by another run; wait for it to finish or pick another --out")
+    return handle
+
+
+def check_resume_point(ckpt_path, step, out, args):
+    """Resuming from step k of a run that went further (later checkpoints exist) would replace its
+    history after k: refused unless --resume-force, which keeps the later checkpoints beside the
+    new ones as step_*.pt.dropped (truncate_metrics keeps the later rows likewise). Returns them."""
+    later = [p for p in sorted((out / "checkpoints").glob("step_*.pt")) if int(p.stem[5:]) > step]
+    if later and not args.resume_force:
+        raise UsageError(f"--resume {ckpt_path}: {out} has later checkpoints ({later[-1].name}); resuming from step "
+                         f"{step} would drop them and the metrics after step {step} (add --resume-force to do so; "
+                         "they are then kept as *.dropped)")
+    return later
+
+
+def keep_aside(checkpoints):
+    """step_*.pt -> step_*.pt.dropped: out of --resume latest's way, not deleted."""
+    for path in checkpoints:
+        path.rename(path.with_name(path.name + ".dropped"))
+        print(f"note: kept {path.name} of the dropped history as {path.name}.dropped")
+
+
+def close_run(args, items, out, tracker, lock):
+    """At the end, and on any exit: the reward curve (its moving average over one pass through the
+    prompts), the tracker, the --out lock (rank 0 holds it)."""
+    if lock:
+        save_reward_curve(out / "reward_curve.png", read_metrics(out / "metrics.jsonl"),
+                          window=min(20, math.ceil(len(items) / args.prompts_per_step)))
+    if tracker:
+        tracker.close()
+    if lock:
+        lock.close()     # (the process's end would release it too; an in-process caller may run again)
+
+
+# =============================================================================================
+# 15. Prompt files, images and the demo's targets
+# =============================================================================================
+
+EXIF_ORIENTATION = 0x0112
+
+
+COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (240, 210, 40),
+           "white": (255, 255, 255), "black": (0, 0, 0), "orange": (245, 140, 30), "purple": (140, 60, 180)}
+
+
+SHAPES = ("circle", "square", "triangle")
+
+
+def require_targets(items, reward_names=()):
+    """Every prompt needs a target (a reward reads them): one without a target file gets the demo
+    target drawn from its words, or is a UsageError naming the line and the rewards."""
+    for item in items:
+        if item.target_file is None and not item.draw_target:
+            demo_words_or_fail(item.text, item.where, item.mode,
+                               f"the reward {', '.join(reward_names)} reads targets" if reward_names else "")
+            item.draw_target = True
+
+
+def read_utf8(path):
+    """The prompt file as text. 'utf-8-sig' drops the BOM Windows editors put first (else it would
+    glue itself to a first '# comment' line and make it a prompt)."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        hint = " (it looks like UTF-16)" if data[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+        raise UsageError(f"--prompts {path}: not UTF-8 text{hint}: byte 0x{data[e.start]:02x} at offset {e.start}; "
+                         "save the file as UTF-8")
+
+
+def check_image(path, where, kind):
+    """(width, height) of an image file as it will be shown, from its header alone (PIL decodes
+    pixels only on load); a file PIL cannot identify, or whose data is broken, is a UsageError."""
+    try:
+        with Image.open(path) as image:
+            image.verify()            # PNG: chunk CRCs (no decoding); other formats: what PIL can check
+        with Image.open(path) as image:   # (verify must come first and leaves the file unusable)
+            size = image.size
+            turned = header_exif(image).get(EXIF_ORIENTATION, 1) in (5, 6, 7, 8)   # 90-degree turns
+    except FileNotFoundError:
+        raise UsageError(f"{where}: {kind} image {path} not found")
+    except (UnidentifiedImageError, OSError, SyntaxError) as e:
+        raise UsageError(f"{where}: {kind} {path} is not a readable image ({type(e).__name__})")
+    return size[::-1] if turned else size
+
+
+def header_exif(image):
+    """EXIF tags without decoding pixels. (PNG's getexif() decodes the whole image to look for an
+    eXIf chunk after the pixel data; one before it is in image.info.)"""
+    if image.format != "PNG":
+        return image.getexif()
+    exif = Image.Exif()
+    if "exif" in image.info:
+        exif.load(image.info["exif"])
+    return exif
+
+
+def read_image(path, where, kind, size):
+    """An image file as RGB, upright (its EXIF orientation applied, as viewers show a phone photo),
+    resized to size = (height, width)."""
+    try:
+        with Image.open(path) as image:
+            image = to_rgb(ImageOps.exif_transpose(image))
+    except FileNotFoundError:
+        raise UsageError(f"{where}: {kind} image {path} not found (it was there at start-up)", local=True)
+    except (UnidentifiedImageError, OSError) as e:
+        raise UsageError(f"{where}: {kind} {path} is not a readable image ({type(e).__name__})", local=True)
+    return image if image.size == size[::-1] else image.resize(size[::-1], Image.BICUBIC)
+
+
+def to_rgb(image):
+    """RGB as the user sees the file. PIL's convert('RGB') alone gets two cases wrong:
+    transparency is dropped, leaving whatever colour hides under alpha 0 (usually black), so
+    transparent pixels are composited on white as viewers show them; and 16-bit greyscale
+    ('I;16', 'I') is clipped to 0..255, turning almost every pixel white, so it is scaled by 255/65535."""
+    if image.mode in ("I", "I;16", "I;16B", "I;16L"):
+        scaled = np.asarray(image, dtype=np.float64) * (255.0 / 65535.0)
+        return Image.fromarray(np.clip(scaled.round(), 0, 255).astype(np.uint8)).convert("RGB")
+    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, "white"), rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def demo_words(prompt):
+    words = re.findall(r"[a-z]+", prompt.lower())
+    return [w for w in words if w in COLOURS], next((w for w in words if w in SHAPES), None)
+
+
+def draw_shape(shape, colour, background, height, width):
+    image = Image.new("RGB", (width, height), COLOURS[background])
+    draw = ImageDraw.Draw(image)
+    box = (width * 0.2, height * 0.2, width * 0.8, height * 0.8)
+    if shape == "circle":
+        draw.ellipse(box, fill=COLOURS[colour])
+    elif shape == "square":
+        draw.rectangle(box, fill=COLOURS[colour])
+    else:
+        draw.polygon([(width / 2, box[1]), (box[2], box[3]), (box[0], box[3])], fill=COLOURS[colour])
+    return image
+
+
+def demo_words_or_fail(prompt, where, mode, why=""):
+    """(colours, shape) to draw the demo images from, or a UsageError saying what the line lacks
+    (and `why` it needs them)."""
+    colours, shape = demo_words(prompt)
+    why = f"{why}; " if why else ""
+    if mode == "t2i" and (not colours or shape is None):
+        raise UsageError(f"{where}: no target image given and no colour+shape words to draw one "
+                         f"({why}write 'prompt | target.png')")
+    if mode == "i2i" and (len(colours) < 2 or shape is None):
+        raise UsageError(f"{where}: --mode i2i needs 'prompt | target.png | source.png', or two colours and "
+                         f"a shape to draw them (e.g. 'make the red circle blue'){f' ({why[:-2]})' if why else ''}")
+    return colours, shape
+
+
+def draw_demo(prompt, height, width, where, role=None):
+    """Demo images from the prompt's words. t2i (role None): '<colour> <shape> on a <colour>
+    background'. i2i, from '... <colour> <shape> ... <colour>', e.g. 'make the red circle blue':
+    the source is the shape in the first colour, the target in the second, on white."""
+    colours, shape = demo_words_or_fail(prompt, where, "t2i" if role is None else "i2i")
+    if role is None:
+        return draw_shape(shape, colours[0], colours[1] if len(colours) > 1 else "white", height, width)
+    return draw_shape(shape, colours[0 if role == "source" else 1], "white", height, width)
+
+
+# =============================================================================================
+# 16. Reward plug-ins: --reward module:fn | file.py:fn
+# =============================================================================================
+
+def load_reward(spec):
+    """'mse' | 'module:fn' | 'path/file.py:fn', each optionally followed by '=WEIGHT' -> Reward."""
+    where, weight = spec, 1.0
+    if "=" in spec:
+        where, _, text = spec.rpartition("=")
+        try:
+            weight = float(text)
+        except ValueError:
+            raise UsageError(f"--reward {spec}: the weight after '=' must be a number, got {text!r}")
+        if not math.isfinite(weight):
+            raise UsageError(f"--reward {spec}: the weight after '=' must be finite, got {text!r}")
+    if where == "mse":
+        return Reward("mse", mse, weight, True)
+    module_name, _, fn_name = where.rpartition(":")
+    if not module_name or not fn_name:
+        raise UsageError(f"--reward {spec}: expected 'mse', 'module:function' or 'path/to/file.py:function'")
+    try:
+        if module_name.endswith(".py"):
+            if not Path(module_name).is_file():
+                raise UsageError(f"--reward {spec}: file {module_name} not found")
+            module_spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            # the current directory first, as `python -m` has it (`python grpo_glm.py` puts only
+            # the script's own directory on sys.path)
+            sys.path.insert(0, os.getcwd())
+            try:
+                module = importlib.import_module(module_name)
+            finally:
+                sys.path.remove(os.getcwd())
+    except UsageError:
+        raise
+    except Exception as e:   # whatever the plug-in's own import raises
+        raise UsageError(f"--reward {spec}: importing {module_name} failed: {type(e).__name__}: "
+                         f"{(str(e).splitlines() or [''])[0]}")
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise UsageError(f"--reward {spec}: {module_name} has no function {fn_name}")
+    return Reward(fn_name, fn, weight, bool(getattr(fn, "uses_targets", False)))
+
+
+def load_rewards(specs):
+    rewards = [load_reward(spec) for spec in specs]
+    names = [r.name for r in rewards]
+    if len(set(names)) < len(names):
+        raise UsageError(f"--reward: two rewards share a name ({', '.join(names)}); rename one function")
+    return rewards
+
+
+# =============================================================================================
+# 17. LOG: the console, metrics.jsonl, sample sheets, the reward curve, TensorBoard / W&B
+# =============================================================================================
+
+def start_logging(args, trainer, out, start):
+    """Drops metrics rows a killed run wrote after its checkpoint, prints the 'running with' block
+    and opens the tracker (or None)."""
+    truncate_metrics(out / "metrics.jsonl", start)
+    trainable = sum(p.numel() for p in trainer.trained.parameters() if p.requires_grad)
+    halves = {"ar": [("", args.lora_rank)], "dit": [("DiT ", args.dit_lora_rank)],
+              "both": [("AR ", args.lora_rank), ("DiT ", args.dit_lora_rank)]}[args.policy]
+    how = ", ".join(f"{half}{f'LoRA r={r}' if r else 'full'}" for half, r in halves)
+    print(f"running with: mode={args.mode} model={args.model} device={args.device} dtype={args.dtype} "
+          f"offload={args.offload} batch={args.prompts_per_step}x{args.group_size} mu={args.inner_epochs} "
+          + (f"lr={args.lr} " if args.policy != "dit" else "") + f"trainable={count_text(trainable)} ({how}) "
+          f"image={args.height}x{args.width} loss_tokens={args.loss_tokens} dit_noise={args.dit_noise} out={out} "
+          f"threads={torch.get_num_threads()} processes={world_size()} micro_batch={args.micro_batch_size}"
+          + (f" policy={args.policy} dit_lr={args.dit_lr} dit_train_steps={args.dit_train_steps}/"
+             f"{args.num_inference_steps} dit_noise_level={args.dit_noise_level}" if args.policy != "ar" else ""))
+    print("rewards: " + " + ".join(f"{r.weight:g} x {r.name}" for r in trainer.rewards)
+          + f" | lr schedule {args.lr_scheduler}, warm-up {args.lr_warmup_steps} | report to {args.report_to}")
+    return open_tracker(args, out, start)
+
+
+def count_text(n):
+    """A parameter count readable at any size: 3.2k, 0.09M would be 90.1k, 8.91B."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}" if unit != "k" else f"{n / size:.1f}k"
+    return str(n)
+
+
+def finish_row(row, trainer, args, t0):
+    """Adds the learning rates this step's updates used, moves the schedule on by one GRPO step,
+    averages the row over ranks and times it."""
+    lrs = trainer.lr_scheduler.get_last_lr()    # [AR][, DiT]
+    if args.policy != "dit":
+        row["lr"] = lrs[0]
+    if args.policy != "ar":
+        row["dit/lr"] = lrs[-1]
+    with warnings.catch_warnings():
+        # a step whose updates were all skipped (non-finite) never called optimizer.step();
+        # the schedule still moves on by one GRPO step, as planned, and PyTorch need not warn
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        trainer.lr_scheduler.step()
+    row = reduce_metrics(row)
+    row["seconds"] = round(time.time() - t0, 3)
+    return row
+
+
+def log_step(row, step, args, trainer, out, tracker, warned):
+    """metrics.jsonl, the tracker, one console line, the one-time collapse warning. Returns `warned`."""
+    append_metrics(out / "metrics.jsonl", row)
+    if tracker:
+        tracker.log(row, step)
+    dit_loss = f"dit loss {row.get('dit/loss', math.nan):+.3e}"     # ~1e-5: step log-probs are means
+    losses = {"ar": f"loss {row['loss']:+.4f}", "dit": dit_loss,
+              "both": f"loss {row['loss'] - row.get('dit/loss', math.nan):+.4f} | {dit_loss}"}[args.policy]
+    print(f"step {step:4d}/{args.steps} | {losses} | reward {row['reward_mean']:.5f} "
+          f"± {row['reward_std']:.5f} | " + "".join(
+              f"{prefix}ratio {row[prefix + 'ratio_mean']:.4f} | {prefix}clip {row[prefix + 'clip_ratio']:.3f} "
+              f"| {prefix}kl {row[prefix + 'kl']:.2e} | " for prefix in ("", "dit/") if prefix + "kl" in row)
+          + (f"entropy {row['entropy']:.3f} | " if "entropy" in row else "")
+          + f"zero_std {row['frac_reward_zero_std']:.2f} | {row['seconds']:.2f}s", flush=True)
+    return warn_if_collapsed(row, warned, math.log(trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size))
+
 
 def append_metrics(path, row):
     """One JSON line per step. NaN and inf (a skipped update's loss, a broken reward) are written
@@ -2023,6 +2321,19 @@ def truncate_metrics(path, last_step):
         print(f"note: resuming at step {last_step} drops metrics rows of steps {steps[0]}..{steps[-1]} "
               f"(no checkpoint after step {last_step}); kept in {aside}")
     atomic_write_bytes(path, "".join(r + "\n" for r in kept).encode())
+
+
+def read_metrics(path):
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def save_samples(out, step, prompts, targets, images, rewards, sources, ode, args, tracker):
+    sheet = save_sample_grid(out / "samples" / f"step_{step:06d}.png", prompts, targets, images, rewards,
+                             args.group_size, sources, ode)
+    if tracker:
+        tracker.log_image("samples", sheet, step)
 
 
 def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, scale=2):
@@ -2117,14 +2428,6 @@ def save_reward_curve(path, rows, size=(640, 360), margin=48, window=1):
     draw.text((w - margin - 50, h - margin + 6), f"step {max(steps)}", fill="black", font=font)
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path)
-
-
-def read_metrics(path):
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
 # Trackers (plumbing, not GRPO): the same rows as metrics.jsonl, plus the sample sheets and the
 # flags. Imported only when asked for, so neither package is needed otherwise.
 
@@ -2181,7 +2484,123 @@ def open_tracker(args, out, start):
 
 
 # =============================================================================================
-# 12. CHECKPOINT
+# 18. Interruptions: Ctrl+C and SIGTERM
+# =============================================================================================
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)   # Ctrl+C; what Slurm, Kubernetes and torchrun send before SIGKILL
+
+
+class AbandonStep(BaseException):
+    """A stop signal came before the step's UPDATE: drop the step (a BaseException, so that no
+    `except Exception` on the way, e.g. around a reward plug-in, swallows it)."""
+
+
+class StopAfterStep:
+    """Ctrl+C (SIGINT) and SIGTERM stop the run at a state that can be resumed, and exit 128 + signal
+    number (130, 143). Before the step's UPDATE (sampling, decoding, rewards: most of a step) nothing
+    has touched the weights yet, so the step is abandoned at once and the previous step is the one
+    saved; a schedulers' grace period (Slurm's KillWait, Kubernetes' 30 s) is then enough. Once the
+    update has begun, the step is finished and saved: a step updated by some inner epochs, not all,
+    is no state to resume from. A second Ctrl+C stops at once (the last checkpoint is complete); a
+    second SIGTERM changes nothing (Slurm signals every process and torchrun forwards its own, so a
+    rank may get two). Under torchrun the ranks decide together (`before_update`, and the loop's
+    check after each step)."""
+
+    def __init__(self):
+        self.signum = None          # the first stop signal received
+        self.abandonable = False    # True from a step's start until its update begins
+        self.previous = {s: signal.signal(s, self.request) for s in STOP_SIGNALS}
+
+    @property
+    def requested(self):
+        return self.signum is not None
+
+    def request(self, signum, _frame):
+        if self.requested:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
+        self.signum = signum
+        name = "Ctrl+C" if signum == signal.SIGINT else signal.Signals(signum).name
+        if rank() == 0:
+            print(f"\n{name}: " + ("abandoning this step (its update has not begun) and saving the last one"
+                                   if self.abandonable else "finishing this step and saving a checkpoint")
+                  + " (Ctrl+C to quit now)", file=sys.stderr, flush=True)
+        if self.abandonable:
+            self.abandonable = False
+            raise AbandonStep
+
+    def begin_step(self):
+        self.abandonable, self.agreed = True, False
+        if self.requested:          # came after the last step's stop check: nothing of this step to keep
+            self.abandonable = False
+            raise AbandonStep
+
+    def agree(self):
+        """True if any rank got a stop signal; all ranks then adopt its number (for the exit code)."""
+        if is_ddp():
+            seen = torch.tensor(int(self.signum or 0), device=collective_device())
+            dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+            if seen.item() and not self.requested:
+                self.signum = int(seen.item())
+                if rank() == 0:
+                    print(f"{signal.Signals(self.signum).name} on another rank: stopping", file=sys.stderr, flush=True)
+        return self.requested
+
+    def before_update(self):
+        """Called by the step right before its UPDATE: the last moment to drop it. All ranks take
+        part (a rank whose handler raised AbandonStep joins from the loop, see `agree_after_abandon`)."""
+        self.abandonable, self.agreed = False, True
+        if self.agree():
+            raise AbandonStep
+
+    def agree_after_abandon(self):
+        """A rank that left its step early still answers the other ranks' before_update vote."""
+        if not self.agreed:
+            self.agreed = True
+            self.agree()
+
+    def exit_code(self):
+        return 128 + self.signum
+
+    def restore(self):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def stop_before_update(stop, trainer, args, out, step, last_saved, step_rng):
+    """A stop signal arrived before this step's update: the weights are still step - 1's. Saves
+    step - 1 (if not saved yet) and exits. If a rank was killed (kill -9, OOM; torchrun then
+    SIGTERMs the rest), the others still hold step - 1 and rank 0 saves it alone."""
+    lead = rank() == 0
+    peers = True
+    try:
+        stop.agree_after_abandon()
+    except Exception as e:
+        if not (is_ddp() and collective_failed(e)):
+            raise
+        peers = False
+    set_rng_state(step_rng)                   # what a checkpoint of step - 1 holds
+    if step - 1 > last_saved and (peers or lead):
+        save_step_checkpoint(out, step - 1, trainer, args, lead)
+    if peers:
+        all_ranks_agree(True)     # the others wait for rank 0's file before they exit
+    if lead:
+        print(f"interrupted in step {step} before its update: " + (
+            f"step {step - 1} is saved in {out / 'checkpoints' / f'step_{step - 1:06d}.pt'}; continue with "
+            f"--resume latest --out {out}" if step - 1 > 0 else "no step finished, nothing to save"), file=sys.stderr)
+    sys.exit(stop.exit_code())
+
+
+def exit_after_checkpoint(stop, out, step, path, lead):
+    all_ranks_agree(True)     # the others wait for rank 0's file before they exit
+    if lead:
+        print(f"interrupted: saved step {step} to {path}; continue with --resume latest --out {out}", file=sys.stderr)
+    sys.exit(stop.exit_code())
+
+
+# =============================================================================================
+# 19. CHECKPOINT
 # =============================================================================================
 # A checkpoint holds what an exact resume needs: trainable weights (all AR weights, or only the
 # LoRA adapters), AdamW state, the learning-rate schedule's position, the step, every RNG state,
@@ -2221,6 +2640,19 @@ def set_rng_state(state):
 
 def trainable_state(model):
     return {name: p.detach().cpu().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def save_step_checkpoint(out, step, trainer, args, lead):
+    """All ranks: the training state (gathered under --fsdp, a collective); rank 0 writes it. Weights
+    and AdamW state are identical on every rank, and no rank-local randomness is left (sampling
+    seeds are per group): rank 0's checkpoint is the whole state. Returns its path (rank 0)."""
+    state = gather_training_state(trainer.trained, trainer.optimizer)
+    if not lead:
+        return None
+    path = save_checkpoint(out, step, trainer.trained, trainer.optimizer, args, trainer.lr_scheduler, state)
+    if args.checkpoints_total_limit:
+        prune_checkpoints(out, args.checkpoints_total_limit)
+    return path
 
 
 def save_checkpoint(out_dir, step, model, optimizer, args, lr_scheduler, state=None):
@@ -2303,7 +2735,7 @@ def restore_checkpoint(ckpt, path, model, optimizer, lr_scheduler):
     if set(ckpt["trainable"]) != names:
         raise UsageError(f"--resume {path}: its weights do not fit this model (different --model or --lora-rank)")
     try:
-        if not load_sharded_state(model, optimizer, ckpt["trainable"], ckpt["optimizer"]):   # --fsdp: 13b
+        if not load_sharded_state(model, optimizer, ckpt["trainable"], ckpt["optimizer"]):   # --fsdp: section 21
             model.load_state_dict(ckpt["trainable"], strict=False)
             optimizer.load_state_dict(ckpt["optimizer"])
         lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
@@ -2313,8 +2745,514 @@ def restore_checkpoint(ckpt, path, model, optimizer, lr_scheduler):
 
 
 # =============================================================================================
-# 13. Memory plan for the real GLM-Image (arithmetic on the real configs, meta device)
+# 20. The tiny model's renderer: pre-trained once on token mosaics, then cached
 # =============================================================================================
+# ---- The tiny model's renderer: pre-trained once on token mosaics, then cached ---------------
+# A random DiT + VAE paints colour noise whatever the tokens say, so nothing GRPO does to the AR
+# would show in the pictures. On first use `--model tiny` therefore pre-trains the renderer (the
+# AR stays random: learning what to paint from the prompt is GRPO's job) on a synthetic task:
+# codebook id k means palette colour k, and a token grid's truth is its "mosaic", every 32-px cell
+# filled with its token's colour. The VAE latent carries the colour directly (channels 0-2 = the
+# cell's colour in [-1, 1], channel 3 = 0, per 8-px latent pixel), so the VAE *decoder* learns
+# latent -> mosaic and the DiT learns, by flow matching, prior tokens -> that latent. The result is
+# written with save_pretrained to a cache directory and read back with from_pretrained, the path
+# a user's own checkpoint takes.
+
+TINY_RENDERER_FORMAT = "grpo_glm-tiny-renderer-v1"
+
+
+TINY_RENDERER = dict(        # everything that shapes the training (all of it enters the cache key)
+    dit_steps=800, dit_lr=3e-3, batch=8, dit_grids=((2, 2), (3, 3), (4, 4), (3, 2)), inference_steps=4,
+)
+
+
+def tiny_palette(codebook_size=TINY_CODEBOOK):
+    """Colour [K, 3] in [0, 1] of each codebook id: the demo's 8 colours (section 15), id k painting
+    colour k mod 8. Many ids per colour, as in a real VQ codebook where many codes look alike; so
+    few colours that a random policy draws the right one for a cell 1 time in 8."""
+    names = ("red", "green", "blue", "yellow", "white", "black", "orange", "purple")
+    colours = torch.tensor([COLOURS[n] for n in names], dtype=torch.float32) / 255
+    return colours[torch.arange(codebook_size) % len(names)]
+
+
+def token_mosaic(tokens, grid_hw, palette, cell=32):
+    """tokens [N, H*W] -> the grid's truth [N, 3, H*cell, W*cell] in [0, 1]: each cell in its colour."""
+    H, W = grid_hw
+    colours = palette[tokens].view(-1, H, W, 3).permute(0, 3, 1, 2)
+    return colours.repeat_interleave(cell, 2).repeat_interleave(cell, 3)
+
+
+def colour_latents(tokens, grid_hw, palette, channels, cell):
+    """The latent a grid should decode from [N, channels, H*cell, W*cell]: its mosaic in [-1, 1]
+    (cell = 32 px / the VAE's scale factor), the channels past the third zero."""
+    mosaic = token_mosaic(tokens, grid_hw, palette, cell) * 2 - 1
+    return torch.cat([mosaic, mosaic.new_zeros(mosaic.shape[0], channels - 3, *mosaic.shape[2:])], 1)
+
+
+def random_grids(batch, grid_hw, codebook_size, generator):
+    """Training grids [batch, H*W]: each drawn from its own sub-palette of 1, 2, 4 or all colours,
+    so uniform fields and two-colour shapes are as familiar to the renderer as confetti."""
+    rows = []
+    for _ in range(batch):
+        k = [1, 2, 4, codebook_size][int(torch.randint(4, (1,), generator=generator))]
+        colours = torch.randperm(codebook_size, generator=generator)[:k]
+        rows.append(colours[torch.randint(k, (grid_hw[0] * grid_hw[1],), generator=generator)])
+    return torch.stack(rows)
+
+
+def colour_vae(latent_channels=4, width=8, carrier=32.0):
+    """A tiny AutoencoderKL whose decoder paints its latent's colour: pixel = latent channels 0-2 at
+    that place, nearest-upsampled 8x, mapped from [-1, 1] to [0, 1] by the pipeline's postprocess.
+
+    Its weights are set, not learnt. Gradient descent gets there too, but spends ~60 s of CPU on a
+    plateau at MSE 0.2 first: the decoder's GroupNorm normalises each image by its own statistics,
+    which erases absolute colour (a uniform red and a uniform white field normalise alike). Set by
+    hand, every residual branch is zeroed (conv2, the attention's to_out), every upsampler's conv is
+    the identity, conv_in writes the colour twice, (c, -c), next to a constant pair (+carrier,
+    -carrier): the group's mean is then exactly 0 and its std ~ carrier / 2 whatever the colours, so
+    conv_norm_out keeps them; conv_out reads SiLU(c) - SiLU(-c) = c. The encoder stays random
+    (the DiT is trained on text-to-image only)."""
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL(
+        block_out_channels=(width,) * 4, in_channels=3, out_channels=3, latent_channels=latent_channels,
+        norm_num_groups=1, down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+        latents_mean=[0.0] * latent_channels, latents_std=[1.0] * latent_channels)
+    decoder, eye = vae.decoder, torch.eye(width)
+    with torch.no_grad():
+        for name, module in decoder.named_modules():
+            if name.endswith((".conv2", ".to_out.0")):                       # residual branches: off
+                module.weight.zero_(), module.bias.zero_()
+            elif name.endswith("upsamplers.0.conv"):                          # nearest upsample, then identity
+                module.weight.zero_(), module.bias.zero_()
+                module.weight[:, :, 1, 1] = eye
+        vae.post_quant_conv.weight.copy_(torch.eye(latent_channels)[:, :, None, None])
+        vae.post_quant_conv.bias.zero_()
+        decoder.conv_in.weight.zero_(), decoder.conv_in.bias.zero_()
+        for c in range(3):
+            decoder.conv_in.weight[c, c, 1, 1], decoder.conv_in.weight[3 + c, c, 1, 1] = 1.0, -1.0
+        decoder.conv_in.bias[6:] = carrier * torch.tensor([1.0, -1.0]).repeat(width // 2)[: width - 6]
+        decoder.conv_norm_out.weight.fill_(math.sqrt((decoder.conv_in.bias ** 2).mean().item()))
+        decoder.conv_norm_out.bias.zero_()
+        decoder.conv_out.weight.zero_(), decoder.conv_out.bias.zero_()
+        for c in range(3):
+            decoder.conv_out.weight[c, c, 1, 1], decoder.conv_out.weight[c, 3 + c, 1, 1] = 1.0, -1.0
+    return vae.eval().requires_grad_(False)
+
+
+def train_tiny_renderer(pipe, settings, seed):
+    """Trains the DiT in place (fp32, CPU) by flow matching onto the colour latents; returns its last loss.
+    x_t = (1 - sigma) x0 + sigma eps (the scheduler's own scale_noise) at the schedule's (t, sigma)
+    pairs, velocity target eps - x0, through the same conditioning and velocity functions the
+    sampler and Flow-GRPO use (Part II)."""
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    codebook = pipe.transformer.config.prior_vq_quantizer_codebook_size
+    palette, cell, channels = tiny_palette(codebook), 32 // pipe.vae_scale_factor, pipe.vae.config.latent_channels
+    dit = pipe.transformer.train().requires_grad_(True)
+    optimizer = torch.optim.Adam(dit.parameters(), lr=settings["dit_lr"])
+    loss, batch = torch.tensor(float("nan")), settings["batch"]
+    # the glyph condition of "" per grid size, computed once (it does not depend on the tokens)
+    conds = {hw: dit_condition(pipe, [""], batch, torch.zeros(batch, hw[0] * hw[1], dtype=torch.long), hw, 1.0)
+             for hw in map(tuple, settings["dit_grids"])}    # one prompt, "", of `batch` rows: one DiT call
+    for step in range(settings["dit_steps"]):
+        hw = tuple(settings["dit_grids"][step % len(settings["dit_grids"])])
+        timesteps, _ = dit_schedule(pipe, 32 * hw[0], 32 * hw[1], settings["inference_steps"])   # sets the scheduler
+        tokens = random_grids(batch, hw, codebook, generator)                            # [B, H*W]
+        x0 = colour_latents(tokens, hw, palette, channels, cell)                         # [B, C, h, w]
+        t = timesteps[torch.randint(len(timesteps), (batch,), generator=generator)]
+        eps = torch.randn(x0.shape, generator=generator)
+        x_t = pipe.scheduler.scale_noise(x0, t, eps)
+        cond = replace(conds[hw], prior=torch.cat([pipe._upsample_token_ids(row, *hw) for row in tokens]))
+        v = dit_velocity(dit, x_t, t, cond, write_source_caches(dit, cond))
+        loss = ((v - (eps - x0)) ** 2).mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    dit.eval().requires_grad_(False)
+    return loss.item()
+
+
+@contextlib.contextmanager
+def quiet_progress_bars():
+    """diffusers' and transformers' loading/saving bars, off (the tiny model's ~1 MB loads in a blink)."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    was = diffusers_logging.is_progress_bar_enabled(), transformers_logging.is_progress_bar_enabled()
+    diffusers_logging.disable_progress_bar(), transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was[0]:
+            diffusers_logging.enable_progress_bar()
+        if was[1]:
+            transformers_logging.enable_progress_bar()
+
+
+def tiny_cache_root():
+    """Where built tiny models live: $GRPO_GLM_CACHE, else $XDG_CACHE_HOME/grpo_glm, else ~/.cache/grpo_glm."""
+    if os.environ.get("GRPO_GLM_CACHE"):
+        return Path(os.environ["GRPO_GLM_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "grpo_glm"
+
+
+def tiny_cache_key(seed, settings):
+    """A hash of everything that shapes the built model: the seed, the training settings, the format
+    version, the library versions, and the source of the functions that build and train it (so an
+    edit to any of them, or to the configs written inside them, builds a new model)."""
+    import inspect
+
+    import diffusers
+    import transformers
+
+    code = [inspect.getsource(f) for f in (build_tiny_tokenizer, build_tiny_pipeline, colour_vae, tiny_palette,
+                                            token_mosaic, colour_latents, random_grids, train_tiny_renderer,
+                                            dit_schedule, dit_condition, dit_velocity, write_source_caches,
+                                            policy_generation_config, image_token_suppression)]
+    parts = {"format": TINY_RENDERER_FORMAT, "seed": seed, "settings": settings, "code": code,
+             "constants": [TINY_CODEBOOK, TINY_VISION_VOCAB, TINY_CHAT_TEMPLATE],
+             "versions": [torch.__version__, diffusers.__version__, transformers.__version__]}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+TINY_WEIGHTED = ("vision_language_encoder", "text_encoder", "transformer", "vae")   # components with weight files
+
+
+TINY_MANIFEST = "grpo_glm_tiny.json"   # written last: a directory without it (or with a wrong one) is never loaded
+
+
+def tiny_cache_is_complete(path, key):
+    """True only for a finished build of this key whose files are all there, byte for byte, with
+    weights for every model in it."""
+    try:
+        manifest = json.loads((path / TINY_MANIFEST).read_text(encoding="utf-8"))
+        files = manifest["files"]
+        return manifest["key"] == key and all(any(name.startswith(f"{component}/") and name.endswith(".safetensors")
+                                                  for name in files) for component in TINY_WEIGHTED) and all(
+            hashlib.sha256((path / name).read_bytes()).hexdigest() == digest for name, digest in files.items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def tiny_pipeline_dir(seed=0, settings=None):
+    """The directory of `--model tiny` for this seed, built on first use (~15 s of CPU), then reused.
+
+    The build is atomic: it is written to a temporary directory beside the cache entry and renamed
+    into place after its manifest (sha256 of every file) is written; a lock file makes a second run
+    wait for the first run's build instead of building it again. A killed build leaves only a
+    temporary directory that nothing loads; an entry whose files do not match its manifest is set
+    aside and rebuilt."""
+    import fcntl
+    import shutil
+    import tempfile
+
+    settings = dict(TINY_RENDERER if settings is None else settings)
+    key = tiny_cache_key(seed, settings)
+    root = tiny_cache_root()
+    final = root / f"tiny-seed{seed}-{key}"
+    if tiny_cache_is_complete(final, key):
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)        # held until the with-block ends (or the process dies)
+        if tiny_cache_is_complete(final, key):  # another run built it while we waited
+            return final
+        if final.exists():
+            print(f"note: {final} is incomplete or corrupt; rebuilding it")
+            aside = Path(tempfile.mkdtemp(prefix=f".{final.name}.broken-", dir=root))
+            os.rename(final, aside / "entry")
+            shutil.rmtree(aside, ignore_errors=True)
+        for stale in root.glob(f".{final.name}.tmp-*"):     # left by a killed build (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
+        try:
+            start = time.time()
+            print(f"building --model tiny (seed {seed}): a random AR, and a renderer (DiT) pre-trained on token "
+                  f"mosaics for {settings['dit_steps']} steps, once ...", end=" ", flush=True)
+            with torch.random.fork_rng(devices=[]):
+                pipe = build_tiny_pipeline(seed, renderer="mosaic")
+                pipe.set_progress_bar_config(disable=True)
+                loss = train_tiny_renderer(pipe, settings, seed)
+            ar = pipe.vision_language_encoder
+            # generate_prior_tokens samples with the AR's generation config: without suppression the
+            # random AR writes image start/end ids mid-grid and the pipeline crashes (section 23).
+            ar.generation_config = policy_generation_config(
+                ar, pipe.transformer.config.prior_vq_quantizer_codebook_size, temperature=1.0)
+            with quiet_progress_bars():
+                pipe.save_pretrained(tmp)
+            files = {str(p.relative_to(tmp)): hashlib.sha256(p.read_bytes()).hexdigest()
+                     for p in sorted(tmp.rglob("*")) if p.is_file()}
+            atomic_write_bytes(tmp / TINY_MANIFEST, json.dumps(
+                {"key": key, "seed": seed, "settings": settings, "final_loss": loss, "files": files},
+                indent=1).encode())
+            os.rename(tmp, final)
+            print(f"done in {time.time() - start:.0f} s (flow-matching loss {loss:.4f}), cached in {final}", flush=True)
+        except BaseException:
+            print("failed", flush=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final
+
+
+# =============================================================================================
+# 21. More GPUs: torchrun data parallel (DDP) and sharding (--fsdp)
+# =============================================================================================
+# `torchrun --nproc_per_node K grpo_glm.py ...` starts K copies of this script with RANK,
+# LOCAL_RANK and WORLD_SIZE in their environment. Layout (DanceGRPO's): --prompts-per-step is the
+# global count, cut into K contiguous blocks; each rank samples, decodes, rewards and standardises
+# whole groups of its own, so the advantages need no communication. What crosses ranks:
+# DistributedDataParallel's gradient average in the update, and a few scalars per step (metrics,
+# the skip and stop decisions). Rank 0 alone writes metrics, samples and checkpoints.
+# The run does not depend on K: a group's tokens are drawn from a seed of (seed, step, slot), its
+# DiT noise from (seed, prompt), and every forward covers at most one micro-batch of rows cut the
+# same way on any K (with the default micro-batch = G, exactly one group; the DiT one prompt's group,
+# see dit_velocity). --policy dit|both wraps the DiT too. So 1 process and K give
+# the same samples and, up to the order of floating-point sums, the same weights; a checkpoint
+# written at one world size resumes exactly at another.
+
+def init_distributed(args):
+    """Joins the process group torchrun described in the environment (nothing to do for one
+    process). gloo on CPU, nccl on CUDA. The timeout bounds every collective: if a rank dies or
+    hangs, the others raise after --dist-timeout seconds instead of waiting forever."""
+    if launched_world_size() == 1:
+        return
+    if args.device == "cuda":
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        args.device = f"cuda:{local_rank}"
+    dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo",
+                            timeout=datetime.timedelta(seconds=args.dist_timeout))
+
+
+def launched_world_size():
+    """The process count torchrun set in the environment (readable before the group is joined)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_ddp():
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank():
+    return dist.get_rank() if is_ddp() else 0
+
+
+def world_size():
+    return dist.get_world_size() if is_ddp() else 1
+
+
+def collective_device():
+    """nccl reduces CUDA tensors only, gloo CPU ones."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def rank_slots(prompts_per_step):
+    """Positions (in the step's global prompt list) of this rank's groups: a contiguous block."""
+    per_rank = prompts_per_step // world_size()
+    return range(rank() * per_rank, (rank() + 1) * per_rank)
+
+
+def wrap_for_training(model, device):
+    """DistributedDataParallel around a module that trains (the AR, the DiT under --policy dit|both).
+    Its backward averages the gradients over ranks, so every rank's AdamW takes the same step and
+    the weights stay identical. Only the training forward may go through the wrapper: DDP has no
+    `.generate`, so sampling and no-grad passes use the module itself (unwrap).
+    The DiT's training forward calls the module several times before one backward (once per
+    prompt, twice with CFG, once more per prompt for the i2i source cache): DDP copes, since a
+    parameter used by several calls still gets one gradient hook per backward, and every rank makes
+    the same number of calls (as many prompts each). Buffers are not broadcast: none changes
+    during training, and a broadcast per call would be one more collective each."""
+    if not is_ddp() or is_sharded(model):        # FSDP2 shards in place and averages by itself
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [torch.device(device)] if str(device).startswith("cuda") else None
+    return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
+
+
+def unwrap(model):
+    """The module inside a DDP wrapper (for its attributes and its no-grad passes), else the model."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def all_ranks_agree(flag):
+    """True only if `flag` is True on every rank (a MIN all-reduce). Decisions that change how
+    many collectives a rank runs next (skip a non-finite update, stop after Ctrl+C) must be taken
+    together, or one rank waits forever in an all-reduce the others never start."""
+    if not is_ddp():
+        return bool(flag)
+    t = torch.tensor(int(bool(flag)), device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+MAX_METRICS = ("logp_diff_max",)
+
+
+def reduce_metrics(row):
+    """A metrics row averaged over ranks (maxima for MAX_METRICS). Every rank holds the same
+    number of samples of the same length, so the mean of the per-rank means is the global mean."""
+    if not is_ddp():
+        return row
+    keys = [k for k in row if k != "step"]
+    total = torch.tensor([float(row[k]) for k in keys], dtype=torch.float64, device=collective_device())
+    peak = total.clone()
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    reduced = {k: (peak[i] if k in MAX_METRICS else total[i] / world_size()).item() for i, k in enumerate(keys)}
+    return {"step": row["step"], **{k: type(row[k])(v) for k, v in reduced.items()}}
+
+
+def collective_failed(error):
+    """True for an error raised inside torch.distributed or DDP: a peer that died or timed out
+    (gloo reports a dead peer as a plain RuntimeError, hence the look at where it came from). The
+    gradient all-reduce (DDP) and reduce-scatter (FSDP) run inside autograd's backward, whose
+    frame is autograd's: there the message names the backend."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return isinstance(error, dist.DistError) or bool(frames and (
+        re.search(r"torch[/\\](distributed|nn[/\\]parallel)[/\\]", frames[-1].filename)
+        or re.search(r"torch[/\\]autograd[/\\]", frames[-1].filename) and re.search(r"gloo|nccl", str(error), re.I)))
+# --fsdp: FSDP2 (torch.distributed.fsdp.fully_shard). Each rank keeps 1/K of every trained weight,
+# its gradient and its AdamW moments (DTensors on a 1-D device mesh over the ranks). A unit's
+# weights are all-gathered just before its forward and backward and freed after; gradients are
+# reduce-scattered (averaged, as DDP's all-reduce) into the shards. Units: each decoder layer (the
+# AR's language_model.layers, the DiT's transformer_blocks), then the root (embeddings, norms,
+# heads, the AR's frozen vision encoder and VQ tokenizer). Sampling runs on whole weights
+# (whole_weights): generate would otherwise all-gather every layer once per generated token, and
+# the i2i source encoding calls the vision encoder and VQ outside any forward. Every micro-batch's
+# (and denoising step's) backward reduce-scatters: FSDP's way to skip that, like DDP's no_sync,
+# would keep whole gradients, the memory sharding saves. Checkpoints hold whole weights and AdamW
+# state, exactly as a 1-process run writes them, so either resumes the other.
+
+def is_sharded(model):
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+@functools.cache
+def device_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(collective_device().type, (world_size(),))
+
+
+def shard_for_training(model, params, args, reference=None):
+    """--fsdp under torchrun: shards `model` (the AR or the DiT, `params` its trainable parameters)
+    and its frozen KL `reference` copy if any, in place. Returns the trainable parameters, which
+    are new (DTensor) Parameter objects after sharding: AdamW must be built on these. Without
+    --fsdp or with one process: `params` unchanged.
+    bf16 (CUDA): the trained weights' shards are kept in fp32 (AdamW's updates of a bf16 weight
+    round away) and MixedPrecisionPolicy all-gathers them as bf16 for compute and reduce-scatters
+    gradients in fp32. Frozen parts (the AR's vision encoder and VQ tokenizer, in the root unit) stay
+    bf16: FSDP2 asks one dtype of a unit's trained weights only."""
+    if not (args.fsdp and is_ddp()):
+        return params
+    import warnings
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # The DiT returns a view (its unpatchify); FSDP2 warns in case the caller modifies it in place,
+    # which would skip its pre-backward hook. Nothing here does (dit_velocity is out of place).
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    policy = MixedPrecisionPolicy()
+    if args.dtype == "bfloat16":
+        from diffusers.training_utils import cast_training_params
+
+        cast_training_params(model, dtype=torch.float32)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for module in (model, reference):
+        if module is None:
+            continue
+        inner = getattr(module, "model", None)           # the AR: GlmImageForConditionalGeneration.model
+        for unit in inner.language_model.layers if inner is not None else module.transformer_blocks:
+            fully_shard(unit, mesh=device_mesh(), mp_policy=policy)
+        fully_shard(module, mesh=device_mesh(), mp_policy=policy)
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+@contextlib.contextmanager
+def whole_weights(model):
+    """Gathers a sharded model's whole weights for the duration (sampling, no-grad passes), so
+    that every forward inside runs without communication; frees them after. The per-GPU cost is
+    one whole copy of the model in its compute dtype while it samples, which DDP holds always.
+    A no-op for a model that is not sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not units:
+        yield
+        return
+    model.set_reshard_after_forward(False)
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        model.set_reshard_after_forward(True)
+        model.set_reshard_after_forward(False, recurse=False)   # FSDP2's default for the root
+        for unit in units:
+            unit.reshard()
+
+
+def clip_gradients(params, max_norm):
+    """torch's clip_grad_norm_ in its two halves, so that a sharded (DTensor) norm is reduced to
+    the whole gradient's norm before it scales the gradients (torchtitan does the same).
+    Returns the norm before clipping, a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+def gather_training_state(model, optimizer):
+    """--fsdp: the trained weights and AdamW state gathered whole onto rank 0's CPU (a collective:
+    every rank calls it), as (weights by name, optimizer.state_dict()-style AdamW state with
+    parameters numbered in param-group order) -- the format a 1-process run saves. None for a
+    model that is not sharded (save_checkpoint then reads model and optimizer itself)."""
+    if not is_sharded(model):
+        return None
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    weights = get_model_state_dict(model, options=options)
+    by_name = get_optimizer_state_dict(model, optimizer, options=options)
+    if rank() != 0:
+        return None
+    index = {name: i for i, name in enumerate(n for group in by_name["param_groups"] for n in group["params"])}
+    return weights, {"state": {index[n]: s for n, s in by_name["state"].items()},
+                     "param_groups": [{**group, "params": [index[n] for n in group["params"]]}
+                                      for group in by_name["param_groups"]]}
+
+
+def load_sharded_state(model, optimizer, weights, optimizer_state):
+    """--fsdp: loads whole weights and AdamW state (a checkpoint of any world size) into the shards
+    (every rank calls it; each keeps its part). Returns False for a model that is not sharded."""
+    if not is_sharded(model):
+        return False
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(model, weights, options=options)
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    by_name = {"state": {order[i]: s for i, s in optimizer_state["state"].items()},
+               "param_groups": [{**group, "params": [order[i] for i in group["params"]]}
+                                for group in optimizer_state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, by_name, options=options)
+    return True
+
+
+# =============================================================================================
+# 22. Memory plan for the real GLM-Image (arithmetic on the real configs, meta device)
+# =============================================================================================
+
 GiB = 1024 ** 3
 
 
@@ -2376,10 +3314,9 @@ def generated_tokens(height, width):
     ratio = (height // 32) / (width // 32)
     preview = int(math.sqrt(ratio) * 16) * int(math.sqrt(1 / ratio) * 16)
     return preview + (height // 32) * (width // 32) + 1
-
-
 # The real checkpoint's image-processor settings (read from its public config; the tiny model
 # differs only in min_pixels, see build_tiny_pipeline).
+
 REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, min_pixels=512 * 512,
                             max_pixels=2048 * 2048)
 
@@ -2400,11 +3337,10 @@ def ar_sequence(mode, height, width, prompt_tokens=64, image_processor=None):
     if mode == "t2i":
         return prompt_tokens, generated_tokens(height, width)
     return prompt_tokens + 2 + source_tokens(height, width, image_processor), (height // 32) * (width // 32) + 1
-
-
 # What the update holds, tensor by tensor. These formulas were checked against the live bytes the
 # CPU allocator reports for one update of a 2-layer AR of the real width (test_memory_plan_matches_
 # a_measured_update_at_the_real_width); the per-layer count was read off autograd's saved tensors.
+
 ADAPTER_BYTES = 4        # LoRA adapters train in fp32 (prepare_policy): weights, grads, AdamW moments
 
 
@@ -2546,7 +3482,7 @@ def dit_lora_parameter_count(dit, rank):
 
 def dit_memory_plan(components, height, width, samples, cfg, ar_row, text_tokens=64, ranks=(64,)):
     """--policy dit|both rows, same conventions as memory_plan. The DiT's loss is backpropagated one
-    denoising step at a time (section 10b), so activations are those of ONE step's forward over the
+    denoising step at a time (Part II), so activations are those of ONE step's forward over the
     batch, whatever --dit-train-steps is (x2 with CFG: the guided velocity keeps both passes). Per
     block and token ~ 30 * hidden values (attention as the AR's, a 4x GELU MLP). The stored
     trajectories (samples x (K+1) latents) are megabytes. 'both' adds the AR's trainable state
@@ -2631,887 +3567,8 @@ def print_memory_plan(args):
 
 
 # =============================================================================================
-# 13b. More GPUs: torchrun data parallel and micro-batches (plumbing, not GRPO)
+# 23. Saving and using the trained model (--save-pipeline, generate_images)
 # =============================================================================================
-# `torchrun --nproc_per_node K grpo_glm.py ...` starts K copies of this script with RANK,
-# LOCAL_RANK and WORLD_SIZE in their environment. Layout (DanceGRPO's): --prompts-per-step is the
-# global count, cut into K contiguous blocks; each rank samples, decodes, rewards and standardises
-# whole groups of its own, so the advantages need no communication. What crosses ranks:
-# DistributedDataParallel's gradient average in the update, and a few scalars per step (metrics,
-# the skip and stop decisions). Rank 0 alone writes metrics, samples and checkpoints.
-# The run does not depend on K: a group's tokens are drawn from a seed of (seed, step, slot), its
-# DiT noise from (seed, prompt), and every forward covers at most one micro-batch of rows cut the
-# same way on any K (with the default micro-batch = G, exactly one group; the DiT one prompt's group,
-# see dit_velocity). --policy dit|both wraps the DiT too. So 1 process and K give
-# the same samples and, up to the order of floating-point sums, the same weights; a checkpoint
-# written at one world size resumes exactly at another.
-
-def init_distributed(args):
-    """Joins the process group torchrun described in the environment (nothing to do for one
-    process). gloo on CPU, nccl on CUDA. The timeout bounds every collective: if a rank dies or
-    hangs, the others raise after --dist-timeout seconds instead of waiting forever."""
-    if launched_world_size() == 1:
-        return
-    if args.device == "cuda":
-        local_rank = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local_rank)
-        args.device = f"cuda:{local_rank}"
-    dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo",
-                            timeout=datetime.timedelta(seconds=args.dist_timeout))
-
-
-def launched_world_size():
-    """The process count torchrun set in the environment (readable before the group is joined)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def is_ddp():
-    return dist.is_available() and dist.is_initialized()
-
-
-def rank():
-    return dist.get_rank() if is_ddp() else 0
-
-
-def world_size():
-    return dist.get_world_size() if is_ddp() else 1
-
-
-def collective_device():
-    """nccl reduces CUDA tensors only, gloo CPU ones."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-def rank_slots(prompts_per_step):
-    """Positions (in the step's global prompt list) of this rank's groups: a contiguous block."""
-    per_rank = prompts_per_step // world_size()
-    return range(rank() * per_rank, (rank() + 1) * per_rank)
-
-
-def sampling_seed(seed, step, slot):
-    """Seed of the AR sampling for the group at position `slot` of step `step`: the same number
-    whichever rank draws that group, and different for every (step, slot)."""
-    return seed * 1_000_000_007 + step * 100_003 + slot
-
-
-def wrap_for_training(model, device):
-    """DistributedDataParallel around a module that trains (the AR, the DiT under --policy dit|both).
-    Its backward averages the gradients over ranks, so every rank's AdamW takes the same step and
-    the weights stay identical. Only the training forward may go through the wrapper: DDP has no
-    `.generate`, so sampling and no-grad passes use the module itself (unwrap).
-    The DiT's training forward calls the module several times before one backward (once per
-    prompt, twice with CFG, once more per prompt for the i2i source cache): DDP copes, since a
-    parameter used by several calls still gets one gradient hook per backward, and every rank makes
-    the same number of calls (as many prompts each). Buffers are not broadcast: none changes
-    during training, and a broadcast per call would be one more collective each."""
-    if not is_ddp() or is_sharded(model):        # FSDP2 shards in place and averages by itself
-        return model
-    from torch.nn.parallel import DistributedDataParallel
-
-    device_ids = [torch.device(device)] if str(device).startswith("cuda") else None
-    return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
-
-
-def unwrap(model):
-    """The module inside a DDP wrapper (for its attributes and its no-grad passes), else the model."""
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-
-
-# --fsdp: FSDP2 (torch.distributed.fsdp.fully_shard). Each rank keeps 1/K of every trained weight,
-# its gradient and its AdamW moments (DTensors on a 1-D device mesh over the ranks). A unit's
-# weights are all-gathered just before its forward and backward and freed after; gradients are
-# reduce-scattered (averaged, as DDP's all-reduce) into the shards. Units: each decoder layer (the
-# AR's language_model.layers, the DiT's transformer_blocks), then the root (embeddings, norms,
-# heads, the AR's frozen vision encoder and VQ tokenizer). Sampling runs on whole weights
-# (whole_weights): generate would otherwise all-gather every layer once per generated token, and
-# the i2i source encoding calls the vision encoder and VQ outside any forward. Every micro-batch's
-# (and denoising step's) backward reduce-scatters: FSDP's way to skip that, like DDP's no_sync,
-# would keep whole gradients, the memory sharding saves. Checkpoints hold whole weights and AdamW
-# state, exactly as a 1-process run writes them, so either resumes the other.
-
-def is_sharded(model):
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in model.modules())
-
-
-@functools.cache
-def device_mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(collective_device().type, (world_size(),))
-
-
-def shard_for_training(model, params, args, reference=None):
-    """--fsdp under torchrun: shards `model` (the AR or the DiT, `params` its trainable parameters)
-    and its frozen KL `reference` copy if any, in place. Returns the trainable parameters, which
-    are new (DTensor) Parameter objects after sharding: AdamW must be built on these. Without
-    --fsdp or with one process: `params` unchanged.
-    bf16 (CUDA): the trained weights' shards are kept in fp32 (AdamW's updates of a bf16 weight
-    round away) and MixedPrecisionPolicy all-gathers them as bf16 for compute and reduce-scatters
-    gradients in fp32. Frozen parts (the AR's vision encoder and VQ tokenizer, in the root unit) stay
-    bf16: FSDP2 asks one dtype of a unit's trained weights only."""
-    if not (args.fsdp and is_ddp()):
-        return params
-    import warnings
-
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    # The DiT returns a view (its unpatchify); FSDP2 warns in case the caller modifies it in place,
-    # which would skip its pre-backward hook. Nothing here does (dit_velocity is out of place).
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    policy = MixedPrecisionPolicy()
-    if args.dtype == "bfloat16":
-        from diffusers.training_utils import cast_training_params
-
-        cast_training_params(model, dtype=torch.float32)
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for module in (model, reference):
-        if module is None:
-            continue
-        inner = getattr(module, "model", None)           # the AR: GlmImageForConditionalGeneration.model
-        for unit in inner.language_model.layers if inner is not None else module.transformer_blocks:
-            fully_shard(unit, mesh=device_mesh(), mp_policy=policy)
-        fully_shard(module, mesh=device_mesh(), mp_policy=policy)
-    return [p for p in model.parameters() if p.requires_grad]
-
-
-@contextlib.contextmanager
-def whole_weights(model):
-    """Gathers a sharded model's whole weights for the duration (sampling, no-grad passes), so
-    that every forward inside runs without communication; frees them after. The per-GPU cost is
-    one whole copy of the model in its compute dtype while it samples, which DDP holds always.
-    A no-op for a model that is not sharded."""
-    from torch.distributed.fsdp import FSDPModule
-
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not units:
-        yield
-        return
-    model.set_reshard_after_forward(False)
-    for unit in units:
-        unit.unshard()
-    try:
-        yield
-    finally:
-        model.set_reshard_after_forward(True)
-        model.set_reshard_after_forward(False, recurse=False)   # FSDP2's default for the root
-        for unit in units:
-            unit.reshard()
-
-
-def clip_gradients(params, max_norm):
-    """torch's clip_grad_norm_ in its two halves, so that a sharded (DTensor) norm is reduced to
-    the whole gradient's norm before it scales the gradients (torchtitan does the same).
-    Returns the norm before clipping, a plain tensor."""
-    from torch.distributed.tensor import DTensor
-
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return norm
-
-
-def gather_training_state(model, optimizer):
-    """--fsdp: the trained weights and AdamW state gathered whole onto rank 0's CPU (a collective:
-    every rank calls it), as (weights by name, optimizer.state_dict()-style AdamW state with
-    parameters numbered in param-group order) -- the format a 1-process run saves. None for a
-    model that is not sharded (save_checkpoint then reads model and optimizer itself)."""
-    if not is_sharded(model):
-        return None
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-    weights = get_model_state_dict(model, options=options)
-    by_name = get_optimizer_state_dict(model, optimizer, options=options)
-    if rank() != 0:
-        return None
-    index = {name: i for i, name in enumerate(n for group in by_name["param_groups"] for n in group["params"])}
-    return weights, {"state": {index[n]: s for n, s in by_name["state"].items()},
-                     "param_groups": [{**group, "params": [index[n] for n in group["params"]]}
-                                      for group in by_name["param_groups"]]}
-
-
-def load_sharded_state(model, optimizer, weights, optimizer_state):
-    """--fsdp: loads whole weights and AdamW state (a checkpoint of any world size) into the shards
-    (every rank calls it; each keeps its part). Returns False for a model that is not sharded."""
-    if not is_sharded(model):
-        return False
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
-
-    options = StateDictOptions(full_state_dict=True, strict=False)
-    set_model_state_dict(model, weights, options=options)
-    names = {id(p): n for n, p in model.named_parameters()}
-    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    by_name = {"state": {order[i]: s for i, s in optimizer_state["state"].items()},
-               "param_groups": [{**group, "params": [order[i] for i in group["params"]]}
-                                for group in optimizer_state["param_groups"]]}
-    set_optimizer_state_dict(model, optimizer, by_name, options=options)
-    return True
-
-
-def all_ranks_agree(flag):
-    """True only if `flag` is True on every rank (a MIN all-reduce). Decisions that change how
-    many collectives a rank runs next (skip a non-finite update, stop after Ctrl+C) must be taken
-    together, or one rank waits forever in an all-reduce the others never start."""
-    if not is_ddp():
-        return bool(flag)
-    t = torch.tensor(int(bool(flag)), device=collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t.item())
-
-
-MAX_METRICS = ("logp_diff_max",)
-
-
-def reduce_metrics(row):
-    """A metrics row averaged over ranks (maxima for MAX_METRICS). Every rank holds the same
-    number of samples of the same length, so the mean of the per-rank means is the global mean."""
-    if not is_ddp():
-        return row
-    keys = [k for k in row if k != "step"]
-    total = torch.tensor([float(row[k]) for k in keys], dtype=torch.float64, device=collective_device())
-    peak = total.clone()
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    reduced = {k: (peak[i] if k in MAX_METRICS else total[i] / world_size()).item() for i, k in enumerate(keys)}
-    return {"step": row["step"], **{k: type(row[k])(v) for k, v in reduced.items()}}
-
-
-def collective_failed(error):
-    """True for an error raised inside torch.distributed or DDP: a peer that died or timed out
-    (gloo reports a dead peer as a plain RuntimeError, hence the look at where it came from). The
-    gradient all-reduce (DDP) and reduce-scatter (FSDP) run inside autograd's backward, whose
-    frame is autograd's: there the message names the backend."""
-    frames = traceback.extract_tb(error.__traceback__)
-    return isinstance(error, dist.DistError) or bool(frames and (
-        re.search(r"torch[/\\](distributed|nn[/\\]parallel)[/\\]", frames[-1].filename)
-        or re.search(r"torch[/\\]autograd[/\\]", frames[-1].filename) and re.search(r"gloo|nccl", str(error), re.I)))
-
-
-def row_slices(num_samples, size):
-    return [slice(start, min(start + size, num_samples)) for start in range(0, num_samples, size)]
-
-
-def slice_rollout(rollout, rows):
-    """Rows `rows` (a slice) of a Rollout, without the left-padding columns none of them needs,
-    so a group's forward is the same tensors whatever else shares its rank's batch."""
-    mask = rollout.attention_mask[rows]
-    first = int(mask.any(dim=0).nonzero()[0])          # only prompt columns can be all padding
-    return replace(
-        rollout, sequences=rollout.sequences[rows, first:], attention_mask=mask[:, first:],
-        position_ids=rollout.position_ids[:, rows, first:], loss_mask=rollout.loss_mask[rows],
-        old_logp=None if rollout.old_logp is None else rollout.old_logp[rows],
-        target_tokens=rollout.target_tokens[rows], prompt_len=rollout.prompt_len - first,
-        source_prior=None if rollout.source_prior is None else rollout.source_prior[rows])
-
-
-def micro_batches(policy, num_samples, size):
-    """Row slices of at most `size` samples for gradient accumulation (see sync_on_last)."""
-    return sync_on_last(policy, row_slices(num_samples, size))
-
-
-def sync_on_last(policy, pieces):
-    """Yields `pieces` (micro-batches of rows, the DiT's denoising steps), each to be backpropagated
-    before the next. Under DDP each backward all-reduces the gradients; inside no_sync() they only
-    accumulate locally. So all pieces but the last run in no_sync, and the last backward averages
-    the accumulated sum once. Every rank holds as many samples (and runs as many steps), hence
-    runs as many backward passes (a missing one would leave the other ranks waiting)."""
-    pieces = list(pieces)
-    for k, piece in enumerate(pieces):
-        accumulate_only = hasattr(policy, "no_sync") and k < len(pieces) - 1
-        with policy.no_sync() if accumulate_only else contextlib.nullcontext():
-            yield piece
-
-
-# =============================================================================================
-# 14. The training loop
-# =============================================================================================
-
-def prepare_out_dir(args):
-    """Refuses to write a new run over an old one: resuming is the only way to continue a run
-    (also one killed before its first checkpoint: --resume latest then starts it over)."""
-    out = Path(args.out)
-    if args.resume is None and ((out / "metrics.jsonl").exists() or any((out / "checkpoints").glob("step_*.pt"))):
-        raise UsageError(f"--out {out} already holds a run; pass --resume latest to continue it or pick another --out")
-    return out
-
-
-def lock_out_dir(out):
-    """An exclusive fcntl.flock on <out>/.lock for the whole run, so that two runs never write
-    into one --out. The OS releases it when the process ends, even on kill -9: no stale locks.
-    Returns the open file; the lock lasts as long as it stays open."""
-    import fcntl
-
-    out.mkdir(parents=True, exist_ok=True)
-    handle = open(out / ".lock", "a")      # stays empty: a failed start leaves --out byte-identical
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise UsageError(f"--out {out} is in use by another run; wait for it to finish or pick another --out")
-    return handle
-
-
-def check_resume_point(ckpt_path, step, out, args):
-    """Resuming from step k of a run that went further (later checkpoints exist) would replace its
-    history after k: refused unless --resume-force, which keeps the later checkpoints beside the
-    new ones as step_*.pt.dropped (truncate_metrics keeps the later rows likewise). Returns them."""
-    later = [p for p in sorted((out / "checkpoints").glob("step_*.pt")) if int(p.stem[5:]) > step]
-    if later and not args.resume_force:
-        raise UsageError(f"--resume {ckpt_path}: {out} has later checkpoints ({later[-1].name}); resuming from step "
-                         f"{step} would drop them and the metrics after step {step} (add --resume-force to do so; "
-                         "they are then kept as *.dropped)")
-    return later
-
-
-def keep_aside(checkpoints):
-    """step_*.pt -> step_*.pt.dropped: out of --resume latest's way, not deleted."""
-    for path in checkpoints:
-        path.rename(path.with_name(path.name + ".dropped"))
-        print(f"note: kept {path.name} of the dropped history as {path.name}.dropped")
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)   # Ctrl+C; what Slurm, Kubernetes and torchrun send before SIGKILL
-
-
-class AbandonStep(BaseException):
-    """A stop signal came before the step's UPDATE: drop the step (a BaseException, so that no
-    `except Exception` on the way, e.g. around a reward plug-in, swallows it)."""
-
-
-class StopAfterStep:
-    """Ctrl+C (SIGINT) and SIGTERM stop the run at a state that can be resumed, and exit 128 + signal
-    number (130, 143). Before the step's UPDATE (sampling, decoding, rewards: most of a step) nothing
-    has touched the weights yet, so the step is abandoned at once and the previous step is the one
-    saved; a schedulers' grace period (Slurm's KillWait, Kubernetes' 30 s) is then enough. Once the
-    update has begun, the step is finished and saved: a step updated by some inner epochs, not all,
-    is no state to resume from. A second Ctrl+C stops at once (the last checkpoint is complete); a
-    second SIGTERM changes nothing (Slurm signals every process and torchrun forwards its own, so a
-    rank may get two). Under torchrun the ranks decide together (`before_update`, and the loop's
-    check after each step)."""
-
-    def __init__(self):
-        self.signum = None          # the first stop signal received
-        self.abandonable = False    # True from a step's start until its update begins
-        self.previous = {s: signal.signal(s, self.request) for s in STOP_SIGNALS}
-
-    @property
-    def requested(self):
-        return self.signum is not None
-
-    def request(self, signum, _frame):
-        if self.requested:
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            return
-        self.signum = signum
-        name = "Ctrl+C" if signum == signal.SIGINT else signal.Signals(signum).name
-        if rank() == 0:
-            print(f"\n{name}: " + ("abandoning this step (its update has not begun) and saving the last one"
-                                   if self.abandonable else "finishing this step and saving a checkpoint")
-                  + " (Ctrl+C to quit now)", file=sys.stderr, flush=True)
-        if self.abandonable:
-            self.abandonable = False
-            raise AbandonStep
-
-    def begin_step(self):
-        self.abandonable, self.agreed = True, False
-        if self.requested:          # came after the last step's stop check: nothing of this step to keep
-            self.abandonable = False
-            raise AbandonStep
-
-    def agree(self):
-        """True if any rank got a stop signal; all ranks then adopt its number (for the exit code)."""
-        if is_ddp():
-            seen = torch.tensor(int(self.signum or 0), device=collective_device())
-            dist.all_reduce(seen, op=dist.ReduceOp.MAX)
-            if seen.item() and not self.requested:
-                self.signum = int(seen.item())
-                if rank() == 0:
-                    print(f"{signal.Signals(self.signum).name} on another rank: stopping", file=sys.stderr, flush=True)
-        return self.requested
-
-    def before_update(self):
-        """Called by the step right before its UPDATE: the last moment to drop it. All ranks take
-        part (a rank whose handler raised AbandonStep joins from the loop, see `agree_after_abandon`)."""
-        self.abandonable, self.agreed = False, True
-        if self.agree():
-            raise AbandonStep
-
-    def agree_after_abandon(self):
-        """A rank that left its step early still answers the other ranks' before_update vote."""
-        if not self.agreed:
-            self.agreed = True
-            self.agree()
-
-    def exit_code(self):
-        return 128 + self.signum
-
-    def restore(self):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-
-@dataclass
-class Trainer:
-    """What the loop carries from step to step."""
-    pipe: object                 # GlmImagePipeline; its vision_language_encoder is the policy
-    optimizer: torch.optim.Optimizer
-    params: list                 # the trainable parameters
-    reference: object            # frozen initial AR for the KL term (full fine-tuning, beta > 0), else None
-    suppressed: list             # ids outside the VQ codebook, never sampled inside a grid
-    rewards: list = None         # the --reward plug-ins (section 6)
-    lr_scheduler: object = None  # diffusers' get_scheduler: one step per GRPO step
-    trained: torch.nn.Module = None   # what checkpoints hold: the AR, or {AR, DiT} with --policy dit|both
-    dit_params: list = None      # the DiT's trainable parameters (--policy dit|both)
-    dit_reference: object = None  # frozen initial DiT for the KL term (full fine-tuning, beta > 0)
-    prompt_tokens: dict = None   # --policy dit --dit-prior per-prompt: prompt index -> its token grid
-    policy: object = None        # what the AR's training forward runs through: the AR, or its DDP wrapper
-    dit_policy: object = None    # the same for the DiT (--policy dit|both)
-    before_update: object = None  # called right before each UPDATE (the stop handler's last chance to drop the step)
-
-
-def sample_tokens(trainer, prompts, sources, slots, step, args):
-    """SAMPLE with the AR in eval mode; a Rollout with old log-probs. In bf16, generate's cached
-    decode and a full teacher-forced pass differ by ~1e-2 per token; pi_old then comes from a no-grad
-    teacher-forced pass, so that the first-epoch ratio is exactly 1 and only a real policy change
-    moves it. In fp32 the two agree to ~1e-6 and the sampler's own log-probs are used."""
-    ar = trainer.pipe.vision_language_encoder
-    ar.eval()
-    exact_fp32 = args.dtype == "float32"
-    with whole_weights(ar):
-        rollout = sample_groups(trainer.pipe, prompts, sources, slots, step, args, record_logp=exact_fp32)
-        if not exact_fp32:
-            rollout.old_logp = logprobs_by_micro_batch(ar, rollout, args.temperature, trainer.suppressed,
-                                                       args.micro_batch_size)
-    return rollout
-
-
-def grpo_step(trainer, items, indices, step, args, slots=None):
-    """One GRPO step on the prompts `items[indices]`, which sit at positions `slots` of the step's
-    global prompt list (under torchrun, this rank's share; default: all of them).
-    Returns (metrics row, rewards [N], images [N, 3, H, W], targets [P, 3, H, W] or None, sources or None,
-    None): the last is grpo_step_dit's a = 0 decode, which the AR policy has not."""
-    pipe, ar = trainer.pipe, trainer.pipe.vision_language_encoder
-    batch = [items[i] for i in indices]
-    prompts = [it.text for it in batch]
-    sources = [it.source for it in batch] if args.mode == "i2i" else None
-    slots = range(len(indices)) if slots is None else slots
-    M = args.micro_batch_size
-    # ---- SAMPLE ----------------------------------------------------------------------------
-    rollout = sample_tokens(trainer, prompts, sources, slots, step, args)
-    # ---- DECODE ----------------------------------------------------------------------------
-    noise = group_noise(pipe, indices, args.group_size, args.height, args.width, args.seed, step, args.dit_noise)
-    sample_prompts, sample_sources = repeat_each(prompts, args.group_size), sources and repeat_each(sources, args.group_size)
-    images = torch.cat([decode_images(pipe, sample_prompts[rows], slice_rollout(rollout, rows), noise[rows],
-                                      args.num_inference_steps, args.guidance_scale,
-                                      sample_sources and sample_sources[rows])
-                        for rows in row_slices(len(sample_prompts), M)])                  # [N, 3, H, W]
-    # ---- REWARD + ADVANTAGE ----------------------------------------------------------------
-    targets = batch_targets(batch)                                                        # [P, 3, H, W]
-    rewards, advantages, reward_metrics = score_groups(trainer.rewards, images, sample_prompts, targets,
-                                                       args.group_size)                  # [N], [N]
-    # ---- UPDATE ----------------------------------------------------------------------------
-    if trainer.before_update:
-        trainer.before_update()
-    ref_logp = (reference_logprobs(ar, trainer.reference, rollout, args.temperature, trainer.suppressed, M)
-                if args.beta > 0 else None)
-    ar.train()   # only switches gradient checkpointing on: GLM-Image's AR has no dropout, so the
-                 # first pass still reproduces pi_old exactly
-    terms = ar_loss_terms(trainer.policy, rollout, advantages, ref_logp, args, trainer.suppressed)
-    update = grpo_update(trainer.optimizer, [("", trainer.params, terms)], args)
-    row = {"step": step, **reward_metrics, **update}
-    return row, rewards, images, targets, sources, None
-
-
-def shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, cache):
-    """--policy dit: one token grid per prompt (its group shares it). 'per-prompt' (--dit-prior) draws
-    each prompt's grid from a seed of (seed, prompt index), the same grid every step: the tiny DiT
-    then sees a fixed input per prompt and can learn what to paint from it. A random AR's grids
-    say little about the prompt, so with 'per-step' grids the DiT can only learn an image that
-    suits every prompt on average; those are drawn from the seed of (seed, step, slot), as the AR's
-    groups (so any number of processes draws the same grids). The AR is frozen, so a prompt's
-    per-prompt draw is kept in `cache` rather than sampled again every step. Returns a Rollout-like
-    object with target_tokens [P, H*W], grid_hw and source_prior."""
-    def draw(i, seed):
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-            torch.manual_seed(seed)                               # leaves the run's RNG stream untouched
-            return sample_group(pipe, [prompts[i]], 1, args.temperature, args.height, args.width, args.loss_tokens,
-                                sources and [sources[i]], record_logp=False)
-
-    if args.dit_prior == "per-step":
-        draws = [draw(i, sampling_seed(args.seed, step, slot)) for i, slot in enumerate(slots)]
-    else:
-        for i, index in enumerate(indices):
-            if index not in cache:
-                cache[index] = draw(i, args.seed * 7_919 + index)
-        draws = [cache[index] for index in indices]
-    return SimpleNamespace(target_tokens=torch.cat([d.target_tokens for d in draws]), grid_hw=draws[0].grid_hw,
-                           source_prior=sources and [d.source_prior[0] for d in draws])
-
-
-def grpo_step_dit(trainer, items, indices, step, args, slots=None):
-    """One GRPO step with the DiT as (part of) the policy, --policy dit|both. Returns grpo_step's tuple
-    plus the a = 0 decode of the updated DiT [P, 3, H, W] on sample-sheet steps (else None).
-
-    dit: the AR tokens are sampled once per prompt and shared by its group, as is the initial noise,
-    so the G samples differ only by their SDE noise and the advantage credits the DiT alone.
-    both: tokens and SDE noise both vary; each sample gets one reward and one advantage, used by both
-    halves. Credit assignment is then shared: the AR's advantage also carries the luck of the SDE
-    noise and the DiT's the luck of the tokens, each half's signal is the other's noise. On the tiny
-    model the DiT's noise moves the reward far more than the tokens, so the AR learns more slowly than
-    under --policy ar (the README compares them)."""
-    pipe, ar, dit = trainer.pipe, trainer.pipe.vision_language_encoder, trainer.pipe.transformer
-    batch = [items[i] for i in indices]
-    prompts = [it.text for it in batch]
-    sources = [it.source for it in batch] if args.mode == "i2i" else None
-    G, train_ar = args.group_size, args.policy == "both"
-    slots = range(len(indices)) if slots is None else slots
-    # ---- SAMPLE: tokens (AR), then trajectories (DiT SDE) -----------------------------------
-    if train_ar:
-        rollout = sample_tokens(trainer, prompts, sources, slots, step, args)
-    else:
-        rollout = shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, trainer.prompt_tokens)
-    tokens = rollout.target_tokens if train_ar else rollout.target_tokens.repeat_interleave(G, 0)   # [N, H*W]
-    source_prior = rollout.source_prior and rollout.source_prior[::G if train_ar else 1]          # per prompt
-    cond = dit_condition(pipe, prompts, G, tokens, rollout.grid_hw, args.guidance_scale, sources, source_prior)
-    schedule = dit_schedule(pipe, args.height, args.width, args.num_inference_steps)
-    noise = group_noise(pipe, indices, G, args.height, args.width, args.seed, step, args.dit_noise)
-    with whole_weights(dit):
-        trajectories = sample_dit(dit, cond, noise, schedule, args.dit_noise_level, args.dit_train_steps,
-                                  sde_generators(args.seed, step, indices))
-    # ---- DECODE ------------------------------------------------------------------------------
-    with torch.no_grad():
-        images = latents_to_images(pipe, trajectories.states[:, -1])                       # [N, 3, H, W]
-    # ---- REWARD + ADVANTAGE: the same function for both halves --------------------------------
-    targets = batch_targets(batch)                                                        # [P, 3, H, W]
-    rewards, advantages, reward_metrics = score_groups(trainer.rewards, images, repeat_each(prompts, G), targets, G)
-    # ---- UPDATE: one optimiser loop; each trained half contributes its loss terms ------------
-    if trainer.before_update:
-        trainer.before_update()
-    halves = []
-    if train_ar:
-        ref_logp = (reference_logprobs(ar, trainer.reference, rollout, args.temperature, trainer.suppressed,
-                                       args.micro_batch_size) if args.beta > 0 else None)
-        ar.train()
-        halves.append(("", trainer.params, ar_loss_terms(trainer.policy, rollout, advantages, ref_logp, args,
-                                                         trainer.suppressed)))
-    halves.append(("dit/", trainer.dit_params, dit_loss_terms(trainer.dit_policy, trainer.dit_reference, cond,
-                                                              trajectories, advantages, args)))
-    update = grpo_update(trainer.optimizer, halves, args)
-    row = {"step": step, **reward_metrics, **update,
-           "loss": update.get("loss", 0.0) + update["dit/loss"]}                         # AR + DiT
-    ode = None
-    if args.sample_every and step % args.sample_every == 0:
-        first = slice(None, None, G)     # a = 0 decode of each prompt's first sample, shared noise
-        ode_cond = dit_condition(pipe, prompts, 1, tokens[first], rollout.grid_hw, args.guidance_scale, sources,
-                                 source_prior)
-        with whole_weights(dit):
-            ode = ode_decode(pipe, ode_cond, noise[first], schedule)
-    return row, rewards, images, targets, sources, ode
-
-
-def setup_training(args, ckpt=None, ckpt_path=None, rewards=None):
-    """Loads the model, marks what trains, builds AdamW and its learning-rate schedule, restores a
-    checkpoint. Returns (Trainer, start step). `rewards`: the loaded --reward plug-ins (loaded here
-    if not given; train loads them first, to know whether prompts need targets)."""
-    from diffusers.optimization import get_scheduler
-
-    pipe = load_pipeline(args)
-    # Seeded after loading, so the sampling stream is the same however the model was made
-    # (building the tiny model draws from the RNG, from_pretrained does not).
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    ar = pipe.vision_language_encoder
-    suppressed = image_token_suppression(ar, pipe.transformer.config.prior_vq_quantizer_codebook_size)
-    # For full fine-tuning with beta > 0, the KL reference is a frozen copy of the initial AR
-    # (fine for the tiny model; at 9B use LoRA, whose reference is the base with adapters off).
-    train_ar, dit = args.policy != "dit", pipe.transformer
-    reference = copy.deepcopy(ar).requires_grad_(False) if train_ar and args.beta > 0 and not args.lora_rank else None
-    params = shard_for_training(ar, prepare_policy(ar, args), args, reference) if train_ar else []
-    groups, trained = [{"params": params, "lr": args.lr}], ar
-    dit_params, dit_reference = None, None
-    if args.policy != "ar":
-        dit_reference = copy.deepcopy(dit).requires_grad_(False) if args.beta > 0 and not args.dit_lora_rank else None
-        dit_params = shard_for_training(dit, prepare_dit_policy(dit, args), args, dit_reference)
-        # one AdamW, one param group per half, each with its own learning rate
-        groups = (groups if train_ar else []) + [{"params": dit_params, "lr": args.dit_lr}]
-        trained = torch.nn.ModuleDict({"vision_language_encoder": ar, "transformer": dit} if train_ar
-                                      else {"transformer": dit})
-    optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay)
-    # The schedule spans --steps GRPO steps (each of --inner-epochs optimiser steps, all at the
-    # step's lr). diffusers' 'constant' ignores warm-up, its 'constant_with_warmup' does not.
-    with_warmup = args.lr_scheduler == "constant" and args.lr_warmup_steps
-    lr_scheduler = get_scheduler("constant_with_warmup" if with_warmup else args.lr_scheduler, optimizer,
-                                 num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.steps)
-    start = 0
-    if ckpt is not None:
-        restore_checkpoint(ckpt, ckpt_path, trained, optimizer, lr_scheduler)
-        start = ckpt["step"]
-        if rank() == 0:
-            print(f"Resuming from step {start} ({ckpt_path})")
-    rewards = load_rewards(args.reward) if rewards is None else rewards
-    return Trainer(pipe, optimizer, params, reference, suppressed, rewards, lr_scheduler, trained, dit_params,
-                   dit_reference, {}, policy=wrap_for_training(ar, args.device) if train_ar else None,
-                   dit_policy=wrap_for_training(dit, args.device) if args.policy != "ar" else None), start
-
-
-def open_run(args):
-    """Everything before the first step. Validates the flags, takes the --out lock first (nothing is
-    loaded for a run that may not write here), then loads prompts, rewards, the checkpoint and the
-    model (start_training). If the start stops (bad input), a --out made for this run is removed
-    again: bad input leaves nothing behind. Returns (items, trainer, start step, out, lead), or
-    None when there is nothing to do. `lead`: rank 0, the one rank that writes and prints; `lock`: its
-    --out lock (an open file; None on the other ranks)."""
-    validate_args(args)
-    out = prepare_out_dir(args)
-    resolve_runtime(args)
-    init_distributed(args)
-    lead = rank() == 0
-    made = [d for d in [out.absolute(), *out.absolute().parents] if not d.exists()]    # directories the lock will create
-    lock = lock_out_dir(out) if lead else None     # held while the run lasts (the open file keeps it)
-    started = None
-    try:
-        if lead:
-            prepare_out_dir(args)      # again under the lock: another run may have started meanwhile
-        started = start_training(args, out, lead)
-    finally:
-        if lead and started is None:
-            lock.close()
-            if made:
-                (out / ".lock").unlink(missing_ok=True)
-                with contextlib.suppress(OSError):
-                    for directory in made:       # innermost first; stops at one that is not empty
-                        directory.rmdir()
-    return None if started is None else (*started, out, lead, lock)
-
-
-def close_run(args, items, out, tracker, lock):
-    """At the end, and on any exit: the reward curve (its moving average over one pass through the
-    prompts), the tracker, the --out lock (rank 0 holds it)."""
-    if lock:
-        save_reward_curve(out / "reward_curve.png", read_metrics(out / "metrics.jsonl"),
-                          window=min(20, math.ceil(len(items) / args.prompts_per_step)))
-    if tracker:
-        tracker.close()
-    if lock:
-        lock.close()     # (the process's end would release it too; an in-process caller may run again)
-
-
-def start_logging(args, trainer, out, start):
-    """Drops metrics rows a killed run wrote after its checkpoint, prints the 'running with' block
-    and opens the tracker (or None)."""
-    truncate_metrics(out / "metrics.jsonl", start)
-    trainable = sum(p.numel() for p in trainer.trained.parameters() if p.requires_grad)
-    halves = {"ar": [("", args.lora_rank)], "dit": [("DiT ", args.dit_lora_rank)],
-              "both": [("AR ", args.lora_rank), ("DiT ", args.dit_lora_rank)]}[args.policy]
-    how = ", ".join(f"{half}{f'LoRA r={r}' if r else 'full'}" for half, r in halves)
-    print(f"running with: mode={args.mode} model={args.model} device={args.device} dtype={args.dtype} "
-          f"offload={args.offload} batch={args.prompts_per_step}x{args.group_size} mu={args.inner_epochs} "
-          + (f"lr={args.lr} " if args.policy != "dit" else "") + f"trainable={count_text(trainable)} ({how}) "
-          f"image={args.height}x{args.width} loss_tokens={args.loss_tokens} dit_noise={args.dit_noise} out={out} "
-          f"threads={torch.get_num_threads()} processes={world_size()} micro_batch={args.micro_batch_size}"
-          + (f" policy={args.policy} dit_lr={args.dit_lr} dit_train_steps={args.dit_train_steps}/"
-             f"{args.num_inference_steps} dit_noise_level={args.dit_noise_level}" if args.policy != "ar" else ""))
-    print("rewards: " + " + ".join(f"{r.weight:g} x {r.name}" for r in trainer.rewards)
-          + f" | lr schedule {args.lr_scheduler}, warm-up {args.lr_warmup_steps} | report to {args.report_to}")
-    return open_tracker(args, out, start)
-
-
-def finish_row(row, trainer, args, t0):
-    """Adds the learning rates this step's updates used, moves the schedule on by one GRPO step,
-    averages the row over ranks and times it."""
-    lrs = trainer.lr_scheduler.get_last_lr()    # [AR][, DiT]
-    if args.policy != "dit":
-        row["lr"] = lrs[0]
-    if args.policy != "ar":
-        row["dit/lr"] = lrs[-1]
-    with warnings.catch_warnings():
-        # a step whose updates were all skipped (non-finite) never called optimizer.step();
-        # the schedule still moves on by one GRPO step, as planned, and PyTorch need not warn
-        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-        trainer.lr_scheduler.step()
-    row = reduce_metrics(row)
-    row["seconds"] = round(time.time() - t0, 3)
-    return row
-
-
-def log_step(row, step, args, trainer, out, tracker, warned):
-    """metrics.jsonl, the tracker, one console line, the one-time collapse warning. Returns `warned`."""
-    append_metrics(out / "metrics.jsonl", row)
-    if tracker:
-        tracker.log(row, step)
-    dit_loss = f"dit loss {row.get('dit/loss', math.nan):+.3e}"     # ~1e-5: step log-probs are means
-    losses = {"ar": f"loss {row['loss']:+.4f}", "dit": dit_loss,
-              "both": f"loss {row['loss'] - row.get('dit/loss', math.nan):+.4f} | {dit_loss}"}[args.policy]
-    print(f"step {step:4d}/{args.steps} | {losses} | reward {row['reward_mean']:.5f} "
-          f"± {row['reward_std']:.5f} | " + "".join(
-              f"{prefix}ratio {row[prefix + 'ratio_mean']:.4f} | {prefix}clip {row[prefix + 'clip_ratio']:.3f} "
-              f"| {prefix}kl {row[prefix + 'kl']:.2e} | " for prefix in ("", "dit/") if prefix + "kl" in row)
-          + (f"entropy {row['entropy']:.3f} | " if "entropy" in row else "")
-          + f"zero_std {row['frac_reward_zero_std']:.2f} | {row['seconds']:.2f}s", flush=True)
-    return warn_if_collapsed(row, warned, math.log(trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size))
-
-
-def save_samples(out, step, prompts, targets, images, rewards, sources, ode, args, tracker):
-    sheet = save_sample_grid(out / "samples" / f"step_{step:06d}.png", prompts, targets, images, rewards,
-                             args.group_size, sources, ode)
-    if tracker:
-        tracker.log_image("samples", sheet, step)
-
-
-def save_step_checkpoint(out, step, trainer, args, lead):
-    """All ranks: the training state (gathered under --fsdp, a collective); rank 0 writes it. Weights
-    and AdamW state are identical on every rank, and no rank-local randomness is left (sampling
-    seeds are per group): rank 0's checkpoint is the whole state. Returns its path (rank 0)."""
-    state = gather_training_state(trainer.trained, trainer.optimizer)
-    if not lead:
-        return None
-    path = save_checkpoint(out, step, trainer.trained, trainer.optimizer, args, trainer.lr_scheduler, state)
-    if args.checkpoints_total_limit:
-        prune_checkpoints(out, args.checkpoints_total_limit)
-    return path
-
-
-def stop_before_update(stop, trainer, args, out, step, last_saved, step_rng):
-    """A stop signal arrived before this step's update: the weights are still step - 1's. Saves
-    step - 1 (if not saved yet) and exits. If a rank was killed (kill -9, OOM; torchrun then
-    SIGTERMs the rest), the others still hold step - 1 and rank 0 saves it alone."""
-    lead = rank() == 0
-    peers = True
-    try:
-        stop.agree_after_abandon()
-    except Exception as e:
-        if not (is_ddp() and collective_failed(e)):
-            raise
-        peers = False
-    set_rng_state(step_rng)                   # what a checkpoint of step - 1 holds
-    if step - 1 > last_saved and (peers or lead):
-        save_step_checkpoint(out, step - 1, trainer, args, lead)
-    if peers:
-        all_ranks_agree(True)     # the others wait for rank 0's file before they exit
-    if lead:
-        print(f"interrupted in step {step} before its update: " + (
-            f"step {step - 1} is saved in {out / 'checkpoints' / f'step_{step - 1:06d}.pt'}; continue with "
-            f"--resume latest --out {out}" if step - 1 > 0 else "no step finished, nothing to save"), file=sys.stderr)
-    sys.exit(stop.exit_code())
-
-
-def exit_after_checkpoint(stop, out, step, path, lead):
-    all_ranks_agree(True)     # the others wait for rank 0's file before they exit
-    if lead:
-        print(f"interrupted: saved step {step} to {path}; continue with --resume latest --out {out}", file=sys.stderr)
-    sys.exit(stop.exit_code())
-
-
-def start_training(args, out, lead):
-    """Everything between the lock and the first step: prompts, rewards, checkpoint, model, and the
-    checks that need them. Returns (items, trainer, start step), or None when there is nothing to do."""
-    # Targets are checked for the built-in mse before any plug-in loads (a CLIP model takes a
-    # while), for plug-ins that read them once they are loaded.
-    builtin = ["mse"] if any(spec.partition("=")[0] == "mse" for spec in args.reward) else []
-    items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
-    rewards = load_rewards(args.reward)
-    readers = [r.name for r in rewards if r.uses_targets]
-    if readers and not builtin:
-        require_targets(items, readers)
-    args.prompts_sha256 = file_sha256(args.prompts)
-    ckpt_path = find_checkpoint(args.resume, out) if args.resume else None
-    ckpt = read_checkpoint(ckpt_path) if ckpt_path else None
-    if ckpt is not None:
-        differences = check_resume_flags(ckpt["args"], args)
-        if differences and not args.resume_force:
-            raise UsageError(f"--resume {ckpt_path}: flags differ from the checkpoint's: {'; '.join(differences)} "
-                             "(add --resume-force to accept)")
-        if ckpt["step"] >= args.steps:
-            print(f"nothing to do: {ckpt_path} is at step {ckpt['step']} and --steps is {args.steps} "
-                  f"(pass --steps {ckpt['step'] + args.steps} to train {args.steps} more)")
-            return None
-        later = check_resume_point(ckpt_path, ckpt["step"], out, args)
-    trainer, start = setup_training(args, ckpt, ckpt_path, rewards)
-    check_prompt_lengths(trainer.pipe, items, args)
-    if lead and ckpt is not None:
-        keep_aside(later)
-    return items, trainer, start
-
-
-def check_prompt_lengths(pipe, items, args):
-    """A prompt longer than the AR's context is a UsageError naming its line and the limit (a
-    100k-character line otherwise ran for minutes at 3.6 GB with no message). The context
-    (max_position_embeddings) holds the prompt, an i2i source's tokens, the generated tokens and
-    the template's few grid markers (32 are set aside for them)."""
-    grid = (args.height // 32) * (args.width // 32)
-    others = (2 * grid + 1 if args.mode == "i2i" else generated_tokens(args.height, args.width)) + 32
-    context = pipe.vision_language_encoder.config.text_config.max_position_embeddings
-    lengths = [len(ids) for ids in pipe.processor.tokenizer([it.text for it in items], add_special_tokens=False)["input_ids"]]
-    for item, length in zip(items, lengths):
-        if length > context - others:
-            raise UsageError(f"{item.where}: the prompt is {length} tokens; the model's context of {context} leaves "
-                             f"{context - others} for a prompt at {args.height}x{args.width}")
-
-
-def count_text(n):
-    """A parameter count readable at any size: 3.2k, 0.09M would be 90.1k, 8.91B."""
-    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f}{unit}" if unit != "k" else f"{n / size:.1f}k"
-    return str(n)
-
-
-def train(args):
-    """The training loop. Each step: GRPO (grpo_step, or grpo_step_dit for --policy dit|both), then
-    LOG, sample sheets and CHECKPOINT, each one call into the plumbing (Part III)."""
-    run = open_run(args)                      # checks, --out lock, prompts, rewards, model, resume point
-    if run is None:
-        return None
-    items, trainer, start, out, lead, lock = run
-    tracker = start_logging(args, trainer, out, start) if lead else None
-    step_fn = grpo_step if args.policy == "ar" else grpo_step_dit
-    stop = StopAfterStep()                    # Ctrl+C / SIGTERM: finish or drop the step, checkpoint, exit
-    trainer.before_update = stop.before_update
-    last_saved, bad_steps, warned = start, [], False
-    try:
-        for step in range(start + 1, args.steps + 1):
-            t0 = time.time()
-            slots = rank_slots(args.prompts_per_step)            # this rank's share of the step's prompts
-            indices = [prompts_for_step(len(items), args.prompts_per_step, step, args.seed)[s] for s in slots]
-            step_rng = rng_state()
-            try:
-                stop.begin_step()
-                row, rewards, images, targets, sources, ode = step_fn(trainer, items, indices, step, args, slots)
-            except AbandonStep:               # a stop signal before the update: the weights are still step - 1's
-                stop_before_update(stop, trainer, args, out, step, last_saved, step_rng)
-            row = finish_row(row, trainer, args, t0)
-            stopping = stop.agree()                              # a stop signal seen by any rank stops all
-            # ---- LOG -------------------------------------------------------------------------
-            if lead:
-                warned = log_step(row, step, args, trainer, out, tracker, warned)
-            bad_steps = bad_steps + [skip_cause(row)] if row["skipped_updates"] == args.inner_epochs else []
-            if len(bad_steps) >= 5:
-                raise UsageError(non_finite_stop(bad_steps, step, out))
-            if lead and args.sample_every and step % args.sample_every == 0:     # rank 0's groups
-                save_samples(out, step, [items[i].text for i in indices], targets, images, rewards, sources, ode,
-                             args, tracker)
-            # ---- CHECKPOINT ------------------------------------------------------------------
-            if step % args.save_every == 0 or step == args.steps or stopping:
-                path = save_step_checkpoint(out, step, trainer, args, lead)
-                last_saved = step
-            if stopping:
-                exit_after_checkpoint(stop, out, step, path, lead)
-    except KeyboardInterrupt:   # the second Ctrl+C: leave now, the last checkpoint is complete
-        print(f"\ninterrupted: last checkpoint is step {last_saved} in {out / 'checkpoints'}", file=sys.stderr)
-        sys.exit(130)
-    finally:
-        stop.restore()
-        close_run(args, items, out, tracker, lock)
-    if args.save_pipeline and lead:
-        save_trained_pipeline(trainer.pipe, args)
-    return trainer.pipe
-
 
 def save_trained_pipeline(pipe, args):
     """Writes a pipeline that GlmImagePipeline.from_pretrained(dir) loads as usual. LoRA is merged
@@ -3530,6 +3587,40 @@ def save_trained_pipeline(pipe, args):
         ar, pipe.transformer.config.prior_vq_quantizer_codebook_size, args.temperature)
     pipe.save_pretrained(args.save_pipeline)
     print(f"saved the trained pipeline to {args.save_pipeline}")
+
+
+def policy_generation_config(ar, codebook_size, temperature):
+    """The sampling settings training used, as a generation config for inference.
+
+    GlmImagePipeline.generate_prior_tokens calls `ar.generate(**inputs, max_new_tokens=..,
+    do_sample=True)` and takes everything else from `ar.generation_config`. The real checkpoint's
+    config samples with temperature 0.9 and top-p 0.75 and suppresses nothing: a trained AR
+    practically never writes image start/end inside a grid. A tiny or briefly trained one does,
+    and the pipeline then crashes upsampling a short grid (`shape '[1, 1, 2, 2]' is invalid`).
+    So the saved config is the policy GRPO optimised: softmax(logits / T) with no top-k/top-p and
+    the special ids suppressed, exactly as sample_group draws."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
+        suppress_tokens=image_token_suppression(ar, codebook_size),
+        bos_token_id=ar.generation_config.bos_token_id, pad_token_id=ar.config.text_config.pad_token_id,
+        eos_token_id=ar.config.text_config.eos_token_id)
+
+
+def merge_lora(ar):
+    """transformers' adapter API (add_adapter & co.) has no merge; peft's LoraLayer.merge folds
+    W += B @ A * alpha / r, then each wrapper is swapped back for its plain base Linear."""
+    from peft.tuners.lora import LoraLayer
+
+    wrappers = [(name, module) for name, module in ar.named_modules() if isinstance(module, LoraLayer)]
+    for name, module in wrappers:
+        module.merge()
+        parent_name, _, child = name.rpartition(".")
+        setattr(ar.get_submodule(parent_name), child, module.get_base_layer())
+    ar.peft_config = {}
+    ar._hf_peft_config_loaded = False
+    return ar
 
 
 @torch.no_grad()
@@ -3567,39 +3658,9 @@ def generate_images(pipe, prompts, sources=None, height=64, width=64, num_infere
     return [Image.fromarray((p * 255).round().astype(np.uint8)) for p in pixels]
 
 
-def policy_generation_config(ar, codebook_size, temperature):
-    """The sampling settings training used, as a generation config for inference.
-
-    GlmImagePipeline.generate_prior_tokens calls `ar.generate(**inputs, max_new_tokens=..,
-    do_sample=True)` and takes everything else from `ar.generation_config`. The real checkpoint's
-    config samples with temperature 0.9 and top-p 0.75 and suppresses nothing: a trained AR
-    practically never writes image start/end inside a grid. A tiny or briefly trained one does,
-    and the pipeline then crashes upsampling a short grid (`shape '[1, 1, 2, 2]' is invalid`).
-    So the saved config is the policy GRPO optimised: softmax(logits / T) with no top-k/top-p and
-    the special ids suppressed, exactly as sample_group draws."""
-    from transformers import GenerationConfig
-
-    return GenerationConfig(
-        do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-        suppress_tokens=image_token_suppression(ar, codebook_size),
-        bos_token_id=ar.generation_config.bos_token_id, pad_token_id=ar.config.text_config.pad_token_id,
-        eos_token_id=ar.config.text_config.eos_token_id)
-
-
-def merge_lora(ar):
-    """transformers' adapter API (add_adapter & co.) has no merge; peft's LoraLayer.merge folds
-    W += B @ A * alpha / r, then each wrapper is swapped back for its plain base Linear."""
-    from peft.tuners.lora import LoraLayer
-
-    wrappers = [(name, module) for name, module in ar.named_modules() if isinstance(module, LoraLayer)]
-    for name, module in wrappers:
-        module.merge()
-        parent_name, _, child = name.rpartition(".")
-        setattr(ar.get_submodule(parent_name), child, module.get_base_layer())
-    ar.peft_config = {}
-    ar._hf_peft_config_loaded = False
-    return ar
-
+# =============================================================================================
+# 24. Entry point
+# =============================================================================================
 
 def main(argv=None):
     args = parse_args(argv)
