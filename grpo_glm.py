@@ -137,7 +137,7 @@ def parse_args(argv=None):
     a("--prompts-per-step", type=int, default=2, help="Prompts per step; the batch is prompts-per-step x G samples.")
     a("--inner-epochs", type=int, default=4, help="mu: optimisation passes over each batch. With 1 the PPO ratio "
       "is always 1 and clipping never acts.")
-    a("--lr", type=float, default=1e-2, help="AdamW learning rate (the default suits the tiny demo: 40 steps "
+    a("--lr", type=float, default=1.2e-2, help="AdamW learning rate (the default suits the tiny demo: 40 steps "
       "reach each prompt's background colour, near the edge of an entropy collapse; use ~1e-5 for the real model).")
     a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="Learning-rate "
       "schedule over --steps GRPO steps (diffusers' get_scheduler; one scheduler step per GRPO step). Resuming "

@@ -1788,16 +1788,17 @@ def test_both_policies_count_tied_groups_alike(tmp_path):
 
 
 def test_slow_dit_policy_learns(tmp_path):
-    """The issue's bar for the DiT: mean reward of the last 5 steps beats the first 5 by at least 3x
-    the first 5 steps' mean within-group std (~45 s on 2 cores)."""
-    g.main(["--policy", "dit", "--steps", "150", "--inner-epochs", "1", "--group-size", "8", "--out",
+    """Flow-GRPO on the pre-trained DiT: in 30 steps the mean reward of the last 5 beats the first 5
+    by at least 10x the first 5 steps' mean within-group std (measured 17x-22x at seeds 0-1; ~15 s
+    on 2 cores)."""
+    g.main(["--policy", "dit", "--steps", "30", "--inner-epochs", "1", "--group-size", "8", "--out",
             str(tmp_path / "learn"), "--sample-every", "0", "--save-every", "1000"])
     rows = read_metrics(tmp_path / "learn")
     first = sum(r["reward_mean"] for r in rows[:5]) / 5
     last = sum(r["reward_mean"] for r in rows[-5:]) / 5
     std = sum(r["reward_std"] for r in rows[:5]) / 5
     print(f"first5 {first:.5f} last5 {last:.5f} gain {last - first:.5f} = {(last - first) / std:.1f} x first5 std")
-    assert last - first >= 3 * std
+    assert last - first >= 10 * std
 
 
 # ---------------------------------------------------------------------------------------------
