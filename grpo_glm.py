@@ -2336,11 +2336,12 @@ def save_samples(out, step, prompts, targets, images, rewards, sources, ode, arg
         tracker.log_image("samples", sheet, step)
 
 
-def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, scale=2):
+def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, scale=None):
     """One row per prompt: (i2i: the source,) the target (if any), then its G samples captioned with
     their rewards, and (--policy dit|both, `ode` [P, 3, H, W]) the current DiT's deterministic a = 0
     decode. Images are how one notices collapse or reward hacking long before the numbers do.
     Returns the sheet (PIL) for the trackers."""
+    scale = scale or max(1, 128 // images.shape[-1])          # cells at least 128 px wide, to be seen
     width, height = images.shape[-1] * scale, images.shape[-2] * scale
     caption = 14
     to_pil = lambda t: Image.fromarray((t.clamp(0, 1).permute(1, 2, 0).numpy() * 255).astype(np.uint8))
