@@ -887,7 +887,7 @@ def test_plan_of_the_real_model_needs_no_download(capsys):
 # Image to image
 # ---------------------------------------------------------------------------------------------
 
-I2I = ["--mode", "i2i", "--group-size", "4", "--prompts-per-step", "2", "--sample-every", "1"]
+I2I = ["--mode", "i2i", "--group-size", "4", "--prompts-per-step", "2", "--sample-every", "1", "--height", "64", "--width", "64"]
 
 
 @pytest.fixture()
