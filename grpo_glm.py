@@ -137,7 +137,7 @@ def parse_args(argv=None):
     a("--prompts-per-step", type=int, default=2, help="Prompts per step; the batch is prompts-per-step x G samples.")
     a("--inner-epochs", type=int, default=4, help="mu: optimisation passes over each batch. With 1 the PPO ratio "
       "is always 1 and clipping never acts.")
-    a("--lr", type=float, default=1.2e-2, help="AdamW learning rate (the default suits the tiny demo: 40 steps "
+    a("--lr", type=float, default=1e-2, help="AdamW learning rate (the default suits the tiny demo: 40 steps "
       "reach each prompt's background colour, near the edge of an entropy collapse; use ~1e-5 for the real model).")
     a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="Learning-rate "
       "schedule over --steps GRPO steps (diffusers' get_scheduler; one scheduler step per GRPO step). Resuming "
@@ -683,7 +683,8 @@ def sample_group(pipe, prompts, group_size, temperature, height, width, loss_tok
         generators = [torch.Generator(ar.device).manual_seed(int(torch.randint(2**62, ()))) for _ in prompts]
     # do_sample=False: generate takes the argmax of what GumbelMax returns, with no warper of its own.
     generation_config = GenerationConfig(
-        do_sample=False, max_new_tokens=num_generated, min_new_tokens=num_generated, suppress_tokens=suppressed,
+        do_sample=False, top_k=50, top_p=1.0, temperature=1.0,   # generate's defaults: its sampler is off
+        max_new_tokens=num_generated, min_new_tokens=num_generated, suppress_tokens=suppressed,
         pad_token_id=pad_id, eos_token_id=None, return_dict_in_generate=True, output_logits=record_logp)
     out = ar.generate(**batch, **extra, generation_config=generation_config,
                       logits_processor=[GumbelMax(generators, group_size, temperature)])
