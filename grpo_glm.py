@@ -1,7 +1,7 @@
 """GRPO for GLM-Image, in one file.
 
     pip install -r requirements.txt
-    python grpo_glm.py --steps 10                        # tiny GLM-Image (see below), CPU, ~1 min
+    python grpo_glm.py --steps 10                        # tiny GLM-Image (see below), CPU, ~35 s
     python grpo_glm.py --steps 40 --out runs/demo        # long enough to see the reward rise
     python grpo_glm.py --resume latest --out runs/demo --steps 60
     python grpo_glm.py --reward my_rewards.py:score --report-to tensorboard   # your reward, watched in TensorBoard
