@@ -2365,16 +2365,14 @@ def test_slow_memory_plan_matches_a_measured_update_at_the_real_width():
             assert PLAN_BAND[0] <= ratio <= PLAN_BAND[1], (label, phase, measured[phase], planned[phase])
 
 
-def test_slow_sigterm_to_one_rank_stops_both(tmp_path):
-    """Rank 1 alone gets SIGTERM in step 1, before the update: both ranks drop the step together
-    (no rank waits in an update the other never starts) and exit 143. (Saving the previous step on
-    a stop before the update is checked in-process above.)"""
+def two_cli_ranks_with_signals(tmp_path, **signals):
+    """grpo_glm.py as 2 torchrun-like ranks whose reward (SIGNAL_REWARD) sends the signals named in
+    the environment; returns their exit codes and stderr."""
     (tmp_path / "term.py").write_text(SIGNAL_REWARD)
-    out, port = tmp_path / "run", free_port()
-    argv = [sys.executable, str(HERE / "grpo_glm.py"), "--steps", "5", "--out", str(out), "--group-size", "4",
-            "--inner-epochs", "1", "--sample-every", "0", "--dist-timeout", "60",
+    argv = [sys.executable, str(HERE / "grpo_glm.py"), "--steps", "5", "--out", str(tmp_path / "run"),
+            "--group-size", "4", "--inner-epochs", "1", "--sample-every", "0", "--dist-timeout", "60",
             "--reward", f"{tmp_path}/term.py:score"]
-    env = {**os.environ, "SIGNAL_AT_CALL": "1", "SIGNAL_RANK": "1"}
+    env, port = {**os.environ, **signals}, free_port()
     procs = [subprocess.Popen(argv, env={**env, **rank_env(r, 2, port)}, cwd=HERE, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
     try:
@@ -2382,7 +2380,16 @@ def test_slow_sigterm_to_one_rank_stops_both(tmp_path):
     finally:
         for p in procs:
             p.kill()
-    assert [p.returncode for p in procs] == [143, 143], errs
+    return [p.returncode for p in procs], errs
+
+
+def test_slow_sigterm_to_one_rank_stops_both(tmp_path):
+    """Rank 1 alone gets SIGTERM in step 1, before the update: both ranks drop the step together
+    (no rank waits in an update the other never starts) and exit 143. (Saving the previous step on
+    a stop before the update is checked in-process above.)"""
+    out = tmp_path / "run"
+    codes, errs = two_cli_ranks_with_signals(tmp_path, SIGNAL_AT_CALL="1", SIGNAL_RANK="1")
+    assert codes == [143, 143], errs
     assert "SIGTERM on another rank: stopping" in errs[0] and "Traceback" not in errs[0] + errs[1]
     assert "interrupted in step 1 before its update: no step finished, nothing to save" in errs[0]
     assert not (out / "checkpoints").exists()
@@ -2391,19 +2398,8 @@ def test_slow_sigterm_to_one_rank_stops_both(tmp_path):
 def test_slow_after_kill_9_of_one_rank_sigterm_still_saves_the_last_step(tmp_path):
     """Under torchrun a killed rank makes torchrun SIGTERM the others: rank 0, still in step 2's
     sampling, cannot agree with a dead peer but saves step 1, whose weights it holds."""
-    (tmp_path / "term.py").write_text(SIGNAL_REWARD)
-    out, port = tmp_path / "run", free_port()
-    argv = [sys.executable, str(HERE / "grpo_glm.py"), "--steps", "5", "--out", str(out), "--group-size", "4",
-            "--inner-epochs", "1", "--sample-every", "0", "--dist-timeout", "60",
-            "--reward", f"{tmp_path}/term.py:score"]
-    env = {**os.environ, "SIGNAL_AT_CALL": "2", "SIGNAL_RANK": "0", "KILL_RANK": "1"}
-    procs = [subprocess.Popen(argv, env={**env, **rank_env(r, 2, port)}, cwd=HERE, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
-    try:
-        errs = [p.communicate(timeout=180)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert [p.returncode for p in procs] == [143, -9], errs
+    out = tmp_path / "run"
+    codes, errs = two_cli_ranks_with_signals(tmp_path, SIGNAL_AT_CALL="2", SIGNAL_RANK="0", KILL_RANK="1")
+    assert codes == [143, -9], errs
     assert "interrupted in step 2 before its update: step 1 is saved" in errs[0] and "Traceback" not in errs[0]
     assert [p.name for p in (out / "checkpoints").glob("*.pt")] == ["step_000001.pt"]
