@@ -203,6 +203,9 @@ def parse_args(argv=None):
       "collective before it gives up with an error (a dead or hung rank then stops the run, no hang).")
     a("--plan", action="store_true", help="Print the memory plan of --model for --height x --width and the "
       "batch size, and exit (a hub id uses the real sizes, nothing is downloaded).")
+    a("--plan-gpus", type=int, nargs="+", metavar="K", help="With --plan: also print the per-GPU bytes of --fsdp "
+      "(full fine-tuning sharded over K GPUs, torchrun --nproc_per_node K) for each K given; --prompts-per-step "
+      "is then the global count, as under torchrun.")
     args = p.parse_args(attach_negative_numbers(sys.argv[1:] if argv is None else argv))
     args.reward = args.reward or ["mse"]
     return args
@@ -1786,6 +1789,8 @@ def validate_args(args):
     if args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline):
         raise UsageError("--fsdp shards full fine-tuning; LoRA adapters are small enough to replicate (drop --fsdp), "
                          "and --save-pipeline needs whole weights (resume the last checkpoint in one process)")
+    if args.plan_gpus and not args.plan:
+        raise UsageError("--plan-gpus sets the GPU counts of --plan's FSDP rows: add --plan, or drop it")
     if args.micro_batch_size is not None and args.micro_batch_size < 1:
         raise UsageError(f"--micro-batch-size must be at least 1, got {args.micro_batch_size}")
     if min(args.beta, args.sample_every, args.lora_rank, args.weight_decay, args.lr_warmup_steps) < 0:
@@ -1831,6 +1836,16 @@ def validate_dit_args(args):
         raise UsageError("--dit-lora-rank and --dit-train-steps need --policy dit or both")
     if args.policy == "dit" and args.lora_rank:
         raise UsageError("--lora-rank adapts the AR, which --policy dit does not train (use --dit-lora-rank)")
+
+
+def validate_plan_args(args):
+    """--plan's own checks (validate_args guards a run, and the plan loads and writes nothing)."""
+    for k in args.plan_gpus or ():
+        if k < 2:
+            raise UsageError(f"--plan-gpus must be at least 2 (one GPU has nothing to shard with), got {k}")
+        if args.prompts_per_step % k:
+            raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by --plan-gpus {k}: "
+                             "each rank trains whole groups")
 
 
 def looks_like_hub_id(name):
@@ -3167,11 +3182,20 @@ def shard_for_training(model, params, args, reference=None):
     for module in (model, reference):
         if module is None:
             continue
-        inner = getattr(module, "model", None)           # the AR: GlmImageForConditionalGeneration.model
-        for unit in inner.language_model.layers if inner is not None else module.transformer_blocks:
+        for unit in sharded_layers(module):
             fully_shard(unit, mesh=device_mesh(), mp_policy=policy)
-        fully_shard(module, mesh=device_mesh(), mp_policy=policy)
+        # FSDP2 keeps a root's weights gathered after its forward (backward needs them at once), and
+        # a root that never runs backward would keep them for good: the reference reshards at once.
+        fully_shard(module, mesh=device_mesh(), mp_policy=policy,
+                    reshard_after_forward=True if module is reference else None)
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def sharded_layers(module):
+    """The units fully_shard wraps one by one, before the root: the AR's decoder layers
+    (GlmImageForConditionalGeneration.model.language_model.layers), the DiT's transformer_blocks."""
+    inner = getattr(module, "model", None)
+    return inner.language_model.layers if inner is not None else module.transformer_blocks
 
 
 @contextlib.contextmanager
@@ -3482,19 +3506,24 @@ def dit_lora_parameter_count(dit, rank):
                if isinstance(m, torch.nn.Linear) and any(n.endswith(t) for t in DIT_LORA_TARGETS))
 
 
+def dit_activation_bytes(dit, height, width, samples, cfg, checkpointing, text_tokens=64):
+    """What one denoising step's forward over `samples` keeps for its backward (bf16). The DiT's loss
+    is backpropagated one step at a time (Part II), so this is all, whatever --dit-train-steps is
+    (x2 with CFG: the guided velocity keeps both passes). Per block and token ~ 30 * hidden values
+    (attention as the AR's, a 4x GELU MLP); with checkpointing each block keeps its input and one
+    block is recomputed in full. (Not measured, unlike the AR's.)"""
+    hidden = dit.config.num_attention_heads * dit.config.attention_head_dim
+    block_inputs = ((height // 16) * (width // 16) + text_tokens) * samples * (2 if cfg else 1) * hidden * 2
+    layers = dit.config.num_layers
+    return layers * block_inputs + 30 * block_inputs if checkpointing else layers * 30 * block_inputs
+
+
 def dit_memory_plan(components, height, width, samples, cfg, ar_row, text_tokens=64, ranks=(64,)):
-    """--policy dit|both rows, same conventions as memory_plan. The DiT's loss is backpropagated one
-    denoising step at a time (Part II), so activations are those of ONE step's forward over the
-    batch, whatever --dit-train-steps is (x2 with CFG: the guided velocity keeps both passes). Per
-    block and token ~ 30 * hidden values (attention as the AR's, a 4x GELU MLP). The stored
-    trajectories (samples x (K+1) latents) are megabytes. 'both' adds the AR's trainable state
-    (`ar_row`); the AR's activations are freed before the DiT's backward starts."""
+    """--policy dit|both rows, same conventions as memory_plan; activations from dit_activation_bytes
+    over the batch. The stored trajectories (samples x (K+1) latents) are megabytes. 'both' adds the
+    AR's trainable state (`ar_row`); the AR's activations are freed before the DiT's backward starts."""
     dit = components["dit"]
     counts = {name: numel(module) for name, module in components.items()}
-    hidden = dit.config.num_attention_heads * dit.config.attention_head_dim
-    tokens = (height // 16) * (width // 16) + text_tokens
-    passes = 2 if cfg else 1
-    per_block = tokens * samples * passes * 30 * hidden * 2
     frozen = max(2 * v for k, v in counts.items() if k not in ("dit", "ar"))
     rows = []
     for mode, trainable in [("full", counts["dit"])] + [(f"lora-{r}", dit_lora_parameter_count(dit, r)) for r in ranks]:
@@ -3502,12 +3531,11 @@ def dit_memory_plan(components, height, width, samples, cfg, ar_row, text_tokens
         weights = 2 * counts["dit"] + (4 * trainable if lora else 0)
         # AdamW's moments take the parameters' dtype (bf16 DiT weights: bf16 moments); its foreach
         # step (CUDA) holds one more moment-sized copy. Gradients accumulate over the trained
-        # steps, so they sit beside one step's activations. (Activations: not measured, unlike the AR's.)
+        # steps, so they sit beside one step's activations.
         grad_bytes = ADAPTER_BYTES if lora else 2
         grads, adam = grad_bytes * trainable, 2 * grad_bytes * trainable
         for checkpointing in (False, True):
-            layers = dit.config.num_layers
-            act = (layers * tokens * samples * passes * hidden * 2 + per_block) if checkpointing else layers * per_block
+            act = dit_activation_bytes(dit, height, width, samples, cfg, checkpointing, text_tokens)
             dit_peak = weights + grads + adam + max(act, grad_bytes * trainable)
             rows.append({"mode": mode, "grad_ckpt": checkpointing, "trainable_params": trainable, "dit_weights": weights,
                          "grads": grads, "adam": adam, "activations": act,
@@ -3517,7 +3545,113 @@ def dit_memory_plan(components, height, width, samples, cfg, ar_row, text_tokens
     return rows
 
 
+# --fsdp, per GPU on K GPUs (section 21's layout). Each GPU keeps 1/K of every weight of a sharded
+# model: the trained ones as fp32 master shards with fp32 gradients and two fp32 AdamW moments (16
+# bytes per trained parameter, / K), the frozen ones (the AR's vision encoder and VQ) in bf16.
+# Gathered in bf16 for compute, whole on every GPU for a while:
+#   the root unit (embeddings, heads, final norms, the AR's vision encoder and VQ), from its
+#     forward to the end of its backward: FSDP2 does not reshard a root after forward;
+#   two decoder layers, not one: forward prefetches the next layer (its all-gather runs while the
+#     current one computes, whose buffer is freed after the next one's copy-in), and backward
+#     prefetches the previous one by default (FSDPParamGroup._backward_prefetch);
+#   at the end of a layer's backward, its reduce: the layer's bf16 gradient copied into an fp32
+#     reduce-scatter input (2 + 4 bytes per parameter; the shard it yields is added to the sharded
+#     gradient). The root's reduce comes last, when every layer and activation is freed;
+#   the whole model while it samples (whole_weights), 2 bytes per parameter, beside the AR's
+#     sampling working set (ar_sampling_bytes; the DiT's no-grad denoising keeps one block's).
+# Not counted: all-gather buffers briefly doubled during a copy-out, the reference's pass before
+# the update (its gathered units and no-grad activations are below the update's), and the CUDA
+# allocator's own slack.
+
+FSDP_MASTER_BYTES = 4     # shard_for_training's trained shards, their gradients and AdamW moments: fp32
+
+
+def ar_sampling_bytes(text_config, samples, micro_batch, prompt_tokens, generated, bytes_per=2):
+    """The AR's working set while it samples, besides its weights, the larger of: generate's KV cache
+    for this GPU's `samples` (keys and values of every layer and position), and pi_old's no-grad
+    teacher-forced pass over a micro-batch (sample_tokens, bf16): the logits, their fp32 copy / T
+    and its log_softmax, (d + 4 + 4) bytes per logit."""
+    h, heads = text_config.hidden_size, text_config.num_attention_heads
+    kv = text_config.num_key_value_heads * (getattr(text_config, "head_dim", None) or h // heads)
+    cache = samples * (prompt_tokens + generated) * text_config.num_hidden_layers * 2 * kv * bytes_per
+    return max(cache, micro_batch * generated * text_config.vision_vocab_size * (bytes_per + 8))
+
+
+def fsdp_shard_bytes(model, trainable, gpus, working, sampling=0, reference=False, bytes_per=2):
+    """Per-GPU bytes of `model` sharded by shard_for_training on `gpus` GPUs, `trainable` of its
+    parameters trained (all of its layers' and part of its root's), with `working` bytes of
+    activations per backward and `sampling` bytes of working set while it samples. Returns the
+    resident shards (weights, adam, the KL reference copy, sharded in its bf16), grads, gathered
+    (root + two layers), sampling (whole weights + working set) and backward: the peak of a
+    backward on top of the gradients."""
+    layers = [numel(layer) for layer in sharded_layers(model)]
+    total, m, d = numel(model), FSDP_MASTER_BYTES, bytes_per
+    root_trainable = trainable - sum(layers)
+    gathered = d * (total - sum(layers) + 2 * max(layers))
+    return {"weights": (m * trainable + d * (total - trainable)) / gpus,
+            "grads": m * trainable / gpus, "adam": 2 * m * trainable / gpus,
+            "reference": d * total / gpus if reference else 0,
+            "gathered": gathered, "activations": working, "sampling": d * total + sampling,
+            "backward": max(gathered + working + (d + m) * max(layers), (d + m) * root_trainable)}
+
+
+def fsdp_peaks(halves, beside=0, offloaded=0):
+    """Per-GPU peaks of the sharded halves trained together (the AR, the DiT, or the AR then the DiT,
+    as grpo_update runs them), with `beside` bytes of frozen weights always on the GPU and
+    `offloaded` bytes of the largest frozen part that takes its turn. On top of the resident shards:
+      SAMPLE and DECODE: every gradient (zero_grad comes at the next update), and one half's
+        sampling (its whole weights) at a time, or the offloaded part;
+      UPDATE: zero_grad freed them; a half's backward runs beside its own gradients and the earlier
+        halves'; the step adds foreach AdamW's temporary, one exp_avg_sq (the gradients' bytes)."""
+    resident = beside + sum(h["weights"] + h["adam"] + h["reference"] for h in halves)
+    grads = sum(h["grads"] for h in halves)
+    done, update = 0, 2 * grads
+    for h in halves:
+        done += h["grads"]
+        update = max(update, done + h["backward"])
+    sampling = grads + max(h["sampling"] for h in halves)
+    return {"update_peak": resident + update, "sampling_peak": resident + sampling,
+            "peak": resident + max(update, sampling, grads + offloaded)}
+
+
+def fsdp_memory_plan(components, gpus, height, width, samples, batch, cfg, prompt_tokens=64, mode="t2i",
+                     image_processor=None, beta=0.0):
+    """--plan-gpus: --fsdp rows, per GPU, for each K in `gpus`, without and with gradient checkpointing.
+    The AR trains micro-batches of `samples` (its activations are memory_plan's: ar_update_bytes with
+    no whole gradients, whose peak is then the working set and the head's bf16 gradient, alive from
+    the start of backward); the DiT one denoising step over this GPU's batch // K samples, which the
+    AR samples. Peaks per policy, frozen parts offloaded (the CUDA default); under 'dit' the frozen
+    AR stays whole."""
+    ar, dit = components["ar"], components["dit"]
+    tc = ar.config.text_config
+    counts = {name: numel(module) for name, module in components.items()}
+    offloaded = max(2 * v for k, v in counts.items() if k not in ("ar", "dit"))
+    prompt_len, generated = ar_sequence(mode, height, width, prompt_tokens, image_processor)
+    head = numel(ar.model.language_model.norm) + numel(ar.lm_head)
+    rows = []
+    for k in gpus:
+        for checkpointing in (False, True):
+            working = ar_update_bytes(tc, samples, prompt_len, generated, 0, checkpointing, 0, 0, head)["peak"]
+            sampling = ar_sampling_bytes(tc, batch // k, samples, prompt_len, generated)
+            a = fsdp_shard_bytes(ar, sum(trainable_tensors(ar, 0)), k, working, sampling, beta > 0)
+            d = fsdp_shard_bytes(dit, counts["dit"], k, dit_activation_bytes(dit, height, width, batch // k, cfg,
+                                                                             checkpointing), reference=beta > 0)
+            rows.append({"gpus": k, "grad_ckpt": checkpointing, "ar": a, "dit": d,
+                         **fsdp_peaks([a], offloaded=max(offloaded, 2 * counts["dit"])),
+                         "peak_dit": fsdp_peaks([d], beside=2 * counts["ar"], offloaded=offloaded)["peak"],
+                         "peak_both": fsdp_peaks([a, d], offloaded=offloaded)["peak"]})
+    return rows
+
+
+def print_table(columns, rows):
+    """A markdown table: a header of `columns`, then one line of cells per row."""
+    print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
+    for cells in rows:
+        print("| " + " | ".join(cells) + " |")
+
+
 def print_memory_plan(args):
+    validate_plan_args(args)
     image_processor = None
     if args.model == TINY:
         pipe = build_tiny_pipeline(args.seed, renderer="mosaic")
@@ -3540,6 +3674,7 @@ def print_memory_plan(args):
     # the tiny model's bytes would all print as 0.0 GiB: small models get MiB and thousands
     unit, unit_name = (GiB, "GiB") if max(r["peak_no_offload"] for r in rows) >= GiB else (1024 ** 2, "MiB")
     count_div, count_name = (1e6, "M") if max(counts.values()) >= 1e8 else (1e3, "k")
+    size = lambda *values: [f"{v / unit:.1f}" for v in values]
     print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count_div:,.1f} {count_name}" for k, v in counts.items()))
     layout = f"{prompt_len} prompt + {generated} generated"
     if args.mode == "i2i":
@@ -3547,25 +3682,44 @@ def print_memory_plan(args):
     print(f"--mode {args.mode}, teacher-forced pass: {samples} samples x {tokens} tokens ({layout}, "
           f"{args.height}x{args.width}); estimates in {unit_name}, bf16 weights, torch's AdamW (foreach)"
           + (", KL reference copy for full fine-tuning" if args.beta > 0 else "") + "\n")
-    print("| mode | grad ckpt | micro-batch | trainable | AR weights | grads | AdamW | activations | update peak | "
-          "peak, offload | peak, no offload |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        cells = [r["mode"], "yes" if r["grad_ckpt"] else "no", str(r["micro_batch"]),
-                 f"{r['trainable_params'] / count_div:.1f} {count_name}"]
-        cells += [f"{r[k] / unit:.1f}" for k in ("ar_weights", "grads", "adam", "activations", "update_peak",
-                                                 "peak_offload", "peak_no_offload")]
-        print("| " + " | ".join(cells) + " |")
+    print_table(["mode", "grad ckpt", "micro-batch", "trainable", "AR weights", "grads", "AdamW", "activations",
+                 "update peak", "peak, offload", "peak, no offload"],
+                [[r["mode"], "yes" if r["grad_ckpt"] else "no", str(r["micro_batch"]),
+                  f"{r['trainable_params'] / count_div:.1f} {count_name}",
+                  *size(*(r[k] for k in ("ar_weights", "grads", "adam", "activations", "update_peak",
+                                         "peak_offload", "peak_no_offload")))] for r in rows])
     ar_row = next(r for r in rows if r["mode"] == f"lora-{ranks[0]}" and r["grad_ckpt"])
     dit_rows = dit_memory_plan(components, args.height, args.width, batch, args.guidance_scale > 1, ar_row)
     print(f"\nDiT (Flow-GRPO, --policy dit|both): one denoising step's forward over {batch} samples, "
           f"CFG {'on' if args.guidance_scale > 1 else 'off'}; 'both' adds the AR's {ar_row['mode']} weights, grads and AdamW")
-    print("| DiT mode | grad ckpt | trainable | DiT weights | grads | AdamW | activations | peak, dit | peak, both |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in dit_rows:
-        cells = [r["mode"], "yes" if r["grad_ckpt"] else "no", f"{r['trainable_params'] / count_div:.1f} {count_name}"]
-        cells += [f"{r[k] / unit:.1f}" for k in ("dit_weights", "grads", "adam", "activations", "peak_dit", "peak_both")]
-        print("| " + " | ".join(cells) + " |")
+    print_table(["DiT mode", "grad ckpt", "trainable", "DiT weights", "grads", "AdamW", "activations", "peak, dit",
+                 "peak, both"],
+                [[r["mode"], "yes" if r["grad_ckpt"] else "no", f"{r['trainable_params'] / count_div:.1f} {count_name}",
+                  *size(*(r[k] for k in ("dit_weights", "grads", "adam", "activations", "peak_dit", "peak_both")))]
+                 for r in dit_rows])
+    if args.plan_gpus:
+        print_fsdp_plan(fsdp_memory_plan(components, args.plan_gpus, args.height, args.width, samples, batch,
+                                         args.guidance_scale > 1, mode=args.mode, image_processor=image_processor,
+                                         beta=args.beta), samples, batch, size)
+    else:
+        print("\n(--plan-gpus K adds the per-GPU rows of --fsdp, full fine-tuning sharded over K GPUs)")
+
+
+def print_fsdp_plan(rows, samples, batch, size):
+    """fsdp_memory_plan's rows as two tables, the AR's and the DiT's; `size` formats bytes in the plan's unit."""
+    def table(half, title, peaks):
+        print_table(["GPUs", "grad ckpt", title, "grads", "AdamW", "gathered", "activations", *peaks],
+                    [[str(r["gpus"]), "yes" if r["grad_ckpt"] else "no",
+                      *size(r[half]["weights"] + r[half]["reference"],
+                            *(r[half][k] for k in ("grads", "adam", "gathered", "activations")),
+                            *(r[k] for k in peaks.values()))] for r in rows])
+
+    print(f"\n--fsdp, full fine-tuning, per GPU on K GPUs: fp32 shards of the trained weights, their gradients and "
+          f"AdamW (16 bytes per parameter / K), the bf16 root + 2 layers gathered, a micro-batch of {samples}; "
+          "frozen parts offloaded")
+    table("ar", "AR weights", {"update peak": "update_peak", "sampling peak": "sampling_peak", "peak": "peak"})
+    print(f"\nDiT under --fsdp, per GPU: one denoising step over {batch} / K samples; 'both' shards the AR too")
+    table("dit", "DiT weights", {"peak, dit": "peak_dit", "peak, both": "peak_both"})
 
 
 # =============================================================================================
