@@ -600,6 +600,10 @@ def _bad_cases(tmp, run):
         "out not writable": (["--out", "/proc/grpo_glm_run"], "cannot write"),
         "lr negative with exponent": (["--lr", "-1e-3", "--out", fresh], "--lr must be > 0, got -0.001"),
         "fsdp with LoRA": (["--fsdp", "--lora-rank", "4", "--out", fresh], "--fsdp shards full fine-tuning"),
+        "plan-gpus without --plan": (["--plan-gpus", "2", "--out", fresh], "add --plan"),
+        "plan-gpus 1": (["--plan", "--plan-gpus", "1", "--out", fresh], "--plan-gpus must be at least 2"),
+        "plan-gpus not dividing the prompts": (["--plan", "--plan-gpus", "2", "4", "--out", fresh],
+                                               "--prompts-per-step 2 must be divisible by --plan-gpus 4"),
     }
 
 
@@ -611,7 +615,7 @@ CASE_NAMES = ["prompts missing", "prompts empty", "prompts only comments", "targ
               "resume into a LoRA model", "model path missing", "model dir not a pipeline", "out is a file",
               "out holds a run", "prompts UTF-16", "prompts Latin-1", "save-pipeline is a file",
               "save-pipeline holds files", "out under a file", "out not writable", "lr negative with exponent",
-              "fsdp with LoRA"]
+              "fsdp with LoRA", "plan-gpus without --plan", "plan-gpus 1", "plan-gpus not dividing the prompts"]
 
 
 @pytest.mark.parametrize("model", ["./typo_dir", "runs/typo_dir"])
@@ -1085,6 +1089,85 @@ def test_plan_of_i2i_counts_the_source_tokens_and_no_preview(capsys):
         assert generated == g.generation_layout(pipe, inputs, is_t2i=False)[0]
         t2i = g.processor_inputs(pipe, ["x"], [None], height, width, "cpu")
         assert g.ar_sequence("t2i", height, width)[1] == g.generation_layout(pipe, t2i, is_t2i=True)[0]
+
+
+def test_fsdp_plan_matches_a_hand_count_on_the_tiny_model(tmp_path):
+    # the tiny model with 5 decoder layers and 3 DiT blocks (its 2 and 2 would make root + 2 layers the whole)
+    pipe = g.build_tiny_pipeline(seed=0)
+    pipe.save_pretrained(tmp_path / "tiny")
+    for part, edit in [("vision_language_encoder", lambda c: c["text_config"].update(num_hidden_layers=5)),
+                       ("transformer", lambda c: c.update(num_layers=3))]:
+        path = tmp_path / "tiny" / part / "config.json"
+        config = json.loads(path.read_text())
+        edit(config)
+        path.write_text(json.dumps(config))
+    components = g.saved_glm_image_on_meta(tmp_path / "tiny")
+    rows = g.fsdp_memory_plan(components, [2, 4], 64, 64, samples=2, batch=8, cfg=True, prompt_tokens=10, beta=0.1)
+    ar, dit = pipe.vision_language_encoder, pipe.transformer
+    tc = ar.config.text_config
+    # a decoder layer (hidden 64, kv 2 heads x 16, intermediate 128): q, k, v with biases, o, gate_up, down, 4 norms
+    layer = (64 * 64 + 64) + 2 * (64 * 32 + 32) + 64 * 64 + 64 * 256 + 128 * 64 + 4 * 64
+    assert layer == sum(p.numel() for p in ar.model.language_model.layers[0].parameters())
+    # the root unit: the trained embeddings (text vocab), final norm and lm_head (vision vocab), the frozen
+    # vision encoder and VQ
+    trained_root = tc.vocab_size * 64 + 64 + tc.vision_vocab_size * 64
+    frozen = sum(p.numel() for m in (ar.model.visual, ar.model.vqmodel) for p in m.parameters())
+    trained, total = 5 * layer + trained_root, 5 * layer + trained_root + frozen
+    assert total == g.numel(components["ar"])
+    # a DiT block (hidden 16): adaLN 16 -> 12 x 16, q, k, v, out, a 4x MLP, all with biases
+    block = (16 * 192 + 192) + 4 * (16 * 16 + 16) + (16 * 64 + 64) + (64 * 16 + 16)
+    assert block == sum(p.numel() for p in dit.transformer_blocks[0].parameters())
+    dit_root = sum(p.numel() for p in dit.parameters()) - 2 * block
+    dit_total = dit_root + 3 * block
+    full = {r["grad_ckpt"]: r for r in g.memory_plan(components, 64, 64, samples=2, prompt_tokens=10, ranks=())[0]}
+    for r in rows:
+        k, a, d = r["gpus"], r["ar"], r["dit"]
+        # fp32 master shards, gradients and two moments of the trained weights, bf16 frozen ones and the KL copy
+        assert a["weights"] == (4 * trained + 2 * frozen) / k and a["reference"] == 2 * total / k
+        assert a["grads"] == 4 * trained / k and a["adam"] == 8 * trained / k
+        assert d["weights"] == 4 * dit_total / k and d["adam"] == 8 * dit_total / k
+        # the bf16 root and two layers gathered; a layer's reduce: its bf16 gradient + an fp32 copy
+        assert a["gathered"] == 2 * (trained_root + frozen + 2 * layer) and d["gathered"] == 2 * (dit_root + 2 * block)
+        assert a["backward"] == max(a["gathered"] + a["activations"] + 6 * layer, 6 * trained_root)
+        assert d["backward"] == max(d["gathered"] + d["activations"] + 6 * block, 6 * dit_root)
+        # the micro-batch's activations as the unsharded plan's, plus at most the head's bf16 gradient
+        head = 2 * (64 + tc.vision_vocab_size * 64)
+        assert full[r["grad_ckpt"]]["activations"] <= a["activations"] <= full[r["grad_ckpt"]]["activations"] + head
+        # one denoising step over this GPU's 8 / k samples, CFG: (4 x 4 latent patches + 64 text tokens) x 16
+        # values x 2 passes, bf16, per block input; 30 x that inside a block (3 blocks, or 1 recomputed)
+        block_input = (4 * 4 + 64) * 8 // k * 16 * 2 * 2
+        assert d["activations"] == ((3 + 30) * block_input if r["grad_ckpt"] else 3 * 30 * block_input)
+        # sampling: the whole bf16 model and the KV cache of this GPU's 8 / k samples (5 layers x k, v of 32)
+        # or pi_old's pass over a micro-batch of 2 (bf16 logits, fp32 copy, log_softmax)
+        generated = 16 * 16 + 2 * 2 + 1
+        kv_cache = 8 // k * (10 + generated) * 5 * 2 * 32 * 2
+        assert a["sampling"] == 2 * total + max(kv_cache, 2 * generated * tc.vision_vocab_size * 10)
+        assert d["sampling"] == 2 * dit_total
+        # peaks: the resident shards + the largest phase (sampling, update, AdamW's step, an offloaded part's turn)
+        resident = a["weights"] + a["adam"] + a["reference"]
+        assert r["update_peak"] == resident + max(a["grads"] + a["backward"], 2 * a["grads"])
+        assert r["sampling_peak"] == resident + a["grads"] + a["sampling"]
+        assert r["peak"] == max(r["update_peak"], r["sampling_peak"], resident + a["grads"] + 2 * dit_total)  # DiT's turn
+        offloaded = 2 * max(g.numel(components["glyph_t5"]), g.numel(components["vae"]))
+        dit_resident = d["weights"] + d["adam"] + d["reference"]
+        assert r["peak_dit"] == 2 * total + dit_resident + d["grads"] + max(      # the frozen AR stays whole
+            d["backward"], d["grads"], d["sampling"], offloaded)
+        grads = a["grads"] + d["grads"]
+        assert r["peak_both"] == resident + dit_resident + max(     # the AR's half, then the DiT's
+            a["grads"] + a["backward"], grads + d["backward"], 2 * grads, grads + a["sampling"], grads + offloaded)
+    # sharded state halves from 2 to 4 GPUs; what is gathered does not
+    two, four = rows[1], rows[3]
+    assert (two["ar"]["weights"], two["dit"]["grads"]) == (2 * four["ar"]["weights"], 2 * four["dit"]["grads"])
+    assert two["ar"]["gathered"] == four["ar"]["gathered"]
+
+
+def test_plan_gpus_prints_the_fsdp_rows_of_the_real_model(capsys):
+    g.main(["--plan", "--model", "zai-org/GLM-Image", "--height", "1024", "--width", "1024", "--group-size", "16",
+            "--micro-batch-size", "2", "--prompts-per-step", "8", "--plan-gpus", "4", "8"])
+    printed = capsys.readouterr().out
+    fsdp = printed.split("--fsdp, full fine-tuning")[1]
+    assert [line.split(" | ")[:2] for line in fsdp.splitlines() if line.startswith("| 4") or line.startswith("| 8")] \
+        == [["| 4", "no"], ["| 4", "yes"], ["| 8", "no"], ["| 8", "yes"]] * 2
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2190,6 +2273,67 @@ def test_slow_fsdp_trains_like_one_process_and_resumes_across_world_sizes(tmp_pa
     weights, rows = resume("one", "on_two", two)
     assert_vectors_close(weights, checkpoint_weights(tmp_path / "one", 2), rel=ACROSS_PROCESSES["weights"])
     assert_rows_close(rows, one_rows, rel=ACROSS_PROCESSES["rows_rel"], abs=ACROSS_PROCESSES["rows_abs"])
+
+
+def _shard_bytes_worker(rank, world, port, argv, dump):
+    """grpo_glm.main(argv) on one rank; right after the step's AdamW step (gradients and moments
+    allocated), the bytes this rank holds per half: its local shards of the weights, the KL
+    reference, the gradients and AdamW's moments, and the whole weights whole_weights gathers."""
+    from torch.distributed.tensor import DTensor
+
+    os.environ.update(rank_env(rank, world, port))
+    torch.set_num_threads(1)
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t
+    nbytes = lambda tensors: sum(local(t).numel() * local(t).element_size() for t in tensors)
+    trainers, held = [], {}
+    setup, update = g.setup_training, g.grpo_update
+
+    def update_and_count(optimizer, halves, args):
+        row = update(optimizer, halves, args)
+        trainer = trainers[0][0]
+        for half, model, reference, group in [("ar", trainer.pipe.vision_language_encoder, trainer.reference, 0),
+                                              ("dit", trainer.pipe.transformer, trainer.dit_reference, 1)]:
+            params = optimizer.param_groups[group]["params"]
+            held[half] = {"weights": nbytes(model.parameters()), "reference": nbytes(reference.parameters()),
+                          "grads": nbytes(p.grad for p in params),
+                          "adam": nbytes(t for p in params for t in optimizer.state[p].values() if t.ndim)}
+            with g.whole_weights(model):
+                held[half]["whole"] = nbytes(model.parameters())
+        return row
+
+    g.setup_training = lambda *a, **k: trainers.append(setup(*a, **k)) or trainers[-1]
+    g.grpo_update = update_and_count
+    g.main(argv)
+    models = [trainers[0][0].pipe.vision_language_encoder, trainers[0][0].pipe.transformer, trainers[0][0].reference,
+              trainers[0][0].dit_reference]
+    held["all_sharded_after"] = all(isinstance(p, DTensor) for m in models for p in m.parameters())
+    torch.save(held, Path(dump) / f"held{rank}.pt")
+
+
+def test_fsdp_plan_counts_the_bytes_two_processes_hold(tmp_path):
+    """The plan's --fsdp state per GPU against one real step on 2 processes (gloo): --policy both shards
+    the AR and the DiT, bf16 as on CUDA (fp32 master shards, bf16 compute) and a KL reference each.
+    Summed over the ranks, the local shards are exactly K x the plan's per-GPU bytes (which dtype,
+    which parameters: a bf16 master or a missed frozen part would show); each rank holds its half up
+    to FSDP's rounding of uneven splits. whole_weights gathers 2 bytes per parameter, and after the
+    step nothing is left gathered (a reference's root would be, see shard_for_training)."""
+    (tmp_path / "prompts.txt").write_text("make the red circle blue\nmake the green square yellow\n")
+    argv = ["--fsdp", "--policy", "both", "--mode", "i2i", "--dtype", "bfloat16", "--beta", "0.01", "--steps", "1",
+            "--inner-epochs", "1", "--group-size", "2", "--prompts-per-step", "2", "--num-inference-steps", "2",
+            "--height", "64", "--width", "64", "--sample-every", "0", "--prompts", str(tmp_path / "prompts.txt"),
+            "--out", str(tmp_path / "run")]
+    torch.multiprocessing.spawn(_shard_bytes_worker, args=(2, free_port(), argv, str(tmp_path)), nprocs=2)
+    held = [torch.load(tmp_path / f"held{r}.pt") for r in range(2)]
+    components = g.saved_glm_image_on_meta(g.tiny_pipeline_dir(0))
+    row = g.fsdp_memory_plan(components, [2], 64, 64, samples=2, batch=4, cfg=False, mode="i2i", beta=0.01)[0]
+    for half in ("ar", "dit"):
+        for key in ("weights", "reference", "grads", "adam"):
+            per_rank = [h[half][key] for h in held]
+            print(half, key, "held", per_rank, "planned", row[half][key])
+            assert sum(per_rank) == 2 * row[half][key], (half, key)
+            assert max(per_rank) <= 1.02 * row[half][key], (half, key)
+        assert [h[half]["whole"] for h in held] == [2 * g.numel(components[half])] * 2
+    assert all(h["all_sharded_after"] for h in held)
 
 
 def test_slow_a_dying_rank_stops_the_other_with_a_message(tmp_path):
