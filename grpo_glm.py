@@ -3570,7 +3570,7 @@ def ar_sampling_bytes(text_config, samples, micro_batch, prompt_tokens, generate
     """The AR's working set while it samples, besides its weights, the larger of: generate's KV cache
     for this GPU's `samples` (keys and values of every layer and position), and pi_old's no-grad
     teacher-forced pass over a micro-batch (sample_tokens, bf16): the logits, their fp32 copy / T
-    and its log_softmax, (d + 4 + 4) bytes per logit."""
+    and its log_softmax, 2 + 4 + 4 bytes per logit."""
     h, heads = text_config.hidden_size, text_config.num_attention_heads
     kv = text_config.num_key_value_heads * (getattr(text_config, "head_dim", None) or h // heads)
     cache = samples * (prompt_tokens + generated) * text_config.num_hidden_layers * 2 * kv * bytes_per
@@ -3588,6 +3588,8 @@ def fsdp_shard_bytes(model, trainable, gpus, working, sampling=0, reference=Fals
     total, m, d = numel(model), FSDP_MASTER_BYTES, bytes_per
     root_trainable = trainable - sum(layers)
     gathered = d * (total - sum(layers) + 2 * max(layers))
+    # a backward's peak: within a layer, what is gathered + the activations + the layer's reduce;
+    # at the end, the root's reduce alone
     return {"weights": (m * trainable + d * (total - trainable)) / gpus,
             "grads": m * trainable / gpus, "adam": 2 * m * trainable / gpus,
             "reference": d * total / gpus if reference else 0,
@@ -3631,7 +3633,8 @@ def fsdp_memory_plan(components, gpus, height, width, samples, batch, cfg, promp
     rows = []
     for k in gpus:
         for checkpointing in (False, True):
-            working = ar_update_bytes(tc, samples, prompt_len, generated, 0, checkpointing, 0, 0, head)["peak"]
+            working = ar_update_bytes(tc, samples, prompt_len, generated, 0, checkpointing, trainable=0,
+                                      largest_trainable=0, head_trainable=head)["peak"]
             sampling = ar_sampling_bytes(tc, batch // k, samples, prompt_len, generated)
             a = fsdp_shard_bytes(ar, sum(trainable_tensors(ar, 0)), k, working, sampling, beta > 0)
             d = fsdp_shard_bytes(dit, counts["dit"], k, dit_activation_bytes(dit, height, width, batch // k, cfg,
