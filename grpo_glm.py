@@ -178,8 +178,10 @@ def parse_args(argv=None):
       "or afresh each step.")
     a("--dit-lora-rank", type=int, default=0, help="LoRA rank on the DiT's attention projections (0 = full "
       "fine-tuning of the DiT).")
-    a("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
-      help="Weights dtype: auto = float32 on CPU, bfloat16 on CUDA.")
+    a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto",
+      help="Weights dtype: auto = float32 on CPU, bfloat16 on CUDA. float64 is for checks: the whole step "
+      "(rewards and advantages too) then rounds ~5e8 times less, e.g. to see that K processes train as one does "
+      "(section 21).")
     a("--micro-batch-size", type=int, default=None, help="Samples per forward/backward in the update (and per "
       "decode call); gradients are accumulated over micro-batches. Default: --group-size, one group per pass.")
     a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in the backward pass "
@@ -397,8 +399,8 @@ def prepare_policy(ar, args):
                                   exclude_modules=r".*visual.*|.*vqmodel.*"))
         # Adapters train in fp32 even on a bf16 base (diffusers' cast_training_params, as its
         # training scripts do): bf16 weights would round AdamW's small updates away. peft casts
-        # the adapter's input to match.
-        cast_training_params(ar, dtype=torch.float32)
+        # the adapter's input to match. (A fp64 base keeps fp64 adapters.)
+        cast_training_params(ar, dtype=torch.promote_types(ar.dtype, torch.float32))
     else:
         # The vision encoder and VQ tokenizer only read source images; keep them frozen.
         ar.requires_grad_(True)
@@ -817,7 +819,7 @@ def decode_images(pipe, prompts, rollout, noise, num_inference_steps, guidance_s
     out = pipe(prompt=prompts, prior_token_ids=prior.to(device), height=H * 32, width=W * 32,
                latents=noise.to(device, pipe.transformer.dtype), num_inference_steps=num_inference_steps,
                guidance_scale=guidance_scale, output_type="pt", **i2i)
-    return out.images.float().cpu()
+    return at_least_fp32(out.images).cpu()
 
 
 # =============================================================================================
@@ -827,7 +829,7 @@ def decode_images(pipe, prompts, rollout, noise, num_inference_steps, guidance_s
 def mse_reward(images, targets):
     """r = -mean((image - target)^2) over channels and pixels.
     images, targets: float [N, 3, H, W] in [0, 1]  ->  rewards [N] in [-1, 0]; 0 = perfect."""
-    return -((images.float() - targets.float()) ** 2).mean(dim=(1, 2, 3))
+    return -((at_least_fp32(images) - at_least_fp32(targets)) ** 2).mean(dim=(1, 2, 3))
 # Reward plug-ins. A reward is any function
 #     fn(images: Tensor [N, 3, H, W] in [0, 1], prompts: list[str] (N), targets: Tensor [N, 3, H, W] | None)
 #         -> Tensor [N] (or a list of N floats), higher = better
@@ -877,7 +879,7 @@ def compute_rewards(rewards, images, prompts, targets):
             raise UsageError(f"reward {reward.name} raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}",
                              local=True)
         try:
-            value = torch.as_tensor(value, dtype=torch.float32).detach().cpu()
+            value = torch.as_tensor(value, dtype=images.dtype).detach().cpu()     # fp32 (fp64 for a fp64 model)
         except (TypeError, ValueError, RuntimeError):
             raise UsageError(f"reward {reward.name} returned {type(value).__name__}, not a tensor or list of floats",
                              local=True)
@@ -1225,7 +1227,8 @@ def sample_tokens(trainer, prompts, sources, slots, step, args):
     """SAMPLE with the AR in eval mode; a Rollout with old log-probs. In bf16, generate's cached
     decode and a full teacher-forced pass differ by ~1e-2 per token; pi_old then comes from a no-grad
     teacher-forced pass, so that the first-epoch ratio is exactly 1 and only a real policy change
-    moves it. In fp32 the two agree to ~1e-6 and the sampler's own log-probs are used."""
+    moves it. In fp32 the two agree to ~1e-6 and the sampler's own log-probs are used. In fp64 the
+    teacher-forced pass again: generate rounds the logits it returns to fp32 (~1e-7 per log-prob)."""
     ar = trainer.pipe.vision_language_encoder
     ar.eval()
     exact_fp32 = args.dtype == "float32"
@@ -1393,7 +1396,7 @@ def dit_schedule(pipe, height, width, num_inference_steps):
     mu = calculate_shift(seq_len, scheduler.config.get("base_image_seq_len", 256),
                          scheduler.config.get("base_shift", 0.25), scheduler.config.get("max_shift", 0.75))
     timesteps, _ = retrieve_timesteps(scheduler, num_inference_steps, device, timesteps, timesteps / train_steps, mu=mu)
-    return timesteps, scheduler.sigmas.to(device, torch.float32)
+    return timesteps, scheduler.sigmas.to(device, torch.promote_types(pipe.transformer.dtype, torch.float32))
 
 
 @torch.no_grad()
@@ -1448,7 +1451,7 @@ def write_source_caches(dit, cond):
             # layer's *output*; the cached keys/values are side outputs it does not watch, so their
             # backward would find the weights freed. 0 x this pass's output, added to the velocity
             # (dit_velocity), routes the gradient through the outputs too: no value changes.
-            cache.anchor = out.float().sum() * 0
+            cache.anchor = at_least_fp32(out).sum() * 0
     return caches
 
 
@@ -1477,7 +1480,7 @@ def dit_velocity(dit, latents, t, cond, caches):
         return dit(hidden_states=latents[rows].to(dtype), encoder_hidden_states=embeds, prior_token_id=prior,
                    prior_token_drop=torch.full_like(prior, drop, dtype=torch.bool), timestep=timestep,
                    target_size=cond.target_size[rows], crop_coords=cond.crop_coords[rows], return_dict=False,
-                   kv_caches=cache)[0].float()
+                   kv_caches=cache)[0].to(torch.promote_types(dtype, torch.float32))
 
     velocities = []
     for p, cache in enumerate(caches):
@@ -1529,7 +1532,7 @@ def sample_dit(dit, cond, noise, schedule, noise_level, train_steps, generators)
     record log-probs; the rest are ODE steps. Returns a DitRollout; its states[:, -1] is the latent."""
     timesteps, sigmas = schedule
     caches = write_source_caches(dit, cond)
-    x, states, logps = noise.to(sigmas.device, torch.float32), [], []
+    x, states, logps = noise.to(sigmas.device, sigmas.dtype), [], []
     for i, t in enumerate(timesteps):
         states.append(x)
         v = dit_velocity(dit, x, t, cond, caches)
@@ -1576,7 +1579,7 @@ def latents_to_images(pipe, latents):
     mean, std = (torch.tensor(v).view(1, -1, 1, 1).to(latents.device, latents.dtype)
                  for v in (vae.config.latents_mean, vae.config.latents_std))
     image = vae.decode(latents * std + mean, return_dict=False)[0]
-    return pipe.image_processor.postprocess(image, output_type="pt").float().cpu()
+    return at_least_fp32(pipe.image_processor.postprocess(image, output_type="pt")).cpu()
 
 
 @torch.no_grad()
@@ -1641,7 +1644,7 @@ def prepare_dit_policy(dit, args):
         dit.requires_grad_(False)
         dit.add_adapter(LoraConfig(r=args.dit_lora_rank, lora_alpha=args.dit_lora_rank, lora_dropout=0.0,
                                    target_modules=DIT_LORA_TARGETS))
-        cast_training_params(dit, dtype=torch.float32)
+        cast_training_params(dit, dtype=torch.promote_types(dit.dtype, torch.float32))
     else:
         dit.requires_grad_(True)
     if args.gradient_checkpointing:
@@ -3027,6 +3030,16 @@ def tiny_pipeline_dir(seed=0, settings=None):
 # see dit_velocity). --policy dit|both wraps the DiT too. So 1 process and K give
 # the same samples and, up to the order of floating-point sums, the same weights; a checkpoint
 # written at one world size resumes exactly at another.
+# "Up to the order of sums" is more than 1e-7 in fp32, though. Some gradient coordinates are 0 but
+# for rounding: the half of a key projection's bias that rotary embedding leaves unrotated (softmax
+# ignores it), and, on the tiny demo AR, whose image tokens' input embeddings start equal (a group's
+# G samples then see the same logits), every lm_head row of a token no sample drew: its gradient is
+# (sum of the group's advantages, 0) x something. Rounding leaves ~1e-9 there after clipping, near
+# AdamW's eps (1e-8); AdamW divides each coordinate by its own size, so the 2-process order of the
+# sums moves those weights up to ~lr/10 apart, and the rest of the model follows. Measured (--policy
+# both, i2i, lr 1e-2): gradients 6e-7 apart on the first pass, weights 6e-5 after one step, 1e-3
+# after two. In float64 (--dtype float64) that noise is ~1e-19, far below eps: 1 and 2 processes
+# then agree to 1e-13 after the same steps (tested).
 
 def init_distributed(args):
     """Joins the process group torchrun described in the environment (nothing to do for one
