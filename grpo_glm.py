@@ -106,7 +106,7 @@ class UsageError(Exception):
 ALGORITHM_FLAGS = (
     "mode", "model", "prompts_sha256", "seed", "group_size", "prompts_per_step", "inner_epochs", "lr",
     "max_grad_norm", "clip_eps", "beta", "temperature", "height", "width", "num_inference_steps",
-    "guidance_scale", "dit_noise", "loss_tokens", "lora_rank", "lora_alpha", "dtype",
+    "guidance_scale", "dit_noise", "loss_tokens", "lora_rank", "lora_alpha", "ar_trainable", "dtype",
     "reward", "weight_decay", "lr_scheduler", "lr_warmup_steps",
     "policy", "dit_lr", "dit_clip_eps", "dit_noise_level", "dit_train_steps", "dit_lora_rank", "dit_prior",
 )
@@ -137,8 +137,8 @@ def parse_args(argv=None):
     a("--prompts-per-step", type=int, default=2, help="Prompts per step; the batch is prompts-per-step x G samples.")
     a("--inner-epochs", type=int, default=4, help="mu: optimisation passes over each batch. With 1 the PPO ratio "
       "is always 1 and clipping never acts.")
-    a("--lr", type=float, default=1e-2, help="AdamW learning rate (the default suits the tiny demo: 40 steps "
-      "reach each prompt's background colour, near the edge of an entropy collapse; use ~1e-5 for the real model).")
+    a("--lr", type=float, default=2e-2, help="AdamW learning rate (the default suits the tiny demo's output "
+      "head: 40 steps draw each prompt's layout; use ~1e-5 for the real model).")
     a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="Learning-rate "
       "schedule over --steps GRPO steps (diffusers' get_scheduler; one scheduler step per GRPO step). Resuming "
       "with another --steps reshapes the rest of a cosine or linear schedule.")
@@ -162,6 +162,9 @@ def parse_args(argv=None):
     a("--lora-rank", type=int, default=0, help="LoRA rank on the AR's attention and MLP projections "
       "(0 = full fine-tuning).")
     a("--lora-alpha", type=float, default=None, help="LoRA alpha (default: equal to --lora-rank).")
+    a("--ar-trainable", choices=["auto", "all", "head"], default="auto", help="Without LoRA, what of the AR trains: "
+      "'all' its weights, 'head' only its output layer (lm_head) on a frozen body. auto = head for --model tiny, "
+      "whose body is random (section 2 says why), all for a real model.")
     a("--policy", choices=["ar", "dit", "both"], default="ar", help="What GRPO trains: 'ar' the autoregressive "
       "token model (the DiT renders, frozen); 'dit' the diffusion decoder with Flow-GRPO (tokens shared per "
       "prompt); 'both' the two halves at once from one reward (Part II).")
@@ -406,6 +409,15 @@ def prepare_policy(ar, args):
         ar.requires_grad_(True)
         ar.model.visual.requires_grad_(False)
         ar.model.vqmodel.requires_grad_(False)
+        if args.ar_trainable == "head":
+            # Only lm_head trains: the policy is a linear read-out of the body's fixed features of
+            # (prompt, cell). The tiny demo's default, because its body is random: trained along,
+            # the body's cheapest move is the direction every cell of a prompt shares, so all 16
+            # cells take the background colour (12 of them want it) before the 4 centre cells can
+            # turn red, and the shape never appears (--ar-trainable all, seed 0: P(red) in the
+            # centre 0.00-0.09 after 40 steps). Frozen, each cell keeps its own features and GRPO's
+            # per-cell credit shows. A pretrained body (the real model) is worth training: all or LoRA.
+            ar.model.requires_grad_(False)
     if args.gradient_checkpointing:
         ar.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return [p for p in ar.parameters() if p.requires_grad]
@@ -1789,6 +1801,9 @@ def validate_args(args):
     if args.prompts_per_step % world:
         raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes "
                          f"({world}): each rank trains whole groups")
+    if args.ar_trainable == "head" and (args.lora_rank or args.fsdp):
+        raise UsageError("--ar-trainable head trains the AR's output layer alone: it takes neither --lora-rank "
+                         "(adapters in the body) nor --fsdp (a layer this small is not worth sharding)")
     if args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline):
         raise UsageError("--fsdp shards full fine-tuning; LoRA adapters are small enough to replicate (drop --fsdp), "
                          "and --save-pipeline needs whole weights (resume the last checkpoint in one process)")
@@ -1886,6 +1901,8 @@ def resolve_runtime(args):
         args.offload = args.device == "cuda"
     if args.lora_alpha is None:
         args.lora_alpha = float(args.lora_rank)
+    if args.ar_trainable == "auto":
+        args.ar_trainable = "head" if args.model == TINY and not (args.lora_rank or args.fsdp) else "all"
     if args.dit_train_steps is None and args.policy != "ar":
         args.dit_train_steps = max(args.num_inference_steps - 1, 1)
     if args.micro_batch_size is None:
@@ -2219,9 +2236,10 @@ def start_logging(args, trainer, out, start):
     and opens the tracker (or None)."""
     truncate_metrics(out / "metrics.jsonl", start)
     trainable = sum(p.numel() for p in trainer.trained.parameters() if p.requires_grad)
-    halves = {"ar": [("", args.lora_rank)], "dit": [("DiT ", args.dit_lora_rank)],
-              "both": [("AR ", args.lora_rank), ("DiT ", args.dit_lora_rank)]}[args.policy]
-    how = ", ".join(f"{half}{f'LoRA r={r}' if r else 'full'}" for half, r in halves)
+    ar_full = "head" if args.ar_trainable == "head" else "full"
+    halves = {"ar": [("", args.lora_rank, ar_full)], "dit": [("DiT ", args.dit_lora_rank, "full")],
+              "both": [("AR ", args.lora_rank, ar_full), ("DiT ", args.dit_lora_rank, "full")]}[args.policy]
+    how = ", ".join(f"{half}{f'LoRA r={r}' if r else full}" for half, r, full in halves)
     print(f"running with: mode={args.mode} model={args.model} device={args.device} dtype={args.dtype} "
           f"offload={args.offload} batch={args.prompts_per_step}x{args.group_size} mu={args.inner_epochs} "
           + (f"lr={args.lr} " if args.policy != "dit" else "") + f"trainable={count_text(trainable)} ({how}) "

@@ -499,18 +499,25 @@ def test_two_runs_cannot_share_an_out_dir(tmp_path, capsys):
 
 def test_slow_default_run_learns(tmp_path, monkeypatch, capsys):
     """The demo's bar: with the defaults, the mean reward of the last 5 of 40 steps beats the first
-    5 by at least 3x the first 5 steps' mean within-group std, with no collapse warning, and each
-    prompt's samples end closer to its target than they started (sample sheets of steps 5 and 40).
-    On one thread, as the README's command runs it: the trajectory depends on the fp32 summation
-    order, hence on the thread count (the same run on 2 threads is another sample of the demo)."""
+    5 by at least 3x the first 5 steps' mean within-group std, with no collapse warning; each
+    prompt's samples end closer to its target than they started (sample sheets of steps 5 and 40);
+    and the last sheet shows the shape, not just the background: most of each prompt's samples are
+    closer to the target than a field of its background colour alone (which is where a policy that
+    learnt one colour per prompt ends). On one thread, as the README's command runs it: the
+    trajectory depends on the fp32 summation order, hence on the thread count."""
     out = tmp_path / "learn"
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    sheets = {}
+    sheets, shape = {}, {}
     save = g.save_sample_grid
 
     def spy(path, prompts, targets, images, rewards, group_size, *args, **kwargs):
         sheets[path.name] = {p: -rewards[i * group_size:(i + 1) * group_size].mean().item() for i, p in enumerate(prompts)}
+        for i, p in enumerate(prompts):
+            target = targets[i]
+            background = target[:, :1, :1].expand_as(target)     # the corner pixel's colour everywhere
+            mse = (images[i * group_size:(i + 1) * group_size] - target).pow(2).mean((1, 2, 3))
+            shape[path.name, p] = (mse < (background - target).pow(2).mean()).float().mean().item()
         return save(path, prompts, targets, images, rewards, group_size, *args, **kwargs)
     monkeypatch.setattr(g, "save_sample_grid", spy)
     try:
@@ -522,10 +529,12 @@ def test_slow_default_run_learns(tmp_path, monkeypatch, capsys):
     last = sum(r["reward_mean"] for r in rows[-5:]) / 5
     std = sum(r["reward_std"] for r in rows[:5]) / 5
     print(f"first5 {first:.5f} last5 {last:.5f} gain {last - first:.5f} = {(last - first) / std:.2f} x first5 std; "
-          f"per-prompt MSE step 5 {sheets['step_000005.png']} step 40 {sheets['step_000040.png']}")
+          f"per-prompt MSE step 5 {sheets['step_000005.png']} step 40 {sheets['step_000040.png']}; "
+          f"fraction of samples beating their background {shape}")
     assert last - first >= 3 * std
     assert "collapsed" not in capsys.readouterr().err
     assert all(sheets["step_000040.png"][p] < mse for p, mse in sheets["step_000005.png"].items())
+    assert all(shape["step_000040.png", p] > 0.5 for p in sheets["step_000040.png"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -603,6 +612,7 @@ def _bad_cases(tmp, run):
         "plan-gpus 1": (["--plan", "--plan-gpus", "1", "--out", fresh], "--plan-gpus must be at least 2"),
         "plan-gpus not dividing the prompts": (["--plan", "--plan-gpus", "2", "4", "--out", fresh],
                                                "--prompts-per-step 2 must be divisible by --plan-gpus 4"),
+        "head with LoRA": (["--ar-trainable", "head", "--lora-rank", "4", "--out", fresh], "takes neither --lora-rank"),
     }
 
 
@@ -614,7 +624,8 @@ CASE_NAMES = ["prompts missing", "prompts empty", "prompts only comments", "targ
               "resume into a LoRA model", "model path missing", "model dir not a pipeline", "out is a file",
               "out holds a run", "prompts UTF-16", "prompts Latin-1", "save-pipeline is a file",
               "save-pipeline holds files", "out under a file", "out not writable", "lr negative with exponent",
-              "fsdp with LoRA", "plan-gpus without --plan", "plan-gpus 1", "plan-gpus not dividing the prompts"]
+              "fsdp with LoRA", "plan-gpus without --plan", "plan-gpus 1", "plan-gpus not dividing the prompts",
+              "head with LoRA"]
 
 
 @pytest.mark.parametrize("model", ["./typo_dir", "runs/typo_dir"])
@@ -844,12 +855,24 @@ def test_non_finite_stop_names_the_cause_and_no_missing_checkpoint(tmp_path, mon
 # ---------------------------------------------------------------------------------------------
 
 def _policy(lora_rank=0, **flags):
+    """A sharp tiny AR prepared for training: LoRA adapters, or all its weights (not the demo's head alone)."""
+    flags = {"ar_trainable": "all", **flags}
     argv = ["--lora-rank", str(lora_rank)] + [x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v))]
     args = g.resolve_runtime(g.parse_args(argv))
     pipe = g.build_tiny_pipeline(seed=0, ar_init_range=0.2)
     pipe.set_progress_bar_config(disable=True)
     params = g.prepare_policy(pipe.vision_language_encoder, args)
     return pipe, params, args
+
+
+def test_ar_trainable_head_trains_the_output_layer_alone_and_is_the_tiny_default():
+    pipe, params, _ = _policy(ar_trainable="head")
+    ar = pipe.vision_language_encoder
+    assert [n for n, p in ar.named_parameters() if p.requires_grad] == ["lm_head.weight"]
+    assert len(params) == 1 and params[0] is ar.lm_head.weight
+    resolved = lambda *argv: g.resolve_runtime(g.parse_args(list(argv))).ar_trainable
+    assert resolved() == "head" and resolved("--model", "some/dir") == "all"
+    assert resolved("--lora-rank", "4") == resolved("--fsdp") == "all"
 
 
 def test_lora_trains_only_adapters_and_reference_is_the_base_model():
@@ -960,9 +983,11 @@ def test_bf16_runs_end_to_end(tmp_path, lora):
 
 
 def test_from_pretrained_directory_behaves_like_tiny(tmp_path):
+    """(A directory is trained whole by default, --model tiny through its head: --ar-trainable says which.)"""
     tiny_model().save_pretrained(tmp_path / "tiny")
     g.main(["--steps", "2", "--out", str(tmp_path / "a"), *SMALL])
-    g.main(["--steps", "2", "--out", str(tmp_path / "b"), "--model", str(tmp_path / "tiny"), *SMALL])
+    g.main(["--steps", "2", "--out", str(tmp_path / "b"), "--model", str(tmp_path / "tiny"), "--ar-trainable", "head",
+            *SMALL])
     drop = lambda rows: [{k: v for k, v in r.items() if k not in ("seconds",)} for r in rows]
     assert drop(read_metrics(tmp_path / "b")) == drop(read_metrics(tmp_path / "a"))
 
@@ -2136,7 +2161,7 @@ def test_slow_two_processes_train_like_one_and_resume_exactly(tmp_path):
     ranks, equal to the 1-process run's, same metrics rows; a 2-process resume is bit-identical to the
     uninterrupted 2-process run, and a 1-process resume of a 2-process checkpoint stays on its track."""
     flags = ["--steps", "3", "--save-every", "2", "--sample-every", "0", "--group-size", "4", "--inner-epochs", "2",
-             "--height", "64", "--width", "64", *FLOAT64]
+             "--height", "64", "--width", "64", "--ar-trainable", "all", *FLOAT64]
     one = one_process_reference(flags + ["--out", str(tmp_path / "one")])
     rank0, rank1 = run_two_ranks(flags + ["--out", str(tmp_path / "two")], tmp_path)
     assert all(t.dtype == torch.float64 for t in one.values())
@@ -2182,7 +2207,8 @@ def test_slow_two_processes_train_the_dit_like_one_and_resume_exactly(tmp_path):
     bit-identical, and a 1-process resume of the 2-process checkpoint stays on the same track."""
     lines = ["make the red circle blue", 'make the green square that says "GRPO ON GLM" yellow']
     (tmp_path / "prompts.txt").write_text("\n".join(lines) + "\n")
-    extra = ["--policy", "both", "--mode", "i2i", "--micro-batch-size", "1", "--beta", "0.01", *FLOAT64]
+    extra = ["--policy", "both", "--mode", "i2i", "--micro-batch-size", "1", "--beta", "0.01", "--ar-trainable", "all",
+             *FLOAT64]
     flags = ["--steps", "2", "--save-every", "1", "--sample-every", "0", "--group-size", "2", "--inner-epochs", "2",
              "--guidance-scale", "2", "--num-inference-steps", "3", "--prompts", str(tmp_path / "prompts.txt"), *extra]
     one = one_process_reference(flags + ["--out", str(tmp_path / "one")])
