@@ -1,8 +1,8 @@
 """GRPO for GLM-Image, in one file.
 
     pip install -r requirements.txt
-    python grpo_glm.py --steps 10                        # tiny GLM-Image (see below), CPU, ~35 s
-    python grpo_glm.py --steps 40 --out runs/demo        # long enough to see the reward rise
+    python grpo_glm.py --steps 10                        # tiny GLM-Image (see below), CPU, ~20 s
+    python grpo_glm.py --steps 40 --out runs/demo        # long enough to see the red block drawn
     python grpo_glm.py --resume latest --out runs/demo --steps 60
     python grpo_glm.py --reward my_rewards.py:score --report-to tensorboard   # your reward, watched in TensorBoard
     python grpo_glm.py --model zai-org/GLM-Image --lora-rank 64 --height 512 --width 512
@@ -24,8 +24,9 @@ then pushed up on better-than-average samples with PPO's clipped surrogate (Schu
 --policy dit|both trains the other half too (Part II): the DiT becomes a policy over denoising
 steps (Flow-GRPO), scored by the same advantage and loss functions.
 
-`--model tiny` (the default) is GLM-Image at toy size, built from the real classes: a random AR,
-and a renderer that paints what its tokens say. A random DiT + VAE would paint colour noise
+`--model tiny` (the default) is GLM-Image at toy size, built from the real classes: a random AR
+(GRPO trains its output layer, --ar-trainable; section 2 says why), and a renderer that paints
+what its tokens say. A random DiT + VAE would paint colour noise
 whatever the tokens, and nothing GRPO does would show in the pictures; so on first use the DiT
 is pre-trained (~15 s of CPU) on a synthetic task, token grid -> its colour mosaic (codebook id k
 paints the k-th of the demo's 8 colours, mod 8), the VAE decoder is set to paint its latent's
@@ -312,10 +313,11 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, renderer="random"):
         # dominates a 2-layer residual stream; the prompt moves them ~10x less), and GRPO then
         # learns one colour for every cell of every prompt. So the image tokens' input embeddings
         # start equal (a cell's first choice depends on the prompt and its place, not on the
-        # random tokens drawn before it; GRPO trains them apart) and q/k are 16x the init
-        # (attention sharp enough to tell the prompts apart). Measured on the hidden state before
-        # lm_head, 2 prompts x 16 samples x 16 cells: variance across prompts 1.8 -> 15, across
-        # cells 0.007 -> 8.8, across samples of a prompt and cell 8.3 -> 0.
+        # random tokens drawn before it) and q/k are 16x the init (attention sharp enough to tell
+        # the prompts apart). Measured on the hidden state before lm_head, 2 prompts x 16 samples x
+        # 16 cells: variance across prompts 1.8 -> 15, across cells 0.007 -> 8.8, across samples of
+        # a prompt and cell 8.3 -> 0. With the body frozen (--ar-trainable head, prepare_policy)
+        # these features stay put, and lm_head reads each (prompt, cell) off its own features.
         with torch.no_grad():
             image_embeddings = ar.model.language_model.embed_tokens.weight[:TINY_VISION_VOCAB]
             image_embeddings.copy_(image_embeddings.mean(0).expand_as(image_embeddings))
