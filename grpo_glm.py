@@ -28,7 +28,7 @@ steps (Flow-GRPO), scored by the same advantage and loss functions.
 (GRPO trains its output layer, --ar-trainable; section 2 says why), and a renderer that paints
 what its tokens say. A random DiT + VAE would paint colour noise
 whatever the tokens, and nothing GRPO does would show in the pictures; so on first use the DiT
-is pre-trained (~15 s of CPU) on a synthetic task, token grid -> its colour mosaic (codebook id k
+is pre-trained (7 s on 2 free cores) on a synthetic task, token grid -> its colour mosaic (codebook id k
 paints the k-th of the demo's 8 colours, mod 8), the VAE decoder is set to paint its latent's
 colour, and the pipeline is saved with save_pretrained to ~/.cache/grpo_glm (or $GRPO_GLM_CACHE,
 or $XDG_CACHE_HOME/grpo_glm) and loaded back with from_pretrained, like any local checkpoint.
