@@ -2255,7 +2255,7 @@ def test_slow_fsdp_trains_like_one_process_and_resumes_across_world_sizes(tmp_pa
     (tmp_path / "prompts.txt").write_text("\n".join(lines) + "\n")
     flags = ["--steps", "2", "--save-every", "1", "--sample-every", "0", "--group-size", "2", "--inner-epochs", "2",
              "--guidance-scale", "2", "--num-inference-steps", "3", "--prompts", str(tmp_path / "prompts.txt"),
-             "--policy", "both", "--mode", "i2i", "--micro-batch-size", "1", "--beta", "0.01", *FLOAT64]
+             "--policy", "both", "--mode", "i2i", "--micro-batch-size", "1", "--beta", "0.01", "--ar-trainable", "all", *FLOAT64]
     two = lambda *argv: torch.multiprocessing.spawn(_main_worker, args=(2, free_port(), flags + ["--fsdp", *argv]),
                                                     nprocs=2)
     one_process_reference(flags + ["--out", str(tmp_path / "one")])
@@ -2445,7 +2445,7 @@ def measure_update(lora_rank, checkpointing, layout=None):
     torch.set_num_threads(1)
     L = layout or MEASURED_LAYOUT
     ar = _real_width_ar(L["layers"])
-    args = SimpleNamespace(lora_rank=lora_rank, lora_alpha=lora_rank, gradient_checkpointing=checkpointing,
+    args = SimpleNamespace(lora_rank=lora_rank, lora_alpha=lora_rank, gradient_checkpointing=checkpointing, ar_trainable="all",
                            micro_batch_size=L["samples"], inner_epochs=1, temperature=1.0, clip_eps=0.2, beta=0.0,
                            max_grad_norm=1.0)
     tensors = g.trainable_tensors(ar, lora_rank)                       # counted on the bare model, as the plan does
