@@ -52,6 +52,7 @@ import contextlib
 import copy
 import datetime
 import functools
+import gc
 import hashlib
 import importlib
 import importlib.util
@@ -3879,5 +3880,14 @@ def main(argv=None):
             dist.destroy_process_group()
 
 
+def release_process_group_holders():
+    """Under torchrun: frees the trained model while Python is fully alive. DDP's and FSDP's state
+    keeps the process group referenced past destroy_process_group; left to interpreter exit, its gloo
+    threads release tensors when no thread may take the GIL any more, and a finished rank dies of
+    SIGABRT ("terminate called without an active exception"; pytorch PR 179291 describes it)."""
+    gc.collect()
+
+
 if __name__ == "__main__":
     main()
+    release_process_group_holders()

@@ -2108,6 +2108,7 @@ def _rank_worker(rank, world, port, argv, dump):
     os.environ.update(rank_env(rank, world, port))
     torch.set_num_threads(1)
     torch.save(trained_weights(g.main(argv)), Path(dump) / f"rank{rank}.pt")
+    g.release_process_group_holders()          # as grpo_glm.py's own entry point does
 
 
 def run_two_ranks(argv, dump):
@@ -2238,6 +2239,7 @@ def _main_worker(rank, world, port, argv):
     os.environ.update(rank_env(rank, world, port))
     torch.set_num_threads(1)
     g.main(argv)
+    g.release_process_group_holders()
 
 
 def checkpoint_weights(out, step):
@@ -2317,6 +2319,9 @@ def _shard_bytes_worker(rank, world, port, argv, dump):
               trainers[0][0].dit_reference]
     held["all_sharded_after"] = all(isinstance(p, DTensor) for m in models for p in m.parameters())
     torch.save(held, Path(dump) / f"held{rank}.pt")
+    trainers.clear()
+    del models
+    g.release_process_group_holders()
 
 
 def test_fsdp_plan_counts_the_bytes_two_processes_hold(tmp_path):
