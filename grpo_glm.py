@@ -394,7 +394,8 @@ def load_pipeline(args):
 
 
 def prepare_policy(ar, args):
-    """Marks what is trained: all AR weights, or LoRA adapters (transformers' PEFT integration)."""
+    """Marks what is trained: all AR weights, its output layer alone (--ar-trainable head), or LoRA
+    adapters (transformers' PEFT integration)."""
     if args.lora_rank:
         from diffusers.training_utils import cast_training_params
         from peft import LoraConfig
@@ -417,9 +418,9 @@ def prepare_policy(ar, args):
             # (prompt, cell). The tiny demo's default, because its body is random: trained along,
             # the body's cheapest move is the direction every cell of a prompt shares, so all 16
             # cells take the background colour (12 of them want it) before the 4 centre cells can
-            # turn red, and the shape never appears (--ar-trainable all, seed 0: P(red) in the
-            # centre 0.00-0.09 after 40 steps). Frozen, each cell keeps its own features and GRPO's
-            # per-cell credit shows. A pretrained body (the real model) is worth training: all or LoRA.
+            # turn red, and the shape never appears (README, "The tiny model"). Frozen, each cell
+            # keeps its own features and GRPO's per-cell credit shows. A pretrained body (the real
+            # model) is worth training: all, or LoRA.
             ar.model.requires_grad_(False)
     if args.gradient_checkpointing:
         ar.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
