@@ -3058,10 +3058,9 @@ def tiny_pipeline_dir(seed=0, settings=None):
 # G samples then see the same logits), every lm_head row of a token no sample drew: its gradient is
 # (sum of the group's advantages, 0) x something. Rounding leaves ~1e-9 there after clipping, near
 # AdamW's eps (1e-8); AdamW divides each coordinate by its own size, so the 2-process order of the
-# sums moves those weights up to ~lr/10 apart, and the rest of the model follows. Measured (--policy
-# both, i2i, lr 1e-2): gradients 6e-7 apart on the first pass, weights 6e-5 after one step, 1e-3
-# after two. In float64 (--dtype float64) that noise is ~1e-19, far below eps: 1 and 2 processes
-# then agree to 1e-13 after the same steps (tested).
+# sums moves those weights up to ~lr/10 apart, and the rest of the model follows (README,
+# Measurements). In float64 (--dtype float64) that noise is ~1e-19, far below eps, and 1 and 2
+# processes agree to rounding (the tests compare them so).
 
 def init_distributed(args):
     """Joins the process group torchrun described in the environment (nothing to do for one
