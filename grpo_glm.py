@@ -233,128 +233,6 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_pr
 DIT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]               # the DiT's attention Linears
 
 
-TINY_CODEBOOK = 64                       # real: 16384
-
-
-TINY_VISION_VOCAB = TINY_CODEBOOK + 16   # real: 16512 (codebook + 128 special ids)
-# A minimal stand-in chat template: the real processor ships its own, loaded by from_pretrained.
-# A source image must sit between image start and end tokens: get_rope_index finds source images
-# by those markers (and gives them 2-D positions); a bare <|image|> would be numbered like text.
-
-TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
-                      "<|dit_token_16384|><|image|><|dit_token_16385|>"
-                      "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}")
-
-
-def build_tiny_tokenizer():
-    """A character-level tokenizer carrying GLM-Image's special tokens.
-
-    Ids 0..vision_vocab-1 are the image tokens (as in the real tokenizer, where the bos
-    '<|dit_token_16384|>' has id 16384 = image_start_token_id), then printable ASCII, then the
-    special tokens the GlmImageProcessor reads: image_token, grid_bos_token, grid_eos_token."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    image_tokens = [f"<|dit_token_{i}|>" for i in range(TINY_CODEBOOK)]
-    image_tokens += [f"<|dit_token_{16384 + i}|>" for i in range(TINY_VISION_VOCAB - TINY_CODEBOOK)]
-    chars = [chr(c) for c in range(32, 127)]
-    specials = ["<|image|>", "<sop>", "<eop>", "<pad>", "<unk>"]
-    vocab = {t: i for i, t in enumerate(image_tokens + chars + specials)}
-    # BPE with no merges = one token per character; the special tokens match as whole strings.
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<|dit_token_16384|>", eos_token="<|dit_token_16385|>",
-        pad_token="<pad>", unk_token="<unk>", padding_side="left",
-        extra_special_tokens={"image_token": "<|image|>", "grid_bos_token": "<sop>", "grid_eos_token": "<eop>"},
-    )
-
-
-def build_tiny_pipeline(seed=0, ar_init_range=0.02, renderer="random"):
-    """A random-weight GLM-Image from the real classes in ~1 s. `ar_init_range` > 0.02 sharpens
-    the AR's logits (tests use it so that wrong M-RoPE positions change log-probs visibly).
-    renderer="random": DiT and VAE at their random init (they paint colour noise; tests that only
-    need the code path use it). renderer="mosaic": what `--model tiny` is built from before
-    tiny_pipeline_dir trains its renderer: a DiT twice as wide, the colour-painting VAE, and an AR,
-    random as well, whose init lets the prompt reach its logits (see below)."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, GlmImagePipeline, GlmImageTransformer2DModel
-    from transformers import (ByT5Tokenizer, GlmImageConfig, GlmImageForConditionalGeneration, GlmImageProcessor,
-                              T5Config, T5EncoderModel)
-    from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
-
-    torch.manual_seed(seed)
-    tokenizer = build_tiny_tokenizer()
-    # GLM-Image's image processor settings (16-px patches, no temporal/spatial merge, mean/std 0.5),
-    # except min_pixels: the real 512^2 would upscale a small source, while the pipeline VAE-encodes
-    # the source at its own size, and the DiT's source tokens would no longer line up.
-    image_processor = GlmImageImageProcessorPil(patch_size=16, temporal_patch_size=1, merge_size=1,
-                                                min_pixels=32 * 32, max_pixels=2048 * 2048,
-                                                image_mean=[0.5] * 3, image_std=[0.5] * 3)
-    processor = GlmImageProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                                  chat_template=TINY_CHAT_TEMPLATE)
-    ar_config = GlmImageConfig(
-        text_config=dict(
-            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-            vision_vocab_size=TINY_VISION_VOCAB, eos_token_id=TINY_CODEBOOK + 1,
-            pad_token_id=tokenizer.pad_token_id,  # the default 167841 is outside a tiny vocabulary
-            initializer_range=ar_init_range,
-            # (the demo AR rotates faster: with theta 1e4 and 4 rotary frequencies, a grid row turns
-            # the rotary angle by 0.01 rad and a column by 0.001, so positions barely register)
-            rope_parameters={"rope_type": "default", "rope_theta": 4.0 if renderer == "mosaic" else 10000.0,
-                             "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5}),
-        vision_config=dict(depth=1, hidden_size=32, num_heads=2, image_size=64, patch_size=16, intermediate_size=32),
-        vq_config=dict(embed_dim=32, num_embeddings=TINY_CODEBOOK, latent_channels=32),
-        image_token_id=tokenizer.convert_tokens_to_ids("<|image|>"),
-        image_start_token_id=TINY_CODEBOOK, image_end_token_id=TINY_CODEBOOK + 1,
-    )
-    ar = GlmImageForConditionalGeneration(ar_config)
-    if renderer == "mosaic":
-        # The demo AR is random, but starts where its prompt can reach the logits. At the default
-        # init a grid token's logits are set by the random token before it (the input embedding
-        # dominates a 2-layer residual stream; the prompt moves them ~10x less), and GRPO then
-        # learns one colour for every cell of every prompt. So the image tokens' input embeddings
-        # start equal (a cell's first choice depends on the prompt and its place, not on the
-        # random tokens drawn before it) and q/k are 16x the init (attention sharp enough to tell
-        # the prompts apart). Measured on the hidden state before lm_head, 2 prompts x 16 samples x
-        # 16 cells: variance across prompts 1.8 -> 15, across cells 0.007 -> 8.8, across samples of
-        # a prompt and cell 8.3 -> 0. With the body frozen (--ar-trainable head, prepare_policy)
-        # these features stay put, and lm_head reads each (prompt, cell) off its own features.
-        with torch.no_grad():
-            image_embeddings = ar.model.language_model.embed_tokens.weight[:TINY_VISION_VOCAB]
-            image_embeddings.copy_(image_embeddings.mean(0).expand_as(image_embeddings))
-            for layer in ar.model.language_model.layers:
-                layer.self_attn.q_proj.weight.mul_(16.0)
-                layer.self_attn.k_proj.weight.mul_(16.0)
-    text_encoder = T5EncoderModel(T5Config(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2))
-    # patch_size x vae_scale_factor = 16 pixels per DiT token, because the AR's 32-pixel tokens
-    # are upsampled 2x before they reach the DiT (as in the real model).
-    # (the mosaic renderer's DiT is 32 wide: at 16 it learns the task ~50x less accurately, MSE 0.02)
-    transformer = GlmImageTransformer2DModel(
-        patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16 if renderer == "mosaic" else 8,
-        num_attention_heads=2, text_embed_dim=32, time_embed_dim=16, condition_dim=8,
-        prior_vq_quantizer_codebook_size=TINY_CODEBOOK)
-    if renderer == "mosaic":
-        vae = colour_vae()
-    else:
-        # A trained DiT draws the layout from the AR tokens; a random one mostly ignores them and
-        # paints its noise. Strengthening the prior-token embedding restores the real model's
-        # division of labour (tokens decide the content), which is what RL on the AR relies on.
-        with torch.no_grad():
-            transformer.prior_token_embedding.weight.mul_(30.0)
-        vae = AutoencoderKL(
-            block_out_channels=(8, 8, 8, 8), in_channels=3, out_channels=3, latent_channels=4, norm_num_groups=4,
-            down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
-            latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
-    pipe = GlmImagePipeline(
-        tokenizer=ByT5Tokenizer(), processor=processor, text_encoder=text_encoder, vision_language_encoder=ar,
-        vae=vae, transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler())
-    # Components built from configs start in train mode; T5's dropout would then make the same
-    # prompt embed differently each call.
-    for module in (ar, text_encoder, transformer, vae):
-        module.eval()
-    return pipe
-
-
 def load_pipeline(args):
     """Returns a GlmImagePipeline on args.device with the AR ready to train."""
     from diffusers import GlmImagePipeline
@@ -375,6 +253,8 @@ def load_pipeline(args):
     # Only the AR is trained; the DiT, VAE and glyph encoder are frozen renderers here.
     for name in ("text_encoder", "transformer", "vae"):
         getattr(pipe, name).requires_grad_(False)
+    if dtype == torch.float64:
+        float64_throughout(pipe)
     pipe.processor.tokenizer.padding_side = "left"  # sampling code assumes prompts end at one column
     pipe.set_progress_bar_config(disable=True)      # the run prints its own progress, one line a step
     if args.offload:
@@ -430,87 +310,6 @@ def prepare_policy(ar, args):
 # =============================================================================================
 # 3. Prompts and targets
 # =============================================================================================
-
-@dataclass
-class PromptItem:
-    """One prompt line. Its images are read (or drawn) each time a step asks for them, never kept:
-    1,000 targets at 1024^2 held 4.6 GB per process. `target` / `source`: RGB, --width x --height,
-    or None (no target given and no reward reads one; t2i has no source)."""
-    text: str
-    where: str                   # 'prompts.txt:3', for messages
-    size: tuple                  # (height, width) images are resized to
-    mode: str = "t2i"
-    target_file: Path = None
-    source_file: Path = None
-    draw_target: bool = False    # no target file: draw the demo target from the prompt's words
-    draw_source: bool = False    # i2i, no source file: draw the demo source
-
-    @property
-    def target(self):
-        if self.target_file:
-            return read_image(self.target_file, self.where, "target", self.size)
-        if self.draw_target:
-            return draw_demo(self.text, *self.size, self.where, "target" if self.mode == "i2i" else None)
-        return None
-
-    @property
-    def source(self):
-        if self.source_file:
-            return read_image(self.source_file, self.where, "source", self.size)
-        return draw_demo(self.text, *self.size, self.where, "source") if self.draw_source else None
-
-
-def read_prompts(path, height, width, mode="t2i", need_targets=True):
-    """Parses the prompt file. Line format: `prompt`, `prompt | target.png`, and in i2i
-    `prompt | target.png | source.png` (paths relative to the prompt file). Blank lines and
-    comment lines (first non-blank character '#') are skipped; a '#' later in a line is text
-    ('colour #ff0000'); `\\|` is a '|' inside the prompt; tabs become spaces. Images of another
-    size are resized to --width x --height; i2i sources too, which keeps them multiples of 32 px
-    and lets a whole group decode in one call.
-    need_targets: False (no reward reads targets: a missing target stays None, any line is a valid
-    prompt), or True / the names of the rewards that read them (see require_targets).
-    Every image is checked here (it opens, its header and size read) but its pixels are read only
-    when a step uses it (PromptItem)."""
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"--prompts {path}: file not found")
-    items, resized = [], False
-    for lineno, raw in enumerate(read_utf8(path).splitlines(), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        text, *paths = (part.strip() for part in re.split(r"(?<!\\)\|", line))
-        text = text.replace("\\|", "|").replace("\t", " ")
-        where = f"{path}:{lineno}"
-        if not text:
-            raise UsageError(f"{where}: empty prompt before '|'")
-        if len(paths) > (2 if mode == "i2i" else 1):
-            raise UsageError(f"{where}: too many '|' fields for --mode {mode} (write \\| for a '|' in the prompt)")
-        paths += [""] * (2 - len(paths))
-        files = [path.parent / p if p else None for p in paths]
-        for file, name, kind in zip(files, paths, ("target", "source")):
-            if file is None:
-                continue
-            w, h = check_image(file, where, kind)
-            resized |= (w, h) != (width, height)
-            if w * height != h * width:
-                print(f"note: {where}: {kind} {name} is {w}x{h}, squashed to {width}x{height} "
-                      "(another aspect ratio; crop it yourself to keep its proportions)")
-        target_file, source_file = files
-        draw_source = mode == "i2i" and source_file is None
-        item = PromptItem(text, where, (height, width), mode, target_file, source_file,
-                          draw_target=draw_source and target_file is None, draw_source=draw_source)
-        if draw_source:
-            demo_words_or_fail(text, where, mode)
-        items.append(item)
-    if not items:
-        raise UsageError(f"--prompts {path}: no prompts (only blank or comment lines)")
-    if resized:
-        print(f"note: images resized to {width}x{height} (--width x --height)")
-    if need_targets:
-        require_targets(items, [] if need_targets is True else need_targets)
-    return items
-
 
 def prompts_for_step(num_prompts, per_step, step, seed):
     """Indices of the prompts of step `step` (1-based): a fresh seeded shuffle per pass over the
@@ -1554,7 +1353,7 @@ def sample_dit(dit, cond, noise, schedule, noise_level, train_steps, generators)
         v = dit_velocity(dit, x, t, cond, caches)
         if i < train_steps:
             group = (x.shape[0] // len(generators), *x.shape[1:])
-            eps = torch.cat([torch.randn(group, generator=g) for g in generators]).to(x.device)
+            eps = torch.cat([torch.randn(group, generator=g) for g in generators]).to(x.device, x.dtype)
             x, logp, _ = sde_step(v, x, sigmas, i, noise_level, eps=eps)
             logps.append(logp)
         else:
@@ -2057,6 +1856,87 @@ COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), 
 
 
 SHAPES = ("circle", "square", "triangle")
+
+
+@dataclass
+class PromptItem:
+    """One prompt line. Its images are read (or drawn) each time a step asks for them, never kept:
+    1,000 targets at 1024^2 held 4.6 GB per process. `target` / `source`: RGB, --width x --height,
+    or None (no target given and no reward reads one; t2i has no source)."""
+    text: str
+    where: str                   # 'prompts.txt:3', for messages
+    size: tuple                  # (height, width) images are resized to
+    mode: str = "t2i"
+    target_file: Path = None
+    source_file: Path = None
+    draw_target: bool = False    # no target file: draw the demo target from the prompt's words
+    draw_source: bool = False    # i2i, no source file: draw the demo source
+
+    @property
+    def target(self):
+        if self.target_file:
+            return read_image(self.target_file, self.where, "target", self.size)
+        if self.draw_target:
+            return draw_demo(self.text, *self.size, self.where, "target" if self.mode == "i2i" else None)
+        return None
+
+    @property
+    def source(self):
+        if self.source_file:
+            return read_image(self.source_file, self.where, "source", self.size)
+        return draw_demo(self.text, *self.size, self.where, "source") if self.draw_source else None
+
+
+def read_prompts(path, height, width, mode="t2i", need_targets=True):
+    """Parses the prompt file. Line format: `prompt`, `prompt | target.png`, and in i2i
+    `prompt | target.png | source.png` (paths relative to the prompt file). Blank lines and
+    comment lines (first non-blank character '#') are skipped; a '#' later in a line is text
+    ('colour #ff0000'); `\\|` is a '|' inside the prompt; tabs become spaces. Images of another
+    size are resized to --width x --height; i2i sources too, which keeps them multiples of 32 px
+    and lets a whole group decode in one call.
+    need_targets: False (no reward reads targets: a missing target stays None, any line is a valid
+    prompt), or True / the names of the rewards that read them (see require_targets).
+    Every image is checked here (it opens, its header and size read) but its pixels are read only
+    when a step uses it (PromptItem)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"--prompts {path}: file not found")
+    items, resized = [], False
+    for lineno, raw in enumerate(read_utf8(path).splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        text, *paths = (part.strip() for part in re.split(r"(?<!\\)\|", line))
+        text = text.replace("\\|", "|").replace("\t", " ")
+        where = f"{path}:{lineno}"
+        if not text:
+            raise UsageError(f"{where}: empty prompt before '|'")
+        if len(paths) > (2 if mode == "i2i" else 1):
+            raise UsageError(f"{where}: too many '|' fields for --mode {mode} (write \\| for a '|' in the prompt)")
+        paths += [""] * (2 - len(paths))
+        files = [path.parent / p if p else None for p in paths]
+        for file, name, kind in zip(files, paths, ("target", "source")):
+            if file is None:
+                continue
+            w, h = check_image(file, where, kind)
+            resized |= (w, h) != (width, height)
+            if w * height != h * width:
+                print(f"note: {where}: {kind} {name} is {w}x{h}, squashed to {width}x{height} "
+                      "(another aspect ratio; crop it yourself to keep its proportions)")
+        target_file, source_file = files
+        draw_source = mode == "i2i" and source_file is None
+        item = PromptItem(text, where, (height, width), mode, target_file, source_file,
+                          draw_target=draw_source and target_file is None, draw_source=draw_source)
+        if draw_source:
+            demo_words_or_fail(text, where, mode)
+        items.append(item)
+    if not items:
+        raise UsageError(f"--prompts {path}: no prompts (only blank or comment lines)")
+    if resized:
+        print(f"note: images resized to {width}x{height} (--width x --height)")
+    if need_targets:
+        require_targets(items, [] if need_targets is True else need_targets)
+    return items
 
 
 def require_targets(items, reward_names=()):
@@ -2800,6 +2680,128 @@ def restore_checkpoint(ckpt, path, model, optimizer, lr_scheduler):
 # written with save_pretrained to a cache directory and read back with from_pretrained, the path
 # a user's own checkpoint takes.
 
+TINY_CODEBOOK = 64                       # real: 16384
+
+
+TINY_VISION_VOCAB = TINY_CODEBOOK + 16   # real: 16512 (codebook + 128 special ids)
+# A minimal stand-in chat template: the real processor ships its own, loaded by from_pretrained.
+# A source image must sit between image start and end tokens: get_rope_index finds source images
+# by those markers (and gives them 2-D positions); a bare <|image|> would be numbered like text.
+
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
+                      "<|dit_token_16384|><|image|><|dit_token_16385|>"
+                      "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}")
+
+
+def build_tiny_tokenizer():
+    """A character-level tokenizer carrying GLM-Image's special tokens.
+
+    Ids 0..vision_vocab-1 are the image tokens (as in the real tokenizer, where the bos
+    '<|dit_token_16384|>' has id 16384 = image_start_token_id), then printable ASCII, then the
+    special tokens the GlmImageProcessor reads: image_token, grid_bos_token, grid_eos_token."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    image_tokens = [f"<|dit_token_{i}|>" for i in range(TINY_CODEBOOK)]
+    image_tokens += [f"<|dit_token_{16384 + i}|>" for i in range(TINY_VISION_VOCAB - TINY_CODEBOOK)]
+    chars = [chr(c) for c in range(32, 127)]
+    specials = ["<|image|>", "<sop>", "<eop>", "<pad>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(image_tokens + chars + specials)}
+    # BPE with no merges = one token per character; the special tokens match as whole strings.
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|dit_token_16384|>", eos_token="<|dit_token_16385|>",
+        pad_token="<pad>", unk_token="<unk>", padding_side="left",
+        extra_special_tokens={"image_token": "<|image|>", "grid_bos_token": "<sop>", "grid_eos_token": "<eop>"},
+    )
+
+
+def build_tiny_pipeline(seed=0, ar_init_range=0.02, renderer="random"):
+    """A random-weight GLM-Image from the real classes in ~1 s. `ar_init_range` > 0.02 sharpens
+    the AR's logits (tests use it so that wrong M-RoPE positions change log-probs visibly).
+    renderer="random": DiT and VAE at their random init (they paint colour noise; tests that only
+    need the code path use it). renderer="mosaic": what `--model tiny` is built from before
+    tiny_pipeline_dir trains its renderer: a DiT twice as wide, the colour-painting VAE, and an AR,
+    random as well, whose init lets the prompt reach its logits (see below)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, GlmImagePipeline, GlmImageTransformer2DModel
+    from transformers import (ByT5Tokenizer, GlmImageConfig, GlmImageForConditionalGeneration, GlmImageProcessor,
+                              T5Config, T5EncoderModel)
+    from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
+
+    torch.manual_seed(seed)
+    tokenizer = build_tiny_tokenizer()
+    # GLM-Image's image processor settings (16-px patches, no temporal/spatial merge, mean/std 0.5),
+    # except min_pixels: the real 512^2 would upscale a small source, while the pipeline VAE-encodes
+    # the source at its own size, and the DiT's source tokens would no longer line up.
+    image_processor = GlmImageImageProcessorPil(patch_size=16, temporal_patch_size=1, merge_size=1,
+                                                min_pixels=32 * 32, max_pixels=2048 * 2048,
+                                                image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    processor = GlmImageProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                  chat_template=TINY_CHAT_TEMPLATE)
+    ar_config = GlmImageConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+            vision_vocab_size=TINY_VISION_VOCAB, eos_token_id=TINY_CODEBOOK + 1,
+            pad_token_id=tokenizer.pad_token_id,  # the default 167841 is outside a tiny vocabulary
+            initializer_range=ar_init_range,
+            # (the demo AR rotates faster: with theta 1e4 and 4 rotary frequencies, a grid row turns
+            # the rotary angle by 0.01 rad and a column by 0.001, so positions barely register)
+            rope_parameters={"rope_type": "default", "rope_theta": 4.0 if renderer == "mosaic" else 10000.0,
+                             "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5}),
+        vision_config=dict(depth=1, hidden_size=32, num_heads=2, image_size=64, patch_size=16, intermediate_size=32),
+        vq_config=dict(embed_dim=32, num_embeddings=TINY_CODEBOOK, latent_channels=32),
+        image_token_id=tokenizer.convert_tokens_to_ids("<|image|>"),
+        image_start_token_id=TINY_CODEBOOK, image_end_token_id=TINY_CODEBOOK + 1,
+    )
+    ar = GlmImageForConditionalGeneration(ar_config)
+    if renderer == "mosaic":
+        # The demo AR is random, but starts where its prompt can reach the logits. At the default
+        # init a grid token's logits are set by the random token before it (the input embedding
+        # dominates a 2-layer residual stream; the prompt moves them ~10x less), and GRPO then
+        # learns one colour for every cell of every prompt. So the image tokens' input embeddings
+        # start equal (a cell's first choice depends on the prompt and its place, not on the
+        # random tokens drawn before it) and q/k are 16x the init (attention sharp enough to tell
+        # the prompts apart). Measured on the hidden state before lm_head, 2 prompts x 16 samples x
+        # 16 cells: variance across prompts 1.8 -> 15, across cells 0.007 -> 8.8, across samples of
+        # a prompt and cell 8.3 -> 0. With the body frozen (--ar-trainable head, prepare_policy)
+        # these features stay put, and lm_head reads each (prompt, cell) off its own features.
+        with torch.no_grad():
+            image_embeddings = ar.model.language_model.embed_tokens.weight[:TINY_VISION_VOCAB]
+            image_embeddings.copy_(image_embeddings.mean(0).expand_as(image_embeddings))
+            for layer in ar.model.language_model.layers:
+                layer.self_attn.q_proj.weight.mul_(16.0)
+                layer.self_attn.k_proj.weight.mul_(16.0)
+    text_encoder = T5EncoderModel(T5Config(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2))
+    # patch_size x vae_scale_factor = 16 pixels per DiT token, because the AR's 32-pixel tokens
+    # are upsampled 2x before they reach the DiT (as in the real model).
+    # (the mosaic renderer's DiT is 32 wide: at 16 it learns the task ~50x less accurately, MSE 0.02)
+    transformer = GlmImageTransformer2DModel(
+        patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16 if renderer == "mosaic" else 8,
+        num_attention_heads=2, text_embed_dim=32, time_embed_dim=16, condition_dim=8,
+        prior_vq_quantizer_codebook_size=TINY_CODEBOOK)
+    if renderer == "mosaic":
+        vae = colour_vae()
+    else:
+        # A trained DiT draws the layout from the AR tokens; a random one mostly ignores them and
+        # paints its noise. Strengthening the prior-token embedding restores the real model's
+        # division of labour (tokens decide the content), which is what RL on the AR relies on.
+        with torch.no_grad():
+            transformer.prior_token_embedding.weight.mul_(30.0)
+        vae = AutoencoderKL(
+            block_out_channels=(8, 8, 8, 8), in_channels=3, out_channels=3, latent_channels=4, norm_num_groups=4,
+            down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+            latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+    pipe = GlmImagePipeline(
+        tokenizer=ByT5Tokenizer(), processor=processor, text_encoder=text_encoder, vision_language_encoder=ar,
+        vae=vae, transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler())
+    # Components built from configs start in train mode; T5's dropout would then make the same
+    # prompt embed differently each call.
+    for module in (ar, text_encoder, transformer, vae):
+        module.eval()
+    return pipe
+
+
 TINY_RENDERER_FORMAT = "grpo_glm-tiny-renderer-v1"
 
 
@@ -3061,6 +3063,35 @@ def tiny_pipeline_dir(seed=0, settings=None):
 # sums moves those weights up to ~lr/10 apart, and the rest of the model follows (README,
 # Measurements). In float64 (--dtype float64) that noise is ~1e-19, far below eps, and 1 and 2
 # processes agree to rounding (the tests compare them so).
+
+def float64_throughout(pipe):
+    """--dtype float64 runs every weight-dependent sum in float64. Two library functions round to
+    fp32 on purpose (a bf16 model needs it): the AR's RMSNorm (transformers' GlmImageRMSNorm) and
+    the DiT's rotary embedding (diffusers' apply_rotary_emb, `x.float()`). In a float64 run they round
+    activations to fp32, and a 1e-16 difference in sum order then flips an fp32 rounding (6e-8)
+    here and there: 1 and 2 processes drifted 1e-9 apart on torch 2.14.1. Both are swapped for the
+    same formula in at least fp32, which is the library's own at every other dtype."""
+    import diffusers.models.embeddings as embeddings
+    from transformers.models.glm_image.modeling_glm_image import GlmImageRMSNorm
+
+    def rms_norm(self, x):
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        return self.weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(x.dtype)
+
+    def rotary(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequence_dim=2, library=embeddings.apply_rotary_emb):
+        if x.dtype != torch.float64 or (use_real, use_real_unbind_dim, sequence_dim) != (True, -2, 1):
+            return library(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
+        cos, sin = (f.to(x.device)[None, :, None, :] for f in freqs_cis)     # GLM-Image's DiT: [B, S, heads, D]
+        x_real, x_imag = x.reshape(*x.shape[:-1], 2, -1).unbind(-2)
+        return x * cos + torch.cat([-x_imag, x_real], dim=-1) * sin
+
+    for module in pipe.vision_language_encoder.modules():
+        if isinstance(module, GlmImageRMSNorm):
+            module.forward = rms_norm.__get__(module)
+    if not getattr(embeddings.apply_rotary_emb, "float64_throughout", False):
+        rotary.float64_throughout = True
+        embeddings.apply_rotary_emb = rotary
+
 
 def init_distributed(args):
     """Joins the process group torchrun described in the environment (nothing to do for one

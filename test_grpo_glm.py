@@ -2119,18 +2119,18 @@ def run_two_ranks(argv, dump):
 
 # 1 process against 2, both in float64 (FLOAT64). The runs differ only in the order of their sums:
 # the gradient all-reduce (FSDP: reduce-scatter, and a gradient norm summed shard by shard) against
-# one process's accumulation, and the CPU kernels a batch size picks.
-# Not in float32: there some gradient coordinates are 0 but for rounding (half of each key bias; on
-# the demo AR the lm_head rows of tokens no sample drew, grpo_glm.py section 21), ~1e-9 after
-# clipping, next to AdamW's eps = 1e-8; AdamW divides each coordinate by its own size, so the other
-# sum order moves those weights by up to ~lr/10. Measured (--policy both): weights 6e-5 apart after
-# one step, 1e-3 after two; as far as one rank's loss 1e-4 too large moved them (5e-4 after one step).
-# In float64 (unit roundoff u = 1.1e-16) a sum over the ~1e5 terms in play is off by n u ~ 1e-11 at
-# most, and the rounding-only coordinates hold ~1e-19, far below eps, so AdamW moves them by
-# lr * 1e-19 / eps ~ 1e-13. So ~1e-11 per optimizer step, at most 6 of them here (steps x inner
-# epochs), and 1e-9 leaves room for the x17 growth from one step to the next that float32 shows.
-# Measured: weights 0 .. 1e-13 apart, metrics <= 5e-14. A real difference is far above: one rank's
-# loss 1e-7 too large moved the weights by 3e-7 after one step.
+# one process's accumulation, and the CPU kernels a batch size picks. float64 throughout: the two
+# fp32 roundings the libraries do on purpose (the AR's RMSNorm, the DiT's rotary embedding) are
+# swapped out (grpo_glm.float64_throughout); left in, they flipped an fp32 ulp (6e-8) here and there
+# and the DiT run drifted 4e-7 apart on torch 2.14.1.
+# The bound: a sum over the ~1e5 terms in play is off by n u ~ 1e-11 at most (u = 1.1e-16), per
+# optimizer step. Training then amplifies a difference: the demo AR's sharp attention (q, k x 16)
+# and AdamW, which divides each coordinate by its own size, grew it x85 and x27 per GRPO step
+# (measured, 1 vs 2 processes: 2e-13, 2e-11, 5e-10 after steps 1-3). So two GRPO steps: 1e-11 x 100.
+# Not in float32: there some gradient coordinates are 0 but for rounding (half of each key bias;
+# on the demo AR the lm_head rows of tokens no sample drew), ~1e-9, next to AdamW's eps = 1e-8, and
+# the weights were 1e-3 apart after two steps. A real difference is far above: one rank's loss 1e-7
+# too large moved the weights by 3e-7 after one step.
 FLOAT64 = ["--dtype", "float64"]
 ACROSS_PROCESSES = dict(rel=1e-9, abs=1e-12)
 
@@ -2161,7 +2161,7 @@ def test_slow_two_processes_train_like_one_and_resume_exactly(tmp_path):
     """2 ranks x 1 group == 1 process x 2 groups (float64, ACROSS_PROCESSES): same weights on both
     ranks, equal to the 1-process run's, same metrics rows; a 2-process resume is bit-identical to the
     uninterrupted 2-process run, and a 1-process resume of a 2-process checkpoint stays on its track."""
-    flags = ["--steps", "3", "--save-every", "2", "--sample-every", "0", "--group-size", "4", "--inner-epochs", "2",
+    flags = ["--steps", "2", "--save-every", "1", "--sample-every", "0", "--group-size", "4", "--inner-epochs", "2",
              "--height", "64", "--width", "64", "--ar-trainable", "all", *FLOAT64]
     one = one_process_reference(flags + ["--out", str(tmp_path / "one")])
     rank0, rank1 = run_two_ranks(flags + ["--out", str(tmp_path / "two")], tmp_path)
@@ -2171,10 +2171,10 @@ def test_slow_two_processes_train_like_one_and_resume_exactly(tmp_path):
     two_rows = read_metrics(tmp_path / "two")
     assert_rows_close(two_rows, read_metrics(tmp_path / "one"))
 
-    for name in ("resumed2", "resumed1"):       # a run that stopped after its step-2 checkpoint
+    for name in ("resumed2", "resumed1"):       # a run that stopped after its step-1 checkpoint
         (tmp_path / name / "checkpoints").mkdir(parents=True)
-        for part in ("checkpoints/step_000002.pt", "metrics.jsonl"):
-            (tmp_path / name / part).write_bytes((tmp_path / "two" / part).read_bytes())
+        (tmp_path / name / "checkpoints/step_000001.pt").write_bytes((tmp_path / "two/checkpoints/step_000001.pt").read_bytes())
+        (tmp_path / name / "metrics.jsonl").write_text((tmp_path / "two/metrics.jsonl").read_text().splitlines()[0] + "\n")
     resumed2, _ = run_two_ranks(flags + ["--out", str(tmp_path / "resumed2"), "--resume", "latest"], tmp_path)
     assert all(torch.equal(resumed2[n], rank0[n]) for n in rank0)
     assert deterministic(read_metrics(tmp_path / "resumed2")) == deterministic(two_rows)
