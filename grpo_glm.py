@@ -3901,6 +3901,13 @@ def main(argv=None):
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except Exception as e:
+        # CUDA raises torch.OutOfMemoryError; the CPU allocator a plain RuntimeError
+        if isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e):
+            print(f"error: out of memory with {args.prompts_per_step} prompts x {args.group_size} samples per step "
+                  f"(micro-batch {args.micro_batch_size}): lower --micro-batch-size, --group-size or "
+                  f"--prompts-per-step, or add --gradient-checkpointing; the checkpoints in {args.out} are intact",
+                  file=sys.stderr)
+            sys.exit(1)
         if not (is_ddp() and collective_failed(e)):
             raise
         print(f"error: rank {rank()} lost contact with the other processes ({str(e).splitlines()[0][:160]}): "
