@@ -109,110 +109,86 @@ ALGORITHM_FLAGS = (
     "mode", "model", "prompts_sha256", "seed", "group_size", "prompts_per_step", "inner_epochs", "lr",
     "max_grad_norm", "clip_eps", "beta", "temperature", "height", "width", "num_inference_steps",
     "guidance_scale", "dit_noise", "loss_tokens", "lora_rank", "lora_alpha", "ar_trainable", "dtype",
-    "reward", "weight_decay", "lr_scheduler", "lr_warmup_steps",
-    "policy", "dit_lr", "dit_clip_eps", "dit_noise_level", "dit_train_steps", "dit_lora_rank", "dit_prior",
-)
+    "reward", "weight_decay", "lr_scheduler", "lr_warmup_steps", "policy", "dit_lr", "dit_clip_eps",
+    "dit_noise_level", "dit_train_steps", "dit_lora_rank", "dit_prior")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description="GRPO fine-tuning of GLM-Image's autoregressive model against image rewards (MSE to a "
-                    "target by default, or your own --reward plug-ins).",
-        formatter_class=HelpFormatter,
-    )
+    p = Parser(description="GRPO fine-tuning of GLM-Image against image rewards.", formatter_class=HelpFormatter)
     a = p.add_argument
-    a("--mode", choices=["t2i", "i2i"], default="t2i", help="t2i: text to image; i2i: edit a source image "
-      "(each prompt line then names a source too, see --prompts).")
-    a("--model", default=TINY, help="'tiny' builds a small random-weight GLM-Image from the real classes; "
-      "otherwise a hub id (zai-org/GLM-Image) or a local directory saved with save_pretrained.")
-    a("--prompts", default="prompts.txt", help="Prompt file: one prompt per line, optionally '| target.png' "
-      "after it (i2i: '| target.png | source.png'); a line starting with '#' is a comment. Without paths, the "
-      "demo images are drawn from the prompt's colour/shape words.")
-    a("--reward", action="append", metavar="SPEC", help="A reward: 'mse' (-MSE to the target image), "
-      "'module:function' or 'path/to/file.py:function', optionally '=WEIGHT'. Repeat it for a weighted sum "
-      "(see section 6 and the README for the signature). Default: mse.")
+    count, non_negative_int = number(int, least=1), number(int, least=0)
+    positive, non_negative = number(float, above=0), number(float, least=0)
+    a("--mode", choices=["t2i", "i2i"], default="t2i", help="t2i: text to image; i2i: edit each prompt's source image.")
+    a("--model", default=TINY, help="'tiny' (a toy GLM-Image, section 20), a hub id or a save_pretrained directory.")
+    a("--prompts", default="prompts.txt", help="Prompt file: a prompt per line, optionally '| target.png' (i2i: "
+      "'| target.png | source.png'); without them the demo images are drawn from its colour/shape words.")
+    a("--reward", action="append", metavar="SPEC", help="A reward: 'mse', 'module:function' or 'file.py:function', "
+      "optionally '=WEIGHT'; repeat it for a weighted sum (section 6). Default: mse.")
     a("--out", default="runs/grpo_glm", help="Directory for metrics.jsonl, samples/ and checkpoints/.")
-    a("--steps", type=int, default=10, help="Number of GRPO steps to run (in total, counting resumed ones).")
-    a("--seed", type=int, default=0, help="Seed for the tiny model, the prompt order, sampling and DiT noise.")
-    a("--group-size", type=int, default=32, help="G: samples per prompt; advantages are normalised within a group. "
-      "(The tiny demo's default: its AR decodes one token at a time, so 32 rows cost about what 16 do.)")
-    a("--prompts-per-step", type=int, default=2, help="Prompts per step; the batch is prompts-per-step x G samples.")
-    a("--inner-epochs", type=int, default=4, help="mu: optimisation passes over each batch. With 1 the PPO ratio "
-      "is always 1 and clipping never acts.")
-    a("--lr", type=float, default=2e-2, help="AdamW learning rate (the default suits the tiny demo's output "
-      "head: 40 steps draw each prompt's layout; use ~1e-5 for the real model).")
+    a("--steps", type=count, default=10, help="Number of GRPO steps to run (in total, counting resumed ones).")
+    a("--seed", type=number(int, least=0, most=2**32 - 1), default=0, help="Seed of the tiny model, the prompt "
+      "order, sampling and DiT noise (numpy's range: 0 to 2**32 - 1).")
+    a("--group-size", type=number(int, least=2), default=32, help="G: samples per prompt, compared within their group.")
+    a("--prompts-per-step", type=count, default=2, help="Prompts per step; a step's batch is prompts x G samples.")
+    a("--inner-epochs", type=count, default=4, help="mu: optimisation passes over each batch.")
+    a("--lr", type=positive, default=2e-2, help="AdamW learning rate (the tiny demo's; ~1e-5 for the real model).")
     a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="Learning-rate "
-      "schedule over --steps GRPO steps (diffusers' get_scheduler; one scheduler step per GRPO step). Resuming "
-      "with another --steps reshapes the rest of a cosine or linear schedule.")
-    a("--lr-warmup-steps", type=int, default=0, help="GRPO steps of linear warm-up from 0 to --lr.")
-    a("--weight-decay", type=float, default=0.0, help="AdamW's decoupled weight decay.")
-    a("--max-grad-norm", type=float, default=1.0, help="Clip the global gradient norm to this value.")
-    a("--clip-eps", type=float, default=0.2, help="epsilon of the PPO clip: ratio is kept within [1-eps, 1+eps].")
-    a("--beta", type=float, default=0.0, help="Weight of the k3 KL penalty towards the initial model (0 = none, "
-      "as in TRL's default; no reference model is kept).")
-    a("--temperature", type=float, default=1.0, help="Sampling temperature T; log-probs are computed from "
-      "logits / T so the trained policy is exactly the sampling policy.")
-    a("--height", type=int, default=128, help="Image height in pixels, a multiple of 32 (the tiny demo's 128 is a "
-      "4x4 token grid, enough to show a shape in the middle of a field).")
-    a("--width", type=int, default=128, help="Image width in pixels, a multiple of 32.")
-    a("--num-inference-steps", type=int, default=4, help="DiT denoising steps when decoding samples.")
-    a("--dit-noise", choices=["per-prompt", "per-step"], default="per-prompt", help="Initial DiT noise: "
-      "one draw per prompt for the whole run, or a fresh draw per step (always shared within a group).")
-    a("--guidance-scale", type=float, default=1.0, help="DiT classifier-free guidance scale (1 = off).")
+      "schedule over --steps GRPO steps (diffusers' get_scheduler); resuming with another --steps reshapes "
+      "the rest of a cosine or linear one.")
+    a("--lr-warmup-steps", type=non_negative_int, default=0, help="GRPO steps of linear warm-up from 0 to --lr.")
+    a("--weight-decay", type=non_negative, default=0.0, help="AdamW's decoupled weight decay.")
+    a("--max-grad-norm", type=positive, default=1.0, help="Clip the global gradient norm to this value.")
+    a("--clip-eps", type=positive, default=0.2, help="epsilon of the PPO clip: ratio is kept within [1-eps, 1+eps].")
+    a("--beta", type=non_negative, default=0.0, help="Weight of the KL penalty towards the initial model (0 = "
+      "none, TRL's default): k3 on the AR's tokens; on the DiT the exact Gaussian KL ||dmu||^2 / (2 std_t^2 "
+      "|dt|). flow_grpo's code omits |dt|, so a beta taken from flow_grpo is 10-1000x stronger here.")
+    a("--temperature", type=positive, default=1.0, help="Sampling temperature T; log-probs use logits / T.")
+    a("--height", type=multiple_of_32, default=128, help="Image height in pixels, a multiple of 32.")
+    a("--width", type=multiple_of_32, default=128, help="Image width in pixels, a multiple of 32.")
+    a("--num-inference-steps", type=count, default=4, help="DiT denoising steps when decoding samples.")
+    a("--dit-noise", choices=["per-prompt", "per-step"], default="per-prompt", help="Initial DiT noise: one "
+      "draw per prompt for the whole run, or a fresh one per step (always shared within a group).")
+    a("--guidance-scale", type=number(float), default=1.0, help="DiT classifier-free guidance scale (1 = off).")
     a("--loss-tokens", choices=["target", "all"], default="target", help="Which generated tokens the loss "
-      "covers: 'target' = only the target grid the DiT decodes; 'all' = preview grid too (see section 9).")
-    a("--lora-rank", type=int, default=0, help="LoRA rank on the AR's attention and MLP projections "
-      "(0 = full fine-tuning).")
-    a("--lora-alpha", type=float, default=None, help="LoRA alpha (default: equal to --lora-rank).")
+      "covers: the target grid the DiT decodes, or the preview grid too (section 9).")
+    a("--lora-rank", type=non_negative_int, default=0, help="LoRA rank on the AR's projections (0 = full fine-tuning).")
+    a("--lora-alpha", type=number(float), default=None, help="LoRA alpha (default: equal to --lora-rank).")
     a("--ar-trainable", choices=["auto", "all", "head"], default="auto", help="Without LoRA, what of the AR trains: "
-      "'all' its weights, 'head' only its output layer (lm_head) on a frozen body. auto = head for --model tiny, "
-      "whose body is random (section 2 says why), all for a real model.")
-    a("--policy", choices=["ar", "dit", "both"], default="ar", help="What GRPO trains: 'ar' the autoregressive "
-      "token model (the DiT renders, frozen); 'dit' the diffusion decoder with Flow-GRPO (tokens shared per "
-      "prompt); 'both' the two halves at once from one reward (Part II).")
-    a("--dit-lr", type=float, default=3e-3, help="AdamW learning rate of the DiT (the default suits the tiny "
-      "model's full fine-tuning; flow_grpo uses 3e-4 with LoRA on real models).")
-    a("--dit-clip-eps", type=float, default=1e-4, help="PPO clip epsilon of the DiT's per-step ratio. Step "
-      "log-probs are means over latent dims, so ratios stay within ~1e-3 of 1 (flow_grpo's value).")
-    a("--dit-noise-level", type=float, default=0.7, help="a in Flow-GRPO's SDE, std_t = a sqrt(sigma / (1 - "
-      "sigma)); 0 would be the deterministic ODE, which has no log-prob.")
-    a("--dit-train-steps", type=int, default=None, help="How many denoising steps (from the first) run as SDE "
-      "steps and enter the DiT loss; the rest run the ODE (default: all but the last).")
+      "all its weights, or its output layer (head) on a frozen body; auto = head for --model tiny (section 2).")
+    a("--policy", choices=["ar", "dit", "both"], default="ar", help="What GRPO trains: the AR token model "
+      "(the DiT renders, frozen), the DiT with Flow-GRPO (tokens shared per prompt), or both from one reward.")
+    a("--dit-lr", type=positive, default=3e-3, help="AdamW learning rate of the DiT (flow_grpo: 3e-4 with LoRA).")
+    a("--dit-clip-eps", type=positive, default=1e-4, help="PPO clip epsilon of the DiT's per-step ratio "
+      "(flow_grpo's; step log-probs are means over latent dims, so ratios stay within ~1e-3 of 1).")
+    a("--dit-noise-level", type=positive, default=0.7, help="a in Flow-GRPO's SDE, std_t = a sqrt(sigma / "
+      "(1 - sigma)); 0 would be the deterministic ODE, which has no log-prob.")
+    a("--dit-train-steps", type=count, default=None, help="How many denoising steps, from the first, run as "
+      "SDE steps and enter the DiT loss; the rest run the ODE (default: all but the last).")
     a("--dit-prior", choices=["per-prompt", "per-step"], default="per-prompt", help="--policy dit: the AR "
-      "token grid a prompt's group shares is drawn once per prompt for the whole run (seeded by the prompt), "
-      "or afresh each step.")
-    a("--dit-lora-rank", type=int, default=0, help="LoRA rank on the DiT's attention projections (0 = full "
-      "fine-tuning of the DiT).")
-    a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto",
-      help="Weights dtype: auto = float32 on CPU, bfloat16 on CUDA. float64 is for checks: the whole step "
-      "(rewards and advantages too) then rounds ~5e8 times less, e.g. to see that K processes train as one does "
-      "(section 21).")
-    a("--micro-batch-size", type=int, default=None, help="Samples per forward/backward in the update (and per "
-      "decode call); gradients are accumulated over micro-batches. Default: --group-size, one group per pass.")
-    a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in the backward pass "
-      "(less memory, ~30%% more compute).")
-    a("--offload", action=argparse.BooleanOptionalAction, default=None, help="Offload the frozen DiT, VAE "
-      "and text encoder to CPU between uses (default: on with CUDA; needs an accelerator).")
-    a("--save-every", type=int, default=10, help="Write a checkpoint every N steps (and always at the end).")
-    a("--checkpoints-total-limit", type=int, default=None, help="Keep only the newest K step checkpoints "
-      "(default: keep all).")
-    a("--sample-every", type=int, default=5, help="Save a PNG of the current samples every N steps (0 = never).")
-    a("--report-to", choices=["none", "tensorboard", "wandb"], default="none", help="Also log metrics, "
-      "sample sheets and flags to TensorBoard (<out>/logs) or Weights & Biases (works with WANDB_MODE=offline).")
+      "token grid a group shares is drawn once per prompt for the whole run, or afresh each step.")
+    a("--dit-lora-rank", type=non_negative_int, default=0, help="LoRA rank on the DiT (0 = full fine-tuning).")
+    a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto", help="Weights dtype: "
+      "auto = float32 on CPU, bfloat16 on CUDA; float64 is for checks, e.g. that K processes train as one.")
+    a("--micro-batch-size", type=count, default=None, help="Samples per forward and backward; default: --group-size.")
+    a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in the backward pass.")
+    a("--offload", action=argparse.BooleanOptionalAction, default=None, help="Offload the frozen DiT, VAE and "
+      "text encoder to CPU between uses (default: on with CUDA; needs an accelerator).")
+    a("--save-every", type=count, default=10, help="Write a checkpoint every N steps (and always at the end).")
+    a("--checkpoints-total-limit", type=count, default=None, help="Keep only the newest K step "
+      "checkpoints (all by default).")
+    a("--sample-every", type=non_negative_int, default=5, help="Save a PNG of the samples every N steps (0 = never).")
+    a("--report-to", choices=["none", "tensorboard", "wandb"], default="none", help="Also log metrics, sample "
+      "sheets and flags to TensorBoard (<out>/logs) or Weights & Biases (WANDB_MODE=offline works).")
     a("--resume", default=None, help="Checkpoint file to continue from, or 'latest' for the newest in --out.")
     a("--resume-force", action="store_true", help="Resume even if algorithm flags differ from the checkpoint's.")
-    a("--save-pipeline", default=None, help="After training, write the whole pipeline (LoRA merged) to this "
-      "directory for GlmImagePipeline.from_pretrained.")
+    a("--save-pipeline", default=None, help="After training, write the whole pipeline (LoRA merged) to this directory.")
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
-    a("--fsdp", action="store_true", help="Under torchrun: shard the trained weights, gradients and AdamW state "
-      "over the processes (FSDP2, full fine-tuning of the AR and/or the DiT) instead of replicating them (DDP).")
-    a("--dist-timeout", type=int, default=600, help="Under torchrun: seconds a rank waits for the others in a "
-      "collective before it gives up with an error (a dead or hung rank then stops the run, no hang).")
-    a("--plan", action="store_true", help="Print the memory plan of --model for --height x --width and the "
-      "batch size, and exit (a hub id uses the real sizes, nothing is downloaded).")
-    a("--plan-gpus", type=int, nargs="+", metavar="K", help="With --plan: also print the per-GPU bytes of --fsdp "
-      "(full fine-tuning sharded over K GPUs, torchrun --nproc_per_node K) for each K given; --prompts-per-step "
-      "is then the global count, as under torchrun.")
+    a("--fsdp", action="store_true", help="Under torchrun: shard the trained weights, gradients and AdamW "
+      "state over the processes (FSDP2, full fine-tuning) instead of replicating them (DDP).")
+    a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others before it stops.")
+    a("--plan", action="store_true", help="Print the memory plan of --model at --height x --width, and exit.")
+    a("--plan-gpus", type=number(int, least=2), nargs="+", metavar="K", help="With --plan: also print the "
+      "per-GPU bytes of --fsdp over K GPUs for each K given; --prompts-per-step is then the global count.")
     args = p.parse_args(attach_negative_numbers(sys.argv[1:] if argv is None else argv))
     args.reward = args.reward or ["mse"]
     return args
