@@ -613,6 +613,14 @@ def _bad_cases(tmp, run):
         "plan-gpus not dividing the prompts": (["--plan", "--plan-gpus", "2", "4", "--out", fresh],
                                                "--prompts-per-step 2 must be divisible by --plan-gpus 4"),
         "head with LoRA": (["--ar-trainable", "head", "--lora-rank", "4", "--out", fresh], "takes neither --lora-rank"),
+        "max-grad-norm 0": (["--max-grad-norm", "0", "--out", fresh], "--max-grad-norm must be > 0, got 0.0"),
+        "max-grad-norm negative": (["--max-grad-norm", "-1", "--out", fresh], "--max-grad-norm must be > 0, got -1.0"),
+        "lr inf": (["--lr", "inf", "--out", fresh], "--lr must be finite, got inf"),
+        "beta nan": (["--beta", "nan", "--out", fresh], "--beta must be finite, got nan"),
+        "seed too large": (["--seed", str(2**32), "--out", fresh], "--seed must be at most 4294967295"),
+        "seed negative": (["--seed", "-1", "--out", fresh], "--seed must be at least 0, got -1"),
+        "prompts is a directory": (["--prompts", str(tmp), "--out", fresh], "is a directory"),
+        "steps not a number": (["--steps", "ten", "--out", fresh], "--steps invalid int value: 'ten'"),
     }
 
 
@@ -625,7 +633,8 @@ CASE_NAMES = ["prompts missing", "prompts empty", "prompts only comments", "targ
               "out holds a run", "prompts UTF-16", "prompts Latin-1", "save-pipeline is a file",
               "save-pipeline holds files", "out under a file", "out not writable", "lr negative with exponent",
               "fsdp with LoRA", "plan-gpus without --plan", "plan-gpus 1", "plan-gpus not dividing the prompts",
-              "head with LoRA"]
+              "head with LoRA", "max-grad-norm 0", "max-grad-norm negative", "lr inf", "beta nan", "seed too large",
+              "seed negative", "prompts is a directory", "steps not a number"]
 
 
 @pytest.mark.parametrize("model", ["./typo_dir", "runs/typo_dir"])
