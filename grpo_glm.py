@@ -118,6 +118,7 @@ def parse_args(argv=None):
     a = p.add_argument
     count, non_negative_int = number(int, least=1), number(int, least=0)
     positive, non_negative = number(float, above=0), number(float, least=0)
+    pixels = number(int, least=32, multiple=32)
     a("--mode", choices=["t2i", "i2i"], default="t2i", help="t2i: text to image; i2i: edit each prompt's source image.")
     a("--model", default=TINY, help="'tiny' (a toy GLM-Image, section 20), a hub id or a save_pretrained directory.")
     a("--prompts", default="prompts.txt", help="Prompt file: a prompt per line, optionally '| target.png' (i2i: "
@@ -143,8 +144,8 @@ def parse_args(argv=None):
       "none, TRL's default): k3 on the AR's tokens; on the DiT the exact Gaussian KL ||dmu||^2 / (2 std_t^2 "
       "|dt|). flow_grpo's code omits |dt|, so a beta taken from flow_grpo is 10-1000x stronger here.")
     a("--temperature", type=positive, default=1.0, help="Sampling temperature T; log-probs use logits / T.")
-    a("--height", type=multiple_of_32, default=128, help="Image height in pixels, a multiple of 32.")
-    a("--width", type=multiple_of_32, default=128, help="Image width in pixels, a multiple of 32.")
+    a("--height", type=pixels, default=128, help="Image height in pixels, a multiple of GLM-Image's 32-pixel tokens.")
+    a("--width", type=pixels, default=128, help="Image width in pixels, a multiple of 32.")
     a("--num-inference-steps", type=count, default=4, help="DiT denoising steps when decoding samples.")
     a("--dit-noise", choices=["per-prompt", "per-step"], default="per-prompt", help="Initial DiT noise: one "
       "draw per prompt for the whole run, or a fresh one per step (always shared within a group).")
@@ -1542,8 +1543,7 @@ def grpo_step_dit(trainer, items, indices, step, args, slots=None):
 # =============================================================================================
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message):
-        """A bad flag is one line, as a UsageError: exit code 2, no usage block, rank 0 alone prints it."""
+    def error(self, message):      # a bad flag: one line as for a UsageError, exit code 2, no usage block
         if os.environ.get("RANK", "0") == "0":
             print("error: " + re.sub(r"^argument (\S+): ", r"\1 ", message), file=sys.stderr)
         sys.exit(2)
@@ -1556,8 +1556,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
-def number(kind, least=None, above=None, most=None):
-    """An argparse type: a finite `kind` (int or float) with least <= value, above < value, value <= most."""
+def number(kind, least=None, above=None, most=None, multiple=None):
+    """An argparse type: a finite `kind` (int or float), least <= value, above < value, value <= most."""
 
     def parse(text):
         value = kind(text)
@@ -1569,18 +1569,12 @@ def number(kind, least=None, above=None, most=None):
             raise argparse.ArgumentTypeError(f"must be > {above}, got {value}")
         if most is not None and value > most:
             raise argparse.ArgumentTypeError(f"must be at most {most}, got {value}")
+        if multiple and value % multiple:
+            raise argparse.ArgumentTypeError(f"must be a multiple of {multiple}, got {value}")
         return value
 
     parse.__name__ = kind.__name__      # argparse's message for 'abc': invalid float value: 'abc'
     return parse
-
-
-def multiple_of_32(text):
-    value = int(text)
-    if value < 32 or value % 32:
-        raise argparse.ArgumentTypeError(f"must be a positive multiple of 32 (GLM-Image works on 32-pixel "
-                                         f"tokens), got {value}")
-    return value
 
 
 def attach_negative_numbers(argv):
@@ -1627,8 +1621,9 @@ def validate_args(args):
         if target.exists() and (not target.is_dir() or any(target.iterdir())):
             raise UsageError(f"--save-pipeline {target} already exists; pick a new directory (nothing is overwritten)")
         check_writable("--save-pipeline", target)
-    if args.model != TINY and not (Path(args.model) / "model_index.json").is_file() and not looks_like_hub_id(args.model):
-        kind = "no such directory" if not Path(args.model).exists() else "not a directory with model_index.json"
+    model = Path(args.model)
+    if args.model != TINY and not (model / "model_index.json").is_file() and not looks_like_hub_id(args.model):
+        kind = "not a directory with model_index.json" if model.exists() else "no such directory"
         raise UsageError(f"--model {args.model}: {kind} (give 'tiny', a hub id like zai-org/GLM-Image, "
                          "or a save_pretrained directory)")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -1700,7 +1695,11 @@ def open_run(args):
     lock = lock_out_dir(out) if lead else None
     started = None
     try:
-        prepare_out_dir(out, args)     # under the lock: no other run can start here meanwhile
+        # under the lock, so no other run starts here meanwhile. Resuming is the only way to continue a
+        # run (also one killed before its first checkpoint: --resume latest then starts it over).
+        if args.resume is None and any([(out / "metrics.jsonl").exists(), *(out / "checkpoints").glob("step_*.pt")]):
+            raise UsageError(f"--out {out} already holds a run; pass --resume latest to continue it or pick "
+                             "another --out")
         started = start_training(args, out, lead)
     finally:
         if lead and started is None:
@@ -1723,7 +1722,7 @@ def start_training(args, out, lead):
     readers = [r.name for r in rewards if r.uses_targets]
     if readers and not builtin:
         require_targets(items, readers)
-    args.prompts_sha256 = file_sha256(args.prompts)
+    args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
     ckpt_path = find_checkpoint(args.resume, out) if args.resume else None
     ckpt = read_checkpoint(ckpt_path) if ckpt_path else None
     if ckpt is not None:
@@ -1735,11 +1734,17 @@ def start_training(args, out, lead):
             print(f"nothing to do: {ckpt_path} is at step {ckpt['step']} and --steps is {args.steps} "
                   f"(pass --steps {ckpt['step'] + args.steps} to train {args.steps} more)")
             return None
-        later = check_resume_point(ckpt_path, ckpt["step"], out, args)
+        # Resuming from step k of a run that went further would replace its history after k.
+        later = [p for p in sorted((out / "checkpoints").glob("step_*.pt")) if int(p.stem[5:]) > ckpt["step"]]
+        if later and not args.resume_force:
+            raise UsageError(f"--resume {ckpt_path}: {out} has later checkpoints ({later[-1].name}); resuming from "
+                             f"step {ckpt['step']} would drop them and the metrics after step {ckpt['step']} (add "
+                             "--resume-force to do so; they are then kept as *.dropped)")
     trainer, start = setup_training(args, ckpt, ckpt_path, rewards)
     check_prompt_lengths(trainer.pipe, items, args)
-    if lead and ckpt is not None:
-        keep_aside(later)
+    for path in later if lead and ckpt is not None else []:
+        path.rename(path.with_name(path.name + ".dropped"))      # out of --resume latest's way
+        print(f"note: kept {path.name} of the dropped history as {path.name}.dropped")
     return items, trainer, start
 
 
@@ -1756,13 +1761,6 @@ def check_prompt_lengths(pipe, items, args):
                              f"{context - others} for a prompt at {args.height}x{args.width}")
 
 
-def prepare_out_dir(out, args):
-    """A new run never writes over an old one: resuming is the only way to continue it (also a run
-    killed before its first checkpoint: --resume latest then starts it over)."""
-    if args.resume is None and ((out / "metrics.jsonl").exists() or any((out / "checkpoints").glob("step_*.pt"))):
-        raise UsageError(f"--out {out} already holds a run; pass --resume latest to continue it or pick another --out")
-
-
 def lock_out_dir(out):
     """An exclusive fcntl.flock on <out>/.lock while the returned file stays open, so that two runs
     never share an --out. The OS releases it when the process ends, even on kill -9."""
@@ -1777,32 +1775,14 @@ def lock_out_dir(out):
     return handle
 
 
-def check_resume_point(ckpt_path, step, out, args):
-    """Resuming from step k of a run that went further would replace its history after k: refused
-    unless --resume-force. Returns the later checkpoints (kept aside as *.dropped)."""
-    later = [p for p in sorted((out / "checkpoints").glob("step_*.pt")) if int(p.stem[5:]) > step]
-    if later and not args.resume_force:
-        raise UsageError(f"--resume {ckpt_path}: {out} has later checkpoints ({later[-1].name}); resuming from step "
-                         f"{step} would drop them and the metrics after step {step} (add --resume-force to do so; "
-                         "they are then kept as *.dropped)")
-    return later
-
-
-def keep_aside(checkpoints):
-    for path in checkpoints:
-        path.rename(path.with_name(path.name + ".dropped"))      # out of --resume latest's way
-        print(f"note: kept {path.name} of the dropped history as {path.name}.dropped")
-
-
 def close_run(args, items, out, tracker, lock):
-    """At the end and on any exit: the reward curve (averaged over one pass through the prompts), the
-    tracker, the --out lock (rank 0's)."""
-    if lock:
-        save_reward_curve(out / "reward_curve.png", read_metrics(out / "metrics.jsonl"),
-                          window=min(20, math.ceil(len(items) / args.prompts_per_step)))
+    """At the end and on any exit: the tracker; on rank 0 the reward curve (its moving average over one
+    pass through the prompts), and the --out lock."""
     if tracker:
         tracker.finish()
     if lock:
+        save_reward_curve(out / "reward_curve.png", read_metrics(out / "metrics.jsonl"),
+                          window=min(20, math.ceil(len(items) / args.prompts_per_step)))
         lock.close()
 
 
@@ -1963,11 +1943,6 @@ def to_rgb(image):
     return image.convert("RGB")
 
 
-def demo_words(prompt):
-    words = re.findall(r"[a-z]+", prompt.lower())
-    return [w for w in words if w in COLOURS], next((w for w in words if w in SHAPES), None)
-
-
 def draw_shape(shape, colour, background, height, width):
     image = Image.new("RGB", (width, height), COLOURS[background])
     draw = ImageDraw.Draw(image)
@@ -1983,7 +1958,8 @@ def draw_shape(shape, colour, background, height, width):
 
 def demo_words_or_fail(prompt, where, mode, why=""):
     """(colours, shape) to draw the demo images from, or a UsageError saying what the line lacks."""
-    colours, shape = demo_words(prompt)
+    words = re.findall(r"[a-z]+", prompt.lower())
+    colours, shape = [w for w in words if w in COLOURS], next((w for w in words if w in SHAPES), None)
     why = f"{why}; " if why else ""
     if mode == "t2i" and (not colours or shape is None):
         raise UsageError(f"{where}: no target image given and no colour+shape words to draw one "
@@ -2364,14 +2340,6 @@ class StopAfterStep:
         if self.agree():
             raise AbandonStep
 
-    def agree_after_abandon(self):
-        if not self.agreed:
-            self.agreed = True
-            self.agree()
-
-    def exit_code(self):
-        return 128 + self.signum
-
     def restore(self):
         for s, handler in self.previous.items():
             signal.signal(s, handler)
@@ -2383,7 +2351,8 @@ def stop_before_update(stop, trainer, args, out, step, last_saved, step_rng):
     lead = rank() == 0
     peers = True
     try:
-        stop.agree_after_abandon()
+        if not stop.agreed:         # a rank that left its step early still answers the others' vote
+            stop.agree()
     except Exception as e:
         if not (is_ddp() and collective_failed(e)):
             raise
@@ -2397,14 +2366,14 @@ def stop_before_update(stop, trainer, args, out, step, last_saved, step_rng):
         print(f"interrupted in step {step} before its update: " + (
             f"step {step - 1} is saved in {out / 'checkpoints' / f'step_{step - 1:06d}.pt'}; continue with "
             f"--resume latest --out {out}" if step - 1 > 0 else "no step finished, nothing to save"), file=sys.stderr)
-    sys.exit(stop.exit_code())
+    sys.exit(128 + stop.signum)
 
 
 def exit_after_checkpoint(stop, out, step, path, lead):
     all_ranks_agree(True)     # the others wait for rank 0's file before they exit
     if lead:
         print(f"interrupted: saved step {step} to {path}; continue with --resume latest --out {out}", file=sys.stderr)
-    sys.exit(stop.exit_code())
+    sys.exit(128 + stop.signum)
 
 
 # =============================================================================================
@@ -2430,19 +2399,14 @@ def atomic_write_bytes(path, data):
 
 
 def rng_state():
-    version, state, gauss = random.getstate()
-    np_state = np.random.get_state()
-    return {
-        "python": [version, list(state), gauss],
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
+    name, keys, *rest = np.random.get_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return {"python": random.getstate(), "numpy": [name, torch.from_numpy(keys.astype(np.int64)), *rest],
+            "torch": torch.get_rng_state(), "cuda": cuda}
 
 
 def set_rng_state(state):
-    version, inner, gauss = state["python"]
-    random.setstate((version, tuple(inner), gauss))
+    random.setstate(state["python"])
     name, keys, *rest = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"])
@@ -2452,8 +2416,9 @@ def set_rng_state(state):
 
 def save_step_checkpoint(out, step, trainer, args, lead):
     path = save_checkpoint(out, step, trainer.trained, trainer.optimizer, args, trainer.lr_scheduler, lead)
-    if lead and args.checkpoints_total_limit:
-        prune_checkpoints(out, args.checkpoints_total_limit)
+    if lead and args.checkpoints_total_limit:      # after the save: a complete newest one always exists
+        for old in sorted((out / "checkpoints").glob("step_*.pt"))[:-args.checkpoints_total_limit]:
+            old.unlink()
     return path
 
 
@@ -2470,12 +2435,6 @@ def save_checkpoint(out_dir, step, model, optimizer, args, lr_scheduler, lead=Tr
                "lr_scheduler": lr_scheduler.state_dict(), "rng": rng_state(), "args": vars(args)}
     atomic_write_bytes(path, functools.partial(torch.save, payload))
     return path
-
-
-def prune_checkpoints(out_dir, keep):
-    """--checkpoints-total-limit, after a save: a complete newest checkpoint always exists."""
-    for path in sorted((out_dir / "checkpoints").glob("step_*.pt"))[:-keep]:
-        path.unlink()
 
 
 def find_checkpoint(spec, out_dir):
@@ -2513,10 +2472,6 @@ def check_resume_flags(saved_args, args):
             return f"--prompts {saved_args.get('prompts')} -> {args.prompts}: contents differ"
         return f"--{k.replace('_', '-')} {saved_args.get(k)} -> {getattr(args, k)}"
     return [describe(k) for k in ALGORITHM_FLAGS if saved_args.get(k) != getattr(args, k)]
-
-
-def file_sha256(path):
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def restore_checkpoint(ckpt, path, model, optimizer, lr_scheduler):
