@@ -2080,7 +2080,9 @@ def finish_row(row, trainer, args, t0):
 
 def log_step(row, step, args, trainer, out, tracker, warned):
     """metrics.jsonl, the tracker, one console line, the one-time collapse warning. Returns `warned`."""
-    append_metrics(out / "metrics.jsonl", row)
+    finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
+    with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:     # NaN, inf -> null: JSON has no NaN
+        f.write(json.dumps(finite, allow_nan=False) + "\n")
     if tracker:
         tracker.log({k: v for k, v in row.items() if k != "step"}, step)
     dit_loss = f"dit loss {row.get('dit/loss', math.nan):+.3e}"     # ~1e-5: step log-probs are means
@@ -2093,13 +2095,6 @@ def log_step(row, step, args, trainer, out, tracker, warned):
           + (f"entropy {row['entropy']:.3f} | " if "entropy" in row else "")
           + f"zero_std {row['frac_reward_zero_std']:.2f} | {row['seconds']:.2f}s", flush=True)
     return warn_if_collapsed(row, warned, math.log(trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size))
-
-
-def append_metrics(path, row):
-    """One JSON line per step; NaN and inf are written as null (jq and JSON.parse reject a bare NaN)."""
-    row = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(row, allow_nan=False) + "\n")
 
 
 def warn_if_collapsed(row, warned, max_entropy=None):
@@ -2140,24 +2135,19 @@ def non_finite_stop(causes, step, out):
 
 def truncate_metrics(path, last_step):
     """On resume, rows past the checkpoint's step (a killed run's) move to a file beside the log."""
-    if not path.exists():
-        return
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    kept = [line for line in lines if json.loads(line)["step"] <= last_step]
-    dropped = [line for line in lines if json.loads(line)["step"] > last_step]
+    rows = read_metrics(path)
+    dropped = [row for row in rows if row["step"] > last_step]
     if dropped:
         aside = path.with_name(f"metrics.dropped_after_step_{last_step:06d}.jsonl")
-        atomic_write_bytes(aside, "".join(r + "\n" for r in dropped).encode())
-        steps = [json.loads(line)["step"] for line in dropped]
-        print(f"note: resuming at step {last_step} drops metrics rows of steps {steps[0]}..{steps[-1]} "
-              f"(no checkpoint after step {last_step}); kept in {aside}")
-    atomic_write_bytes(path, "".join(r + "\n" for r in kept).encode())
+        atomic_write_bytes(aside, "".join(json.dumps(row) + "\n" for row in dropped).encode())
+        atomic_write_bytes(path, "".join(json.dumps(row) + "\n" for row in rows if row["step"] <= last_step).encode())
+        print(f"note: resuming at step {last_step} drops metrics rows of steps {dropped[0]['step']}.."
+              f"{dropped[-1]['step']} (no checkpoint after step {last_step}); kept in {aside}")
 
 
 def read_metrics(path):
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def save_samples(out, step, prompts, targets, images, rewards, sources, ode, args, tracker):
@@ -2244,17 +2234,14 @@ def save_reward_curve(path, rows, size=(640, 360), margin=48, window=1):
     draw.line([to_xy(s, m) for s, m in zip(steps, means)], fill=(110, 140, 220), width=1)
     title = "reward per step: mean +- within-group std"
     if 1 < window < len(rows):
-        average = [sum(means[max(0, i - window + 1): i + 1]) / len(means[max(0, i - window + 1): i + 1])
-                   for i in range(len(means))]
+        average = [np.mean(means[max(0, i - window + 1): i + 1]) for i in range(len(means))]
         draw.line([to_xy(s, m) for s, m in zip(steps, average)], fill=(20, 40, 140), width=3)
         title += f"; thick: moving average over {window} steps"
     draw.rectangle((margin, margin, w - margin, h - margin), outline="black")
-    font = label_font()
-    draw.text((margin, 8), title, fill="black", font=font)
-    draw.text((4, margin - 14), f"{y1:.4g}", fill="black", font=font)
-    draw.text((4, h - margin + 2), f"{y0:.4g}", fill="black", font=font)
-    draw.text((margin, h - margin + 6), f"step {x0}", fill="black", font=font)
-    draw.text((w - margin - 50, h - margin + 6), f"step {max(steps)}", fill="black", font=font)
+    labels = {(margin, 8): title, (4, margin - 14): f"{y1:.4g}", (4, h - margin + 2): f"{y0:.4g}",
+              (margin, h - margin + 6): f"step {x0}", (w - margin - 50, h - margin + 6): f"step {max(steps)}"}
+    for xy, text in labels.items():
+        draw.text(xy, text, fill="black", font=label_font())
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path)
 
