@@ -1561,16 +1561,12 @@ def number(kind, least=None, above=None, most=None, multiple=None):
 
     def parse(text):
         value = kind(text)
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"must be finite, got {text}")
-        if least is not None and value < least:
-            raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
-        if above is not None and value <= above:
-            raise argparse.ArgumentTypeError(f"must be > {above}, got {value}")
-        if most is not None and value > most:
-            raise argparse.ArgumentTypeError(f"must be at most {most}, got {value}")
-        if multiple and value % multiple:
-            raise argparse.ArgumentTypeError(f"must be a multiple of {multiple}, got {value}")
+        rules = {"finite": math.isfinite(value), f"at least {least}": least is None or value >= least,
+                 f"> {above}": above is None or value > above, f"at most {most}": most is None or value <= most,
+                 f"a multiple of {multiple}": not multiple or value % multiple == 0}
+        broken = [rule for rule, holds in rules.items() if not holds]
+        if broken:
+            raise argparse.ArgumentTypeError(f"must be {broken[0]}, got {value}")
         return value
 
     parse.__name__ = kind.__name__      # argparse's message for 'abc': invalid float value: 'abc'
@@ -1790,13 +1786,8 @@ def close_run(args, items, out, tracker, lock):
 # 15. Prompt files, images and the demo's targets
 # =============================================================================================
 
-EXIF_ORIENTATION = 0x0112
-
-
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (240, 210, 40),
            "white": (255, 255, 255), "black": (0, 0, 0), "orange": (245, 140, 30), "purple": (140, 60, 180)}
-
-
 SHAPES = ("circle", "square", "triangle")
 
 
@@ -1834,10 +1825,8 @@ def read_prompts(path, height, width, mode="t2i", need_targets=True):
     prompt, tabs become spaces. Each image is checked now (header and size), read when used.
     need_targets: False, or True / the names of the rewards that read targets (require_targets)."""
     path = Path(path)
-    if path.is_dir():
-        raise UsageError(f"--prompts {path} is a directory; give a prompt file")
     if not path.is_file():
-        raise UsageError(f"--prompts {path}: file not found")
+        raise UsageError(f"--prompts {path}: " + ("is a directory, not a file" if path.is_dir() else "file not found"))
     items, resized = [], False
     for lineno, raw in enumerate(read_utf8(path).splitlines(), 1):
         line = raw.strip()
@@ -1901,7 +1890,7 @@ def check_image(path, where, kind):
             image.verify()            # PNG: chunk CRCs, no decoding; leaves the file unusable, so reopen
         with Image.open(path) as image:
             size = image.size
-            turned = header_exif(image).get(EXIF_ORIENTATION, 1) in (5, 6, 7, 8)   # 90-degree turns
+            turned = header_exif(image).get(Image.ExifTags.Base.Orientation, 1) in (5, 6, 7, 8)   # turned 90 degrees
     except FileNotFoundError:
         raise UsageError(f"{where}: {kind} image {path} not found")
     except (UnidentifiedImageError, OSError, SyntaxError) as e:
