@@ -1721,6 +1721,7 @@ def start_training(args, out, lead):
     args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
     ckpt_path = find_checkpoint(args.resume, out) if args.resume else None
     ckpt = read_checkpoint(ckpt_path) if ckpt_path else None
+    later = []
     if ckpt is not None:
         differences = check_resume_flags(ckpt["args"], args)
         if differences and not args.resume_force:
@@ -1738,7 +1739,7 @@ def start_training(args, out, lead):
                              "--resume-force to do so; they are then kept as *.dropped)")
     trainer, start = setup_training(args, ckpt, ckpt_path, rewards)
     check_prompt_lengths(trainer.pipe, items, args)
-    for path in later if lead and ckpt is not None else []:
+    for path in later if lead else []:
         path.rename(path.with_name(path.name + ".dropped"))      # out of --resume latest's way
         print(f"note: kept {path.name} of the dropped history as {path.name}.dropped")
     return items, trainer, start
