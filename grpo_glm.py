@@ -1803,7 +1803,6 @@ class PromptItem:
     target_file: Path = None
     source_file: Path = None
     draw_target: bool = False    # no target file: draw the demo target from the prompt's words
-    draw_source: bool = False    # i2i, no source file: draw the demo source
 
     @property
     def target(self):
@@ -1817,7 +1816,7 @@ class PromptItem:
     def source(self):
         if self.source_file:
             return read_image(self.source_file, self.where, "source", self.size)
-        return draw_demo(self.text, *self.size, self.where, "source") if self.draw_source else None
+        return draw_demo(self.text, *self.size, self.where, "source") if self.mode == "i2i" else None
 
 
 def read_prompts(path, height, width, mode="t2i", need_targets=True):
@@ -1854,7 +1853,7 @@ def read_prompts(path, height, width, mode="t2i", need_targets=True):
         if draw_source:
             demo_words_or_fail(text, where, mode)
         items.append(PromptItem(text, where, (height, width), mode, target_file, source_file,
-                                draw_target=draw_source and target_file is None, draw_source=draw_source))
+                                draw_target=draw_source and target_file is None))
     if not items:
         raise UsageError(f"--prompts {path}: no prompts (only blank or comment lines)")
     if resized:
