@@ -184,8 +184,7 @@ def parse_args(argv=None):
     a("--resume-force", action="store_true", help="Resume even if algorithm flags differ from the checkpoint's.")
     a("--save-pipeline", default=None, help="After training, write the whole pipeline (LoRA merged) to this directory.")
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
-    a("--fsdp", action="store_true", help="Under torchrun: shard the trained weights, gradients and AdamW "
-      "state over the processes (FSDP2, full fine-tuning) instead of replicating them (DDP).")
+    a("--fsdp", action="store_true", help="Under torchrun: shard the trained weights and their AdamW state (FSDP2).")
     a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others before it stops.")
     a("--plan", action="store_true", help="Print the memory plan of --model at --height x --width, and exit.")
     a("--plan-gpus", type=number(int, least=2), nargs="+", metavar="K", help="With --plan: also print the "
