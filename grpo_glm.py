@@ -77,7 +77,7 @@ import torch
 import torch.distributed as dist
 from PIL import Image, ImageDraw, ImageOps, UnidentifiedImageError
 
-CHECKPOINT_FORMAT = "grpo_glm-checkpoint-v2"   # v2: + lr schedule, DiT weights (--policy)
+CHECKPOINT_FORMAT = "grpo_glm-checkpoint-v3"   # v3: AdamW state keyed by parameter name, at every world size
 TINY = "tiny"
 
 
@@ -109,110 +109,86 @@ ALGORITHM_FLAGS = (
     "mode", "model", "prompts_sha256", "seed", "group_size", "prompts_per_step", "inner_epochs", "lr",
     "max_grad_norm", "clip_eps", "beta", "temperature", "height", "width", "num_inference_steps",
     "guidance_scale", "dit_noise", "loss_tokens", "lora_rank", "lora_alpha", "ar_trainable", "dtype",
-    "reward", "weight_decay", "lr_scheduler", "lr_warmup_steps",
-    "policy", "dit_lr", "dit_clip_eps", "dit_noise_level", "dit_train_steps", "dit_lora_rank", "dit_prior",
-)
+    "reward", "weight_decay", "lr_scheduler", "lr_warmup_steps", "policy", "dit_lr", "dit_clip_eps",
+    "dit_noise_level", "dit_train_steps", "dit_lora_rank", "dit_prior")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description="GRPO fine-tuning of GLM-Image's autoregressive model against image rewards (MSE to a "
-                    "target by default, or your own --reward plug-ins).",
-        formatter_class=HelpFormatter,
-    )
+    p = Parser(description="GRPO fine-tuning of GLM-Image against image rewards.", formatter_class=HelpFormatter)
     a = p.add_argument
-    a("--mode", choices=["t2i", "i2i"], default="t2i", help="t2i: text to image; i2i: edit a source image "
-      "(each prompt line then names a source too, see --prompts).")
-    a("--model", default=TINY, help="'tiny' builds a small random-weight GLM-Image from the real classes; "
-      "otherwise a hub id (zai-org/GLM-Image) or a local directory saved with save_pretrained.")
-    a("--prompts", default="prompts.txt", help="Prompt file: one prompt per line, optionally '| target.png' "
-      "after it (i2i: '| target.png | source.png'); a line starting with '#' is a comment. Without paths, the "
-      "demo images are drawn from the prompt's colour/shape words.")
-    a("--reward", action="append", metavar="SPEC", help="A reward: 'mse' (-MSE to the target image), "
-      "'module:function' or 'path/to/file.py:function', optionally '=WEIGHT'. Repeat it for a weighted sum "
-      "(see section 6 and the README for the signature). Default: mse.")
+    count, non_negative_int = number(int, least=1), number(int, least=0)
+    positive, non_negative = number(float, above=0), number(float, least=0)
+    pixels = number(int, least=32, multiple=32)
+    a("--mode", choices=["t2i", "i2i"], default="t2i", help="t2i: text to image; i2i: edit each prompt's source image.")
+    a("--model", default=TINY, help="'tiny' (a toy GLM-Image, section 20), a hub id or a save_pretrained directory.")
+    a("--prompts", default="prompts.txt", help="Prompt file: a prompt per line, optionally '| target.png' (i2i: "
+      "'| target.png | source.png'); without them the demo images are drawn from its colour/shape words.")
+    a("--reward", action="append", metavar="SPEC", help="A reward: 'mse', 'module:function' or 'file.py:function', "
+      "optionally '=WEIGHT'; repeat it for a weighted sum (section 6). Default: mse.")
     a("--out", default="runs/grpo_glm", help="Directory for metrics.jsonl, samples/ and checkpoints/.")
-    a("--steps", type=int, default=10, help="Number of GRPO steps to run (in total, counting resumed ones).")
-    a("--seed", type=int, default=0, help="Seed for the tiny model, the prompt order, sampling and DiT noise.")
-    a("--group-size", type=int, default=32, help="G: samples per prompt; advantages are normalised within a group. "
-      "(The tiny demo's default: its AR decodes one token at a time, so 32 rows cost about what 16 do.)")
-    a("--prompts-per-step", type=int, default=2, help="Prompts per step; the batch is prompts-per-step x G samples.")
-    a("--inner-epochs", type=int, default=4, help="mu: optimisation passes over each batch. With 1 the PPO ratio "
-      "is always 1 and clipping never acts.")
-    a("--lr", type=float, default=2e-2, help="AdamW learning rate (the default suits the tiny demo's output "
-      "head: 40 steps draw each prompt's layout; use ~1e-5 for the real model).")
+    a("--steps", type=count, default=10, help="Number of GRPO steps to run (in total, counting resumed ones).")
+    a("--seed", type=number(int, least=0, most=2**32 - 1), default=0, help="Seed of the tiny model, the prompt "
+      "order, sampling and DiT noise (numpy's range: 0 to 2**32 - 1).")
+    a("--group-size", type=number(int, least=2), default=32, help="G: samples per prompt, compared within their group.")
+    a("--prompts-per-step", type=count, default=2, help="Prompts per step; a step's batch is prompts x G samples.")
+    a("--inner-epochs", type=count, default=4, help="mu: optimisation passes over each batch.")
+    a("--lr", type=positive, default=2e-2, help="AdamW learning rate (the tiny demo's; ~1e-5 for the real model).")
     a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="Learning-rate "
-      "schedule over --steps GRPO steps (diffusers' get_scheduler; one scheduler step per GRPO step). Resuming "
-      "with another --steps reshapes the rest of a cosine or linear schedule.")
-    a("--lr-warmup-steps", type=int, default=0, help="GRPO steps of linear warm-up from 0 to --lr.")
-    a("--weight-decay", type=float, default=0.0, help="AdamW's decoupled weight decay.")
-    a("--max-grad-norm", type=float, default=1.0, help="Clip the global gradient norm to this value.")
-    a("--clip-eps", type=float, default=0.2, help="epsilon of the PPO clip: ratio is kept within [1-eps, 1+eps].")
-    a("--beta", type=float, default=0.0, help="Weight of the k3 KL penalty towards the initial model (0 = none, "
-      "as in TRL's default; no reference model is kept).")
-    a("--temperature", type=float, default=1.0, help="Sampling temperature T; log-probs are computed from "
-      "logits / T so the trained policy is exactly the sampling policy.")
-    a("--height", type=int, default=128, help="Image height in pixels, a multiple of 32 (the tiny demo's 128 is a "
-      "4x4 token grid, enough to show a shape in the middle of a field).")
-    a("--width", type=int, default=128, help="Image width in pixels, a multiple of 32.")
-    a("--num-inference-steps", type=int, default=4, help="DiT denoising steps when decoding samples.")
-    a("--dit-noise", choices=["per-prompt", "per-step"], default="per-prompt", help="Initial DiT noise: "
-      "one draw per prompt for the whole run, or a fresh draw per step (always shared within a group).")
-    a("--guidance-scale", type=float, default=1.0, help="DiT classifier-free guidance scale (1 = off).")
+      "schedule over --steps GRPO steps (diffusers' get_scheduler); resuming with another --steps reshapes "
+      "the rest of a cosine or linear one.")
+    a("--lr-warmup-steps", type=non_negative_int, default=0, help="GRPO steps of linear warm-up from 0 to --lr.")
+    a("--weight-decay", type=non_negative, default=0.0, help="AdamW's decoupled weight decay.")
+    a("--max-grad-norm", type=positive, default=1.0, help="Clip the global gradient norm to this value.")
+    a("--clip-eps", type=positive, default=0.2, help="epsilon of the PPO clip: ratio is kept within [1-eps, 1+eps].")
+    a("--beta", type=non_negative, default=0.0, help="Weight of the KL penalty towards the initial model (0 = "
+      "none, TRL's default): k3 on the AR's tokens; on the DiT the exact Gaussian KL ||dmu||^2 / (2 std_t^2 "
+      "|dt|). flow_grpo's code omits |dt|, so a beta taken from flow_grpo is 10-1000x stronger here.")
+    a("--temperature", type=positive, default=1.0, help="Sampling temperature T; log-probs use logits / T.")
+    a("--height", type=pixels, default=128, help="Image height in pixels, a multiple of GLM-Image's 32-pixel tokens.")
+    a("--width", type=pixels, default=128, help="Image width in pixels, a multiple of 32.")
+    a("--num-inference-steps", type=count, default=4, help="DiT denoising steps when decoding samples.")
+    a("--dit-noise", choices=["per-prompt", "per-step"], default="per-prompt", help="Initial DiT noise: one "
+      "draw per prompt for the whole run, or a fresh one per step (always shared within a group).")
+    a("--guidance-scale", type=number(float), default=1.0, help="DiT classifier-free guidance scale (1 = off).")
     a("--loss-tokens", choices=["target", "all"], default="target", help="Which generated tokens the loss "
-      "covers: 'target' = only the target grid the DiT decodes; 'all' = preview grid too (see section 9).")
-    a("--lora-rank", type=int, default=0, help="LoRA rank on the AR's attention and MLP projections "
-      "(0 = full fine-tuning).")
-    a("--lora-alpha", type=float, default=None, help="LoRA alpha (default: equal to --lora-rank).")
+      "covers: the target grid the DiT decodes, or the preview grid too (section 9).")
+    a("--lora-rank", type=non_negative_int, default=0, help="LoRA rank on the AR's projections (0 = full fine-tuning).")
+    a("--lora-alpha", type=number(float), default=None, help="LoRA alpha (default: equal to --lora-rank).")
     a("--ar-trainable", choices=["auto", "all", "head"], default="auto", help="Without LoRA, what of the AR trains: "
-      "'all' its weights, 'head' only its output layer (lm_head) on a frozen body. auto = head for --model tiny, "
-      "whose body is random (section 2 says why), all for a real model.")
-    a("--policy", choices=["ar", "dit", "both"], default="ar", help="What GRPO trains: 'ar' the autoregressive "
-      "token model (the DiT renders, frozen); 'dit' the diffusion decoder with Flow-GRPO (tokens shared per "
-      "prompt); 'both' the two halves at once from one reward (Part II).")
-    a("--dit-lr", type=float, default=3e-3, help="AdamW learning rate of the DiT (the default suits the tiny "
-      "model's full fine-tuning; flow_grpo uses 3e-4 with LoRA on real models).")
-    a("--dit-clip-eps", type=float, default=1e-4, help="PPO clip epsilon of the DiT's per-step ratio. Step "
-      "log-probs are means over latent dims, so ratios stay within ~1e-3 of 1 (flow_grpo's value).")
-    a("--dit-noise-level", type=float, default=0.7, help="a in Flow-GRPO's SDE, std_t = a sqrt(sigma / (1 - "
-      "sigma)); 0 would be the deterministic ODE, which has no log-prob.")
-    a("--dit-train-steps", type=int, default=None, help="How many denoising steps (from the first) run as SDE "
-      "steps and enter the DiT loss; the rest run the ODE (default: all but the last).")
+      "all its weights, or its output layer (head) on a frozen body; auto = head for --model tiny (section 2).")
+    a("--policy", choices=["ar", "dit", "both"], default="ar", help="What GRPO trains: the AR token model "
+      "(the DiT renders, frozen), the DiT with Flow-GRPO (tokens shared per prompt), or both from one reward.")
+    a("--dit-lr", type=positive, default=3e-3, help="AdamW learning rate of the DiT (flow_grpo: 3e-4 with LoRA).")
+    a("--dit-clip-eps", type=positive, default=1e-4, help="PPO clip epsilon of the DiT's per-step ratio "
+      "(flow_grpo's; step log-probs are means over latent dims, so ratios stay within ~1e-3 of 1).")
+    a("--dit-noise-level", type=positive, default=0.7, help="a in Flow-GRPO's SDE, std_t = a sqrt(sigma / "
+      "(1 - sigma)); 0 would be the deterministic ODE, which has no log-prob.")
+    a("--dit-train-steps", type=count, default=None, help="How many denoising steps, from the first, run as "
+      "SDE steps and enter the DiT loss; the rest run the ODE (default: all but the last).")
     a("--dit-prior", choices=["per-prompt", "per-step"], default="per-prompt", help="--policy dit: the AR "
-      "token grid a prompt's group shares is drawn once per prompt for the whole run (seeded by the prompt), "
-      "or afresh each step.")
-    a("--dit-lora-rank", type=int, default=0, help="LoRA rank on the DiT's attention projections (0 = full "
-      "fine-tuning of the DiT).")
-    a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto",
-      help="Weights dtype: auto = float32 on CPU, bfloat16 on CUDA. float64 is for checks: the whole step "
-      "(rewards and advantages too) then rounds ~5e8 times less, e.g. to see that K processes train as one does "
-      "(section 21).")
-    a("--micro-batch-size", type=int, default=None, help="Samples per forward/backward in the update (and per "
-      "decode call); gradients are accumulated over micro-batches. Default: --group-size, one group per pass.")
-    a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in the backward pass "
-      "(less memory, ~30%% more compute).")
-    a("--offload", action=argparse.BooleanOptionalAction, default=None, help="Offload the frozen DiT, VAE "
-      "and text encoder to CPU between uses (default: on with CUDA; needs an accelerator).")
-    a("--save-every", type=int, default=10, help="Write a checkpoint every N steps (and always at the end).")
-    a("--checkpoints-total-limit", type=int, default=None, help="Keep only the newest K step checkpoints "
-      "(default: keep all).")
-    a("--sample-every", type=int, default=5, help="Save a PNG of the current samples every N steps (0 = never).")
-    a("--report-to", choices=["none", "tensorboard", "wandb"], default="none", help="Also log metrics, "
-      "sample sheets and flags to TensorBoard (<out>/logs) or Weights & Biases (works with WANDB_MODE=offline).")
+      "token grid a group shares is drawn once per prompt for the whole run, or afresh each step.")
+    a("--dit-lora-rank", type=non_negative_int, default=0, help="LoRA rank on the DiT (0 = full fine-tuning).")
+    a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto", help="Weights dtype: "
+      "auto = float32 on CPU, bfloat16 on CUDA; float64 is for checks, e.g. that K processes train as one.")
+    a("--micro-batch-size", type=count, default=None, help="Samples per forward and backward; default: --group-size.")
+    a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in the backward pass.")
+    a("--offload", action=argparse.BooleanOptionalAction, default=None, help="Offload the frozen DiT, VAE and "
+      "text encoder to CPU between uses (default: on with CUDA; needs an accelerator).")
+    a("--save-every", type=count, default=10, help="Write a checkpoint every N steps (and always at the end).")
+    a("--checkpoints-total-limit", type=count, default=None, help="Keep only the newest K step "
+      "checkpoints (all by default).")
+    a("--sample-every", type=non_negative_int, default=5, help="Save a PNG of the samples every N steps (0 = never).")
+    a("--report-to", choices=["none", "tensorboard", "wandb"], default="none", help="Also log metrics, sample "
+      "sheets and flags to TensorBoard (<out>/logs) or Weights & Biases (WANDB_MODE=offline works).")
     a("--resume", default=None, help="Checkpoint file to continue from, or 'latest' for the newest in --out.")
     a("--resume-force", action="store_true", help="Resume even if algorithm flags differ from the checkpoint's.")
-    a("--save-pipeline", default=None, help="After training, write the whole pipeline (LoRA merged) to this "
-      "directory for GlmImagePipeline.from_pretrained.")
+    a("--save-pipeline", default=None, help="After training, write the whole pipeline (LoRA merged) to this directory.")
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
-    a("--fsdp", action="store_true", help="Under torchrun: shard the trained weights, gradients and AdamW state "
-      "over the processes (FSDP2, full fine-tuning of the AR and/or the DiT) instead of replicating them (DDP).")
-    a("--dist-timeout", type=int, default=600, help="Under torchrun: seconds a rank waits for the others in a "
-      "collective before it gives up with an error (a dead or hung rank then stops the run, no hang).")
-    a("--plan", action="store_true", help="Print the memory plan of --model for --height x --width and the "
-      "batch size, and exit (a hub id uses the real sizes, nothing is downloaded).")
-    a("--plan-gpus", type=int, nargs="+", metavar="K", help="With --plan: also print the per-GPU bytes of --fsdp "
-      "(full fine-tuning sharded over K GPUs, torchrun --nproc_per_node K) for each K given; --prompts-per-step "
-      "is then the global count, as under torchrun.")
+    a("--fsdp", action="store_true", help="Under torchrun: shard the trained weights and their AdamW state (FSDP2).")
+    a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others before it stops.")
+    a("--plan", action="store_true", help="Print the memory plan of --model at --height x --width, and exit.")
+    a("--plan-gpus", type=number(int, least=2), nargs="+", metavar="K", help="With --plan: also print the "
+      "per-GPU bytes of --fsdp over K GPUs for each K given; --prompts-per-step is then the global count.")
     args = p.parse_args(attach_negative_numbers(sys.argv[1:] if argv is None else argv))
     args.reward = args.reward or ["mse"]
     return args
@@ -1565,17 +1541,40 @@ def grpo_step_dit(trainer, items, indices, step, args, slots=None):
 # 14. Starting a run: flag checks (one-line errors before anything loads), --out, resume point
 # =============================================================================================
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):      # a bad flag: one line as for a UsageError, exit code 2, no usage block
+        if os.environ.get("RANK", "0") == "0":
+            print("error: " + re.sub(r"^argument (\S+): ", r"\1 ", message), file=sys.stderr)
+        sys.exit(2)
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends '(default: X)' to each flag's help, except for X = None: those flags say in words
-    what happens without them ('Default: mse.'), which '(default: None)' would contradict."""
+    """'(default: X)' after each help but for X = None, whose help says what happens without the flag."""
 
     def _get_help_string(self, action):
         return action.help if action.default is None else super()._get_help_string(action)
 
 
+def number(kind, least=None, above=None, most=None, multiple=None):
+    """An argparse type: a finite `kind` (int or float), least <= value, above < value, value <= most."""
+
+    def parse(text):
+        value = kind(text)
+        rules = {"finite": math.isfinite(value), f"at least {least}": least is None or value >= least,
+                 f"> {above}": above is None or value > above, f"at most {most}": most is None or value <= most,
+                 f"a multiple of {multiple}": not multiple or value % multiple == 0}
+        broken = [rule for rule, holds in rules.items() if not holds]
+        if broken:
+            raise argparse.ArgumentTypeError(f"must be {broken[0]}, got {value}")
+        return value
+
+    parse.__name__ = kind.__name__      # argparse's message for 'abc': invalid float value: 'abc'
+    return parse
+
+
 def attach_negative_numbers(argv):
-    """['--lr', '-1e-3'] -> ['--lr=-1e-3']. argparse takes '-1e-3' for an option (its negative-number
-    rule knows '-1' and '-.5', not exponents) and fails with 'expected one argument'."""
+    """['--lr', '-1e-3'] -> ['--lr=-1e-3']: argparse's negative-number rule knows '-1' and '-.5', not
+    exponents, and takes '-1e-3' for an option."""
     out = []
     for token in argv:
         if out and out[-1].startswith("--") and "=" not in out[-1] and re.fullmatch(r"-[\d.]+(e[-+]?\d+)?", token, re.I):
@@ -1586,20 +1585,7 @@ def attach_negative_numbers(argv):
 
 
 def validate_args(args):
-    """Cheap checks before any model is loaded, so a typo fails at once (in the ~1.4 s torch takes to import)."""
-    positive = {"--steps": args.steps, "--inner-epochs": args.inner_epochs, "--prompts-per-step": args.prompts_per_step,
-                "--num-inference-steps": args.num_inference_steps, "--save-every": args.save_every}
-    for flag, value in positive.items():
-        if value < 1:
-            raise UsageError(f"{flag} must be at least 1, got {value}")
-    if args.group_size < 2:
-        raise UsageError(f"--group-size must be at least 2 (advantages compare samples within a group), got {args.group_size}")
-    for flag, value in {"--lr": args.lr, "--clip-eps": args.clip_eps, "--temperature": args.temperature}.items():
-        if not value > 0:
-            raise UsageError(f"{flag} must be > 0, got {value}")
-    for flag, value in {"--height": args.height, "--width": args.width}.items():
-        if value < 32 or value % 32:
-            raise UsageError(f"{flag} must be a positive multiple of 32 (GLM-Image works on 32-pixel tokens), got {value}")
+    """What the flags' types cannot check: flags together, files, the machine. Before any model loads."""
     world = launched_world_size()
     if args.prompts_per_step % world:
         raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes "
@@ -1612,17 +1598,16 @@ def validate_args(args):
                          "and --save-pipeline needs whole weights (resume the last checkpoint in one process)")
     if args.plan_gpus and not args.plan:
         raise UsageError("--plan-gpus sets the GPU counts of --plan's FSDP rows: add --plan, or drop it")
-    if args.micro_batch_size is not None and args.micro_batch_size < 1:
-        raise UsageError(f"--micro-batch-size must be at least 1, got {args.micro_batch_size}")
-    if min(args.beta, args.sample_every, args.lora_rank, args.weight_decay, args.lr_warmup_steps) < 0:
-        raise UsageError("--beta, --sample-every, --lora-rank, --weight-decay and --lr-warmup-steps "
-                         "must not be negative")
-    if args.checkpoints_total_limit is not None and args.checkpoints_total_limit < 1:
-        raise UsageError(f"--checkpoints-total-limit must be at least 1, got {args.checkpoints_total_limit}")
+    if (args.dit_train_steps or 0) > args.num_inference_steps:
+        raise UsageError(f"--dit-train-steps must be between 1 and --num-inference-steps "
+                         f"({args.num_inference_steps}), got {args.dit_train_steps}")
+    if args.policy == "ar" and (args.dit_lora_rank or args.dit_train_steps is not None):
+        raise UsageError("--dit-lora-rank and --dit-train-steps need --policy dit or both")
+    if args.policy == "dit" and args.lora_rank:
+        raise UsageError("--lora-rank adapts the AR, which --policy dit does not train (use --dit-lora-rank)")
     if args.report_to != "none" and importlib.util.find_spec(args.report_to) is None:   # package = flag value
         raise UsageError(f"--report-to {args.report_to} needs the '{args.report_to}' package: "
                          f"pip install {args.report_to}")
-    validate_dit_args(args)
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise UsageError(f"--out {args.out} exists and is not a directory")
     check_writable("--out", args.out)
@@ -1631,55 +1616,33 @@ def validate_args(args):
         if target.exists() and (not target.is_dir() or any(target.iterdir())):
             raise UsageError(f"--save-pipeline {target} already exists; pick a new directory (nothing is overwritten)")
         check_writable("--save-pipeline", target)
-    if args.model != TINY and not (Path(args.model) / "model_index.json").is_file():
-        if not looks_like_hub_id(args.model):
-            kind = "no such directory" if not Path(args.model).exists() else "not a directory with model_index.json"
-            raise UsageError(f"--model {args.model}: {kind} (give 'tiny', a hub id like zai-org/GLM-Image, "
-                             "or a save_pretrained directory)")
+    model = Path(args.model)
+    if args.model != TINY and not (model / "model_index.json").is_file() and not looks_like_hub_id(args.model):
+        kind = "not a directory with model_index.json" if model.exists() else "no such directory"
+        raise UsageError(f"--model {args.model}: {kind} (give 'tiny', a hub id like zai-org/GLM-Image, "
+                         "or a save_pretrained directory)")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for but no CUDA device is available")
     if args.offload and not (args.device != "cpu" and torch.cuda.is_available()):
         raise UsageError("--offload moves the frozen DiT, VAE and text encoder to a CUDA device when used; there is none here")
 
 
-def validate_dit_args(args):
-    for flag, value in {"--dit-lr": args.dit_lr, "--dit-clip-eps": args.dit_clip_eps,
-                        "--dit-noise-level": args.dit_noise_level}.items():
-        if not value > 0:
-            raise UsageError(f"{flag} must be > 0, got {value}")
-    steps = args.dit_train_steps
-    if steps is not None and not 1 <= steps <= args.num_inference_steps:
-        raise UsageError(f"--dit-train-steps must be between 1 and --num-inference-steps "
-                         f"({args.num_inference_steps}), got {steps}")
-    if args.dit_lora_rank < 0:
-        raise UsageError("--dit-lora-rank must not be negative")
-    if args.policy == "ar" and (args.dit_lora_rank or steps is not None):
-        raise UsageError("--dit-lora-rank and --dit-train-steps need --policy dit or both")
-    if args.policy == "dit" and args.lora_rank:
-        raise UsageError("--lora-rank adapts the AR, which --policy dit does not train (use --dit-lora-rank)")
-
-
 def validate_plan_args(args):
-    """--plan's own checks (validate_args guards a run, and the plan loads and writes nothing)."""
     for k in args.plan_gpus or ():
-        if k < 2:
-            raise UsageError(f"--plan-gpus must be at least 2 (one GPU has nothing to shard with), got {k}")
         if args.prompts_per_step % k:
             raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by --plan-gpus {k}: "
                              "each rank trains whole groups")
 
 
 def looks_like_hub_id(name):
-    """'owner/name' that is not a local path: a typo in './runs/x' or 'runs/x' (whose 'runs' is a
-    local directory) must not be sent to the hub as a repo id."""
+    """'owner/name' that is no local path: a typo in './runs/x' or 'runs/x' must not go to the hub."""
     owner = name.split("/", 1)[0]
     return (re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", name) is not None and not Path(name).exists()
             and not Path(owner).is_dir())
 
 
 def check_writable(flag, path):
-    """Fails now, not after loading the model or training: the nearest existing parent of `path`
-    must be a directory we can create files in (probed with a temporary file, removed at once)."""
+    """The nearest existing parent of `path` must be a directory we can create files in (probed)."""
     import tempfile
 
     parent = Path(path).absolute()
@@ -1714,49 +1677,50 @@ def resolve_runtime(args):
 
 
 def open_run(args):
-    """Everything before the first step. Validates the flags, takes the --out lock first (nothing is
-    loaded for a run that may not write here), then loads prompts, rewards, the checkpoint and the
-    model (start_training). If the start stops (bad input), a --out made for this run is removed
-    again: bad input leaves nothing behind. Returns (items, trainer, start step, out, lead), or
-    None when there is nothing to do. `lead`: rank 0, the one rank that writes and prints; `lock`: its
-    --out lock (an open file; None on the other ranks)."""
+    """Everything before the first step: flags, the --out lock (rank 0 holds it for the whole run), then
+    prompts, rewards, checkpoint and model. A start that fails removes what it made: bad input leaves
+    --out as it was. Returns (items, trainer, start step, out, lead, lock), or None if nothing is to do."""
     validate_args(args)
-    out = prepare_out_dir(args)
     resolve_runtime(args)
     init_distributed(args)
     lead = rank() == 0
-    made = [d for d in [out.absolute(), *out.absolute().parents] if not d.exists()]    # directories the lock will create
-    lock = lock_out_dir(out) if lead else None     # held while the run lasts (the open file keeps it)
+    out = Path(args.out)
+    made = [d for d in [out.absolute(), *out.absolute().parents] if not d.exists()]    # what the lock creates
+    made_lock = not (out / ".lock").exists()
+    lock = lock_out_dir(out) if lead else None
     started = None
     try:
-        if lead:
-            prepare_out_dir(args)      # again under the lock: another run may have started meanwhile
+        # under the lock, so no other run starts here meanwhile. Resuming is the only way to continue a
+        # run (also one killed before its first checkpoint: --resume latest then starts it over).
+        if args.resume is None and any([(out / "metrics.jsonl").exists(), *(out / "checkpoints").glob("step_*.pt")]):
+            raise UsageError(f"--out {out} already holds a run; pass --resume latest to continue it or pick "
+                             "another --out")
         started = start_training(args, out, lead)
     finally:
         if lead and started is None:
             lock.close()
-            if made:
+            if made_lock:
                 (out / ".lock").unlink(missing_ok=True)
-                with contextlib.suppress(OSError):
-                    for directory in made:       # innermost first; stops at one that is not empty
-                        directory.rmdir()
+            with contextlib.suppress(OSError):
+                for directory in made:       # innermost first; stops at one that is not empty
+                    directory.rmdir()
     return None if started is None else (*started, out, lead, lock)
 
 
 def start_training(args, out, lead):
-    """Everything between the lock and the first step: prompts, rewards, checkpoint, model, and the
-    checks that need them. Returns (items, trainer, start step), or None when there is nothing to do."""
-    # Targets are checked for the built-in mse before any plug-in loads (a CLIP model takes a
-    # while), for plug-ins that read them once they are loaded.
+    """Prompts, rewards, checkpoint, model, and the checks that need them. Returns (items, trainer,
+    start step), or None when there is nothing to do."""
+    # The built-in mse's targets are checked before any plug-in loads (a CLIP model takes a while).
     builtin = ["mse"] if any(spec.partition("=")[0] == "mse" for spec in args.reward) else []
     items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
     rewards = load_rewards(args.reward)
     readers = [r.name for r in rewards if r.uses_targets]
     if readers and not builtin:
         require_targets(items, readers)
-    args.prompts_sha256 = file_sha256(args.prompts)
+    args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
     ckpt_path = find_checkpoint(args.resume, out) if args.resume else None
     ckpt = read_checkpoint(ckpt_path) if ckpt_path else None
+    later = []
     if ckpt is not None:
         differences = check_resume_flags(ckpt["args"], args)
         if differences and not args.resume_force:
@@ -1766,19 +1730,23 @@ def start_training(args, out, lead):
             print(f"nothing to do: {ckpt_path} is at step {ckpt['step']} and --steps is {args.steps} "
                   f"(pass --steps {ckpt['step'] + args.steps} to train {args.steps} more)")
             return None
-        later = check_resume_point(ckpt_path, ckpt["step"], out, args)
+        # Resuming from step k of a run that went further would replace its history after k.
+        later = [p for p in sorted((out / "checkpoints").glob("step_*.pt")) if int(p.stem[5:]) > ckpt["step"]]
+        if later and not args.resume_force:
+            raise UsageError(f"--resume {ckpt_path}: {out} has later checkpoints ({later[-1].name}); resuming from "
+                             f"step {ckpt['step']} would drop them and the metrics after step {ckpt['step']} (add "
+                             "--resume-force to do so; they are then kept as *.dropped)")
     trainer, start = setup_training(args, ckpt, ckpt_path, rewards)
     check_prompt_lengths(trainer.pipe, items, args)
-    if lead and ckpt is not None:
-        keep_aside(later)
+    for path in later if lead else []:
+        path.rename(path.with_name(path.name + ".dropped"))      # out of --resume latest's way
+        print(f"note: kept {path.name} of the dropped history as {path.name}.dropped")
     return items, trainer, start
 
 
 def check_prompt_lengths(pipe, items, args):
-    """A prompt longer than the AR's context is a UsageError naming its line and the limit (a
-    100k-character line otherwise ran for minutes at 3.6 GB with no message). The context
-    (max_position_embeddings) holds the prompt, an i2i source's tokens, the generated tokens and
-    the template's few grid markers (32 are set aside for them)."""
+    """The AR's context (max_position_embeddings) holds the prompt, an i2i source's tokens, the
+    generated tokens and the template's grid markers (32 set aside): a longer prompt is a UsageError."""
     grid = (args.height // 32) * (args.width // 32)
     others = (2 * grid + 1 if args.mode == "i2i" else generated_tokens(args.height, args.width)) + 32
     context = pipe.vision_language_encoder.config.text_config.max_position_embeddings
@@ -1789,23 +1757,13 @@ def check_prompt_lengths(pipe, items, args):
                              f"{context - others} for a prompt at {args.height}x{args.width}")
 
 
-def prepare_out_dir(args):
-    """Refuses to write a new run over an old one: resuming is the only way to continue a run
-    (also one killed before its first checkpoint: --resume latest then starts it over)."""
-    out = Path(args.out)
-    if args.resume is None and ((out / "metrics.jsonl").exists() or any((out / "checkpoints").glob("step_*.pt"))):
-        raise UsageError(f"--out {out} already holds a run; pass --resume latest to continue it or pick another --out")
-    return out
-
-
 def lock_out_dir(out):
-    """An exclusive fcntl.flock on <out>/.lock for the whole run, so that two runs never write
-    into one --out. The OS releases it when the process ends, even on kill -9: no stale locks.
-    Returns the open file; the lock lasts as long as it stays open."""
+    """An exclusive fcntl.flock on <out>/.lock while the returned file stays open, so that two runs
+    never share an --out. The OS releases it when the process ends, even on kill -9."""
     import fcntl
 
     out.mkdir(parents=True, exist_ok=True)
-    handle = open(out / ".lock", "a")      # stays empty: a failed start leaves --out byte-identical
+    handle = open(out / ".lock", "a")      # stays empty
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -1813,56 +1771,30 @@ def lock_out_dir(out):
     return handle
 
 
-def check_resume_point(ckpt_path, step, out, args):
-    """Resuming from step k of a run that went further (later checkpoints exist) would replace its
-    history after k: refused unless --resume-force, which keeps the later checkpoints beside the
-    new ones as step_*.pt.dropped (truncate_metrics keeps the later rows likewise). Returns them."""
-    later = [p for p in sorted((out / "checkpoints").glob("step_*.pt")) if int(p.stem[5:]) > step]
-    if later and not args.resume_force:
-        raise UsageError(f"--resume {ckpt_path}: {out} has later checkpoints ({later[-1].name}); resuming from step "
-                         f"{step} would drop them and the metrics after step {step} (add --resume-force to do so; "
-                         "they are then kept as *.dropped)")
-    return later
-
-
-def keep_aside(checkpoints):
-    """step_*.pt -> step_*.pt.dropped: out of --resume latest's way, not deleted."""
-    for path in checkpoints:
-        path.rename(path.with_name(path.name + ".dropped"))
-        print(f"note: kept {path.name} of the dropped history as {path.name}.dropped")
-
-
 def close_run(args, items, out, tracker, lock):
-    """At the end, and on any exit: the reward curve (its moving average over one pass through the
-    prompts), the tracker, the --out lock (rank 0 holds it)."""
+    """At the end and on any exit: the tracker; on rank 0 the reward curve (its moving average over one
+    pass through the prompts), and the --out lock."""
+    if tracker:
+        tracker.finish()
     if lock:
         save_reward_curve(out / "reward_curve.png", read_metrics(out / "metrics.jsonl"),
                           window=min(20, math.ceil(len(items) / args.prompts_per_step)))
-    if tracker:
-        tracker.close()
-    if lock:
-        lock.close()     # (the process's end would release it too; an in-process caller may run again)
+        lock.close()
 
 
 # =============================================================================================
 # 15. Prompt files, images and the demo's targets
 # =============================================================================================
 
-EXIF_ORIENTATION = 0x0112
-
-
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (240, 210, 40),
            "white": (255, 255, 255), "black": (0, 0, 0), "orange": (245, 140, 30), "purple": (140, 60, 180)}
-
-
 SHAPES = ("circle", "square", "triangle")
 
 
 @dataclass
 class PromptItem:
-    """One prompt line. Its images are read (or drawn) each time a step asks for them, never kept:
-    1,000 targets at 1024^2 held 4.6 GB per process. `target` / `source`: RGB, --width x --height,
-    or None (no target given and no reward reads one; t2i has no source)."""
+    """One prompt line. Its images are read (or drawn) when a step asks, never kept: 1,000 targets at
+    1024^2 held 4.6 GB per process. target / source: RGB at `size`, or None."""
     text: str
     where: str                   # 'prompts.txt:3', for messages
     size: tuple                  # (height, width) images are resized to
@@ -1870,7 +1802,6 @@ class PromptItem:
     target_file: Path = None
     source_file: Path = None
     draw_target: bool = False    # no target file: draw the demo target from the prompt's words
-    draw_source: bool = False    # i2i, no source file: draw the demo source
 
     @property
     def target(self):
@@ -1884,23 +1815,17 @@ class PromptItem:
     def source(self):
         if self.source_file:
             return read_image(self.source_file, self.where, "source", self.size)
-        return draw_demo(self.text, *self.size, self.where, "source") if self.draw_source else None
+        return draw_demo(self.text, *self.size, self.where, "source") if self.mode == "i2i" else None
 
 
 def read_prompts(path, height, width, mode="t2i", need_targets=True):
-    """Parses the prompt file. Line format: `prompt`, `prompt | target.png`, and in i2i
-    `prompt | target.png | source.png` (paths relative to the prompt file). Blank lines and
-    comment lines (first non-blank character '#') are skipped; a '#' later in a line is text
-    ('colour #ff0000'); `\\|` is a '|' inside the prompt; tabs become spaces. Images of another
-    size are resized to --width x --height; i2i sources too, which keeps them multiples of 32 px
-    and lets a whole group decode in one call.
-    need_targets: False (no reward reads targets: a missing target stays None, any line is a valid
-    prompt), or True / the names of the rewards that read them (see require_targets).
-    Every image is checked here (it opens, its header and size read) but its pixels are read only
-    when a step uses it (PromptItem)."""
+    """Lines `prompt`, `prompt | target.png`, i2i `prompt | target.png | source.png` (paths relative to
+    the file); blank and '#' lines are skipped ('#' later in a line is text), `\\|` is a '|' in the
+    prompt, tabs become spaces. Each image is checked now (header and size), read when used.
+    need_targets: False, or True / the names of the rewards that read targets (require_targets)."""
     path = Path(path)
     if not path.is_file():
-        raise UsageError(f"--prompts {path}: file not found")
+        raise UsageError(f"--prompts {path}: " + ("is a directory, not a file" if path.is_dir() else "file not found"))
     items, resized = [], False
     for lineno, raw in enumerate(read_utf8(path).splitlines(), 1):
         line = raw.strip()
@@ -1913,23 +1838,21 @@ def read_prompts(path, height, width, mode="t2i", need_targets=True):
             raise UsageError(f"{where}: empty prompt before '|'")
         if len(paths) > (2 if mode == "i2i" else 1):
             raise UsageError(f"{where}: too many '|' fields for --mode {mode} (write \\| for a '|' in the prompt)")
-        paths += [""] * (2 - len(paths))
-        files = [path.parent / p if p else None for p in paths]
-        for file, name, kind in zip(files, paths, ("target", "source")):
+        files = [path.parent / p if p else None for p in paths + [""] * (2 - len(paths))]
+        for file, kind in zip(files, ("target", "source")):
             if file is None:
                 continue
             w, h = check_image(file, where, kind)
             resized |= (w, h) != (width, height)
             if w * height != h * width:
-                print(f"note: {where}: {kind} {name} is {w}x{h}, squashed to {width}x{height} "
+                print(f"note: {where}: {kind} {file.name} is {w}x{h}, squashed to {width}x{height} "
                       "(another aspect ratio; crop it yourself to keep its proportions)")
         target_file, source_file = files
         draw_source = mode == "i2i" and source_file is None
-        item = PromptItem(text, where, (height, width), mode, target_file, source_file,
-                          draw_target=draw_source and target_file is None, draw_source=draw_source)
         if draw_source:
             demo_words_or_fail(text, where, mode)
-        items.append(item)
+        items.append(PromptItem(text, where, (height, width), mode, target_file, source_file,
+                                draw_target=draw_source and target_file is None))
     if not items:
         raise UsageError(f"--prompts {path}: no prompts (only blank or comment lines)")
     if resized:
@@ -1940,8 +1863,7 @@ def read_prompts(path, height, width, mode="t2i", need_targets=True):
 
 
 def require_targets(items, reward_names=()):
-    """Every prompt needs a target (a reward reads them): one without a target file gets the demo
-    target drawn from its words, or is a UsageError naming the line and the rewards."""
+    """A prompt without a target file gets the demo target drawn from its words, or is a UsageError."""
     for item in items:
         if item.target_file is None and not item.draw_target:
             demo_words_or_fail(item.text, item.where, item.mode,
@@ -1950,8 +1872,7 @@ def require_targets(items, reward_names=()):
 
 
 def read_utf8(path):
-    """The prompt file as text. 'utf-8-sig' drops the BOM Windows editors put first (else it would
-    glue itself to a first '# comment' line and make it a prompt)."""
+    """'utf-8-sig' drops the BOM Windows editors put first (it would make a first '#' line a prompt)."""
     data = path.read_bytes()
     try:
         return data.decode("utf-8-sig")
@@ -1962,14 +1883,13 @@ def read_utf8(path):
 
 
 def check_image(path, where, kind):
-    """(width, height) of an image file as it will be shown, from its header alone (PIL decodes
-    pixels only on load); a file PIL cannot identify, or whose data is broken, is a UsageError."""
+    """(width, height) as the image will be shown, from its header alone; unreadable: a UsageError."""
     try:
         with Image.open(path) as image:
-            image.verify()            # PNG: chunk CRCs (no decoding); other formats: what PIL can check
-        with Image.open(path) as image:   # (verify must come first and leaves the file unusable)
+            image.verify()            # PNG: chunk CRCs, no decoding; leaves the file unusable, so reopen
+        with Image.open(path) as image:
             size = image.size
-            turned = header_exif(image).get(EXIF_ORIENTATION, 1) in (5, 6, 7, 8)   # 90-degree turns
+            turned = header_exif(image).get(Image.ExifTags.Base.Orientation, 1) in (5, 6, 7, 8)   # turned 90 degrees
     except FileNotFoundError:
         raise UsageError(f"{where}: {kind} image {path} not found")
     except (UnidentifiedImageError, OSError, SyntaxError) as e:
@@ -1978,8 +1898,7 @@ def check_image(path, where, kind):
 
 
 def header_exif(image):
-    """EXIF tags without decoding pixels. (PNG's getexif() decodes the whole image to look for an
-    eXIf chunk after the pixel data; one before it is in image.info.)"""
+    """EXIF tags without decoding pixels (PNG's getexif() decodes the image to look past its pixel data)."""
     if image.format != "PNG":
         return image.getexif()
     exif = Image.Exif()
@@ -1989,8 +1908,7 @@ def header_exif(image):
 
 
 def read_image(path, where, kind, size):
-    """An image file as RGB, upright (its EXIF orientation applied, as viewers show a phone photo),
-    resized to size = (height, width)."""
+    """RGB, upright (EXIF orientation applied, as viewers show a phone photo), at size = (height, width)."""
     try:
         with Image.open(path) as image:
             image = to_rgb(ImageOps.exif_transpose(image))
@@ -2002,10 +1920,8 @@ def read_image(path, where, kind, size):
 
 
 def to_rgb(image):
-    """RGB as the user sees the file. PIL's convert('RGB') alone gets two cases wrong:
-    transparency is dropped, leaving whatever colour hides under alpha 0 (usually black), so
-    transparent pixels are composited on white as viewers show them; and 16-bit greyscale
-    ('I;16', 'I') is clipped to 0..255, turning almost every pixel white, so it is scaled by 255/65535."""
+    """RGB as the user sees the file, where convert('RGB') errs: transparent pixels are composited on
+    white (not left black), 16-bit greyscale is scaled by 255/65535 (not clipped to white)."""
     if image.mode in ("I", "I;16", "I;16B", "I;16L"):
         scaled = np.asarray(image, dtype=np.float64) * (255.0 / 65535.0)
         return Image.fromarray(np.clip(scaled.round(), 0, 255).astype(np.uint8)).convert("RGB")
@@ -2013,11 +1929,6 @@ def to_rgb(image):
         rgba = image.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", rgba.size, "white"), rgba).convert("RGB")
     return image.convert("RGB")
-
-
-def demo_words(prompt):
-    words = re.findall(r"[a-z]+", prompt.lower())
-    return [w for w in words if w in COLOURS], next((w for w in words if w in SHAPES), None)
 
 
 def draw_shape(shape, colour, background, height, width):
@@ -2034,9 +1945,9 @@ def draw_shape(shape, colour, background, height, width):
 
 
 def demo_words_or_fail(prompt, where, mode, why=""):
-    """(colours, shape) to draw the demo images from, or a UsageError saying what the line lacks
-    (and `why` it needs them)."""
-    colours, shape = demo_words(prompt)
+    """(colours, shape) to draw the demo images from, or a UsageError saying what the line lacks."""
+    words = re.findall(r"[a-z]+", prompt.lower())
+    colours, shape = [w for w in words if w in COLOURS], next((w for w in words if w in SHAPES), None)
     why = f"{why}; " if why else ""
     if mode == "t2i" and (not colours or shape is None):
         raise UsageError(f"{where}: no target image given and no colour+shape words to draw one "
@@ -2048,9 +1959,8 @@ def demo_words_or_fail(prompt, where, mode, why=""):
 
 
 def draw_demo(prompt, height, width, where, role=None):
-    """Demo images from the prompt's words. t2i (role None): '<colour> <shape> on a <colour>
-    background'. i2i, from '... <colour> <shape> ... <colour>', e.g. 'make the red circle blue':
-    the source is the shape in the first colour, the target in the second, on white."""
+    """t2i (role None): '<colour> <shape> on a <colour> background'. i2i, from e.g. 'make the red
+    circle blue': the source is the shape in the first colour, the target in the second, on white."""
     colours, shape = demo_words_or_fail(prompt, where, "t2i" if role is None else "i2i")
     if role is None:
         return draw_shape(shape, colours[0], colours[1] if len(colours) > 1 else "white", height, width)
@@ -2077,27 +1987,24 @@ def load_reward(spec):
     module_name, _, fn_name = where.rpartition(":")
     if not module_name or not fn_name:
         raise UsageError(f"--reward {spec}: expected 'mse', 'module:function' or 'path/to/file.py:function'")
+    if module_name.endswith(".py") and not Path(module_name).is_file():
+        raise UsageError(f"--reward {spec}: file {module_name} not found")
+    import runpy
+
+    # A module is looked up in the current directory first, as `python -m` does (`python grpo_glm.py`
+    # puts only the script's own directory on sys.path).
+    sys.path.insert(0, os.getcwd())
     try:
         if module_name.endswith(".py"):
-            if not Path(module_name).is_file():
-                raise UsageError(f"--reward {spec}: file {module_name} not found")
-            module_spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
+            namespace = runpy.run_path(module_name)
         else:
-            # the current directory first, as `python -m` has it (`python grpo_glm.py` puts only
-            # the script's own directory on sys.path)
-            sys.path.insert(0, os.getcwd())
-            try:
-                module = importlib.import_module(module_name)
-            finally:
-                sys.path.remove(os.getcwd())
-    except UsageError:
-        raise
+            namespace = vars(importlib.import_module(module_name))
     except Exception as e:   # whatever the plug-in's own import raises
         raise UsageError(f"--reward {spec}: importing {module_name} failed: {type(e).__name__}: "
                          f"{(str(e).splitlines() or [''])[0]}")
-    fn = getattr(module, fn_name, None)
+    finally:
+        sys.path.remove(os.getcwd())
+    fn = namespace.get(fn_name)
     if not callable(fn):
         raise UsageError(f"--reward {spec}: {module_name} has no function {fn_name}")
     return Reward(fn_name, fn, weight, bool(getattr(fn, "uses_targets", False)))
@@ -2116,8 +2023,7 @@ def load_rewards(specs):
 # =============================================================================================
 
 def start_logging(args, trainer, out, start):
-    """Drops metrics rows a killed run wrote after its checkpoint, prints the 'running with' block
-    and opens the tracker (or None)."""
+    """Drops the metrics rows of a killed run's lost steps, prints the run's settings, opens the tracker."""
     truncate_metrics(out / "metrics.jsonl", start)
     trainable = sum(p.numel() for p in trainer.trained.parameters() if p.requires_grad)
     ar_full = "head" if args.ar_trainable == "head" else "full"
@@ -2145,16 +2051,14 @@ def count_text(n):
 
 
 def finish_row(row, trainer, args, t0):
-    """Adds the learning rates this step's updates used, moves the schedule on by one GRPO step,
-    averages the row over ranks and times it."""
+    """Adds the step's learning rates, moves the schedule on one step, averages the row over ranks."""
     lrs = trainer.lr_scheduler.get_last_lr()    # [AR][, DiT]
     if args.policy != "dit":
         row["lr"] = lrs[0]
     if args.policy != "ar":
         row["dit/lr"] = lrs[-1]
     with warnings.catch_warnings():
-        # a step whose updates were all skipped (non-finite) never called optimizer.step();
-        # the schedule still moves on by one GRPO step, as planned, and PyTorch need not warn
+        # a step whose updates were all skipped (non-finite) never called optimizer.step()
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
         trainer.lr_scheduler.step()
     row = reduce_metrics(row)
@@ -2164,9 +2068,11 @@ def finish_row(row, trainer, args, t0):
 
 def log_step(row, step, args, trainer, out, tracker, warned):
     """metrics.jsonl, the tracker, one console line, the one-time collapse warning. Returns `warned`."""
-    append_metrics(out / "metrics.jsonl", row)
+    finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
+    with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:     # NaN, inf -> null: JSON has no NaN
+        f.write(json.dumps(finite, allow_nan=False) + "\n")
     if tracker:
-        tracker.log(row, step)
+        tracker.log({k: v for k, v in row.items() if k != "step"}, step)
     dit_loss = f"dit loss {row.get('dit/loss', math.nan):+.3e}"     # ~1e-5: step log-probs are means
     losses = {"ar": f"loss {row['loss']:+.4f}", "dit": dit_loss,
               "both": f"loss {row['loss'] - row.get('dit/loss', math.nan):+.4f} | {dit_loss}"}[args.policy]
@@ -2179,20 +2085,9 @@ def log_step(row, step, args, trainer, out, tracker, warned):
     return warn_if_collapsed(row, warned, math.log(trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size))
 
 
-def append_metrics(path, row):
-    """One JSON line per step. NaN and inf (a skipped update's loss, a broken reward) are written
-    as null: JSON has no such numbers, and jq or JSON.parse reject Python's bare NaN."""
-    row = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(row, allow_nan=False) + "\n")
-
-
 def warn_if_collapsed(row, warned, max_entropy=None):
-    """Once per run, on stderr: most groups tied, so most advantages are 0 and the step trained
-    on (almost) nothing. The entropy tells why: near 0, the policy has collapsed and draws G
-    identical samples; high (`max_entropy` = uniform over the codebook), the samples differ but
-    the reward gives them all the same value (a 0/1 reward that no sample passes yet). Returns
-    whether the warning has been given."""
+    """Once per run: most groups tied, so most advantages are 0. The entropy tells why: near 0 the
+    policy has collapsed; high (max_entropy: uniform), the reward does not separate the samples."""
     if warned or row["frac_reward_zero_std"] <= 0.5:
         return warned
     head = f"warning: step {row['step']}: {row['frac_reward_zero_std']:.0%} of groups have identical rewards"
@@ -2215,9 +2110,8 @@ def skip_cause(row):
 
 
 def non_finite_stop(causes, step, out):
-    """The message of the stop after 5 steps in a row whose updates were all skipped, naming what
-    was non-finite and only checkpoints that exist (the weights are still those of the last step that
-    updated, step - 5 or earlier)."""
+    """The message of the stop after 5 steps in a row that updated nothing: what was non-finite, and
+    the last checkpoint if there is one."""
     seen = list(dict.fromkeys(causes))
     advice = {"loss": "the policy's log-probs overflowed: try a lower --lr",
               "gradient": "try a lower --lr or --max-grad-norm"}
@@ -2228,40 +2122,34 @@ def non_finite_stop(causes, step, out):
 
 
 def truncate_metrics(path, last_step):
-    """On resume, drop rows past the checkpoint's step (left by a run that died after it), so
-    the log holds exactly one history. The dropped rows are kept beside it, and the run says so."""
-    if not path.exists():
-        return
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    kept = [line for line in lines if json.loads(line)["step"] <= last_step]
-    dropped = [line for line in lines if json.loads(line)["step"] > last_step]
+    """On resume, rows past the checkpoint's step (a killed run's) move to a file beside the log."""
+    rows = read_metrics(path)
+    dropped = [row for row in rows if row["step"] > last_step]
     if dropped:
         aside = path.with_name(f"metrics.dropped_after_step_{last_step:06d}.jsonl")
-        atomic_write_bytes(aside, "".join(r + "\n" for r in dropped).encode())
-        steps = [json.loads(line)["step"] for line in dropped]
-        print(f"note: resuming at step {last_step} drops metrics rows of steps {steps[0]}..{steps[-1]} "
-              f"(no checkpoint after step {last_step}); kept in {aside}")
-    atomic_write_bytes(path, "".join(r + "\n" for r in kept).encode())
+        atomic_write_bytes(aside, "".join(json.dumps(row) + "\n" for row in dropped).encode())
+        atomic_write_bytes(path, "".join(json.dumps(row) + "\n" for row in rows if row["step"] <= last_step).encode())
+        print(f"note: resuming at step {last_step} drops metrics rows of steps {dropped[0]['step']}.."
+              f"{dropped[-1]['step']} (no checkpoint after step {last_step}); kept in {aside}")
 
 
 def read_metrics(path):
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def save_samples(out, step, prompts, targets, images, rewards, sources, ode, args, tracker):
     sheet = save_sample_grid(out / "samples" / f"step_{step:06d}.png", prompts, targets, images, rewards,
                              args.group_size, sources, ode)
-    if tracker:
-        tracker.log_image("samples", sheet, step)
+    if tracker:      # a batch of one HWC image (W&B takes no dataformats: it reads each row as an image)
+        formats = {"dataformats": "NHWC"} if tracker.name == "tensorboard" else {}
+        tracker.log_images({"samples": np.asarray(sheet)[None]}, step, **formats)
 
 
 def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, scale=None):
-    """One row per prompt: (i2i: the source,) the target (if any), then its G samples captioned with
-    their rewards, and (--policy dit|both, `ode` [P, 3, H, W]) the current DiT's deterministic a = 0
-    decode. Images are how one notices collapse or reward hacking long before the numbers do.
-    Returns the sheet (PIL) for the trackers."""
+    """One row per prompt: (i2i: the source,) the target, its G samples captioned with their rewards,
+    (--policy dit|both) the DiT's a = 0 decode `ode` [P, 3, H, W]. Collapse and reward hacking show
+    here long before they show in the numbers. Returns the sheet (PIL)."""
     scale = scale or max(1, 128 // images.shape[-1])          # cells at least 128 px wide, to be seen
     width, height = images.shape[-1] * scale, images.shape[-2] * scale
     caption = 14
@@ -2298,8 +2186,7 @@ def label_font():
 
 
 def drawable(text, font):
-    """`text` as `font` can draw it: a character it has no glyph for (the built-in font has ASCII,
-    not even 'é') loses its accents ('é' -> 'e') or becomes '?' (emoji, CJK), instead of a box."""
+    """`text` as `font` can draw it (the built-in font is ASCII): 'é' -> 'e', emoji or CJK -> '?', no boxes."""
     glyph = lambda ch: (lambda m: (m.size, bytes(m)))(font.getmask(ch))
     missing = glyph("\U0010FFFD")       # a private-use code point: the font's 'no glyph' box
     out = []
@@ -2312,11 +2199,9 @@ def drawable(text, font):
 
 
 def save_reward_curve(path, rows, size=(640, 360), margin=48, window=1):
-    """reward_curve.png: mean reward per step (thin line) +- the mean within-group std (band), and
-    its moving average over `window` steps (thick line; the caller passes the steps one pass over
-    the prompt file takes: with one prompt per step the raw curve zig-zags between prompts). Drawn
-    with Pillow so that a run with no tracker still shows its curve. Written at the end and on
-    Ctrl+C or SIGTERM."""
+    """reward_curve.png, drawn with Pillow (no tracker needed): mean reward per step +- the mean
+    within-group std (band), and its moving average over `window` steps (one pass over the prompts:
+    with one prompt per step the raw curve zig-zags between prompts)."""
     rows = [r for r in rows if r["reward_mean"] is not None and r["reward_std"] is not None]   # null: non-finite
     if not rows:
         return
@@ -2337,72 +2222,34 @@ def save_reward_curve(path, rows, size=(640, 360), margin=48, window=1):
     draw.line([to_xy(s, m) for s, m in zip(steps, means)], fill=(110, 140, 220), width=1)
     title = "reward per step: mean +- within-group std"
     if 1 < window < len(rows):
-        average = [sum(means[max(0, i - window + 1): i + 1]) / len(means[max(0, i - window + 1): i + 1])
-                   for i in range(len(means))]
+        average = [np.mean(means[max(0, i - window + 1): i + 1]) for i in range(len(means))]
         draw.line([to_xy(s, m) for s, m in zip(steps, average)], fill=(20, 40, 140), width=3)
         title += f"; thick: moving average over {window} steps"
     draw.rectangle((margin, margin, w - margin, h - margin), outline="black")
-    font = label_font()
-    draw.text((margin, 8), title, fill="black", font=font)
-    draw.text((4, margin - 14), f"{y1:.4g}", fill="black", font=font)
-    draw.text((4, h - margin + 2), f"{y0:.4g}", fill="black", font=font)
-    draw.text((margin, h - margin + 6), f"step {x0}", fill="black", font=font)
-    draw.text((w - margin - 50, h - margin + 6), f"step {max(steps)}", fill="black", font=font)
+    labels = {(margin, 8): title, (4, margin - 14): f"{y1:.4g}", (4, h - margin + 2): f"{y0:.4g}",
+              (margin, h - margin + 6): f"step {x0}", (w - margin - 50, h - margin + 6): f"step {max(steps)}"}
+    for xy, text in labels.items():
+        draw.text(xy, text, fill="black", font=label_font())
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path)
-# Trackers (plumbing, not GRPO): the same rows as metrics.jsonl, plus the sample sheets and the
-# flags. Imported only when asked for, so neither package is needed otherwise.
-
-class TensorBoardTracker:
-    """torch.utils.tensorboard's SummaryWriter, writing to <out>/logs. On resume, purge_step drops
-    events a killed run wrote after its last checkpoint, as truncate_metrics does for the jsonl."""
-
-    def __init__(self, out, args, start):
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.writer = SummaryWriter(log_dir=str(out / "logs"), purge_step=start + 1 if start else None)
-        flags = "\n".join(f"| --{k.replace('_', '-')} | {v} |" for k, v in sorted(vars(args).items()))
-        self.writer.add_text("flags", "| flag | value |\n|---|---|\n" + flags, global_step=start)
-
-    def log(self, row, step):
-        for key, value in row.items():
-            if key != "step":
-                self.writer.add_scalar(key, value, step)
-
-    def log_image(self, name, image, step):
-        self.writer.add_image(name, np.asarray(image), step, dataformats="HWC")
-
-    def close(self):
-        self.writer.close()
-
-
-class WandbTracker:
-    """Weights & Biases; WANDB_MODE=offline writes the run under <out>/wandb for a later `wandb sync`.
-    Logged directly, not mirrored from TensorBoard with wandb.init(sync_tensorboard=True) as CleanRL
-    does: that path syncs asynchronously, rounds values to fp32, and lost a run's events when it
-    closed early (seen in this project's offline test)."""
-
-    def __init__(self, out, args, start):
-        import wandb
-
-        self.wandb = wandb
-        self.run = wandb.init(project="grpo_glm", name=out.name, dir=str(out), config=vars(args))
-
-    def log(self, row, step):
-        self.run.log({k: v for k, v in row.items() if k != "step"}, step=step)
-
-    def log_image(self, name, image, step):
-        self.run.log({name: self.wandb.Image(image)}, step=step)
-
-    def close(self):
-        self.run.finish()
 
 
 def open_tracker(args, out, start):
-    """None for --report-to none (validate_args already checked that the package is installed)."""
+    """accelerate's trackers (None for --report-to none): the metrics rows, the sample sheets, the flags."""
     if args.report_to == "none":
         return None
-    return (TensorBoardTracker if args.report_to == "tensorboard" else WandbTracker)(out, args, start)
+    from accelerate.tracking import TensorBoardTracker, WandBTracker
+
+    if args.report_to == "wandb":      # WANDB_MODE=offline: under <out>/wandb, for a later `wandb sync`
+        tracker = WandBTracker("grpo_glm", name=out.name, dir=str(out), config=vars(args))
+        tracker.start()
+        return tracker
+    # purge_step: on resume, TensorBoard drops the events a killed run wrote after its checkpoint
+    tracker = TensorBoardTracker("logs", out, purge_step=start + 1 if start else None)
+    tracker.start()
+    flags = "\n".join(f"| --{k.replace('_', '-')} | {v} |" for k, v in sorted(vars(args).items()))
+    tracker.writer.add_text("flags", "| flag | value |\n|---|---|\n" + flags, global_step=start)
+    return tracker
 
 
 # =============================================================================================
@@ -2413,32 +2260,26 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)   # Ctrl+C; what Slurm, Kubernete
 
 
 class AbandonStep(BaseException):
-    """A stop signal came before the step's UPDATE: drop the step (a BaseException, so that no
-    `except Exception` on the way, e.g. around a reward plug-in, swallows it)."""
+    """A stop signal before the step's UPDATE: drop the step (a BaseException, which no `except
+    Exception` on the way, e.g. around a reward plug-in, swallows)."""
 
 
 class StopAfterStep:
-    """Ctrl+C (SIGINT) and SIGTERM stop the run at a state that can be resumed, and exit 128 + signal
-    number (130, 143). Before the step's UPDATE (sampling, decoding, rewards: most of a step) nothing
-    has touched the weights yet, so the step is abandoned at once and the previous step is the one
-    saved; a schedulers' grace period (Slurm's KillWait, Kubernetes' 30 s) is then enough. Once the
-    update has begun, the step is finished and saved: a step updated by some inner epochs, not all,
-    is no state to resume from. A second Ctrl+C stops at once (the last checkpoint is complete); a
-    second SIGTERM changes nothing (Slurm signals every process and torchrun forwards its own, so a
-    rank may get two). Under torchrun the ranks decide together (`before_update`, and the loop's
-    check after each step)."""
+    """The run's one handler of Ctrl+C and SIGTERM: stop at a state that can be resumed, exit 128 +
+    signal (130, 143). Before the UPDATE (sampling, decoding, rewards: most of a step) the weights are
+    still the last step's: the step is dropped at once (within a scheduler's grace period) and the
+    last step saved. Once the update has begun, the step is finished and saved. Otherwise (logging, a
+    checkpoint write) the signal is only noted and acted on after the step. A second Ctrl+C quits at
+    once (the last checkpoint is complete); a second SIGTERM changes nothing (Slurm and torchrun may
+    both send one). Under torchrun the ranks decide together (before_update, agree)."""
 
     def __init__(self):
         self.signum = None          # the first stop signal received
         self.abandonable = False    # True from a step's start until its update begins
         self.previous = {s: signal.signal(s, self.request) for s in STOP_SIGNALS}
 
-    @property
-    def requested(self):
-        return self.signum is not None
-
     def request(self, signum, _frame):
-        if self.requested:
+        if self.signum is not None:
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             return
@@ -2453,9 +2294,8 @@ class StopAfterStep:
             raise AbandonStep
 
     def begin_step(self):
-        self.abandonable, self.agreed = True, False
-        if self.requested:          # came after the last step's stop check: nothing of this step to keep
-            self.abandonable = False
+        self.abandonable, self.agreed = self.signum is None, False
+        if self.signum is not None:      # came after the last step's check: nothing of this step to keep
             raise AbandonStep
 
     def agree(self):
@@ -2463,27 +2303,17 @@ class StopAfterStep:
         if is_ddp():
             seen = torch.tensor(int(self.signum or 0), device=collective_device())
             dist.all_reduce(seen, op=dist.ReduceOp.MAX)
-            if seen.item() and not self.requested:
+            if seen.item() and self.signum is None:
                 self.signum = int(seen.item())
                 if rank() == 0:
                     print(f"{signal.Signals(self.signum).name} on another rank: stopping", file=sys.stderr, flush=True)
-        return self.requested
+        return self.signum is not None
 
     def before_update(self):
-        """Called by the step right before its UPDATE: the last moment to drop it. All ranks take
-        part (a rank whose handler raised AbandonStep joins from the loop, see `agree_after_abandon`)."""
+        """The step's last moment to be dropped; every rank votes (one that left early, from the loop)."""
         self.abandonable, self.agreed = False, True
         if self.agree():
             raise AbandonStep
-
-    def agree_after_abandon(self):
-        """A rank that left its step early still answers the other ranks' before_update vote."""
-        if not self.agreed:
-            self.agreed = True
-            self.agree()
-
-    def exit_code(self):
-        return 128 + self.signum
 
     def restore(self):
         for s, handler in self.previous.items():
@@ -2491,13 +2321,13 @@ class StopAfterStep:
 
 
 def stop_before_update(stop, trainer, args, out, step, last_saved, step_rng):
-    """A stop signal arrived before this step's update: the weights are still step - 1's. Saves
-    step - 1 (if not saved yet) and exits. If a rank was killed (kill -9, OOM; torchrun then
-    SIGTERMs the rest), the others still hold step - 1 and rank 0 saves it alone."""
+    """A stop signal came before this step's update: saves step - 1 (if not yet saved) and exits. If a
+    rank was killed (kill -9, OOM; torchrun then SIGTERMs the rest), rank 0 saves step - 1 alone."""
     lead = rank() == 0
     peers = True
     try:
-        stop.agree_after_abandon()
+        if not stop.agreed:         # a rank that left its step early still answers the others' vote
+            stop.agree()
     except Exception as e:
         if not (is_ddp() and collective_failed(e)):
             raise
@@ -2511,48 +2341,47 @@ def stop_before_update(stop, trainer, args, out, step, last_saved, step_rng):
         print(f"interrupted in step {step} before its update: " + (
             f"step {step - 1} is saved in {out / 'checkpoints' / f'step_{step - 1:06d}.pt'}; continue with "
             f"--resume latest --out {out}" if step - 1 > 0 else "no step finished, nothing to save"), file=sys.stderr)
-    sys.exit(stop.exit_code())
+    sys.exit(128 + stop.signum)
 
 
 def exit_after_checkpoint(stop, out, step, path, lead):
     all_ranks_agree(True)     # the others wait for rank 0's file before they exit
     if lead:
         print(f"interrupted: saved step {step} to {path}; continue with --resume latest --out {out}", file=sys.stderr)
-    sys.exit(stop.exit_code())
+    sys.exit(128 + stop.signum)
 
 
 # =============================================================================================
 # 19. CHECKPOINT
 # =============================================================================================
-# A checkpoint holds what an exact resume needs: trainable weights (all AR weights, or only the
-# LoRA adapters), AdamW state, the learning-rate schedule's position, the step, every RNG state,
-# and the flags. It is written to a temporary file, fsynced and renamed, so a crash or kill
-# mid-write leaves the previous checkpoint intact; loading uses weights_only=True (no pickled
-# code), so RNG states are stored as tensors and plain lists.
+# What an exact resume needs: the trained weights (all, the head, or only LoRA adapters), AdamW's
+# state, the schedule's position, the step, every RNG state, the flags. One format at every world
+# size, so a checkpoint resumes on any number of processes. Written to a temporary file, fsynced
+# and renamed: a crash or kill mid-write leaves the previous checkpoint intact. Loaded with
+# weights_only=True (no pickled code), so RNG states are stored as tensors and plain lists.
 
 def atomic_write_bytes(path, data):
+    """Writes `data` (bytes, or a function that writes to the open file) to path.tmp, then renames."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        f.write(data)
+        if callable(data):
+            data(f)
+        else:
+            f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
 def rng_state():
-    version, state, gauss = random.getstate()
-    np_state = np.random.get_state()
-    return {
-        "python": [version, list(state), gauss],
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
+    name, keys, *rest = np.random.get_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    return {"python": random.getstate(), "numpy": [name, torch.from_numpy(keys.astype(np.int64)), *rest],
+            "torch": torch.get_rng_state(), "cuda": cuda}
 
 
 def set_rng_state(state):
-    version, inner, gauss = state["python"]
-    random.setstate((version, tuple(inner), gauss))
+    random.setstate(state["python"])
     name, keys, *rest = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"])
@@ -2560,58 +2389,32 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def trainable_state(model):
-    return {name: p.detach().cpu().clone() for name, p in model.named_parameters() if p.requires_grad}
-
-
 def save_step_checkpoint(out, step, trainer, args, lead):
-    """All ranks: the training state (gathered under --fsdp, a collective); rank 0 writes it. Weights
-    and AdamW state are identical on every rank, and no rank-local randomness is left (sampling
-    seeds are per group): rank 0's checkpoint is the whole state. Returns its path (rank 0)."""
-    state = gather_training_state(trainer.trained, trainer.optimizer)
+    path = save_checkpoint(out, step, trainer.trained, trainer.optimizer, args, trainer.lr_scheduler, lead)
+    if lead and args.checkpoints_total_limit:      # after the save: a complete newest one always exists
+        for old in sorted((out / "checkpoints").glob("step_*.pt"))[:-args.checkpoints_total_limit]:
+            old.unlink()
+    return path
+
+
+def save_checkpoint(out_dir, step, model, optimizer, args, lr_scheduler, lead=True):
+    """Every rank gathers the state (a collective under --fsdp); rank 0 (`lead`), which holds all of
+    it, writes <out>/checkpoints/step_NNNNNN.pt, streamed to the file (at 9B a copy in memory would
+    be > 100 GiB). A stop signal meanwhile is only noted (StopAfterStep). Returns the path (rank 0)."""
+    weights, optimizer_state = gather_training_state(model, optimizer)
     if not lead:
         return None
-    path = save_checkpoint(out, step, trainer.trained, trainer.optimizer, args, trainer.lr_scheduler, state)
-    if args.checkpoints_total_limit:
-        prune_checkpoints(out, args.checkpoints_total_limit)
-    return path
-
-
-def save_checkpoint(out_dir, step, model, optimizer, args, lr_scheduler, state=None):
-    """Writes <out>/checkpoints/step_NNNNNN.pt atomically. A Ctrl+C or SIGTERM during the write is
-    held back and re-raised once the file is complete. `state`: (weights, AdamW state) already
-    gathered from the ranks under --fsdp (gather_training_state), in the same format as here."""
     path = out_dir / "checkpoints" / f"step_{step:06d}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
-    trainable, optimizer_state = state or (trainable_state(model), optimizer.state_dict())
-    payload = {"format": CHECKPOINT_FORMAT, "step": step, "trainable": trainable,
-               "optimizer": optimizer_state, "lr_scheduler": lr_scheduler.state_dict(),
-               "rng": rng_state(), "args": vars(args)}
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)
-    interrupted = []
-    previous = {s: signal.signal(s, lambda signum, _: interrupted.append(signum)) for s in STOP_SIGNALS}
-    try:
-        atomic_write_bytes(path, buffer.getvalue())
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    for signum in interrupted:
-        signal.raise_signal(signum)   # now handled as usual (see StopAfterStep)
+    payload = {"format": CHECKPOINT_FORMAT, "step": step, "trainable": weights, "optimizer": optimizer_state,
+               "lr_scheduler": lr_scheduler.state_dict(), "rng": rng_state(), "args": vars(args)}
+    atomic_write_bytes(path, functools.partial(torch.save, payload))
     return path
-
-
-def prune_checkpoints(out_dir, keep):
-    """--checkpoints-total-limit: deletes all but the newest `keep` step checkpoints. Runs after a
-    save has completed, so a complete newest checkpoint always exists."""
-    for path in sorted((out_dir / "checkpoints").glob("step_*.pt"))[:-keep]:
-        path.unlink()
 
 
 def find_checkpoint(spec, out_dir):
-    """--resume latest -> newest complete step_*.pt in <out>/checkpoints, or None when there is
-    none yet (a run killed before its first checkpoint starts over, as in diffusers' scripts);
-    else the given path."""
+    """--resume latest: the newest step_*.pt in <out>/checkpoints, or None (a run killed before its
+    first checkpoint starts over, as in diffusers' scripts); else the given path."""
     if spec == "latest":
         found = sorted((out_dir / "checkpoints").glob("step_*.pt"))
         if not found:
@@ -2638,9 +2441,7 @@ def read_checkpoint(path):
 
 
 def check_resume_flags(saved_args, args):
-    """Lists algorithm flags that differ from the checkpoint's; harmless ones (--steps, --out,
-    intervals, --resume) may change freely. The prompt file counts by its contents (a hash), not
-    by how its path was spelled: './prompts.txt' is 'prompts.txt', an edited file is not."""
+    """Algorithm flags that differ from the checkpoint's (the prompt file by its contents' hash)."""
     def describe(k):
         if k == "prompts_sha256":
             return f"--prompts {saved_args.get('prompts')} -> {args.prompts}: contents differ"
@@ -2648,20 +2449,14 @@ def check_resume_flags(saved_args, args):
     return [describe(k) for k in ALGORITHM_FLAGS if saved_args.get(k) != getattr(args, k)]
 
 
-def file_sha256(path):
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
 def restore_checkpoint(ckpt, path, model, optimizer, lr_scheduler):
     names = {name for name, p in model.named_parameters() if p.requires_grad}
     if set(ckpt["trainable"]) != names:
         raise UsageError(f"--resume {path}: its weights do not fit this model (different --model or --lora-rank)")
     try:
-        if not load_sharded_state(model, optimizer, ckpt["trainable"], ckpt["optimizer"]):   # --fsdp: section 21
-            model.load_state_dict(ckpt["trainable"], strict=False)
-            optimizer.load_state_dict(ckpt["optimizer"])
+        load_training_state(model, optimizer, ckpt["trainable"], ckpt["optimizer"])
         lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
-    except (RuntimeError, ValueError) as e:
+    except (RuntimeError, ValueError, KeyError) as e:
         raise UsageError(f"--resume {path}: its weights do not fit this model ({str(e).splitlines()[0][:120]})")
     set_rng_state(ckpt["rng"])
 
@@ -3301,43 +3096,27 @@ def clip_gradients(params, max_norm):
 
 
 def gather_training_state(model, optimizer):
-    """--fsdp: the trained weights and AdamW state gathered whole onto rank 0's CPU (a collective:
-    every rank calls it), as (weights by name, optimizer.state_dict()-style AdamW state with
-    parameters numbered in param-group order) -- the format a 1-process run saves. None for a
-    model that is not sharded (save_checkpoint then reads model and optimizer itself)."""
-    if not is_sharded(model):
-        return None
+    """(trained weights, AdamW state), both keyed by parameter name, whole on rank 0's CPU at any world
+    size: torch.distributed.checkpoint's state_dict API all-gathers --fsdp shards and works without a
+    process group too. Every rank calls it (a collective under --fsdp); the other ranks get empty dicts."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-    weights = get_model_state_dict(model, options=options)
-    by_name = get_optimizer_state_dict(model, optimizer, options=options)
-    if rank() != 0:
-        return None
-    index = {name: i for i, name in enumerate(n for group in by_name["param_groups"] for n in group["params"])}
-    return weights, {"state": {index[n]: s for n, s in by_name["state"].items()},
-                     "param_groups": [{**group, "params": [index[n] for n in group["params"]]}
-                                      for group in by_name["param_groups"]]}
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    weights = {k: v for k, v in get_model_state_dict(model, options=options).items() if k in trained}  # no buffers
+    return weights, get_optimizer_state_dict(model, optimizer, options=options)
 
 
-def load_sharded_state(model, optimizer, weights, optimizer_state):
-    """--fsdp: loads whole weights and AdamW state (a checkpoint of any world size) into the shards
-    (every rank calls it; each keeps its part). Returns False for a model that is not sharded."""
-    if not is_sharded(model):
-        return False
+def load_training_state(model, optimizer, weights, optimizer_state):
+    """Loads gather_training_state's whole weights and AdamW state (of any world size); under --fsdp
+    each rank keeps its shards. Every rank calls it."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
     options = StateDictOptions(full_state_dict=True, strict=False)
     set_model_state_dict(model, weights, options=options)
-    names = {id(p): n for n, p in model.named_parameters()}
-    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    by_name = {"state": {order[i]: s for i, s in optimizer_state["state"].items()},
-               "param_groups": [{**group, "params": [order[i] for i in group["params"]]}
-                                for group in optimizer_state["param_groups"]]}
-    set_optimizer_state_dict(model, optimizer, by_name, options=options)
-    return True
+    set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
 
 
 # =============================================================================================

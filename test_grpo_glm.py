@@ -613,6 +613,14 @@ def _bad_cases(tmp, run):
         "plan-gpus not dividing the prompts": (["--plan", "--plan-gpus", "2", "4", "--out", fresh],
                                                "--prompts-per-step 2 must be divisible by --plan-gpus 4"),
         "head with LoRA": (["--ar-trainable", "head", "--lora-rank", "4", "--out", fresh], "takes neither --lora-rank"),
+        "max-grad-norm 0": (["--max-grad-norm", "0", "--out", fresh], "--max-grad-norm must be > 0, got 0.0"),
+        "max-grad-norm negative": (["--max-grad-norm", "-1", "--out", fresh], "--max-grad-norm must be > 0, got -1.0"),
+        "lr inf": (["--lr", "inf", "--out", fresh], "--lr must be finite, got inf"),
+        "beta nan": (["--beta", "nan", "--out", fresh], "--beta must be finite, got nan"),
+        "seed too large": (["--seed", str(2**32), "--out", fresh], "--seed must be at most 4294967295"),
+        "seed negative": (["--seed", "-1", "--out", fresh], "--seed must be at least 0, got -1"),
+        "prompts is a directory": (["--prompts", str(tmp), "--out", fresh], "is a directory"),
+        "steps not a number": (["--steps", "ten", "--out", fresh], "--steps invalid int value: 'ten'"),
     }
 
 
@@ -625,7 +633,8 @@ CASE_NAMES = ["prompts missing", "prompts empty", "prompts only comments", "targ
               "out holds a run", "prompts UTF-16", "prompts Latin-1", "save-pipeline is a file",
               "save-pipeline holds files", "out under a file", "out not writable", "lr negative with exponent",
               "fsdp with LoRA", "plan-gpus without --plan", "plan-gpus 1", "plan-gpus not dividing the prompts",
-              "head with LoRA"]
+              "head with LoRA", "max-grad-norm 0", "max-grad-norm negative", "lr inf", "beta nan", "seed too large",
+              "seed negative", "prompts is a directory", "steps not a number"]
 
 
 @pytest.mark.parametrize("model", ["./typo_dir", "runs/typo_dir"])
@@ -1368,22 +1377,21 @@ def test_ctrl_c_during_a_checkpoint_write_is_held_until_the_file_is_complete(tmp
     args = g.resolve_runtime(g.parse_args([]))
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters())
-    real_write = g.atomic_write_bytes
+    real_save = torch.save
     seen = []
 
-    def write_interrupted(path, data):
+    def save_interrupted(obj, f):
         signal.raise_signal(signal.SIGINT)          # Ctrl+C arrives mid-write
-        seen.append(("write finished", path.exists()))
-        real_write(path, data)
+        seen.append("write finished")
+        real_save(obj, f)
 
-    monkeypatch.setattr(g, "atomic_write_bytes", write_interrupted)
-    previous = signal.signal(signal.SIGINT, lambda *_: seen.append(("handled", path.exists())))
+    monkeypatch.setattr(torch, "save", save_interrupted)
+    stop = g.StopAfterStep()                        # the run's handler, as train() installs it
     try:
-        path = tmp_path / "checkpoints" / "step_000007.pt"
-        g.save_checkpoint(tmp_path, 7, model, optimizer, args, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1))
+        path = g.save_checkpoint(tmp_path, 7, model, optimizer, args, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1))
     finally:
-        signal.signal(signal.SIGINT, previous)
-    assert seen == [("write finished", False), ("handled", True)]   # the signal came after the rename
+        stop.restore()
+    assert seen == ["write finished"] and stop.signum == signal.SIGINT   # noted, acted on after the step
     assert g.read_checkpoint(path)["step"] == 7
 
 
