@@ -254,30 +254,8 @@ def prepare_policy(ar, args):
 # =============================================================================================
 # 3. Prompts and targets
 # =============================================================================================
-
-def prompts_for_step(num_prompts, per_step, step, seed):
-    """Indices of the prompts of step `step` (1-based): a fresh seeded shuffle per pass over the
-    prompt file, a pure function of (seed, step), so a resumed run sees the same prompts."""
-    indices = []
-    position = (step - 1) * per_step
-    while len(indices) < per_step:
-        epoch, offset = divmod(position, num_prompts)
-        order = list(range(num_prompts))
-        random.Random(seed * 100003 + epoch).shuffle(order)
-        indices.append(order[offset])
-        position += 1
-    return indices
-
-
-def batch_targets(batch):
-    """The step's target images [P, 3, H, W] in [0, 1], or None if any is missing."""
-    targets = [it.target for it in batch]
-    return None if any(t is None for t in targets) else torch.stack([image_to_tensor(t) for t in targets])
-
-
-def image_to_tensor(image):
-    return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)   # [3, H, W] in [0, 1]
-
+# prompts_for_step picks a step's prompts (a seeded shuffle per pass over the prompt file, so a resumed
+# run sees the same ones), batch_targets reads their target images (both in section 14a).
 
 def repeat_each(items, group_size):
     return [x for x in items for _ in range(group_size)]        # [a, b] -> [a x G, b x G], as the batch rows
@@ -294,8 +272,7 @@ def repeat_each(items, group_size):
 
 @dataclass
 class Rollout:
-    sequences: torch.Tensor      # [N, P+L] prompt (left-padded) + generated ids, N = prompts x G;
-                                 # in i2i the source placeholders hold the source's VQ ids
+    sequences: torch.Tensor      # [N, P+L] prompt (left-padded; i2i: with the source's VQ ids) + generated ids
     attention_mask: torch.Tensor  # [N, P+L-1] mask of the teacher-forced input (sequences[:, :-1])
     position_ids: torch.Tensor   # [3, N, P+L-1] M-RoPE positions of that input, as generate used them
     old_logp: torch.Tensor       # [N, L] log pi_old(token) at sampling time
@@ -307,9 +284,8 @@ class Rollout:
 
 
 def image_token_suppression(ar, codebook_size):
-    """Ids past the VQ codebook (image start/end and the other specials), never sampled inside a grid:
-    a mid-grid end token would crash the DiT's codebook lookup. Masked in sampling and in the loss's
-    log-probs alike, so the policy trained is the one sampled."""
+    """Ids past the VQ codebook (image start/end, ...): a mid-grid end token would crash the DiT's
+    codebook lookup. Masked in sampling and in the loss alike: the policy trained is the one sampled."""
     return list(range(codebook_size, ar.config.text_config.vision_vocab_size))
 
 
@@ -369,25 +345,9 @@ def sample_group(pipe, prompts, group_size, temperature, height, width, loss_tok
         source_prior=source_prior)
 
 
-def sampling_seed(seed, step, slot):
-    """Seed of the group at position `slot` of step `step`'s prompts, whichever rank draws it."""
-    return seed * 1_000_000_007 + step * 100_003 + slot
-
-
-def sample_groups(pipe, prompts, sources, slots, step, args, record_logp=True, prompt_len=None):
-    """This rank's groups in one generate() call, the group at `slot` drawing from a seed of (seed,
-    step, slot). Every rank pads its prompts to one column past the step's longest, so a group's rows
-    are the same tensors, and its samples the same, on any number of processes (section 21)."""
-    ar = pipe.vision_language_encoder
-    if prompt_len is None:
-        prompt_len = longest_prompt_on_all_ranks(pipe, prompts, sources, args.height, args.width) + 1
-    generators = [torch.Generator(ar.device).manual_seed(sampling_seed(args.seed, step, slot)) for slot in slots]
-    return sample_group(pipe, prompts, args.group_size, args.temperature, args.height, args.width, args.loss_tokens,
-                        sources, record_logp, generators, prompt_len)
-
-
 def sample_tokens(trainer, prompts, sources, slots, step, args):
-    """SAMPLE with the AR in eval mode -> Rollout. pi_old's log-probs must equal the loss's first-pass
+    """SAMPLE with the AR in eval mode -> Rollout. Group k draws from a seed of (seed, step, slot), the
+    same on any number of processes (sample_groups). pi_old's log-probs must equal the loss's first-pass
     ones bit for bit (ratio 1): in fp32 the sampler's own do; in bf16 (generate's cached decode is ~1e-2
     off a full pass) and fp64 (generate returns fp32 logits) they come from the loss's own pass."""
     ar = trainer.pipe.vision_language_encoder
@@ -454,27 +414,9 @@ def mse_reward(images, targets):
     """r = -mean((image - target)^2) over channels and pixels.
     images, targets: float [N, 3, H, W] in [0, 1]  ->  rewards [N] in [-1, 0]; 0 = perfect."""
     return -((at_least_fp32(images) - at_least_fp32(targets)) ** 2).mean(dim=(1, 2, 3))
-# Reward plug-ins (`--reward module:fn` or `--reward path/to/file.py:fn`, optionally `=WEIGHT`):
-#     fn(images: Tensor [N, 3, H, W] in [0, 1], prompts: list[str] (N), targets: Tensor [N, 3, H, W] | None)
-#         -> Tensor [N] (or a list of N floats), higher = better
-# Row i of each is the same sample (a prompt's G samples are consecutive). A function that reads
-# `targets` says so with `fn.uses_targets = True`; only then do prompt lines need target images.
-# Section 16 loads them; the README shows reward models and remote rewards.
-
-@dataclass
-class Reward:
-    name: str                    # logged as rewards/<name>
-    fn: object
-    weight: float
-    uses_targets: bool
-
-
-def mse(images, prompts, targets):
-    """The built-in demo reward as a plug-in: mse_reward against each prompt's target image."""
-    return mse_reward(images, targets)
-
-
-mse.uses_targets = True
+# A reward plug-in (--reward module:fn | path/to/file.py:fn, optionally =WEIGHT; section 16) is any
+#     fn(images [N, 3, H, W] in [0, 1], prompts: N str, targets [N, 3, H, W] | None) -> [N], higher = better,
+# row i of each the same sample; one that reads targets says so with `fn.uses_targets = True`.
 
 
 def compute_rewards(rewards, images, prompts, targets):
@@ -523,10 +465,6 @@ def reward_metrics(rewards, per_reward, group_size):
 # 8. Log-probs with gradients
 # =============================================================================================
 
-def at_least_fp32(x):
-    return x.to(torch.promote_types(x.dtype, torch.float32))    # bf16/fp16 -> fp32; fp32, fp64 unchanged
-
-
 def scaled_logits(logits, temperature, suppressed=()):
     """logits / T in at least fp32 (a bf16 log-softmax loses ~1e-2), `suppressed` ids at -inf."""
     logits = at_least_fp32(logits) / temperature
@@ -570,11 +508,9 @@ def logprobs_by_micro_batch(model, rollout, temperature, suppressed, size=None):
 # =============================================================================================
 # 9. Loss
 # =============================================================================================
-# Which tokens: the reward depends only on the H*W target-grid tokens (the preview grid is a
-# sketch the DiT never sees). The preview tokens do condition the target grid, so training them
-# too ('all') is the unbiased trajectory-level gradient, but it adds h*w ~ 256 tokens whose
-# credit is almost pure noise next to a handful of target tokens at small sizes. 'target' (the
-# default) trades that bias for a far less noisy gradient.
+# Which tokens: the reward depends only on the H*W target-grid tokens. The preview tokens condition
+# them, so training those too ('all') is the unbiased gradient, but adds h*w ~ 256 tokens of almost
+# pure noise; 'target' (the default) trades that bias for a far less noisy gradient.
 
 def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=None):
     """PPO-clipped GRPO objective, per token. Returns (loss, metrics).
@@ -669,16 +605,13 @@ FIRST_PASS_ONLY = ("logp_diff_max", "entropy")   # measured while the policy sti
 
 
 def grpo_update(optimizer, halves, args):
-    """mu = --inner-epochs AdamW steps on one batch: the one optimiser loop of every policy.
-
-    halves: [(prefix, params, terms)], '' the AR, 'dit/' the DiT (Part II). terms(epoch) yields a
-    half's loss in pieces (loss, metrics, weight), weights adding up to 1: a micro-batch of samples,
-    a denoising step. Each piece is backpropagated as it is built (one piece's activations alive at
-    once); the gradients add up to the whole batch's. Gradients are clipped per half: their losses
-    live on different scales. Pass 1 runs at pi_old, where ratio = 1 and the clip cannot act (with
-    mu = 1 it never does). A pass whose loss or gradient is not finite is skipped, never reaching the
-    weights. Returns the metrics averaged over the passes that updated (FIRST_PASS_ONLY from pass 1),
-    skipped_updates and skipped_nonfinite_loss."""
+    """mu = --inner-epochs AdamW steps on one batch, for every policy. halves: [(prefix, params, terms)],
+    '' the AR, 'dit/' the DiT; terms(epoch) yields a half's loss in pieces (loss, metrics, weight),
+    weights adding up to 1, each backpropagated as it is built: one piece's activations alive at once.
+    Gradients are clipped per half (their losses live on different scales). Pass 1 runs at pi_old:
+    ratio = 1, the clip cannot act (with mu = 1 it never does). A pass whose loss or gradient is not
+    finite is skipped. Returns the metrics averaged over the passes that updated (FIRST_PASS_ONLY
+    from pass 1), skipped_updates and skipped_nonfinite_loss."""
     done, first, skipped, bad_loss = [], {}, 0, 0
     for epoch in range(args.inner_epochs):
         optimizer.zero_grad(set_to_none=True)
@@ -714,9 +647,8 @@ def grpo_update(optimizer, halves, args):
 
 @dataclass
 class Trainer:
-    """What the loop carries. Per trained half (the AR; `dit_`, the DiT): its trainable params, the
-    `policy` its training forward runs through (the module or its DDP wrapper) and its KL `reference`
-    (a frozen copy of the initial weights; None with LoRA, whose reference is adapters off)."""
+    """What the loop carries. Per trained half (the AR; `dit_` the DiT): its trainable params, the
+    `policy` its training forward runs through (itself or its DDP wrapper), its frozen KL `reference`."""
     pipe: object                          # GlmImagePipeline
     suppressed: list                      # ids outside the VQ codebook, never sampled inside a grid
     optimizer: torch.optim.Optimizer = None   # one AdamW, a param group per trained half
@@ -737,10 +669,7 @@ def setup_training(args, ckpt=None, ckpt_path=None, rewards=None):
     """Loads the model, marks what trains, builds one AdamW (a param group and learning rate per
     trained half) and its schedule, restores `ckpt`. Returns (Trainer, start step)."""
     pipe = load_pipeline(args)
-    # Seeded after loading, so the sampling stream is the same however the model was made.
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
+    seed_everything(args.seed)      # after loading: the same sampling stream however the model was made
     ar, dit = pipe.vision_language_encoder, pipe.transformer
     trainer = Trainer(pipe, image_token_suppression(ar, dit.config.prior_vq_quantizer_codebook_size), prompt_tokens={})
     # Full fine-tuning with beta > 0 keeps a frozen copy as the KL reference (at 9B use LoRA instead).
@@ -759,12 +688,7 @@ def setup_training(args, ckpt=None, ckpt_path=None, rewards=None):
     trainer.trained = ar if args.policy == "ar" else torch.nn.ModuleDict(trained)
     trainer.optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay)
     trainer.lr_scheduler = lr_schedule(trainer.optimizer, args)
-    start = 0
-    if ckpt is not None:
-        restore_checkpoint(ckpt, ckpt_path, trainer.trained, trainer.optimizer, trainer.lr_scheduler)
-        start = ckpt["step"]
-        if rank() == 0:
-            print(f"Resuming from step {start} ({ckpt_path})")
+    start = resume(trainer, ckpt, ckpt_path)
     trainer.rewards = load_rewards(args.reward) if rewards is None else rewards
     trainer.policy = wrap_for_training(ar, args.device) if args.policy != "dit" else None
     trainer.dit_policy = wrap_for_training(dit, args.device) if args.policy != "ar" else None
@@ -799,9 +723,7 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
     # ---- UPDATE: mu passes over the batch, each trained half adding its loss -----------------------
     trainer.before_update()          # a stop signal before this point drops the step (section 18)
     halves = [ar_half(trainer, rollout, advantages, args)] if train_ar else []
-    if train_dit:
-        halves.append(("dit/", trainer.dit_params, dit_loss_terms(trainer.dit_policy, trainer.dit_reference,
-                                                                  dit_run.cond, dit_run.trajectories, advantages, args)))
+    halves += [dit_half(trainer, dit_run, advantages, args)] if train_dit else []
     update = grpo_update(trainer.optimizer, halves, args)
     row = {"step": step, **reward_metrics(rewards, per_reward, G), **update}
     ode = None
@@ -909,71 +831,6 @@ class DitRollout:
     sigmas: torch.Tensor     # [K+1] the scheduler's shifted sigmas, ending in 0
 
 
-def dit_schedule(pipe, height, width, num_inference_steps):
-    """(timesteps [K], sigmas [K+1]) exactly as GlmImagePipeline.__call__ sets them up; sigma is read
-    back from scheduler.sigmas, which is shifted (t / 1000 is not the sigma the DiT runs at)."""
-    from diffusers.pipelines.glm_image.pipeline_glm_image import calculate_shift, retrieve_timesteps
-
-    scheduler, device = pipe.scheduler, pipe._execution_device
-    seq_len = (height // pipe.vae_scale_factor) * (width // pipe.vae_scale_factor) // pipe.transformer.config.patch_size ** 2
-    train_steps = scheduler.config.num_train_timesteps
-    timesteps = np.linspace(train_steps, 1.0, num_inference_steps + 1)[:-1].astype(np.int64).astype(np.float32)
-    mu = calculate_shift(seq_len, scheduler.config.get("base_image_seq_len", 256),
-                         scheduler.config.get("base_shift", 0.25), scheduler.config.get("max_shift", 0.75))
-    timesteps, _ = retrieve_timesteps(scheduler, num_inference_steps, device, timesteps, timesteps / train_steps, mu=mu)
-    return timesteps, scheduler.sigmas.to(device, torch.promote_types(pipe.transformer.dtype, torch.float32))
-
-
-@torch.no_grad()
-def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_scale, sources=None, source_prior=None):
-    """The DiT's inputs for P prompts x G samples; target_tokens [N, H*W]; i2i: per prompt its source
-    (PIL) and (upsampled VQ ids, grid). The frozen glyph encoder and VAE run here, once per step."""
-    from diffusers.pipelines.glm_image.pipeline_glm_image import retrieve_latents
-
-    H, W = grid_hw
-    height, width = 32 * H, 32 * W
-    device, dtype = pipe._execution_device, pipe.dtype
-    n = target_tokens.shape[0]
-    encoded = [pipe.encode_prompt([p], guidance_scale > 1, num_images_per_prompt=group_size, device=device,
-                                  dtype=dtype) for p in prompts]
-    embeds, negative = [e for e, _ in encoded], [u for _, u in encoded] if guidance_scale > 1 else None
-    prior = torch.cat([pipe._upsample_token_ids(t, H, W) for t in target_tokens]).to(device)
-    latents = None
-    if sources is not None:
-        # the pipeline's i2i path: preprocess, VAE mode (argmax), normalise with latents_mean/std
-        vae = pipe.vae
-        mean, std = (torch.tensor(v).view(1, -1, 1, 1).to(device, dtype)
-                     for v in (vae.config.latents_mean, vae.config.latents_std))
-        pixels = [pipe.image_processor.preprocess(s, height=height, width=width).to(device, dtype) for s in sources]
-        latents = [(retrieve_latents(vae.encode(p), sample_mode="argmax") - mean) / std for p in pixels]
-    size = torch.tensor([[height, width]], dtype=dtype, device=device).repeat(n, 1)
-    return DitCondition(embeds, negative, prior, size, torch.zeros_like(size), guidance_scale, latents,
-                        [ids.to(device) for ids, _ in source_prior] if sources is not None else None)
-
-
-def write_source_caches(dit, cond):
-    """One GlmImageKVCache per prompt. i2i: a DiT pass over the source latent at timestep 0 writes
-    every layer's keys/values, which its G samples' denoising passes read (as the pipeline does); it
-    depends on the DiT's weights, so it is part of the training graph. t2i: empty caches."""
-    from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
-
-    module = unwrap(dit)
-    caches = [GlmImageKVCache(num_layers=module.config.num_layers) for _ in cond.prompt_embeds]
-    if cond.source_latents is None:
-        return caches
-    for cache, latent, ids, embeds in zip(caches, cond.source_latents, cond.source_prior, cond.prompt_embeds):
-        cache.set_mode("write")
-        out = dit(hidden_states=latent.to(module.dtype), encoder_hidden_states=embeds[:1, :0],
-                  prior_token_id=ids, prior_token_drop=torch.zeros_like(ids, dtype=torch.bool),
-                  timestep=torch.zeros(1, device=latent.device), target_size=cond.target_size[:1],
-                  crop_coords=cond.crop_coords[:1], kv_caches=cache, return_dict=False)[0]
-        if torch.is_grad_enabled() and is_sharded(module):
-            # --fsdp gathers a layer's weights for backward when the gradient reaches its *output*, not
-            # the cached keys/values: 0 x this output, added to the velocity, routes it there too.
-            cache.anchor = at_least_fp32(out).sum() * 0
-    return caches
-
-
 def dit_velocity(dit, latents, t, cond, caches):
     """The guided velocity v [N, C, h, w] (fp32) at timestep t, as the pipeline's loop computes it (the
     DiT gets t - 1; with CFG, v = v_u + g (v_c - v_u), the unconditional branch without prior tokens:
@@ -999,7 +856,7 @@ def dit_velocity(dit, latents, t, cond, caches):
         if cond.guidance_scale > 1:
             v_uncond = branch(rows, cond.negative_embeds[p], True, cache, "skip")
             v = v_uncond + cond.guidance_scale * (v - v_uncond)
-        velocities.append(v + cache.anchor if hasattr(cache, "anchor") else v)
+        velocities.append(v + cache.anchor if hasattr(cache, "anchor") else v)   # --fsdp: write_source_caches
     return torch.cat(velocities)
 
 
@@ -1078,17 +935,6 @@ def dit_kl(mean, ref_mean, std):
     dims like the log-prob: ||mean - ref_mean||^2 / (2 std^2), [N, C, h, w] -> [N]."""
     # std = std_t sqrt(|dt|); flow_grpo's code omits |dt|, so a beta taken from it is 10-1000x stronger here
     return ((mean - ref_mean) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * std ** 2)
-
-
-def latents_to_images(pipe, latents):
-    """The pipeline's own decode (un-normalise, vae.decode, postprocess): [N, C, h, w] -> [N, 3, H, W]
-    in [0, 1], fp32 on the CPU."""
-    vae = pipe.vae
-    latents = latents.to(vae.dtype)
-    mean, std = (torch.tensor(v).view(1, -1, 1, 1).to(latents.device, latents.dtype)
-                 for v in (vae.config.latents_mean, vae.config.latents_std))
-    image = vae.decode(latents * std + mean, return_dict=False)[0]
-    return at_least_fp32(pipe.image_processor.postprocess(image, output_type="pt")).cpu()
 
 
 @torch.no_grad()
@@ -1182,6 +1028,12 @@ def sample_dit_trajectories(pipe, prompts, sources, rollout, noise, indices, ste
                            grid_hw=rollout.grid_hw, source_prior=source_prior, schedule=schedule)
 
 
+def dit_half(trainer, run, advantages, args):
+    """The DiT's entry (prefix, params, terms) in grpo_update."""
+    return "dit/", trainer.dit_params, dit_loss_terms(trainer.dit_policy, trainer.dit_reference, run.cond,
+                                                      run.trajectories, advantages, args)
+
+
 def ode_sheet(pipe, prompts, sources, run, noise, args):
     """The updated DiT's a = 0 decode of each prompt's first sample [P, 3, H, W], for the sample sheet."""
     first = slice(None, None, args.group_size)
@@ -1199,8 +1051,59 @@ def ode_sheet(pipe, prompts, sources, run, noise, args):
 
 
 # =============================================================================================
-# 14a. (moved from Part I) Plumbing of the GRPO step: loading, tokenising, padding, micro-batches
+# 14a. (moved from Parts I and II) Plumbing of the GRPO step: loading, inputs, padding, micro-batches
 # =============================================================================================
+
+def prompts_for_step(num_prompts, per_step, step, seed):
+    """Indices of the prompts of step `step` (1-based): a fresh seeded shuffle per pass over the
+    prompt file, a pure function of (seed, step), so a resumed run sees the same prompts."""
+    indices = []
+    position = (step - 1) * per_step
+    while len(indices) < per_step:
+        epoch, offset = divmod(position, num_prompts)
+        order = list(range(num_prompts))
+        random.Random(seed * 100003 + epoch).shuffle(order)
+        indices.append(order[offset])
+        position += 1
+    return indices
+
+
+def sampling_seed(seed, step, slot):
+    """Seed of the group at position `slot` of step `step`'s prompts, whichever rank draws it."""
+    return seed * 1_000_000_007 + step * 100_003 + slot
+
+
+def sample_groups(pipe, prompts, sources, slots, step, args, record_logp=True, prompt_len=None):
+    """This rank's groups in one generate() call, the group at `slot` drawing from a seed of (seed,
+    step, slot). Every rank pads its prompts to one column past the step's longest, so a group's rows
+    are the same tensors, and its samples the same, on any number of processes (section 21)."""
+    ar = pipe.vision_language_encoder
+    if prompt_len is None:
+        prompt_len = longest_prompt_on_all_ranks(pipe, prompts, sources, args.height, args.width) + 1
+    generators = [torch.Generator(ar.device).manual_seed(sampling_seed(args.seed, step, slot)) for slot in slots]
+    return sample_group(pipe, prompts, args.group_size, args.temperature, args.height, args.width, args.loss_tokens,
+                        sources, record_logp, generators, prompt_len)
+
+
+def at_least_fp32(x):
+    return x.to(torch.promote_types(x.dtype, torch.float32))    # bf16/fp16 -> fp32; fp32, fp64 unchanged
+
+
+def seed_everything(seed):
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def resume(trainer, ckpt, path):
+    """Restores `ckpt` (weights, AdamW state, schedule) into `trainer`: its step, or 0 without one."""
+    if ckpt is None:
+        return 0
+    restore_checkpoint(ckpt, path, trainer.trained, trainer.optimizer, trainer.lr_scheduler)
+    if rank() == 0:
+        print(f"Resuming from step {ckpt['step']} ({path})")
+    return ckpt["step"]
+
 
 def pipeline_from_pretrained(args, dtype):
     """GlmImagePipeline.from_pretrained of --model; 'tiny' is a directory too, built and cached on
@@ -1401,6 +1304,106 @@ def call_reward(reward, images, prompts, targets):
         print(f"warning: reward {reward.name} returned {bad} non-finite values of {n}; "
               "this step's update is skipped", file=sys.stderr)
     return value
+
+
+@dataclass
+class Reward:
+    name: str                    # logged as rewards/<name>
+    fn: object
+    weight: float
+    uses_targets: bool
+
+
+def mse(images, prompts, targets):
+    """The built-in demo reward as a plug-in: mse_reward against each prompt's target image."""
+    return mse_reward(images, targets)
+
+
+mse.uses_targets = True
+
+
+def batch_targets(batch):
+    """The step's target images [P, 3, H, W] in [0, 1], or None if any is missing."""
+    targets = [it.target for it in batch]
+    if any(t is None for t in targets):
+        return None
+    return torch.stack([torch.from_numpy(np.asarray(t, dtype=np.float32) / 255.0).permute(2, 0, 1) for t in targets])
+
+
+def dit_schedule(pipe, height, width, num_inference_steps):
+    """(timesteps [K], sigmas [K+1]) exactly as GlmImagePipeline.__call__ sets them up; sigma is read
+    back from scheduler.sigmas, which is shifted (t / 1000 is not the sigma the DiT runs at)."""
+    from diffusers.pipelines.glm_image.pipeline_glm_image import calculate_shift, retrieve_timesteps
+
+    scheduler, device = pipe.scheduler, pipe._execution_device
+    seq_len = (height // pipe.vae_scale_factor) * (width // pipe.vae_scale_factor) // pipe.transformer.config.patch_size ** 2
+    train_steps = scheduler.config.num_train_timesteps
+    timesteps = np.linspace(train_steps, 1.0, num_inference_steps + 1)[:-1].astype(np.int64).astype(np.float32)
+    mu = calculate_shift(seq_len, scheduler.config.get("base_image_seq_len", 256),
+                         scheduler.config.get("base_shift", 0.25), scheduler.config.get("max_shift", 0.75))
+    timesteps, _ = retrieve_timesteps(scheduler, num_inference_steps, device, timesteps, timesteps / train_steps, mu=mu)
+    return timesteps, scheduler.sigmas.to(device, torch.promote_types(pipe.transformer.dtype, torch.float32))
+
+
+@torch.no_grad()
+def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_scale, sources=None, source_prior=None):
+    """The DiT's inputs for P prompts x G samples; target_tokens [N, H*W]; i2i: per prompt its source
+    (PIL) and (upsampled VQ ids, grid). The frozen glyph encoder and VAE run here, once per step."""
+    from diffusers.pipelines.glm_image.pipeline_glm_image import retrieve_latents
+
+    H, W = grid_hw
+    height, width = 32 * H, 32 * W
+    device, dtype = pipe._execution_device, pipe.dtype
+    n = target_tokens.shape[0]
+    encoded = [pipe.encode_prompt([p], guidance_scale > 1, num_images_per_prompt=group_size, device=device,
+                                  dtype=dtype) for p in prompts]
+    embeds, negative = [e for e, _ in encoded], [u for _, u in encoded] if guidance_scale > 1 else None
+    prior = torch.cat([pipe._upsample_token_ids(t, H, W) for t in target_tokens]).to(device)
+    latents = None
+    if sources is not None:
+        # the pipeline's i2i path: preprocess, VAE mode (argmax), normalise with latents_mean/std
+        vae = pipe.vae
+        mean, std = (torch.tensor(v).view(1, -1, 1, 1).to(device, dtype)
+                     for v in (vae.config.latents_mean, vae.config.latents_std))
+        pixels = [pipe.image_processor.preprocess(s, height=height, width=width).to(device, dtype) for s in sources]
+        latents = [(retrieve_latents(vae.encode(p), sample_mode="argmax") - mean) / std for p in pixels]
+    size = torch.tensor([[height, width]], dtype=dtype, device=device).repeat(n, 1)
+    return DitCondition(embeds, negative, prior, size, torch.zeros_like(size), guidance_scale, latents,
+                        [ids.to(device) for ids, _ in source_prior] if sources is not None else None)
+
+
+def latents_to_images(pipe, latents):
+    """The pipeline's own decode (un-normalise, vae.decode, postprocess): [N, C, h, w] -> [N, 3, H, W]
+    in [0, 1], fp32 on the CPU."""
+    vae = pipe.vae
+    latents = latents.to(vae.dtype)
+    mean, std = (torch.tensor(v).view(1, -1, 1, 1).to(latents.device, latents.dtype)
+                 for v in (vae.config.latents_mean, vae.config.latents_std))
+    image = vae.decode(latents * std + mean, return_dict=False)[0]
+    return at_least_fp32(pipe.image_processor.postprocess(image, output_type="pt")).cpu()
+
+
+def write_source_caches(dit, cond):
+    """One GlmImageKVCache per prompt. i2i: a DiT pass over the source latent at timestep 0 writes
+    every layer's keys/values, which its G samples' denoising passes read (as the pipeline does); it
+    depends on the DiT's weights, so it is part of the training graph. t2i: empty caches."""
+    from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
+
+    module = unwrap(dit)
+    caches = [GlmImageKVCache(num_layers=module.config.num_layers) for _ in cond.prompt_embeds]
+    if cond.source_latents is None:
+        return caches
+    for cache, latent, ids, embeds in zip(caches, cond.source_latents, cond.source_prior, cond.prompt_embeds):
+        cache.set_mode("write")
+        out = dit(hidden_states=latent.to(module.dtype), encoder_hidden_states=embeds[:1, :0],
+                  prior_token_id=ids, prior_token_drop=torch.zeros_like(ids, dtype=torch.bool),
+                  timestep=torch.zeros(1, device=latent.device), target_size=cond.target_size[:1],
+                  crop_coords=cond.crop_coords[:1], kv_caches=cache, return_dict=False)[0]
+        if torch.is_grad_enabled() and is_sharded(module):
+            # --fsdp gathers a layer's weights for backward when the gradient reaches its *output*, not
+            # the cached keys/values: 0 x this output, added to the velocity, routes it there too.
+            cache.anchor = at_least_fp32(out).sum() * 0
+    return caches
 
 
 def lr_schedule(optimizer, args):
