@@ -325,8 +325,8 @@ def sample_group(pipe, prompts, group_size, temperature, height, width, loss_tok
         do_sample=False, top_k=50, top_p=1.0, temperature=1.0, max_new_tokens=num_generated,
         min_new_tokens=num_generated, suppress_tokens=suppressed, pad_token_id=ar.config.text_config.pad_token_id,
         eos_token_id=None, return_dict_in_generate=True, output_logits=record_logp)
-    out = ar.generate(**batch, generation_config=config, logits_processor=[GumbelMax(generators, group_size,
-                                                                                     temperature)])
+    gumbel = GumbelMax(generators, group_size, temperature)
+    out = ar.generate(**batch, generation_config=config, logits_processor=[gumbel])
     sequences = out.sequences                                                 # [N, P + L]
     if vq_ids is not None:       # i2i: the source's VQ ids in its placeholders; later passes skip the vision encoder
         sequences = sequences.masked_scatter(sequences == ar.config.image_token_id, vq_ids.to(sequences.device))
@@ -554,14 +554,13 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
 def reference_weights(model, reference):
     """The KL's pi_ref, for the AR and the DiT alike: the frozen copy of the initial weights
     (`reference`, full fine-tuning), or with LoRA (reference None) `model` itself, adapters off."""
-    if reference is not None:
-        yield reference
-        return
-    model.disable_adapters()
+    if reference is None:
+        model.disable_adapters()
     try:
-        yield model
+        yield model if reference is None else reference
     finally:
-        model.enable_adapters()
+        if reference is None:
+            model.enable_adapters()
 
 
 def ar_loss_terms(policy, rollout, advantages, ref_logp, args, suppressed):
@@ -1054,56 +1053,7 @@ def ode_sheet(pipe, prompts, sources, run, noise, args):
 # 14a. (moved from Parts I and II) Plumbing of the GRPO step: loading, inputs, padding, micro-batches
 # =============================================================================================
 
-def prompts_for_step(num_prompts, per_step, step, seed):
-    """Indices of the prompts of step `step` (1-based): a fresh seeded shuffle per pass over the
-    prompt file, a pure function of (seed, step), so a resumed run sees the same prompts."""
-    indices = []
-    position = (step - 1) * per_step
-    while len(indices) < per_step:
-        epoch, offset = divmod(position, num_prompts)
-        order = list(range(num_prompts))
-        random.Random(seed * 100003 + epoch).shuffle(order)
-        indices.append(order[offset])
-        position += 1
-    return indices
-
-
-def sampling_seed(seed, step, slot):
-    """Seed of the group at position `slot` of step `step`'s prompts, whichever rank draws it."""
-    return seed * 1_000_000_007 + step * 100_003 + slot
-
-
-def sample_groups(pipe, prompts, sources, slots, step, args, record_logp=True, prompt_len=None):
-    """This rank's groups in one generate() call, the group at `slot` drawing from a seed of (seed,
-    step, slot). Every rank pads its prompts to one column past the step's longest, so a group's rows
-    are the same tensors, and its samples the same, on any number of processes (section 21)."""
-    ar = pipe.vision_language_encoder
-    if prompt_len is None:
-        prompt_len = longest_prompt_on_all_ranks(pipe, prompts, sources, args.height, args.width) + 1
-    generators = [torch.Generator(ar.device).manual_seed(sampling_seed(args.seed, step, slot)) for slot in slots]
-    return sample_group(pipe, prompts, args.group_size, args.temperature, args.height, args.width, args.loss_tokens,
-                        sources, record_logp, generators, prompt_len)
-
-
-def at_least_fp32(x):
-    return x.to(torch.promote_types(x.dtype, torch.float32))    # bf16/fp16 -> fp32; fp32, fp64 unchanged
-
-
-def seed_everything(seed):
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed)
-
-
-def resume(trainer, ckpt, path):
-    """Restores `ckpt` (weights, AdamW state, schedule) into `trainer`: its step, or 0 without one."""
-    if ckpt is None:
-        return 0
-    restore_checkpoint(ckpt, path, trainer.trained, trainer.optimizer, trainer.lr_scheduler)
-    if rank() == 0:
-        print(f"Resuming from step {ckpt['step']} ({path})")
-    return ckpt["step"]
-
+# ---- For section 2 (model) -------------------------------------------------------------------
 
 def pipeline_from_pretrained(args, dtype):
     """GlmImagePipeline.from_pretrained of --model; 'tiny' is a directory too, built and cached on
@@ -1135,6 +1085,62 @@ def place_pipeline(pipe, args):
     pipe.model_cpu_offload_seq = "text_encoder->vae" if trains_dit else "text_encoder->transformer->vae"
     pipe._exclude_from_cpu_offload = ["vision_language_encoder"] + (["transformer"] if trains_dit else [])
     pipe.enable_model_cpu_offload(device=args.device)
+
+
+# ---- For section 3 (prompts and targets) -----------------------------------------------------
+
+def prompts_for_step(num_prompts, per_step, step, seed):
+    """Indices of the prompts of step `step` (1-based): a fresh seeded shuffle per pass over the
+    prompt file, a pure function of (seed, step), so a resumed run sees the same prompts."""
+    indices = []
+    position = (step - 1) * per_step
+    while len(indices) < per_step:
+        epoch, offset = divmod(position, num_prompts)
+        order = list(range(num_prompts))
+        random.Random(seed * 100003 + epoch).shuffle(order)
+        indices.append(order[offset])
+        position += 1
+    return indices
+
+
+def batch_targets(batch):
+    """The step's target images [P, 3, H, W] in [0, 1], or None if any is missing."""
+    targets = [it.target for it in batch]
+    if any(t is None for t in targets):
+        return None
+    return torch.stack([torch.from_numpy(np.asarray(t, dtype=np.float32) / 255.0).permute(2, 0, 1) for t in targets])
+
+
+# ---- For section 4 (SAMPLE): seeds, the prompts as generate() takes them, rows of a rollout ---
+
+def sampling_seed(seed, step, slot):
+    """Seed of the group at position `slot` of step `step`'s prompts, whichever rank draws it."""
+    return seed * 1_000_000_007 + step * 100_003 + slot
+
+
+def sample_groups(pipe, prompts, sources, slots, step, args, record_logp=True, prompt_len=None):
+    """This rank's groups in one generate() call, the group at `slot` drawing from a seed of (seed,
+    step, slot). Every rank pads its prompts to one column past the step's longest, so a group's rows
+    are the same tensors, and its samples the same, on any number of processes (section 21)."""
+    ar = pipe.vision_language_encoder
+    if prompt_len is None:
+        prompt_len = longest_prompt_on_all_ranks(pipe, prompts, sources, args.height, args.width) + 1
+    generators = [torch.Generator(ar.device).manual_seed(sampling_seed(args.seed, step, slot)) for slot in slots]
+    return sample_group(pipe, prompts, args.group_size, args.temperature, args.height, args.width, args.loss_tokens,
+                        sources, record_logp, generators, prompt_len)
+
+
+def longest_prompt_on_all_ranks(pipe, prompts, sources, height, width):
+    """Tokens in the step's longest prompt, over all ranks (a MAX all-reduce under torchrun).
+    sample_groups pads to one more: a row's fp32 sums change with the padding columns before it
+    (SDPA's masked sums), and a batch with none loses its attention mask in transformers and takes
+    SDPA's causal kernel, another summation order; near-tied tokens could then flip."""
+    length = processor_inputs(pipe, prompts, sources or [None] * len(prompts), height, width, "cpu")["input_ids"].shape[1]
+    if not is_ddp():
+        return length
+    t = torch.tensor(length, device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_len=None):
@@ -1231,19 +1237,6 @@ def decode_position_ids(ar, inputs, num_generated):
     return torch.cat([prompt_positions, decode[:, :, : num_generated - 1].permute(1, 0, 2)], dim=-1)
 
 
-def longest_prompt_on_all_ranks(pipe, prompts, sources, height, width):
-    """Tokens in the step's longest prompt, over all ranks (a MAX all-reduce under torchrun).
-    sample_groups pads to one more: a row's fp32 sums change with the padding columns before it
-    (SDPA's masked sums), and a batch with none loses its attention mask in transformers and takes
-    SDPA's causal kernel, another summation order; near-tied tokens could then flip."""
-    length = processor_inputs(pipe, prompts, sources or [None] * len(prompts), height, width, "cpu")["input_ids"].shape[1]
-    if not is_ddp():
-        return length
-    t = torch.tensor(length, device=collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
 def row_slices(num_samples, size):
     return [slice(start, min(start + size, num_samples)) for start in range(0, num_samples, size)]
 
@@ -1261,22 +1254,22 @@ def slice_rollout(rollout, rows):
         source_prior=None if rollout.source_prior is None else rollout.source_prior[rows])
 
 
-def micro_batches(policy, num_samples, size):
-    """Row slices of at most `size` samples for gradient accumulation (see sync_on_last)."""
-    return sync_on_last(policy, row_slices(num_samples, size))
+# ---- For section 6 (REWARD): the plug-ins' type and the built-in one, each call checked ------
+
+@dataclass
+class Reward:
+    name: str                    # logged as rewards/<name>
+    fn: object
+    weight: float
+    uses_targets: bool
 
 
-def sync_on_last(policy, pieces):
-    """Yields `pieces` (micro-batches of rows, the DiT's denoising steps), each to be backpropagated
-    before the next. Under DDP each backward all-reduces the gradients; inside no_sync() they only
-    accumulate locally. So all pieces but the last run in no_sync, and the last backward averages
-    the accumulated sum once. Every rank holds as many samples (and runs as many steps), hence
-    runs as many backward passes (a missing one would leave the other ranks waiting)."""
-    pieces = list(pieces)
-    for k, piece in enumerate(pieces):
-        accumulate_only = hasattr(policy, "no_sync") and k < len(pieces) - 1
-        with policy.no_sync() if accumulate_only else contextlib.nullcontext():
-            yield piece
+def mse(images, prompts, targets):
+    """The built-in demo reward as a plug-in: mse_reward against each prompt's target image."""
+    return mse_reward(images, targets)
+
+
+mse.uses_targets = True
 
 
 def call_reward(reward, images, prompts, targets):
@@ -1306,29 +1299,66 @@ def call_reward(reward, images, prompts, targets):
     return value
 
 
-@dataclass
-class Reward:
-    name: str                    # logged as rewards/<name>
-    fn: object
-    weight: float
-    uses_targets: bool
+# ---- For sections 8-11: dtypes, micro-batches under DDP, the optimiser's schedule, resuming ---
+
+def at_least_fp32(x):
+    return x.to(torch.promote_types(x.dtype, torch.float32))    # bf16/fp16 -> fp32; fp32, fp64 unchanged
 
 
-def mse(images, prompts, targets):
-    """The built-in demo reward as a plug-in: mse_reward against each prompt's target image."""
-    return mse_reward(images, targets)
+def micro_batches(policy, num_samples, size):
+    """Row slices of at most `size` samples for gradient accumulation (see sync_on_last)."""
+    return sync_on_last(policy, row_slices(num_samples, size))
 
 
-mse.uses_targets = True
+def sync_on_last(policy, pieces):
+    """Yields `pieces` (micro-batches of rows, the DiT's denoising steps), each to be backpropagated
+    before the next. Under DDP each backward all-reduces the gradients; inside no_sync() they only
+    accumulate locally. So all pieces but the last run in no_sync, and the last backward averages
+    the accumulated sum once. Every rank holds as many samples (and runs as many steps), hence
+    runs as many backward passes (a missing one would leave the other ranks waiting)."""
+    pieces = list(pieces)
+    for k, piece in enumerate(pieces):
+        accumulate_only = hasattr(policy, "no_sync") and k < len(pieces) - 1
+        with policy.no_sync() if accumulate_only else contextlib.nullcontext():
+            yield piece
 
 
-def batch_targets(batch):
-    """The step's target images [P, 3, H, W] in [0, 1], or None if any is missing."""
-    targets = [it.target for it in batch]
-    if any(t is None for t in targets):
-        return None
-    return torch.stack([torch.from_numpy(np.asarray(t, dtype=np.float32) / 255.0).permute(2, 0, 1) for t in targets])
+def seed_everything(seed):
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
 
+
+def lr_schedule(optimizer, args):
+    """diffusers' get_scheduler over --steps GRPO steps (each of --inner-epochs optimiser steps at the
+    step's lr). Its 'constant' ignores warm-up, its 'constant_with_warmup' does not."""
+    from diffusers.optimization import get_scheduler
+
+    with_warmup = args.lr_scheduler == "constant" and args.lr_warmup_steps
+    return get_scheduler("constant_with_warmup" if with_warmup else args.lr_scheduler, optimizer,
+                         num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.steps)
+
+
+def resume(trainer, ckpt, path):
+    """Restores `ckpt` (weights, AdamW state, schedule) into `trainer`: its step, or 0 without one."""
+    if ckpt is None:
+        return 0
+    restore_checkpoint(ckpt, path, trainer.trained, trainer.optimizer, trainer.lr_scheduler)
+    if rank() == 0:
+        print(f"Resuming from step {ckpt['step']} ({path})")
+    return ckpt["step"]
+
+
+def non_finite_streak(bad_steps, row, step, out, args):
+    """The causes of the run of steps, up to this one, whose every update was skipped (non-finite);
+    five in a row stop the run."""
+    bad_steps = bad_steps + [skip_cause(row)] if row["skipped_updates"] == args.inner_epochs else []
+    if len(bad_steps) >= 5:
+        raise UsageError(non_finite_stop(bad_steps, step, out))
+    return bad_steps
+
+
+# ---- For Part II: the DiT's inputs as the pipeline builds them, the i2i source cache, the VAE ----
 
 def dit_schedule(pipe, height, width, num_inference_steps):
     """(timesteps [K], sigmas [K+1]) exactly as GlmImagePipeline.__call__ sets them up; sigma is read
@@ -1372,17 +1402,6 @@ def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_sc
                         [ids.to(device) for ids, _ in source_prior] if sources is not None else None)
 
 
-def latents_to_images(pipe, latents):
-    """The pipeline's own decode (un-normalise, vae.decode, postprocess): [N, C, h, w] -> [N, 3, H, W]
-    in [0, 1], fp32 on the CPU."""
-    vae = pipe.vae
-    latents = latents.to(vae.dtype)
-    mean, std = (torch.tensor(v).view(1, -1, 1, 1).to(latents.device, latents.dtype)
-                 for v in (vae.config.latents_mean, vae.config.latents_std))
-    image = vae.decode(latents * std + mean, return_dict=False)[0]
-    return at_least_fp32(pipe.image_processor.postprocess(image, output_type="pt")).cpu()
-
-
 def write_source_caches(dit, cond):
     """One GlmImageKVCache per prompt. i2i: a DiT pass over the source latent at timestep 0 writes
     every layer's keys/values, which its G samples' denoising passes read (as the pipeline does); it
@@ -1406,23 +1425,15 @@ def write_source_caches(dit, cond):
     return caches
 
 
-def lr_schedule(optimizer, args):
-    """diffusers' get_scheduler over --steps GRPO steps (each of --inner-epochs optimiser steps at the
-    step's lr). Its 'constant' ignores warm-up, its 'constant_with_warmup' does not."""
-    from diffusers.optimization import get_scheduler
-
-    with_warmup = args.lr_scheduler == "constant" and args.lr_warmup_steps
-    return get_scheduler("constant_with_warmup" if with_warmup else args.lr_scheduler, optimizer,
-                         num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.steps)
-
-
-def non_finite_streak(bad_steps, row, step, out, args):
-    """The causes of the run of steps, up to this one, whose every update was skipped (non-finite);
-    five in a row stop the run."""
-    bad_steps = bad_steps + [skip_cause(row)] if row["skipped_updates"] == args.inner_epochs else []
-    if len(bad_steps) >= 5:
-        raise UsageError(non_finite_stop(bad_steps, step, out))
-    return bad_steps
+def latents_to_images(pipe, latents):
+    """The pipeline's own decode (un-normalise, vae.decode, postprocess): [N, C, h, w] -> [N, 3, H, W]
+    in [0, 1], fp32 on the CPU."""
+    vae = pipe.vae
+    latents = latents.to(vae.dtype)
+    mean, std = (torch.tensor(v).view(1, -1, 1, 1).to(latents.device, latents.dtype)
+                 for v in (vae.config.latents_mean, vae.config.latents_std))
+    image = vae.decode(latents * std + mean, return_dict=False)[0]
+    return at_least_fp32(pipe.image_processor.postprocess(image, output_type="pt")).cpu()
 
 
 # =============================================================================================
