@@ -1,7 +1,7 @@
 """GRPO for GLM-Image, in one file.
 
     pip install -r requirements.txt
-    python grpo_glm.py --steps 10                        # tiny GLM-Image (see below), CPU, ~20 s
+    python grpo_glm.py --steps 10                        # tiny GLM-Image (section 20), on the CPU
     python grpo_glm.py --steps 40 --out runs/demo        # long enough to see the red block drawn
     python grpo_glm.py --resume latest --out runs/demo --steps 60
     python grpo_glm.py --reward my_rewards.py:score --report-to tensorboard   # your reward, watched in TensorBoard
@@ -11,40 +11,21 @@
     torchrun --nproc_per_node 8 grpo_glm.py --prompts-per-step 8 ...   # 8 GPUs, same flags (section 21)
 
 GLM-Image is a hybrid: an autoregressive (AR) transformer writes a grid of discrete image tokens,
-and a diffusion transformer (DiT) paints pixels conditioned on those tokens. We treat the AR
-model as the policy pi_theta and the DiT + VAE as a frozen, deterministic "renderer":
+and a diffusion transformer (DiT) + VAE paint the pixels they describe. The AR is the policy:
 
     prompt --AR samples tokens y ~ pi_theta(.|prompt)--> y --DiT+VAE--> image --reward--> r
 
-GRPO (Group Relative Policy Optimization, Shao et al. 2024, DeepSeekMath) needs no value
-network: for each prompt it samples a *group* of G answers, and each answer's advantage is its
-reward standardised within the group, A_i = (r_i - mean(r)) / (std(r) + eps). The policy is
-then pushed up on better-than-average samples with PPO's clipped surrogate (Schulman et al.
-2017), optionally with a KL penalty towards the initial model.
---policy dit|both trains the other half too (Part II): the DiT becomes a policy over denoising
-steps (Flow-GRPO), scored by the same advantage and loss functions.
+GRPO (Shao et al. 2024, DeepSeekMath) needs no value network: it samples a group of G images per
+prompt, standardises each reward within its group, A_i = (r_i - mean(r)) / (std(r) + eps), and
+pushes the policy up on better-than-average samples with PPO's clipped surrogate (Schulman et al.
+2017), optionally with a KL penalty towards the initial model. --policy dit|both trains the DiT
+too (Part II, Flow-GRPO). `--model tiny`, the default, is GLM-Image at toy size from the real
+classes, its renderer pre-trained once and cached (section 20 says how and why).
 
-`--model tiny` (the default) is GLM-Image at toy size, built from the real classes: a random AR
-(GRPO trains its output layer, --ar-trainable; section 2 says why), and a renderer that paints
-what its tokens say. A random DiT + VAE would paint colour noise
-whatever the tokens, and nothing GRPO does would show in the pictures; so on first use the DiT
-is pre-trained (7 s on 2 free cores) on a synthetic task, token grid -> its colour mosaic (codebook id k
-paints the k-th of the demo's 8 colours, mod 8), the VAE decoder is set to paint its latent's
-colour, and the pipeline is saved with save_pretrained to ~/.cache/grpo_glm (or $GRPO_GLM_CACHE,
-or $XDG_CACHE_HOME/grpo_glm) and loaded back with from_pretrained, like any local checkpoint.
-Learning what to paint from the prompt stays GRPO's job (section 20, tiny_pipeline_dir).
-
-Reading map. The file reads in three parts:
-    Part I   GRPO on the AR, in the order a step runs (one contiguous read, stop there and you have
-             seen a whole run): 1. settings  2. model  3. prompts and targets  4. SAMPLE  5. DECODE
-             6. REWARD  7. ADVANTAGE  8. log-probs  9. loss  10. UPDATE  11. the step and train().
-    Part II  Flow-GRPO on the DiT (--policy dit|both): 12. the SDE step, DiT rollout and loss
-             13. the DiT's step. It reuses Part I's advantage, loss and update functions.
-    Part III plumbing, "skip on first read": 14. starting a run and flag checks  15. prompt files
-             and images  16. reward plug-ins  17. LOG  18. Ctrl+C / SIGTERM  19. CHECKPOINT
-             20. the tiny model's renderer  21. torchrun and --fsdp  22. memory plan  23. saving.
-The pure functions (mse_reward, group_advantages, token_logprobs, grpo_loss) use no globals:
-copy them out freely.
+Reading map: Part I (sections 1-11) is GRPO on the AR in the order a step runs, one contiguous
+read; Part II (12-13) Flow-GRPO on the DiT, with Part I's advantage, loss and update; Part III
+(14-24) is plumbing, skip it on first read. The pure functions (mse_reward, group_advantages,
+token_logprobs, grpo_loss) use no globals: copy them out freely.
 """
 
 import argparse
@@ -82,10 +63,8 @@ TINY = "tiny"
 
 
 class UsageError(Exception):
-    """Bad input from the user: printed as one line on stderr, exit code 2, no traceback. Under
-    torchrun every rank checks the same input and stops on the same error: rank 0 alone prints it,
-    unless it is local to a rank (`local=True`: a reward failing on that rank's images), which
-    that rank prints with its number."""
+    """Bad input: one line on stderr, exit code 2, no traceback. Under torchrun rank 0 prints it, or,
+    for an error local to one rank (`local=True`: a reward failing on its images), that rank."""
 
     def __init__(self, message, local=False):
         super().__init__(message)
@@ -197,86 +176,51 @@ def parse_args(argv=None):
 # =============================================================================================
 # 2. Model: GLM-Image = AR (transformers) + DiT/VAE/glyph encoder (diffusers)
 # =============================================================================================
-# The tiny model is the real architecture at toy size. Every class is the one the real
-# checkpoint loads into, so `--model tiny` runs exactly the code path of `--model zai-org/GLM-Image`.
-# Its sizes keep the real structure: the AR's output vocabulary is the VQ codebook plus a few
-# special ids (real: 16384 + 128, image start = 16384, image end = 16385), the DiT's prior codebook
-# equals the VQ codebook, M-RoPE splits the rotary half-dims 1:1.5:1.5 ([8, 12, 12] in the real one).
+# `--model tiny` loads into the very classes the real checkpoint does, so it runs the code path of
+# `--model zai-org/GLM-Image` (section 20 builds it).
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]   # the AR's Linears
-
-
-DIT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]               # the DiT's attention Linears
+DIT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]                                 # the DiT's attention
 
 
 def load_pipeline(args):
-    """Returns a GlmImagePipeline on args.device with the AR ready to train."""
-    from diffusers import GlmImagePipeline
-
+    """The GlmImagePipeline on args.device with its renderer (glyph encoder, DiT, VAE) frozen;
+    prepare_policy (and Part II's prepare_dit_policy) mark what trains."""
     dtype = getattr(torch, args.dtype)
-    # 'tiny' is a directory too: built and cached on first use, then loaded like any saved pipeline.
-    # Under torchrun rank 0 builds it while the others wait: transformers' save_pretrained writes
-    # nothing on a rank other than 0 once torch.distributed is initialised.
-    if args.model == TINY and rank() == 0:
-        tiny_pipeline_dir(args.seed)
-    all_ranks_agree(True)
-    path = tiny_pipeline_dir(args.seed) if args.model == TINY else args.model
-    try:
-        with quiet_progress_bars() if args.model == TINY else contextlib.nullcontext():
-            pipe = GlmImagePipeline.from_pretrained(path, dtype=dtype)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-        raise UsageError(f"--model {args.model} could not be loaded as a GlmImagePipeline: {str(e).splitlines()[0]}")
-    # Only the AR is trained; the DiT, VAE and glyph encoder are frozen renderers here.
+    pipe = pipeline_from_pretrained(args, dtype)       # --model tiny: built on first use, then cached
     for name in ("text_encoder", "transformer", "vae"):
         getattr(pipe, name).requires_grad_(False)
     if dtype == torch.float64:
         float64_throughout(pipe)
     pipe.processor.tokenizer.padding_side = "left"  # sampling code assumes prompts end at one column
     pipe.set_progress_bar_config(disable=True)      # the run prints its own progress, one line a step
-    if args.offload:
-        # diffusers' model offload hooks every component named in model_cpu_offload_seq and moves
-        # it to the GPU when called, back to the CPU when the next one runs. The AR is trained: it
-        # must stay on the GPU so its parameters, gradients and AdamW state never move under the
-        # optimizer. So it leaves the sequence and is excluded (diffusers then places it on the
-        # device once); the frozen glyph encoder, DiT and VAE take turns on the GPU.
-        # With --policy dit|both the DiT is trained too and stays on the GPU for the same reason.
-        trains_dit = args.policy != "ar"
-        pipe.model_cpu_offload_seq = "text_encoder->vae" if trains_dit else "text_encoder->transformer->vae"
-        pipe._exclude_from_cpu_offload = ["vision_language_encoder"] + (["transformer"] if trains_dit else [])
-        pipe.enable_model_cpu_offload(device=args.device)
-    else:
-        pipe.to(args.device)
+    place_pipeline(pipe, args)                      # on the device, or --offload's frozen parts taking turns
     return pipe
 
 
-def prepare_policy(ar, args):
-    """Marks what is trained: all AR weights, its output layer alone (--ar-trainable head), or LoRA
-    adapters (transformers' PEFT integration)."""
-    if args.lora_rank:
-        from diffusers.training_utils import cast_training_params
-        from peft import LoraConfig
+def add_lora(model, rank, alpha, targets, **config):
+    """LoRA adapters on `targets` through PEFT's add_adapter (the AR's and the DiT's alike), the base
+    frozen. They train in fp32 on a bf16 base (diffusers' cast_training_params): bf16 weights would
+    round AdamW's small updates away."""
+    from diffusers.training_utils import cast_training_params
+    from peft import LoraConfig
 
-        ar.requires_grad_(False)
-        ar.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                                  target_modules=LORA_TARGETS,
-                                  exclude_modules=r".*visual.*|.*vqmodel.*"))
-        # Adapters train in fp32 even on a bf16 base (diffusers' cast_training_params, as its
-        # training scripts do): bf16 weights would round AdamW's small updates away. peft casts
-        # the adapter's input to match. (A fp64 base keeps fp64 adapters.)
-        cast_training_params(ar, dtype=torch.promote_types(ar.dtype, torch.float32))
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, **config))
+    cast_training_params(model, dtype=torch.promote_types(model.dtype, torch.float32))
+
+
+def prepare_policy(ar, args):
+    """Marks what of the AR trains, and returns it: LoRA adapters, all its weights, or lm_head alone."""
+    if args.lora_rank:
+        add_lora(ar, args.lora_rank, args.lora_alpha, LORA_TARGETS, exclude_modules=r".*visual.*|.*vqmodel.*")
     else:
-        # The vision encoder and VQ tokenizer only read source images; keep them frozen.
         ar.requires_grad_(True)
-        ar.model.visual.requires_grad_(False)
+        ar.model.visual.requires_grad_(False)     # the vision encoder and VQ only read source images
         ar.model.vqmodel.requires_grad_(False)
         if args.ar_trainable == "head":
-            # Only lm_head trains: the policy is a linear read-out of the body's fixed features of
-            # (prompt, cell). The tiny demo's default, because its body is random: trained along,
-            # the body's cheapest move is the direction every cell of a prompt shares, so all 16
-            # cells take the background colour (12 of them want it) before the 4 centre cells can
-            # turn red, and the shape never appears (README, "The tiny model"). Frozen, each cell
-            # keeps its own features and GRPO's per-cell credit shows. A pretrained body (the real
-            # model) is worth training: all, or LoRA.
+            # lm_head reads each (prompt, cell) off the body's fixed features. The tiny AR's body is
+            # random: trained along, it paints every cell the background first (README, "The tiny model").
             ar.model.requires_grad_(False)
     if args.gradient_checkpointing:
         ar.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -286,30 +230,11 @@ def prepare_policy(ar, args):
 # =============================================================================================
 # 3. Prompts and targets
 # =============================================================================================
+# prompts_for_step picks a step's prompts (a seeded shuffle per pass over the prompt file, so a resumed
+# run sees the same ones), batch_targets reads their target images (both in section 14a).
 
-def prompts_for_step(num_prompts, per_step, step, seed):
-    """Indices of the prompts of step `step` (1-based): a fresh seeded shuffle per pass over the
-    prompt file. A pure function of (seed, step), so a resumed run sees the same prompts."""
-    indices = []
-    position = (step - 1) * per_step
-    while len(indices) < per_step:
-        epoch, offset = divmod(position, num_prompts)
-        order = list(range(num_prompts))
-        random.Random(seed * 100003 + epoch).shuffle(order)
-        indices.append(order[offset])
-        position += 1
-    return indices
-
-
-def batch_targets(batch):
-    """The step's target images [P, 3, H, W] in [0, 1], read now (PromptItem), or None if any is missing."""
-    targets = [it.target for it in batch]
-    return None if any(t is None for t in targets) else torch.stack([image_to_tensor(t) for t in targets])
-
-
-def image_to_tensor(image):
-    """PIL RGB -> float tensor [3, H, W] in [0, 1]."""
-    return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
+def repeat_each(items, group_size):
+    return [x for x in items for _ in range(group_size)]        # [a, b] -> [a x G, b x G], as the batch rows
 
 
 # =============================================================================================
@@ -323,8 +248,7 @@ def image_to_tensor(image):
 
 @dataclass
 class Rollout:
-    sequences: torch.Tensor      # [N, P+L] prompt (left-padded) + generated ids, N = prompts x G;
-                                 # in i2i the source placeholders hold the source's VQ ids
+    sequences: torch.Tensor      # [N, P+L] prompt (left-padded; i2i: with the source's VQ ids) + generated ids
     attention_mask: torch.Tensor  # [N, P+L-1] mask of the teacher-forced input (sequences[:, :-1])
     position_ids: torch.Tensor   # [3, N, P+L-1] M-RoPE positions of that input, as generate used them
     old_logp: torch.Tensor       # [N, L] log pi_old(token) at sampling time
@@ -333,6 +257,885 @@ class Rollout:
     grid_hw: tuple               # (H, W) of the target grid in tokens
     prompt_len: int              # P
     source_prior: list = None    # i2i, per sample: (source VQ ids upsampled 2x, their grid [1, 3]) for the DiT
+
+
+def image_token_suppression(ar, codebook_size):
+    """Ids past the VQ codebook (image start/end, ...): a mid-grid end token would crash the DiT's
+    codebook lookup. Masked in sampling and in the loss alike: the policy trained is the one sampled."""
+    return list(range(codebook_size, ar.config.text_config.vision_vocab_size))
+
+
+class GumbelMax:
+    """A logits processor that makes generate's greedy argmax draw exactly from softmax(logits / T):
+    with standard Gumbel noise g_v = -log(-log(u_v)), u_v ~ U(0, 1) i.i.d.,
+        argmax_v (l_v / T + g_v)   is distributed as   softmax(l / T)_v
+    over the ids whose l_v is finite: no top-k, no top-p, suppressed ids (-inf) never drawn. Unlike
+    generate(do_sample=True), whose draws for a row depend on the rows before it in the batch, group
+    k's noise [G, V] comes from generators[k] alone."""
+
+    def __init__(self, generators, group_size, temperature):
+        self.generators, self.group_size, self.temperature = generators, group_size, temperature
+
+    def __call__(self, input_ids, scores):                    # scores [N, V] fp32, N = groups x G
+        u = torch.cat([torch.rand(self.group_size, scores.shape[-1], generator=gen, device=gen.device,
+                                  dtype=torch.float64) for gen in self.generators])   # [N, V]
+        return scores.double() / self.temperature - torch.log(-torch.log(u))        # u = 0: -inf, never drawn
+
+
+@torch.no_grad()
+def sample_group(pipe, prompts, group_size, temperature, height, width, loss_tokens, sources=None,
+                 record_logp=True, generators=None, prompt_len=None):
+    """G samples per prompt in one generate() call (i2i when `sources` is given) -> Rollout. Group k
+    draws from generators[k] (default: seeded off the global RNG); `prompt_len` left-pads every prompt
+    to that length. old_logp comes from generate's raw fp32 logits, never the Gumbel-noised scores,
+    through the loss's own token_logprobs."""
+    from transformers import GenerationConfig
+
+    ar = pipe.vision_language_encoder
+    suppressed = image_token_suppression(ar, pipe.transformer.config.prior_vq_quantizer_codebook_size)
+    batch, vq_ids, source_prior, (num_generated, offset, (H, W)) = generation_inputs(
+        pipe, prompts, sources, group_size, height, width, prompt_len)          # N = P x G rows
+    if generators is None:
+        generators = [torch.Generator(ar.device).manual_seed(int(torch.randint(2**62, ()))) for _ in prompts]
+    config = GenerationConfig(    # do_sample=False: generate takes GumbelMax's argmax, no sampler of its own
+        do_sample=False, top_k=50, top_p=1.0, temperature=1.0, max_new_tokens=num_generated,
+        min_new_tokens=num_generated, suppress_tokens=suppressed, pad_token_id=ar.config.text_config.pad_token_id,
+        eos_token_id=None, return_dict_in_generate=True, output_logits=record_logp)
+    gumbel = GumbelMax(generators, group_size, temperature)
+    out = ar.generate(**batch, generation_config=config, logits_processor=[gumbel])
+    sequences = out.sequences                                                 # [N, P + L]
+    if vq_ids is not None:       # i2i: the source's VQ ids in its placeholders; later passes skip the vision encoder
+        sequences = sequences.masked_scatter(sequences == ar.config.image_token_id, vq_ids.to(sequences.device))
+    prompt_len = batch["input_ids"].shape[1]
+    generated = sequences[:, prompt_len:]                                     # [N, L]
+    old_logp = None
+    if record_logp:      # one decode step at a time: no [N, L, V] copy of the logits
+        old_logp = torch.cat([token_logprobs(logits[:, None], generated[:, t, None], temperature, suppressed)
+                              for t, logits in enumerate(out.logits)], dim=1)  # [N, L]
+    loss_mask = torch.zeros_like(generated, dtype=torch.float32)
+    loss_mask[:, (offset if loss_tokens == "target" else 0): offset + H * W] = 1.0    # never the end slot
+    return Rollout(
+        sequences=sequences, attention_mask=torch.cat([batch["attention_mask"], torch.ones_like(generated[:, :-1])], 1),
+        position_ids=decode_position_ids(ar, batch, num_generated), old_logp=old_logp, loss_mask=loss_mask,
+        target_tokens=generated[:, offset: offset + H * W], grid_hw=(H, W), prompt_len=prompt_len,
+        source_prior=source_prior)
+
+
+def sample_tokens(trainer, prompts, sources, slots, step, args):
+    """SAMPLE with the AR in eval mode -> Rollout. Group k draws from a seed of (seed, step, slot), the
+    same on any number of processes (sample_groups). pi_old's log-probs must equal the loss's first-pass
+    ones bit for bit (ratio 1): in fp32 the sampler's own do; in bf16 (generate's cached decode is ~1e-2
+    off a full pass) and fp64 (generate returns fp32 logits) they come from the loss's own pass."""
+    ar = trainer.pipe.vision_language_encoder
+    ar.eval()
+    exact = args.dtype == "float32"
+    with whole_weights(ar):
+        rollout = sample_groups(trainer.pipe, prompts, sources, slots, step, args, record_logp=exact)
+        if not exact:
+            rollout.old_logp = logprobs_by_micro_batch(ar, rollout, args.temperature, trainer.suppressed,
+                                                       args.micro_batch_size)
+    return rollout
+
+
+# =============================================================================================
+# 5. DECODE: target-grid tokens -> DiT -> VAE -> pixels
+# =============================================================================================
+
+def group_noise(pipe, prompt_indices, group_size, height, width, seed, step, mode):
+    """Initial DiT latents [N, C, h, w]: one draw per prompt, shared by its G samples, so that within
+    a group only the tokens differ. --dit-noise per-prompt (default) keeps a prompt's draw all run:
+    the renderer is then a fixed function tokens -> image, and the reward rises only if the policy
+    improves; per-step draws anew (tokens good on average over noise). Seeded by (seed, prompt, step)."""
+    channels = pipe.transformer.config.in_channels
+    shape = (channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
+    draws = []
+    for index in prompt_indices:
+        stream = index if mode == "per-prompt" else index + 1_000_003 * step
+        draws.append(torch.randn(shape, generator=torch.Generator().manual_seed(seed * 7_919 + stream)))
+    return torch.stack(draws).repeat_interleave(group_size, 0)
+
+
+@torch.no_grad()
+def decode_images(pipe, prompts, rollout, noise, num_inference_steps, guidance_scale, sources=None):
+    """Images [N, 3, H, W] in [0, 1] from the target grids, one prompt (and i2i source) per sample.
+    `prior_token_ids=` makes the pipeline skip its AR stage: the grid, doubled to the DiT's 16-px grid
+    (_upsample_token_ids), goes through glyph encoder, DiT and VAE."""
+    H, W = rollout.grid_hw
+    device = pipe._execution_device
+    prior = torch.cat([pipe._upsample_token_ids(t, H, W) for t in rollout.target_tokens])   # [N, 4*H*W]
+    i2i = {}
+    if sources is not None:      # the source goes through the VAE into the DiT's KV cache
+        i2i = {"image": [[s] for s in sources],
+               "prior_token_image_ids": [ids.to(device) for ids, _ in rollout.source_prior],
+               "source_image_grid_thw": [grid.to(device) for _, grid in rollout.source_prior]}
+    out = pipe(prompt=prompts, prior_token_ids=prior.to(device), height=H * 32, width=W * 32,
+               latents=noise.to(device, pipe.transformer.dtype), num_inference_steps=num_inference_steps,
+               guidance_scale=guidance_scale, output_type="pt", **i2i)
+    return at_least_fp32(out.images).cpu()
+
+
+def decode_rollout(pipe, prompts, sources, rollout, noise, args):
+    """DECODE with the frozen renderer, --micro-batch-size samples a call: images [N, 3, H, W]."""
+    prompts, sources = repeat_each(prompts, args.group_size), sources and repeat_each(sources, args.group_size)
+    return torch.cat([decode_images(pipe, prompts[rows], slice_rollout(rollout, rows), noise[rows],
+                                    args.num_inference_steps, args.guidance_scale, sources and sources[rows])
+                      for rows in row_slices(len(prompts), args.micro_batch_size)])
+
+
+# =============================================================================================
+# 6. REWARD
+# =============================================================================================
+
+def mse_reward(images, targets):
+    """r = -mean((image - target)^2) over channels and pixels.
+    images, targets: float [N, 3, H, W] in [0, 1]  ->  rewards [N] in [-1, 0]; 0 = perfect."""
+    return -((at_least_fp32(images) - at_least_fp32(targets)) ** 2).mean(dim=(1, 2, 3))
+# A reward plug-in (--reward module:fn | path/to/file.py:fn, optionally =WEIGHT; section 16) is any
+#     fn(images [N, 3, H, W] in [0, 1], prompts: N str, targets [N, 3, H, W] | None) -> [N], higher = better,
+# row i of each the same sample; one that reads targets says so with `fn.uses_targets = True`.
+
+
+def compute_rewards(rewards, images, prompts, targets):
+    """Every reward on the batch: (total [N] = sum_k w_k r_k, {name: r_k [N]}). Summed, then
+    standardised, as TRL does: a reward weighs by its weight times its spread within a group.
+    (MixGRPO standardises each reward first, which blows a flat reward's noise up to full size.)"""
+    total, per_reward = None, {}
+    for reward in rewards:
+        per_reward[reward.name] = value = call_reward(reward, images, prompts, targets)   # checked [N]
+        total = reward.weight * value if total is None else total + reward.weight * value
+    return total, per_reward
+
+
+# =============================================================================================
+# 7. ADVANTAGE
+# =============================================================================================
+
+def group_advantages(rewards, group_size, eps=1e-4):
+    """GRPO's advantage A_i = (r_i - mean_group(r)) / (std_group(r) + eps), rewards [N] in consecutive
+    groups of G -> [N]; std is the unbiased one (as TRL). A group of equal rewards carries no preference
+    and gets exactly 0: its float32 mean can be an ulp off, which / (std + eps) would turn into a ~3e-4
+    advantage. eps is not tiny on purpose: MSE rewards within a group can differ by 1e-4."""
+    if rewards.ndim != 1 or rewards.numel() % group_size:
+        raise ValueError(f"got {rewards.numel()} rewards, not a multiple of group_size={group_size}")
+    groups = rewards.view(-1, group_size)
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    advantages = centred / (groups.std(dim=1, keepdim=True) + eps)
+    return torch.where(constant_groups(groups), 0.0, advantages).view(-1)
+
+
+def constant_groups(groups):
+    """[P, G] -> [P, 1] bool: groups whose G rewards are all identical (no learning signal)."""
+    return groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)
+
+
+def reward_metrics(rewards, per_reward, group_size):
+    groups = rewards.view(-1, group_size)                                             # [P, G]
+    return {"reward_mean": rewards.mean().item(),
+            # the MEAN WITHIN-GROUP std (what the advantages divide by); TRL now logs the batch std by this name
+            "reward_std": groups.std(dim=1).mean().item(),
+            "frac_reward_zero_std": constant_groups(groups).float().mean().item(),   # groups with no signal
+            **{f"rewards/{name}": value.mean().item() for name, value in per_reward.items()}}
+
+
+# =============================================================================================
+# 8. Log-probs with gradients
+# =============================================================================================
+
+def scaled_logits(logits, temperature, suppressed=()):
+    """logits / T in at least fp32 (a bf16 log-softmax loses ~1e-2), `suppressed` ids at -inf."""
+    logits = at_least_fp32(logits) / temperature
+    if len(suppressed):
+        logits[..., list(suppressed)] = float("-inf")
+    return logits
+
+
+def token_logprobs(logits, tokens, temperature, suppressed=()):
+    """log pi(token) under softmax(logits / T), suppressed ids at probability 0 as in sampling.
+    logits [N, L, V], tokens [N, L] -> [N, L]."""
+    logits = scaled_logits(logits, temperature, suppressed)
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def token_entropy(logits, temperature, suppressed=()):
+    """Entropy of the same distribution, [N, L, V] -> [N, L] nats: log(V - len(suppressed)) at uniform."""
+    return torch.distributions.Categorical(logits=scaled_logits(logits, temperature, suppressed)).entropy()
+
+
+def policy_logits(ar, rollout):
+    """One teacher-forced forward over prompt + generated[:-1] at generate's M-RoPE positions (a plain
+    forward would number image tokens like text): logits [N, L, V] for the L generated tokens."""
+    num_generated = rollout.sequences.shape[1] - rollout.prompt_len
+    return ar(input_ids=rollout.sequences[:, :-1], attention_mask=rollout.attention_mask,
+              position_ids=rollout.position_ids, logits_to_keep=num_generated, use_cache=False).logits
+
+
+def policy_logprobs(ar, rollout, temperature, suppressed):
+    return token_logprobs(policy_logits(ar, rollout), rollout.sequences[:, rollout.prompt_len:], temperature,
+                          suppressed)                                 # log pi_theta [N, L], differentiable
+
+
+@torch.no_grad()
+def logprobs_by_micro_batch(model, rollout, temperature, suppressed, size=None):
+    """policy_logprobs [N, L] without gradients, `size` samples per forward (default: all)."""
+    return torch.cat([policy_logprobs(model, slice_rollout(rollout, rows), temperature, suppressed)
+                      for rows in row_slices(rollout.sequences.shape[0], size or rollout.sequences.shape[0])])
+
+
+# =============================================================================================
+# 9. Loss
+# =============================================================================================
+# Which tokens: the reward depends only on the H*W target-grid tokens. The preview tokens condition
+# them, so training those too ('all') is the unbiased gradient, but adds h*w ~ 256 tokens of almost
+# pure noise; 'target' (the default) trades that bias for a far less noisy gradient.
+
+def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=None):
+    """PPO-clipped GRPO objective, per token. Returns (loss, metrics).
+
+        ratio    = exp(logp - old_logp)                         rho_t in the papers
+        pg_loss1 = -A * ratio
+        pg_loss2 = -A * clip(ratio, 1 - eps, 1 + eps)
+        pg_loss  = max(pg_loss1, pg_loss2)                      = -min(rho A, clip(rho) A)
+        kl       = exp(ref - logp) - (ref - logp) - 1           k3 estimator, >= 0, unbiased
+        loss     = masked_mean(pg_loss + beta * kl)
+
+    logp, old_logp, ref_logp, mask: [N, L]; advantages: [N] (one per sequence). The masked mean over
+    all the batch's tokens is TRL's 'bnpo'; every sample here has as many tokens, so 'grpo' and 'dapo'
+    give the same number."""
+    adv = advantages.unsqueeze(1)                                     # [N, 1]
+    ratio = torch.exp(logp - old_logp)
+    pg_loss1 = -adv * ratio
+    pg_loss2 = -adv * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
+    per_token = torch.max(pg_loss1, pg_loss2)
+    kl = torch.zeros_like(logp)
+    if beta > 0:
+        log_ratio_ref = ref_logp - logp
+        kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1
+        per_token = per_token + beta * kl
+    n = mask.sum().clamp(min=1)
+    loss = (per_token * mask).sum() / n
+    clipped = ((ratio < 1 - clip_eps) & (adv < 0)) | ((ratio > 1 + clip_eps) & (adv > 0))
+    metrics = {
+        "ratio_mean": ((ratio * mask).sum() / n).item(),
+        "clip_ratio": ((clipped.float() * mask).sum() / n).item(),
+        "kl": ((kl * mask).sum() / n).item(),
+    }
+    return loss, metrics
+
+
+# =============================================================================================
+# 10. UPDATE: mu passes of clipped-surrogate ascent over the same batch (one loop for every policy)
+# =============================================================================================
+
+@contextlib.contextmanager
+def reference_weights(model, reference):
+    """The KL's pi_ref, for the AR and the DiT alike: the frozen copy of the initial weights
+    (`reference`, full fine-tuning), or with LoRA (reference None) `model` itself, adapters off."""
+    if reference is None:
+        model.disable_adapters()
+    try:
+        yield model if reference is None else reference
+    finally:
+        if reference is None:
+            model.enable_adapters()
+
+
+def ar_loss_terms(policy, rollout, advantages, ref_logp, args, suppressed):
+    """The AR's loss for grpo_update, one piece per micro-batch of samples, weighted by its share of
+    the batch's loss tokens: the pieces' gradients add up to the full batch's. `policy` is the AR or
+    its DDP wrapper (the training forward goes through it). Returns terms(epoch)."""
+    advantages = advantages.to(rollout.old_logp.device)
+    tokens = rollout.loss_mask.sum()
+
+    def terms(epoch):
+        for rows in micro_batches(policy, advantages.shape[0], args.micro_batch_size):
+            part = slice_rollout(rollout, rows)
+            logits = policy_logits(policy, part)                                   # [n, L, V]
+            logp = token_logprobs(logits, part.sequences[:, part.prompt_len:], args.temperature, suppressed)
+            loss, metrics = grpo_loss(logp, part.old_logp, advantages[rows], part.loss_mask, args.clip_eps,
+                                      args.beta, None if ref_logp is None else ref_logp[rows])
+            if epoch == 0:
+                # The policy still equals pi_old: |logp - old_logp| is a live check of the bookkeeping.
+                metrics["logp_diff_max"] = ((logp - part.old_logp).abs() * part.loss_mask).max().item()
+                # Entropy collapse: near 0 a group's G samples are identical, every reward ties, all
+                # advantages are 0 and learning stops for good (frac_reward_zero_std -> 1).
+                with torch.no_grad():
+                    entropy = token_entropy(logits, args.temperature, suppressed) * part.loss_mask
+                metrics["entropy"] = (entropy.sum() / part.loss_mask.sum()).item()
+            yield loss, {**metrics, "loss": loss.item()}, (part.loss_mask.sum() / tokens).item()
+    return terms
+
+
+def ar_half(trainer, rollout, advantages, args):
+    """The AR's entry (prefix, params, terms) in grpo_update, with pi_ref's log-probs when beta > 0."""
+    ar, ref_logp = trainer.pipe.vision_language_encoder, None
+    if args.beta > 0:
+        with reference_weights(ar, trainer.reference) as reference:
+            ref_logp = logprobs_by_micro_batch(reference, rollout, args.temperature, trainer.suppressed,
+                                               args.micro_batch_size)                  # [N, L]
+    ar.train()   # switches gradient checkpointing on; the AR has no dropout, so pass 1 still gives pi_old
+    return "", trainer.params, ar_loss_terms(trainer.policy, rollout, advantages, ref_logp, args, trainer.suppressed)
+
+
+FIRST_PASS_ONLY = ("logp_diff_max", "entropy")   # measured while the policy still equals pi_old
+
+
+def grpo_update(optimizer, halves, args):
+    """mu = --inner-epochs AdamW steps on one batch, for every policy. halves: [(prefix, params, terms)],
+    '' the AR, 'dit/' the DiT; terms(epoch) yields a half's loss in pieces (loss, metrics, weight),
+    weights adding up to 1, each backpropagated as it is built: one piece's activations alive at once.
+    Gradients are clipped per half (their losses live on different scales). Pass 1 runs at pi_old:
+    ratio = 1, the clip cannot act (with mu = 1 it never does). A pass whose loss or gradient is not
+    finite is skipped. Returns the metrics averaged over the passes that updated (FIRST_PASS_ONLY
+    from pass 1), skipped_updates and skipped_nonfinite_loss."""
+    done, first, skipped, bad_loss = [], {}, 0, 0
+    for epoch in range(args.inner_epochs):
+        optimizer.zero_grad(set_to_none=True)
+        metrics, loss_finite, finite = {}, True, True
+        for prefix, params, terms in halves:
+            for loss, piece, weight in terms(epoch):
+                (loss * weight).backward()
+                loss_finite &= math.isfinite(piece["loss"])
+                for key, value in piece.items():
+                    key = prefix + key
+                    metrics[key] = (max(metrics.get(key, value), value) if key.endswith("logp_diff_max")
+                                    else metrics.get(key, 0.0) + value * weight)
+            norm = clip_gradients(params, args.max_grad_norm)
+            finite &= loss_finite and bool(torch.isfinite(norm))
+            metrics[prefix + "grad_norm"] = norm.item()
+        if epoch == 0:
+            first = {k: v for k, v in metrics.items() if k.endswith(FIRST_PASS_ONLY)}
+        if not all_ranks_agree(finite):      # under DDP the loss is this rank's, the gradient everyone's
+            skipped += 1
+            bad_loss += not loss_finite
+            optimizer.zero_grad(set_to_none=True)
+            continue
+        optimizer.step()
+        done.append({k: v for k, v in metrics.items() if not k.endswith(FIRST_PASS_ONLY)})
+    keys = [k for k in metrics if not k.endswith(FIRST_PASS_ONLY)]
+    averaged = {k: sum(m[k] for m in done) / len(done) if done else float("nan") for k in keys}
+    return {**averaged, **first, "skipped_updates": skipped, "skipped_nonfinite_loss": bad_loss}
+
+
+# =============================================================================================
+# 11. One GRPO step, and the training loop
+# =============================================================================================
+
+@dataclass
+class Trainer:
+    """What the loop carries. Per trained half (the AR; `dit_` the DiT): its trainable params, the
+    `policy` its training forward runs through (itself or its DDP wrapper), its frozen KL `reference`."""
+    pipe: object                          # GlmImagePipeline
+    suppressed: list                      # ids outside the VQ codebook, never sampled inside a grid
+    optimizer: torch.optim.Optimizer = None   # one AdamW, a param group per trained half
+    lr_scheduler: object = None           # one step per GRPO step
+    trained: torch.nn.Module = None       # what checkpoints hold: the AR, or {AR, DiT}
+    rewards: list = None                  # the --reward plug-ins (section 6)
+    params: list = None
+    policy: object = None
+    reference: object = None
+    dit_params: list = None
+    dit_policy: object = None
+    dit_reference: object = None
+    prompt_tokens: dict = None            # --policy dit: prompt index -> its token grid (shared_prompt_tokens)
+    before_update: object = lambda: None  # the stop handler's last chance to drop the step (section 18)
+
+
+def setup_training(args, ckpt=None, ckpt_path=None, rewards=None):
+    """Loads the model, marks what trains, builds one AdamW (a param group and learning rate per
+    trained half) and its schedule, restores `ckpt`. Returns (Trainer, start step)."""
+    pipe = load_pipeline(args)
+    seed_everything(args.seed)      # after loading: the same sampling stream however the model was made
+    ar, dit = pipe.vision_language_encoder, pipe.transformer
+    trainer = Trainer(pipe, image_token_suppression(ar, dit.config.prior_vq_quantizer_codebook_size), prompt_tokens={})
+    # Full fine-tuning with beta > 0 keeps a frozen copy as the KL reference (at 9B use LoRA instead).
+    frozen_copy = lambda model, lora: copy.deepcopy(model).requires_grad_(False) if args.beta > 0 and not lora else None
+    groups, trained = [], {}
+    if args.policy != "dit":
+        trainer.reference = frozen_copy(ar, args.lora_rank)
+        trainer.params = shard_for_training(ar, prepare_policy(ar, args), args, trainer.reference)
+        groups.append({"params": trainer.params, "lr": args.lr})
+        trained["vision_language_encoder"] = ar
+    if args.policy != "ar":
+        trainer.dit_reference = frozen_copy(dit, args.dit_lora_rank)
+        trainer.dit_params = shard_for_training(dit, prepare_dit_policy(dit, args), args, trainer.dit_reference)
+        groups.append({"params": trainer.dit_params, "lr": args.dit_lr})
+        trained["transformer"] = dit
+    trainer.trained = ar if args.policy == "ar" else torch.nn.ModuleDict(trained)
+    trainer.optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay)
+    trainer.lr_scheduler = lr_schedule(trainer.optimizer, args)
+    start = resume(trainer, ckpt, ckpt_path)
+    trainer.rewards = load_rewards(args.reward) if rewards is None else rewards
+    trainer.policy = wrap_for_training(ar, args.device) if args.policy != "dit" else None
+    trainer.dit_policy = wrap_for_training(dit, args.device) if args.policy != "ar" else None
+    return trainer, start
+
+
+def grpo_step(trainer, items, indices, step, args, slots=None):
+    """One GRPO step on the prompts items[indices], at positions `slots` of the step's prompt list
+    (under torchrun this rank's share; default all of them). Returns (metrics row, rewards [N],
+    images [N, 3, H, W], targets [P, 3, H, W] or None, sources or None, the DiT's a = 0 decode or None)."""
+    batch = [items[i] for i in indices]
+    prompts = [it.text for it in batch]
+    sources = [it.source for it in batch] if args.mode == "i2i" else None
+    slots = range(len(indices)) if slots is None else slots
+    pipe, G, train_ar, train_dit = trainer.pipe, args.group_size, args.policy != "dit", args.policy != "ar"
+    # ---- SAMPLE: G token grids per prompt (--policy dit: one per prompt, its group shares it) ----
+    rollout = (sample_tokens(trainer, prompts, sources, slots, step, args) if train_ar else
+               shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, trainer.prompt_tokens))
+    noise = group_noise(pipe, indices, G, args.height, args.width, args.seed, step, args.dit_noise)  # [N, C, h, w]
+    # ---- DECODE: images [N, 3, H, W] (--policy dit|both: the DiT samples G SDE trajectories, Part II) ----
+    if train_dit:
+        dit_run = sample_dit_trajectories(pipe, prompts, sources, rollout, noise, indices, step, args)
+        images = dit_run.images
+    else:
+        images = decode_rollout(pipe, prompts, sources, rollout, noise, args)
+    # ---- REWARD: r [N], one per image ------------------------------------------------------------
+    targets = batch_targets(batch)                                                           # [P, 3, H, W]
+    rewards, per_reward = compute_rewards(trainer.rewards, images, repeat_each(prompts, G),
+                                          None if targets is None else targets.repeat_interleave(G, 0))
+    # ---- ADVANTAGE: A [N], each reward standardised within its group ------------------------------
+    advantages = group_advantages(rewards, G)
+    # ---- UPDATE: mu passes over the batch, each trained half adding its loss -----------------------
+    trainer.before_update()          # a stop signal before this point drops the step (section 18)
+    halves = [ar_half(trainer, rollout, advantages, args)] if train_ar else []
+    halves += [dit_half(trainer, dit_run, advantages, args)] if train_dit else []
+    update = grpo_update(trainer.optimizer, halves, args)
+    row = {"step": step, **reward_metrics(rewards, per_reward, G), **update}
+    ode = None
+    if train_dit:
+        row["loss"] = update.get("loss", 0.0) + update["dit/loss"]                          # AR + DiT
+        if args.sample_every and step % args.sample_every == 0:
+            ode = ode_sheet(pipe, prompts, sources, dit_run, noise, args)
+    return row, rewards, images, targets, sources, ode
+
+
+def train(args):
+    """The training loop: each step grpo_step, then LOG, the sample sheet and CHECKPOINT, each one
+    call into the plumbing (Part III)."""
+    run = open_run(args)                      # checks, --out lock, prompts, rewards, model, resume point
+    if run is None:
+        return None
+    items, trainer, start, out, lead, lock = run
+    tracker = start_logging(args, trainer, out, start) if lead else None
+    stop = StopAfterStep()                    # Ctrl+C / SIGTERM: finish or drop the step, checkpoint, exit
+    trainer.before_update = stop.before_update
+    last_saved, bad_steps, warned = start, [], False
+    try:
+        for step in range(start + 1, args.steps + 1):
+            t0 = time.time()
+            slots = rank_slots(args.prompts_per_step)            # this rank's share of the step's prompts
+            indices = [prompts_for_step(len(items), args.prompts_per_step, step, args.seed)[s] for s in slots]
+            step_rng = rng_state()
+            try:
+                stop.begin_step()
+                # ---- SAMPLE, DECODE, REWARD, ADVANTAGE, UPDATE ---------------------------------
+                row, rewards, images, targets, sources, ode = grpo_step(trainer, items, indices, step, args, slots)
+            except AbandonStep:               # a stop signal before the update: the weights are still step - 1's
+                stop_before_update(stop, trainer, args, out, step, last_saved, step_rng)
+            row = finish_row(row, trainer, args, t0)
+            stopping = stop.agree()                              # a stop signal seen by any rank stops all
+            # ---- LOG -------------------------------------------------------------------------
+            if lead:
+                warned = log_step(row, step, args, trainer, out, tracker, warned)
+            bad_steps = non_finite_streak(bad_steps, row, step, out, args)
+            if lead and args.sample_every and step % args.sample_every == 0:     # rank 0's groups
+                save_samples(out, step, [items[i].text for i in indices], targets, images, rewards, sources, ode,
+                             args, tracker)
+            # ---- CHECKPOINT ------------------------------------------------------------------
+            if step % args.save_every == 0 or step == args.steps or stopping:
+                path = save_step_checkpoint(out, step, trainer, args, lead)
+                last_saved = step
+            if stopping:
+                exit_after_checkpoint(stop, out, step, path, lead)
+    except KeyboardInterrupt:   # the second Ctrl+C: leave now, the last checkpoint is complete
+        print(f"\ninterrupted: last checkpoint is step {last_saved} in {out / 'checkpoints'}", file=sys.stderr)
+        sys.exit(130)
+    finally:
+        stop.restore()
+        close_run(args, items, out, tracker, lock)
+    if args.save_pipeline and lead:
+        save_trained_pipeline(trainer.pipe, args)
+    return trainer.pipe
+
+
+# #############################################################################################
+# PART II. Flow-GRPO: the DiT as a policy over denoising steps (--policy dit|both)
+# #############################################################################################
+# It reuses Part I's grpo_step, advantages, grpo_loss and grpo_update: a denoising step plays a token's role.
+
+
+# =============================================================================================
+# 12. The SDE step, the DiT rollout and its loss
+# =============================================================================================
+# GLM-Image's authors post-train both halves ("decoupled RL"): the AR for low-frequency signals
+# (layout, semantics), the DiT for high-frequency ones (detail, text). grpo_loss needs a probability
+# of what was sampled, which the pipeline's deterministic Euler ODE step x' = x + v dt lacks.
+# Flow-GRPO (Liu et al. 2025, yifan123/flow_grpo, `sde_step_with_logprob`) swaps each step for an
+# SDE with the same marginals,
+#     std_t = a * sqrt(sigma / (1 - sigma))
+#     mean  = x * (1 + std_t^2 / (2 sigma) * dt) + v * (1 + std_t^2 (1 - sigma) / (2 sigma)) * dt
+#     x'    = mean + std_t * sqrt(-dt) * eps,          dt = sigma' - sigma < 0
+# so each step is a Gaussian policy pi_theta(x' | x_t), a = --dit-noise-level (a = 0: Euler's step).
+# K denoising steps are then a "sequence" of K actions: logp [N, K], mask all ones. A step's log-prob
+# is the MEAN over latent dims (as flow_grpo; a sum over 65536 dims at 1024^2 would dwarf a token's
+# log-ratio), so ratios stay within ~1e-3 of 1: hence --dit-clip-eps 1e-4 (flow_grpo's value).
+# --dit-train-steps T (default K - 1): the first T steps run the SDE and enter the loss, the rest the
+# ODE. The last step is not trained (as flow_grpo): it lands on sigma' = 0, its Gaussian is the
+# sharpest, so its log-ratios are large and its gradients noisy; and an SDE step that is not trained
+# would only add reward noise nobody is credited for.
+
+@dataclass
+class DitCondition:
+    """The DiT's inputs, as GlmImagePipeline.__call__ builds them for one prompt at a time
+    (N = P x G rows, prompt p's G samples at rows p*G .. p*G+G-1)."""
+    prompt_embeds: list              # per prompt: [G, S_p, D] glyph embeddings (encode_prompt of it alone)
+    negative_embeds: list            # per prompt: [G, S', D] glyph embeddings of "" (CFG's unconditional branch), or None
+    prior: torch.Tensor              # [N, 4*H*W] target-grid tokens upsampled 2x (the DiT's 16-px grid)
+    target_size: torch.Tensor        # [N, 2] (height, width) in pixels
+    crop_coords: torch.Tensor        # [N, 2] zeros, the pipeline's default crops_coords_top_left
+    guidance_scale: float
+    source_latents: list = None      # i2i, per prompt: normalised VAE latent [1, C, h, w] of the source
+    source_prior: list = None        # i2i, per prompt: its VQ ids upsampled 2x [4*h*w]
+
+
+@dataclass
+class DitRollout:
+    states: torch.Tensor     # [N, K+1, C, h, w] x_0 (initial noise) ... x_K (final latent), fp32
+    old_logp: torch.Tensor   # [N, T] log pi_old(x_{i+1} | x_i) of the T trained steps at sampling time
+    timesteps: torch.Tensor  # [K] the pipeline's (unshifted) timesteps
+    sigmas: torch.Tensor     # [K+1] the scheduler's shifted sigmas, ending in 0
+
+
+def dit_velocity(dit, latents, t, cond, caches):
+    """The guided velocity v [N, C, h, w] (fp32) at timestep t, as the pipeline's loop computes it (the
+    DiT gets t - 1; with CFG, v = v_u + g (v_c - v_u), the unconditional branch without prior tokens:
+    two DiT passes per step, in training too). One call per prompt: a batch of prompts would pad the
+    shorter glyph embeddings with zeros the DiT attends to (no mask helps, diffusers issue 13587)."""
+    n = latents.shape[0] // len(cond.prompt_embeds)
+    timestep = t.expand(n) - 1
+    i2i, dtype = cond.source_latents is not None, unwrap(dit).dtype
+
+    def branch(rows, embeds, drop, cache, mode):
+        if i2i:
+            cache.set_mode(mode)     # read the source's keys/values; the unconditional branch skips them
+        prior = cond.prior[rows]
+        return dit(hidden_states=latents[rows].to(dtype), encoder_hidden_states=embeds, prior_token_id=prior,
+                   prior_token_drop=torch.full_like(prior, drop, dtype=torch.bool), timestep=timestep,
+                   target_size=cond.target_size[rows], crop_coords=cond.crop_coords[rows], return_dict=False,
+                   kv_caches=cache)[0].to(torch.promote_types(dtype, torch.float32))
+
+    velocities = []
+    for p, cache in enumerate(caches):
+        rows = slice(p * n, (p + 1) * n)
+        v = branch(rows, cond.prompt_embeds[p], False, cache, "read")
+        if cond.guidance_scale > 1:
+            v_uncond = branch(rows, cond.negative_embeds[p], True, cache, "skip")
+            v = v_uncond + cond.guidance_scale * (v - v_uncond)
+        velocities.append(v + cache.anchor if hasattr(cache, "anchor") else v)   # --fsdp: write_source_caches
+    return torch.cat(velocities)
+
+
+def sde_std_t(sigmas, i, noise_level):
+    # flow_grpo puts sigmas[1] for sigma = 1 here only, where 1 - sigma would divide by zero
+    sigma = sigmas[i]
+    return noise_level * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigmas[1], sigma)))
+
+
+def sde_step(v, x, sigmas, i, noise_level, eps=None, x_next=None):
+    """One Flow-GRPO SDE step from x = x_i (fp32 [N, C, h, w]) -> (x', logp [N], mean). x' = mean +
+    std * eps, std = std_t sqrt(-dt); `x_next` instead of `eps` scores a stored transition. logp is the
+    Gaussian log-density averaged over latent dims; noise_level 0 is the Euler step (no logp)."""
+    sigma, dt = sigmas[i], sigmas[i + 1] - sigmas[i]
+    std_t = sde_std_t(sigmas, i, noise_level)
+    mean = x * (1 + std_t ** 2 / (2 * sigma) * dt) + v * (1 + std_t ** 2 * (1 - sigma) / (2 * sigma)) * dt
+    if noise_level == 0:
+        return mean, None, mean
+    std = std_t * torch.sqrt(-dt)
+    if x_next is None:
+        x_next = mean + std * eps
+    logp = -((x_next.detach() - mean) ** 2) / (2 * std ** 2) - torch.log(std) - math.log(math.sqrt(2 * math.pi))
+    return x_next, logp.mean(dim=tuple(range(1, logp.ndim))), mean
+
+
+def step_std(sigmas, i, noise_level):
+    return sde_std_t(sigmas, i, noise_level) * torch.sqrt(sigmas[i] - sigmas[i + 1])   # sde_step's std
+
+
+def sde_generators(seed, step, prompt_indices):
+    """One generator per prompt for its SDE noise, seeded by (seed, step, prompt), whatever its batch."""
+    return [torch.Generator().manual_seed(seed * 7_919 + 2_000_003 * step + 17 * index + 1) for index in prompt_indices]
+
+
+@torch.no_grad()
+def sample_dit(dit, cond, noise, schedule, noise_level, train_steps, generators):
+    """Denoises `noise` [N, C, h, w] over the pipeline's schedule: the first `train_steps` steps are
+    SDE steps (eps [G, C, h, w] per prompt from its generator) recording log-probs, the rest ODE
+    steps. Returns a DitRollout; its states[:, -1] is the final latent."""
+    timesteps, sigmas = schedule
+    caches = write_source_caches(dit, cond)
+    x, states, logps = noise.to(sigmas.device, sigmas.dtype), [], []
+    for i, t in enumerate(timesteps):
+        states.append(x)
+        v = dit_velocity(dit, x, t, cond, caches)
+        if i < train_steps:
+            group = (x.shape[0] // len(generators), *x.shape[1:])
+            eps = torch.cat([torch.randn(group, generator=g) for g in generators]).to(x.device, x.dtype)
+            x, logp, _ = sde_step(v, x, sigmas, i, noise_level, eps=eps)
+            logps.append(logp)
+        else:
+            x, _, _ = sde_step(v, x, sigmas, i, 0.0)
+    states.append(x)
+    old_logp = torch.stack(logps, 1) if logps else x.new_zeros(x.shape[0], 0)
+    return DitRollout(torch.stack(states, 1), old_logp, timesteps, sigmas)
+
+
+def dit_step_logprob(dit, cond, rollout, i, noise_level):
+    """Step i of every stored trajectory again, with gradients: (logp [N], mean [N, C, h, w]). The
+    source's KV cache is rewritten inside the step's graph, so each step backpropagates on its own."""
+    caches = write_source_caches(dit, cond)
+    x = rollout.states[:, i]
+    v = dit_velocity(dit, x, rollout.timesteps[i], cond, caches)
+    _, logp, mean = sde_step(v, x, rollout.sigmas, i, noise_level, x_next=rollout.states[:, i + 1])
+    return logp, mean
+
+
+def dit_policy_logprobs(dit, cond, rollout, noise_level):
+    """logp [N, T] of the T trained steps: the DiT's policy_logprobs."""
+    return torch.stack([dit_step_logprob(dit, cond, rollout, i, noise_level)[0]
+                        for i in range(rollout.old_logp.shape[1])], 1)
+
+
+def dit_kl(mean, ref_mean, std):
+    """The exact KL between the step Gaussians of policy and reference (same std), averaged over latent
+    dims like the log-prob: ||mean - ref_mean||^2 / (2 std^2), [N, C, h, w] -> [N]."""
+    # std = std_t sqrt(|dt|); flow_grpo's code omits |dt|, so a beta taken from it is 10-1000x stronger here
+    return ((mean - ref_mean) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * std ** 2)
+
+
+@torch.no_grad()
+def ode_decode(pipe, cond, noise, schedule):
+    """What the current DiT paints without SDE noise (a = 0)."""
+    rollout = sample_dit(pipe.transformer, cond, noise, schedule, 0.0, 0, [])
+    return latents_to_images(pipe, rollout.states[:, -1])
+
+
+def dit_loss_terms(policy, reference, cond, rollout, advantages, args):
+    """The DiT's loss for grpo_update, one piece per trained step: grpo_loss over that step's column,
+    weight 1/T, so the pieces add up to grpo_loss over [N, T] with one step's activations alive at a
+    time (as flow_grpo). With beta > 0 the KL (dit_kl) to the reference's step mean. `policy` is the
+    DiT or its DDP wrapper. Returns terms(epoch), as ar_loss_terms."""
+    steps = rollout.old_logp.shape[1]
+    ones = torch.ones_like(rollout.old_logp[:, :1])
+    advantages = advantages.to(rollout.old_logp.device)
+
+    def terms(epoch):
+        for i in sync_on_last(policy, range(steps)):
+            logp, mean = dit_step_logprob(policy, cond, rollout, i, args.dit_noise_level)
+            loss, metrics = grpo_loss(logp[:, None], rollout.old_logp[:, i:i + 1], advantages, ones,
+                                      args.dit_clip_eps)
+            if args.beta > 0:
+                with torch.no_grad(), reference_weights(unwrap(policy), reference) as ref:
+                    ref_mean = dit_step_logprob(ref, cond, rollout, i, args.dit_noise_level)[1]
+                kl = dit_kl(mean, ref_mean, step_std(rollout.sigmas, i, args.dit_noise_level)).mean()
+                loss = loss + args.beta * kl
+                metrics["kl"] = kl.item()
+            if epoch == 0:
+                metrics["logp_diff_max"] = (logp.detach() - rollout.old_logp[:, i]).abs().max().item()
+            yield loss, {**metrics, "loss": loss.item()}, 1 / steps
+    return terms
+
+
+# =============================================================================================
+# 13. The DiT's training step
+# =============================================================================================
+# grpo_step runs it. --policy dit: a prompt's G samples share its AR tokens and initial noise, so
+# they differ by their SDE noise alone and the advantage credits the DiT alone. --policy both: tokens
+# and SDE noise both vary, and each sample's one advantage trains both halves, each half's signal
+# carrying the other's luck as noise (the README compares the AR's progress under ar and both).
+
+def prepare_dit_policy(dit, args):
+    """Marks what of the DiT trains, and returns it: LoRA on its attention, or all its weights."""
+    if args.dit_lora_rank:
+        add_lora(dit, args.dit_lora_rank, args.dit_lora_rank, DIT_LORA_TARGETS)
+    else:
+        dit.requires_grad_(True)
+    if args.gradient_checkpointing:
+        dit.enable_gradient_checkpointing()
+    return [p for p in dit.parameters() if p.requires_grad]
+
+
+def shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, cache):
+    """--policy dit: one token grid per prompt, shared by its group (target_tokens [P, H*W]). --dit-prior
+    per-prompt draws it once per prompt (seeded by it, kept in `cache`): the DiT then sees a fixed
+    input per prompt and can learn what to paint from it. per-step draws anew, seeded as the AR's groups."""
+    def draw(i, seed):
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            torch.manual_seed(seed)                               # leaves the run's RNG stream untouched
+            return sample_group(pipe, [prompts[i]], 1, args.temperature, args.height, args.width, args.loss_tokens,
+                                sources and [sources[i]], record_logp=False)
+
+    if args.dit_prior == "per-step":
+        draws = [draw(i, sampling_seed(args.seed, step, slot)) for i, slot in enumerate(slots)]
+    else:
+        for i, index in enumerate(indices):
+            if index not in cache:
+                cache[index] = draw(i, args.seed * 7_919 + index)
+        draws = [cache[index] for index in indices]
+    return SimpleNamespace(target_tokens=torch.cat([d.target_tokens for d in draws]), grid_hw=draws[0].grid_hw,
+                           source_prior=sources and [d.source_prior[0] for d in draws])
+
+
+def sample_dit_trajectories(pipe, prompts, sources, rollout, noise, indices, step, args):
+    """SAMPLE and DECODE for --policy dit|both: G SDE trajectories per prompt from the shared noise
+    [N, C, h, w], conditioned on the rollout's token grids (one per sample, or per prompt under dit).
+    Returns a namespace: cond, trajectories (a DitRollout), images [N, 3, H, W], and ode_sheet's inputs."""
+    G, dit, per_prompt = args.group_size, pipe.transformer, args.policy == "dit"
+    tokens = rollout.target_tokens.repeat_interleave(G, 0) if per_prompt else rollout.target_tokens   # [N, H*W]
+    source_prior = rollout.source_prior and rollout.source_prior[::1 if per_prompt else G]         # per prompt
+    cond = dit_condition(pipe, prompts, G, tokens, rollout.grid_hw, args.guidance_scale, sources, source_prior)
+    schedule = dit_schedule(pipe, args.height, args.width, args.num_inference_steps)
+    with whole_weights(dit):
+        trajectories = sample_dit(dit, cond, noise, schedule, args.dit_noise_level, args.dit_train_steps,
+                                  sde_generators(args.seed, step, indices))
+    with torch.no_grad():
+        images = latents_to_images(pipe, trajectories.states[:, -1])                       # [N, 3, H, W]
+    return SimpleNamespace(cond=cond, trajectories=trajectories, images=images, tokens=tokens,
+                           grid_hw=rollout.grid_hw, source_prior=source_prior, schedule=schedule)
+
+
+def dit_half(trainer, run, advantages, args):
+    """The DiT's entry (prefix, params, terms) in grpo_update."""
+    return "dit/", trainer.dit_params, dit_loss_terms(trainer.dit_policy, trainer.dit_reference, run.cond,
+                                                      run.trajectories, advantages, args)
+
+
+def ode_sheet(pipe, prompts, sources, run, noise, args):
+    """The updated DiT's a = 0 decode of each prompt's first sample [P, 3, H, W], for the sample sheet."""
+    first = slice(None, None, args.group_size)
+    cond = dit_condition(pipe, prompts, 1, run.tokens[first], run.grid_hw, args.guidance_scale, sources,
+                         run.source_prior)
+    with whole_weights(pipe.transformer):
+        return ode_decode(pipe, cond, noise[first], run.schedule)
+
+
+# #############################################################################################
+# PART III. Plumbing: skip on first read
+# #############################################################################################
+# Nothing below is GRPO: how the run starts, stops and logs, file formats, the tiny model's renderer,
+# checkpoints, torchrun and FSDP, the memory plan, saving. Part I calls each piece in one line.
+
+
+# =============================================================================================
+# 14a. (moved from Parts I and II) Plumbing of the GRPO step: loading, inputs, padding, micro-batches
+# =============================================================================================
+
+# ---- For section 2 (model) -------------------------------------------------------------------
+
+def pipeline_from_pretrained(args, dtype):
+    """GlmImagePipeline.from_pretrained of --model; 'tiny' is a directory too, built and cached on
+    first use (section 20). Under torchrun rank 0 builds it while the others wait: transformers'
+    save_pretrained writes nothing on another rank once torch.distributed is initialised."""
+    from diffusers import GlmImagePipeline
+
+    if args.model == TINY and rank() == 0:
+        tiny_pipeline_dir(args.seed)
+    all_ranks_agree(True)
+    path = tiny_pipeline_dir(args.seed) if args.model == TINY else args.model
+    try:
+        with quiet_progress_bars() if args.model == TINY else contextlib.nullcontext():
+            return GlmImagePipeline.from_pretrained(path, dtype=dtype)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise UsageError(f"--model {args.model} could not be loaded as a GlmImagePipeline: {str(e).splitlines()[0]}")
+
+
+def place_pipeline(pipe, args):
+    """The pipeline on args.device. --offload: diffusers' model offload hooks every component named
+    in model_cpu_offload_seq and moves it to the GPU when called, back to the CPU when the next one
+    runs. A trained half must stay on the GPU so its parameters, gradients and AdamW state never move
+    under the optimizer: it leaves the sequence and is excluded (diffusers places it on the device
+    once). The frozen glyph encoder, DiT (unless --policy dit|both) and VAE take turns on the GPU."""
+    if not args.offload:
+        pipe.to(args.device)
+        return
+    trains_dit = args.policy != "ar"
+    pipe.model_cpu_offload_seq = "text_encoder->vae" if trains_dit else "text_encoder->transformer->vae"
+    pipe._exclude_from_cpu_offload = ["vision_language_encoder"] + (["transformer"] if trains_dit else [])
+    pipe.enable_model_cpu_offload(device=args.device)
+
+
+# ---- For section 3 (prompts and targets) -----------------------------------------------------
+
+def prompts_for_step(num_prompts, per_step, step, seed):
+    """Indices of the prompts of step `step` (1-based): a fresh seeded shuffle per pass over the
+    prompt file, a pure function of (seed, step), so a resumed run sees the same prompts."""
+    indices = []
+    position = (step - 1) * per_step
+    while len(indices) < per_step:
+        epoch, offset = divmod(position, num_prompts)
+        order = list(range(num_prompts))
+        random.Random(seed * 100003 + epoch).shuffle(order)
+        indices.append(order[offset])
+        position += 1
+    return indices
+
+
+def batch_targets(batch):
+    """The step's target images [P, 3, H, W] in [0, 1], or None if any is missing."""
+    targets = [it.target for it in batch]
+    if any(t is None for t in targets):
+        return None
+    return torch.stack([torch.from_numpy(np.asarray(t, dtype=np.float32) / 255.0).permute(2, 0, 1) for t in targets])
+
+
+# ---- For section 4 (SAMPLE): seeds, the prompts as generate() takes them, rows of a rollout ---
+
+def sampling_seed(seed, step, slot):
+    """Seed of the group at position `slot` of step `step`'s prompts, whichever rank draws it."""
+    return seed * 1_000_000_007 + step * 100_003 + slot
+
+
+def sample_groups(pipe, prompts, sources, slots, step, args, record_logp=True, prompt_len=None):
+    """This rank's groups in one generate() call, the group at `slot` drawing from a seed of (seed,
+    step, slot). Every rank pads its prompts to one column past the step's longest, so a group's rows
+    are the same tensors, and its samples the same, on any number of processes (section 21)."""
+    ar = pipe.vision_language_encoder
+    if prompt_len is None:
+        prompt_len = longest_prompt_on_all_ranks(pipe, prompts, sources, args.height, args.width) + 1
+    generators = [torch.Generator(ar.device).manual_seed(sampling_seed(args.seed, step, slot)) for slot in slots]
+    return sample_group(pipe, prompts, args.group_size, args.temperature, args.height, args.width, args.loss_tokens,
+                        sources, record_logp, generators, prompt_len)
+
+
+def longest_prompt_on_all_ranks(pipe, prompts, sources, height, width):
+    """Tokens in the step's longest prompt, over all ranks (a MAX all-reduce under torchrun).
+    sample_groups pads to one more: a row's fp32 sums change with the padding columns before it
+    (SDPA's masked sums), and a batch with none loses its attention mask in transformers and takes
+    SDPA's causal kernel, another summation order; near-tied tokens could then flip."""
+    length = processor_inputs(pipe, prompts, sources or [None] * len(prompts), height, width, "cpu")["input_ids"].shape[1]
+    if not is_ddp():
+        return length
+    t = torch.tensor(length, device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_len=None):
+    """What sample_group hands generate() for P prompts x G samples, tokenised as the pipeline's
+    generate_prior_tokens does and left-padded to `prompt_len` tokens (default: the longest prompt).
+    Returns (batch: generate's keyword arguments, [N, ...] rows; i2i: the sources' VQ ids (flat) and,
+    per sample, the DiT's source condition, else None, None; (tokens to generate, offset of the target
+    grid among them, (H, W)))."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    ar = pipe.vision_language_encoder
+    inputs = processor_inputs(pipe, prompts, sources or [None] * len(prompts), height, width, ar.device)
+    inputs = left_pad(inputs, prompt_len or inputs["input_ids"].shape[1], ar.config.text_config.pad_token_id)
+    batch = repeat_samples(inputs, group_size)
+    vq_ids = source_prior = None
+    if sources is not None:
+        features, vq_ids, source_prior = encode_sources(pipe, inputs, group_size)
+        batch["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=features)}
+    return batch, vq_ids, source_prior, generation_layout(pipe, inputs, is_t2i=sources is None)
 
 
 def processor_inputs(pipe, prompts, sources, height, width, device):
@@ -344,6 +1147,15 @@ def processor_inputs(pipe, prompts, sources, height, width, device):
     return pipe.processor.apply_chat_template(
         messages, tokenize=True, return_dict=True, return_tensors="pt",
         processor_kwargs={"padding": True, "target_h": height, "target_w": width}).to(device)
+
+
+def left_pad(inputs, length, pad_id):
+    """The processor's batch left-padded to `length` tokens (pad id, attention 0)."""
+    extra = length - inputs["input_ids"].shape[1]
+    if extra < 0:
+        raise ValueError(f"prompt of {inputs['input_ids'].shape[1]} tokens does not fit in {length}")
+    pad = lambda t, value: torch.nn.functional.pad(t, (extra, 0), value=value)
+    return {**inputs, "input_ids": pad(inputs["input_ids"], pad_id), "attention_mask": pad(inputs["attention_mask"], 0)}
 
 
 def repeat_samples(inputs, group_size):
@@ -359,11 +1171,6 @@ def repeat_samples(inputs, group_size):
         "image_grid_thw": torch.cat([g.repeat(group_size, 1) for g in grids]),
         "images_per_sample": per_sample.repeat_interleave(group_size),
     }
-
-
-def repeat_each(items, group_size):
-    """[a, b] -> [a x G, b x G]: per-prompt things laid out like the batch rows."""
-    return [x for x in items for _ in range(group_size)]
 
 
 def generation_layout(pipe, inputs, is_t2i):
@@ -391,14 +1198,6 @@ def encode_sources(pipe, inputs, group_size):
     return repeat_each(features, group_size), torch.cat(repeat_each(ids, group_size)), repeat_each(prior, group_size)
 
 
-def image_token_suppression(ar, codebook_size):
-    """Ids the policy may not emit inside a grid: everything past the VQ codebook (image
-    start/end and the other special ids share the AR's output vocabulary). A mid-grid end
-    token would crash the DiT's codebook lookup. Masking them in sampling *and* in the
-    teacher-forced log-probs keeps the policy the loss trains identical to the one sampled."""
-    return list(range(codebook_size, ar.config.text_config.vision_vocab_size))
-
-
 def decode_position_ids(ar, inputs, num_generated):
     """M-RoPE positions [3, N, P + L - 1] for the teacher-forced input prompt + generated[:-1].
 
@@ -412,139 +1211,6 @@ def decode_position_ids(ar, inputs, num_generated):
                                                 inputs["images_per_sample"], inputs["attention_mask"])
     decode = model._cached_decode_position_ids            # [N, 3, L]: one per generated token
     return torch.cat([prompt_positions, decode[:, :, : num_generated - 1].permute(1, 0, 2)], dim=-1)
-
-
-class GumbelMax:
-    """Makes generate's greedy argmax draw exactly from softmax(logits / T), each group's randomness
-    coming from its own torch.Generator. (Any callable (input_ids, scores) -> scores is a transformers
-    logits processor; generate runs it after its own suppress_tokens, which has set the special ids
-    to -inf.)
-
-    The Gumbel-max trick: with g_v = -log(-log(u_v)), u_v ~ U(0, 1) i.i.d. (standard Gumbel noise),
-        argmax_v (l_v / T + g_v)   is distributed as   softmax(l / T)_v,
-    exactly, over the ids whose l_v is finite: no top-k, no top-p (generate's own sampler would fill
-    in top_k=50). Suppressed ids stay at -inf and are never drawn.
-    Why not generate(do_sample=True): torch.multinomial draws from the global RNG row after row, so
-    a row's random numbers depend on how many rows come before it in the batch, i.e. on how the
-    step's prompts are split over ranks. Here group k's noise, [G, V] per token, comes from
-    generators[k] alone, seeded by (seed, step, slot): a group gets the same noise whatever else
-    shares its batch and in whatever order, on 1 GPU or K, and again after a resume (same tokens
-    too if its logits are the same bits: see sample_groups)."""
-
-    def __init__(self, generators, group_size, temperature):
-        self.generators, self.group_size, self.temperature = generators, group_size, temperature
-
-    def __call__(self, input_ids, scores):                    # scores [N, V] fp32, N = groups x G
-        u = torch.cat([torch.rand(self.group_size, scores.shape[-1], generator=gen, device=gen.device,
-                                  dtype=torch.float64) for gen in self.generators])   # [N, V]
-        return scores.double() / self.temperature - torch.log(-torch.log(u))        # u = 0: -inf, never drawn
-
-
-def left_pad(inputs, length, pad_id):
-    """The processor's batch left-padded to `length` tokens (pad id, attention 0)."""
-    extra = length - inputs["input_ids"].shape[1]
-    if extra < 0:
-        raise ValueError(f"prompt of {inputs['input_ids'].shape[1]} tokens does not fit in {length}")
-    pad = lambda t, value: torch.nn.functional.pad(t, (extra, 0), value=value)
-    return {**inputs, "input_ids": pad(inputs["input_ids"], pad_id), "attention_mask": pad(inputs["attention_mask"], 0)}
-
-
-@torch.no_grad()
-def sample_group(pipe, prompts, group_size, temperature, height, width, loss_tokens, sources=None,
-                 record_logp=True, generators=None, prompt_len=None):
-    """One batched generate() call for all prompts x G samples (i2i when `sources` is given).
-
-    Tokens are drawn from exactly softmax(logits / T) over the allowed image tokens (GumbelMax),
-    group k's from generators[k] (default: seeded from the global torch RNG). `prompt_len` left-pads
-    every prompt to that many tokens (default: the longest of `prompts`).
-    Old log-probs are read off generate's raw logits (output_logits: the model's fp32 logits before
-    any processor), divided by T and with the suppressed ids at -inf, by the same token_logprobs
-    the loss uses; never off the processed scores, which carry the Gumbel noise. Returns a Rollout."""
-    from transformers import GenerationConfig
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-    ar = pipe.vision_language_encoder
-    is_t2i = sources is None
-    pad_id = ar.config.text_config.pad_token_id
-    suppressed = image_token_suppression(ar, pipe.transformer.config.prior_vq_quantizer_codebook_size)
-    inputs = processor_inputs(pipe, prompts, sources or [None] * len(prompts), height, width, ar.device)
-    inputs = left_pad(inputs, prompt_len or inputs["input_ids"].shape[1], pad_id)
-    batch = repeat_samples(inputs, group_size)
-    source_prior, extra = None, {}
-    if not is_t2i:
-        features, vq_ids, source_prior = encode_sources(pipe, inputs, group_size)
-        extra["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=features)}
-    num_generated, offset, (H, W) = generation_layout(pipe, inputs, is_t2i)
-    if generators is None:
-        generators = [torch.Generator(ar.device).manual_seed(int(torch.randint(2**62, ()))) for _ in prompts]
-    # do_sample=False: generate takes the argmax of what GumbelMax returns, with no warper of its own.
-    generation_config = GenerationConfig(
-        do_sample=False, top_k=50, top_p=1.0, temperature=1.0,   # generate's defaults: its sampler is off
-        max_new_tokens=num_generated, min_new_tokens=num_generated, suppress_tokens=suppressed,
-        pad_token_id=pad_id, eos_token_id=None, return_dict_in_generate=True, output_logits=record_logp)
-    out = ar.generate(**batch, **extra, generation_config=generation_config,
-                      logits_processor=[GumbelMax(generators, group_size, temperature)])
-    sequences = out.sequences
-    if not is_t2i:
-        # generate swapped the <|image|> placeholders for the source's VQ ids only inside its
-        # forward; writing them into the ids lets every later pass skip the vision encoder.
-        sequences = sequences.masked_scatter(sequences == ar.config.image_token_id, vq_ids.to(sequences.device))
-    prompt_len = batch["input_ids"].shape[1]
-    generated = sequences[:, prompt_len:]                                     # [N, L]
-    old_logp = None
-    if record_logp:      # one decode step at a time: no [N, L, V] copy of the logits
-        old_logp = torch.cat([token_logprobs(logits[:, None], generated[:, t, None], temperature, suppressed)
-                              for t, logits in enumerate(out.logits)], dim=1)  # [N, L]
-    loss_mask = torch.zeros_like(generated, dtype=torch.float32)
-    first = offset if loss_tokens == "target" else 0
-    loss_mask[:, first: offset + H * W] = 1.0                                  # never the end slot
-    attention_mask = torch.cat([batch["attention_mask"], torch.ones_like(generated[:, :-1])], dim=1)
-    return Rollout(
-        sequences=sequences, attention_mask=attention_mask,
-        position_ids=decode_position_ids(ar, batch, num_generated), old_logp=old_logp, loss_mask=loss_mask,
-        target_tokens=generated[:, offset: offset + H * W], grid_hw=(H, W), prompt_len=prompt_len,
-        source_prior=source_prior)
-
-
-def sampling_seed(seed, step, slot):
-    """Seed of the AR sampling for the group at position `slot` of step `step`: the same number
-    whichever rank draws that group, and different for every (step, slot)."""
-    return seed * 1_000_000_007 + step * 100_003 + slot
-
-
-def sample_groups(pipe, prompts, sources, slots, step, args, record_logp=True, prompt_len=None):
-    """This rank's groups in one generate() call. The group at position `slot` of the step's
-    prompt list draws its noise from a generator seeded by (seed, step, slot), so its samples are
-    the same whether its rank holds 1 prompt or 8: a run samples the same on 1 GPU and on K.
-
-    Same noise is not yet same tokens: the logits must be the same bits too, or a near-tie between
-    two noisy scores can go the other way (a token flips with probability below 2 d / T when its
-    logits move by d). A row's fp32 sums change with the batch around it: SDPA's masked sums
-    depend on how many padding columns come first (~1e-7), and transformers drops the attention
-    mask of a batch without any padding, whose rows then go through SDPA's causal kernel and another
-    summation order (logits ~5e-6 apart on the tiny model). So every rank pads to one column more
-    than the step's longest prompt (`prompt_len`, default: a MAX all-reduce of the ranks' longest,
-    + 1): a group's rows are then the same tensors on any split, always on the masked path. On CPU
-    its tokens and log-probs are then bit-identical (tested), given at least 4 rows per rank (below
-    that the CPU matmul takes another kernel). Kernels that choose their summation order by batch
-    size, common on GPUs, can still flip a near-tie: 1 GPU and K then agree only statistically."""
-    ar = pipe.vision_language_encoder
-    if prompt_len is None:
-        prompt_len = longest_prompt_on_all_ranks(pipe, prompts, sources, args.height, args.width) + 1
-    generators = [torch.Generator(ar.device).manual_seed(sampling_seed(args.seed, step, slot)) for slot in slots]
-    return sample_group(pipe, prompts, args.group_size, args.temperature, args.height, args.width, args.loss_tokens,
-                        sources, record_logp, generators, prompt_len)
-
-
-def longest_prompt_on_all_ranks(pipe, prompts, sources, height, width):
-    """Tokens in the step's longest prompt, over all ranks (a MAX all-reduce under torchrun; the
-    processor runs once more for it, nothing next to generate)."""
-    length = processor_inputs(pipe, prompts, sources or [None] * len(prompts), height, width, "cpu")["input_ids"].shape[1]
-    if not is_ddp():
-        return length
-    t = torch.tensor(length, device=collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
 
 
 def row_slices(num_samples, size):
@@ -564,72 +1230,7 @@ def slice_rollout(rollout, rows):
         source_prior=None if rollout.source_prior is None else rollout.source_prior[rows])
 
 
-# =============================================================================================
-# 5. DECODE: target-grid tokens -> DiT -> VAE -> pixels
-# =============================================================================================
-
-def group_noise(pipe, prompt_indices, group_size, height, width, seed, step, mode):
-    """Initial DiT latents [N, C, h, w]: one draw per prompt, shared by its G samples.
-
-    Within a group: on the tiny model the DiT noise alone moves the MSE ~27x more than the AR
-    tokens do, so with independent noise per sample the group advantages would mostly rank noise
-    draws, not tokens. Common noise leaves the tokens as the only difference.
-    Across steps (--dit-noise): 'per-prompt' (default) keeps each prompt's draw for the whole
-    run, so the renderer is a fixed function tokens -> image and the reward measures the policy
-    alone: reward_mean then rises only if the policy improved. A random DiT passes its input
-    noise straight into the image (a trained one cancels most of it), so on the tiny model fresh
-    noise each step ('per-step') makes the best tokens change from step to step. 'per-step'
-    trains for tokens that are good on average over noise. Seeds are pure functions of
-    (seed, prompt, step), so a resumed run draws the same noise."""
-    channels = pipe.transformer.config.in_channels
-    shape = (channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
-    draws = []
-    for index in prompt_indices:
-        stream = index if mode == "per-prompt" else index + 1_000_003 * step
-        draws.append(torch.randn(shape, generator=torch.Generator().manual_seed(seed * 7_919 + stream)))
-    return torch.stack(draws).repeat_interleave(group_size, 0)
-
-
-@torch.no_grad()
-def decode_images(pipe, prompts, rollout, noise, num_inference_steps, guidance_scale, sources=None):
-    """Images [N, 3, H, W] in [0, 1] from the sampled target grids.
-
-    The pipeline's own _upsample_token_ids doubles the 32-px token grid to the DiT's 16-px grid
-    (nearest neighbour), and `prior_token_ids=` makes the pipeline skip its AR stage: it only runs
-    the glyph encoder, the DiT and the VAE. `prompts` (and i2i `sources`) have one entry per sample.
-    In i2i the pipeline VAE-encodes each source into the DiT's KV cache, conditioned on the
-    source's VQ ids (`prior_token_image_ids`, `source_image_grid_thw`)."""
-    H, W = rollout.grid_hw
-    device = pipe._execution_device
-    prior = torch.cat([pipe._upsample_token_ids(t, H, W) for t in rollout.target_tokens])   # [N, 4*H*W]
-    i2i = {}
-    if sources is not None:
-        i2i = {"image": [[s] for s in sources],
-               "prior_token_image_ids": [ids.to(device) for ids, _ in rollout.source_prior],
-               "source_image_grid_thw": [grid.to(device) for _, grid in rollout.source_prior]}
-    out = pipe(prompt=prompts, prior_token_ids=prior.to(device), height=H * 32, width=W * 32,
-               latents=noise.to(device, pipe.transformer.dtype), num_inference_steps=num_inference_steps,
-               guidance_scale=guidance_scale, output_type="pt", **i2i)
-    return at_least_fp32(out.images).cpu()
-
-
-# =============================================================================================
-# 6. REWARD
-# =============================================================================================
-
-def mse_reward(images, targets):
-    """r = -mean((image - target)^2) over channels and pixels.
-    images, targets: float [N, 3, H, W] in [0, 1]  ->  rewards [N] in [-1, 0]; 0 = perfect."""
-    return -((at_least_fp32(images) - at_least_fp32(targets)) ** 2).mean(dim=(1, 2, 3))
-# Reward plug-ins. A reward is any function
-#     fn(images: Tensor [N, 3, H, W] in [0, 1], prompts: list[str] (N), targets: Tensor [N, 3, H, W] | None)
-#         -> Tensor [N] (or a list of N floats), higher = better
-# named on the command line as `--reward module:fn` or `--reward path/to/file.py:fn`, optionally
-# `=WEIGHT`. Row i of images, prompts and targets is the same sample (a prompt's G samples are
-# consecutive). A function that reads `targets` says so with `fn.uses_targets = True`; only then do
-# prompt lines need target images. A reward model (CLIP, HPS, PickScore, OCR) loads itself once at
-# import time of its file; a reward served by another process is a plug-in that posts the images
-# (README). Plug-ins are loaded before the model, so a bad spec fails in a second, not after loading.
+# ---- For section 6 (REWARD): the plug-ins' type and the built-in one, each call checked ------
 
 @dataclass
 class Reward:
@@ -647,205 +1248,37 @@ def mse(images, prompts, targets):
 mse.uses_targets = True
 
 
-def compute_rewards(rewards, images, prompts, targets):
-    """Runs every reward on the batch. Returns (total [N], {name: [N]}), total = sum_k w_k * r_k.
-
-    Sum, then standardise (in group_advantages): a reward's influence on the advantages is its
-    weight times its spread, so a reward with a large within-group spread dominates. MixGRPO
-    instead standardises each reward within the group first and then sums the z-scores, which
-    makes weights mean "relative importance" whatever the scales; but a reward that is flat in a
-    group gets its tiny noise blown up to full size. We sum, like TRL's GRPOTrainer: the weights
-    stay what they say, and one reward alone gives exactly today's advantages.
-    A reward that raises or returns the wrong shape stops the run with one line naming it. NaN
-    values are reported by name and passed on: the NaN total then makes the loss non-finite and
-    grpo_update skips the step, so they never reach the weights.
-
-    Each reward gets its own copy of the batch: one that edits `images` in place (a normalisation
-    with `sub_`, say) must not change what the next reward, or the sample sheet, sees."""
-    total, per_reward = None, {}
-    for reward in rewards:
-        try:
-            value = reward.fn(images.clone(), list(prompts), None if targets is None else targets.clone())
-        except Exception as e:
-            raise UsageError(f"reward {reward.name} raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}",
-                             local=True)
-        try:
-            value = torch.as_tensor(value, dtype=images.dtype).detach().cpu()     # fp32 (fp64 for a fp64 model)
-        except (TypeError, ValueError, RuntimeError):
-            raise UsageError(f"reward {reward.name} returned {type(value).__name__}, not a tensor or list of floats",
-                             local=True)
-        if value.shape != (len(prompts),):
-            raise UsageError(f"reward {reward.name} returned shape {list(value.shape)}, expected [{len(prompts)}] "
-                             "(one value per image)", local=True)
-        bad = (~torch.isfinite(value)).sum().item()
-        if bad:
-            print(f"warning: reward {reward.name} returned {bad} non-finite values of {len(prompts)}; "
-                  "this step's update is skipped", file=sys.stderr)
-        per_reward[reward.name] = value
-        total = reward.weight * value if total is None else total + reward.weight * value
-    return total, per_reward
+def call_reward(reward, images, prompts, targets):
+    """One --reward on the batch, checked: [N] in the images' dtype (fp32, fp64 for a fp64 model).
+    Each reward gets its own copy of the batch: one that edits `images` in place must not change
+    what the next reward, or the sample sheet, sees. One that raises or returns the wrong shape
+    stops the run with one line naming it. Non-finite values are reported and passed on: the loss
+    is then non-finite and grpo_update skips the step, so they never reach the weights."""
+    n = len(prompts)
+    try:
+        value = reward.fn(images.clone(), list(prompts), None if targets is None else targets.clone())
+    except Exception as e:
+        raise UsageError(f"reward {reward.name} raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}",
+                         local=True)
+    try:
+        value = torch.as_tensor(value, dtype=images.dtype).detach().cpu()
+    except (TypeError, ValueError, RuntimeError):
+        raise UsageError(f"reward {reward.name} returned {type(value).__name__}, not a tensor or list of floats",
+                         local=True)
+    if value.shape != (n,):
+        raise UsageError(f"reward {reward.name} returned shape {list(value.shape)}, expected [{n}] "
+                         "(one value per image)", local=True)
+    bad = (~torch.isfinite(value)).sum().item()
+    if bad:
+        print(f"warning: reward {reward.name} returned {bad} non-finite values of {n}; "
+              "this step's update is skipped", file=sys.stderr)
+    return value
 
 
-# =============================================================================================
-# 7. ADVANTAGE
-# =============================================================================================
-
-def group_advantages(rewards, group_size, eps=1e-4):
-    """GRPO's advantage: A_i = (r_i - mean_group(r)) / (std_group(r) + eps).
-
-    rewards [N] hold consecutive groups of `group_size` (N = prompts x G). A group whose rewards
-    are all equal carries no preference and gets exactly 0. Pitfall: r - mean(r) is not exactly 0
-    for such a group, since the float32 mean of 16 equal numbers can be one ulp off them; divided
-    by std + eps that ulp became a spurious advantage of ~3e-4. So constant groups (max == min)
-    are zeroed explicitly.
-    eps is not tiny on purpose: MSE rewards within a group can differ by 1e-4, and a smaller eps
-    would blow those differences up to full-size advantages. std is the unbiased one (as TRL)."""
-    if rewards.ndim != 1 or rewards.numel() % group_size:
-        raise ValueError(f"got {rewards.numel()} rewards, not a multiple of group_size={group_size}")
-    groups = rewards.view(-1, group_size)
-    centred = groups - groups.mean(dim=1, keepdim=True)
-    advantages = centred / (groups.std(dim=1, keepdim=True) + eps)
-    return torch.where(constant_groups(groups), 0.0, advantages).view(-1)
-
-
-def constant_groups(groups):
-    """[P, G] -> [P, 1] bool: groups whose G rewards are all identical (no learning signal)."""
-    return groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)
-
-
-def score_groups(rewards_fns, images, prompts, targets, group_size):
-    """REWARD then ADVANTAGE for N = P x G samples, the same path for every policy.
-    images [N, 3, H, W]; prompts: one per sample; targets [P, 3, H, W] or None.
-    Returns (rewards [N], advantages [N], metrics: TRL's names)."""
-    per_sample_targets = None if targets is None else targets.repeat_interleave(group_size, 0)
-    rewards, per_reward = compute_rewards(rewards_fns, images, prompts, per_sample_targets)   # [N], {name: [N]}
-    advantages = group_advantages(rewards, group_size)                                        # [N]
-    groups = rewards.view(-1, group_size)                                                     # [P, G]
-    metrics = {"reward_mean": rewards.mean().item(), "reward_std": groups.std(dim=1).mean().item(),
-               "frac_reward_zero_std": constant_groups(groups).float().mean().item(),   # groups with no signal
-               **{f"rewards/{name}": value.mean().item() for name, value in per_reward.items()}}
-    return rewards, advantages, metrics
-
-
-# =============================================================================================
-# 8. Log-probs with gradients
-# =============================================================================================
+# ---- For sections 8-11: dtypes, micro-batches under DDP, the optimiser's schedule, resuming ---
 
 def at_least_fp32(x):
-    """bf16/fp16 -> fp32; fp32 and fp64 unchanged."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
-def token_entropy(logits, temperature, suppressed=()):
-    """H = -sum_v p_v log p_v of softmax(logits / T) with `suppressed` ids at probability 0, in fp32
-    (or fp64 for a fp64 model). logits [N, L, V] -> [N, L] nats; log(V - len(suppressed)) at
-    uniform, 0 when one token has it all."""
-    logits = at_least_fp32(logits) / temperature
-    if len(suppressed):
-        logits[..., list(suppressed)] = float("-inf")
-    return torch.distributions.Categorical(logits=logits).entropy()    # treats -inf as p = 0
-
-
-@torch.no_grad()
-def loss_token_entropy_sum(logits, mask, temperature, suppressed=()):
-    """sum of token_entropy over the loss tokens (mask [N, L]): a monitor, never differentiated."""
-    return (token_entropy(logits, temperature, suppressed) * mask).sum()
-
-
-def token_logprobs(logits, tokens, temperature, suppressed=()):
-    """log pi(token) under softmax(logits / T), computed in fp32 (bf16 log-softmax loses ~1e-2;
-    a fp64 model stays fp64). logits [N, L, V], tokens [N, L] -> [N, L]. `suppressed` ids get
-    probability 0, as in sampling."""
-    logits = at_least_fp32(logits) / temperature
-    if len(suppressed):
-        logits[..., list(suppressed)] = float("-inf")
-    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
-def policy_logits(ar, rollout):
-    """One teacher-forced forward over prompt + generated[:-1] with the M-RoPE positions
-    generate used; logits [N, L, V] of the last L positions predict the L generated tokens.
-    A plain forward without position_ids would number image tokens like text (off by nats)."""
-    num_generated = rollout.sequences.shape[1] - rollout.prompt_len
-    return ar(input_ids=rollout.sequences[:, :-1], attention_mask=rollout.attention_mask,
-              position_ids=rollout.position_ids, logits_to_keep=num_generated, use_cache=False).logits
-
-
-def policy_logprobs(ar, rollout, temperature, suppressed):
-    """log pi_theta of each generated token [N, L], differentiable."""
-    return token_logprobs(policy_logits(ar, rollout), rollout.sequences[:, rollout.prompt_len:], temperature,
-                          suppressed)
-
-
-@torch.no_grad()
-def logprobs_by_micro_batch(model, rollout, temperature, suppressed, size):
-    """policy_logprobs without gradients, `size` samples per forward, concatenated [N, L]."""
-    return torch.cat([policy_logprobs(model, slice_rollout(rollout, rows), temperature, suppressed)
-                      for rows in row_slices(rollout.sequences.shape[0], size)])
-
-
-# =============================================================================================
-# 9. Loss
-# =============================================================================================
-# Which tokens: the reward depends only on the H*W target-grid tokens (the preview grid is a
-# sketch the DiT never sees). The preview tokens do condition the target grid, so training them
-# too ('all') is the unbiased trajectory-level gradient, but it adds h*w ~ 256 tokens whose
-# credit is almost pure noise next to a handful of target tokens at small sizes. 'target' (the
-# default) trades that bias for a far less noisy gradient.
-
-def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=None):
-    """PPO-clipped GRPO objective, per token. Returns (loss, metrics).
-
-        ratio    = exp(logp - old_logp)                         rho_t in the papers
-        pg_loss1 = -A * ratio
-        pg_loss2 = -A * clip(ratio, 1 - eps, 1 + eps)
-        pg_loss  = max(pg_loss1, pg_loss2)                      = -min(rho A, clip(rho) A)
-        kl       = exp(ref - logp) - (ref - logp) - 1           k3 estimator, >= 0, unbiased
-        loss     = masked_mean(pg_loss + beta * kl)
-
-    logp, old_logp, ref_logp, mask: [N, L]; advantages: [N] (one per sequence).
-    Normalisation: the masked mean over all tokens of the batch (TRL's 'bnpo'). Every sample here
-    has the same number of tokens (fixed by the image size), so 'grpo' (mean per sequence, then
-    over sequences), 'bnpo' and 'dapo' give the same number; the choice only matters with ragged
-    lengths."""
-    adv = advantages.unsqueeze(1)                                     # [N, 1]
-    ratio = torch.exp(logp - old_logp)
-    pg_loss1 = -adv * ratio
-    pg_loss2 = -adv * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
-    per_token = torch.max(pg_loss1, pg_loss2)
-    kl = torch.zeros_like(logp)
-    if beta > 0:
-        log_ratio_ref = ref_logp - logp
-        kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1
-        per_token = per_token + beta * kl
-    n = mask.sum().clamp(min=1)
-    loss = (per_token * mask).sum() / n
-    clipped = ((ratio < 1 - clip_eps) & (adv < 0)) | ((ratio > 1 + clip_eps) & (adv > 0))
-    metrics = {
-        "ratio_mean": ((ratio * mask).sum() / n).item(),
-        "clip_ratio": ((clipped.float() * mask).sum() / n).item(),
-        "kl": ((kl * mask).sum() / n).item(),
-    }
-    return loss, metrics
-
-
-# =============================================================================================
-# 10. UPDATE: mu passes of clipped-surrogate ascent over the same batch (one loop for every policy)
-# =============================================================================================
-
-@torch.no_grad()
-def reference_logprobs(ar, reference, rollout, temperature, suppressed, micro_batch_size=None):
-    """log pi_ref for the KL term. With LoRA the reference is the same model with its adapters
-    switched off (no second copy); for full fine-tuning it is a frozen copy of the initial AR.
-    `ar` is the bare module, never the DDP wrapper: this pass has no gradients to average."""
-    size = micro_batch_size or rollout.sequences.shape[0]
-    if reference is None:
-        ar.disable_adapters()
-        try:
-            return logprobs_by_micro_batch(ar, rollout, temperature, suppressed, size)
-        finally:
-            ar.enable_adapters()
-    return logprobs_by_micro_batch(reference, rollout, temperature, suppressed, size)
+    return x.to(torch.promote_types(x.dtype, torch.float32))    # bf16/fp16 -> fp32; fp32, fp64 unchanged
 
 
 def micro_batches(policy, num_samples, size):
@@ -866,318 +1299,46 @@ def sync_on_last(policy, pieces):
             yield piece
 
 
-def ar_loss_terms(policy, rollout, advantages, ref_logp, args, suppressed):
-    """The AR's loss for grpo_update, in pieces: one per micro-batch of --micro-batch-size samples.
-    The batch loss is the token mean over the whole batch, so a piece's weight is its share of the
-    batch's loss tokens, and the accumulated gradient is the full-batch gradient.
-    `policy` is the AR, or its DDP wrapper under torchrun (the forward must go through the wrapper
-    for DDP to average the gradients). Returns terms(epoch) -> iterable of (loss, metrics, weight)."""
-    advantages = advantages.to(rollout.old_logp.device)
-    tokens = rollout.loss_mask.sum()
-
-    def terms(epoch):
-        for rows in micro_batches(policy, advantages.shape[0], args.micro_batch_size):
-            part = slice_rollout(rollout, rows)
-            logits = policy_logits(policy, part)                                   # [n, L, V]
-            logp = token_logprobs(logits, part.sequences[:, part.prompt_len:], args.temperature, suppressed)
-            loss, metrics = grpo_loss(logp, part.old_logp, advantages[rows], part.loss_mask, args.clip_eps,
-                                      args.beta, None if ref_logp is None else ref_logp[rows])
-            if epoch == 0:
-                # The policy still equals pi_old: |logp - old_logp| is a live check of the bookkeeping.
-                metrics["logp_diff_max"] = ((logp - part.old_logp).abs() * part.loss_mask).max().item()
-                # Entropy collapse: GRPO sharpens the policy on whatever wins within a group. Once the
-                # loss tokens' entropy nears 0, the G samples of a group are identical, every reward
-                # ties, all advantages are 0 and learning stops for good (frac_reward_zero_std -> 1).
-                metrics["entropy"] = (loss_token_entropy_sum(logits, part.loss_mask, args.temperature, suppressed)
-                                      / part.loss_mask.sum()).item()
-            yield loss, {**metrics, "loss": loss.item()}, (part.loss_mask.sum() / tokens).item()
-    return terms
+def seed_everything(seed):
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
 
 
-FIRST_PASS_ONLY = ("logp_diff_max", "entropy")   # measured while the policy still equals pi_old
-
-
-def grpo_update(optimizer, halves, args):
-    """mu = --inner-epochs optimiser steps on one batch: the one optimiser loop of every policy.
-
-    halves: [(prefix, params, terms)], one per trained half ('' the AR, 'dit/' the DiT, Part II).
-    terms(epoch) yields the half's loss in pieces (loss, metrics, weight) whose weights add up to 1:
-    a micro-batch of samples for the AR, one denoising step for the DiT. Each piece is
-    backpropagated as it is built, so only one piece's activations are alive at once, and the
-    gradients add up to the gradient of the whole batch's loss. One optimizer.step then moves
-    every half (one AdamW, a param group and learning rate per half). Gradients are clipped per
-    half: the two losses live on different scales, and a joint norm would let one throttle the other.
-
-    On the first pass the policy still equals pi_old, so ratio = 1 exactly and the clip cannot act;
-    only from the second pass on, when the weights have moved, does clipping limit how far one
-    batch pushes the policy (with mu = 1 it is dead code, as in several public GRPO scripts).
-    Returns the metrics averaged over the passes that updated (the weighted mean of the pieces;
-    logp_diff_max and entropy from the first pass), `skipped_updates`: passes whose loss or gradient
-    was not finite, which never reach the weights, and `skipped_nonfinite_loss`: those of them whose
-    loss was."""
-    done, first, skipped, bad_loss = [], {}, 0, 0
-    for epoch in range(args.inner_epochs):
-        optimizer.zero_grad(set_to_none=True)
-        metrics, loss_finite, finite = {}, True, True
-        for prefix, params, terms in halves:
-            for loss, piece, weight in terms(epoch):
-                (loss * weight).backward()
-                loss_finite &= math.isfinite(piece["loss"])
-                for key, value in piece.items():
-                    key = prefix + key
-                    metrics[key] = (max(metrics.get(key, value), value) if key.endswith("logp_diff_max")
-                                    else metrics.get(key, 0.0) + value * weight)
-            norm = clip_gradients(params, args.max_grad_norm)
-            finite &= loss_finite and bool(torch.isfinite(norm))
-            metrics[prefix + "grad_norm"] = norm.item()
-        if epoch == 0:
-            first = {k: v for k, v in metrics.items() if k.endswith(FIRST_PASS_ONLY)}
-        # Under DDP the loss is this rank's, the gradient everyone's: decide together.
-        if not all_ranks_agree(finite):
-            skipped += 1            # never let a NaN/inf reach the weights (or a checkpoint)
-            bad_loss += not loss_finite
-            optimizer.zero_grad(set_to_none=True)
-            continue
-        optimizer.step()
-        done.append({k: v for k, v in metrics.items() if not k.endswith(FIRST_PASS_ONLY)})
-    keys = [k for k in metrics if not k.endswith(FIRST_PASS_ONLY)]
-    averaged = {k: sum(m[k] for m in done) / len(done) if done else float("nan") for k in keys}
-    return {**averaged, **first, "skipped_updates": skipped, "skipped_nonfinite_loss": bad_loss}
-
-
-# =============================================================================================
-# 11. One GRPO step, and the training loop
-# =============================================================================================
-
-@dataclass
-class Trainer:
-    """What the loop carries from step to step."""
-    pipe: object                 # GlmImagePipeline; its vision_language_encoder is the policy
-    optimizer: torch.optim.Optimizer
-    params: list                 # the trainable parameters
-    reference: object            # frozen initial AR for the KL term (full fine-tuning, beta > 0), else None
-    suppressed: list             # ids outside the VQ codebook, never sampled inside a grid
-    rewards: list = None         # the --reward plug-ins (section 6)
-    lr_scheduler: object = None  # diffusers' get_scheduler: one step per GRPO step
-    trained: torch.nn.Module = None   # what checkpoints hold: the AR, or {AR, DiT} with --policy dit|both
-    dit_params: list = None      # the DiT's trainable parameters (--policy dit|both)
-    dit_reference: object = None  # frozen initial DiT for the KL term (full fine-tuning, beta > 0)
-    prompt_tokens: dict = None   # --policy dit --dit-prior per-prompt: prompt index -> its token grid
-    policy: object = None        # what the AR's training forward runs through: the AR, or its DDP wrapper
-    dit_policy: object = None    # the same for the DiT (--policy dit|both)
-    before_update: object = None  # called right before each UPDATE (the stop handler's last chance to drop the step)
-
-
-def setup_training(args, ckpt=None, ckpt_path=None, rewards=None):
-    """Loads the model, marks what trains, builds AdamW and its learning-rate schedule, restores a
-    checkpoint. Returns (Trainer, start step). `rewards`: the loaded --reward plug-ins (loaded here
-    if not given; train loads them first, to know whether prompts need targets)."""
+def lr_schedule(optimizer, args):
+    """diffusers' get_scheduler over --steps GRPO steps (each of --inner-epochs optimiser steps at the
+    step's lr). Its 'constant' ignores warm-up, its 'constant_with_warmup' does not."""
     from diffusers.optimization import get_scheduler
 
-    pipe = load_pipeline(args)
-    # Seeded after loading, so the sampling stream is the same however the model was made
-    # (building the tiny model draws from the RNG, from_pretrained does not).
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    np.random.seed(args.seed)
-    ar = pipe.vision_language_encoder
-    suppressed = image_token_suppression(ar, pipe.transformer.config.prior_vq_quantizer_codebook_size)
-    # For full fine-tuning with beta > 0, the KL reference is a frozen copy of the initial AR
-    # (fine for the tiny model; at 9B use LoRA, whose reference is the base with adapters off).
-    train_ar, dit = args.policy != "dit", pipe.transformer
-    reference = copy.deepcopy(ar).requires_grad_(False) if train_ar and args.beta > 0 and not args.lora_rank else None
-    params = shard_for_training(ar, prepare_policy(ar, args), args, reference) if train_ar else []
-    groups, trained = [{"params": params, "lr": args.lr}], ar
-    dit_params, dit_reference = None, None
-    if args.policy != "ar":
-        dit_reference = copy.deepcopy(dit).requires_grad_(False) if args.beta > 0 and not args.dit_lora_rank else None
-        dit_params = shard_for_training(dit, prepare_dit_policy(dit, args), args, dit_reference)
-        # one AdamW, one param group per half, each with its own learning rate
-        groups = (groups if train_ar else []) + [{"params": dit_params, "lr": args.dit_lr}]
-        trained = torch.nn.ModuleDict({"vision_language_encoder": ar, "transformer": dit} if train_ar
-                                      else {"transformer": dit})
-    optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay)
-    # The schedule spans --steps GRPO steps (each of --inner-epochs optimiser steps, all at the
-    # step's lr). diffusers' 'constant' ignores warm-up, its 'constant_with_warmup' does not.
     with_warmup = args.lr_scheduler == "constant" and args.lr_warmup_steps
-    lr_scheduler = get_scheduler("constant_with_warmup" if with_warmup else args.lr_scheduler, optimizer,
-                                 num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.steps)
-    start = 0
-    if ckpt is not None:
-        restore_checkpoint(ckpt, ckpt_path, trained, optimizer, lr_scheduler)
-        start = ckpt["step"]
-        if rank() == 0:
-            print(f"Resuming from step {start} ({ckpt_path})")
-    rewards = load_rewards(args.reward) if rewards is None else rewards
-    return Trainer(pipe, optimizer, params, reference, suppressed, rewards, lr_scheduler, trained, dit_params,
-                   dit_reference, {}, policy=wrap_for_training(ar, args.device) if train_ar else None,
-                   dit_policy=wrap_for_training(dit, args.device) if args.policy != "ar" else None), start
+    return get_scheduler("constant_with_warmup" if with_warmup else args.lr_scheduler, optimizer,
+                         num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.steps)
 
 
-def sample_tokens(trainer, prompts, sources, slots, step, args):
-    """SAMPLE with the AR in eval mode; a Rollout with old log-probs. In bf16, generate's cached
-    decode and a full teacher-forced pass differ by ~1e-2 per token; pi_old then comes from a no-grad
-    teacher-forced pass, so that the first-epoch ratio is exactly 1 and only a real policy change
-    moves it. In fp32 the two agree to ~1e-6 and the sampler's own log-probs are used. In fp64 the
-    teacher-forced pass again: generate rounds the logits it returns to fp32 (~1e-7 per log-prob)."""
-    ar = trainer.pipe.vision_language_encoder
-    ar.eval()
-    exact_fp32 = args.dtype == "float32"
-    with whole_weights(ar):
-        rollout = sample_groups(trainer.pipe, prompts, sources, slots, step, args, record_logp=exact_fp32)
-        if not exact_fp32:
-            rollout.old_logp = logprobs_by_micro_batch(ar, rollout, args.temperature, trainer.suppressed,
-                                                       args.micro_batch_size)
-    return rollout
+def resume(trainer, ckpt, path):
+    """Restores `ckpt` (weights, AdamW state, schedule) into `trainer`: its step, or 0 without one."""
+    if ckpt is None:
+        return 0
+    restore_checkpoint(ckpt, path, trainer.trained, trainer.optimizer, trainer.lr_scheduler)
+    if rank() == 0:
+        print(f"Resuming from step {ckpt['step']} ({path})")
+    return ckpt["step"]
 
 
-def grpo_step(trainer, items, indices, step, args, slots=None):
-    """One GRPO step on the prompts `items[indices]`, which sit at positions `slots` of the step's
-    global prompt list (under torchrun, this rank's share; default: all of them).
-    Returns (metrics row, rewards [N], images [N, 3, H, W], targets [P, 3, H, W] or None, sources or None,
-    None): the last is grpo_step_dit's a = 0 decode, which the AR policy has not."""
-    pipe, ar = trainer.pipe, trainer.pipe.vision_language_encoder
-    batch = [items[i] for i in indices]
-    prompts = [it.text for it in batch]
-    sources = [it.source for it in batch] if args.mode == "i2i" else None
-    slots = range(len(indices)) if slots is None else slots
-    M = args.micro_batch_size
-    # ---- SAMPLE ----------------------------------------------------------------------------
-    rollout = sample_tokens(trainer, prompts, sources, slots, step, args)
-    # ---- DECODE ----------------------------------------------------------------------------
-    noise = group_noise(pipe, indices, args.group_size, args.height, args.width, args.seed, step, args.dit_noise)
-    sample_prompts, sample_sources = repeat_each(prompts, args.group_size), sources and repeat_each(sources, args.group_size)
-    images = torch.cat([decode_images(pipe, sample_prompts[rows], slice_rollout(rollout, rows), noise[rows],
-                                      args.num_inference_steps, args.guidance_scale,
-                                      sample_sources and sample_sources[rows])
-                        for rows in row_slices(len(sample_prompts), M)])                  # [N, 3, H, W]
-    # ---- REWARD + ADVANTAGE ----------------------------------------------------------------
-    targets = batch_targets(batch)                                                        # [P, 3, H, W]
-    rewards, advantages, reward_metrics = score_groups(trainer.rewards, images, sample_prompts, targets,
-                                                       args.group_size)                  # [N], [N]
-    # ---- UPDATE ----------------------------------------------------------------------------
-    if trainer.before_update:
-        trainer.before_update()
-    ref_logp = (reference_logprobs(ar, trainer.reference, rollout, args.temperature, trainer.suppressed, M)
-                if args.beta > 0 else None)
-    ar.train()   # only switches gradient checkpointing on: GLM-Image's AR has no dropout, so the
-                 # first pass still reproduces pi_old exactly
-    terms = ar_loss_terms(trainer.policy, rollout, advantages, ref_logp, args, trainer.suppressed)
-    update = grpo_update(trainer.optimizer, [("", trainer.params, terms)], args)
-    row = {"step": step, **reward_metrics, **update}
-    return row, rewards, images, targets, sources, None
+def non_finite_streak(bad_steps, row, step, out, args):
+    """The causes of the run of steps, up to this one, whose every update was skipped (non-finite);
+    five in a row stop the run."""
+    bad_steps = bad_steps + [skip_cause(row)] if row["skipped_updates"] == args.inner_epochs else []
+    if len(bad_steps) >= 5:
+        raise UsageError(non_finite_stop(bad_steps, step, out))
+    return bad_steps
 
 
-def train(args):
-    """The training loop. Each step: GRPO (grpo_step, or grpo_step_dit for --policy dit|both), then
-    LOG, sample sheets and CHECKPOINT, each one call into the plumbing (Part III)."""
-    run = open_run(args)                      # checks, --out lock, prompts, rewards, model, resume point
-    if run is None:
-        return None
-    items, trainer, start, out, lead, lock = run
-    tracker = start_logging(args, trainer, out, start) if lead else None
-    step_fn = grpo_step if args.policy == "ar" else grpo_step_dit
-    stop = StopAfterStep()                    # Ctrl+C / SIGTERM: finish or drop the step, checkpoint, exit
-    trainer.before_update = stop.before_update
-    last_saved, bad_steps, warned = start, [], False
-    try:
-        for step in range(start + 1, args.steps + 1):
-            t0 = time.time()
-            slots = rank_slots(args.prompts_per_step)            # this rank's share of the step's prompts
-            indices = [prompts_for_step(len(items), args.prompts_per_step, step, args.seed)[s] for s in slots]
-            step_rng = rng_state()
-            try:
-                stop.begin_step()
-                row, rewards, images, targets, sources, ode = step_fn(trainer, items, indices, step, args, slots)
-            except AbandonStep:               # a stop signal before the update: the weights are still step - 1's
-                stop_before_update(stop, trainer, args, out, step, last_saved, step_rng)
-            row = finish_row(row, trainer, args, t0)
-            stopping = stop.agree()                              # a stop signal seen by any rank stops all
-            # ---- LOG -------------------------------------------------------------------------
-            if lead:
-                warned = log_step(row, step, args, trainer, out, tracker, warned)
-            bad_steps = bad_steps + [skip_cause(row)] if row["skipped_updates"] == args.inner_epochs else []
-            if len(bad_steps) >= 5:
-                raise UsageError(non_finite_stop(bad_steps, step, out))
-            if lead and args.sample_every and step % args.sample_every == 0:     # rank 0's groups
-                save_samples(out, step, [items[i].text for i in indices], targets, images, rewards, sources, ode,
-                             args, tracker)
-            # ---- CHECKPOINT ------------------------------------------------------------------
-            if step % args.save_every == 0 or step == args.steps or stopping:
-                path = save_step_checkpoint(out, step, trainer, args, lead)
-                last_saved = step
-            if stopping:
-                exit_after_checkpoint(stop, out, step, path, lead)
-    except KeyboardInterrupt:   # the second Ctrl+C: leave now, the last checkpoint is complete
-        print(f"\ninterrupted: last checkpoint is step {last_saved} in {out / 'checkpoints'}", file=sys.stderr)
-        sys.exit(130)
-    finally:
-        stop.restore()
-        close_run(args, items, out, tracker, lock)
-    if args.save_pipeline and lead:
-        save_trained_pipeline(trainer.pipe, args)
-    return trainer.pipe
-
-
-# #############################################################################################
-# PART II. Flow-GRPO: the DiT as a policy over denoising steps (--policy dit|both)
-# #############################################################################################
-# It reuses Part I's score_groups, grpo_loss and grpo_update: a denoising step plays the role of a token.
-
-
-# =============================================================================================
-# 12. The SDE step, the DiT rollout and its loss
-# =============================================================================================
-# GLM-Image's authors post-train both halves ("decoupled RL"): the AR for low-frequency signals
-# (layout, semantics), the DiT for high-frequency ones (detail, text). To train the DiT with the
-# same group_advantages and grpo_loss we need what the AR has for free: a probability for what
-# was sampled. The pipeline's Euler ODE step x' = x + v * dt is deterministic, so there is no
-# log-prob to put in a ratio. Flow-GRPO (Liu et al. 2025, yifan123/flow_grpo,
-# `sde_step_with_logprob`, type 'sde') swaps each step for an SDE with the same marginals,
-#     std_t = a * sqrt(sigma / (1 - sigma))
-#     mean  = x * (1 + std_t^2 / (2 sigma) * dt) + v * (1 + std_t^2 (1 - sigma) / (2 sigma)) * dt
-#     x'    = mean + std_t * sqrt(-dt) * eps,          dt = sigma' - sigma < 0
-# so each step is a Gaussian policy pi_theta(x' | x_t) whose log-prob we can ratio, exactly as a
-# token's. a = --dit-noise-level; a = 0 gives back the pipeline's Euler step (tested).
-# A trajectory of K denoising steps is then a "sequence" of K actions: logp [N, K], mask all ones.
-# Log-probs are the MEAN over latent dims (as flow_grpo): a sum over C*h*w dims (256 on the tiny
-# model, 65536 at 1024^2) would make one step's log-ratio thousands of times larger than a token's.
-# The mean keeps a step's ratio near 1, but small: a clip of 0.2 would never act, hence
-# --dit-clip-eps 1e-4 (flow_grpo's value).
-# Which steps train (--dit-train-steps T, default K - 1): the first T steps run the SDE and enter
-# the loss; the rest run the plain ODE. The last step is not trained by default (as flow_grpo):
-# it lands on sigma' = 0, its Gaussian is the sharpest of the trajectory (std = std_t *
-# sqrt(sigma_last) ~ a * sigma_last), so small weight changes give large log-ratios and noisy
-# gradients; and an SDE step that is not trained would only add reward noise nobody is credited for. Cheaper variants are not built here: a random window of SDE steps inside an ODE trajectory
-# (Flow-GRPO-Fast, MixGRPO's sliding window) would need only --dit-train-steps' window to move.
-
-@dataclass
-class DitCondition:
-    """What the DiT is conditioned on, built as GlmImagePipeline.__call__ builds it for one prompt at a
-    time (N = P x G rows, prompt p's G samples at rows p*G .. p*G+G-1)."""
-    prompt_embeds: list              # per prompt: [G, S_p, D] glyph embeddings (encode_prompt of it alone)
-    negative_embeds: list            # per prompt: [G, S', D] glyph embeddings of "" (CFG's unconditional branch), or None
-    prior: torch.Tensor              # [N, 4*H*W] target-grid tokens upsampled 2x (the DiT's 16-px grid)
-    target_size: torch.Tensor        # [N, 2] (height, width) in pixels
-    crop_coords: torch.Tensor        # [N, 2] zeros, the pipeline's default crops_coords_top_left
-    guidance_scale: float
-    source_latents: list = None      # i2i, per prompt: normalised VAE latent [1, C, h, w] of the source
-    source_prior: list = None        # i2i, per prompt: its VQ ids upsampled 2x [4*h*w]
-
-
-@dataclass
-class DitRollout:
-    states: torch.Tensor     # [N, K+1, C, h, w] x_0 (initial noise) ... x_K (final latent), fp32
-    old_logp: torch.Tensor   # [N, T] log pi_old(x_{i+1} | x_i) of the T trained steps at sampling time
-    timesteps: torch.Tensor  # [K] the pipeline's (unshifted) timesteps
-    sigmas: torch.Tensor     # [K+1] the scheduler's shifted sigmas, ending in 0
-
+# ---- For Part II: the DiT's inputs as the pipeline builds them, the i2i source cache, the VAE ----
 
 def dit_schedule(pipe, height, width, num_inference_steps):
-    """(timesteps [K], sigmas [K+1]) exactly as GlmImagePipeline.__call__ sets them up: timesteps
-    int(linspace(1000, 1, K+1)[:-1]), sigmas = timesteps / 1000, shifted by the scheduler with the
-    pipeline's calculate_shift(mu) inside retrieve_timesteps. sigma is read back from
-    scheduler.sigmas, which is shifted: t / 1000 is not the sigma the DiT was run at."""
+    """(timesteps [K], sigmas [K+1]) exactly as GlmImagePipeline.__call__ sets them up; sigma is read
+    back from scheduler.sigmas, which is shifted (t / 1000 is not the sigma the DiT runs at)."""
     from diffusers.pipelines.glm_image.pipeline_glm_image import calculate_shift, retrieve_timesteps
 
     scheduler, device = pipe.scheduler, pipe._execution_device
@@ -1192,10 +1353,8 @@ def dit_schedule(pipe, height, width, num_inference_steps):
 
 @torch.no_grad()
 def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_scale, sources=None, source_prior=None):
-    """The DiT's inputs for P prompts x G samples. target_tokens [N, H*W]; i2i: `sources` (PIL) and
-    `source_prior` ((upsampled VQ ids, grid) as encode_sources makes them) per prompt. The frozen glyph
-    encoder and VAE run once here; the source's KV cache depends on the DiT's weights and is written
-    per pass (write_source_caches). Each prompt's glyphs are encoded alone, unpadded (see dit_velocity)."""
+    """The DiT's inputs for P prompts x G samples; target_tokens [N, H*W]; i2i: per prompt its source
+    (PIL) and (upsampled VQ ids, grid). The frozen glyph encoder and VAE run here, once per step."""
     from diffusers.pipelines.glm_image.pipeline_glm_image import retrieve_latents
 
     H, W = grid_hw
@@ -1220,11 +1379,9 @@ def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_sc
 
 
 def write_source_caches(dit, cond):
-    """One GlmImageKVCache per prompt. i2i: a DiT pass over the prompt's source latent at timestep 0
-    writes every layer's keys/values into it (as the pipeline does); the denoising passes of its G
-    samples then attend to them (GlmImageLayerKVCache.get expands the entry to G rows). t2i: empty
-    caches, as the pipeline passes. `dit` may be the DDP wrapper (section 21): this pass is part
-    of the training graph."""
+    """One GlmImageKVCache per prompt. i2i: a DiT pass over the source latent at timestep 0 writes
+    every layer's keys/values, which its G samples' denoising passes read (as the pipeline does); it
+    depends on the DiT's weights, so it is part of the training graph. t2i: empty caches."""
     from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
 
     module = unwrap(dit)
@@ -1238,303 +1395,21 @@ def write_source_caches(dit, cond):
                   timestep=torch.zeros(1, device=latent.device), target_size=cond.target_size[:1],
                   crop_coords=cond.crop_coords[:1], kv_caches=cache, return_dict=False)[0]
         if torch.is_grad_enabled() and is_sharded(module):
-            # --fsdp: FSDP2 gathers a layer's weights for backward when the gradient reaches the
-            # layer's *output*; the cached keys/values are side outputs it does not watch, so their
-            # backward would find the weights freed. 0 x this pass's output, added to the velocity
-            # (dit_velocity), routes the gradient through the outputs too: no value changes.
+            # --fsdp gathers a layer's weights for backward when the gradient reaches its *output*, not
+            # the cached keys/values: 0 x this output, added to the velocity, routes it there too.
             cache.anchor = at_least_fp32(out).sum() * 0
     return caches
 
 
-def dit_velocity(dit, latents, t, cond, caches):
-    """The guided velocity v [N, C, h, w] (fp32) at timestep t, as the pipeline's loop computes it:
-    the DiT gets `timestep = t - 1`; with CFG the unconditional branch drops the prior tokens
-    (prior_token_drop=True) and uses the glyph embeddings of "", v = v_u + g (v_c - v_u). With CFG
-    during training the policy *is* the guided velocity: two DiT passes per step.
-
-    One DiT call per prompt (its G rows), never one over prompts: a prompt's glyph embeddings are as
-    long as its quoted text, and a batch of prompts is left-padded with zero embeddings that the DiT
-    then attends to. diffusers' pipeline passes no attention mask, and the DiT's own attention_mask
-    would not help: it becomes a float 0/1 tensor that SDPA adds as a bias (diffusers issue 13587).
-    Measured on the tiny DiT: "a red circle ..." batched with a prompt holding 17 glyph tokens moved
-    its velocity by up to 2.2e-2 (1.1 % of its norm; 1.6e-2 with the mask passed). Per prompt, a
-    group's DiT input is exactly the pipeline's for that prompt alone, whatever shares its batch or
-    rank, so 1 process and K compute the same samples and gradients."""
-    n = latents.shape[0] // len(cond.prompt_embeds)
-    timestep = t.expand(n) - 1
-    i2i, dtype = cond.source_latents is not None, unwrap(dit).dtype
-
-    def branch(rows, embeds, drop, cache, mode):
-        if i2i:
-            cache.set_mode(mode)     # read the source's keys/values; the unconditional branch skips them
-        prior = cond.prior[rows]
-        return dit(hidden_states=latents[rows].to(dtype), encoder_hidden_states=embeds, prior_token_id=prior,
-                   prior_token_drop=torch.full_like(prior, drop, dtype=torch.bool), timestep=timestep,
-                   target_size=cond.target_size[rows], crop_coords=cond.crop_coords[rows], return_dict=False,
-                   kv_caches=cache)[0].to(torch.promote_types(dtype, torch.float32))
-
-    velocities = []
-    for p, cache in enumerate(caches):
-        rows = slice(p * n, (p + 1) * n)
-        v = branch(rows, cond.prompt_embeds[p], False, cache, "read")
-        if cond.guidance_scale > 1:
-            v_uncond = branch(rows, cond.negative_embeds[p], True, cache, "skip")
-            v = v_uncond + cond.guidance_scale * (v - v_uncond)
-        velocities.append(v + cache.anchor if hasattr(cache, "anchor") else v)
-    return torch.cat(velocities)
-
-
-def sde_step(v, x, sigmas, i, noise_level, eps=None, x_next=None):
-    """One Flow-GRPO SDE step from x = x_i at sigma_i (fp32 [N, C, h, w]). Returns (x', logp [N], mean).
-
-    x' = mean + std * eps with std = std_t * sqrt(-dt); pass `x_next` instead of `eps` to score a
-    stored transition (recomputation). logp is the Gaussian log-density averaged over latent dims.
-    noise_level = 0 is the plain Euler step (x' = mean = x + v dt, no log-prob). flow_grpo replaces
-    sigma = 1 by sigmas[1] only inside std_t, where sigma / (1 - sigma) would divide by zero."""
-    sigma, dt = sigmas[i], sigmas[i + 1] - sigmas[i]
-    std_t = noise_level * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigmas[1], sigma)))
-    mean = x * (1 + std_t ** 2 / (2 * sigma) * dt) + v * (1 + std_t ** 2 * (1 - sigma) / (2 * sigma)) * dt
-    if noise_level == 0:
-        return mean, None, mean
-    std = std_t * torch.sqrt(-dt)
-    if x_next is None:
-        x_next = mean + std * eps
-    logp = -((x_next.detach() - mean) ** 2) / (2 * std ** 2) - torch.log(std) - math.log(math.sqrt(2 * math.pi))
-    return x_next, logp.mean(dim=tuple(range(1, logp.ndim))), mean
-
-
-def step_std(sigmas, i, noise_level):
-    """The std of step i's Gaussian, std_t * sqrt(-dt) (a scalar), as in sde_step."""
-    sigma = sigmas[i]
-    std_t = noise_level * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigmas[1], sigma)))
-    return std_t * torch.sqrt(sigmas[i] - sigmas[i + 1])
-
-
-def sde_generators(seed, step, prompt_indices):
-    """One generator per prompt for the SDE noise, seeded from (seed, step, prompt index): a prompt's
-    noise does not depend on which other prompts share its batch."""
-    return [torch.Generator().manual_seed(seed * 7_919 + 2_000_003 * step + 17 * index + 1) for index in prompt_indices]
-
-
-@torch.no_grad()
-def sample_dit(dit, cond, noise, schedule, noise_level, train_steps, generators):
-    """Denoises `noise` [N, C, h, w] (N = len(generators) x G) over the pipeline's schedule. The first
-    `train_steps` steps are SDE steps (their eps drawn per prompt, [G, C, h, w] from its generator) and
-    record log-probs; the rest are ODE steps. Returns a DitRollout; its states[:, -1] is the latent."""
-    timesteps, sigmas = schedule
-    caches = write_source_caches(dit, cond)
-    x, states, logps = noise.to(sigmas.device, sigmas.dtype), [], []
-    for i, t in enumerate(timesteps):
-        states.append(x)
-        v = dit_velocity(dit, x, t, cond, caches)
-        if i < train_steps:
-            group = (x.shape[0] // len(generators), *x.shape[1:])
-            eps = torch.cat([torch.randn(group, generator=g) for g in generators]).to(x.device, x.dtype)
-            x, logp, _ = sde_step(v, x, sigmas, i, noise_level, eps=eps)
-            logps.append(logp)
-        else:
-            x, _, _ = sde_step(v, x, sigmas, i, 0.0)
-    states.append(x)
-    old_logp = torch.stack(logps, 1) if logps else x.new_zeros(x.shape[0], 0)
-    return DitRollout(torch.stack(states, 1), old_logp, timesteps, sigmas)
-
-
-def dit_step_logprob(dit, cond, rollout, i, noise_level):
-    """Recomputes step i of every stored trajectory with gradients: (logp [N], mean [N, C, h, w]).
-    The source's KV cache is rewritten inside this step's graph (the DiT's weights made it), so each
-    step can be backpropagated and freed on its own."""
-    caches = write_source_caches(dit, cond)
-    x = rollout.states[:, i]
-    v = dit_velocity(dit, x, rollout.timesteps[i], cond, caches)
-    _, logp, mean = sde_step(v, x, rollout.sigmas, i, noise_level, x_next=rollout.states[:, i + 1])
-    return logp, mean
-
-
-def dit_policy_logprobs(dit, cond, rollout, noise_level):
-    """logp [N, T] of all T trained steps (with gradients when enabled): the DiT's policy_logprobs."""
-    return torch.stack([dit_step_logprob(dit, cond, rollout, i, noise_level)[0]
-                        for i in range(rollout.old_logp.shape[1])], 1)
-
-
-def dit_kl(mean, ref_mean, std):
-    """Closed-form KL between the step Gaussians of policy and reference (same std), per sample and
-    averaged over latent dims like the log-prob: ||mean - ref_mean||^2 / (2 std^2). [N, C, h, w] -> [N]."""
-    return ((mean - ref_mean) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * std ** 2)
-
-
 def latents_to_images(pipe, latents):
-    """The pipeline's own decode: un-normalise with the VAE's latents_mean/std, vae.decode, postprocess.
-    latents [N, C, h, w] -> images [N, 3, H, W] in [0, 1] (fp32, CPU)."""
+    """The pipeline's own decode (un-normalise, vae.decode, postprocess): [N, C, h, w] -> [N, 3, H, W]
+    in [0, 1], fp32 on the CPU."""
     vae = pipe.vae
     latents = latents.to(vae.dtype)
     mean, std = (torch.tensor(v).view(1, -1, 1, 1).to(latents.device, latents.dtype)
                  for v in (vae.config.latents_mean, vae.config.latents_std))
     image = vae.decode(latents * std + mean, return_dict=False)[0]
     return at_least_fp32(pipe.image_processor.postprocess(image, output_type="pt")).cpu()
-
-
-@torch.no_grad()
-def ode_decode(pipe, cond, noise, schedule):
-    """The deterministic (a = 0) decode of the current DiT: what it paints without SDE noise."""
-    rollout = sample_dit(pipe.transformer, cond, noise, schedule, 0.0, 0, [])
-    return latents_to_images(pipe, rollout.states[:, -1])
-
-
-def dit_loss_terms(policy, reference, cond, rollout, advantages, args):
-    """The DiT's loss for grpo_update, in pieces: one per trained denoising step, each grpo_loss over
-    that step's column with weight 1/T, so the T per-step backward passes add up to the gradient of
-    grpo_loss over all [N, T] (mask all ones) while only one step's activations are alive at once
-    (flow_grpo does the same). KL (beta > 0): closed form on the step means against the reference
-    DiT (adapters off with LoRA, else a frozen copy). `policy` is the DiT or its DDP wrapper (the
-    training forward goes through it; under DDP the gradients are averaged on the last step's
-    backward). Returns terms(epoch), as ar_loss_terms."""
-    steps = rollout.old_logp.shape[1]
-    ones = torch.ones_like(rollout.old_logp[:, :1])
-    advantages = advantages.to(rollout.old_logp.device)
-
-    def terms(epoch):
-        for i in sync_on_last(policy, range(steps)):
-            logp, mean = dit_step_logprob(policy, cond, rollout, i, args.dit_noise_level)
-            loss, metrics = grpo_loss(logp[:, None], rollout.old_logp[:, i:i + 1], advantages, ones,
-                                      args.dit_clip_eps)
-            if args.beta > 0:
-                with torch.no_grad():
-                    ref_mean = dit_reference_mean(unwrap(policy), reference, cond, rollout, i, args.dit_noise_level)
-                kl = dit_kl(mean, ref_mean, step_std(rollout.sigmas, i, args.dit_noise_level)).mean()
-                loss = loss + args.beta * kl
-                metrics["kl"] = kl.item()
-            if epoch == 0:
-                metrics["logp_diff_max"] = (logp.detach() - rollout.old_logp[:, i]).abs().max().item()
-            yield loss, {**metrics, "loss": loss.item()}, 1 / steps
-    return terms
-
-
-def dit_reference_mean(dit, reference, cond, rollout, i, noise_level):
-    """Step i's mean under the reference: the same DiT with its LoRA adapters off, or the frozen copy."""
-    if reference is None:
-        dit.disable_adapters()
-        try:
-            return dit_step_logprob(dit, cond, rollout, i, noise_level)[1]
-        finally:
-            dit.enable_adapters()
-    return dit_step_logprob(reference, cond, rollout, i, noise_level)[1]
-
-
-# =============================================================================================
-# 13. The DiT's training step
-# =============================================================================================
-
-def prepare_dit_policy(dit, args):
-    """Marks what of the DiT is trained: all its weights (the tiny model's default), or LoRA adapters
-    on its attention projections through diffusers' PEFT integration (add_adapter; the KL reference
-    is then the same DiT with disable_adapters()). Adapters train in fp32, as the AR's."""
-    if args.dit_lora_rank:
-        from diffusers.training_utils import cast_training_params
-        from peft import LoraConfig
-
-        dit.requires_grad_(False)
-        dit.add_adapter(LoraConfig(r=args.dit_lora_rank, lora_alpha=args.dit_lora_rank, lora_dropout=0.0,
-                                   target_modules=DIT_LORA_TARGETS))
-        cast_training_params(dit, dtype=torch.promote_types(dit.dtype, torch.float32))
-    else:
-        dit.requires_grad_(True)
-    if args.gradient_checkpointing:
-        dit.enable_gradient_checkpointing()
-    return [p for p in dit.parameters() if p.requires_grad]
-
-
-def shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, cache):
-    """--policy dit: one token grid per prompt (its group shares it). 'per-prompt' (--dit-prior) draws
-    each prompt's grid from a seed of (seed, prompt index), the same grid every step: the tiny DiT
-    then sees a fixed input per prompt and can learn what to paint from it. A random AR's grids
-    say little about the prompt, so with 'per-step' grids the DiT can only learn an image that
-    suits every prompt on average; those are drawn from the seed of (seed, step, slot), as the AR's
-    groups (so any number of processes draws the same grids). The AR is frozen, so a prompt's
-    per-prompt draw is kept in `cache` rather than sampled again every step. Returns a Rollout-like
-    object with target_tokens [P, H*W], grid_hw and source_prior."""
-    def draw(i, seed):
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-            torch.manual_seed(seed)                               # leaves the run's RNG stream untouched
-            return sample_group(pipe, [prompts[i]], 1, args.temperature, args.height, args.width, args.loss_tokens,
-                                sources and [sources[i]], record_logp=False)
-
-    if args.dit_prior == "per-step":
-        draws = [draw(i, sampling_seed(args.seed, step, slot)) for i, slot in enumerate(slots)]
-    else:
-        for i, index in enumerate(indices):
-            if index not in cache:
-                cache[index] = draw(i, args.seed * 7_919 + index)
-        draws = [cache[index] for index in indices]
-    return SimpleNamespace(target_tokens=torch.cat([d.target_tokens for d in draws]), grid_hw=draws[0].grid_hw,
-                           source_prior=sources and [d.source_prior[0] for d in draws])
-
-
-def grpo_step_dit(trainer, items, indices, step, args, slots=None):
-    """One GRPO step with the DiT as (part of) the policy, --policy dit|both. Returns grpo_step's tuple
-    plus the a = 0 decode of the updated DiT [P, 3, H, W] on sample-sheet steps (else None).
-
-    dit: the AR tokens are sampled once per prompt and shared by its group, as is the initial noise,
-    so the G samples differ only by their SDE noise and the advantage credits the DiT alone.
-    both: tokens and SDE noise both vary; each sample gets one reward and one advantage, used by both
-    halves. Credit assignment is then shared: the AR's advantage also carries the luck of the SDE
-    noise and the DiT's the luck of the tokens, each half's signal is the other's noise. On the tiny
-    model the DiT's noise moves the reward far more than the tokens, so the AR learns more slowly than
-    under --policy ar (the README compares them)."""
-    pipe, ar, dit = trainer.pipe, trainer.pipe.vision_language_encoder, trainer.pipe.transformer
-    batch = [items[i] for i in indices]
-    prompts = [it.text for it in batch]
-    sources = [it.source for it in batch] if args.mode == "i2i" else None
-    G, train_ar = args.group_size, args.policy == "both"
-    slots = range(len(indices)) if slots is None else slots
-    # ---- SAMPLE: tokens (AR), then trajectories (DiT SDE) -----------------------------------
-    if train_ar:
-        rollout = sample_tokens(trainer, prompts, sources, slots, step, args)
-    else:
-        rollout = shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, trainer.prompt_tokens)
-    tokens = rollout.target_tokens if train_ar else rollout.target_tokens.repeat_interleave(G, 0)   # [N, H*W]
-    source_prior = rollout.source_prior and rollout.source_prior[::G if train_ar else 1]          # per prompt
-    cond = dit_condition(pipe, prompts, G, tokens, rollout.grid_hw, args.guidance_scale, sources, source_prior)
-    schedule = dit_schedule(pipe, args.height, args.width, args.num_inference_steps)
-    noise = group_noise(pipe, indices, G, args.height, args.width, args.seed, step, args.dit_noise)
-    with whole_weights(dit):
-        trajectories = sample_dit(dit, cond, noise, schedule, args.dit_noise_level, args.dit_train_steps,
-                                  sde_generators(args.seed, step, indices))
-    # ---- DECODE ------------------------------------------------------------------------------
-    with torch.no_grad():
-        images = latents_to_images(pipe, trajectories.states[:, -1])                       # [N, 3, H, W]
-    # ---- REWARD + ADVANTAGE: the same function for both halves --------------------------------
-    targets = batch_targets(batch)                                                        # [P, 3, H, W]
-    rewards, advantages, reward_metrics = score_groups(trainer.rewards, images, repeat_each(prompts, G), targets, G)
-    # ---- UPDATE: one optimiser loop; each trained half contributes its loss terms ------------
-    if trainer.before_update:
-        trainer.before_update()
-    halves = []
-    if train_ar:
-        ref_logp = (reference_logprobs(ar, trainer.reference, rollout, args.temperature, trainer.suppressed,
-                                       args.micro_batch_size) if args.beta > 0 else None)
-        ar.train()
-        halves.append(("", trainer.params, ar_loss_terms(trainer.policy, rollout, advantages, ref_logp, args,
-                                                         trainer.suppressed)))
-    halves.append(("dit/", trainer.dit_params, dit_loss_terms(trainer.dit_policy, trainer.dit_reference, cond,
-                                                              trajectories, advantages, args)))
-    update = grpo_update(trainer.optimizer, halves, args)
-    row = {"step": step, **reward_metrics, **update,
-           "loss": update.get("loss", 0.0) + update["dit/loss"]}                         # AR + DiT
-    ode = None
-    if args.sample_every and step % args.sample_every == 0:
-        first = slice(None, None, G)     # a = 0 decode of each prompt's first sample, shared noise
-        ode_cond = dit_condition(pipe, prompts, 1, tokens[first], rollout.grid_hw, args.guidance_scale, sources,
-                                 source_prior)
-        with whole_weights(dit):
-            ode = ode_decode(pipe, ode_cond, noise[first], schedule)
-    return row, rewards, images, targets, sources, ode
-
-
-# #############################################################################################
-# PART III. Plumbing: skip on first read
-# #############################################################################################
-# Nothing below is GRPO: how the run starts, stops and logs, file formats, the tiny model's renderer,
-# checkpoints, torchrun and FSDP, the memory plan, saving. Part I calls each piece in one line.
 
 
 # =============================================================================================

@@ -900,7 +900,8 @@ def test_lora_trains_only_adapters_and_reference_is_the_base_model():
         base_logp = g.policy_logprobs(base_pipe.vision_language_encoder, rollout, 1.0, suppressed)
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    ref_logp = g.reference_logprobs(ar, None, rollout, 1.0, suppressed)
+    with g.reference_weights(ar, None) as reference:
+        ref_logp = g.logprobs_by_micro_batch(reference, rollout, 1.0, suppressed)
     torch.testing.assert_close(ref_logp, base_logp, atol=1e-5, rtol=0)
     g.grpo_update(optimizer, [("", params, g.ar_loss_terms(ar, rollout, advantages, ref_logp, args, suppressed))],
                                args)
@@ -909,7 +910,9 @@ def test_lora_trains_only_adapters_and_reference_is_the_base_model():
     # after the update the adapters change the policy, the reference still equals the base model
     with torch.no_grad():
         assert (g.policy_logprobs(ar, rollout, 1.0, suppressed) - base_logp).abs().max() > 1e-4
-    torch.testing.assert_close(g.reference_logprobs(ar, None, rollout, 1.0, suppressed), base_logp, atol=1e-5, rtol=0)
+    with g.reference_weights(ar, None) as reference:
+        torch.testing.assert_close(g.logprobs_by_micro_batch(reference, rollout, 1.0, suppressed), base_logp,
+                                   atol=1e-5, rtol=0)
 
 
 def test_lora_resume_is_bit_identical_and_checkpoint_holds_only_adapters(tmp_path):
@@ -1983,7 +1986,7 @@ def test_policy_both_honours_micro_batch_size(monkeypatch):
                                                "--dit-lr", "0", "--sample-every", "0"]))
         trainer, _ = g.setup_training(args)
         sizes.clear()
-        g.grpo_step_dit(trainer, items, [0], 1, args)
+        g.grpo_step(trainer, items, [0], 1, args)
         assert max(sizes) <= int(micro) and sum(sizes) == 4, sizes
         grads[micro] = torch.cat([p.grad.flatten() for p in trainer.params])
     assert grads["4"].norm() > 0
