@@ -1713,6 +1713,9 @@ def start_training(args, out, lead):
     # The built-in mse's targets are checked before any plug-in loads (a CLIP model takes a while).
     builtin = ["mse"] if any(spec.partition("=")[0] == "mse" for spec in args.reward) else []
     items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
+    if args.prompts_per_step > len(items) and lead:
+        print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} prompt(s) of {args.prompts}: "
+              "each step's prompts repeat lines of the file")
     rewards = load_rewards(args.reward)
     readers = [r.name for r in rewards if r.uses_targets]
     if readers and not builtin:
@@ -1723,6 +1726,7 @@ def start_training(args, out, lead):
     later = []
     if ckpt is not None:
         differences = check_resume_flags(ckpt["args"], args)
+        ckpt["weight_flags"] = "; ".join(d for d in differences if d.split()[0] in WEIGHT_FLAGS)
         if differences and not args.resume_force:
             raise UsageError(f"--resume {ckpt_path}: flags differ from the checkpoint's: {'; '.join(differences)} "
                              "(add --resume-force to accept)")
@@ -1945,17 +1949,23 @@ def draw_shape(shape, colour, background, height, width):
 
 
 def demo_words_or_fail(prompt, where, mode, why=""):
-    """(colours, shape) to draw the demo images from, or a UsageError saying what the line lacks."""
+    """(colours, shape) to draw the demo images from, or a UsageError saying what the line lacks.
+    i2i: colours = [the shape's colour, its new colour], from '<colour> <shape> ... <colour>'."""
     words = re.findall(r"[a-z]+", prompt.lower())
     colours, shape = [w for w in words if w in COLOURS], next((w for w in words if w in SHAPES), None)
     why = f"{why}; " if why else ""
     if mode == "t2i" and (not colours or shape is None):
         raise UsageError(f"{where}: no target image given and no colour+shape words to draw one "
                          f"({why}write 'prompt | target.png')")
-    if mode == "i2i" and (len(colours) < 2 or shape is None):
-        raise UsageError(f"{where}: --mode i2i needs 'prompt | target.png | source.png', or two colours and "
-                         f"a shape to draw them (e.g. 'make the red circle blue'){f' ({why[:-2]})' if why else ''}")
-    return colours, shape
+    if mode == "t2i":
+        return colours, shape
+    colour = "|".join(COLOURS)
+    edit = re.search(rf"\b({colour}) ({'|'.join(SHAPES)})\b.*\b({colour})\b(?! background)", " ".join(words))
+    if edit is None:      # 'a red circle on a white background' is a t2i line, no edit
+        raise UsageError(f"{where}: '{prompt}' reads as no edit: --mode i2i needs 'prompt | target.png | source.png', "
+                         f"or '<colour> <shape> ... <new colour>' to draw them (e.g. 'make the red circle blue')"
+                         f"{f' ({why[:-2]})' if why else ''}")
+    return [edit[1], edit[3]], edit[2]
 
 
 def draw_demo(prompt, height, width, where, role=None):
@@ -1982,6 +1992,8 @@ def load_reward(spec):
             raise UsageError(f"--reward {spec}: the weight after '=' must be a number, got {text!r}")
         if not math.isfinite(weight):
             raise UsageError(f"--reward {spec}: the weight after '=' must be finite, got {text!r}")
+        if weight == 0:
+            raise UsageError(f"--reward {spec}: a weight of 0 leaves the reward out of the sum; drop it instead")
     if where == "mse":
         return Reward("mse", mse, weight, True)
     module_name, _, fn_name = where.rpartition(":")
@@ -2449,15 +2461,20 @@ def check_resume_flags(saved_args, args):
     return [describe(k) for k in ALGORITHM_FLAGS if saved_args.get(k) != getattr(args, k)]
 
 
+WEIGHT_FLAGS = ("--policy", "--model", "--lora-rank", "--dit-lora-rank", "--ar-trainable")   # what is trained
+
+
 def restore_checkpoint(ckpt, path, model, optimizer, lr_scheduler):
+    """ckpt["weight_flags"]: the WEIGHT_FLAGS this run changes (start_training), named if the weights misfit."""
     names = {name for name, p in model.named_parameters() if p.requires_grad}
-    if set(ckpt["trainable"]) != names:
-        raise UsageError(f"--resume {path}: its weights do not fit this model (different --model or --lora-rank)")
     try:
+        if set(ckpt["trainable"]) != names:
+            raise ValueError(f"other parameter names ({', '.join(WEIGHT_FLAGS)})")
         load_training_state(model, optimizer, ckpt["trainable"], ckpt["optimizer"])
         lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
     except (RuntimeError, ValueError, KeyError) as e:
-        raise UsageError(f"--resume {path}: its weights do not fit this model ({str(e).splitlines()[0][:120]})")
+        why = ckpt.get("weight_flags") or str(e).splitlines()[0][:120]
+        raise UsageError(f"--resume {path}: its weights do not fit this model: {why}")
     set_rng_state(ckpt["rng"])
 
 
