@@ -2158,43 +2158,47 @@ def save_samples(out, step, prompts, targets, images, rewards, sources, ode, arg
         tracker.log_images({"samples": np.asarray(sheet)[None]}, step, **formats)
 
 
-def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, scale=None):
-    """One row per prompt: (i2i: the source,) the target, its G samples captioned with their rewards,
-    (--policy dit|both) the DiT's a = 0 decode `ode` [P, 3, H, W]. Collapse and reward hacking show
-    here long before they show in the numbers. Returns the sheet (PIL)."""
+def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, scale=None,
+                     columns=8):
+    """Per prompt a block under the prompt as heading, `columns` cells a row: (i2i: the source,) the
+    target, (--policy dit|both) the DiT's a = 0 decode `ode` [P, 3, H, W], then the G samples captioned
+    with their rewards. Blocks are sorted by prompt, so a prompt sits in the same place on every sheet.
+    Collapse and reward hacking show here long before they show in the numbers. Returns the sheet (PIL)."""
     scale = scale or max(1, 128 // images.shape[-1])          # cells at least 128 px wide, to be seen
     width, height = images.shape[-1] * scale, images.shape[-2] * scale
-    caption = 14
+    line, gap = 18, 6                                          # a line of text, white between cells
     to_pil = lambda t: Image.fromarray((t.clamp(0, 1).permute(1, 2, 0).numpy() * 255).astype(np.uint8))
-    rows = []
-    for row, prompt in enumerate(prompts):
+    blocks = []
+    for row in sorted(range(len(prompts)), key=lambda r: prompts[r]):
         cells = [(sources[row], "source")] if sources is not None else []
         if targets is not None:
             cells.append((to_pil(targets[row]), "target"))
-        cells += [(to_pil(images[i]), f"{rewards[i].item():.4f}")
-                  for i in range(row * group_size, (row + 1) * group_size)]
         if ode is not None:
             cells.append((to_pil(ode[row]), "a=0 (ODE)"))
-        rows.append((prompt, cells))
-    sheet = Image.new("RGB", (len(rows[0][1]) * width, len(rows) * (height + 2 * caption)), "white")
+        cells += [(to_pil(images[i]), f"{rewards[i].item():.4f}")
+                  for i in range(row * group_size, (row + 1) * group_size)]
+        blocks.append((prompts[row], cells))
+    columns = min(columns, len(cells))
+    block = 2 * line + math.ceil(len(cells) / columns) * (height + line)     # heading, rows of cells, space
+    sheet = Image.new("RGB", (columns * (width + gap), len(blocks) * block), "white")
     draw, font = ImageDraw.Draw(sheet), label_font()
-    for r, (prompt, cells) in enumerate(rows):
-        y = r * (height + 2 * caption)
-        draw.text((2, y), drawable(prompt[:80], font), fill="black", font=font)
-        for c, (image, label) in enumerate(cells):
-            sheet.paste(image.resize((width, height), Image.NEAREST), (c * width, y + caption))
-            draw.text((c * width + 2, y + caption + height), label, fill="black", font=font)
+    for b, (prompt, cells) in enumerate(blocks):
+        draw.text((0, b * block), drawable(prompt, font)[:sheet.width // 9], fill="black", font=label_font(16))
+        for i, (image, label) in enumerate(cells):
+            x, y = i % columns * (width + gap), b * block + line + 4 + i // columns * (height + line)
+            sheet.paste(image.resize((width, height), Image.NEAREST), (x, y))
+            draw.text((x + 2, y + height + 2), label, fill="black", font=font)
     path.parent.mkdir(parents=True, exist_ok=True)
     sheet.save(path)
     return sheet
 
 
-@functools.lru_cache(maxsize=1)
-def label_font():
-    """Pillow's built-in font at 12 px (at its default 10 px some spaces shrink to nothing)."""
+@functools.lru_cache(maxsize=None)
+def label_font(size=12):
+    """Pillow's built-in font, 12 px by default (at its own 10 px some spaces shrink to nothing)."""
     from PIL import ImageFont
 
-    return ImageFont.load_default(size=12)
+    return ImageFont.load_default(size=size)
 
 
 def drawable(text, font):
