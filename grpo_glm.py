@@ -2214,7 +2214,15 @@ def drawable(text, font):
     return "".join(out)
 
 
-def save_reward_curve(path, rows, size=(640, 360), margin=48, window=1):
+def round_ticks(low, high, count=5, least=0):
+    """About `count` round values in [low, high], 1, 2 or 5 x 10^k apart (and at least `least`)."""
+    raw = max((high - low) / count, least)
+    unit = 10 ** math.floor(math.log10(raw))
+    spacing = next(unit * m for m in (1, 2, 5, 10) if unit * m >= raw)
+    return [round(k * spacing, 12) for k in range(math.ceil(low / spacing), math.floor(high / spacing) + 1)]
+
+
+def save_reward_curve(path, rows, size=(640, 360), margin=56, window=1):
     """reward_curve.png, drawn with Pillow (no tracker needed): mean reward per step +- the mean
     within-group std (band), and its moving average over `window` steps (one pass over the prompts:
     with one prompt per step the raw curve zig-zags between prompts)."""
@@ -2242,10 +2250,18 @@ def save_reward_curve(path, rows, size=(640, 360), margin=48, window=1):
         draw.line([to_xy(s, m) for s, m in zip(steps, average)], fill=(20, 40, 140), width=3)
         title += f"; thick: moving average over {window} steps"
     draw.rectangle((margin, margin, w - margin, h - margin), outline="black")
-    labels = {(margin, 8): title, (4, margin - 14): f"{y1:.4g}", (4, h - margin + 2): f"{y0:.4g}",
-              (margin, h - margin + 6): f"step {x0}", (w - margin - 50, h - margin + 6): f"step {max(steps)}"}
-    for xy, text in labels.items():
-        draw.text(xy, text, fill="black", font=label_font())
+    font = label_font()
+    for value in round_ticks(y0, y1):
+        x, y = to_xy(x0, value)
+        draw.line((x - 4, y, x, y), fill="black")
+        draw.text((x - 6, y), f"{value:g}", fill="black", font=font, anchor="rm")
+    for step in round_ticks(x0, x1, least=1):
+        x, y = to_xy(step, y0)
+        draw.line((x, y, x, y + 4), fill="black")
+        draw.text((x, y + 6), f"{step:g}", fill="black", font=font, anchor="mt")
+    labels = {(margin, 8): (title, "la"), (margin, margin - 6): ("reward", "mb"), (w // 2, h - 8): ("step", "mb")}
+    for xy, (text, anchor) in labels.items():
+        draw.text(xy, text, fill="black", font=font, anchor=anchor)
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path)
 
