@@ -1533,8 +1533,7 @@ def grpo_step_dit(trainer, items, indices, step, args, slots=None):
 # #############################################################################################
 # PART III. Plumbing: skip on first read
 # #############################################################################################
-# Nothing below is GRPO: how the run starts, stops and logs, file formats, the tiny model's renderer,
-# checkpoints, torchrun and FSDP, the memory plan, saving. Part I calls each piece in one line.
+# Nothing below is GRPO: how a run starts, stops, logs and saves, and more GPUs; Part I calls each in a line.
 
 
 # =============================================================================================
@@ -1573,8 +1572,7 @@ def number(kind, least=None, above=None, most=None, multiple=None):
 
 
 def attach_negative_numbers(argv):
-    """['--lr', '-1e-3'] -> ['--lr=-1e-3']: argparse's negative-number rule knows '-1' and '-.5', not
-    exponents, and takes '-1e-3' for an option."""
+    """['--lr', '-1e-3'] -> ['--lr=-1e-3']: argparse takes '-1e-3' (not '-1') for an option."""
     out = []
     for token in argv:
         if out and out[-1].startswith("--") and "=" not in out[-1] and re.fullmatch(r"-[\d.]+(e[-+]?\d+)?", token, re.I):
@@ -1677,9 +1675,7 @@ def resolve_runtime(args):
 
 
 def open_run(args):
-    """Everything before the first step: flags, the --out lock (rank 0 holds it for the whole run), then
-    prompts, rewards, checkpoint and model. A start that fails removes what it made: bad input leaves
-    --out as it was. Returns (items, trainer, start step, out, lead, lock), or None if nothing is to do."""
+    """Flags, --out's lock (rank 0), prompts, rewards, model; a failed start removes what it made."""
     validate_args(args)
     resolve_runtime(args)
     init_distributed(args)
@@ -1690,8 +1686,7 @@ def open_run(args):
     lock = lock_out_dir(out) if lead else None
     started = None
     try:
-        # under the lock, so no other run starts here meanwhile. Resuming is the only way to continue a
-        # run (also one killed before its first checkpoint: --resume latest then starts it over).
+        # under the lock, so no other run starts here meanwhile; only --resume continues a run
         if args.resume is None and any([(out / "metrics.jsonl").exists(), *(out / "checkpoints").glob("step_*.pt")]):
             raise UsageError(f"--out {out} already holds a run; pass --resume latest to continue it or pick "
                              "another --out")
@@ -1708,8 +1703,7 @@ def open_run(args):
 
 
 def start_training(args, out, lead):
-    """Prompts, rewards, checkpoint, model, and the checks that need them. Returns (items, trainer,
-    start step), or None when there is nothing to do."""
+    """Prompts, rewards, checkpoint, model and their checks. Returns (items, trainer, start) or None."""
     # The built-in mse's targets are checked before any plug-in loads (a CLIP model takes a while).
     builtin = ["mse"] if any(spec.partition("=")[0] == "mse" for spec in args.reward) else []
     items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
@@ -1749,8 +1743,7 @@ def start_training(args, out, lead):
 
 
 def check_prompt_lengths(pipe, items, args):
-    """The AR's context (max_position_embeddings) holds the prompt, an i2i source's tokens, the
-    generated tokens and the template's grid markers (32 set aside): a longer prompt is a UsageError."""
+    """The AR's context holds the prompt, an i2i source, the generated tokens and grid markers (32)."""
     grid = (args.height // 32) * (args.width // 32)
     others = (2 * grid + 1 if args.mode == "i2i" else generated_tokens(args.height, args.width)) + 32
     context = pipe.vision_language_encoder.config.text_config.max_position_embeddings
@@ -1762,8 +1755,7 @@ def check_prompt_lengths(pipe, items, args):
 
 
 def lock_out_dir(out):
-    """An exclusive fcntl.flock on <out>/.lock while the returned file stays open, so that two runs
-    never share an --out. The OS releases it when the process ends, even on kill -9."""
+    """An exclusive fcntl.flock on <out>/.lock while the returned file is open (released even on kill -9)."""
     import fcntl
 
     out.mkdir(parents=True, exist_ok=True)
@@ -1776,8 +1768,7 @@ def lock_out_dir(out):
 
 
 def close_run(args, items, out, tracker, lock):
-    """At the end and on any exit: the tracker; on rank 0 the reward curve (its moving average over one
-    pass through the prompts), and the --out lock."""
+    """On any exit: the tracker; rank 0: the reward curve (averaged over a pass over the prompts), the lock."""
     if tracker:
         tracker.finish()
     if lock:
@@ -1797,8 +1788,7 @@ SHAPES = ("circle", "square", "triangle")
 
 @dataclass
 class PromptItem:
-    """One prompt line. Its images are read (or drawn) when a step asks, never kept: 1,000 targets at
-    1024^2 held 4.6 GB per process. target / source: RGB at `size`, or None."""
+    """One prompt line; its images (RGB at `size`, or None) are read or drawn when a step asks, never kept."""
     text: str
     where: str                   # 'prompts.txt:3', for messages
     size: tuple                  # (height, width) images are resized to
@@ -1824,8 +1814,7 @@ class PromptItem:
 
 def read_prompts(path, height, width, mode="t2i", need_targets=True):
     """Lines `prompt`, `prompt | target.png`, i2i `prompt | target.png | source.png` (paths relative to
-    the file); blank and '#' lines are skipped ('#' later in a line is text), `\\|` is a '|' in the
-    prompt, tabs become spaces. Each image is checked now (header and size), read when used.
+    the file); blank and '#' lines are skipped, `\\|` is a '|' in the prompt, tabs become spaces.
     need_targets: False, or True / the names of the rewards that read targets (require_targets)."""
     path = Path(path)
     if not path.is_file():
@@ -1924,8 +1913,7 @@ def read_image(path, where, kind, size):
 
 
 def to_rgb(image):
-    """RGB as the user sees the file, where convert('RGB') errs: transparent pixels are composited on
-    white (not left black), 16-bit greyscale is scaled by 255/65535 (not clipped to white)."""
+    """RGB as the user sees it, where convert('RGB') errs: transparency on white, 16-bit grey scaled."""
     if image.mode in ("I", "I;16", "I;16B", "I;16L"):
         scaled = np.asarray(image, dtype=np.float64) * (255.0 / 65535.0)
         return Image.fromarray(np.clip(scaled.round(), 0, 255).astype(np.uint8)).convert("RGB")
@@ -1949,8 +1937,7 @@ def draw_shape(shape, colour, background, height, width):
 
 
 def demo_words_or_fail(prompt, where, mode, why=""):
-    """(colours, shape) to draw the demo images from, or a UsageError saying what the line lacks.
-    i2i: colours = [the shape's colour, its new colour], from '<colour> <shape> ... <colour>'."""
+    """(colours, shape) to draw the demo images (i2i: [old colour, new colour]), or a UsageError."""
     words = re.findall(r"[a-z]+", prompt.lower())
     colours, shape = [w for w in words if w in COLOURS], next((w for w in words if w in SHAPES), None)
     why = f"{why}; " if why else ""
@@ -1969,8 +1956,7 @@ def demo_words_or_fail(prompt, where, mode, why=""):
 
 
 def draw_demo(prompt, height, width, where, role=None):
-    """t2i (role None): '<colour> <shape> on a <colour> background'. i2i, from e.g. 'make the red
-    circle blue': the source is the shape in the first colour, the target in the second, on white."""
+    """t2i (role None): '<colour> <shape> on a <colour> background'; i2i: the shape in its old or new colour."""
     colours, shape = demo_words_or_fail(prompt, where, "t2i" if role is None else "i2i")
     if role is None:
         return draw_shape(shape, colours[0], colours[1] if len(colours) > 1 else "white", height, width)
@@ -2003,8 +1989,7 @@ def load_reward(spec):
         raise UsageError(f"--reward {spec}: file {module_name} not found")
     import runpy
 
-    # A module is looked up in the current directory first, as `python -m` does (`python grpo_glm.py`
-    # puts only the script's own directory on sys.path).
+    # modules are looked up in the current directory first, as `python -m` does
     sys.path.insert(0, os.getcwd())
     try:
         if module_name.endswith(".py"):
@@ -2098,8 +2083,7 @@ def log_step(row, step, args, trainer, out, tracker, warned):
 
 
 def warn_if_collapsed(row, warned, max_entropy=None):
-    """Once per run: most groups tied, so most advantages are 0. The entropy tells why: near 0 the
-    policy has collapsed; high (max_entropy: uniform), the reward does not separate the samples."""
+    """Once per run: most groups tied (advantages 0). Why: low entropy, a collapse; high, the reward."""
     if warned or row["frac_reward_zero_std"] <= 0.5:
         return warned
     head = f"warning: step {row['step']}: {row['frac_reward_zero_std']:.0%} of groups have identical rewards"
@@ -2122,8 +2106,7 @@ def skip_cause(row):
 
 
 def non_finite_stop(causes, step, out):
-    """The message of the stop after 5 steps in a row that updated nothing: what was non-finite, and
-    the last checkpoint if there is one."""
+    """Why 5 steps in a row updated nothing (what was non-finite), and the last checkpoint if any."""
     seen = list(dict.fromkeys(causes))
     advice = {"loss": "the policy's log-probs overflowed: try a lower --lr",
               "gradient": "try a lower --lr or --max-grad-norm"}
@@ -2160,21 +2143,17 @@ def save_samples(out, step, prompts, targets, images, rewards, sources, ode, arg
 
 def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, scale=None,
                      columns=8):
-    """Per prompt a block under the prompt as heading, `columns` cells a row: (i2i: the source,) the
-    target, (--policy dit|both) the DiT's a = 0 decode `ode` [P, 3, H, W], then the G samples captioned
-    with their rewards. Blocks are sorted by prompt, so a prompt sits in the same place on every sheet.
+    """Per prompt (sorted, to stay in place from sheet to sheet) a heading and `columns` cells a row: (i2i:
+    the source,) the target, (dit|both) the a = 0 decode `ode` [P, 3, H, W], the G samples and rewards.
     Collapse and reward hacking show here long before they show in the numbers. Returns the sheet (PIL)."""
     scale = scale or max(1, 128 // images.shape[-1])          # cells at least 128 px wide, to be seen
     width, height = images.shape[-1] * scale, images.shape[-2] * scale
     line, gap = 18, 6                                          # a line of text, white between cells
     to_pil = lambda t: Image.fromarray((t.clamp(0, 1).permute(1, 2, 0).numpy() * 255).astype(np.uint8))
+    references = [("source", sources), ("target", targets), ("a=0 (ODE)", ode)]      # sources: PIL images
     blocks = []
     for row in sorted(range(len(prompts)), key=lambda r: prompts[r]):
-        cells = [(sources[row], "source")] if sources is not None else []
-        if targets is not None:
-            cells.append((to_pil(targets[row]), "target"))
-        if ode is not None:
-            cells.append((to_pil(ode[row]), "a=0 (ODE)"))
+        cells = [(x[row] if name == "source" else to_pil(x[row]), name) for name, x in references if x is not None]
         cells += [(to_pil(images[i]), f"{rewards[i].item():.4f}")
                   for i in range(row * group_size, (row + 1) * group_size)]
         blocks.append((prompts[row], cells))
@@ -2223,9 +2202,8 @@ def round_ticks(low, high, count=5, least=0):
 
 
 def save_reward_curve(path, rows, size=(640, 360), margin=56, window=1):
-    """reward_curve.png, drawn with Pillow (no tracker needed): mean reward per step +- the mean
-    within-group std (band), and its moving average over `window` steps (one pass over the prompts:
-    with one prompt per step the raw curve zig-zags between prompts)."""
+    """reward_curve.png with Pillow: mean reward per step +- the within-group std (band), and its moving
+    average over `window` steps (a pass over the prompts: the raw curve zig-zags between prompts)."""
     rows = [r for r in rows if r["reward_mean"] is not None and r["reward_std"] is not None]   # null: non-finite
     if not rows:
         return
@@ -2250,18 +2228,17 @@ def save_reward_curve(path, rows, size=(640, 360), margin=56, window=1):
         draw.line([to_xy(s, m) for s, m in zip(steps, average)], fill=(20, 40, 140), width=3)
         title += f"; thick: moving average over {window} steps"
     draw.rectangle((margin, margin, w - margin, h - margin), outline="black")
-    font = label_font()
     for value in round_ticks(y0, y1):
         x, y = to_xy(x0, value)
         draw.line((x - 4, y, x, y), fill="black")
-        draw.text((x - 6, y), f"{value:g}", fill="black", font=font, anchor="rm")
+        draw.text((x - 6, y), f"{value:g}", fill="black", font=label_font(), anchor="rm")
     for step in round_ticks(x0, x1, least=1):
         x, y = to_xy(step, y0)
         draw.line((x, y, x, y + 4), fill="black")
-        draw.text((x, y + 6), f"{step:g}", fill="black", font=font, anchor="mt")
+        draw.text((x, y + 6), f"{step:g}", fill="black", font=label_font(), anchor="mt")
     labels = {(margin, 8): (title, "la"), (margin, margin - 6): ("reward", "mb"), (w // 2, h - 8): ("step", "mb")}
     for xy, (text, anchor) in labels.items():
-        draw.text(xy, text, fill="black", font=font, anchor=anchor)
+        draw.text(xy, text, fill="black", font=label_font(), anchor=anchor)
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path)
 
@@ -2292,18 +2269,13 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)   # Ctrl+C; what Slurm, Kubernete
 
 
 class AbandonStep(BaseException):
-    """A stop signal before the step's UPDATE: drop the step (a BaseException, which no `except
-    Exception` on the way, e.g. around a reward plug-in, swallows)."""
+    """A stop signal before the UPDATE drops the step (no `except Exception`, e.g. a plug-in's, catches it)."""
 
 
 class StopAfterStep:
-    """The run's one handler of Ctrl+C and SIGTERM: stop at a state that can be resumed, exit 128 +
-    signal (130, 143). Before the UPDATE (sampling, decoding, rewards: most of a step) the weights are
-    still the last step's: the step is dropped at once (within a scheduler's grace period) and the
-    last step saved. Once the update has begun, the step is finished and saved. Otherwise (logging, a
-    checkpoint write) the signal is only noted and acted on after the step. A second Ctrl+C quits at
-    once (the last checkpoint is complete); a second SIGTERM changes nothing (Slurm and torchrun may
-    both send one). Under torchrun the ranks decide together (before_update, agree)."""
+    """The one handler of Ctrl+C and SIGTERM: exit 128 + signal at a resumable state. Before the UPDATE,
+    drop the step and save the last; after, finish and save it. A second Ctrl+C quits at once, a second
+    SIGTERM changes nothing. Under torchrun the ranks decide together (agree)."""
 
     def __init__(self):
         self.signum = None          # the first stop signal received
@@ -2353,8 +2325,7 @@ class StopAfterStep:
 
 
 def stop_before_update(stop, trainer, args, out, step, last_saved, step_rng):
-    """A stop signal came before this step's update: saves step - 1 (if not yet saved) and exits. If a
-    rank was killed (kill -9, OOM; torchrun then SIGTERMs the rest), rank 0 saves step - 1 alone."""
+    """Saves step - 1 (if not yet saved) and exits; with a rank killed (kill -9, OOM), rank 0 saves alone."""
     lead = rank() == 0
     peers = True
     try:
@@ -2386,11 +2357,8 @@ def exit_after_checkpoint(stop, out, step, path, lead):
 # =============================================================================================
 # 19. CHECKPOINT
 # =============================================================================================
-# What an exact resume needs: the trained weights (all, the head, or only LoRA adapters), AdamW's
-# state, the schedule's position, the step, every RNG state, the flags. One format at every world
-# size, so a checkpoint resumes on any number of processes. Written to a temporary file, fsynced
-# and renamed: a crash or kill mid-write leaves the previous checkpoint intact. Loaded with
-# weights_only=True (no pickled code), so RNG states are stored as tensors and plain lists.
+# An exact resume needs the trained weights, AdamW's state, the schedule, step, RNG states and flags, in
+# one format at every world size; written atomically, loaded with weights_only=True (no pickled code).
 
 def atomic_write_bytes(path, data):
     """Writes `data` (bytes, or a function that writes to the open file) to path.tmp, then renames."""
@@ -2430,9 +2398,7 @@ def save_step_checkpoint(out, step, trainer, args, lead):
 
 
 def save_checkpoint(out_dir, step, model, optimizer, args, lr_scheduler, lead=True):
-    """Every rank gathers the state (a collective under --fsdp); rank 0 (`lead`), which holds all of
-    it, writes <out>/checkpoints/step_NNNNNN.pt, streamed to the file (at 9B a copy in memory would
-    be > 100 GiB). A stop signal meanwhile is only noted (StopAfterStep). Returns the path (rank 0)."""
+    """All ranks gather (--fsdp: a collective); rank 0 streams it to checkpoints/step_NNNNNN.pt (no copy)."""
     weights, optimizer_state = gather_training_state(model, optimizer)
     if not lead:
         return None
@@ -2445,8 +2411,7 @@ def save_checkpoint(out_dir, step, model, optimizer, args, lr_scheduler, lead=Tr
 
 
 def find_checkpoint(spec, out_dir):
-    """--resume latest: the newest step_*.pt in <out>/checkpoints, or None (a run killed before its
-    first checkpoint starts over, as in diffusers' scripts); else the given path."""
+    """--resume latest: the newest <out>/checkpoints/step_*.pt, or None (start over); else the given path."""
     if spec == "latest":
         found = sorted((out_dir / "checkpoints").glob("step_*.pt"))
         if not found:
@@ -2485,10 +2450,8 @@ WEIGHT_FLAGS = ("--policy", "--model", "--lora-rank", "--dit-lora-rank", "--ar-t
 
 
 def restore_checkpoint(ckpt, path, model, optimizer, lr_scheduler):
-    """ckpt["weight_flags"]: the WEIGHT_FLAGS this run changes (start_training), named if the weights misfit."""
-    names = {name for name, p in model.named_parameters() if p.requires_grad}
-    try:
-        if set(ckpt["trainable"]) != names:
+    try:      # ckpt["weight_flags"]: the WEIGHT_FLAGS this run changes (start_training)
+        if set(ckpt["trainable"]) != {name for name, p in model.named_parameters() if p.requires_grad}:
             raise ValueError(f"other parameter names ({', '.join(WEIGHT_FLAGS)})")
         load_training_state(model, optimizer, ckpt["trainable"], ckpt["optimizer"])
         lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
