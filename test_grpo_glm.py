@@ -1250,7 +1250,7 @@ def test_i2i_cli_writes_metrics_samples_and_checkpoint(tmp_path, i2i_prompts):
     from PIL import Image
 
     sheet = Image.open(out / "samples" / "step_000002.png")
-    assert sheet.width == (1 + 1 + 4) * 128                  # source, target, G samples
+    assert sheet.width == (1 + 1 + 4) * (128 + 6)            # source, target, G samples; 6 px apart
 
 
 def test_i2i_resume_is_bit_identical(tmp_path, i2i_prompts):
@@ -1678,7 +1678,7 @@ def test_reward_server_plugin_from_the_readme(tmp_path, monkeypatch, decoded):
     for row, (_, images) in zip(rows, decoded):
         assert row["rewards/score"] == pytest.approx(((images * 255).round() / 255).mean().item(), abs=1e-6)
     sheet = Image.open(out / "samples" / "step_000002.png")
-    assert sheet.width == 4 * 2 * 64                          # G samples, no target column
+    assert sheet.width == 4 * (2 * 64 + 6)                    # G samples, no target column
 
 
 def test_tensorboard_logs_the_metrics_images_and_flags(tmp_path):
@@ -2615,7 +2615,7 @@ def test_sample_sheet_wraps_rows_and_sorts_prompts(tmp_path):
     images = torch.cat([torch.tensor(colours[p]).view(1, 3, 1, 1).expand(16, 3, 32, 32) for p in prompts])
     targets = images[::16]
     sheet = np.asarray(g.save_sample_grid(tmp_path / "sheet.png", prompts, targets, images, torch.zeros(32), 16))
-    assert sheet.shape[1] == 8 * 128
+    assert sheet.shape[1] == 8 * (128 + 6)                   # 6 px between cells
     blue_rows = np.nonzero((sheet == (0, 0, 255)).all(-1).any(1))[0]
     red_rows = np.nonzero((sheet == (255, 0, 0)).all(-1).any(1))[0]
     assert blue_rows.max() < red_rows.min()                  # 'apple' first
