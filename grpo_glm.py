@@ -1021,8 +1021,7 @@ def ode_sheet(pipe, prompts, sources, run, noise, args):
 # #############################################################################################
 # PART III. Plumbing: skip on first read
 # #############################################################################################
-# Nothing below is GRPO: how the run starts, stops and logs, file formats, the tiny model's renderer,
-# checkpoints, torchrun and FSDP, the memory plan, saving. Part I calls each piece in one line.
+# Nothing below is GRPO: how a run starts, stops, logs and saves, and more GPUs; Part I calls each in a line.
 
 
 # =============================================================================================
@@ -1448,8 +1447,7 @@ def number(kind, least=None, above=None, most=None, multiple=None):
 
 
 def attach_negative_numbers(argv):
-    """['--lr', '-1e-3'] -> ['--lr=-1e-3']: argparse's negative-number rule knows '-1' and '-.5', not
-    exponents, and takes '-1e-3' for an option."""
+    """['--lr', '-1e-3'] -> ['--lr=-1e-3']: argparse takes '-1e-3' (not '-1') for an option."""
     out = []
     for token in argv:
         if out and out[-1].startswith("--") and "=" not in out[-1] and re.fullmatch(r"-[\d.]+(e[-+]?\d+)?", token, re.I):
@@ -1552,9 +1550,7 @@ def resolve_runtime(args):
 
 
 def open_run(args):
-    """Everything before the first step: flags, the --out lock (rank 0 holds it for the whole run), then
-    prompts, rewards, checkpoint and model. A start that fails removes what it made: bad input leaves
-    --out as it was. Returns (items, trainer, start step, out, lead, lock), or None if nothing is to do."""
+    """Flags, --out's lock (rank 0), prompts, rewards, model; a failed start removes what it made."""
     validate_args(args)
     resolve_runtime(args)
     init_distributed(args)
@@ -1565,8 +1561,7 @@ def open_run(args):
     lock = lock_out_dir(out) if lead else None
     started = None
     try:
-        # under the lock, so no other run starts here meanwhile. Resuming is the only way to continue a
-        # run (also one killed before its first checkpoint: --resume latest then starts it over).
+        # under the lock, so no other run starts here meanwhile; only --resume continues a run
         if args.resume is None and any([(out / "metrics.jsonl").exists(), *(out / "checkpoints").glob("step_*.pt")]):
             raise UsageError(f"--out {out} already holds a run; pass --resume latest to continue it or pick "
                              "another --out")
@@ -1583,11 +1578,13 @@ def open_run(args):
 
 
 def start_training(args, out, lead):
-    """Prompts, rewards, checkpoint, model, and the checks that need them. Returns (items, trainer,
-    start step), or None when there is nothing to do."""
+    """Prompts, rewards, checkpoint, model and their checks. Returns (items, trainer, start) or None."""
     # The built-in mse's targets are checked before any plug-in loads (a CLIP model takes a while).
     builtin = ["mse"] if any(spec.partition("=")[0] == "mse" for spec in args.reward) else []
     items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
+    if args.prompts_per_step > len(items) and lead:
+        print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} prompt(s) of {args.prompts}: "
+              "each step's prompts repeat lines of the file")
     rewards = load_rewards(args.reward)
     readers = [r.name for r in rewards if r.uses_targets]
     if readers and not builtin:
@@ -1598,6 +1595,7 @@ def start_training(args, out, lead):
     later = []
     if ckpt is not None:
         differences = check_resume_flags(ckpt["args"], args)
+        ckpt["weight_flags"] = "; ".join(d for d in differences if d.split()[0] in WEIGHT_FLAGS)
         if differences and not args.resume_force:
             raise UsageError(f"--resume {ckpt_path}: flags differ from the checkpoint's: {'; '.join(differences)} "
                              "(add --resume-force to accept)")
@@ -1620,8 +1618,7 @@ def start_training(args, out, lead):
 
 
 def check_prompt_lengths(pipe, items, args):
-    """The AR's context (max_position_embeddings) holds the prompt, an i2i source's tokens, the
-    generated tokens and the template's grid markers (32 set aside): a longer prompt is a UsageError."""
+    """The AR's context holds the prompt, an i2i source, the generated tokens and grid markers (32)."""
     grid = (args.height // 32) * (args.width // 32)
     others = (2 * grid + 1 if args.mode == "i2i" else generated_tokens(args.height, args.width)) + 32
     context = pipe.vision_language_encoder.config.text_config.max_position_embeddings
@@ -1633,8 +1630,7 @@ def check_prompt_lengths(pipe, items, args):
 
 
 def lock_out_dir(out):
-    """An exclusive fcntl.flock on <out>/.lock while the returned file stays open, so that two runs
-    never share an --out. The OS releases it when the process ends, even on kill -9."""
+    """An exclusive fcntl.flock on <out>/.lock while the returned file is open (released even on kill -9)."""
     import fcntl
 
     out.mkdir(parents=True, exist_ok=True)
@@ -1647,8 +1643,7 @@ def lock_out_dir(out):
 
 
 def close_run(args, items, out, tracker, lock):
-    """At the end and on any exit: the tracker; on rank 0 the reward curve (its moving average over one
-    pass through the prompts), and the --out lock."""
+    """On any exit: the tracker; rank 0: the reward curve (averaged over a pass over the prompts), the lock."""
     if tracker:
         tracker.finish()
     if lock:
@@ -1668,8 +1663,7 @@ SHAPES = ("circle", "square", "triangle")
 
 @dataclass
 class PromptItem:
-    """One prompt line. Its images are read (or drawn) when a step asks, never kept: 1,000 targets at
-    1024^2 held 4.6 GB per process. target / source: RGB at `size`, or None."""
+    """One prompt line; its images (RGB at `size`, or None) are read or drawn when a step asks, never kept."""
     text: str
     where: str                   # 'prompts.txt:3', for messages
     size: tuple                  # (height, width) images are resized to
@@ -1695,8 +1689,7 @@ class PromptItem:
 
 def read_prompts(path, height, width, mode="t2i", need_targets=True):
     """Lines `prompt`, `prompt | target.png`, i2i `prompt | target.png | source.png` (paths relative to
-    the file); blank and '#' lines are skipped ('#' later in a line is text), `\\|` is a '|' in the
-    prompt, tabs become spaces. Each image is checked now (header and size), read when used.
+    the file); blank and '#' lines are skipped, `\\|` is a '|' in the prompt, tabs become spaces.
     need_targets: False, or True / the names of the rewards that read targets (require_targets)."""
     path = Path(path)
     if not path.is_file():
@@ -1795,8 +1788,7 @@ def read_image(path, where, kind, size):
 
 
 def to_rgb(image):
-    """RGB as the user sees the file, where convert('RGB') errs: transparent pixels are composited on
-    white (not left black), 16-bit greyscale is scaled by 255/65535 (not clipped to white)."""
+    """RGB as the user sees it, where convert('RGB') errs: transparency on white, 16-bit grey scaled."""
     if image.mode in ("I", "I;16", "I;16B", "I;16L"):
         scaled = np.asarray(image, dtype=np.float64) * (255.0 / 65535.0)
         return Image.fromarray(np.clip(scaled.round(), 0, 255).astype(np.uint8)).convert("RGB")
@@ -1820,22 +1812,26 @@ def draw_shape(shape, colour, background, height, width):
 
 
 def demo_words_or_fail(prompt, where, mode, why=""):
-    """(colours, shape) to draw the demo images from, or a UsageError saying what the line lacks."""
+    """(colours, shape) to draw the demo images (i2i: [old colour, new colour]), or a UsageError."""
     words = re.findall(r"[a-z]+", prompt.lower())
     colours, shape = [w for w in words if w in COLOURS], next((w for w in words if w in SHAPES), None)
     why = f"{why}; " if why else ""
     if mode == "t2i" and (not colours or shape is None):
         raise UsageError(f"{where}: no target image given and no colour+shape words to draw one "
                          f"({why}write 'prompt | target.png')")
-    if mode == "i2i" and (len(colours) < 2 or shape is None):
-        raise UsageError(f"{where}: --mode i2i needs 'prompt | target.png | source.png', or two colours and "
-                         f"a shape to draw them (e.g. 'make the red circle blue'){f' ({why[:-2]})' if why else ''}")
-    return colours, shape
+    if mode == "t2i":
+        return colours, shape
+    colour = "|".join(COLOURS)
+    edit = re.search(rf"\b({colour}) ({'|'.join(SHAPES)})\b.*\b({colour})\b(?! background)", " ".join(words))
+    if edit is None:      # 'a red circle on a white background' is a t2i line, no edit
+        raise UsageError(f"{where}: '{prompt}' reads as no edit: --mode i2i needs 'prompt | target.png | source.png', "
+                         f"or '<colour> <shape> ... <new colour>' to draw them (e.g. 'make the red circle blue')"
+                         f"{f' ({why[:-2]})' if why else ''}")
+    return [edit[1], edit[3]], edit[2]
 
 
 def draw_demo(prompt, height, width, where, role=None):
-    """t2i (role None): '<colour> <shape> on a <colour> background'. i2i, from e.g. 'make the red
-    circle blue': the source is the shape in the first colour, the target in the second, on white."""
+    """t2i (role None): '<colour> <shape> on a <colour> background'; i2i: the shape in its old or new colour."""
     colours, shape = demo_words_or_fail(prompt, where, "t2i" if role is None else "i2i")
     if role is None:
         return draw_shape(shape, colours[0], colours[1] if len(colours) > 1 else "white", height, width)
@@ -1857,6 +1853,8 @@ def load_reward(spec):
             raise UsageError(f"--reward {spec}: the weight after '=' must be a number, got {text!r}")
         if not math.isfinite(weight):
             raise UsageError(f"--reward {spec}: the weight after '=' must be finite, got {text!r}")
+        if weight == 0:
+            raise UsageError(f"--reward {spec}: a weight of 0 leaves the reward out of the sum; drop it instead")
     if where == "mse":
         return Reward("mse", mse, weight, True)
     module_name, _, fn_name = where.rpartition(":")
@@ -1866,8 +1864,7 @@ def load_reward(spec):
         raise UsageError(f"--reward {spec}: file {module_name} not found")
     import runpy
 
-    # A module is looked up in the current directory first, as `python -m` does (`python grpo_glm.py`
-    # puts only the script's own directory on sys.path).
+    # modules are looked up in the current directory first, as `python -m` does
     sys.path.insert(0, os.getcwd())
     try:
         if module_name.endswith(".py"):
@@ -1961,8 +1958,7 @@ def log_step(row, step, args, trainer, out, tracker, warned):
 
 
 def warn_if_collapsed(row, warned, max_entropy=None):
-    """Once per run: most groups tied, so most advantages are 0. The entropy tells why: near 0 the
-    policy has collapsed; high (max_entropy: uniform), the reward does not separate the samples."""
+    """Once per run: most groups tied (advantages 0). Why: low entropy, a collapse; high, the reward."""
     if warned or row["frac_reward_zero_std"] <= 0.5:
         return warned
     head = f"warning: step {row['step']}: {row['frac_reward_zero_std']:.0%} of groups have identical rewards"
@@ -1985,8 +1981,7 @@ def skip_cause(row):
 
 
 def non_finite_stop(causes, step, out):
-    """The message of the stop after 5 steps in a row that updated nothing: what was non-finite, and
-    the last checkpoint if there is one."""
+    """Why 5 steps in a row updated nothing (what was non-finite), and the last checkpoint if any."""
     seen = list(dict.fromkeys(causes))
     advice = {"loss": "the policy's log-probs overflowed: try a lower --lr",
               "gradient": "try a lower --lr or --max-grad-norm"}
@@ -2021,43 +2016,43 @@ def save_samples(out, step, prompts, targets, images, rewards, sources, ode, arg
         tracker.log_images({"samples": np.asarray(sheet)[None]}, step, **formats)
 
 
-def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, scale=None):
-    """One row per prompt: (i2i: the source,) the target, its G samples captioned with their rewards,
-    (--policy dit|both) the DiT's a = 0 decode `ode` [P, 3, H, W]. Collapse and reward hacking show
-    here long before they show in the numbers. Returns the sheet (PIL)."""
+def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, scale=None,
+                     columns=8):
+    """Per prompt (sorted, to stay in place from sheet to sheet) a heading and `columns` cells a row: (i2i:
+    the source,) the target, (dit|both) the a = 0 decode `ode` [P, 3, H, W], the G samples and rewards.
+    Collapse and reward hacking show here long before they show in the numbers. Returns the sheet (PIL)."""
     scale = scale or max(1, 128 // images.shape[-1])          # cells at least 128 px wide, to be seen
     width, height = images.shape[-1] * scale, images.shape[-2] * scale
-    caption = 14
+    line, gap = 18, 6                                          # a line of text, white between cells
     to_pil = lambda t: Image.fromarray((t.clamp(0, 1).permute(1, 2, 0).numpy() * 255).astype(np.uint8))
-    rows = []
-    for row, prompt in enumerate(prompts):
-        cells = [(sources[row], "source")] if sources is not None else []
-        if targets is not None:
-            cells.append((to_pil(targets[row]), "target"))
+    references = [("source", sources), ("target", targets), ("a=0 (ODE)", ode)]      # sources: PIL images
+    blocks = []
+    for row in sorted(range(len(prompts)), key=lambda r: prompts[r]):
+        cells = [(x[row] if name == "source" else to_pil(x[row]), name) for name, x in references if x is not None]
         cells += [(to_pil(images[i]), f"{rewards[i].item():.4f}")
                   for i in range(row * group_size, (row + 1) * group_size)]
-        if ode is not None:
-            cells.append((to_pil(ode[row]), "a=0 (ODE)"))
-        rows.append((prompt, cells))
-    sheet = Image.new("RGB", (len(rows[0][1]) * width, len(rows) * (height + 2 * caption)), "white")
+        blocks.append((prompts[row], cells))
+    columns = min(columns, len(cells))
+    block = 2 * line + math.ceil(len(cells) / columns) * (height + line)     # heading, rows of cells, space
+    sheet = Image.new("RGB", (columns * (width + gap), len(blocks) * block), "white")
     draw, font = ImageDraw.Draw(sheet), label_font()
-    for r, (prompt, cells) in enumerate(rows):
-        y = r * (height + 2 * caption)
-        draw.text((2, y), drawable(prompt[:80], font), fill="black", font=font)
-        for c, (image, label) in enumerate(cells):
-            sheet.paste(image.resize((width, height), Image.NEAREST), (c * width, y + caption))
-            draw.text((c * width + 2, y + caption + height), label, fill="black", font=font)
+    for b, (prompt, cells) in enumerate(blocks):
+        draw.text((0, b * block), drawable(prompt, font)[:sheet.width // 9], fill="black", font=label_font(16))
+        for i, (image, label) in enumerate(cells):
+            x, y = i % columns * (width + gap), b * block + line + 4 + i // columns * (height + line)
+            sheet.paste(image.resize((width, height), Image.NEAREST), (x, y))
+            draw.text((x + 2, y + height + 2), label, fill="black", font=font)
     path.parent.mkdir(parents=True, exist_ok=True)
     sheet.save(path)
     return sheet
 
 
-@functools.lru_cache(maxsize=1)
-def label_font():
-    """Pillow's built-in font at 12 px (at its default 10 px some spaces shrink to nothing)."""
+@functools.lru_cache(maxsize=None)
+def label_font(size=12):
+    """Pillow's built-in font, 12 px by default (at its own 10 px some spaces shrink to nothing)."""
     from PIL import ImageFont
 
-    return ImageFont.load_default(size=12)
+    return ImageFont.load_default(size=size)
 
 
 def drawable(text, font):
@@ -2073,10 +2068,17 @@ def drawable(text, font):
     return "".join(out)
 
 
-def save_reward_curve(path, rows, size=(640, 360), margin=48, window=1):
-    """reward_curve.png, drawn with Pillow (no tracker needed): mean reward per step +- the mean
-    within-group std (band), and its moving average over `window` steps (one pass over the prompts:
-    with one prompt per step the raw curve zig-zags between prompts)."""
+def round_ticks(low, high, count=5, least=0):
+    """About `count` round values in [low, high], 1, 2 or 5 x 10^k apart (and at least `least`)."""
+    raw = max((high - low) / count, least)
+    unit = 10 ** math.floor(math.log10(raw))
+    spacing = next(unit * m for m in (1, 2, 5, 10) if unit * m >= raw)
+    return [round(k * spacing, 12) for k in range(math.ceil(low / spacing), math.floor(high / spacing) + 1)]
+
+
+def save_reward_curve(path, rows, size=(640, 360), margin=56, window=1):
+    """reward_curve.png with Pillow: mean reward per step +- the within-group std (band), and its moving
+    average over `window` steps (a pass over the prompts: the raw curve zig-zags between prompts)."""
     rows = [r for r in rows if r["reward_mean"] is not None and r["reward_std"] is not None]   # null: non-finite
     if not rows:
         return
@@ -2101,10 +2103,17 @@ def save_reward_curve(path, rows, size=(640, 360), margin=48, window=1):
         draw.line([to_xy(s, m) for s, m in zip(steps, average)], fill=(20, 40, 140), width=3)
         title += f"; thick: moving average over {window} steps"
     draw.rectangle((margin, margin, w - margin, h - margin), outline="black")
-    labels = {(margin, 8): title, (4, margin - 14): f"{y1:.4g}", (4, h - margin + 2): f"{y0:.4g}",
-              (margin, h - margin + 6): f"step {x0}", (w - margin - 50, h - margin + 6): f"step {max(steps)}"}
-    for xy, text in labels.items():
-        draw.text(xy, text, fill="black", font=label_font())
+    for value in round_ticks(y0, y1):
+        x, y = to_xy(x0, value)
+        draw.line((x - 4, y, x, y), fill="black")
+        draw.text((x - 6, y), f"{value:g}", fill="black", font=label_font(), anchor="rm")
+    for step in round_ticks(x0, x1, least=1):
+        x, y = to_xy(step, y0)
+        draw.line((x, y, x, y + 4), fill="black")
+        draw.text((x, y + 6), f"{step:g}", fill="black", font=label_font(), anchor="mt")
+    labels = {(margin, 8): (title, "la"), (margin, margin - 6): ("reward", "mb"), (w // 2, h - 8): ("step", "mb")}
+    for xy, (text, anchor) in labels.items():
+        draw.text(xy, text, fill="black", font=label_font(), anchor=anchor)
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path)
 
@@ -2135,18 +2144,13 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)   # Ctrl+C; what Slurm, Kubernete
 
 
 class AbandonStep(BaseException):
-    """A stop signal before the step's UPDATE: drop the step (a BaseException, which no `except
-    Exception` on the way, e.g. around a reward plug-in, swallows)."""
+    """A stop signal before the UPDATE drops the step (no `except Exception`, e.g. a plug-in's, catches it)."""
 
 
 class StopAfterStep:
-    """The run's one handler of Ctrl+C and SIGTERM: stop at a state that can be resumed, exit 128 +
-    signal (130, 143). Before the UPDATE (sampling, decoding, rewards: most of a step) the weights are
-    still the last step's: the step is dropped at once (within a scheduler's grace period) and the
-    last step saved. Once the update has begun, the step is finished and saved. Otherwise (logging, a
-    checkpoint write) the signal is only noted and acted on after the step. A second Ctrl+C quits at
-    once (the last checkpoint is complete); a second SIGTERM changes nothing (Slurm and torchrun may
-    both send one). Under torchrun the ranks decide together (before_update, agree)."""
+    """The one handler of Ctrl+C and SIGTERM: exit 128 + signal at a resumable state. Before the UPDATE,
+    drop the step and save the last; after, finish and save it. A second Ctrl+C quits at once, a second
+    SIGTERM changes nothing. Under torchrun the ranks decide together (agree)."""
 
     def __init__(self):
         self.signum = None          # the first stop signal received
@@ -2196,8 +2200,7 @@ class StopAfterStep:
 
 
 def stop_before_update(stop, trainer, args, out, step, last_saved, step_rng):
-    """A stop signal came before this step's update: saves step - 1 (if not yet saved) and exits. If a
-    rank was killed (kill -9, OOM; torchrun then SIGTERMs the rest), rank 0 saves step - 1 alone."""
+    """Saves step - 1 (if not yet saved) and exits; with a rank killed (kill -9, OOM), rank 0 saves alone."""
     lead = rank() == 0
     peers = True
     try:
@@ -2229,11 +2232,8 @@ def exit_after_checkpoint(stop, out, step, path, lead):
 # =============================================================================================
 # 19. CHECKPOINT
 # =============================================================================================
-# What an exact resume needs: the trained weights (all, the head, or only LoRA adapters), AdamW's
-# state, the schedule's position, the step, every RNG state, the flags. One format at every world
-# size, so a checkpoint resumes on any number of processes. Written to a temporary file, fsynced
-# and renamed: a crash or kill mid-write leaves the previous checkpoint intact. Loaded with
-# weights_only=True (no pickled code), so RNG states are stored as tensors and plain lists.
+# An exact resume needs the trained weights, AdamW's state, the schedule, step, RNG states and flags, in
+# one format at every world size; written atomically, loaded with weights_only=True (no pickled code).
 
 def atomic_write_bytes(path, data):
     """Writes `data` (bytes, or a function that writes to the open file) to path.tmp, then renames."""
@@ -2273,9 +2273,7 @@ def save_step_checkpoint(out, step, trainer, args, lead):
 
 
 def save_checkpoint(out_dir, step, model, optimizer, args, lr_scheduler, lead=True):
-    """Every rank gathers the state (a collective under --fsdp); rank 0 (`lead`), which holds all of
-    it, writes <out>/checkpoints/step_NNNNNN.pt, streamed to the file (at 9B a copy in memory would
-    be > 100 GiB). A stop signal meanwhile is only noted (StopAfterStep). Returns the path (rank 0)."""
+    """All ranks gather (--fsdp: a collective); rank 0 streams it to checkpoints/step_NNNNNN.pt (no copy)."""
     weights, optimizer_state = gather_training_state(model, optimizer)
     if not lead:
         return None
@@ -2288,8 +2286,7 @@ def save_checkpoint(out_dir, step, model, optimizer, args, lr_scheduler, lead=Tr
 
 
 def find_checkpoint(spec, out_dir):
-    """--resume latest: the newest step_*.pt in <out>/checkpoints, or None (a run killed before its
-    first checkpoint starts over, as in diffusers' scripts); else the given path."""
+    """--resume latest: the newest <out>/checkpoints/step_*.pt, or None (start over); else the given path."""
     if spec == "latest":
         found = sorted((out_dir / "checkpoints").glob("step_*.pt"))
         if not found:
@@ -2324,15 +2321,18 @@ def check_resume_flags(saved_args, args):
     return [describe(k) for k in ALGORITHM_FLAGS if saved_args.get(k) != getattr(args, k)]
 
 
+WEIGHT_FLAGS = ("--policy", "--model", "--lora-rank", "--dit-lora-rank", "--ar-trainable")   # what is trained
+
+
 def restore_checkpoint(ckpt, path, model, optimizer, lr_scheduler):
-    names = {name for name, p in model.named_parameters() if p.requires_grad}
-    if set(ckpt["trainable"]) != names:
-        raise UsageError(f"--resume {path}: its weights do not fit this model (different --model or --lora-rank)")
-    try:
+    try:      # ckpt["weight_flags"]: the WEIGHT_FLAGS this run changes (start_training)
+        if set(ckpt["trainable"]) != {name for name, p in model.named_parameters() if p.requires_grad}:
+            raise ValueError(f"other parameter names ({', '.join(WEIGHT_FLAGS)})")
         load_training_state(model, optimizer, ckpt["trainable"], ckpt["optimizer"])
         lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
     except (RuntimeError, ValueError, KeyError) as e:
-        raise UsageError(f"--resume {path}: its weights do not fit this model ({str(e).splitlines()[0][:120]})")
+        why = ckpt.get("weight_flags") or str(e).splitlines()[0][:120]
+        raise UsageError(f"--resume {path}: its weights do not fit this model: {why}")
     set_rng_state(ckpt["rng"])
 
 

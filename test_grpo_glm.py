@@ -1253,7 +1253,7 @@ def test_i2i_cli_writes_metrics_samples_and_checkpoint(tmp_path, i2i_prompts):
     from PIL import Image
 
     sheet = Image.open(out / "samples" / "step_000002.png")
-    assert sheet.width == (1 + 1 + 4) * 128                  # source, target, G samples
+    assert sheet.width == (1 + 1 + 4) * (128 + 6)            # source, target, G samples; 6 px apart
 
 
 def test_i2i_resume_is_bit_identical(tmp_path, i2i_prompts):
@@ -1681,7 +1681,7 @@ def test_reward_server_plugin_from_the_readme(tmp_path, monkeypatch, decoded):
     for row, (_, images) in zip(rows, decoded):
         assert row["rewards/score"] == pytest.approx(((images * 255).round() / 255).mean().item(), abs=1e-6)
     sheet = Image.open(out / "samples" / "step_000002.png")
-    assert sheet.width == 4 * 2 * 64                          # G samples, no target column
+    assert sheet.width == 4 * (2 * 64 + 6)                    # G samples, no target column
 
 
 def test_tensorboard_logs_the_metrics_images_and_flags(tmp_path):
@@ -2572,3 +2572,60 @@ def test_slow_after_kill_9_of_one_rank_sigterm_still_saves_the_last_step(tmp_pat
     assert codes == [143, -9], errs
     assert "interrupted in step 2 before its update: step 1 is saved" in errs[0] and "Traceback" not in errs[0]
     assert [p.name for p in (out / "checkpoints").glob("*.pt")] == ["step_000001.pt"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 27: what a new user hit
+# ---------------------------------------------------------------------------------------------
+
+def test_i2i_demo_line_that_is_no_edit_is_refused_before_anything_loads(tmp_path, capsys):
+    (tmp_path / "p.txt").write_text("make the red circle blue\na red circle on a white background\n")
+    with pytest.raises(SystemExit) as exit_:
+        g.main(["--mode", "i2i", "--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "run")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(lines) == 1 and f"{tmp_path / 'p.txt'}:2" in lines[0], lines
+    assert "make the red circle blue" in lines[0] and not (tmp_path / "run").exists()
+
+
+def test_more_prompts_per_step_than_lines_is_noted_once(tmp_path, capsys):
+    (tmp_path / "p.txt").write_text("a red circle on a white background\n")
+    g.main(["--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "run"), "--steps", "1", "--group-size", "2",
+            "--prompts-per-step", "2", "--sample-every", "0", "--height", "64", "--width", "64"])
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "repeat lines of" in notes[0] and "--prompts-per-step 2" in notes[0], notes
+
+
+def test_resume_into_a_model_that_does_not_fit_names_the_flags(finished_run, capsys):
+    ckpt = str(finished_run / "checkpoints" / "step_000001.pt")
+    for flags, needle in [(["--policy", "both"], "--policy ar -> both"), (["--lora-rank", "2"], "--lora-rank 0 -> 2")]:
+        with pytest.raises(SystemExit):
+            g.main(["--resume", ckpt, "--out", str(finished_run), "--steps", "3", "--resume-force", *flags, *SMALL])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and f"do not fit this model: {needle}" in lines[0], lines
+
+
+def test_a_reward_weight_of_zero_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        g.main(["--reward", "mse=0", "--out", str(tmp_path / "run")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: --reward mse=0: a weight of 0")
+
+
+def test_sample_sheet_wraps_rows_and_sorts_prompts(tmp_path):
+    """G = 16 samples of 32 px (cells 128 px): blocks of 8 cells a row, prompts in text order."""
+    colours = {"zebra": (1.0, 0.0, 0.0), "apple": (0.0, 0.0, 1.0)}
+    prompts = ["zebra", "apple"]
+    images = torch.cat([torch.tensor(colours[p]).view(1, 3, 1, 1).expand(16, 3, 32, 32) for p in prompts])
+    targets = images[::16]
+    sheet = np.asarray(g.save_sample_grid(tmp_path / "sheet.png", prompts, targets, images, torch.zeros(32), 16))
+    assert sheet.shape[1] == 8 * (128 + 6)                   # 6 px between cells
+    blue_rows = np.nonzero((sheet == (0, 0, 255)).all(-1).any(1))[0]
+    red_rows = np.nonzero((sheet == (255, 0, 0)).all(-1).any(1))[0]
+    assert blue_rows.max() < red_rows.min()                  # 'apple' first
+    assert red_rows.max() - red_rows.min() > 2 * 128        # 17 cells: 3 rows of cells
+
+
+def test_reward_curve_ticks_are_round_values():
+    assert g.round_ticks(0.1234, 0.5678) == pytest.approx([0.2, 0.3, 0.4, 0.5])
+    assert g.round_ticks(1, 40) == [10, 20, 30, 40]
+    assert g.round_ticks(-0.0213, -0.0187) == pytest.approx([-0.021, -0.02, -0.019])
