@@ -1982,8 +1982,8 @@ def test_policy_both_honours_micro_batch_size(monkeypatch):
     for micro in ("4", "3"):
         args = g.resolve_runtime(g.parse_args(["--policy", "both", "--group-size", "4", "--prompts-per-step", "1",
                                                "--height", "64", "--width", "64",
-                                               "--micro-batch-size", micro, "--inner-epochs", "1", "--lr", "0",
-                                               "--dit-lr", "0", "--sample-every", "0"]))
+                                               "--micro-batch-size", micro, "--inner-epochs", "1", "--lr", "1e-9",
+                                               "--dit-lr", "1e-9", "--sample-every", "0"]))
         trainer, _ = g.setup_training(args)
         sizes.clear()
         g.grpo_step(trainer, items, [0], 1, args)
