@@ -1118,13 +1118,13 @@ def test_plan_of_i2i_counts_the_source_tokens_and_no_preview(capsys):
     pipe = g.build_tiny_pipeline()
     image_token = pipe.vision_language_encoder.config.image_token_id
     for height, width in [(64, 64), (96, 64)]:
-        inputs = g.processor_inputs(pipe, ["x"], [Image.new("RGB", (width, height))], height, width, "cpu")
+        source = [Image.new("RGB", (width, height))]
+        inputs = g.processor_inputs(pipe, ["x"], source, height, width, "cpu")
         prompt_len, generated = g.ar_sequence("i2i", height, width, prompt_tokens=0,
                                               image_processor=pipe.processor.image_processor)
         assert prompt_len - 2 == int((inputs["input_ids"] == image_token).sum())
-        assert generated == g.generation_layout(pipe, inputs, is_t2i=False)[0]
-        t2i = g.processor_inputs(pipe, ["x"], [None], height, width, "cpu")
-        assert g.ar_sequence("t2i", height, width)[1] == g.generation_layout(pipe, t2i, is_t2i=True)[0]
+        assert generated == g.generation_inputs(pipe, ["x"], source, 1, height, width)[3][0]
+        assert g.ar_sequence("t2i", height, width)[1] == g.generation_inputs(pipe, ["x"], None, 1, height, width)[3][0]
 
 
 def test_fsdp_plan_matches_a_hand_count_on_the_tiny_model(tmp_path):
