@@ -19,13 +19,11 @@ GRPO (Shao et al. 2024, DeepSeekMath) needs no value network: it samples a group
 prompt, standardises each reward within its group, A_i = (r_i - mean(r)) / (std(r) + eps), and
 pushes the policy up on better-than-average samples with PPO's clipped surrogate (Schulman et al.
 2017), optionally with a KL penalty towards the initial model. --policy dit|both trains the DiT
-too (Part II, Flow-GRPO). `--model tiny`, the default, is GLM-Image at toy size from the real
-classes, its renderer pre-trained once and cached (section 20 says how and why).
+too (Part II, Flow-GRPO). `--model tiny`, the default, is GLM-Image at toy size (section 20).
 
-Reading map: Part I (sections 1-11) is GRPO on the AR in the order a step runs, one contiguous
-read; Part II (12-13) Flow-GRPO on the DiT, with Part I's advantage, loss and update; Part III
-(14-24) is plumbing, skip it on first read. The pure functions (mse_reward, group_advantages,
-token_logprobs, grpo_loss) use no globals: copy them out freely.
+Reading map: Part I (sections 1-11) is GRPO on the AR in the order a step runs; Part II (12-13)
+Flow-GRPO on the DiT; Part III (14-24) is plumbing. The pure functions (mse_reward,
+group_advantages, token_logprobs, grpo_loss) use no globals: copy them out freely.
 """
 
 import argparse
@@ -264,9 +262,8 @@ def image_token_suppression(ar, codebook_size):
 
 
 class GumbelMax:
-    """A logits processor that makes generate's greedy argmax draw exactly from softmax(logits / T):
-    argmax_v (l_v / T + g_v), g_v = -log(-log(u_v)) standard Gumbel, is softmax(l / T)-distributed
-    (no top-k, no top-p). Group k's noise [G, V] comes from generators[k] alone, where
+    """Makes generate's greedy argmax draw from softmax(l / T): argmax_v (l_v / T + g_v), g_v standard
+    Gumbel, is so distributed (no top-k/p). Group k's noise [G, V] comes from generators[k] alone, where
     generate(do_sample=True)'s draws for a row depend on the rows before it in the batch."""
 
     def __init__(self, generators, group_size, temperature):
@@ -654,11 +651,14 @@ def setup_training(args, ckpt=None, ckpt_path=None, rewards=None):
     warmup = args.lr_scheduler == "constant" and args.lr_warmup_steps
     trainer.lr_scheduler = get_scheduler("constant_with_warmup" if warmup else args.lr_scheduler, trainer.optimizer,
                                          num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.steps)
-    start = resume(trainer, ckpt, ckpt_path)
+    if ckpt is not None:
+        restore_checkpoint(ckpt, ckpt_path, trainer.trained, trainer.optimizer, trainer.lr_scheduler)
+        if rank() == 0:
+            print(f"Resuming from step {ckpt['step']} ({ckpt_path})")
     trainer.rewards = load_rewards(args.reward) if rewards is None else rewards
     trainer.policy = wrap_for_training(ar, args.device) if args.policy != "dit" else None
     trainer.dit_policy = wrap_for_training(dit, args.device) if args.policy != "ar" else None
-    return trainer, start
+    return trainer, ckpt["step"] if ckpt else 0
 
 
 def grpo_step(trainer, items, indices, step, args, slots=None):
@@ -775,7 +775,7 @@ def train(args):
 class DitCondition:
     """The DiT's inputs as GlmImagePipeline.__call__ builds them, per prompt (its G samples at rows p*G..)."""
     prompt_embeds: list              # per prompt: [G, S_p, D] glyph embeddings (encode_prompt of it alone)
-    negative_embeds: list            # per prompt: [G, S', D] glyph embeddings of "" (CFG's unconditional branch), or None
+    negative_embeds: list            # per prompt: [G, S', D] glyph embeddings of "" (CFG's other branch), or None
     prior: torch.Tensor              # [N, 4*H*W] target-grid tokens upsampled 2x (the DiT's 16-px grid)
     target_size: torch.Tensor        # [N, 2] (height, width) in pixels
     crop_coords: torch.Tensor        # [N, 2] zeros, the pipeline's default crops_coords_top_left
@@ -882,12 +882,6 @@ def dit_step_logprob(dit, cond, rollout, i, noise_level):
     v = dit_velocity(dit, x, rollout.timesteps[i], cond, caches)
     _, logp, mean = sde_step(v, x, rollout.sigmas, i, noise_level, x_next=rollout.states[:, i + 1])
     return logp, mean
-
-
-def dit_policy_logprobs(dit, cond, rollout, noise_level):
-    """logp [N, T] of the T trained steps: the DiT's policy_logprobs."""
-    return torch.stack([dit_step_logprob(dit, cond, rollout, i, noise_level)[0]
-                        for i in range(rollout.old_logp.shape[1])], 1)
 
 
 def dit_kl(mean, ref_mean, std):
@@ -1029,9 +1023,8 @@ def pipeline_from_pretrained(args, dtype):
 
 
 def place_pipeline(pipe, args):
-    """The pipeline on args.device. --offload: diffusers' model offload moves each component of
-    model_cpu_offload_seq to the GPU when called, back to the CPU when the next one runs. A trained
-    half leaves the sequence and stays on the GPU: its parameters and AdamW state must not move."""
+    """--offload: diffusers' model offload moves model_cpu_offload_seq's components to the GPU in turn. A
+    trained half leaves the sequence and stays on the GPU: its parameters and AdamW state must not move."""
     if not args.offload:
         pipe.to(args.device)
         return
@@ -1074,30 +1067,25 @@ def sample_groups(pipe, prompts, sources, slots, step, args, record_logp=True, p
     rows are the same tensors, and its samples the same, on any number of processes (section 21)."""
     ar = pipe.vision_language_encoder
     if prompt_len is None:
-        # One column past the step's longest prompt: a row's fp32 sums change with the padding columns
-        # before it (SDPA's masked sums), and a batch with none loses its attention mask in transformers
-        # and takes SDPA's causal kernel, another summation order; near-tied tokens could then flip.
-        prompt_len = longest_prompt_on_all_ranks(pipe, prompts, sources, args.height, args.width) + 1
+        # One column past the step's longest prompt (a MAX all-reduce under torchrun): a row's fp32 sums
+        # change with the padding columns before it (SDPA's masked sums), and a batch with none loses its
+        # attention mask in transformers and takes SDPA's causal kernel, another summation order;
+        # near-tied tokens could then flip.
+        inputs = processor_inputs(pipe, prompts, sources or [None] * len(prompts), args.height, args.width, "cpu")
+        longest = inputs["input_ids"].shape[1]
+        if is_ddp():
+            longest = torch.tensor(longest, device=collective_device())
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+        prompt_len = int(longest) + 1
     generators = [torch.Generator(ar.device).manual_seed(sampling_seed(args.seed, step, slot)) for slot in slots]
     return sample_group(pipe, prompts, args.group_size, args.temperature, args.height, args.width, args.loss_tokens,
                         sources, record_logp, generators, prompt_len)
 
 
-def longest_prompt_on_all_ranks(pipe, prompts, sources, height, width):
-    """Tokens in the step's longest prompt, over all ranks (a MAX all-reduce under torchrun)."""
-    length = processor_inputs(pipe, prompts, sources or [None] * len(prompts), height, width, "cpu")["input_ids"].shape[1]
-    if not is_ddp():
-        return length
-    t = torch.tensor(length, device=collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
 def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_len=None):
-    """What sample_group hands generate() for P prompts x G samples, left-padded to `prompt_len` tokens
-    (default: the longest prompt). Returns (generate's keyword arguments, [N, ...] rows; i2i: the
-    sources' VQ ids (flat) and per sample the DiT's source condition, else None, None; (tokens to
-    generate, offset of the target grid among them, (H, W)) from the pipeline's own layout)."""
+    """generate()'s keyword arguments for P prompts x G samples ([N, ...] rows, left-padded to `prompt_len`),
+    i2i: the sources' VQ ids (flat) and per-sample DiT condition (else None, None), and the pipeline's
+    layout (tokens to generate, offset of the target grid among them, (H, W))."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
     ar = pipe.vision_language_encoder
@@ -1132,10 +1120,9 @@ def processor_inputs(pipe, prompts, sources, height, width, device):
 
 
 def encode_sources(pipe, inputs, group_size):
-    """i2i: the vision encoder + VQ once per prompt. Returns, each prompt's entry repeated G times: its
-    features for generate(mm_encoder_outputs=), its VQ ids (flat), and the DiT's condition (those ids
-    upsampled 2x as generate_prior_tokens does, their grid). (generate_prior_tokens torch.cat's the
-    feature list, which get_image_tokens then fails on in diffusers 0.42.1; we pass the list.)"""
+    """i2i: vision encoder + VQ once per prompt -> G times each: features for generate(mm_encoder_outputs=)
+    (a list: generate_prior_tokens torch.cat's it, which get_image_tokens fails on in diffusers 0.42.1),
+    VQ ids (flat), and the DiT's condition (the ids upsampled 2x as generate_prior_tokens does, grid)."""
     ar = pipe.vision_language_encoder
     grids = ar.model.get_image_grids_for_generation(inputs["images_per_sample"], inputs["image_grid_thw"])
     features = list(ar.get_image_features(inputs["pixel_values"], grids).pooler_output)   # one per prompt
@@ -1146,10 +1133,9 @@ def encode_sources(pipe, inputs, group_size):
 
 
 def decode_position_ids(ar, inputs, num_generated):
-    """M-RoPE positions [3, N, P + L - 1] of the teacher-forced input prompt + generated[:-1]. Image
-    tokens get 2-D positions (temporal, row, column), not a plain forward's running index:
-    get_rope_index returns the prompt's and caches the generated grids' on the model (a private
-    attribute, the only place transformers keeps them)."""
+    """M-RoPE positions [3, N, P + L - 1] of the input prompt + generated[:-1]: image tokens get 2-D
+    positions (temporal, row, column), not a plain forward's index. get_rope_index returns the prompt's
+    and caches the generated grids' on the model (private, the only place transformers keeps them)."""
     model = ar.model
     prompt_positions, _ = model.get_rope_index(inputs["input_ids"], inputs["image_grid_thw"],
                                                 inputs["images_per_sample"], inputs["attention_mask"])
@@ -1192,9 +1178,8 @@ mse.uses_targets = True
 
 
 def call_reward(reward, images, prompts, targets):
-    """One --reward on its own copy of the batch (one editing `images` in place must not change what
-    the next reward or the sample sheet sees) -> [N] in the images' dtype. Raising or a wrong shape
-    stops the run with one line; non-finite values make the loss non-finite: grpo_update skips it."""
+    """One --reward on its own copy of the batch (in-place edits must not reach the next one) -> [N] in the
+    images' dtype. Raising or a wrong shape stops the run; non-finite values: grpo_update skips the step."""
     n = len(prompts)
     try:
         value = reward.fn(images.clone(), list(prompts), None if targets is None else targets.clone())
@@ -1216,31 +1201,20 @@ def call_reward(reward, images, prompts, targets):
     return value
 
 
-# ---- For sections 8-11: dtypes, micro-batches under DDP, resuming -------------------------------
+# ---- For sections 8-11: dtypes, micro-batches under DDP, a run of non-finite steps --------------
 
 def at_least_fp32(x):
     return x.to(torch.promote_types(x.dtype, torch.float32))    # bf16/fp16 -> fp32; fp32, fp64 unchanged
 
 
 def sync_on_last(policy, pieces):
-    """Yields `pieces` (micro-batches, the DiT's steps), each backpropagated before the next. Under DDP
-    all but the last run in no_sync(), so gradients accumulate locally and the last backward all-reduces
-    their sum once. Every rank runs as many pieces (a missing backward would leave the others waiting)."""
+    """Yields `pieces`, each backpropagated before the next; under DDP all but the last in no_sync(): the
+    last backward all-reduces the sum once. Every rank runs as many (a missing one would hang the others)."""
     pieces = list(pieces)
     for k, piece in enumerate(pieces):
         accumulate_only = hasattr(policy, "no_sync") and k < len(pieces) - 1
         with policy.no_sync() if accumulate_only else contextlib.nullcontext():
             yield piece
-
-
-def resume(trainer, ckpt, path):
-    """Restores `ckpt` (weights, AdamW state, schedule) into `trainer`: its step, or 0 without one."""
-    if ckpt is None:
-        return 0
-    restore_checkpoint(ckpt, path, trainer.trained, trainer.optimizer, trainer.lr_scheduler)
-    if rank() == 0:
-        print(f"Resuming from step {ckpt['step']} ({path})")
-    return ckpt["step"]
 
 
 def non_finite_streak(bad_steps, row, step, out, args):
@@ -1293,9 +1267,8 @@ def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_sc
 
 
 def write_source_caches(dit, cond):
-    """One GlmImageKVCache per prompt. i2i: a DiT pass over the source latent at timestep 0 writes
-    every layer's keys/values, which its G samples' denoising passes read (as the pipeline does); it
-    depends on the DiT's weights, so it is part of the training graph. t2i: empty caches."""
+    """One GlmImageKVCache per prompt. i2i: a DiT pass over the source latent at timestep 0 writes the keys/
+    values its G samples' passes read (as the pipeline does), part of the training graph. t2i: empty."""
     from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
 
     module = unwrap(dit)
