@@ -174,8 +174,7 @@ def parse_args(argv=None):
 # =============================================================================================
 # 2. Model: GLM-Image = AR (transformers) + DiT/VAE/glyph encoder (diffusers)
 # =============================================================================================
-# `--model tiny` loads into the very classes the real checkpoint does, so it runs the code path of
-# `--model zai-org/GLM-Image` (section 20 builds it).
+# `--model tiny` (section 20) loads into the real checkpoint's classes: it runs the real model's code path.
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]   # the AR's Linears
 DIT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]                                 # the DiT's attention
@@ -226,8 +225,7 @@ def prepare_policy(ar, args):
 # =============================================================================================
 # 3. Prompts and targets
 # =============================================================================================
-# prompts_for_step picks a step's prompts (a seeded shuffle per pass over the prompt file, so a resumed
-# run sees the same ones), batch_targets reads their target images (both in section 14a).
+# prompts_for_step (a seeded shuffle per pass: a resumed run sees the same prompts), batch_targets: 14a.
 
 def repeat_each(items, group_size):
     return [x for x in items for _ in range(group_size)]        # [a, b] -> [a x G, b x G], as the batch rows
@@ -336,12 +334,10 @@ def group_noise(pipe, prompt_indices, group_size, height, width, seed, step, mod
     """Initial DiT latents [N, C, h, w], one draw per prompt shared by its G samples: within a group only
     the tokens differ. --dit-noise per-prompt keeps a prompt's draw all run (the renderer is a fixed
     function tokens -> image: the reward rises only if the policy does); per-step draws anew."""
-    channels = pipe.transformer.config.in_channels
-    shape = (channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
-    draws = []
-    for index in prompt_indices:
-        stream = index if mode == "per-prompt" else index + 1_000_003 * step
-        draws.append(torch.randn(shape, generator=torch.Generator().manual_seed(seed * 7_919 + stream)))
+    shape = (pipe.transformer.config.in_channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
+    stream = 0 if mode == "per-prompt" else 1_000_003 * step              # seeded by (seed, prompt[, step])
+    draws = [torch.randn(shape, generator=torch.Generator().manual_seed(seed * 7_919 + index + stream))
+             for index in prompt_indices]
     return torch.stack(draws).repeat_interleave(group_size, 0)
 
 
@@ -387,11 +383,9 @@ def mse_reward(images, targets):
 def compute_rewards(rewards, images, prompts, targets):
     """(total [N] = sum_k w_k r_k, {name: r_k [N]}). Summed, then standardised, as TRL: a reward weighs by
     weight x spread in a group (MixGRPO standardises each first, blowing a flat one's noise up)."""
-    total, per_reward = None, {}
-    for reward in rewards:
-        per_reward[reward.name] = value = call_reward(reward, images, prompts, targets)   # checked [N]
-        total = reward.weight * value if total is None else total + reward.weight * value
-    return total, per_reward
+    values = [call_reward(reward, images, prompts, targets) for reward in rewards]          # each checked [N]
+    total = functools.reduce(torch.add, [reward.weight * value for reward, value in zip(rewards, values)])
+    return total, {reward.name: value for reward, value in zip(rewards, values)}
 
 
 # =============================================================================================
@@ -437,8 +431,7 @@ def scaled_logits(logits, temperature, suppressed=()):
 
 
 def token_logprobs(logits, tokens, temperature, suppressed=()):
-    """log pi(token) under softmax(logits / T), suppressed ids at probability 0 as in sampling.
-    logits [N, L, V], tokens [N, L] -> [N, L]."""
+    """log pi(token) under softmax(logits / T), suppressed ids at 0: logits [N, L, V], tokens [N, L] -> [N, L]."""
     logits = scaled_logits(logits, temperature, suppressed)
     return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
@@ -449,8 +442,7 @@ def token_entropy(logits, temperature, suppressed=()):
 
 
 def policy_logits(ar, rollout):
-    """One teacher-forced forward over prompt + generated[:-1] at generate's M-RoPE positions (a plain
-    forward would number image tokens like text): logits [N, L, V] for the L generated tokens."""
+    """One teacher-forced forward at generate's M-RoPE positions -> logits [N, L, V] of the L generated tokens."""
     num_generated = rollout.sequences.shape[1] - rollout.prompt_len
     return ar(input_ids=rollout.sequences[:, :-1], attention_mask=rollout.attention_mask,
               position_ids=rollout.position_ids, logits_to_keep=num_generated, use_cache=False).logits
@@ -500,12 +492,9 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
     n = mask.sum().clamp(min=1)
     loss = (per_token * mask).sum() / n
     clipped = ((ratio < 1 - clip_eps) & (adv < 0)) | ((ratio > 1 + clip_eps) & (adv > 0))
-    metrics = {
-        "ratio_mean": ((ratio * mask).sum() / n).item(),
-        "clip_ratio": ((clipped.float() * mask).sum() / n).item(),
-        "kl": ((kl * mask).sum() / n).item(),
-    }
-    return loss, metrics
+    return loss, {"ratio_mean": ((ratio * mask).sum() / n).item(),
+                  "clip_ratio": ((clipped.float() * mask).sum() / n).item(),
+                  "kl": ((kl * mask).sum() / n).item()}
 
 
 # =============================================================================================
@@ -793,10 +782,9 @@ class DitRollout:
 
 
 def dit_velocity(dit, latents, t, cond, caches):
-    """The guided velocity v [N, C, h, w] (fp32) at timestep t, as the pipeline's loop computes it (the
-    DiT gets t - 1; with CFG, v = v_u + g (v_c - v_u), the unconditional branch without prior tokens:
-    two DiT passes per step, in training too). One call per prompt: a batch of prompts would pad the
-    shorter glyph embeddings with zeros the DiT attends to (no mask helps, diffusers issue 13587)."""
+    """The guided velocity v [N, C, h, w] (fp32) at t as the pipeline computes it (the DiT gets t - 1; CFG
+    v = v_u + g (v_c - v_u), v_u without prior tokens, in training too). One call per prompt: a batch would
+    pad shorter glyph embeddings with zeros the DiT attends to (no mask helps, diffusers issue 13587)."""
     n = latents.shape[0] // len(cond.prompt_embeds)
     timestep = t.expand(n) - 1
     i2i, dtype = cond.source_latents is not None, unwrap(dit).dtype
