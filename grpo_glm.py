@@ -19,13 +19,11 @@ GRPO (Shao et al. 2024, DeepSeekMath) needs no value network: it samples a group
 prompt, standardises each reward within its group, A_i = (r_i - mean(r)) / (std(r) + eps), and
 pushes the policy up on better-than-average samples with PPO's clipped surrogate (Schulman et al.
 2017), optionally with a KL penalty towards the initial model. --policy dit|both trains the DiT
-too (Part II, Flow-GRPO). `--model tiny`, the default, is GLM-Image at toy size from the real
-classes, its renderer pre-trained once and cached (section 20 says how and why).
+too (Part II, Flow-GRPO). `--model tiny`, the default, is GLM-Image at toy size (section 20).
 
-Reading map: Part I (sections 1-11) is GRPO on the AR in the order a step runs, one contiguous
-read; Part II (12-13) Flow-GRPO on the DiT, with Part I's advantage, loss and update; Part III
-(14-24) is plumbing, skip it on first read. The pure functions (mse_reward, group_advantages,
-token_logprobs, grpo_loss) use no globals: copy them out freely.
+Reading map: Part I (sections 1-11) is GRPO on the AR in the order a step runs; Part II (12-13)
+Flow-GRPO on the DiT; Part III (14-24) is plumbing. The pure functions (mse_reward,
+group_advantages, token_logprobs, grpo_loss) use no globals: copy them out freely.
 """
 
 import argparse
@@ -176,16 +174,14 @@ def parse_args(argv=None):
 # =============================================================================================
 # 2. Model: GLM-Image = AR (transformers) + DiT/VAE/glyph encoder (diffusers)
 # =============================================================================================
-# `--model tiny` loads into the very classes the real checkpoint does, so it runs the code path of
-# `--model zai-org/GLM-Image` (section 20 builds it).
+# `--model tiny` (section 20) loads into the real checkpoint's classes: it runs the real model's code path.
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]   # the AR's Linears
 DIT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]                                 # the DiT's attention
 
 
 def load_pipeline(args):
-    """The GlmImagePipeline on args.device with its renderer (glyph encoder, DiT, VAE) frozen;
-    prepare_policy (and Part II's prepare_dit_policy) mark what trains."""
+    """The GlmImagePipeline on args.device, its renderer (glyph encoder, DiT, VAE) frozen."""
     dtype = getattr(torch, args.dtype)
     pipe = pipeline_from_pretrained(args, dtype)       # --model tiny: built on first use, then cached
     for name in ("text_encoder", "transformer", "vae"):
@@ -199,9 +195,8 @@ def load_pipeline(args):
 
 
 def add_lora(model, rank, alpha, targets, **config):
-    """LoRA adapters on `targets` through PEFT's add_adapter (the AR's and the DiT's alike), the base
-    frozen. They train in fp32 on a bf16 base (diffusers' cast_training_params): bf16 weights would
-    round AdamW's small updates away."""
+    """PEFT LoRA adapters on `targets` (the AR's and the DiT's alike), the base frozen. They train in fp32
+    on a bf16 base (diffusers' cast_training_params): bf16 would round AdamW's small updates away."""
     from diffusers.training_utils import cast_training_params
     from peft import LoraConfig
 
@@ -230,8 +225,7 @@ def prepare_policy(ar, args):
 # =============================================================================================
 # 3. Prompts and targets
 # =============================================================================================
-# prompts_for_step picks a step's prompts (a seeded shuffle per pass over the prompt file, so a resumed
-# run sees the same ones), batch_targets reads their target images (both in section 14a).
+# prompts_for_step (a seeded shuffle per pass: a resumed run sees the same prompts), batch_targets: 14a.
 
 def repeat_each(items, group_size):
     return [x for x in items for _ in range(group_size)]        # [a, b] -> [a x G, b x G], as the batch rows
@@ -266,12 +260,9 @@ def image_token_suppression(ar, codebook_size):
 
 
 class GumbelMax:
-    """A logits processor that makes generate's greedy argmax draw exactly from softmax(logits / T):
-    with standard Gumbel noise g_v = -log(-log(u_v)), u_v ~ U(0, 1) i.i.d.,
-        argmax_v (l_v / T + g_v)   is distributed as   softmax(l / T)_v
-    over the ids whose l_v is finite: no top-k, no top-p, suppressed ids (-inf) never drawn. Unlike
-    generate(do_sample=True), whose draws for a row depend on the rows before it in the batch, group
-    k's noise [G, V] comes from generators[k] alone."""
+    """Makes generate's greedy argmax draw from softmax(l / T): argmax_v (l_v / T + g_v), g_v standard
+    Gumbel, is so distributed (no top-k/p). Group k's noise [G, V] comes from generators[k] alone, where
+    generate(do_sample=True)'s draws for a row depend on the rows before it in the batch."""
 
     def __init__(self, generators, group_size, temperature):
         self.generators, self.group_size, self.temperature = generators, group_size, temperature
@@ -286,9 +277,8 @@ class GumbelMax:
 def sample_group(pipe, prompts, group_size, temperature, height, width, loss_tokens, sources=None,
                  record_logp=True, generators=None, prompt_len=None):
     """G samples per prompt in one generate() call (i2i when `sources` is given) -> Rollout. Group k
-    draws from generators[k] (default: seeded off the global RNG); `prompt_len` left-pads every prompt
-    to that length. old_logp comes from generate's raw fp32 logits, never the Gumbel-noised scores,
-    through the loss's own token_logprobs."""
+    draws from generators[k] (default: seeded off the global RNG). old_logp: the loss's token_logprobs
+    of generate's raw fp32 logits, never the Gumbel-noised scores."""
     from transformers import GenerationConfig
 
     ar = pipe.vision_language_encoder
@@ -322,10 +312,9 @@ def sample_group(pipe, prompts, group_size, temperature, height, width, loss_tok
 
 
 def sample_tokens(trainer, prompts, sources, slots, step, args):
-    """SAMPLE with the AR in eval mode -> Rollout. Group k draws from a seed of (seed, step, slot), the
-    same on any number of processes (sample_groups). pi_old's log-probs must equal the loss's first-pass
-    ones bit for bit (ratio 1): in fp32 the sampler's own do; in bf16 (generate's cached decode is ~1e-2
-    off a full pass) and fp64 (generate returns fp32 logits) they come from the loss's own pass."""
+    """SAMPLE with the AR in eval mode -> Rollout. pi_old's log-probs must equal the loss's first pass
+    bit for bit (ratio 1): in fp32 the sampler's do; in bf16 (generate's cached decode is ~1e-2 off a
+    full pass) and fp64 (generate returns fp32 logits) they come from the loss's own pass."""
     ar = trainer.pipe.vision_language_encoder
     ar.eval()
     exact = args.dtype == "float32"
@@ -342,24 +331,20 @@ def sample_tokens(trainer, prompts, sources, slots, step, args):
 # =============================================================================================
 
 def group_noise(pipe, prompt_indices, group_size, height, width, seed, step, mode):
-    """Initial DiT latents [N, C, h, w]: one draw per prompt, shared by its G samples, so that within
-    a group only the tokens differ. --dit-noise per-prompt (default) keeps a prompt's draw all run:
-    the renderer is then a fixed function tokens -> image, and the reward rises only if the policy
-    improves; per-step draws anew (tokens good on average over noise). Seeded by (seed, prompt, step)."""
-    channels = pipe.transformer.config.in_channels
-    shape = (channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
-    draws = []
-    for index in prompt_indices:
-        stream = index if mode == "per-prompt" else index + 1_000_003 * step
-        draws.append(torch.randn(shape, generator=torch.Generator().manual_seed(seed * 7_919 + stream)))
+    """Initial DiT latents [N, C, h, w], one draw per prompt shared by its G samples: within a group only
+    the tokens differ. --dit-noise per-prompt keeps a prompt's draw all run (the renderer is a fixed
+    function tokens -> image: the reward rises only if the policy does); per-step draws anew."""
+    shape = (pipe.transformer.config.in_channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
+    stream = 0 if mode == "per-prompt" else 1_000_003 * step              # seeded by (seed, prompt[, step])
+    draws = [torch.randn(shape, generator=torch.Generator().manual_seed(seed * 7_919 + index + stream))
+             for index in prompt_indices]
     return torch.stack(draws).repeat_interleave(group_size, 0)
 
 
 @torch.no_grad()
 def decode_images(pipe, prompts, rollout, noise, num_inference_steps, guidance_scale, sources=None):
-    """Images [N, 3, H, W] in [0, 1] from the target grids, one prompt (and i2i source) per sample.
-    `prior_token_ids=` makes the pipeline skip its AR stage: the grid, doubled to the DiT's 16-px grid
-    (_upsample_token_ids), goes through glyph encoder, DiT and VAE."""
+    """Images [N, 3, H, W] in [0, 1]. `prior_token_ids=` makes the pipeline skip its AR: the grids, doubled
+    to the DiT's 16-px grid (_upsample_token_ids), go through glyph encoder, DiT and VAE."""
     H, W = rollout.grid_hw
     device = pipe._execution_device
     prior = torch.cat([pipe._upsample_token_ids(t, H, W) for t in rollout.target_tokens])   # [N, 4*H*W]
@@ -396,14 +381,11 @@ def mse_reward(images, targets):
 
 
 def compute_rewards(rewards, images, prompts, targets):
-    """Every reward on the batch: (total [N] = sum_k w_k r_k, {name: r_k [N]}). Summed, then
-    standardised, as TRL does: a reward weighs by its weight times its spread within a group.
-    (MixGRPO standardises each reward first, which blows a flat reward's noise up to full size.)"""
-    total, per_reward = None, {}
-    for reward in rewards:
-        per_reward[reward.name] = value = call_reward(reward, images, prompts, targets)   # checked [N]
-        total = reward.weight * value if total is None else total + reward.weight * value
-    return total, per_reward
+    """(total [N] = sum_k w_k r_k, {name: r_k [N]}). Summed, then standardised, as TRL: a reward weighs by
+    weight x spread in a group (MixGRPO standardises each first, blowing a flat one's noise up)."""
+    values = [call_reward(reward, images, prompts, targets) for reward in rewards]          # each checked [N]
+    total = functools.reduce(torch.add, [reward.weight * value for reward, value in zip(rewards, values)])
+    return total, {reward.name: value for reward, value in zip(rewards, values)}
 
 
 # =============================================================================================
@@ -411,10 +393,9 @@ def compute_rewards(rewards, images, prompts, targets):
 # =============================================================================================
 
 def group_advantages(rewards, group_size, eps=1e-4):
-    """GRPO's advantage A_i = (r_i - mean_group(r)) / (std_group(r) + eps), rewards [N] in consecutive
-    groups of G -> [N]; std is the unbiased one (as TRL). A group of equal rewards carries no preference
-    and gets exactly 0: its float32 mean can be an ulp off, which / (std + eps) would turn into a ~3e-4
-    advantage. eps is not tiny on purpose: MSE rewards within a group can differ by 1e-4."""
+    """A_i = (r_i - mean_group(r)) / (std_group(r) + eps), rewards [N] in groups of G -> [N], unbiased std
+    (as TRL). Equal rewards get exactly 0 (an fp32 mean an ulp off, / (std + eps), would give ~3e-4).
+    eps is not tiny on purpose: MSE rewards within a group can differ by 1e-4."""
     if rewards.ndim != 1 or rewards.numel() % group_size:
         raise ValueError(f"got {rewards.numel()} rewards, not a multiple of group_size={group_size}")
     groups = rewards.view(-1, group_size)
@@ -450,8 +431,7 @@ def scaled_logits(logits, temperature, suppressed=()):
 
 
 def token_logprobs(logits, tokens, temperature, suppressed=()):
-    """log pi(token) under softmax(logits / T), suppressed ids at probability 0 as in sampling.
-    logits [N, L, V], tokens [N, L] -> [N, L]."""
+    """log pi(token) under softmax(logits / T), suppressed ids at 0: logits [N, L, V], tokens [N, L] -> [N, L]."""
     logits = scaled_logits(logits, temperature, suppressed)
     return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
@@ -462,8 +442,7 @@ def token_entropy(logits, temperature, suppressed=()):
 
 
 def policy_logits(ar, rollout):
-    """One teacher-forced forward over prompt + generated[:-1] at generate's M-RoPE positions (a plain
-    forward would number image tokens like text): logits [N, L, V] for the L generated tokens."""
+    """One teacher-forced forward at generate's M-RoPE positions -> logits [N, L, V] of the L generated tokens."""
     num_generated = rollout.sequences.shape[1] - rollout.prompt_len
     return ar(input_ids=rollout.sequences[:, :-1], attention_mask=rollout.attention_mask,
               position_ids=rollout.position_ids, logits_to_keep=num_generated, use_cache=False).logits
@@ -498,9 +477,8 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
         kl       = exp(ref - logp) - (ref - logp) - 1           k3 estimator, >= 0, unbiased
         loss     = masked_mean(pg_loss + beta * kl)
 
-    logp, old_logp, ref_logp, mask: [N, L]; advantages: [N] (one per sequence). The masked mean over
-    all the batch's tokens is TRL's 'bnpo'; every sample here has as many tokens, so 'grpo' and 'dapo'
-    give the same number."""
+    logp, old_logp, ref_logp, mask: [N, L]; advantages: [N]. The masked mean over the batch's tokens is
+    TRL's 'bnpo' (every sample has as many tokens: 'grpo' and 'dapo' agree)."""
     adv = advantages.unsqueeze(1)                                     # [N, 1]
     ratio = torch.exp(logp - old_logp)
     pg_loss1 = -adv * ratio
@@ -514,12 +492,9 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
     n = mask.sum().clamp(min=1)
     loss = (per_token * mask).sum() / n
     clipped = ((ratio < 1 - clip_eps) & (adv < 0)) | ((ratio > 1 + clip_eps) & (adv > 0))
-    metrics = {
-        "ratio_mean": ((ratio * mask).sum() / n).item(),
-        "clip_ratio": ((clipped.float() * mask).sum() / n).item(),
-        "kl": ((kl * mask).sum() / n).item(),
-    }
-    return loss, metrics
+    return loss, {"ratio_mean": ((ratio * mask).sum() / n).item(),
+                  "clip_ratio": ((clipped.float() * mask).sum() / n).item(),
+                  "kl": ((kl * mask).sum() / n).item()}
 
 
 # =============================================================================================
@@ -540,14 +515,13 @@ def reference_weights(model, reference):
 
 
 def ar_loss_terms(policy, rollout, advantages, ref_logp, args, suppressed):
-    """The AR's loss for grpo_update, one piece per micro-batch of samples, weighted by its share of
-    the batch's loss tokens: the pieces' gradients add up to the full batch's. `policy` is the AR or
-    its DDP wrapper (the training forward goes through it). Returns terms(epoch)."""
+    """The AR's loss for grpo_update by micro-batches, each weighted by its share of the loss tokens: the
+    gradients add up to the full batch's. `policy`: the AR or its DDP wrapper. Returns terms(epoch)."""
     advantages = advantages.to(rollout.old_logp.device)
     tokens = rollout.loss_mask.sum()
 
     def terms(epoch):
-        for rows in micro_batches(policy, advantages.shape[0], args.micro_batch_size):
+        for rows in sync_on_last(policy, row_slices(advantages.shape[0], args.micro_batch_size)):
             part = slice_rollout(rollout, rows)
             logits = policy_logits(policy, part)                                   # [n, L, V]
             logp = token_logprobs(logits, part.sequences[:, part.prompt_len:], args.temperature, suppressed)
@@ -580,13 +554,11 @@ FIRST_PASS_ONLY = ("logp_diff_max", "entropy")   # measured while the policy sti
 
 
 def grpo_update(optimizer, halves, args):
-    """mu = --inner-epochs AdamW steps on one batch, for every policy. halves: [(prefix, params, terms)],
-    '' the AR, 'dit/' the DiT; terms(epoch) yields a half's loss in pieces (loss, metrics, weight),
-    weights adding up to 1, each backpropagated as it is built: one piece's activations alive at once.
-    Gradients are clipped per half (their losses live on different scales). Pass 1 runs at pi_old:
-    ratio = 1, the clip cannot act (with mu = 1 it never does). A pass whose loss or gradient is not
-    finite is skipped. Returns the metrics averaged over the passes that updated (FIRST_PASS_ONLY
-    from pass 1), skipped_updates and skipped_nonfinite_loss."""
+    """mu = --inner-epochs AdamW steps on one batch. halves: [(prefix, params, terms)], '' the AR, 'dit/'
+    the DiT; terms(epoch) yields (loss, metrics, weight) pieces, weights adding up to 1, each
+    backpropagated as built (one piece's activations alive). Gradients clip per half (different loss
+    scales). Pass 1 runs at pi_old: ratio 1, no clipping (with mu = 1 it never clips). A non-finite pass
+    is skipped. Returns the updating passes' mean metrics (FIRST_PASS_ONLY: pass 1's), skip counts."""
     done, first, skipped, bad_loss = [], {}, 0, 0
     for epoch in range(args.inner_epochs):
         optimizer.zero_grad(set_to_none=True)
@@ -641,10 +613,12 @@ class Trainer:
 
 
 def setup_training(args, ckpt=None, ckpt_path=None, rewards=None):
-    """Loads the model, marks what trains, builds one AdamW (a param group and learning rate per
-    trained half) and its schedule, restores `ckpt`. Returns (Trainer, start step)."""
+    """Loads the model, marks what trains, one AdamW (a param group per half), restores `ckpt`."""
+    from diffusers.optimization import get_scheduler
+    from diffusers.training_utils import set_seed
+
     pipe = load_pipeline(args)
-    seed_everything(args.seed)      # after loading: the same sampling stream however the model was made
+    set_seed(args.seed)             # after loading: the same sampling stream however the model was made
     ar, dit = pipe.vision_language_encoder, pipe.transformer
     trainer = Trainer(pipe, image_token_suppression(ar, dit.config.prior_vq_quantizer_codebook_size), prompt_tokens={})
     # Full fine-tuning with beta > 0 keeps a frozen copy as the KL reference (at 9B use LoRA instead).
@@ -662,18 +636,23 @@ def setup_training(args, ckpt=None, ckpt_path=None, rewards=None):
         trained["transformer"] = dit
     trainer.trained = ar if args.policy == "ar" else torch.nn.ModuleDict(trained)
     trainer.optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay)
-    trainer.lr_scheduler = lr_schedule(trainer.optimizer, args)
-    start = resume(trainer, ckpt, ckpt_path)
+    # stepped once per GRPO step; diffusers' 'constant' ignores warm-up, 'constant_with_warmup' does not
+    warmup = args.lr_scheduler == "constant" and args.lr_warmup_steps
+    trainer.lr_scheduler = get_scheduler("constant_with_warmup" if warmup else args.lr_scheduler, trainer.optimizer,
+                                         num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.steps)
+    if ckpt is not None:
+        restore_checkpoint(ckpt, ckpt_path, trainer.trained, trainer.optimizer, trainer.lr_scheduler)
+        if rank() == 0:
+            print(f"Resuming from step {ckpt['step']} ({ckpt_path})")
     trainer.rewards = load_rewards(args.reward) if rewards is None else rewards
     trainer.policy = wrap_for_training(ar, args.device) if args.policy != "dit" else None
     trainer.dit_policy = wrap_for_training(dit, args.device) if args.policy != "ar" else None
-    return trainer, start
+    return trainer, ckpt["step"] if ckpt else 0
 
 
 def grpo_step(trainer, items, indices, step, args, slots=None):
-    """One GRPO step on the prompts items[indices], at positions `slots` of the step's prompt list
-    (under torchrun this rank's share; default all of them). Returns (metrics row, rewards [N],
-    images [N, 3, H, W], targets [P, 3, H, W] or None, sources or None, the DiT's a = 0 decode or None)."""
+    """One GRPO step on items[indices], at `slots` of the step's prompt list (default all) -> (metrics row,
+    rewards [N], images [N, 3, H, W], targets [P, 3, H, W] | None, sources | None, DiT's a = 0 decode | None)."""
     batch = [items[i] for i in indices]
     prompts = [it.text for it in batch]
     sources = [it.source for it in batch] if args.mode == "i2i" else None
@@ -710,8 +689,7 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
 
 
 def train(args):
-    """The training loop: each step grpo_step, then LOG, the sample sheet and CHECKPOINT, each one
-    call into the plumbing (Part III)."""
+    """The training loop: grpo_step, then LOG, the sample sheet and CHECKPOINT, each one call (Part III)."""
     run = open_run(args)                      # checks, --out lock, prompts, rewards, model, resume point
     if run is None:
         return None
@@ -767,29 +745,26 @@ def train(args):
 # =============================================================================================
 # 12. The SDE step, the DiT rollout and its loss
 # =============================================================================================
-# GLM-Image's authors post-train both halves ("decoupled RL"): the AR for low-frequency signals
-# (layout, semantics), the DiT for high-frequency ones (detail, text). grpo_loss needs a probability
-# of what was sampled, which the pipeline's deterministic Euler ODE step x' = x + v dt lacks.
-# Flow-GRPO (Liu et al. 2025, yifan123/flow_grpo, `sde_step_with_logprob`) swaps each step for an
-# SDE with the same marginals,
+# GLM-Image's authors post-train both halves ("decoupled RL"): the AR for layout and semantics, the
+# DiT for detail and text. grpo_loss needs the probability of what was sampled, which the pipeline's
+# Euler step x' = x + v dt lacks. Flow-GRPO (Liu et al. 2025, yifan123/flow_grpo,
+# `sde_step_with_logprob`) swaps each step for an SDE with the same marginals,
 #     std_t = a * sqrt(sigma / (1 - sigma))
 #     mean  = x * (1 + std_t^2 / (2 sigma) * dt) + v * (1 + std_t^2 (1 - sigma) / (2 sigma)) * dt
 #     x'    = mean + std_t * sqrt(-dt) * eps,          dt = sigma' - sigma < 0
-# so each step is a Gaussian policy pi_theta(x' | x_t), a = --dit-noise-level (a = 0: Euler's step).
-# K denoising steps are then a "sequence" of K actions: logp [N, K], mask all ones. A step's log-prob
-# is the MEAN over latent dims (as flow_grpo; a sum over 65536 dims at 1024^2 would dwarf a token's
-# log-ratio), so ratios stay within ~1e-3 of 1: hence --dit-clip-eps 1e-4 (flow_grpo's value).
-# --dit-train-steps T (default K - 1): the first T steps run the SDE and enter the loss, the rest the
-# ODE. The last step is not trained (as flow_grpo): it lands on sigma' = 0, its Gaussian is the
-# sharpest, so its log-ratios are large and its gradients noisy; and an SDE step that is not trained
-# would only add reward noise nobody is credited for.
+# a Gaussian policy pi_theta(x' | x_t), a = --dit-noise-level (a = 0: Euler's step). K steps are a
+# "sequence" of K actions: logp [N, K], mask all ones. A step's log-prob is the MEAN over latent dims
+# (as flow_grpo; a sum over 65536 dims at 1024^2 would dwarf a token's), so ratios stay within ~1e-3 of
+# 1: hence --dit-clip-eps 1e-4. --dit-train-steps T (default K - 1): the first T steps run the SDE and
+# enter the loss, the rest the ODE (untrained SDE noise is reward noise nobody is credited for). The
+# last step, onto sigma' = 0, is not trained (as flow_grpo): its Gaussian is the sharpest, its
+# log-ratios large, its gradients noisy.
 
 @dataclass
 class DitCondition:
-    """The DiT's inputs, as GlmImagePipeline.__call__ builds them for one prompt at a time
-    (N = P x G rows, prompt p's G samples at rows p*G .. p*G+G-1)."""
+    """The DiT's inputs as GlmImagePipeline.__call__ builds them, per prompt (its G samples at rows p*G..)."""
     prompt_embeds: list              # per prompt: [G, S_p, D] glyph embeddings (encode_prompt of it alone)
-    negative_embeds: list            # per prompt: [G, S', D] glyph embeddings of "" (CFG's unconditional branch), or None
+    negative_embeds: list            # per prompt: [G, S', D] glyph embeddings of "" (CFG's other branch), or None
     prior: torch.Tensor              # [N, 4*H*W] target-grid tokens upsampled 2x (the DiT's 16-px grid)
     target_size: torch.Tensor        # [N, 2] (height, width) in pixels
     crop_coords: torch.Tensor        # [N, 2] zeros, the pipeline's default crops_coords_top_left
@@ -807,10 +782,9 @@ class DitRollout:
 
 
 def dit_velocity(dit, latents, t, cond, caches):
-    """The guided velocity v [N, C, h, w] (fp32) at timestep t, as the pipeline's loop computes it (the
-    DiT gets t - 1; with CFG, v = v_u + g (v_c - v_u), the unconditional branch without prior tokens:
-    two DiT passes per step, in training too). One call per prompt: a batch of prompts would pad the
-    shorter glyph embeddings with zeros the DiT attends to (no mask helps, diffusers issue 13587)."""
+    """The guided velocity v [N, C, h, w] (fp32) at t as the pipeline computes it (the DiT gets t - 1; CFG
+    v = v_u + g (v_c - v_u), v_u without prior tokens, in training too). One call per prompt: a batch would
+    pad shorter glyph embeddings with zeros the DiT attends to (no mask helps, diffusers issue 13587)."""
     n = latents.shape[0] // len(cond.prompt_embeds)
     timestep = t.expand(n) - 1
     i2i, dtype = cond.source_latents is not None, unwrap(dit).dtype
@@ -868,9 +842,8 @@ def sde_generators(seed, step, prompt_indices):
 
 @torch.no_grad()
 def sample_dit(dit, cond, noise, schedule, noise_level, train_steps, generators):
-    """Denoises `noise` [N, C, h, w] over the pipeline's schedule: the first `train_steps` steps are
-    SDE steps (eps [G, C, h, w] per prompt from its generator) recording log-probs, the rest ODE
-    steps. Returns a DitRollout; its states[:, -1] is the final latent."""
+    """Denoises `noise` [N, C, h, w]: `train_steps` SDE steps (eps [G, C, h, w] per prompt from its
+    generator) recording log-probs, then ODE steps -> DitRollout (states[:, -1]: the final latent)."""
     timesteps, sigmas = schedule
     caches = write_source_caches(dit, cond)
     x, states, logps = noise.to(sigmas.device, sigmas.dtype), [], []
@@ -899,12 +872,6 @@ def dit_step_logprob(dit, cond, rollout, i, noise_level):
     return logp, mean
 
 
-def dit_policy_logprobs(dit, cond, rollout, noise_level):
-    """logp [N, T] of the T trained steps: the DiT's policy_logprobs."""
-    return torch.stack([dit_step_logprob(dit, cond, rollout, i, noise_level)[0]
-                        for i in range(rollout.old_logp.shape[1])], 1)
-
-
 def dit_kl(mean, ref_mean, std):
     """The exact KL between the step Gaussians of policy and reference (same std), averaged over latent
     dims like the log-prob: ||mean - ref_mean||^2 / (2 std^2), [N, C, h, w] -> [N]."""
@@ -920,10 +887,8 @@ def ode_decode(pipe, cond, noise, schedule):
 
 
 def dit_loss_terms(policy, reference, cond, rollout, advantages, args):
-    """The DiT's loss for grpo_update, one piece per trained step: grpo_loss over that step's column,
-    weight 1/T, so the pieces add up to grpo_loss over [N, T] with one step's activations alive at a
-    time (as flow_grpo). With beta > 0 the KL (dit_kl) to the reference's step mean. `policy` is the
-    DiT or its DDP wrapper. Returns terms(epoch), as ar_loss_terms."""
+    """The DiT's loss for grpo_update, as ar_loss_terms: grpo_loss per trained step's column, weight 1/T
+    (adding up to grpo_loss over [N, T], one step's activations alive, as flow_grpo), + beta x dit_kl."""
     steps = rollout.old_logp.shape[1]
     ones = torch.ones_like(rollout.old_logp[:, :1])
     advantages = advantages.to(rollout.old_logp.device)
@@ -965,9 +930,8 @@ def prepare_dit_policy(dit, args):
 
 
 def shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, cache):
-    """--policy dit: one token grid per prompt, shared by its group (target_tokens [P, H*W]). --dit-prior
-    per-prompt draws it once per prompt (seeded by it, kept in `cache`): the DiT then sees a fixed
-    input per prompt and can learn what to paint from it. per-step draws anew, seeded as the AR's groups."""
+    """--policy dit: one token grid per prompt for its group (target_tokens [P, H*W]). --dit-prior per-prompt
+    draws it once (kept in `cache`): a fixed input the DiT can learn to paint; per-step draws anew."""
     def draw(i, seed):
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
             torch.manual_seed(seed)                               # leaves the run's RNG stream untouched
@@ -987,8 +951,7 @@ def shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, cac
 
 def sample_dit_trajectories(pipe, prompts, sources, rollout, noise, indices, step, args):
     """SAMPLE and DECODE for --policy dit|both: G SDE trajectories per prompt from the shared noise
-    [N, C, h, w], conditioned on the rollout's token grids (one per sample, or per prompt under dit).
-    Returns a namespace: cond, trajectories (a DitRollout), images [N, 3, H, W], and ode_sheet's inputs."""
+    [N, C, h, w] -> namespace: cond, trajectories (a DitRollout), images [N, 3, H, W], ode_sheet's inputs."""
     G, dit, per_prompt = args.group_size, pipe.transformer, args.policy == "dit"
     tokens = rollout.target_tokens.repeat_interleave(G, 0) if per_prompt else rollout.target_tokens   # [N, H*W]
     source_prior = rollout.source_prior and rollout.source_prior[::1 if per_prompt else G]         # per prompt
@@ -1031,9 +994,8 @@ def ode_sheet(pipe, prompts, sources, run, noise, args):
 # ---- For section 2 (model) -------------------------------------------------------------------
 
 def pipeline_from_pretrained(args, dtype):
-    """GlmImagePipeline.from_pretrained of --model; 'tiny' is a directory too, built and cached on
-    first use (section 20). Under torchrun rank 0 builds it while the others wait: transformers'
-    save_pretrained writes nothing on another rank once torch.distributed is initialised."""
+    """GlmImagePipeline.from_pretrained of --model ('tiny': built and cached on first use, section 20).
+    Rank 0 builds it: save_pretrained writes nothing on other ranks once torch.distributed is up."""
     from diffusers import GlmImagePipeline
 
     if args.model == TINY and rank() == 0:
@@ -1048,11 +1010,8 @@ def pipeline_from_pretrained(args, dtype):
 
 
 def place_pipeline(pipe, args):
-    """The pipeline on args.device. --offload: diffusers' model offload hooks every component named
-    in model_cpu_offload_seq and moves it to the GPU when called, back to the CPU when the next one
-    runs. A trained half must stay on the GPU so its parameters, gradients and AdamW state never move
-    under the optimizer: it leaves the sequence and is excluded (diffusers places it on the device
-    once). The frozen glyph encoder, DiT (unless --policy dit|both) and VAE take turns on the GPU."""
+    """--offload: diffusers' model offload moves model_cpu_offload_seq's components to the GPU in turn. A
+    trained half leaves the sequence and stays on the GPU: its parameters and AdamW state must not move."""
     if not args.offload:
         pipe.to(args.device)
         return
@@ -1065,16 +1024,13 @@ def place_pipeline(pipe, args):
 # ---- For section 3 (prompts and targets) -----------------------------------------------------
 
 def prompts_for_step(num_prompts, per_step, step, seed):
-    """Indices of the prompts of step `step` (1-based): a fresh seeded shuffle per pass over the
-    prompt file, a pure function of (seed, step), so a resumed run sees the same prompts."""
+    """Indices of step `step`'s prompts (1-based): a seeded shuffle per pass over the prompt file."""
     indices = []
-    position = (step - 1) * per_step
-    while len(indices) < per_step:
+    for position in range((step - 1) * per_step, step * per_step):
         epoch, offset = divmod(position, num_prompts)
         order = list(range(num_prompts))
         random.Random(seed * 100003 + epoch).shuffle(order)
         indices.append(order[offset])
-        position += 1
     return indices
 
 
@@ -1094,52 +1050,54 @@ def sampling_seed(seed, step, slot):
 
 
 def sample_groups(pipe, prompts, sources, slots, step, args, record_logp=True, prompt_len=None):
-    """This rank's groups in one generate() call, the group at `slot` drawing from a seed of (seed,
-    step, slot). Every rank pads its prompts to one column past the step's longest, so a group's rows
-    are the same tensors, and its samples the same, on any number of processes (section 21)."""
+    """This rank's groups in one generate() call, the group at `slot` drawing from sampling_seed: its
+    rows are the same tensors, and its samples the same, on any number of processes (section 21)."""
     ar = pipe.vision_language_encoder
     if prompt_len is None:
-        prompt_len = longest_prompt_on_all_ranks(pipe, prompts, sources, args.height, args.width) + 1
+        # One column past the step's longest prompt (a MAX all-reduce under torchrun): a row's fp32 sums
+        # change with the padding columns before it (SDPA's masked sums), and a batch with none loses its
+        # attention mask in transformers and takes SDPA's causal kernel, another summation order;
+        # near-tied tokens could then flip.
+        inputs = processor_inputs(pipe, prompts, sources or [None] * len(prompts), args.height, args.width, "cpu")
+        longest = inputs["input_ids"].shape[1]
+        if is_ddp():
+            longest = torch.tensor(longest, device=collective_device())
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+        prompt_len = int(longest) + 1
     generators = [torch.Generator(ar.device).manual_seed(sampling_seed(args.seed, step, slot)) for slot in slots]
     return sample_group(pipe, prompts, args.group_size, args.temperature, args.height, args.width, args.loss_tokens,
                         sources, record_logp, generators, prompt_len)
 
 
-def longest_prompt_on_all_ranks(pipe, prompts, sources, height, width):
-    """Tokens in the step's longest prompt, over all ranks (a MAX all-reduce under torchrun).
-    sample_groups pads to one more: a row's fp32 sums change with the padding columns before it
-    (SDPA's masked sums), and a batch with none loses its attention mask in transformers and takes
-    SDPA's causal kernel, another summation order; near-tied tokens could then flip."""
-    length = processor_inputs(pipe, prompts, sources or [None] * len(prompts), height, width, "cpu")["input_ids"].shape[1]
-    if not is_ddp():
-        return length
-    t = torch.tensor(length, device=collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
 def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_len=None):
-    """What sample_group hands generate() for P prompts x G samples, tokenised as the pipeline's
-    generate_prior_tokens does and left-padded to `prompt_len` tokens (default: the longest prompt).
-    Returns (batch: generate's keyword arguments, [N, ...] rows; i2i: the sources' VQ ids (flat) and,
-    per sample, the DiT's source condition, else None, None; (tokens to generate, offset of the target
-    grid among them, (H, W)))."""
+    """generate()'s keyword arguments for P prompts x G samples ([N, ...] rows, left-padded to `prompt_len`),
+    i2i: the sources' VQ ids (flat) and per-sample DiT condition (else None, None), and the pipeline's
+    layout (tokens to generate, offset of the target grid among them, (H, W))."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
     ar = pipe.vision_language_encoder
     inputs = processor_inputs(pipe, prompts, sources or [None] * len(prompts), height, width, ar.device)
-    inputs = left_pad(inputs, prompt_len or inputs["input_ids"].shape[1], ar.config.text_config.pad_token_id)
-    batch = repeat_samples(inputs, group_size)
+    extra = (prompt_len or inputs["input_ids"].shape[1]) - inputs["input_ids"].shape[1]
+    ids = torch.nn.functional.pad(inputs["input_ids"], (extra, 0), value=ar.config.text_config.pad_token_id)
+    mask = torch.nn.functional.pad(inputs["attention_mask"], (extra, 0), value=0)
+    # [p0, p1] -> [p0 x G, p1 x G], image_grid_thw by blocks of images_per_sample rows.
+    # (generate(num_return_sequences=G) repeat_interleaves the grid rows one by one: wrong grids, wrong M-RoPE.)
+    per_sample = inputs["images_per_sample"]
+    grids = torch.split(inputs["image_grid_thw"], per_sample.tolist())
+    batch = {"input_ids": ids.repeat_interleave(group_size, 0),
+             "attention_mask": mask.repeat_interleave(group_size, 0),
+             "image_grid_thw": torch.cat([g.repeat(group_size, 1) for g in grids]),
+             "images_per_sample": per_sample.repeat_interleave(group_size)}
     vq_ids = source_prior = None
     if sources is not None:
         features, vq_ids, source_prior = encode_sources(pipe, inputs, group_size)
         batch["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=features)}
-    return batch, vq_ids, source_prior, generation_layout(pipe, inputs, is_t2i=sources is None)
+    num_generated, offset, H, W = pipe._compute_generation_params(grids[0], is_text_to_image=sources is None)
+    return batch, vq_ids, source_prior, (num_generated, offset, (H, W))
 
 
 def processor_inputs(pipe, prompts, sources, height, width, device):
-    """Tokenises prompts (and i2i source images) exactly as GlmImagePipeline.generate_prior_tokens
-    does: same chat-template call and target size, left-padded into one batch."""
+    """Prompts (and i2i source images) tokenised as GlmImagePipeline.generate_prior_tokens does."""
     def content(text, source):
         return ([{"type": "image", "image": source}] if source is not None else []) + [{"type": "text", "text": text}]
     messages = [[{"role": "user", "content": content(p, s)}] for p, s in zip(prompts, sources)]
@@ -1148,46 +1106,10 @@ def processor_inputs(pipe, prompts, sources, height, width, device):
         processor_kwargs={"padding": True, "target_h": height, "target_w": width}).to(device)
 
 
-def left_pad(inputs, length, pad_id):
-    """The processor's batch left-padded to `length` tokens (pad id, attention 0)."""
-    extra = length - inputs["input_ids"].shape[1]
-    if extra < 0:
-        raise ValueError(f"prompt of {inputs['input_ids'].shape[1]} tokens does not fit in {length}")
-    pad = lambda t, value: torch.nn.functional.pad(t, (extra, 0), value=value)
-    return {**inputs, "input_ids": pad(inputs["input_ids"], pad_id), "attention_mask": pad(inputs["attention_mask"], 0)}
-
-
-def repeat_samples(inputs, group_size):
-    """Repeats each prompt's processor outputs G times, keeping each sample's rows together:
-    [p0, p1] -> [p0 x G, p1 x G]. image_grid_thw has `images_per_sample` rows per sample, so it is
-    repeated per sample block. (generate(num_return_sequences=G) instead repeat_interleaves the
-    grid rows one by one, which hands samples the wrong grids and breaks their M-RoPE positions.)"""
-    per_sample = inputs["images_per_sample"]
-    grids = torch.split(inputs["image_grid_thw"], per_sample.tolist())
-    return {
-        "input_ids": inputs["input_ids"].repeat_interleave(group_size, 0),
-        "attention_mask": inputs["attention_mask"].repeat_interleave(group_size, 0),
-        "image_grid_thw": torch.cat([g.repeat(group_size, 1) for g in grids]),
-        "images_per_sample": per_sample.repeat_interleave(group_size),
-    }
-
-
-def generation_layout(pipe, inputs, is_t2i):
-    """(tokens to generate, offset of the target grid among them, (H, W)), from the pipeline's
-    own GlmImagePipeline._compute_generation_params on the first sample's grids."""
-    grids = inputs["image_grid_thw"][: inputs["images_per_sample"][0]]
-    num_generated, offset, H, W = pipe._compute_generation_params(grids, is_text_to_image=is_t2i)
-    return num_generated, offset, (H, W)
-
-
 def encode_sources(pipe, inputs, group_size):
-    """i2i: the vision encoder + VQ run once per prompt (not per sample, not per epoch).
-    Returns, per sample (each prompt's entry repeated G times): the features as
-    generate(mm_encoder_outputs=) takes them (one [C, h, w] entry per batch row), the source's VQ
-    ids (flat), and the DiT's condition: those ids upsampled 2x like the pipeline's
-    generate_prior_tokens does, with their grid.
-    (generate_prior_tokens itself torch.cat's the feature list before get_image_tokens, which then
-    fails in diffusers 0.42.1; we pass the list.)"""
+    """i2i: vision encoder + VQ once per prompt -> G times each: features for generate(mm_encoder_outputs=)
+    (a list: generate_prior_tokens torch.cat's it, which get_image_tokens fails on in diffusers 0.42.1),
+    VQ ids (flat), and the DiT's condition (the ids upsampled 2x as generate_prior_tokens does, grid)."""
     ar = pipe.vision_language_encoder
     grids = ar.model.get_image_grids_for_generation(inputs["images_per_sample"], inputs["image_grid_thw"])
     features = list(ar.get_image_features(inputs["pixel_values"], grids).pooler_output)   # one per prompt
@@ -1198,13 +1120,9 @@ def encode_sources(pipe, inputs, group_size):
 
 
 def decode_position_ids(ar, inputs, num_generated):
-    """M-RoPE positions [3, N, P + L - 1] for the teacher-forced input prompt + generated[:-1].
-
-    GLM-Image gives image tokens 2-D positions (temporal, row, column) offset from the prompt, not
-    the running index a plain forward would use; i2i source images get 2-D positions inside the
-    prompt. transformers builds them in get_rope_index: it returns the prompt's positions and
-    caches the positions of the grids to be generated on the model (a private attribute, the
-    only place the library keeps them)."""
+    """M-RoPE positions [3, N, P + L - 1] of the input prompt + generated[:-1]: image tokens get 2-D
+    positions (temporal, row, column), not a plain forward's index. get_rope_index returns the prompt's
+    and caches the generated grids' on the model (private, the only place transformers keeps them)."""
     model = ar.model
     prompt_positions, _ = model.get_rope_index(inputs["input_ids"], inputs["image_grid_thw"],
                                                 inputs["images_per_sample"], inputs["attention_mask"])
@@ -1240,19 +1158,15 @@ class Reward:
 
 
 def mse(images, prompts, targets):
-    """The built-in demo reward as a plug-in: mse_reward against each prompt's target image."""
-    return mse_reward(images, targets)
+    return mse_reward(images, targets)        # the built-in demo reward as a plug-in
 
 
 mse.uses_targets = True
 
 
 def call_reward(reward, images, prompts, targets):
-    """One --reward on the batch, checked: [N] in the images' dtype (fp32, fp64 for a fp64 model).
-    Each reward gets its own copy of the batch: one that edits `images` in place must not change
-    what the next reward, or the sample sheet, sees. One that raises or returns the wrong shape
-    stops the run with one line naming it. Non-finite values are reported and passed on: the loss
-    is then non-finite and grpo_update skips the step, so they never reach the weights."""
+    """One --reward on its own copy of the batch (in-place edits must not reach the next one) -> [N] in the
+    images' dtype. Raising or a wrong shape stops the run; non-finite values: grpo_update skips the step."""
     n = len(prompts)
     try:
         value = reward.fn(images.clone(), list(prompts), None if targets is None else targets.clone())
@@ -1274,23 +1188,15 @@ def call_reward(reward, images, prompts, targets):
     return value
 
 
-# ---- For sections 8-11: dtypes, micro-batches under DDP, the optimiser's schedule, resuming ---
+# ---- For sections 8-11: dtypes, micro-batches under DDP, a run of non-finite steps --------------
 
 def at_least_fp32(x):
     return x.to(torch.promote_types(x.dtype, torch.float32))    # bf16/fp16 -> fp32; fp32, fp64 unchanged
 
 
-def micro_batches(policy, num_samples, size):
-    """Row slices of at most `size` samples for gradient accumulation (see sync_on_last)."""
-    return sync_on_last(policy, row_slices(num_samples, size))
-
-
 def sync_on_last(policy, pieces):
-    """Yields `pieces` (micro-batches of rows, the DiT's denoising steps), each to be backpropagated
-    before the next. Under DDP each backward all-reduces the gradients; inside no_sync() they only
-    accumulate locally. So all pieces but the last run in no_sync, and the last backward averages
-    the accumulated sum once. Every rank holds as many samples (and runs as many steps), hence
-    runs as many backward passes (a missing one would leave the other ranks waiting)."""
+    """Yields `pieces`, each backpropagated before the next; under DDP all but the last in no_sync(): the
+    last backward all-reduces the sum once. Every rank runs as many (a missing one would hang the others)."""
     pieces = list(pieces)
     for k, piece in enumerate(pieces):
         accumulate_only = hasattr(policy, "no_sync") and k < len(pieces) - 1
@@ -1298,35 +1204,8 @@ def sync_on_last(policy, pieces):
             yield piece
 
 
-def seed_everything(seed):
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed)
-
-
-def lr_schedule(optimizer, args):
-    """diffusers' get_scheduler over --steps GRPO steps (each of --inner-epochs optimiser steps at the
-    step's lr). Its 'constant' ignores warm-up, its 'constant_with_warmup' does not."""
-    from diffusers.optimization import get_scheduler
-
-    with_warmup = args.lr_scheduler == "constant" and args.lr_warmup_steps
-    return get_scheduler("constant_with_warmup" if with_warmup else args.lr_scheduler, optimizer,
-                         num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.steps)
-
-
-def resume(trainer, ckpt, path):
-    """Restores `ckpt` (weights, AdamW state, schedule) into `trainer`: its step, or 0 without one."""
-    if ckpt is None:
-        return 0
-    restore_checkpoint(ckpt, path, trainer.trained, trainer.optimizer, trainer.lr_scheduler)
-    if rank() == 0:
-        print(f"Resuming from step {ckpt['step']} ({path})")
-    return ckpt["step"]
-
-
 def non_finite_streak(bad_steps, row, step, out, args):
-    """The causes of the run of steps, up to this one, whose every update was skipped (non-finite);
-    five in a row stop the run."""
+    """The causes of the steps in a row, up to this one, whose every update was skipped: 5 stop the run."""
     bad_steps = bad_steps + [skip_cause(row)] if row["skipped_updates"] == args.inner_epochs else []
     if len(bad_steps) >= 5:
         raise UsageError(non_finite_stop(bad_steps, step, out))
@@ -1365,22 +1244,18 @@ def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_sc
     embeds, negative = [e for e, _ in encoded], [u for _, u in encoded] if guidance_scale > 1 else None
     prior = torch.cat([pipe._upsample_token_ids(t, H, W) for t in target_tokens]).to(device)
     latents = None
-    if sources is not None:
-        # the pipeline's i2i path: preprocess, VAE mode (argmax), normalise with latents_mean/std
-        vae = pipe.vae
-        mean, std = (torch.tensor(v).view(1, -1, 1, 1).to(device, dtype)
-                     for v in (vae.config.latents_mean, vae.config.latents_std))
+    if sources is not None:      # the pipeline's i2i path: preprocess, VAE mode (argmax), normalise
+        mean, std = latent_stats(pipe.vae, device, dtype)
         pixels = [pipe.image_processor.preprocess(s, height=height, width=width).to(device, dtype) for s in sources]
-        latents = [(retrieve_latents(vae.encode(p), sample_mode="argmax") - mean) / std for p in pixels]
+        latents = [(retrieve_latents(pipe.vae.encode(p), sample_mode="argmax") - mean) / std for p in pixels]
     size = torch.tensor([[height, width]], dtype=dtype, device=device).repeat(n, 1)
     return DitCondition(embeds, negative, prior, size, torch.zeros_like(size), guidance_scale, latents,
                         [ids.to(device) for ids, _ in source_prior] if sources is not None else None)
 
 
 def write_source_caches(dit, cond):
-    """One GlmImageKVCache per prompt. i2i: a DiT pass over the source latent at timestep 0 writes
-    every layer's keys/values, which its G samples' denoising passes read (as the pipeline does); it
-    depends on the DiT's weights, so it is part of the training graph. t2i: empty caches."""
+    """One GlmImageKVCache per prompt. i2i: a DiT pass over the source latent at timestep 0 writes the keys/
+    values its G samples' passes read (as the pipeline does), part of the training graph. t2i: empty."""
     from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
 
     module = unwrap(dit)
@@ -1400,14 +1275,17 @@ def write_source_caches(dit, cond):
     return caches
 
 
+def latent_stats(vae, device, dtype):
+    """The VAE's latents_mean, latents_std [1, C, 1, 1]: the DiT's latent = (VAE latent - mean) / std."""
+    stats = (vae.config.latents_mean, vae.config.latents_std)
+    return (torch.tensor(v).view(1, -1, 1, 1).to(device, dtype) for v in stats)
+
+
 def latents_to_images(pipe, latents):
-    """The pipeline's own decode (un-normalise, vae.decode, postprocess): [N, C, h, w] -> [N, 3, H, W]
-    in [0, 1], fp32 on the CPU."""
-    vae = pipe.vae
-    latents = latents.to(vae.dtype)
-    mean, std = (torch.tensor(v).view(1, -1, 1, 1).to(latents.device, latents.dtype)
-                 for v in (vae.config.latents_mean, vae.config.latents_std))
-    image = vae.decode(latents * std + mean, return_dict=False)[0]
+    """The pipeline's decode (un-normalise, vae.decode, postprocess) -> [N, 3, H, W] in [0, 1], fp32, CPU."""
+    latents = latents.to(pipe.vae.dtype)
+    mean, std = latent_stats(pipe.vae, latents.device, latents.dtype)
+    image = pipe.vae.decode(latents * std + mean, return_dict=False)[0]
     return at_least_fp32(pipe.image_processor.postprocess(image, output_type="pt")).cpu()
 
 

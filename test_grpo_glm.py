@@ -1118,13 +1118,13 @@ def test_plan_of_i2i_counts_the_source_tokens_and_no_preview(capsys):
     pipe = g.build_tiny_pipeline()
     image_token = pipe.vision_language_encoder.config.image_token_id
     for height, width in [(64, 64), (96, 64)]:
-        inputs = g.processor_inputs(pipe, ["x"], [Image.new("RGB", (width, height))], height, width, "cpu")
+        source = [Image.new("RGB", (width, height))]
+        inputs = g.processor_inputs(pipe, ["x"], source, height, width, "cpu")
         prompt_len, generated = g.ar_sequence("i2i", height, width, prompt_tokens=0,
                                               image_processor=pipe.processor.image_processor)
         assert prompt_len - 2 == int((inputs["input_ids"] == image_token).sum())
-        assert generated == g.generation_layout(pipe, inputs, is_t2i=False)[0]
-        t2i = g.processor_inputs(pipe, ["x"], [None], height, width, "cpu")
-        assert g.ar_sequence("t2i", height, width)[1] == g.generation_layout(pipe, t2i, is_t2i=True)[0]
+        assert generated == g.generation_inputs(pipe, ["x"], source, 1, height, width)[3][0]
+        assert g.ar_sequence("t2i", height, width)[1] == g.generation_inputs(pipe, ["x"], None, 1, height, width)[3][0]
 
 
 def test_fsdp_plan_matches_a_hand_count_on_the_tiny_model(tmp_path):
@@ -1809,17 +1809,22 @@ def test_dit_loop_at_noise_level_zero_equals_the_pipeline(sharp_pipe, mode, guid
     assert (ours - theirs).abs().max() < (ours - g.ode_decode(sharp_pipe, cond, noise.flip(1), schedule)).abs().max()
 
 
+def _dit_logprobs(dit, cond, trajectories, noise_level):     # logp [N, T] of the T trained steps
+    return torch.stack([g.dit_step_logprob(dit, cond, trajectories, i, noise_level)[0]
+                        for i in range(trajectories.old_logp.shape[1])], 1)
+
+
 @pytest.mark.parametrize("mode", ["t2i", "i2i"])
 def test_dit_recomputed_step_logprobs_match_the_sampler(sharp_pipe, mode):
     _, cond, noise, schedule, _ = _dit_case(sharp_pipe, mode, guidance=2.5, group=3)
     trajectories = g.sample_dit(sharp_pipe.transformer, cond, noise, schedule, 0.7, 3, g.sde_generators(0, 1, [0]))
     assert trajectories.old_logp.shape == (3, 3) and trajectories.states.shape[1] == 5
     assert not torch.equal(trajectories.states[0, 1], trajectories.states[1, 1])   # the SDE noise differs per sample
-    recomputed = g.dit_policy_logprobs(sharp_pipe.transformer, cond, trajectories, 0.7)
+    recomputed = _dit_logprobs(sharp_pipe.transformer, cond, trajectories, 0.7)
     assert (recomputed - trajectories.old_logp).abs().max() <= 1e-5
     # the check can fail: scoring without CFG (another policy) moves the log-probs far more
     cond.guidance_scale = 1.0
-    unguided = g.dit_policy_logprobs(sharp_pipe.transformer, cond, trajectories, 0.7)
+    unguided = _dit_logprobs(sharp_pipe.transformer, cond, trajectories, 0.7)
     assert (unguided - trajectories.old_logp).abs().max() > 1e-2
 
 
@@ -1844,7 +1849,7 @@ def test_dit_gradient_raises_the_logprob_of_a_positive_advantage_trajectory():
     update = g.grpo_update(torch.optim.SGD(params, lr=1e-2), [("dit/", params, terms)], args)
     assert update["dit/kl"] == 0.0 and update["dit/logp_diff_max"] <= 1e-5    # first pass: policy = reference
     with torch.no_grad():
-        moved = g.dit_policy_logprobs(dit, cond, trajectories, 0.7).sum(1) - trajectories.old_logp.sum(1)
+        moved = _dit_logprobs(dit, cond, trajectories, 0.7).sum(1) - trajectories.old_logp.sum(1)
         mean, ref_mean = (g.dit_step_logprob(m, cond, trajectories, 0, 0.7)[1] for m in (dit, reference))
     assert moved[0] > 0 and moved[1] < 0
     assert g.dit_kl(mean, ref_mean, g.step_std(trajectories.sigmas, 0, 0.7)).min() > 0
@@ -2015,8 +2020,8 @@ def test_a_group_samples_the_same_whatever_else_its_rank_holds(sharp_pipe, mode,
     # What the padding buys: without a single padding column (a rank holding only the longest prompt,
     # were there no extra column) transformers drops the attention mask and SDPA sums in another
     # order. The tokens agree at this seed, the log-probs only to ~1e-6: a near-tie could flip.
-    bare = sample([short], sources(red), range(1), prompt_len=g.longest_prompt_on_all_ranks(
-        sharp_pipe, [short], sources(red), args.height, args.width))
+    longest = g.processor_inputs(sharp_pipe, [short], [red if mode == "i2i" else None], 96, 64, "cpu")
+    bare = sample([short], sources(red), range(1), prompt_len=longest["input_ids"].shape[1])
     assert not (bare.attention_mask == 0).any()
     assert torch.equal(bare.sequences[:, bare.prompt_len:], rank0.sequences[:, rank0.prompt_len:])
     assert 0 < (bare.old_logp - rank0.old_logp).abs().max() < 1e-4
