@@ -342,29 +342,19 @@ def group_noise(pipe, prompt_indices, group_size, height, width, seed, step, mod
 
 
 @torch.no_grad()
-def decode_images(pipe, prompts, rollout, noise, num_inference_steps, guidance_scale, sources=None):
-    """Images [N, 3, H, W] in [0, 1]. `prior_token_ids=` makes the pipeline skip its AR: the grids, doubled
-    to the DiT's 16-px grid (_upsample_token_ids), go through glyph encoder, DiT and VAE."""
+def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps, guidance_scale):
+    """DECODE: images [N, 3, H, W] from the target grids, denoised by the pipeline's own schedule,
+    conditioning and Euler step, one prompt's group per DiT call, in the loop Part II trains (its SDE
+    step at a = 0; equal to the pipeline's output, tested). Not `pipe(prior_token_ids=...)`: that call
+    batches prompts, whose glyph padding the DiT attends to (diffusers issue 13587), writes an i2i
+    source's KV cache per sample, and ends by re-hooking the CPU offload of every component: the
+    trained AR would leave the GPU and come back at each decode."""
+    G = rollout.target_tokens.shape[0] // len(prompts)
+    source_prior = rollout.source_prior and rollout.source_prior[::G]                      # per prompt
+    cond = dit_condition(pipe, prompts, G, rollout.target_tokens, rollout.grid_hw, guidance_scale, sources,
+                         source_prior)
     H, W = rollout.grid_hw
-    device = pipe._execution_device
-    prior = torch.cat([pipe._upsample_token_ids(t, H, W) for t in rollout.target_tokens])   # [N, 4*H*W]
-    i2i = {}
-    if sources is not None:      # the source goes through the VAE into the DiT's KV cache
-        i2i = {"image": [[s] for s in sources],
-               "prior_token_image_ids": [ids.to(device) for ids, _ in rollout.source_prior],
-               "source_image_grid_thw": [grid.to(device) for _, grid in rollout.source_prior]}
-    out = pipe(prompt=prompts, prior_token_ids=prior.to(device), height=H * 32, width=W * 32,
-               latents=noise.to(device, pipe.transformer.dtype), num_inference_steps=num_inference_steps,
-               guidance_scale=guidance_scale, output_type="pt", **i2i)
-    return at_least_fp32(out.images).cpu()
-
-
-def decode_rollout(pipe, prompts, sources, rollout, noise, args):
-    """DECODE with the frozen renderer, --micro-batch-size samples a call: images [N, 3, H, W]."""
-    prompts, sources = repeat_each(prompts, args.group_size), sources and repeat_each(sources, args.group_size)
-    return torch.cat([decode_images(pipe, prompts[rows], slice_rollout(rollout, rows), noise[rows],
-                                    args.num_inference_steps, args.guidance_scale, sources and sources[rows])
-                      for rows in row_slices(len(prompts), args.micro_batch_size)])
+    return ode_decode(pipe, cond, noise, dit_schedule(pipe, 32 * H, 32 * W, num_inference_steps))
 
 
 # =============================================================================================
@@ -667,7 +657,8 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
         dit_run = sample_dit_trajectories(pipe, prompts, sources, rollout, noise, indices, step, args)
         images = dit_run.images
     else:
-        images = decode_rollout(pipe, prompts, sources, rollout, noise, args)
+        images = decode_images(pipe, prompts, sources, rollout, noise, args.num_inference_steps,
+                               args.guidance_scale)
     # ---- REWARD: r [N], one per image ------------------------------------------------------------
     targets = batch_targets(batch)                                                           # [P, 3, H, W]
     rewards, per_reward = compute_rewards(trainer.rewards, images, repeat_each(prompts, G),
@@ -3387,7 +3378,7 @@ def generate_images(pipe, prompts, sources=None, height=64, width=64, num_infere
     Returns one PIL image per prompt.
 
     It runs the training's own code: sample_group (the AR samples the target grid, for an edit
-    reading the source's VQ tokens) and decode_images (DiT + VAE with prior_token_ids=). The
+    reading the source's VQ tokens) and decode_images (the pipeline's DiT + VAE stages). The
     library's `pipe(prompt, image=[source])` fails in generate_prior_tokens (diffusers 0.42.1 with
     transformers 5, see encode_sources); its text-to-image call works. Sources are made upright and
     resized to width x height, as in training. temperature: default the saved generation config's
@@ -3408,8 +3399,8 @@ def generate_images(pipe, prompts, sources=None, height=64, width=64, num_infere
         source = sources and sources[k: k + 1]
         rollout = sample_group(pipe, [prompt], 1, temperature, height, width, "target", sources=source,
                                record_logp=False)
-        images.append(decode_images(pipe, [prompt], rollout, noise[k: k + 1], num_inference_steps, guidance_scale,
-                                    source))
+        images.append(decode_images(pipe, [prompt], source, rollout, noise[k: k + 1], num_inference_steps,
+                                    guidance_scale))
     pixels = torch.cat(images).clamp(0, 1).permute(0, 2, 3, 1).numpy()
     return [Image.fromarray((p * 255).round().astype(np.uint8)) for p in pixels]
 

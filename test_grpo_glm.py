@@ -248,7 +248,7 @@ def test_decode_depends_on_tokens_not_only_noise(sharp_pipe):
     noise = g.group_noise(sharp_pipe, [0], 2, 64, 64, 0, 1, "per-prompt")
     tokens = torch.tensor([[1, 2, 3, 4], [9, 9, 9, 9]])
     grids = SimpleNamespace(target_tokens=tokens, grid_hw=(2, 2), source_prior=None)   # the Rollout fields decode reads
-    images = g.decode_images(sharp_pipe, ["x", "x"], grids, noise, 2, 1.0)
+    images = g.decode_images(sharp_pipe, ["x"], None, grids, noise, 2, 1.0)
     assert images.shape == (2, 3, 64, 64) and images.min() >= 0 and images.max() <= 1
     assert (images[0] - images[1]).abs().mean() > 1e-3
 
@@ -270,7 +270,7 @@ def test_tiny_renderer_paints_the_token_mosaic():
     for (H, W), steps in [((4, 4), 4), ((2, 2), 4), ((3, 2), 3)]:
         tokens = g.random_grids(6, (H, W), g.TINY_CODEBOOK, generator)
         noise = torch.randn(6, 4, 4 * H, 4 * W, generator=generator)
-        images = g.decode_images(pipe, ["a red circle on a white background"] * 6,
+        images = g.decode_images(pipe, ["a red circle on a white background"], None,
                                  SimpleNamespace(target_tokens=tokens, grid_hw=(H, W), source_prior=None), noise, steps, 1.0)
         mse = ((images - g.token_mosaic(tokens, (H, W), palette)) ** 2).mean(dim=(1, 2, 3))
         assert mse.max() <= 0.005, (H, W, steps, mse)
@@ -1315,7 +1315,10 @@ def test_offload_hooks_only_the_frozen_parts_and_keep_training_exact():
             assert all(hasattr(getattr(pipe, n), "_hf_hook") for n in ("text_encoder", "transformer", "vae"))
             assert not hasattr(pipe.vision_language_encoder, "_hf_hook")
         items = g.read_prompts(HERE / "prompts.txt", 64, 64)
+        moves, to = [], pipe.vision_language_encoder.to       # the trained AR must never move under AdamW
+        pipe.vision_language_encoder.to = lambda *a, **k: moves.append(a) or to(*a, **k)
         rows[offload] = [g.grpo_step(trainer, items, [0], step, args)[0] for step in (1, 2)]
+        assert moves == []
         ar_device = next(pipe.vision_language_encoder.parameters()).device
         assert all(p.device == ar_device for p in trainer.params)
         assert all(s.device == ar_device for state in trainer.optimizer.state.values() for s in state.values()
@@ -1803,8 +1806,15 @@ def _dit_case(pipe, mode, guidance, group=2, steps=4):
 def test_dit_loop_at_noise_level_zero_equals_the_pipeline(sharp_pipe, mode, guidance):
     rollout, cond, noise, schedule, source = _dit_case(sharp_pipe, mode, guidance)
     ours = g.ode_decode(sharp_pipe, cond, noise, schedule)
-    theirs = g.decode_images(sharp_pipe, ["make the red circle blue"] * 2, rollout, noise, 4, guidance,
-                             source and source * 2)
+    assert torch.equal(ours, g.decode_images(sharp_pipe, ["make the red circle blue"], source, rollout, noise, 4,
+                                             guidance))
+    i2i = {}
+    if source:      # the pipeline VAE-encodes each sample's source into the DiT's KV cache
+        i2i = {"image": [source] * 2, "prior_token_image_ids": [ids for ids, _ in rollout.source_prior],
+               "source_image_grid_thw": [grid for _, grid in rollout.source_prior]}
+    prior = torch.cat([sharp_pipe._upsample_token_ids(t, 2, 2) for t in rollout.target_tokens])
+    theirs = sharp_pipe(prompt=["make the red circle blue"] * 2, prior_token_ids=prior, height=64, width=64,
+                        latents=noise, num_inference_steps=4, guidance_scale=guidance, output_type="pt", **i2i).images
     assert (ours - theirs).abs().max() <= 1e-5
     assert (ours - theirs).abs().max() < (ours - g.ode_decode(sharp_pipe, cond, noise.flip(1), schedule)).abs().max()
 
