@@ -188,6 +188,12 @@ def load_pipeline(args):
         getattr(pipe, name).requires_grad_(False)
     if dtype == torch.float64:
         float64_throughout(pipe)
+    # generate() fills each field our sampler leaves unset from the checkpoint's generation_config.json
+    # (repetition penalty, n-gram bans, bad words...): the loss would not know of them. The policy alone
+    # decides sampling, so its own config (section 23) replaces the checkpoint's.
+    ar = pipe.vision_language_encoder
+    ar.generation_config = policy_generation_config(ar, pipe.transformer.config.prior_vq_quantizer_codebook_size,
+                                                    args.temperature)
     pipe.processor.tokenizer.padding_side = "left"  # sampling code assumes prompts end at one column
     pipe.set_progress_bar_config(disable=True)      # the run prints its own progress, one line a step
     place_pipeline(pipe, args)                      # on the device, or --offload's frozen parts taking turns

@@ -2644,3 +2644,42 @@ def test_reward_curve_ticks_are_round_values():
     assert g.round_ticks(0.1234, 0.5678) == pytest.approx([0.2, 0.3, 0.4, 0.5])
     assert g.round_ticks(1, 40) == [10, 20, 30, 40]
     assert g.round_ticks(-0.0213, -0.0187) == pytest.approx([-0.021, -0.02, -0.019])
+
+
+# ---------------------------------------------------------------------------------------------
+# What a new user hit (issue 27) and the real checkpoint's path (issue 26)
+# ---------------------------------------------------------------------------------------------
+
+def test_out_of_memory_is_one_line_and_keeps_the_checkpoints(tmp_path, monkeypatch, capsys):
+    """The CPU allocator's failure (a plain RuntimeError; CUDA's is torch.OutOfMemoryError) in step 2
+    ends the run in one line naming the batch and what to lower; step 1's checkpoint stays whole."""
+    real, calls = g.group_advantages, []
+
+    def out_of_memory_in_step_2(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(g, "group_advantages", out_of_memory_in_step_2)
+    with pytest.raises(SystemExit) as stop:
+        g.main(["--steps", "2", "--save-every", "1", "--out", str(tmp_path), *SMALL])
+    assert stop.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "out of memory with 1 prompts x 4 samples" in err[0] and "--micro-batch-size" in err[0]
+    assert g.read_checkpoint(tmp_path / "checkpoints" / "step_000001.pt")["step"] == 1
+
+
+def test_a_checkpoints_generation_config_does_not_reach_sampling(tmp_path):
+    """generate() fills unset fields from the model's generation_config.json: a repetition penalty
+    and an n-gram ban there must not change what the policy samples (the loss knows nothing of them)."""
+    import shutil
+
+    plain, penalised = tmp_path / "plain", tmp_path / "penalised"
+    for copy in (plain, penalised):
+        shutil.copytree(g.tiny_pipeline_dir(0), copy)
+    config = penalised / "vision_language_encoder" / "generation_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "repetition_penalty": 1.8,
+                                  "no_repeat_ngram_size": 2}))
+    for model in (plain, penalised):
+        g.main(["--model", str(model), "--steps", "1", "--out", str(tmp_path / model.name / "run"), *SMALL])
+    assert deterministic(read_metrics(tmp_path / "penalised/run")) == deterministic(read_metrics(tmp_path / "plain/run"))
