@@ -2696,9 +2696,8 @@ TINY_RENDERER = dict(        # everything that shapes the training (all of it en
 
 
 def build_tiny_tokenizer():
-    """A character-level tokenizer with GLM-Image's special tokens. Ids 0..vision_vocab-1 are the
-    image tokens (as in the real one, where the bos '<|dit_token_16384|>' is image_start_token_id),
-    then printable ASCII, then the special tokens GlmImageProcessor reads."""
+    """A character-level tokenizer: the image tokens first (as in the real one, where the bos
+    '<|dit_token_16384|>' is image_start_token_id), printable ASCII, GlmImageProcessor's specials."""
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
@@ -2717,10 +2716,8 @@ def build_tiny_tokenizer():
 
 
 def build_tiny_pipeline(seed=0, ar_init_range=0.02, renderer="random"):
-    """GLM-Image at toy size from the real classes, seeded. renderer="random": DiT and VAE at their
-    random init; "mosaic": what tiny_pipeline_dir trains (a DiT twice as wide, colour_vae, an AR
-    whose init lets the prompt reach its logits). `ar_init_range` > 0.02 sharpens the AR's logits
-    (tests: wrong M-RoPE positions then change log-probs visibly)."""
+    """GLM-Image at toy size, seeded: renderer "random" or "mosaic" (the banner). `ar_init_range` >
+    0.02 sharpens the AR's logits (tests: wrong M-RoPE positions then change log-probs visibly)."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, GlmImagePipeline, GlmImageTransformer2DModel
     from transformers import (ByT5Tokenizer, GlmImageConfig, GlmImageForConditionalGeneration, GlmImageProcessor,
                               T5Config, T5EncoderModel)
@@ -2825,12 +2822,10 @@ def random_grids(batch, grid_hw, codebook_size, generator):
 
 
 def colour_vae(latent_channels=4, width=8, carrier=32.0):
-    """A tiny AutoencoderKL whose decoder paints its latent's colour (latent channels 0-2, nearest-
-    upsampled 8x), its weights set by hand: gradient descent stalls, since GroupNorm normalises each
-    image by its own statistics and so erases absolute colour. Every residual branch is off, every
-    upsampler's conv the identity; conv_in writes the colour twice, (c, -c), beside a constant pair
-    (+carrier, -carrier), so the group's mean is 0 and its std ~ carrier / 2 whatever the colours,
-    and conv_out reads SiLU(c) - SiLU(-c) = c. The encoder stays random (the DiT trains on t2i)."""
+    """A tiny AutoencoderKL whose decoder paints latent channels 0-2 upsampled 8x, set by hand (GroupNorm
+    erases absolute colour, and gradient descent stalls): residual branches off, upsampler convs the
+    identity, conv_in writes (c, -c) beside a constant pair (+carrier, -carrier), so the group's mean
+    is 0 and its std ~ carrier / 2 whatever the colours; conv_out reads SiLU(c) - SiLU(-c) = c."""
     from diffusers import AutoencoderKL
 
     vae = AutoencoderKL(
@@ -2860,9 +2855,8 @@ def colour_vae(latent_channels=4, width=8, carrier=32.0):
 
 
 def train_tiny_renderer(pipe, settings, seed):
-    """Trains the DiT in place (fp32, CPU) by flow matching onto the colour latents; returns its last
-    loss. x_t = (1 - sigma) x0 + sigma eps (the scheduler's scale_noise) at the schedule's timesteps,
-    velocity target eps - x0, through the sampler's own conditioning and velocity (Part II)."""
+    """Flow matching onto the colour latents, in place (fp32, CPU): x_t = scale_noise(x0, t, eps), target
+    eps - x0, through the sampler's own conditioning and velocity (Part II). Returns the last loss."""
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     codebook = pipe.transformer.config.prior_vq_quantizer_codebook_size
@@ -2908,13 +2902,6 @@ def quiet_progress_bars():
             transformers_logging.enable_progress_bar()
 
 
-def tiny_cache_root():
-    """$GRPO_GLM_CACHE, else $XDG_CACHE_HOME/grpo_glm, else ~/.cache/grpo_glm."""
-    if os.environ.get("GRPO_GLM_CACHE"):
-        return Path(os.environ["GRPO_GLM_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "grpo_glm"
-
-
 def tiny_cache_key(seed, settings):
     """A hash of all that shapes the built model: seed, settings, format, library versions and the
     source of the functions that build and train it (an edit to any of them builds a new model)."""
@@ -2952,10 +2939,9 @@ def tiny_cache_is_complete(path, key):
 
 
 def tiny_pipeline_dir(seed=0, settings=None):
-    """The directory of `--model tiny` for this seed: built on first use, then reused. The build is
-    written to a temporary directory and renamed into place after its manifest; a lock file makes a
-    second run wait for the first one's build. A killed build leaves only a temporary directory
-    (removed by the next build); an entry that does not match its manifest is rebuilt."""
+    """`--model tiny`'s directory for this seed in $GRPO_GLM_CACHE (else $XDG_CACHE_HOME/grpo_glm or
+    ~/.cache/grpo_glm), built on first use: in a temporary directory renamed into place after its
+    manifest, under a lock a second run waits on. An entry that fails its manifest is rebuilt."""
     import shutil
     import tempfile
 
@@ -2963,7 +2949,8 @@ def tiny_pipeline_dir(seed=0, settings=None):
 
     settings = dict(TINY_RENDERER if settings is None else settings)
     key = tiny_cache_key(seed, settings)
-    root = tiny_cache_root()
+    root = Path(os.environ.get("GRPO_GLM_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                / "grpo_glm")
     final = root / f"tiny-seed{seed}-{key}"
     if tiny_cache_is_complete(final, key):
         return final
@@ -2974,7 +2961,7 @@ def tiny_pipeline_dir(seed=0, settings=None):
         if final.exists():
             print(f"note: {final} is incomplete or corrupt; rebuilding it")
             shutil.rmtree(final)
-        for stale in root.glob(f".{final.name}.tmp-*"):     # left by a killed build
+        for stale in root.glob(f".{final.name}.tmp-*"):     # left by a killed build, never loaded
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
         try:
@@ -3093,11 +3080,9 @@ def rank_slots(prompts_per_step):
 
 
 def wrap_for_training(model, device):
-    """DistributedDataParallel around a module that trains: its backward averages the gradients over
-    ranks, so every rank's AdamW takes the same step. Only the training forward goes through the
-    wrapper (DDP has no `.generate`; no-grad passes use unwrap(model)). The DiT's training forward
-    calls the module several times before one backward; DDP copes, as every rank makes as many
-    calls. Buffers are not broadcast: none changes during training."""
+    """DistributedDataParallel around a module that trains: its backward averages the gradients, so
+    every rank's AdamW takes the same step. Only the training forward goes through it (no `.generate`:
+    no-grad passes use unwrap(model)). Buffers are not broadcast: none changes during training."""
     if not is_ddp() or is_sharded(model):        # FSDP2 shards in place and averages by itself
         return model
     from torch.nn.parallel import DistributedDataParallel
@@ -3173,11 +3158,9 @@ def device_mesh():
 
 
 def shard_for_training(model, params, args, reference=None):
-    """--fsdp under torchrun: shards `model` (its trainable `params`) and its frozen KL `reference`
-    if any, in place, and returns the trainable parameters, new DTensor Parameters that AdamW must
-    be built on. Otherwise `params` unchanged. bf16: the trained shards are kept in fp32 (AdamW's
-    updates of a bf16 weight round away), gathered as bf16 for compute, gradients reduced in fp32;
-    frozen parts stay bf16."""
+    """--fsdp under torchrun: shards `model` and its frozen KL `reference` in place; returns the
+    trainable parameters, new DTensors that AdamW must be built on (else `params`). bf16: trained
+    shards in fp32 (AdamW's updates of a bf16 weight round away), gathered as bf16, reduced in fp32."""
     if not (args.fsdp and is_ddp()):
         return params
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -3211,9 +3194,8 @@ def sharded_layers(module):
 
 @contextlib.contextmanager
 def whole_weights(model):
-    """A sharded model's whole weights, gathered for the duration (sampling, no-grad passes run with
-    no communication) and freed after: one whole copy per GPU, as DDP holds always. A no-op for a
-    model that is not sharded."""
+    """A sharded model's whole weights, gathered for the duration (sampling and no-grad passes then
+    run with no communication) and freed after. A no-op for a model that is not sharded."""
     from torch.distributed.fsdp import FSDPModule
 
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -3445,8 +3427,7 @@ def lora_parameter_count(ar, rank):
 def memory_plan(components, height, width, samples, prompt_tokens=64, ranks=(64, 16), mode="t2i",
                 image_processor=None, bytes_per=2, foreach=True, beta=0.0):
     """The AR's rows per training mode, without and with checkpointing; (rows, parameter counts,
-    tokens per sample). Between updates the gradients stay (zero_grad comes at the next update)
-    while the frozen parts run: offloaded, one at a time; else all of them, always."""
+    tokens per sample)."""
     ar = components["ar"]
     counts = {name: numel(module) for name, module in components.items()}
     frozen = {k: bytes_per * v for k, v in counts.items() if k != "ar"}
@@ -3463,6 +3444,8 @@ def memory_plan(components, height, width, samples, prompt_tokens=64, ranks=(64,
             u = ar_update_bytes(ar.config.text_config, samples, prompt_len, generated, rank, checkpointing,
                                 trainable, max(tensors), 0 if rank else head, bytes_per, foreach)
             resident = weights + u["adam"]
+            # between updates the gradients stay (zero_grad comes at the next update) while the frozen
+            # parts run: offloaded, one at a time; else all of them, always
             rows.append({"mode": f"lora-{rank}" if rank else "full", "grad_ckpt": checkpointing,
                          "micro_batch": samples, "trainable_params": trainable, "ar_weights": weights,
                          "grads": u["grads"], "adam": u["adam"], "activations": u["activations"],
@@ -3478,10 +3461,9 @@ def dit_lora_parameter_count(dit, rank):
 
 
 def dit_activation_bytes(dit, height, width, samples, cfg, checkpointing, text_tokens=64):
-    """What one denoising step's forward over `samples` keeps for its backward (bf16): the DiT's loss
-    is backpropagated one step at a time (Part II), x2 with CFG (the guided velocity keeps both
-    passes). Per block and token ~ 30 x hidden values (attention as the AR's, a 4x GELU MLP); with
-    checkpointing each block keeps its input and one block is recomputed. (Not measured.)"""
+    """What one denoising step (Part II backpropagates one at a time) keeps for backward, bf16, x2 with
+    CFG: per block and token ~30 x hidden values (attention as the AR's, a 4x GELU MLP), not measured;
+    with checkpointing, each block's input and one block recomputed."""
     hidden = dit.config.num_attention_heads * dit.config.attention_head_dim
     block_inputs = ((height // 16) * (width // 16) + text_tokens) * samples * (2 if cfg else 1) * hidden * 2
     layers = dit.config.num_layers
@@ -3519,6 +3501,9 @@ def dit_memory_plan(components, height, width, samples, cfg, ar_row, text_tokens
 #   at the end of a layer's backward, its reduce: the bf16 gradient and its fp32 copy (2 + 4 bytes
 #     per parameter); the root's reduce comes last, when layers and activations are freed;
 #   the whole model while it samples (whole_weights), beside its sampling working set.
+# Peaks: the resident shards + the largest phase: sampling (all gradients, as zero_grad comes at the
+# next update, + one half's whole weights, or a frozen part's turn), a half's backward beside its and
+# the earlier halves' gradients, AdamW's step (foreach: one exp_avg_sq copy, the gradients' bytes).
 # Not counted: all-gather buffers briefly doubled during a copy-out, the reference's no-grad pass
 # (below the update's), the CUDA allocator's slack.
 
@@ -3545,10 +3530,8 @@ def fsdp_shard_bytes(model, trainable, gpus, working, sampling=0, reference=Fals
 
 
 def fsdp_peaks(halves, beside=0, offloaded=0):
-    """Per-GPU peaks of the halves trained together (in grpo_update's order), `beside` bytes of frozen
-    weights always on the GPU, `offloaded` the largest frozen part taking its turn. Sampling: all
-    gradients + one half's whole weights (or the offloaded part); the update: a half's backward beside
-    its and the earlier halves' gradients; the step: foreach AdamW's exp_avg_sq copy."""
+    """Per-GPU peaks of the halves trained together, in grpo_update's order (the comment above), with
+    `beside` bytes always on the GPU and `offloaded`, the largest frozen part, taking its turn."""
     resident = beside + sum(h["weights"] + h["adam"] + h["reference"] for h in halves)
     grads = sum(h["grads"] for h in halves)
     done, update = 0, 2 * grads
@@ -3594,9 +3577,8 @@ def print_table(columns, rows):
 
 
 def plan_components(args):
-    """(components, image processor) of --model: the tiny model, a saved directory's configs on the
-    meta device, or else the real model's: GlmImageConfig() defaults are the real AR; the DiT,
-    glyph-T5 and VAE sizes are our reading of the checkpoint (--plan on a local copy is exact)."""
+    """(components, image processor) of --model: the tiny model, or a saved directory's or the real
+    model's on meta (GlmImageConfig() is the real AR; the other sizes our reading of the checkpoint)."""
     from diffusers import AutoencoderKL, GlmImageTransformer2DModel
     from transformers import GlmImageConfig, GlmImageForConditionalGeneration, T5Config, T5EncoderModel
 
@@ -3702,10 +3684,9 @@ def save_trained_pipeline(pipe, args):
 
 
 def policy_generation_config(ar, codebook_size, temperature):
-    """The policy GRPO optimised, softmax(logits / T) with no top-k/top-p and the special ids
-    suppressed (as sample_group draws), as the generation config GlmImagePipeline's AR stage samples
-    with. The real checkpoint's (T 0.9, top-p 0.75) suppresses nothing: a briefly trained AR then
-    writes image start/end ids mid-grid and the pipeline crashes upsampling a short grid."""
+    """The trained policy, softmax(logits / T) with the special ids suppressed (as sample_group draws),
+    as the config the pipeline's AR stage samples with. The real one's suppresses nothing: a briefly
+    trained AR then writes image start/end ids mid-grid and the pipeline crashes."""
     from transformers import GenerationConfig
 
     return GenerationConfig(
@@ -3716,9 +3697,8 @@ def policy_generation_config(ar, codebook_size, temperature):
 
 
 def merge_lora(ar):
-    """peft's LoraLayer.merge (W += B @ A * alpha / r), then each wrapper swapped back for its base
-    Linear: transformers' adapter API (add_adapter) has no merge, and peft's merge_and_unload is
-    a method of a PeftModel, which this AR is not."""
+    """peft's LoraLayer.merge (W += B @ A * alpha / r), each wrapper then swapped for its base Linear:
+    transformers' add_adapter API has no merge, and peft's merge_and_unload needs a PeftModel."""
     from peft.tuners.lora import LoraLayer
 
     wrappers = [(name, module) for name, module in ar.named_modules() if isinstance(module, LoraLayer)]
