@@ -3660,8 +3660,8 @@ def print_fsdp_plan(rows, samples, batch, size):
           f"AdamW (16 bytes per parameter / K), the bf16 root + 2 layers gathered, a micro-batch of {samples}; "
           "frozen parts offloaded")
     table("ar", "AR weights", {"update peak": "update_peak", "sampling peak": "sampling_peak", "peak": "peak"})
-    print(f"\nDiT under --fsdp, per GPU: one denoising step over {batch} / K samples; 'dit' keeps the frozen AR whole, "
-          "'both' shards it (with its gradients and AdamW, less than the whole AR from K = 8 GPUs)")
+    print(f"\nDiT under --fsdp, per GPU: one denoising step over {batch} / K samples; 'dit' keeps the frozen AR "
+          "whole on every GPU, 'both' its shards, gradients and AdamW (fewer bytes from about K = 8)")
     table("dit", "DiT weights", {"peak, dit": "peak_dit", "peak, both": "peak_both"})
 
 
