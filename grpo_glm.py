@@ -3420,10 +3420,6 @@ def trainable_tensors(ar, lora_rank):
             for n in (lora_rank * m.in_features, m.out_features * lora_rank)]
 
 
-def lora_parameter_count(ar, rank):
-    return sum(trainable_tensors(ar, rank))
-
-
 def memory_plan(components, height, width, samples, prompt_tokens=64, ranks=(64, 16), mode="t2i",
                 image_processor=None, bytes_per=2, foreach=True, beta=0.0):
     """The AR's rows per training mode, without and with checkpointing; (rows, parameter counts,
