@@ -2214,36 +2214,35 @@ def restore_checkpoint(ckpt, path, model, optimizer, lr_scheduler):
 # =============================================================================================
 # 20. The tiny model's renderer: pre-trained once on token mosaics, then cached
 # =============================================================================================
-# ---- The tiny model's renderer: pre-trained once on token mosaics, then cached ---------------
-# A random DiT + VAE paints colour noise whatever the tokens say, so nothing GRPO does to the AR
-# would show in the pictures. On first use `--model tiny` therefore pre-trains the renderer (the
-# AR stays random: learning what to paint from the prompt is GRPO's job) on a synthetic task:
-# codebook id k means palette colour k, and a token grid's truth is its "mosaic", every 32-px cell
-# filled with its token's colour. The VAE latent carries the colour directly (channels 0-2 = the
-# cell's colour in [-1, 1], channel 3 = 0, per 8-px latent pixel), so the VAE *decoder* learns
-# latent -> mosaic and the DiT learns, by flow matching, prior tokens -> that latent. The result is
-# written with save_pretrained to a cache directory and read back with from_pretrained, the path
-# a user's own checkpoint takes.
+# `--model tiny` is GLM-Image at toy size, built from the real classes (build_tiny_pipeline). Its
+# AR stays random: learning what to paint from the prompt is GRPO's job. A random DiT + VAE would
+# paint colour noise whatever the tokens say, and nothing GRPO does would show in the pictures; so
+# the renderer learns a synthetic task: codebook id k means palette colour k, and a token grid's
+# truth is its "mosaic", every 32-px cell filled with its token's colour. The VAE's latent carries
+# the colour (channels 0-2 = the cell's colour in [-1, 1] per 8-px latent pixel): the VAE decoder
+# is set to paint it (colour_vae), and the DiT learns by flow matching prior tokens -> that latent
+# (train_tiny_renderer, ~15 s of CPU). The result is saved with save_pretrained to a cache
+# directory and loaded with from_pretrained, the path a user's own checkpoint takes
+# (tiny_pipeline_dir). Tests also use the untrained variant, renderer="random" (random DiT and VAE,
+# ~1 s), where only the code path matters.
 
 TINY_CODEBOOK = 64                       # real: 16384
-
-
 TINY_VISION_VOCAB = TINY_CODEBOOK + 16   # real: 16512 (codebook + 128 special ids)
-# A minimal stand-in chat template: the real processor ships its own, loaded by from_pretrained.
-# A source image must sit between image start and end tokens: get_rope_index finds source images
-# by those markers (and gives them 2-D positions); a bare <|image|> would be numbered like text.
-
+# A minimal stand-in chat template (the real processor ships its own). A source image sits between
+# image start and end tokens: get_rope_index finds source images by those markers (and gives them
+# 2-D positions); a bare <|image|> would be numbered like text.
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
                       "<|dit_token_16384|><|image|><|dit_token_16385|>"
                       "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}")
+TINY_RENDERER_FORMAT = "grpo_glm-tiny-renderer-v1"
+TINY_RENDERER = dict(        # everything that shapes the training (all of it enters the cache key)
+    dit_steps=800, dit_lr=3e-3, batch=8, dit_grids=((2, 2), (3, 3), (4, 4), (3, 2)), inference_steps=4,
+)
 
 
 def build_tiny_tokenizer():
-    """A character-level tokenizer carrying GLM-Image's special tokens.
-
-    Ids 0..vision_vocab-1 are the image tokens (as in the real tokenizer, where the bos
-    '<|dit_token_16384|>' has id 16384 = image_start_token_id), then printable ASCII, then the
-    special tokens the GlmImageProcessor reads: image_token, grid_bos_token, grid_eos_token."""
+    """A character-level tokenizer: the image tokens first (as in the real one, where the bos
+    '<|dit_token_16384|>' is image_start_token_id), printable ASCII, GlmImageProcessor's specials."""
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
@@ -2262,22 +2261,18 @@ def build_tiny_tokenizer():
 
 
 def build_tiny_pipeline(seed=0, ar_init_range=0.02, renderer="random"):
-    """A random-weight GLM-Image from the real classes in ~1 s. `ar_init_range` > 0.02 sharpens
-    the AR's logits (tests use it so that wrong M-RoPE positions change log-probs visibly).
-    renderer="random": DiT and VAE at their random init (they paint colour noise; tests that only
-    need the code path use it). renderer="mosaic": what `--model tiny` is built from before
-    tiny_pipeline_dir trains its renderer: a DiT twice as wide, the colour-painting VAE, and an AR,
-    random as well, whose init lets the prompt reach its logits (see below)."""
+    """GLM-Image at toy size, seeded: renderer "random" or "mosaic" (the banner). `ar_init_range` >
+    0.02 sharpens the AR's logits (tests: wrong M-RoPE positions then change log-probs visibly)."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, GlmImagePipeline, GlmImageTransformer2DModel
     from transformers import (ByT5Tokenizer, GlmImageConfig, GlmImageForConditionalGeneration, GlmImageProcessor,
                               T5Config, T5EncoderModel)
     from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
 
     torch.manual_seed(seed)
+    mosaic = renderer == "mosaic"
     tokenizer = build_tiny_tokenizer()
-    # GLM-Image's image processor settings (16-px patches, no temporal/spatial merge, mean/std 0.5),
-    # except min_pixels: the real 512^2 would upscale a small source, while the pipeline VAE-encodes
-    # the source at its own size, and the DiT's source tokens would no longer line up.
+    # GLM-Image's image processor settings but min_pixels: the real 512^2 would upscale a small
+    # source, while the pipeline VAE-encodes it at its own size (the DiT's source tokens would not line up).
     image_processor = GlmImageImageProcessorPil(patch_size=16, temporal_patch_size=1, merge_size=1,
                                                 min_pixels=32 * 32, max_pixels=2048 * 2048,
                                                 image_mean=[0.5] * 3, image_std=[0.5] * 3)
@@ -2290,9 +2285,9 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, renderer="random"):
             vision_vocab_size=TINY_VISION_VOCAB, eos_token_id=TINY_CODEBOOK + 1,
             pad_token_id=tokenizer.pad_token_id,  # the default 167841 is outside a tiny vocabulary
             initializer_range=ar_init_range,
-            # (the demo AR rotates faster: with theta 1e4 and 4 rotary frequencies, a grid row turns
-            # the rotary angle by 0.01 rad and a column by 0.001, so positions barely register)
-            rope_parameters={"rope_type": "default", "rope_theta": 4.0 if renderer == "mosaic" else 10000.0,
+            # the mosaic AR rotates faster: at theta 1e4 with 4 rotary frequencies a grid row turns
+            # the angle by 0.01 rad and a column by 0.001, and positions barely register
+            rope_parameters={"rope_type": "default", "rope_theta": 4.0 if mosaic else 10000.0,
                              "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5}),
         vision_config=dict(depth=1, hidden_size=32, num_heads=2, image_size=64, patch_size=16, intermediate_size=32),
         vq_config=dict(embed_dim=32, num_embeddings=TINY_CODEBOOK, latent_channels=32),
@@ -2300,17 +2295,12 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, renderer="random"):
         image_start_token_id=TINY_CODEBOOK, image_end_token_id=TINY_CODEBOOK + 1,
     )
     ar = GlmImageForConditionalGeneration(ar_config)
-    if renderer == "mosaic":
-        # The demo AR is random, but starts where its prompt can reach the logits. At the default
-        # init a grid token's logits are set by the random token before it (the input embedding
-        # dominates a 2-layer residual stream; the prompt moves them ~10x less), and GRPO then
-        # learns one colour for every cell of every prompt. So the image tokens' input embeddings
-        # start equal (a cell's first choice depends on the prompt and its place, not on the
-        # random tokens drawn before it) and q/k are 16x the init (attention sharp enough to tell
-        # the prompts apart). Measured on the hidden state before lm_head, 2 prompts x 16 samples x
-        # 16 cells: variance across prompts 1.8 -> 15, across cells 0.007 -> 8.8, across samples of
-        # a prompt and cell 8.3 -> 0. With the body frozen (--ar-trainable head, prepare_policy)
-        # these features stay put, and lm_head reads each (prompt, cell) off its own features.
+    if mosaic:
+        # At the default init a grid token's logits are set by the random token before it (the
+        # input embedding dominates a 2-layer residual stream), and GRPO would learn one colour for
+        # every cell of every prompt. Equal image-token embeddings (a cell's choice depends on the
+        # prompt and its place, not on the tokens drawn before it) and q/k at 16x the init (attention
+        # sharp enough to tell prompts apart) let lm_head read each (prompt, cell) off its own features.
         with torch.no_grad():
             image_embeddings = ar.model.language_model.embed_tokens.weight[:TINY_VISION_VOCAB]
             image_embeddings.copy_(image_embeddings.mean(0).expand_as(image_embeddings))
@@ -2318,19 +2308,17 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, renderer="random"):
                 layer.self_attn.q_proj.weight.mul_(16.0)
                 layer.self_attn.k_proj.weight.mul_(16.0)
     text_encoder = T5EncoderModel(T5Config(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2))
-    # patch_size x vae_scale_factor = 16 pixels per DiT token, because the AR's 32-pixel tokens
-    # are upsampled 2x before they reach the DiT (as in the real model).
-    # (the mosaic renderer's DiT is 32 wide: at 16 it learns the task ~50x less accurately, MSE 0.02)
+    # patch_size x vae_scale_factor = 16 pixels per DiT token: the AR's 32-pixel tokens are
+    # upsampled 2x before they reach the DiT (as in the real model).
     transformer = GlmImageTransformer2DModel(
-        patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16 if renderer == "mosaic" else 8,
+        patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16 if mosaic else 8,
         num_attention_heads=2, text_embed_dim=32, time_embed_dim=16, condition_dim=8,
         prior_vq_quantizer_codebook_size=TINY_CODEBOOK)
-    if renderer == "mosaic":
+    if mosaic:
         vae = colour_vae()
     else:
-        # A trained DiT draws the layout from the AR tokens; a random one mostly ignores them and
-        # paints its noise. Strengthening the prior-token embedding restores the real model's
-        # division of labour (tokens decide the content), which is what RL on the AR relies on.
+        # A random DiT mostly ignores the tokens; a strong prior-token embedding restores the real
+        # model's division of labour (tokens decide the content), which RL on the AR relies on.
         with torch.no_grad():
             transformer.prior_token_embedding.weight.mul_(30.0)
         vae = AutoencoderKL(
@@ -2340,25 +2328,15 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, renderer="random"):
     pipe = GlmImagePipeline(
         tokenizer=ByT5Tokenizer(), processor=processor, text_encoder=text_encoder, vision_language_encoder=ar,
         vae=vae, transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler())
-    # Components built from configs start in train mode; T5's dropout would then make the same
-    # prompt embed differently each call.
+    # Built from configs, components start in train mode (T5's dropout would embed a prompt differently each call).
     for module in (ar, text_encoder, transformer, vae):
         module.eval()
     return pipe
 
 
-TINY_RENDERER_FORMAT = "grpo_glm-tiny-renderer-v1"
-
-
-TINY_RENDERER = dict(        # everything that shapes the training (all of it enters the cache key)
-    dit_steps=800, dit_lr=3e-3, batch=8, dit_grids=((2, 2), (3, 3), (4, 4), (3, 2)), inference_steps=4,
-)
-
-
 def tiny_palette(codebook_size=TINY_CODEBOOK):
-    """Colour [K, 3] in [0, 1] of each codebook id: the demo's 8 colours (section 15), id k painting
-    colour k mod 8. Many ids per colour, as in a real VQ codebook where many codes look alike; so
-    few colours that a random policy draws the right one for a cell 1 time in 8."""
+    """Colour [K, 3] in [0, 1] of each codebook id: id k paints the demo's colour k mod 8 (many ids
+    per colour, as in a real VQ codebook; a random policy draws a cell's right colour 1 time in 8)."""
     names = ("red", "green", "blue", "yellow", "white", "black", "orange", "purple")
     colours = torch.tensor([COLOURS[n] for n in names], dtype=torch.float32) / 255
     return colours[torch.arange(codebook_size) % len(names)]
@@ -2372,15 +2350,14 @@ def token_mosaic(tokens, grid_hw, palette, cell=32):
 
 
 def colour_latents(tokens, grid_hw, palette, channels, cell):
-    """The latent a grid should decode from [N, channels, H*cell, W*cell]: its mosaic in [-1, 1]
-    (cell = 32 px / the VAE's scale factor), the channels past the third zero."""
+    """The latent a grid decodes from [N, channels, H*cell, W*cell]: its mosaic in [-1, 1], then zeros."""
     mosaic = token_mosaic(tokens, grid_hw, palette, cell) * 2 - 1
     return torch.cat([mosaic, mosaic.new_zeros(mosaic.shape[0], channels - 3, *mosaic.shape[2:])], 1)
 
 
 def random_grids(batch, grid_hw, codebook_size, generator):
-    """Training grids [batch, H*W]: each drawn from its own sub-palette of 1, 2, 4 or all colours,
-    so uniform fields and two-colour shapes are as familiar to the renderer as confetti."""
+    """Training grids [batch, H*W], each from a sub-palette of 1, 2, 4 or all colours (uniform
+    fields and two-colour shapes as familiar to the renderer as confetti)."""
     rows = []
     for _ in range(batch):
         k = [1, 2, 4, codebook_size][int(torch.randint(4, (1,), generator=generator))]
@@ -2390,17 +2367,10 @@ def random_grids(batch, grid_hw, codebook_size, generator):
 
 
 def colour_vae(latent_channels=4, width=8, carrier=32.0):
-    """A tiny AutoencoderKL whose decoder paints its latent's colour: pixel = latent channels 0-2 at
-    that place, nearest-upsampled 8x, mapped from [-1, 1] to [0, 1] by the pipeline's postprocess.
-
-    Its weights are set, not learnt. Gradient descent gets there too, but spends ~60 s of CPU on a
-    plateau at MSE 0.2 first: the decoder's GroupNorm normalises each image by its own statistics,
-    which erases absolute colour (a uniform red and a uniform white field normalise alike). Set by
-    hand, every residual branch is zeroed (conv2, the attention's to_out), every upsampler's conv is
-    the identity, conv_in writes the colour twice, (c, -c), next to a constant pair (+carrier,
-    -carrier): the group's mean is then exactly 0 and its std ~ carrier / 2 whatever the colours, so
-    conv_norm_out keeps them; conv_out reads SiLU(c) - SiLU(-c) = c. The encoder stays random
-    (the DiT is trained on text-to-image only)."""
+    """A tiny AutoencoderKL whose decoder paints latent channels 0-2 upsampled 8x, set by hand (GroupNorm
+    erases absolute colour, and gradient descent stalls): residual branches off, upsampler convs the
+    identity, conv_in writes (c, -c) beside a constant pair (+carrier, -carrier), so the group's mean
+    is 0 and its std ~ carrier / 2 whatever the colours; conv_out reads SiLU(c) - SiLU(-c) = c."""
     from diffusers import AutoencoderKL
 
     vae = AutoencoderKL(
@@ -2430,10 +2400,8 @@ def colour_vae(latent_channels=4, width=8, carrier=32.0):
 
 
 def train_tiny_renderer(pipe, settings, seed):
-    """Trains the DiT in place (fp32, CPU) by flow matching onto the colour latents; returns its last loss.
-    x_t = (1 - sigma) x0 + sigma eps (the scheduler's own scale_noise) at the schedule's (t, sigma)
-    pairs, velocity target eps - x0, through the same conditioning and velocity functions the
-    sampler and Flow-GRPO use (Part II)."""
+    """Flow matching onto the colour latents, in place (fp32, CPU): x_t = scale_noise(x0, t, eps), target
+    eps - x0, through the sampler's own conditioning and velocity (Part II). Returns the last loss."""
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     codebook = pipe.transformer.config.prior_vq_quantizer_codebook_size
@@ -2464,7 +2432,7 @@ def train_tiny_renderer(pipe, settings, seed):
 
 @contextlib.contextmanager
 def quiet_progress_bars():
-    """diffusers' and transformers' loading/saving bars, off (the tiny model's ~1 MB loads in a blink)."""
+    """diffusers' and transformers' loading/saving bars, off for the duration."""
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
@@ -2479,17 +2447,9 @@ def quiet_progress_bars():
             transformers_logging.enable_progress_bar()
 
 
-def tiny_cache_root():
-    """Where built tiny models live: $GRPO_GLM_CACHE, else $XDG_CACHE_HOME/grpo_glm, else ~/.cache/grpo_glm."""
-    if os.environ.get("GRPO_GLM_CACHE"):
-        return Path(os.environ["GRPO_GLM_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "grpo_glm"
-
-
 def tiny_cache_key(seed, settings):
-    """A hash of everything that shapes the built model: the seed, the training settings, the format
-    version, the library versions, and the source of the functions that build and train it (so an
-    edit to any of them, or to the configs written inside them, builds a new model)."""
+    """A hash of all that shapes the built model: seed, settings, format, library versions and the
+    source of the functions that build and train it (an edit to any of them builds a new model)."""
     import inspect
 
     import diffusers
@@ -2506,53 +2466,47 @@ def tiny_cache_key(seed, settings):
 
 
 TINY_WEIGHTED = ("vision_language_encoder", "text_encoder", "transformer", "vae")   # components with weight files
-
-
 TINY_MANIFEST = "grpo_glm_tiny.json"   # written last: a directory without it (or with a wrong one) is never loaded
 
 
 def tiny_cache_is_complete(path, key):
-    """True only for a finished build of this key whose files are all there, byte for byte, with
-    weights for every model in it."""
+    """True only for a finished build of `key` whose files all match the manifest's sha256, with
+    weights for every model."""
     try:
         manifest = json.loads((path / TINY_MANIFEST).read_text(encoding="utf-8"))
         files = manifest["files"]
-        return manifest["key"] == key and all(any(name.startswith(f"{component}/") and name.endswith(".safetensors")
-                                                  for name in files) for component in TINY_WEIGHTED) and all(
+        weighted = all(any(name.startswith(f"{component}/") and name.endswith(".safetensors") for name in files)
+                       for component in TINY_WEIGHTED)
+        return manifest["key"] == key and weighted and all(
             hashlib.sha256((path / name).read_bytes()).hexdigest() == digest for name, digest in files.items())
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
 
 def tiny_pipeline_dir(seed=0, settings=None):
-    """The directory of `--model tiny` for this seed, built on first use (~15 s of CPU), then reused.
-
-    The build is atomic: it is written to a temporary directory beside the cache entry and renamed
-    into place after its manifest (sha256 of every file) is written; a lock file makes a second run
-    wait for the first run's build instead of building it again. A killed build leaves only a
-    temporary directory that nothing loads; an entry whose files do not match its manifest is set
-    aside and rebuilt."""
-    import fcntl
+    """`--model tiny`'s directory for this seed in $GRPO_GLM_CACHE (else $XDG_CACHE_HOME/grpo_glm or
+    ~/.cache/grpo_glm), built on first use: in a temporary directory renamed into place after its
+    manifest, under a lock a second run waits on. An entry that fails its manifest is rebuilt."""
     import shutil
     import tempfile
 
+    from filelock import FileLock
+
     settings = dict(TINY_RENDERER if settings is None else settings)
     key = tiny_cache_key(seed, settings)
-    root = tiny_cache_root()
+    root = Path(os.environ.get("GRPO_GLM_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                / "grpo_glm")
     final = root / f"tiny-seed{seed}-{key}"
     if tiny_cache_is_complete(final, key):
         return final
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{final.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)        # held until the with-block ends (or the process dies)
-        if tiny_cache_is_complete(final, key):  # another run built it while we waited
+    with FileLock(root / f".{final.name}.lock"):   # released when the block ends (or the process dies)
+        if tiny_cache_is_complete(final, key):      # another run built it while we waited
             return final
         if final.exists():
             print(f"note: {final} is incomplete or corrupt; rebuilding it")
-            aside = Path(tempfile.mkdtemp(prefix=f".{final.name}.broken-", dir=root))
-            os.rename(final, aside / "entry")
-            shutil.rmtree(aside, ignore_errors=True)
-        for stale in root.glob(f".{final.name}.tmp-*"):     # left by a killed build (we hold the lock)
+            shutil.rmtree(final)
+        for stale in root.glob(f".{final.name}.tmp-*"):     # left by a killed build, never loaded
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
         try:
@@ -2564,9 +2518,7 @@ def tiny_pipeline_dir(seed=0, settings=None):
                 pipe.set_progress_bar_config(disable=True)
                 loss = train_tiny_renderer(pipe, settings, seed)
             ar = pipe.vision_language_encoder
-            # generate_prior_tokens samples with the AR's generation config: without suppression the
-            # random AR writes image start/end ids mid-grid and the pipeline crashes (section 23).
-            ar.generation_config = policy_generation_config(
+            ar.generation_config = policy_generation_config(     # section 23
                 ar, pipe.transformer.config.prior_vq_quantizer_codebook_size, temperature=1.0)
             with quiet_progress_bars():
                 pipe.save_pretrained(tmp)
@@ -2587,27 +2539,20 @@ def tiny_pipeline_dir(seed=0, settings=None):
 # =============================================================================================
 # 21. More GPUs: torchrun data parallel (DDP) and sharding (--fsdp)
 # =============================================================================================
-# `torchrun --nproc_per_node K grpo_glm.py ...` starts K copies of this script with RANK,
-# LOCAL_RANK and WORLD_SIZE in their environment. Layout (DanceGRPO's): --prompts-per-step is the
-# global count, cut into K contiguous blocks; each rank samples, decodes, rewards and standardises
-# whole groups of its own, so the advantages need no communication. What crosses ranks:
-# DistributedDataParallel's gradient average in the update, and a few scalars per step (metrics,
-# the skip and stop decisions). Rank 0 alone writes metrics, samples and checkpoints.
-# The run does not depend on K: a group's tokens are drawn from a seed of (seed, step, slot), its
-# DiT noise from (seed, prompt), and every forward covers at most one micro-batch of rows cut the
-# same way on any K (with the default micro-batch = G, exactly one group; the DiT one prompt's group,
-# see dit_velocity). --policy dit|both wraps the DiT too. So 1 process and K give
-# the same samples and, up to the order of floating-point sums, the same weights; a checkpoint
+# `torchrun --nproc_per_node K grpo_glm.py ...` starts K copies of this script (RANK, LOCAL_RANK and
+# WORLD_SIZE in their environment). --prompts-per-step is the global count, cut into K contiguous
+# blocks (DanceGRPO's layout): each rank samples, decodes, rewards and standardises whole groups of
+# its own, so the advantages need no communication. What crosses ranks: the gradient average
+# (DDP's all-reduce, FSDP's reduce-scatter) and a few scalars per step (metrics, the skip and stop
+# decisions: all_reduce_scalars). Rank 0 alone writes metrics, samples and checkpoints.
+# Why 1 process and K sample and train the same: a group's tokens are drawn from a seed of (seed,
+# step, slot), its DiT noise from (seed, prompt), and every forward covers one micro-batch of rows
+# cut the same way on any K (by default one group; the DiT one prompt's group, see dit_velocity).
+# So the samples are the same, and the weights are too, up to the order of floating-point sums. In
+# fp32 that order shows: AdamW divides each coordinate by its own size, and coordinates that are 0
+# but for rounding (~1e-9, near its eps) then move apart by up to ~lr/10 (README, Measurements); in
+# float64 (--dtype float64) 1 and K processes agree to rounding, as the tests check. A checkpoint
 # written at one world size resumes exactly at another.
-# "Up to the order of sums" is more than 1e-7 in fp32, though. Some gradient coordinates are 0 but
-# for rounding: the half of a key projection's bias that rotary embedding leaves unrotated (softmax
-# ignores it), and, on the tiny demo AR, whose image tokens' input embeddings start equal (a group's
-# G samples then see the same logits), every lm_head row of a token no sample drew: its gradient is
-# (sum of the group's advantages, 0) x something. Rounding leaves ~1e-9 there after clipping, near
-# AdamW's eps (1e-8); AdamW divides each coordinate by its own size, so the 2-process order of the
-# sums moves those weights up to ~lr/10 apart, and the rest of the model follows (README,
-# Measurements). In float64 (--dtype float64) that noise is ~1e-19, far below eps, and 1 and 2
-# processes agree to rounding (the tests compare them so).
 
 def float64_throughout(pipe):
     """--dtype float64 runs every weight-dependent sum in float64. Two library functions round to
@@ -2639,9 +2584,8 @@ def float64_throughout(pipe):
 
 
 def init_distributed(args):
-    """Joins the process group torchrun described in the environment (nothing to do for one
-    process). gloo on CPU, nccl on CUDA. The timeout bounds every collective: if a rank dies or
-    hangs, the others raise after --dist-timeout seconds instead of waiting forever."""
+    """Joins the process group torchrun describes (nothing to do for one process): gloo on CPU, nccl
+    on CUDA. A rank that dies or hangs makes the others' next collective raise after --dist-timeout."""
     if launched_world_size() == 1:
         return
     if args.device == "cuda":
@@ -2681,15 +2625,9 @@ def rank_slots(prompts_per_step):
 
 
 def wrap_for_training(model, device):
-    """DistributedDataParallel around a module that trains (the AR, the DiT under --policy dit|both).
-    Its backward averages the gradients over ranks, so every rank's AdamW takes the same step and
-    the weights stay identical. Only the training forward may go through the wrapper: DDP has no
-    `.generate`, so sampling and no-grad passes use the module itself (unwrap).
-    The DiT's training forward calls the module several times before one backward (once per
-    prompt, twice with CFG, once more per prompt for the i2i source cache): DDP copes, since a
-    parameter used by several calls still gets one gradient hook per backward, and every rank makes
-    the same number of calls (as many prompts each). Buffers are not broadcast: none changes
-    during training, and a broadcast per call would be one more collective each."""
+    """DistributedDataParallel around a module that trains: its backward averages the gradients, so
+    every rank's AdamW takes the same step. Only the training forward goes through it (no `.generate`:
+    no-grad passes use unwrap(model)). Buffers are not broadcast: none changes during training."""
     if not is_ddp() or is_sharded(model):        # FSDP2 shards in place and averages by itself
         return model
     from torch.nn.parallel import DistributedDataParallel
@@ -2699,58 +2637,57 @@ def wrap_for_training(model, device):
 
 
 def unwrap(model):
-    """The module inside a DDP wrapper (for its attributes and its no-grad passes), else the model."""
+    """The module inside a DDP wrapper, else the model."""
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
-def all_ranks_agree(flag):
-    """True only if `flag` is True on every rank (a MIN all-reduce). Decisions that change how
-    many collectives a rank runs next (skip a non-finite update, stop after Ctrl+C) must be taken
-    together, or one rank waits forever in an all-reduce the others never start."""
+def all_reduce_scalars(values, op):
+    """Numbers reduced element-wise over ranks by `op` (dist.ReduceOp.SUM, MIN, MAX), as float64
+    floats: one collective for the lot. Without torchrun, the values themselves."""
     if not is_ddp():
-        return bool(flag)
-    t = torch.tensor(int(bool(flag)), device=collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return bool(t.item())
+        return [float(v) for v in values]
+    reduced = torch.tensor(values, dtype=torch.float64, device=collective_device())
+    dist.all_reduce(reduced, op=op)
+    return reduced.tolist()
+
+
+def all_ranks_agree(flag):
+    """True only if `flag` is True on every rank. Decisions that change how many collectives a rank
+    runs next (skip a non-finite update, stop after Ctrl+C) must be taken together, or one rank
+    waits forever in an all-reduce the others never start."""
+    return all_reduce_scalars([bool(flag)], dist.ReduceOp.MIN)[0] == 1
 
 
 MAX_METRICS = ("logp_diff_max",)
 
 
 def reduce_metrics(row):
-    """A metrics row averaged over ranks (maxima for MAX_METRICS). Every rank holds the same
-    number of samples of the same length, so the mean of the per-rank means is the global mean."""
+    """A metrics row averaged over ranks (maxima for MAX_METRICS). Every rank holds as many samples
+    of the same length, so the mean of the per-rank means is the global mean."""
     if not is_ddp():
         return row
     keys = [k for k in row if k != "step"]
-    total = torch.tensor([float(row[k]) for k in keys], dtype=torch.float64, device=collective_device())
-    peak = total.clone()
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    reduced = {k: (peak[i] if k in MAX_METRICS else total[i] / world_size()).item() for i, k in enumerate(keys)}
+    values = [float(row[k]) for k in keys]
+    total, peak = all_reduce_scalars(values, dist.ReduceOp.SUM), all_reduce_scalars(values, dist.ReduceOp.MAX)
+    reduced = {k: peak[i] if k in MAX_METRICS else total[i] / world_size() for i, k in enumerate(keys)}
     return {"step": row["step"], **{k: type(row[k])(v) for k, v in reduced.items()}}
 
 
 def collective_failed(error):
-    """True for an error raised inside torch.distributed or DDP: a peer that died or timed out
-    (gloo reports a dead peer as a plain RuntimeError, hence the look at where it came from). The
-    gradient all-reduce (DDP) and reduce-scatter (FSDP) run inside autograd's backward, whose
-    frame is autograd's: there the message names the backend."""
+    """True for an error raised inside torch.distributed or DDP: a peer that died or timed out (gloo
+    reports one as a plain RuntimeError, hence the look at where it came from). Inside backward
+    (DDP's all-reduce, FSDP's reduce-scatter) the frame is autograd's: the message names the backend."""
     frames = traceback.extract_tb(error.__traceback__)
     return isinstance(error, dist.DistError) or bool(frames and (
         re.search(r"torch[/\\](distributed|nn[/\\]parallel)[/\\]", frames[-1].filename)
         or re.search(r"torch[/\\]autograd[/\\]", frames[-1].filename) and re.search(r"gloo|nccl", str(error), re.I)))
 # --fsdp: FSDP2 (torch.distributed.fsdp.fully_shard). Each rank keeps 1/K of every trained weight,
-# its gradient and its AdamW moments (DTensors on a 1-D device mesh over the ranks). A unit's
-# weights are all-gathered just before its forward and backward and freed after; gradients are
-# reduce-scattered (averaged, as DDP's all-reduce) into the shards. Units: each decoder layer (the
-# AR's language_model.layers, the DiT's transformer_blocks), then the root (embeddings, norms,
-# heads, the AR's frozen vision encoder and VQ tokenizer). Sampling runs on whole weights
-# (whole_weights): generate would otherwise all-gather every layer once per generated token, and
-# the i2i source encoding calls the vision encoder and VQ outside any forward. Every micro-batch's
-# (and denoising step's) backward reduce-scatters: FSDP's way to skip that, like DDP's no_sync,
-# would keep whole gradients, the memory sharding saves. Checkpoints hold whole weights and AdamW
-# state, exactly as a 1-process run writes them, so either resumes the other.
+# its gradient and AdamW moments (DTensors on a 1-D mesh). A unit's weights are all-gathered just
+# before its forward and backward and freed after; gradients are reduce-scattered (averaged) into
+# the shards after every backward. Units: each decoder layer, then the root (embeddings, norms,
+# heads, the AR's frozen vision encoder and VQ). Sampling runs on whole weights (whole_weights):
+# generate would otherwise all-gather every layer per generated token. Checkpoints hold whole
+# weights and AdamW state, as a 1-process run writes them, so either resumes the other.
 
 def is_sharded(model):
     from torch.distributed.fsdp import FSDPModule
@@ -2766,18 +2703,11 @@ def device_mesh():
 
 
 def shard_for_training(model, params, args, reference=None):
-    """--fsdp under torchrun: shards `model` (the AR or the DiT, `params` its trainable parameters)
-    and its frozen KL `reference` copy if any, in place. Returns the trainable parameters, which
-    are new (DTensor) Parameter objects after sharding: AdamW must be built on these. Without
-    --fsdp or with one process: `params` unchanged.
-    bf16 (CUDA): the trained weights' shards are kept in fp32 (AdamW's updates of a bf16 weight
-    round away) and MixedPrecisionPolicy all-gathers them as bf16 for compute and reduce-scatters
-    gradients in fp32. Frozen parts (the AR's vision encoder and VQ tokenizer, in the root unit) stay
-    bf16: FSDP2 asks one dtype of a unit's trained weights only."""
+    """--fsdp under torchrun: shards `model` and its frozen KL `reference` in place; returns the
+    trainable parameters, new DTensors that AdamW must be built on (else `params`). bf16: trained
+    shards in fp32 (AdamW's updates of a bf16 weight round away), gathered as bf16, reduced in fp32."""
     if not (args.fsdp and is_ddp()):
         return params
-    import warnings
-
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # The DiT returns a view (its unpatchify); FSDP2 warns in case the caller modifies it in place,
@@ -2802,18 +2732,15 @@ def shard_for_training(model, params, args, reference=None):
 
 
 def sharded_layers(module):
-    """The units fully_shard wraps one by one, before the root: the AR's decoder layers
-    (GlmImageForConditionalGeneration.model.language_model.layers), the DiT's transformer_blocks."""
+    """The units sharded one by one before the root: the AR's decoder layers, the DiT's blocks."""
     inner = getattr(module, "model", None)
     return inner.language_model.layers if inner is not None else module.transformer_blocks
 
 
 @contextlib.contextmanager
 def whole_weights(model):
-    """Gathers a sharded model's whole weights for the duration (sampling, no-grad passes), so
-    that every forward inside runs without communication; frees them after. The per-GPU cost is
-    one whole copy of the model in its compute dtype while it samples, which DDP holds always.
-    A no-op for a model that is not sharded."""
+    """A sharded model's whole weights, gathered for the duration (sampling and no-grad passes then
+    run with no communication) and freed after. A no-op for a model that is not sharded."""
     from torch.distributed.fsdp import FSDPModule
 
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -2833,9 +2760,8 @@ def whole_weights(model):
 
 
 def clip_gradients(params, max_norm):
-    """torch's clip_grad_norm_ in its two halves, so that a sharded (DTensor) norm is reduced to
-    the whole gradient's norm before it scales the gradients (torchtitan does the same).
-    Returns the norm before clipping, a plain tensor."""
+    """torch's clip_grad_norm_ in its two halves, so that a sharded (DTensor) norm is reduced to the
+    whole gradient's before it scales them (as torchtitan does). Returns the norm before clipping."""
     from torch.distributed.tensor import DTensor
 
     norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
@@ -2872,31 +2798,20 @@ def load_training_state(model, optimizer, weights, optimizer_state):
 # =============================================================================================
 # 22. Memory plan for the real GLM-Image (arithmetic on the real configs, meta device)
 # =============================================================================================
+# --plan prints the bytes one GPU holds, from the configs alone: the components are built on the
+# meta device (shapes, no memory, no download). Weights in the model dtype (bf16 on CUDA: d = 2
+# bytes); LoRA adapters, their gradients and AdamW moments in fp32 (a = 4); under full fine-tuning
+# gradients and moments in the weights' dtype (torch's AdamW allocates its state like the
+# parameter). The AR's terms were checked against the CPU allocator's live bytes for one update at
+# the real width (test_slow_memory_plan_matches_a_measured_update_at_the_real_width) and, per
+# layer, against autograd's saved tensors; the DiT's are estimates.
 
 GiB = 1024 ** 3
-
-
-def real_glm_image_on_meta():
-    """The real model's components, built on the meta device (shapes only, no memory, no download).
-    GlmImageConfig() defaults are the real AR (hidden 4096, 40 layers, vision vocab 16512). The
-    DiT / glyph-T5 / VAE sizes below are our reading of the checkpoint (the DiT class defaults
-    would give 2.4 B, the model card says 7 B): for exact numbers run --plan on a local copy."""
-    from diffusers import AutoencoderKL, GlmImageTransformer2DModel
-    from transformers import GlmImageConfig, GlmImageForConditionalGeneration, T5Config, T5EncoderModel
-
-    with torch.device("meta"):
-        return {
-            "ar": GlmImageForConditionalGeneration(GlmImageConfig()),
-            "dit": GlmImageTransformer2DModel(
-                patch_size=2, in_channels=16, out_channels=16, num_layers=30, attention_head_dim=128,
-                num_attention_heads=32, text_embed_dim=1472, time_embed_dim=512, condition_dim=256,
-                prior_vq_quantizer_codebook_size=16384),
-            "glyph_t5": T5EncoderModel(T5Config(vocab_size=384, d_model=1472, d_kv=64, d_ff=3584, num_layers=12,
-                                                num_heads=6, feed_forward_proj="gated-gelu")),
-            "vae": AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16,
-                                 block_out_channels=(128, 512, 1024, 1024), layers_per_block=3,
-                                 down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4),
-        }
+ADAPTER_BYTES = 4        # LoRA adapters train in fp32 (prepare_policy): weights, grads, AdamW moments
+FSDP_MASTER_BYTES = 4    # --fsdp's trained shards, their gradients and AdamW moments: fp32
+# The real checkpoint's image-processor settings (its public config; the tiny model differs in min_pixels).
+REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, min_pixels=512 * 512,
+                            max_pixels=2048 * 2048)
 
 
 def saved_glm_image_on_meta(directory):
@@ -2915,7 +2830,7 @@ def saved_glm_image_on_meta(directory):
 
 
 def saved_image_processor(directory):
-    """The image processor a saved pipeline ships (it decides an i2i source's token count)."""
+    """The image processor a saved pipeline ships (it sets an i2i source's token count), else None."""
     from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
 
     try:
@@ -2930,20 +2845,14 @@ def numel(module):
 
 def generated_tokens(height, width):
     """Tokens the AR writes for one t2i image: ~16x16 preview + (H/32)x(W/32) grid + 1 end slot
-    (the preview size as GlmImageProcessor._get_target_shape computes it)."""
+    (the preview as GlmImageProcessor._get_target_shape computes it)."""
     ratio = (height // 32) / (width // 32)
     preview = int(math.sqrt(ratio) * 16) * int(math.sqrt(1 / ratio) * 16)
     return preview + (height // 32) * (width // 32) + 1
-# The real checkpoint's image-processor settings (read from its public config; the tiny model
-# differs only in min_pixels, see build_tiny_pipeline).
-
-REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, min_pixels=512 * 512,
-                            max_pixels=2048 * 2048)
 
 
 def source_tokens(height, width, image_processor=None):
-    """VQ tokens of one i2i source image (resized to height x width, as read_prompts does), counted
-    by the processor's own rule (a half-size resize cut into 16-px patches: 1,024 at 1024^2)."""
+    """VQ tokens of one i2i source image at height x width, by the processor's own rule (1,024 at 1024^2)."""
     if image_processor is None:
         from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
         image_processor = GlmImageImageProcessorPil(**REAL_IMAGE_PROCESSOR)
@@ -2951,104 +2860,88 @@ def source_tokens(height, width, image_processor=None):
 
 
 def ar_sequence(mode, height, width, prompt_tokens=64, image_processor=None):
-    """(P, L): prompt and generated tokens of one AR sample, in section 4's layouts. t2i: P =
-    `prompt_tokens` (text and grid sizes), L = preview + grid + end slot. i2i: the prompt also holds
-    the source's VQ tokens between image start and end; L = grid + end slot (no preview)."""
+    """(P, L): prompt and generated tokens of one AR sample (section 4). i2i: the prompt also holds
+    the source's VQ tokens between image start and end, and L is the grid + end slot (no preview)."""
     if mode == "t2i":
         return prompt_tokens, generated_tokens(height, width)
     return prompt_tokens + 2 + source_tokens(height, width, image_processor), (height // 32) * (width // 32) + 1
-# What the update holds, tensor by tensor. These formulas were checked against the live bytes the
-# CPU allocator reports for one update of a 2-layer AR of the real width (test_memory_plan_matches_
-# a_measured_update_at_the_real_width); the per-layer count was read off autograd's saved tensors.
 
-ADAPTER_BYTES = 4        # LoRA adapters train in fp32 (prepare_policy): weights, grads, AdamW moments
 
+def head_dim(text_config):
+    return getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+
+
+# What one AR update holds, in bytes: d the model dtype's size, a = ADAPTER_BYTES, h hidden, kv the
+# key/value width, i intermediate, r the LoRA rank, V the vision vocabulary, n samples x L generated
+# logit rows. SDPA (flash, on CUDA and CPU) keeps no T^2 matrix, only a log-sum-exp per head.
+#   per token, each layer    d (2h + 2kv + 3i)    q, k, v after RoPE, SDPA's output; gate_up's output, SiLU's
+#                            + 4 heads + 4(4h + 4)  the LSE; the 4 RMSNorms' fp32 inputs and 1 / rms
+#     + full fine-tuning     d (7h + i)           the norms' normalised values; inputs of q/k/v, o, gate_up, down
+#     + LoRA                 a (5h + i) + 6 a r   the adapters' inputs cast to fp32 (q, k, v each cast theirs; an
+#                                                 fp32 model keeps the shared ones, 3h + i), the A outputs
+#     checkpointing          d h                  the layer's input; one layer is recomputed in full in backward
+#   per token, outside       4h + 2 d rot         the final norm's fp32 input, M-RoPE's cos and sin (all layers)
+#     + full fine-tuning     2 d h                the final norm's normalised value, lm_head's input
+#   per logit row            d V                  the logits (held by ar_loss_terms till the next micro-batch)
+#     forward                8 V                  token_logprobs' fp32 copy and its division by T
+#     forward, 1st pass      24 V                 its log_softmax (4 V) + the entropy monitor (logits / T,
+#                                                 log_softmax, exp, nan_to_num, product: 20 V)
+#     backward               12 V                 the fp32 gradient chain of gather and log_softmax
+#   frozen lm_head (LoRA)    n V h d              matmul broadcasts the weight over the logits_to_keep slice
+#                                                 and the CPU's bmm copies it (CUDA may not: the plan is high)
+#   step                     grads + one exp_avg_sq copy of all parameters (foreach AdamW, the CUDA
+#                            default), or 2 x the largest tensor (per tensor, CPU)
 
 def layer_activation_bytes(text_config, lora_rank=0, bytes_per=2):
-    """Bytes autograd keeps per token for one decoder layer's backward (SDPA's flash kernel, on CUDA
-    and on CPU alike, keeps no T^2 matrix, only a log-sum-exp per head):
-      attention: q, k, v after RoPE, SDPA's output                      h + 2 kv + h   (model dtype)
-      MLP: gate_up's output (kept by SiLU and the product), SiLU's       2 i + i
-      each of the 4 RMSNorms: its input and 1 / rms in fp32              4 x (4 h + 4) bytes
-    full fine-tuning adds what only a trained weight needs:
-      each RMSNorm's normalised value; the inputs of q/k/v (shared), o, gate_up, down    4 h + 3 h + i
-    LoRA instead (frozen base Linears and norms keep nothing): each adapter's input cast to fp32,
-      one copy per adapted Linear (q, k and v cast the same input three times; an fp32 model keeps
-      the shared inputs uncast, 3 h + i), and its r-wide A output."""
+    """Bytes one decoder layer keeps per token for its backward (the table above)."""
     h, i, heads = text_config.hidden_size, text_config.intermediate_size, text_config.num_attention_heads
-    kv = text_config.num_key_value_heads * (getattr(text_config, "head_dim", None) or h // heads)
-    d = bytes_per
-    common = d * (2 * h + 2 * kv + 3 * i) + 4 * heads + 4 * (4 * h + 4)      # + each norm's fp32 1/rms
+    kv = text_config.num_key_value_heads * head_dim(text_config)
+    d, a = bytes_per, ADAPTER_BYTES
+    kept = d * (2 * h + 2 * kv + 3 * i) + 4 * heads + 4 * (4 * h + 4)
     if not lora_rank:
-        return common + d * (4 * h + 3 * h + i)
-    a = ADAPTER_BYTES
-    cast_inputs = 5 * h + i if d != a else 3 * h + i
-    return common + a * cast_inputs + len(LORA_TARGETS) * a * lora_rank
+        return kept + d * (7 * h + i)
+    return kept + a * (5 * h + i if d != a else 3 * h + i) + len(LORA_TARGETS) * a * lora_rank
 
 
 def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, checkpointing, trainable,
                     largest_trainable, head_trainable=0, bytes_per=2, foreach=True):
-    """One micro-batch's forward/backward and the AdamW step, in bytes on top of the weights and
-    AdamW's moments (which stay allocated between steps). Gradients start at None each update.
-    `trainable`: trainable parameters; `largest_trainable`: the largest trainable tensor's numel;
-    `head_trainable`: parameters whose gradients exist from the start of backward (final norm and
-    lm_head; 0 under LoRA). Returns grads, adam (the moments), optimizer_temp, activations (the
-    largest working set besides gradients), the peak of each phase below and their max ("peak").
-      forward, model: the kept activations and the logits [n, L, V] (model dtype, d V), then
-        token_logprobs' fp32 copy and its division by T                                  8 V
-      forward, logits: token_logprobs keeps its fp32 log_softmax (4 V); the first pass's entropy
-        monitor holds logits / T, log_softmax, exp, nan_to_num and their product at once  20 V
-      forward, lm_head under LoRA: logits_to_keep slices the hidden states; with a frozen weight
-        matmul does not fold the non-contiguous [n, L, h] slice into one matrix (torch folds only
-        when the weight needs a gradient) but broadcasts the weight to [n, h, V] for bmm, and the
-        CPU's bmm copies it (n V h; its backward copies it again). CUDA's batched GEMM may read the
-        expanded weight in place; then the plan is high by this term (1 GiB at n = 8).
-      backward: the fp32 gradient chain of the logits (gather, log_softmax)           (d + 12) V;
-        lm_head's backward (the logits' gradient, the weight copy, the head's gradients);
-        with checkpointing, the layer inputs + one layer recomputed in full; at its end all
-        gradients (they grow layer by layer as the activations are freed)
-      step: all gradients + AdamW's temporaries (the last logits are freed with ar_loss_terms'
-        generator before it): with foreach (the
-        default on CUDA) one copy of exp_avg_sq for all parameters (its sqrt); per tensor (CPU),
-        sqrt and its quotient of the largest tensor."""
+    """One micro-batch's forward/backward and AdamW step on top of the weights and moments (the table
+    above): each phase's peak and their max, "peak". `head_trainable`: parameters whose gradients
+    exist from the start of backward (final norm and lm_head; 0 under LoRA)."""
     d, h, V = bytes_per, text_config.hidden_size, text_config.vision_vocab_size
     tokens = samples * (prompt_tokens + generated - 1)       # teacher-forced input: prompt + generated[:-1]
-    logit_rows = samples * generated
+    rows = samples * generated
     layer = layer_activation_bytes(text_config, lora_rank, d) * tokens
     layers = text_config.num_hidden_layers
     kept = layers * d * h * tokens if checkpointing else layers * layer
-    # final norm's fp32 input (+ with a trained head its normalised value and lm_head's input);
-    # M-RoPE's cos and sin [n, T, rotary dim], shared by all layers
-    rotary = int((getattr(text_config, "head_dim", None) or h // text_config.num_attention_heads)
-                 * text_config.rope_parameters.get("partial_rotary_factor", 1.0))
+    rotary = int(head_dim(text_config) * text_config.rope_parameters.get("partial_rotary_factor", 1.0))
     outside = tokens * (4 * h + (0 if lora_rank else 2 * d * h) + 2 * rotary * d)
-    grad_bytes = ADAPTER_BYTES if lora_rank else d      # gradients and moments in the parameters' dtype
-    grads = grad_bytes * trainable
-    head_grads = head_trainable * grad_bytes
-    logits = logit_rows * d * V                               # held by ar_loss_terms until the next micro-batch
-    head_copy = 0 if head_trainable else samples * V * h * d  # a frozen lm_head's weight, once per sample
+    state = ADAPTER_BYTES if lora_rank else d                 # gradients and moments: the parameters' dtype
+    grads = state * trainable
+    logits = rows * d * V
+    head_copy = 0 if head_trainable else samples * V * h * d
     held = kept + outside + logits
-    forward_model = held + max(head_copy, logit_rows * 8 * V)
-    forward_logits = held + logit_rows * 24 * V
-    backward_activations = max(held + logit_rows * 12 * V, held + logits + head_copy,
+    forward_model = held + max(head_copy, rows * 8 * V)
+    forward_logits = held + rows * 24 * V
+    backward_activations = max(held + rows * 12 * V, held + logits + head_copy,
                                kept + logits + layer if checkpointing else 0)
-    backward = max(backward_activations + head_grads, grads + logits)
-    optimizer_temp = grad_bytes * (trainable if foreach else 2 * largest_trainable)
+    backward = max(backward_activations + head_trainable * state, grads + logits)
+    optimizer_temp = state * (trainable if foreach else 2 * largest_trainable)
     step = grads + optimizer_temp
-    return {"grads": grads, "adam": 2 * grad_bytes * trainable, "optimizer_temp": optimizer_temp,
+    return {"grads": grads, "adam": 2 * state * trainable, "optimizer_temp": optimizer_temp,
             "activations": max(forward_model, forward_logits, backward_activations),
             "forward_model": forward_model, "forward_logits": forward_logits, "backward": backward, "step": step,
             "peak": max(forward_model, forward_logits, backward, step)}
 
 
 def ar_weight_bytes(total_params, trainable, lora_rank, bytes_per=2):
-    """The AR's weights in the model dtype, plus fp32 LoRA adapters (which are not in a bare model's count)."""
+    """The AR's weights in the model dtype, plus the fp32 LoRA adapters (not in a bare model's count)."""
     return bytes_per * total_params + (ADAPTER_BYTES * trainable if lora_rank else 0)
 
 
 def trainable_tensors(ar, lora_rank):
-    """Numels of the tensors prepare_policy trains: every language-model weight and lm_head (the
-    vision encoder and VQ stay frozen), or LoRA's A [r, in] and B [out, r] of each adapted Linear."""
+    """Numels of the tensors prepare_policy trains: the language model and lm_head (the vision
+    encoder and VQ stay frozen), or LoRA's A [r, in] and B [out, r] of each adapted Linear."""
     if not lora_rank:
         return [p.numel() for m in (ar.model.language_model, ar.lm_head) for p in m.parameters()]
     return [n for name, m in ar.model.language_model.named_modules()
@@ -3056,19 +2949,11 @@ def trainable_tensors(ar, lora_rank):
             for n in (lora_rank * m.in_features, m.out_features * lora_rank)]
 
 
-def lora_parameter_count(ar, rank):
-    """r * (in + out) per adapted Linear of the language model: A is [r, in], B is [out, r]."""
-    return sum(trainable_tensors(ar, rank))
-
-
 def memory_plan(components, height, width, samples, prompt_tokens=64, ranks=(64, 16), mode="t2i",
                 image_processor=None, bytes_per=2, foreach=True, beta=0.0):
-    """Bytes per component and per training mode. Weights in the model dtype (bf16 on CUDA: 2 B);
-    LoRA adapters, their gradients and AdamW moments fp32; under full fine-tuning gradients and
-    moments take the weights' dtype (torch's AdamW allocates its state like the parameter: bf16
-    weights get bf16 moments). Returns (rows, parameter counts, tokens per sample)."""
+    """The AR's rows per training mode, without and with checkpointing; (rows, parameter counts,
+    tokens per sample)."""
     ar = components["ar"]
-    tc = ar.config.text_config
     counts = {name: numel(module) for name, module in components.items()}
     frozen = {k: bytes_per * v for k, v in counts.items() if k != "ar"}
     prompt_len, generated = ar_sequence(mode, height, width, prompt_tokens, image_processor)
@@ -3079,15 +2964,15 @@ def memory_plan(components, height, width, samples, prompt_tokens=64, ranks=(64,
         trainable = sum(tensors)
         # the KL reference of full fine-tuning is a frozen copy of the AR (LoRA: adapters off)
         weights = ar_weight_bytes(counts["ar"], trainable, rank, bytes_per)
-        reference = bytes_per * counts["ar"] if beta > 0 and not rank else 0
+        weights += bytes_per * counts["ar"] if beta > 0 and not rank else 0
         for checkpointing in (False, True):
-            u = ar_update_bytes(tc, samples, prompt_len, generated, rank, checkpointing, trainable, max(tensors),
-                                0 if rank else head, bytes_per, foreach)
-            resident = weights + reference + u["adam"]
-            # between updates the gradients stay allocated (zero_grad comes at the next update)
-            # while the frozen parts run: offloaded, one at a time; else all of them, always
+            u = ar_update_bytes(ar.config.text_config, samples, prompt_len, generated, rank, checkpointing,
+                                trainable, max(tensors), 0 if rank else head, bytes_per, foreach)
+            resident = weights + u["adam"]
+            # between updates the gradients stay (zero_grad comes at the next update) while the frozen
+            # parts run: offloaded, one at a time; else all of them, always
             rows.append({"mode": f"lora-{rank}" if rank else "full", "grad_ckpt": checkpointing,
-                         "micro_batch": samples, "trainable_params": trainable, "ar_weights": weights + reference,
+                         "micro_batch": samples, "trainable_params": trainable, "ar_weights": weights,
                          "grads": u["grads"], "adam": u["adam"], "activations": u["activations"],
                          "update_peak": resident + u["peak"],
                          "peak_offload": resident + max(u["peak"], u["grads"] + max(frozen.values())),
@@ -3101,11 +2986,9 @@ def dit_lora_parameter_count(dit, rank):
 
 
 def dit_activation_bytes(dit, height, width, samples, cfg, checkpointing, text_tokens=64):
-    """What one denoising step's forward over `samples` keeps for its backward (bf16). The DiT's loss
-    is backpropagated one step at a time (Part II), so this is all, whatever --dit-train-steps is
-    (x2 with CFG: the guided velocity keeps both passes). Per block and token ~ 30 * hidden values
-    (attention as the AR's, a 4x GELU MLP); with checkpointing each block keeps its input and one
-    block is recomputed in full. (Not measured, unlike the AR's.)"""
+    """What one denoising step (Part II backpropagates one at a time) keeps for backward, bf16, x2 with
+    CFG: per block and token ~30 x hidden values (attention as the AR's, a 4x GELU MLP), not measured;
+    with checkpointing, each block's input and one block recomputed."""
     hidden = dit.config.num_attention_heads * dit.config.attention_head_dim
     block_inputs = ((height // 16) * (width // 16) + text_tokens) * samples * (2 if cfg else 1) * hidden * 2
     layers = dit.config.num_layers
@@ -3113,92 +2996,67 @@ def dit_activation_bytes(dit, height, width, samples, cfg, checkpointing, text_t
 
 
 def dit_memory_plan(components, height, width, samples, cfg, ar_row, text_tokens=64, ranks=(64,)):
-    """--policy dit|both rows, same conventions as memory_plan; activations from dit_activation_bytes
-    over the batch. The stored trajectories (samples x (K+1) latents) are megabytes. 'both' adds the
-    AR's trainable state (`ar_row`); the AR's activations are freed before the DiT's backward starts."""
+    """--policy dit|both rows, as memory_plan's. Gradients accumulate over the trained steps beside one
+    step's activations. 'dit': the frozen AR stays on the GPU; 'both' adds the trained AR (`ar_row`),
+    whose activations are freed before the DiT's backward starts."""
     dit = components["dit"]
     counts = {name: numel(module) for name, module in components.items()}
-    frozen = max(2 * v for k, v in counts.items() if k not in ("dit", "ar"))
+    frozen = max(2 * v for k, v in counts.items() if k not in ("dit", "ar"))     # offloaded, one at a time
     rows = []
     for mode, trainable in [("full", counts["dit"])] + [(f"lora-{r}", dit_lora_parameter_count(dit, r)) for r in ranks]:
         lora = mode != "full"
         weights = 2 * counts["dit"] + (4 * trainable if lora else 0)
-        # AdamW's moments take the parameters' dtype (bf16 DiT weights: bf16 moments); its foreach
-        # step (CUDA) holds one more moment-sized copy. Gradients accumulate over the trained
-        # steps, so they sit beside one step's activations.
-        grad_bytes = ADAPTER_BYTES if lora else 2
-        grads, adam = grad_bytes * trainable, 2 * grad_bytes * trainable
+        state = ADAPTER_BYTES if lora else 2
+        grads, adam = state * trainable, 2 * state * trainable
         for checkpointing in (False, True):
             act = dit_activation_bytes(dit, height, width, samples, cfg, checkpointing, text_tokens)
-            dit_peak = weights + grads + adam + max(act, grad_bytes * trainable)
+            dit_peak = weights + grads + adam + max(act, state * trainable) + frozen
             rows.append({"mode": mode, "grad_ckpt": checkpointing, "trainable_params": trainable, "dit_weights": weights,
-                         "grads": grads, "adam": adam, "activations": act,
-                         # the frozen AR (bf16) sits beside it, the other frozen parts are offloaded
-                         "peak_dit": dit_peak + 2 * counts["ar"] + frozen,
-                         "peak_both": dit_peak + ar_row["ar_weights"] + ar_row["grads"] + ar_row["adam"] + frozen})
+                         "grads": grads, "adam": adam, "activations": act, "peak_dit": dit_peak + 2 * counts["ar"],
+                         "peak_both": dit_peak + ar_row["ar_weights"] + ar_row["grads"] + ar_row["adam"]})
     return rows
 
 
-# --fsdp, per GPU on K GPUs (section 21's layout). Each GPU keeps 1/K of every weight of a sharded
-# model: the trained ones as fp32 master shards with fp32 gradients and two fp32 AdamW moments (16
-# bytes per trained parameter, / K), the frozen ones (the AR's vision encoder and VQ) in bf16.
-# Gathered in bf16 for compute, whole on every GPU for a while:
-#   the root unit (embeddings, heads, final norms, the AR's vision encoder and VQ), from its
-#     forward to the end of its backward: FSDP2 does not reshard a root after forward;
-#   two decoder layers, not one: forward prefetches the next layer (its all-gather runs while the
-#     current one computes, whose buffer is freed after the next one's copy-in), and backward
-#     prefetches the previous one by default (FSDPParamGroup._backward_prefetch);
-#   at the end of a layer's backward, its reduce: the layer's bf16 gradient copied into an fp32
-#     reduce-scatter input (2 + 4 bytes per parameter; the shard it yields is added to the sharded
-#     gradient). The root's reduce comes last, when every layer and activation is freed;
-#   the whole model while it samples (whole_weights), 2 bytes per parameter, beside the AR's
-#     sampling working set (ar_sampling_bytes; the DiT's no-grad denoising keeps one block's).
-# Not counted: all-gather buffers briefly doubled during a copy-out, the reference's pass before
-# the update (its gathered units and no-grad activations are below the update's), and the CUDA
-# allocator's own slack.
-
-FSDP_MASTER_BYTES = 4     # shard_for_training's trained shards, their gradients and AdamW moments: fp32
-
+# --fsdp, per GPU on K GPUs (section 21). Sharded: the trained weights as fp32 master shards, with
+# fp32 gradients and two fp32 moments (16 bytes per parameter / K); the frozen ones (the AR's vision
+# encoder and VQ) in bf16 / K. Gathered in bf16, whole on every GPU for a while:
+#   the root unit (embeddings, heads, final norms, the AR's vision encoder and VQ), from its forward
+#     to the end of its backward (FSDP2 does not reshard a root after forward);
+#   two decoder layers: forward prefetches the next, backward the previous (_backward_prefetch);
+#   at the end of a layer's backward, its reduce: the bf16 gradient and its fp32 copy (2 + 4 bytes
+#     per parameter); the root's reduce comes last, when layers and activations are freed;
+#   the whole model while it samples (whole_weights), beside its sampling working set.
+# Peaks: the resident shards + the largest phase: sampling (all gradients, as zero_grad comes at the
+# next update, + one half's whole weights, or a frozen part's turn), a half's backward beside its and
+# the earlier halves' gradients, AdamW's step (foreach: one exp_avg_sq copy, the gradients' bytes).
+# Not counted: all-gather buffers briefly doubled during a copy-out, the reference's no-grad pass
+# (below the update's), the CUDA allocator's slack.
 
 def ar_sampling_bytes(text_config, samples, micro_batch, prompt_tokens, generated, bytes_per=2):
-    """The AR's working set while it samples, besides its weights, the larger of: generate's KV cache
-    for this GPU's `samples` (keys and values of every layer and position), and pi_old's no-grad
-    teacher-forced pass over a micro-batch (sample_tokens, bf16): the logits, their fp32 copy / T
-    and its log_softmax, 2 + 4 + 4 bytes per logit."""
-    h, heads = text_config.hidden_size, text_config.num_attention_heads
-    kv = text_config.num_key_value_heads * (getattr(text_config, "head_dim", None) or h // heads)
+    """The AR's working set while it samples `samples`: the larger of generate's KV cache and pi_old's
+    no-grad pass over a micro-batch (the logits, their fp32 copy / T, its log_softmax: 2 + 4 + 4 bytes)."""
+    kv = text_config.num_key_value_heads * head_dim(text_config)
     cache = samples * (prompt_tokens + generated) * text_config.num_hidden_layers * 2 * kv * bytes_per
     return max(cache, micro_batch * generated * text_config.vision_vocab_size * (bytes_per + 8))
 
 
 def fsdp_shard_bytes(model, trainable, gpus, working, sampling=0, reference=False, bytes_per=2):
-    """Per-GPU bytes of `model` sharded by shard_for_training on `gpus` GPUs, `trainable` of its
-    parameters trained (all of its layers' and part of its root's), with `working` bytes of
-    activations per backward and `sampling` bytes of working set while it samples. Returns the
-    resident shards (weights, adam, the KL reference copy, sharded in its bf16), grads, gathered
-    (root + two layers), sampling (whole weights + working set) and backward: the peak of a
-    backward on top of the gradients."""
+    """Per-GPU bytes of `model` sharded on `gpus` GPUs (the comment above), `working` bytes of
+    activations per backward, `sampling` bytes of working set while it samples. "backward": its peak
+    on top of the gradients, in a layer (gathered + activations + its reduce) or the root's reduce."""
     layers = [numel(layer) for layer in sharded_layers(model)]
     total, m, d = numel(model), FSDP_MASTER_BYTES, bytes_per
-    root_trainable = trainable - sum(layers)
     gathered = d * (total - sum(layers) + 2 * max(layers))
-    # a backward's peak: within a layer, what is gathered + the activations + the layer's reduce;
-    # at the end, the root's reduce alone
     return {"weights": (m * trainable + d * (total - trainable)) / gpus,
             "grads": m * trainable / gpus, "adam": 2 * m * trainable / gpus,
             "reference": d * total / gpus if reference else 0,
             "gathered": gathered, "activations": working, "sampling": d * total + sampling,
-            "backward": max(gathered + working + (d + m) * max(layers), (d + m) * root_trainable)}
+            "backward": max(gathered + working + (d + m) * max(layers), (d + m) * (trainable - sum(layers)))}
 
 
 def fsdp_peaks(halves, beside=0, offloaded=0):
-    """Per-GPU peaks of the sharded halves trained together (the AR, the DiT, or the AR then the DiT,
-    as grpo_update runs them), with `beside` bytes of frozen weights always on the GPU and
-    `offloaded` bytes of the largest frozen part that takes its turn. On top of the resident shards:
-      SAMPLE and DECODE: every gradient (zero_grad comes at the next update), and one half's
-        sampling (its whole weights) at a time, or the offloaded part;
-      UPDATE: zero_grad freed them; a half's backward runs beside its own gradients and the earlier
-        halves'; the step adds foreach AdamW's temporary, one exp_avg_sq (the gradients' bytes)."""
+    """Per-GPU peaks of the halves trained together, in grpo_update's order (the comment above), with
+    `beside` bytes always on the GPU and `offloaded`, the largest frozen part, taking its turn."""
     resident = beside + sum(h["weights"] + h["adam"] + h["reference"] for h in halves)
     grads = sum(h["grads"] for h in halves)
     done, update = 0, 2 * grads
@@ -3212,14 +3070,10 @@ def fsdp_peaks(halves, beside=0, offloaded=0):
 
 def fsdp_memory_plan(components, gpus, height, width, samples, batch, cfg, prompt_tokens=64, mode="t2i",
                      image_processor=None, beta=0.0):
-    """--plan-gpus: --fsdp rows, per GPU, for each K in `gpus`, without and with gradient checkpointing.
-    The AR trains micro-batches of `samples` (its activations are memory_plan's: ar_update_bytes with
-    no whole gradients, whose peak is then the working set and the head's bf16 gradient, alive from
-    the start of backward); the DiT one denoising step over this GPU's batch // K samples, which the
-    AR samples. Peaks per policy, frozen parts offloaded (the CUDA default); under 'dit' the frozen
-    AR stays whole."""
+    """--plan-gpus: --fsdp rows per GPU for each K in `gpus`, without and with checkpointing: the AR's
+    micro-batch of `samples` (its working set as ar_update_bytes', no whole gradients), the DiT's
+    step over batch // K samples. Frozen parts offloaded; under 'dit' the frozen AR stays whole."""
     ar, dit = components["ar"], components["dit"]
-    tc = ar.config.text_config
     counts = {name: numel(module) for name, module in components.items()}
     offloaded = max(2 * v for k, v in counts.items() if k not in ("ar", "dit"))
     prompt_len, generated = ar_sequence(mode, height, width, prompt_tokens, image_processor)
@@ -3227,12 +3081,12 @@ def fsdp_memory_plan(components, gpus, height, width, samples, batch, cfg, promp
     rows = []
     for k in gpus:
         for checkpointing in (False, True):
-            working = ar_update_bytes(tc, samples, prompt_len, generated, 0, checkpointing, trainable=0,
-                                      largest_trainable=0, head_trainable=head)["peak"]
-            sampling = ar_sampling_bytes(tc, batch // k, samples, prompt_len, generated)
+            working = ar_update_bytes(ar.config.text_config, samples, prompt_len, generated, 0, checkpointing,
+                                      trainable=0, largest_trainable=0, head_trainable=head)["peak"]
+            sampling = ar_sampling_bytes(ar.config.text_config, batch // k, samples, prompt_len, generated)
             a = fsdp_shard_bytes(ar, sum(trainable_tensors(ar, 0)), k, working, sampling, beta > 0)
-            d = fsdp_shard_bytes(dit, counts["dit"], k, dit_activation_bytes(dit, height, width, batch // k, cfg,
-                                                                             checkpointing), reference=beta > 0)
+            activations = dit_activation_bytes(dit, height, width, batch // k, cfg, checkpointing)
+            d = fsdp_shard_bytes(dit, counts["dit"], k, activations, reference=beta > 0)
             rows.append({"gpus": k, "grad_ckpt": checkpointing, "ar": a, "dit": d,
                          **fsdp_peaks([a], offloaded=max(offloaded, 2 * counts["dit"])),
                          "peak_dit": fsdp_peaks([d], beside=2 * counts["ar"], offloaded=offloaded)["peak"],
@@ -3247,22 +3101,38 @@ def print_table(columns, rows):
         print("| " + " | ".join(cells) + " |")
 
 
-def print_memory_plan(args):
-    validate_plan_args(args)
-    image_processor = None
+def plan_components(args):
+    """(components, image processor) of --model: the tiny model, or a saved directory's or the real
+    model's on meta (GlmImageConfig() is the real AR; the other sizes our reading of the checkpoint)."""
+    from diffusers import AutoencoderKL, GlmImageTransformer2DModel
+    from transformers import GlmImageConfig, GlmImageForConditionalGeneration, T5Config, T5EncoderModel
+
     if args.model == TINY:
         pipe = build_tiny_pipeline(args.seed, renderer="mosaic")
-        image_processor = pipe.processor.image_processor
-        components = {name: getattr(pipe, attr) for name, attr in
-                      [("ar", "vision_language_encoder"), ("dit", "transformer"), ("glyph_t5", "text_encoder"), ("vae", "vae")]}
-    elif Path(args.model).is_dir():
-        components = saved_glm_image_on_meta(args.model)
-        image_processor = saved_image_processor(args.model)
-    else:
-        components = real_glm_image_on_meta()
-    # AR activations are held for one forward/backward: --micro-batch-size samples (default G),
-    # not the whole batch; gradients and AdamW state do not depend on it. The DiT's update runs a
-    # denoising step over the whole batch at once.
+        return ({"ar": pipe.vision_language_encoder, "dit": pipe.transformer, "glyph_t5": pipe.text_encoder,
+                 "vae": pipe.vae}, pipe.processor.image_processor)
+    if Path(args.model).is_dir():
+        return saved_glm_image_on_meta(args.model), saved_image_processor(args.model)
+    with torch.device("meta"):
+        return {
+            "ar": GlmImageForConditionalGeneration(GlmImageConfig()),
+            "dit": GlmImageTransformer2DModel(
+                patch_size=2, in_channels=16, out_channels=16, num_layers=30, attention_head_dim=128,
+                num_attention_heads=32, text_embed_dim=1472, time_embed_dim=512, condition_dim=256,
+                prior_vq_quantizer_codebook_size=16384),
+            "glyph_t5": T5EncoderModel(T5Config(vocab_size=384, d_model=1472, d_kv=64, d_ff=3584, num_layers=12,
+                                                num_heads=6, feed_forward_proj="gated-gelu")),
+            "vae": AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16,
+                                 block_out_channels=(128, 512, 1024, 1024), layers_per_block=3,
+                                 down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4),
+        }, None
+
+
+def print_memory_plan(args):
+    validate_plan_args(args)
+    components, image_processor = plan_components(args)
+    # AR activations are held for one micro-batch (--micro-batch-size samples, default G); the DiT's
+    # update runs a denoising step over the whole batch at once.
     samples, batch = args.micro_batch_size or args.group_size, args.group_size * args.prompts_per_step
     ranks = (args.lora_rank,) if args.lora_rank else (64, 16)
     rows, counts, tokens = memory_plan(components, args.height, args.width, samples, ranks=ranks, mode=args.mode,
@@ -3315,7 +3185,8 @@ def print_fsdp_plan(rows, samples, batch, size):
           f"AdamW (16 bytes per parameter / K), the bf16 root + 2 layers gathered, a micro-batch of {samples}; "
           "frozen parts offloaded")
     table("ar", "AR weights", {"update peak": "update_peak", "sampling peak": "sampling_peak", "peak": "peak"})
-    print(f"\nDiT under --fsdp, per GPU: one denoising step over {batch} / K samples; 'both' shards the AR too")
+    print(f"\nDiT under --fsdp, per GPU: one denoising step over {batch} / K samples; 'dit' keeps the frozen AR "
+          "whole on every GPU, 'both' its shards, gradients and AdamW (fewer bytes from about K = 8)")
     table("dit", "DiT weights", {"peak, dit": "peak_dit", "peak, both": "peak_both"})
 
 
@@ -3324,18 +3195,14 @@ def print_fsdp_plan(rows, samples, batch, size):
 # =============================================================================================
 
 def save_trained_pipeline(pipe, args):
-    """Writes a pipeline that GlmImagePipeline.from_pretrained(dir) loads as usual. LoRA is merged
-    into the AR's (and the DiT's) weights first, so loading needs no adapter code; the AR's
-    generation config is set to the policy that was trained, which the pipeline's own AR stage
-    then samples."""
+    """Writes a pipeline that GlmImagePipeline.from_pretrained(dir) loads as usual: LoRA merged into
+    the weights (no adapter code needed to load), the AR's generation config the trained policy."""
     ar = pipe.vision_language_encoder
     if args.lora_rank and args.policy != "dit":
         merge_lora(ar)
     if args.dit_lora_rank:
-        # diffusers' own merge for its models: fuse_lora folds W += B @ A * alpha / r, unload_lora
-        # swaps each peft wrapper back for its base Linear.
-        pipe.transformer.fuse_lora()
-        pipe.transformer.unload_lora()
+        pipe.transformer.fuse_lora()        # diffusers' merge, W += B @ A * alpha / r
+        pipe.transformer.unload_lora()      # each peft wrapper back to its base Linear
     ar.generation_config = policy_generation_config(
         ar, pipe.transformer.config.prior_vq_quantizer_codebook_size, args.temperature)
     pipe.save_pretrained(args.save_pipeline)
@@ -3343,15 +3210,9 @@ def save_trained_pipeline(pipe, args):
 
 
 def policy_generation_config(ar, codebook_size, temperature):
-    """The sampling settings training used, as a generation config for inference.
-
-    GlmImagePipeline.generate_prior_tokens calls `ar.generate(**inputs, max_new_tokens=..,
-    do_sample=True)` and takes everything else from `ar.generation_config`. The real checkpoint's
-    config samples with temperature 0.9 and top-p 0.75 and suppresses nothing: a trained AR
-    practically never writes image start/end inside a grid. A tiny or briefly trained one does,
-    and the pipeline then crashes upsampling a short grid (`shape '[1, 1, 2, 2]' is invalid`).
-    So the saved config is the policy GRPO optimised: softmax(logits / T) with no top-k/top-p and
-    the special ids suppressed, exactly as sample_group draws."""
+    """The trained policy, softmax(logits / T) with the special ids suppressed (as sample_group draws),
+    as the config the pipeline's AR stage samples with. The real one's suppresses nothing: a briefly
+    trained AR then writes image start/end ids mid-grid and the pipeline crashes."""
     from transformers import GenerationConfig
 
     return GenerationConfig(
@@ -3362,8 +3223,8 @@ def policy_generation_config(ar, codebook_size, temperature):
 
 
 def merge_lora(ar):
-    """transformers' adapter API (add_adapter & co.) has no merge; peft's LoraLayer.merge folds
-    W += B @ A * alpha / r, then each wrapper is swapped back for its plain base Linear."""
+    """peft's LoraLayer.merge (W += B @ A * alpha / r), each wrapper then swapped for its base Linear:
+    transformers' add_adapter API has no merge, and peft's merge_and_unload needs a PeftModel."""
     from peft.tuners.lora import LoraLayer
 
     wrappers = [(name, module) for name, module in ar.named_modules() if isinstance(module, LoraLayer)]
@@ -3379,16 +3240,11 @@ def merge_lora(ar):
 @torch.no_grad()
 def generate_images(pipe, prompts, sources=None, height=64, width=64, num_inference_steps=4, guidance_scale=1.0,
                     temperature=None, seed=0):
-    """Text-to-image, or edits when `sources` (one PIL image per prompt) are given, with a pipeline
-    trained here (GlmImagePipeline.from_pretrained(--save-pipeline dir), or main()'s return value).
-    Returns one PIL image per prompt.
-
-    It runs the training's own code: sample_group (the AR samples the target grid, for an edit
-    reading the source's VQ tokens) and decode_images (the pipeline's DiT + VAE stages). The
-    library's `pipe(prompt, image=[source])` fails in generate_prior_tokens (diffusers 0.42.1 with
-    transformers 5, see encode_sources); its text-to-image call works. Sources are made upright and
-    resized to width x height, as in training. temperature: default the saved generation config's
-    (the --temperature trained with). Seeds the global torch RNG (generate takes no generator)."""
+    """Text-to-image, or edits of `sources` (one PIL image per prompt), with a pipeline trained here
+    (from_pretrained(--save-pipeline dir), or main()'s return value): one PIL image per prompt. It
+    runs the training's sample_group and decode_images; the library's `pipe(prompt, image=[source])`
+    fails (diffusers 0.42.1 with transformers 5, see encode_sources). temperature: default the saved
+    generation config's. Seeds the global torch RNG (generate takes no generator)."""
     if height % 32 or width % 32:
         raise ValueError(f"height and width must be multiples of 32, got {height}x{width}")
     if sources is not None and len(sources) != len(prompts):
@@ -3396,7 +3252,7 @@ def generate_images(pipe, prompts, sources=None, height=64, width=64, num_infere
     ar = pipe.vision_language_encoder
     temperature = temperature or getattr(ar.generation_config, "temperature", None) or 1.0
     pipe.processor.tokenizer.padding_side = "left"        # as load_pipeline sets it for training
-    if sources is not None:
+    if sources is not None:                               # upright, at the trained size
         sources = [to_rgb(ImageOps.exif_transpose(s)).resize((width, height), Image.BICUBIC) for s in sources]
     noise = group_noise(pipe, range(len(prompts)), 1, height, width, seed, 0, "per-prompt")
     images = []
