@@ -784,11 +784,9 @@ def dit_velocity(dit, latents, t, cond, caches):
     pad shorter glyph embeddings with zeros the DiT attends to (no mask helps, diffusers issue 13587)."""
     n = latents.shape[0] // len(cond.prompt_embeds)
     timestep = t.expand(n) - 1
-    i2i, dtype = cond.source_latents is not None, unwrap(dit).dtype
+    dtype = unwrap(dit).dtype
 
-    def branch(rows, embeds, drop, cache, mode):
-        if i2i:
-            cache.set_mode(mode)     # read the source's keys/values; the unconditional branch skips them
+    def branch(rows, embeds, drop, cache):
         prior = cond.prior[rows]
         return dit(hidden_states=latents[rows].to(dtype), encoder_hidden_states=embeds, prior_token_id=prior,
                    prior_token_drop=torch.full_like(prior, drop, dtype=torch.bool), timestep=timestep,
@@ -798,9 +796,9 @@ def dit_velocity(dit, latents, t, cond, caches):
     velocities = []
     for p, cache in enumerate(caches):
         rows = slice(p * n, (p + 1) * n)
-        v = branch(rows, cond.prompt_embeds[p], False, cache, "read")
-        if cond.guidance_scale > 1:
-            v_uncond = branch(rows, cond.negative_embeds[p], True, cache, "skip")
+        v = branch(rows, cond.prompt_embeds[p], False, cache)
+        if cond.guidance_scale > 1:     # the unconditional branch skips the source too (the pipeline's "skip")
+            v_uncond = branch(rows, cond.negative_embeds[p], True, None)
             v = v_uncond + cond.guidance_scale * (v - v_uncond)
         velocities.append(v + cache.anchor if hasattr(cache, "anchor") else v)   # --fsdp: write_source_caches
     return torch.cat(velocities)
@@ -1251,24 +1249,32 @@ def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_sc
 
 
 def write_source_caches(dit, cond):
-    """One GlmImageKVCache per prompt. i2i: a DiT pass over the source latent at timestep 0 writes the keys/
-    values its G samples' passes read (as the pipeline does), part of the training graph. t2i: empty."""
+    """Per prompt, the keys/values its G samples' DiT passes read: i2i, a pass over the source latent at
+    timestep 0 writes them (as the pipeline does), part of the training graph; t2i, none (None). The
+    library keeps a cache's mode (write/read/skip) on the cache, and gradient checkpointing recomputes a
+    block in backward, after later calls: so each call gets a cache whose mode never changes, the read
+    cache holding copies of the written lists (a recomputed write appends to its own)."""
     from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
 
     module = unwrap(dit)
-    caches = [GlmImageKVCache(num_layers=module.config.num_layers) for _ in cond.prompt_embeds]
     if cond.source_latents is None:
-        return caches
-    for cache, latent, ids, embeds in zip(caches, cond.source_latents, cond.source_prior, cond.prompt_embeds):
-        cache.set_mode("write")
+        return [None] * len(cond.prompt_embeds)
+    caches = []
+    for latent, ids, embeds in zip(cond.source_latents, cond.source_prior, cond.prompt_embeds):
+        written, read = (GlmImageKVCache(num_layers=module.config.num_layers) for _ in range(2))
+        written.set_mode("write")
         out = dit(hidden_states=latent.to(module.dtype), encoder_hidden_states=embeds[:1, :0],
                   prior_token_id=ids, prior_token_drop=torch.zeros_like(ids, dtype=torch.bool),
                   timestep=torch.zeros(1, device=latent.device), target_size=cond.target_size[:1],
-                  crop_coords=cond.crop_coords[:1], kv_caches=cache, return_dict=False)[0]
+                  crop_coords=cond.crop_coords[:1], kv_caches=written, return_dict=False)[0]
+        read.set_mode("read")
+        for mine, theirs in zip(read.caches, written.caches):
+            mine.k_caches, mine.v_caches = list(theirs.k_caches), list(theirs.v_caches)
         if torch.is_grad_enabled() and is_sharded(module):
             # --fsdp gathers a layer's weights for backward when the gradient reaches its *output*, not
             # the cached keys/values: 0 x this output, added to the velocity, routes it there too.
-            cache.anchor = at_least_fp32(out).sum() * 0
+            read.anchor = at_least_fp32(out).sum() * 0
+        caches.append(read)
     return caches
 
 
