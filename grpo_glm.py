@@ -1462,19 +1462,17 @@ def validate_args(args):
         (args.prompts_per_step % world, f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
          f"number of processes ({world}): each rank trains whole groups"),
         (args.ar_trainable == "head" and (args.lora_rank or args.fsdp), "--ar-trainable head trains the AR's "
-         "output layer alone: it takes neither --lora-rank (adapters in the body) nor --fsdp (a layer this small "
-         "is not worth sharding)"),
+         "output layer alone: it takes neither --lora-rank nor --fsdp (a layer this small is not worth sharding)"),
         (args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline), "--fsdp shards full "
          "fine-tuning; LoRA adapters are small enough to replicate (drop --fsdp), and --save-pipeline needs whole "
          "weights (resume the last checkpoint in one process)"),
-        (args.plan_gpus and not args.plan, "--plan-gpus sets the GPU counts of --plan's FSDP rows: add --plan, or "
-         "drop it"),
+        (args.plan_gpus and not args.plan, "--plan-gpus sets the GPU counts of --plan's rows: add --plan"),
         ((args.dit_train_steps or 0) > args.num_inference_steps, f"--dit-train-steps must be between 1 and "
          f"--num-inference-steps ({args.num_inference_steps}), got {args.dit_train_steps}"),
         (args.policy == "ar" and (args.dit_lora_rank or args.dit_train_steps is not None), "--dit-lora-rank and "
          "--dit-train-steps need --policy dit or both"),
-        (args.policy == "dit" and args.lora_rank, "--lora-rank adapts the AR, which --policy dit does not train "
-         "(use --dit-lora-rank)"),
+        (args.policy == "dit" and args.lora_rank, "--lora-rank adapts the AR, which --policy dit does not "
+         "train (use --dit-lora-rank)"),
         (args.report_to != "none" and importlib.util.find_spec(args.report_to) is None,    # package = flag value
          f"--report-to {args.report_to} needs the '{args.report_to}' package: pip install {args.report_to}"),
         (Path(args.out).exists() and not Path(args.out).is_dir(), f"--out {args.out} exists and is not a directory"),
@@ -1496,8 +1494,7 @@ def validate_args(args):
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for but no CUDA device is available")
     if args.offload and not (args.device != "cpu" and torch.cuda.is_available()):
-        raise UsageError("--offload moves the frozen DiT, VAE and text encoder to a CUDA device when used; "
-                         "there is none here")
+        raise UsageError("--offload moves the frozen DiT, VAE and text encoder to a CUDA device: there is none")
 
 
 def validate_plan_args(args):
@@ -1743,9 +1740,8 @@ def require_targets(items, reward_names=()):
 
 
 def read_image(path, where, kind, size=None):
-    """Upright, as viewers show a phone photo (EXIF orientation). With size = (height, width), when a step
-    asks: the image in RGB at that size. Without, at start-up: its upright (width, height), the file
-    checked (verify(): PNG's chunk CRCs) but not decoded."""
+    """Upright (EXIF orientation, as viewers show it): RGB at size = (height, width) when a step asks; at
+    start-up (no size) only its (width, height), the file checked but not decoded."""
     try:
         with Image.open(path) as image:
             if size:
@@ -1790,8 +1786,8 @@ def draw_shape(shape, colour, background, height, width):
 
 
 def demo_scene(prompt, where, mode, role="target", why=""):
-    """draw_shape's (shape, colour, background) for a demo image, or a UsageError. t2i: '<colour> <shape>
-    on a <colour> background'; i2i: '<colour> <shape> ... <new colour>', the source in the old colour."""
+    """draw_shape's (shape, colour, background) from '<colour> <shape> on a <colour> background' (t2i) or
+    'make the <colour> <shape> <new colour>' (i2i; the source in the old colour), or a UsageError."""
     words = re.findall(r"[a-z]+", prompt.lower())
     if mode == "t2i":
         colours, shape = [w for w in words if w in COLOURS], next((w for w in words if w in SHAPES), None)
@@ -1951,7 +1947,7 @@ def non_finite_stop(causes, step, out):
     what = "; ".join(f"non-finite {c} ({advice.get(c, 'fix the reward: it returned NaN or inf')})"
                      for c in dict.fromkeys(causes))
     found = saved_checkpoints(out)
-    saved = f"the last checkpoint is {found[-1]}" if found else "no checkpoint was written yet (none reached --save-every)"
+    saved = f"the last checkpoint is {found[-1]}" if found else "no checkpoint was written yet"
     return f"stopping: steps {step - len(causes) + 1}-{step} updated nothing: {what}; {saved}"
 
 
@@ -1982,9 +1978,8 @@ def save_samples(out, step, prompts, targets, images, rewards, sources, ode, arg
 
 def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, scale=None,
                      columns=8):
-    """Per prompt (sorted, to stay in place from sheet to sheet) a heading and `columns` cells a row: (i2i:
-    the source,) the target, (dit|both) the a = 0 decode `ode` [P, 3, H, W], the G samples and rewards.
-    Collapse and reward hacking show here long before they show in the numbers. Returns the sheet (PIL)."""
+    """Per prompt (sorted: in place from sheet to sheet) `columns` cells a row: (i2i: the source,) the target,
+    (dit|both) the a = 0 decode `ode` [P, 3, H, W], the G samples with their rewards. Returns the sheet."""
     scale = scale or max(1, 128 // images.shape[-1])          # cells at least 128 px wide, to be seen
     width, height = images.shape[-1] * scale, images.shape[-2] * scale
     line, gap = 18, 6                                          # a line of text, white between cells
@@ -2041,8 +2036,8 @@ def round_ticks(low, high, count=5, least=0):
 
 
 def save_reward_curve(path, rows, size=(640, 360), margin=56, window=1):
-    """reward_curve.png with Pillow: mean reward per step +- the within-group std (band), and its moving
-    average over `window` steps (a pass over the prompts: the raw curve zig-zags between prompts)."""
+    """Mean reward per step +- the within-group std, and its moving average over `window` steps (a pass
+    over the prompts: the raw curve zig-zags between prompts)."""
     rows = [r for r in rows if r["reward_mean"] is not None and r["reward_std"] is not None]   # null: non-finite
     if not rows:
         return
@@ -2065,14 +2060,11 @@ def save_reward_curve(path, rows, size=(640, 360), margin=56, window=1):
         draw.line([to_xy(s, m) for s, m in zip(steps, average)], fill=(20, 40, 140), width=3)
         title += f"; thick: moving average over {window} steps"
     draw.rectangle((margin, margin, w - margin, h - margin), outline="black")
-    for value in round_ticks(y0, y1):
-        x, y = to_xy(x0, value)
-        draw.line((x - 4, y, x, y), fill="black")
-        draw.text((x - 6, y), f"{value:g}", fill="black", font=label_font(), anchor="rm")
-    for step in round_ticks(x0, x1, least=1):
-        x, y = to_xy(step, y0)
-        draw.line((x, y, x, y + 4), fill="black")
-        draw.text((x, y + 6), f"{step:g}", fill="black", font=label_font(), anchor="mt")
+    ticks = [(to_xy(x0, value), (-4, 0), "rm", value) for value in round_ticks(y0, y1)]       # left axis
+    ticks += [(to_xy(step, y0), (0, 4), "mt", step) for step in round_ticks(x0, x1, least=1)]  # bottom axis
+    for (x, y), (dx, dy), anchor, value in ticks:
+        draw.line((x + dx, y + dy, x, y), fill="black")
+        draw.text((x + 1.5 * dx, y + 1.5 * dy), f"{value:g}", fill="black", font=label_font(), anchor=anchor)
     labels = {(margin, 8): (title, "la"), (margin, margin - 6): ("reward", "mb"), (w // 2, h - 8): ("step", "mb")}
     for xy, (text, anchor) in labels.items():
         draw.text(xy, text, fill="black", font=label_font(), anchor=anchor)
@@ -2107,10 +2099,8 @@ class AbandonStep(BaseException):
 
 
 class StopAfterStep:
-    """The one handler of Ctrl+C and SIGTERM (what Slurm, Kubernetes and torchrun send before SIGKILL): exit
-    128 + signal at a resumable state. Before the UPDATE, drop the step and save the last; after, finish
-    and save it. A second Ctrl+C quits at once, a second SIGTERM changes nothing. Under torchrun the ranks
-    decide together (agree)."""
+    """Ctrl+C, SIGTERM (Slurm's, torchrun's): exit 128 + signal after saving; a step whose update has not
+    begun is dropped. A second Ctrl+C quits at once, a second SIGTERM changes nothing. Ranks agree()."""
 
     def __init__(self):
         self.signum = None          # the first stop signal received
