@@ -1682,9 +1682,7 @@ class PromptItem:
 
 
 def read_prompts(path, height, width, mode="t2i", need_targets=True):
-    """Lines `prompt`, `prompt | target.png`, i2i `prompt | target.png | source.png` (paths relative to
-    the file); blank and '#' lines are skipped, `\\|` is a '|' in the prompt, tabs become spaces.
-    need_targets: False, or True / the names of the rewards that read targets (require_targets)."""
+    """Lines `prompt[ | target.png[ | source.png (i2i)]]`, paths relative to the file; `\\|` is a '|'."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"--prompts {path}: " + ("is a directory, not a file" if path.is_dir() else "file not found"))
@@ -1725,7 +1723,7 @@ def read_prompts(path, height, width, mode="t2i", need_targets=True):
         raise UsageError(f"--prompts {path}: no prompts (only blank or comment lines)")
     if resized:
         print(f"note: images resized to {width}x{height} (--width x --height)")
-    if need_targets:
+    if need_targets:      # True, or the names of the rewards that read targets
         require_targets(items, [] if need_targets is True else need_targets)
     return items
 
@@ -1740,8 +1738,7 @@ def require_targets(items, reward_names=()):
 
 
 def read_image(path, where, kind, size=None):
-    """Upright (EXIF orientation, as viewers show it): RGB at size = (height, width) when a step asks; at
-    start-up (no size) only its (width, height), the file checked but not decoded."""
+    """Upright (EXIF orientation): RGB at size = (height, width); no size (start-up): (width, height), undecoded."""
     try:
         with Image.open(path) as image:
             if size:
@@ -1786,8 +1783,7 @@ def draw_shape(shape, colour, background, height, width):
 
 
 def demo_scene(prompt, where, mode, role="target", why=""):
-    """draw_shape's (shape, colour, background) from '<colour> <shape> on a <colour> background' (t2i) or
-    'make the <colour> <shape> <new colour>' (i2i; the source in the old colour), or a UsageError."""
+    """draw_shape's (shape, colour, background) for 'red circle on white background', 'make the red circle blue'."""
     words = re.findall(r"[a-z]+", prompt.lower())
     if mode == "t2i":
         colours, shape = [w for w in words if w in COLOURS], next((w for w in words if w in SHAPES), None)
@@ -1978,8 +1974,7 @@ def save_samples(out, step, prompts, targets, images, rewards, sources, ode, arg
 
 def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, scale=None,
                      columns=8):
-    """Per prompt (sorted: in place from sheet to sheet) `columns` cells a row: (i2i: the source,) the target,
-    (dit|both) the a = 0 decode `ode` [P, 3, H, W], the G samples with their rewards. Returns the sheet."""
+    """Per prompt (sorted: it stays in place) `columns` cells a row: [source,] target, [a=0 decode,] G samples."""
     scale = scale or max(1, 128 // images.shape[-1])          # cells at least 128 px wide, to be seen
     width, height = images.shape[-1] * scale, images.shape[-2] * scale
     line, gap = 18, 6                                          # a line of text, white between cells
@@ -2036,8 +2031,7 @@ def round_ticks(low, high, count=5, least=0):
 
 
 def save_reward_curve(path, rows, size=(640, 360), margin=56, window=1):
-    """Mean reward per step +- the within-group std, and its moving average over `window` steps (a pass
-    over the prompts: the raw curve zig-zags between prompts)."""
+    """Mean reward per step +- the within-group std, and its moving average over `window` steps (a prompt pass)."""
     rows = [r for r in rows if r["reward_mean"] is not None and r["reward_std"] is not None]   # null: non-finite
     if not rows:
         return
@@ -2080,13 +2074,12 @@ def open_tracker(args, out, start):
 
     if args.report_to == "wandb":      # WANDB_MODE=offline: under <out>/wandb, for a later `wandb sync`
         tracker = WandBTracker("grpo_glm", name=out.name, dir=str(out), config=vars(args))
-        tracker.start()
-        return tracker
-    # purge_step: on resume, TensorBoard drops the events a killed run wrote after its checkpoint
-    tracker = TensorBoardTracker("logs", out, purge_step=start + 1 if start else None)
+    else:      # purge_step: on resume, TensorBoard drops the events a killed run wrote after its checkpoint
+        tracker = TensorBoardTracker("logs", out, purge_step=start + 1 if start else None)
     tracker.start()
-    flags = "\n".join(f"| --{k.replace('_', '-')} | {v} |" for k, v in sorted(vars(args).items()))
-    tracker.writer.add_text("flags", "| flag | value |\n|---|---|\n" + flags, global_step=start)
+    if args.report_to == "tensorboard":
+        flags = "\n".join(f"| --{k.replace('_', '-')} | {v} |" for k, v in sorted(vars(args).items()))
+        tracker.writer.add_text("flags", "| flag | value |\n|---|---|\n" + flags, global_step=start)
     return tracker
 
 
@@ -2099,8 +2092,7 @@ class AbandonStep(BaseException):
 
 
 class StopAfterStep:
-    """Ctrl+C, SIGTERM (Slurm's, torchrun's): exit 128 + signal after saving; a step whose update has not
-    begun is dropped. A second Ctrl+C quits at once, a second SIGTERM changes nothing. Ranks agree()."""
+    """Ctrl+C / SIGTERM (Slurm's, torchrun's): save, exit 128 + signal; a step not yet updating is dropped."""
 
     def __init__(self):
         self.signum = None          # the first stop signal received
@@ -2108,7 +2100,7 @@ class StopAfterStep:
         self.previous = {s: signal.signal(s, self.request) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def request(self, signum, _frame):
-        if self.signum is not None:
+        if self.signum is not None:       # a second Ctrl+C quits at once, a second SIGTERM changes nothing
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             return
@@ -2138,8 +2130,7 @@ class StopAfterStep:
                     print(f"{signal.Signals(self.signum).name} on another rank: stopping", file=sys.stderr, flush=True)
         return self.signum is not None
 
-    def before_update(self):
-        """The step's last moment to be dropped; every rank votes (one that left early, from the loop)."""
+    def before_update(self):      # the step's last moment to be dropped; every rank votes
         self.abandonable, self.agreed = False, True
         if self.agree():
             raise AbandonStep
@@ -2236,8 +2227,7 @@ def save_checkpoint(out_dir, step, model, optimizer, args, lr_scheduler, lead=Tr
 
 
 def saved_checkpoints(out):
-    """<out>/checkpoints/step_*.pt, oldest first (six-digit steps sort by name)."""
-    return sorted((out / "checkpoints").glob("step_*.pt"))
+    return sorted((out / "checkpoints").glob("step_*.pt"))      # oldest first: six-digit steps sort by name
 
 
 def find_checkpoint(spec, out_dir):
