@@ -1304,9 +1304,7 @@ class Parser(argparse.ArgumentParser):
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """'(default: X)' after each help but for X = None, whose help says what happens without the flag."""
-
-    def _get_help_string(self, action):
+    def _get_help_string(self, action):     # no '(default: None)': such a help says what happens without
         return action.help if action.default is None else super()._get_help_string(action)
 
 
@@ -1341,29 +1339,28 @@ def attach_negative_numbers(argv):
 def validate_args(args):
     """What the flags' types cannot check: flags together, files, the machine. Before any model loads."""
     world = launched_world_size()
-    if args.prompts_per_step % world:
-        raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes "
-                         f"({world}): each rank trains whole groups")
-    if args.ar_trainable == "head" and (args.lora_rank or args.fsdp):
-        raise UsageError("--ar-trainable head trains the AR's output layer alone: it takes neither --lora-rank "
-                         "(adapters in the body) nor --fsdp (a layer this small is not worth sharding)")
-    if args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline):
-        raise UsageError("--fsdp shards full fine-tuning; LoRA adapters are small enough to replicate (drop --fsdp), "
-                         "and --save-pipeline needs whole weights (resume the last checkpoint in one process)")
-    if args.plan_gpus and not args.plan:
-        raise UsageError("--plan-gpus sets the GPU counts of --plan's FSDP rows: add --plan, or drop it")
-    if (args.dit_train_steps or 0) > args.num_inference_steps:
-        raise UsageError(f"--dit-train-steps must be between 1 and --num-inference-steps "
-                         f"({args.num_inference_steps}), got {args.dit_train_steps}")
-    if args.policy == "ar" and (args.dit_lora_rank or args.dit_train_steps is not None):
-        raise UsageError("--dit-lora-rank and --dit-train-steps need --policy dit or both")
-    if args.policy == "dit" and args.lora_rank:
-        raise UsageError("--lora-rank adapts the AR, which --policy dit does not train (use --dit-lora-rank)")
-    if args.report_to != "none" and importlib.util.find_spec(args.report_to) is None:   # package = flag value
-        raise UsageError(f"--report-to {args.report_to} needs the '{args.report_to}' package: "
-                         f"pip install {args.report_to}")
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        raise UsageError(f"--out {args.out} exists and is not a directory")
+    refusals = [      # (refused?, why): the first refused one is the error
+        (args.prompts_per_step % world, f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
+         f"number of processes ({world}): each rank trains whole groups"),
+        (args.ar_trainable == "head" and (args.lora_rank or args.fsdp), "--ar-trainable head trains the AR's "
+         "output layer alone: it takes neither --lora-rank nor --fsdp (a layer this small is not worth sharding)"),
+        (args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline), "--fsdp shards full "
+         "fine-tuning; LoRA adapters are small enough to replicate (drop --fsdp), and --save-pipeline needs whole "
+         "weights (resume the last checkpoint in one process)"),
+        (args.plan_gpus and not args.plan, "--plan-gpus sets the GPU counts of --plan's rows: add --plan"),
+        ((args.dit_train_steps or 0) > args.num_inference_steps, f"--dit-train-steps must be between 1 and "
+         f"--num-inference-steps ({args.num_inference_steps}), got {args.dit_train_steps}"),
+        (args.policy == "ar" and (args.dit_lora_rank or args.dit_train_steps is not None), "--dit-lora-rank and "
+         "--dit-train-steps need --policy dit or both"),
+        (args.policy == "dit" and args.lora_rank, "--lora-rank adapts the AR, which --policy dit does not "
+         "train (use --dit-lora-rank)"),
+        (args.report_to != "none" and importlib.util.find_spec(args.report_to) is None,    # package = flag value
+         f"--report-to {args.report_to} needs the '{args.report_to}' package: pip install {args.report_to}"),
+        (Path(args.out).exists() and not Path(args.out).is_dir(), f"--out {args.out} exists and is not a directory"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise UsageError(why)
     check_writable("--out", args.out)
     if args.save_pipeline:
         target = Path(args.save_pipeline)
@@ -1378,7 +1375,7 @@ def validate_args(args):
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was asked for but no CUDA device is available")
     if args.offload and not (args.device != "cpu" and torch.cuda.is_available()):
-        raise UsageError("--offload moves the frozen DiT, VAE and text encoder to a CUDA device when used; there is none here")
+        raise UsageError("--offload moves the frozen DiT, VAE and text encoder to a CUDA device: there is none")
 
 
 def validate_plan_args(args):
@@ -1399,22 +1396,19 @@ def check_writable(flag, path):
     """The nearest existing parent of `path` must be a directory we can create files in (probed)."""
     import tempfile
 
-    parent = Path(path).absolute()
-    while not parent.exists():
-        parent = parent.parent
+    parent = next(p for p in [Path(path).absolute(), *Path(path).absolute().parents] if p.exists())
     if not parent.is_dir():
         raise UsageError(f"{flag} {path}: {parent} is a file, not a directory")
     try:
-        with tempfile.TemporaryFile(dir=parent):
-            pass
+        tempfile.TemporaryFile(dir=parent).close()
     except OSError as e:
         raise UsageError(f"{flag} {path}: cannot write in {parent} ({e.strerror})")
 
 
 def resolve_runtime(args):
     """Values derived from flags, computed once and printed in the 'running with' block."""
-    args.device = "cuda" if args.device == "auto" and torch.cuda.is_available() else (
-        "cpu" if args.device == "auto" else args.device)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.dtype == "auto":
         args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     if args.offload is None:
@@ -1443,7 +1437,7 @@ def open_run(args):
     started = None
     try:
         # under the lock, so no other run starts here meanwhile; only --resume continues a run
-        if args.resume is None and any([(out / "metrics.jsonl").exists(), *(out / "checkpoints").glob("step_*.pt")]):
+        if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
             raise UsageError(f"--out {out} already holds a run; pass --resume latest to continue it or pick "
                              "another --out")
         started = start_training(args, out, lead)
@@ -1475,20 +1469,21 @@ def start_training(args, out, lead):
     ckpt = read_checkpoint(ckpt_path) if ckpt_path else None
     later = []
     if ckpt is not None:
+        step = ckpt["step"]
         differences = check_resume_flags(ckpt["args"], args)
         ckpt["weight_flags"] = "; ".join(d for d in differences if d.split()[0] in WEIGHT_FLAGS)
         if differences and not args.resume_force:
             raise UsageError(f"--resume {ckpt_path}: flags differ from the checkpoint's: {'; '.join(differences)} "
                              "(add --resume-force to accept)")
-        if ckpt["step"] >= args.steps:
-            print(f"nothing to do: {ckpt_path} is at step {ckpt['step']} and --steps is {args.steps} "
-                  f"(pass --steps {ckpt['step'] + args.steps} to train {args.steps} more)")
+        if step >= args.steps:
+            print(f"nothing to do: {ckpt_path} is at step {step} and --steps is {args.steps} "
+                  f"(pass --steps {step + args.steps} to train {args.steps} more)")
             return None
         # Resuming from step k of a run that went further would replace its history after k.
-        later = [p for p in sorted((out / "checkpoints").glob("step_*.pt")) if int(p.stem[5:]) > ckpt["step"]]
+        later = [p for p in saved_checkpoints(out) if int(p.stem[5:]) > step]
         if later and not args.resume_force:
             raise UsageError(f"--resume {ckpt_path}: {out} has later checkpoints ({later[-1].name}); resuming from "
-                             f"step {ckpt['step']} would drop them and the metrics after step {ckpt['step']} (add "
+                             f"step {step} would drop them and the metrics after step {step} (add "
                              "--resume-force to do so; they are then kept as *.dropped)")
     trainer, start = setup_training(args, ckpt, ckpt_path, rewards)
     check_prompt_lengths(trainer.pipe, items, args)
@@ -1503,11 +1498,11 @@ def check_prompt_lengths(pipe, items, args):
     grid = (args.height // 32) * (args.width // 32)
     others = (2 * grid + 1 if args.mode == "i2i" else generated_tokens(args.height, args.width)) + 32
     context = pipe.vision_language_encoder.config.text_config.max_position_embeddings
-    lengths = [len(ids) for ids in pipe.processor.tokenizer([it.text for it in items], add_special_tokens=False)["input_ids"]]
-    for item, length in zip(items, lengths):
-        if length > context - others:
-            raise UsageError(f"{item.where}: the prompt is {length} tokens; the model's context of {context} leaves "
-                             f"{context - others} for a prompt at {args.height}x{args.width}")
+    prompts = pipe.processor.tokenizer([it.text for it in items], add_special_tokens=False)["input_ids"]
+    for item, ids in zip(items, prompts):
+        if len(ids) > context - others:
+            raise UsageError(f"{item.where}: the prompt is {len(ids)} tokens; the model's context of {context} "
+                             f"leaves {context - others} for a prompt at {args.height}x{args.width}")
 
 
 def lock_out_dir(out):
@@ -1555,28 +1550,32 @@ class PromptItem:
 
     @property
     def target(self):
-        if self.target_file:
-            return read_image(self.target_file, self.where, "target", self.size)
-        if self.draw_target:
-            return draw_demo(self.text, *self.size, self.where, "target" if self.mode == "i2i" else None)
-        return None
+        return self.image("target", self.target_file, self.draw_target)
 
     @property
     def source(self):
-        if self.source_file:
-            return read_image(self.source_file, self.where, "source", self.size)
-        return draw_demo(self.text, *self.size, self.where, "source") if self.mode == "i2i" else None
+        return self.image("source", self.source_file, self.mode == "i2i")
+
+    def image(self, kind, file, draw):
+        if file:
+            return read_image(file, self.where, kind, self.size)
+        return draw_shape(*demo_scene(self.text, self.where, self.mode, kind), *self.size) if draw else None
 
 
 def read_prompts(path, height, width, mode="t2i", need_targets=True):
-    """Lines `prompt`, `prompt | target.png`, i2i `prompt | target.png | source.png` (paths relative to
-    the file); blank and '#' lines are skipped, `\\|` is a '|' in the prompt, tabs become spaces.
-    need_targets: False, or True / the names of the rewards that read targets (require_targets)."""
+    """Lines `prompt[ | target.png[ | source.png (i2i)]]`, paths relative to the file; `\\|` is a '|'."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"--prompts {path}: " + ("is a directory, not a file" if path.is_dir() else "file not found"))
+    data = path.read_bytes()
+    try:
+        lines = data.decode("utf-8-sig").splitlines()      # -sig: drops the BOM Windows editors put first
+    except UnicodeDecodeError as e:
+        hint = " (it looks like UTF-16)" if data[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+        raise UsageError(f"--prompts {path}: not UTF-8 text{hint}: byte 0x{data[e.start]:02x} at offset {e.start}; "
+                         "save the file as UTF-8")
     items, resized = [], False
-    for lineno, raw in enumerate(read_utf8(path).splitlines(), 1):
+    for lineno, raw in enumerate(lines, 1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
@@ -1587,26 +1586,25 @@ def read_prompts(path, height, width, mode="t2i", need_targets=True):
             raise UsageError(f"{where}: empty prompt before '|'")
         if len(paths) > (2 if mode == "i2i" else 1):
             raise UsageError(f"{where}: too many '|' fields for --mode {mode} (write \\| for a '|' in the prompt)")
-        files = [path.parent / p if p else None for p in paths + [""] * (2 - len(paths))]
-        for file, kind in zip(files, ("target", "source")):
+        target_file, source_file = [path.parent / p if p else None for p in paths + [""] * (2 - len(paths))]
+        for file, kind in [(target_file, "target"), (source_file, "source")]:
             if file is None:
                 continue
-            w, h = check_image(file, where, kind)
+            w, h = read_image(file, where, kind)
             resized |= (w, h) != (width, height)
             if w * height != h * width:
                 print(f"note: {where}: {kind} {file.name} is {w}x{h}, squashed to {width}x{height} "
                       "(another aspect ratio; crop it yourself to keep its proportions)")
-        target_file, source_file = files
         draw_source = mode == "i2i" and source_file is None
         if draw_source:
-            demo_words_or_fail(text, where, mode)
+            demo_scene(text, where, mode)
         items.append(PromptItem(text, where, (height, width), mode, target_file, source_file,
                                 draw_target=draw_source and target_file is None))
     if not items:
         raise UsageError(f"--prompts {path}: no prompts (only blank or comment lines)")
     if resized:
         print(f"note: images resized to {width}x{height} (--width x --height)")
-    if need_targets:
+    if need_targets:      # True, or the names of the rewards that read targets
         require_targets(items, [] if need_targets is True else need_targets)
     return items
 
@@ -1615,64 +1613,37 @@ def require_targets(items, reward_names=()):
     """A prompt without a target file gets the demo target drawn from its words, or is a UsageError."""
     for item in items:
         if item.target_file is None and not item.draw_target:
-            demo_words_or_fail(item.text, item.where, item.mode,
-                               f"the reward {', '.join(reward_names)} reads targets" if reward_names else "")
+            demo_scene(item.text, item.where, item.mode, why=f"the reward {', '.join(reward_names)} reads targets"
+                       if reward_names else "")
             item.draw_target = True
 
 
-def read_utf8(path):
-    """'utf-8-sig' drops the BOM Windows editors put first (it would make a first '#' line a prompt)."""
-    data = path.read_bytes()
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        hint = " (it looks like UTF-16)" if data[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
-        raise UsageError(f"--prompts {path}: not UTF-8 text{hint}: byte 0x{data[e.start]:02x} at offset {e.start}; "
-                         "save the file as UTF-8")
-
-
-def check_image(path, where, kind):
-    """(width, height) as the image will be shown, from its header alone; unreadable: a UsageError."""
+def read_image(path, where, kind, size=None):
+    """Upright (EXIF orientation): RGB at size = (height, width); no size (start-up): (width, height), undecoded."""
     try:
         with Image.open(path) as image:
-            image.verify()            # PNG: chunk CRCs, no decoding; leaves the file unusable, so reopen
+            if size:
+                image = to_rgb(ImageOps.exif_transpose(image))
+                return image if image.size == size[::-1] else image.resize(size[::-1], Image.BICUBIC)
+            image.verify()            # leaves the file unusable, so reopen
         with Image.open(path) as image:
-            size = image.size
-            turned = header_exif(image).get(Image.ExifTags.Base.Orientation, 1) in (5, 6, 7, 8)   # turned 90 degrees
+            # PNG's getexif() decodes the pixels to look past them; an eXIf chunk before them is in info
+            exif = image.getexif() if image.format != "PNG" else Image.Exif()
+            if image.format == "PNG":
+                exif.load(image.info.get("exif"))
+            turned = exif.get(Image.ExifTags.Base.Orientation, 1) in (5, 6, 7, 8)     # by 90 degrees
+            return image.size[::-1] if turned else image.size
     except FileNotFoundError:
-        raise UsageError(f"{where}: {kind} image {path} not found")
+        later = " (it was there at start-up)" if size else ""
+        raise UsageError(f"{where}: {kind} image {path} not found{later}", local=bool(size))
     except (UnidentifiedImageError, OSError, SyntaxError) as e:
-        raise UsageError(f"{where}: {kind} {path} is not a readable image ({type(e).__name__})")
-    return size[::-1] if turned else size
-
-
-def header_exif(image):
-    """EXIF tags without decoding pixels (PNG's getexif() decodes the image to look past its pixel data)."""
-    if image.format != "PNG":
-        return image.getexif()
-    exif = Image.Exif()
-    if "exif" in image.info:
-        exif.load(image.info["exif"])
-    return exif
-
-
-def read_image(path, where, kind, size):
-    """RGB, upright (EXIF orientation applied, as viewers show a phone photo), at size = (height, width)."""
-    try:
-        with Image.open(path) as image:
-            image = to_rgb(ImageOps.exif_transpose(image))
-    except FileNotFoundError:
-        raise UsageError(f"{where}: {kind} image {path} not found (it was there at start-up)", local=True)
-    except (UnidentifiedImageError, OSError) as e:
-        raise UsageError(f"{where}: {kind} {path} is not a readable image ({type(e).__name__})", local=True)
-    return image if image.size == size[::-1] else image.resize(size[::-1], Image.BICUBIC)
+        raise UsageError(f"{where}: {kind} {path} is not a readable image ({type(e).__name__})", local=bool(size))
 
 
 def to_rgb(image):
-    """RGB as the user sees it, where convert('RGB') errs: transparency on white, 16-bit grey scaled."""
-    if image.mode in ("I", "I;16", "I;16B", "I;16L"):
-        scaled = np.asarray(image, dtype=np.float64) * (255.0 / 65535.0)
-        return Image.fromarray(np.clip(scaled.round(), 0, 255).astype(np.uint8)).convert("RGB")
+    """RGB as the user sees it, where convert('RGB') errs: 16-bit grey scaled, transparency on white."""
+    if image.mode.startswith("I"):
+        return image.convert("I").point(lambda v: v / 257 + 0.5).convert("RGB")     # 65535 -> 255, rounded
     if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
         rgba = image.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", rgba.size, "white"), rgba).convert("RGB")
@@ -1692,31 +1663,22 @@ def draw_shape(shape, colour, background, height, width):
     return image
 
 
-def demo_words_or_fail(prompt, where, mode, why=""):
-    """(colours, shape) to draw the demo images (i2i: [old colour, new colour]), or a UsageError."""
+def demo_scene(prompt, where, mode, role="target", why=""):
+    """draw_shape's (shape, colour, background) for 'red circle on white background', 'make the red circle blue'."""
     words = re.findall(r"[a-z]+", prompt.lower())
-    colours, shape = [w for w in words if w in COLOURS], next((w for w in words if w in SHAPES), None)
-    why = f"{why}; " if why else ""
-    if mode == "t2i" and (not colours or shape is None):
-        raise UsageError(f"{where}: no target image given and no colour+shape words to draw one "
-                         f"({why}write 'prompt | target.png')")
     if mode == "t2i":
-        return colours, shape
+        colours, shape = [w for w in words if w in COLOURS], next((w for w in words if w in SHAPES), None)
+        if not colours or shape is None:
+            raise UsageError(f"{where}: no target image given and no colour+shape words to draw one "
+                             f"({why + '; ' if why else ''}write 'prompt | target.png')")
+        return shape, colours[0], colours[1] if len(colours) > 1 else "white"
     colour = "|".join(COLOURS)
     edit = re.search(rf"\b({colour}) ({'|'.join(SHAPES)})\b.*\b({colour})\b(?! background)", " ".join(words))
     if edit is None:      # 'a red circle on a white background' is a t2i line, no edit
         raise UsageError(f"{where}: '{prompt}' reads as no edit: --mode i2i needs 'prompt | target.png | source.png', "
                          f"or '<colour> <shape> ... <new colour>' to draw them (e.g. 'make the red circle blue')"
-                         f"{f' ({why[:-2]})' if why else ''}")
-    return [edit[1], edit[3]], edit[2]
-
-
-def draw_demo(prompt, height, width, where, role=None):
-    """t2i (role None): '<colour> <shape> on a <colour> background'; i2i: the shape in its old or new colour."""
-    colours, shape = demo_words_or_fail(prompt, where, "t2i" if role is None else "i2i")
-    if role is None:
-        return draw_shape(shape, colours[0], colours[1] if len(colours) > 1 else "white", height, width)
-    return draw_shape(shape, colours[0 if role == "source" else 1], "white", height, width)
+                         f"{f' ({why})' if why else ''}")
+    return edit[2], edit[1] if role == "source" else edit[3], "white"
 
 
 # =============================================================================================
@@ -1725,17 +1687,15 @@ def draw_demo(prompt, height, width, where, role=None):
 
 def load_reward(spec):
     """'mse' | 'module:fn' | 'path/file.py:fn', each optionally followed by '=WEIGHT' -> Reward."""
-    where, weight = spec, 1.0
-    if "=" in spec:
-        where, _, text = spec.rpartition("=")
-        try:
-            weight = float(text)
-        except ValueError:
-            raise UsageError(f"--reward {spec}: the weight after '=' must be a number, got {text!r}")
-        if not math.isfinite(weight):
-            raise UsageError(f"--reward {spec}: the weight after '=' must be finite, got {text!r}")
-        if weight == 0:
-            raise UsageError(f"--reward {spec}: a weight of 0 leaves the reward out of the sum; drop it instead")
+    where, _, text = spec.rpartition("=") if "=" in spec else (spec, "", "1")
+    try:
+        weight = float(text)
+    except ValueError:
+        raise UsageError(f"--reward {spec}: the weight after '=' must be a number, got {text!r}")
+    if not math.isfinite(weight):
+        raise UsageError(f"--reward {spec}: the weight after '=' must be finite, got {text!r}")
+    if weight == 0:
+        raise UsageError(f"--reward {spec}: a weight of 0 leaves the reward out of the sum; drop it instead")
     if where == "mse":
         return Reward("mse", mse, weight, True)
     module_name, _, fn_name = where.rpartition(":")
@@ -1745,8 +1705,7 @@ def load_reward(spec):
         raise UsageError(f"--reward {spec}: file {module_name} not found")
     import runpy
 
-    # modules are looked up in the current directory first, as `python -m` does
-    sys.path.insert(0, os.getcwd())
+    sys.path.insert(0, os.getcwd())      # modules are looked up in the current directory first, as `python -m` does
     try:
         if module_name.endswith(".py"):
             namespace = runpy.run_path(module_name)
@@ -1779,10 +1738,9 @@ def start_logging(args, trainer, out, start):
     """Drops the metrics rows of a killed run's lost steps, prints the run's settings, opens the tracker."""
     truncate_metrics(out / "metrics.jsonl", start)
     trainable = sum(p.numel() for p in trainer.trained.parameters() if p.requires_grad)
-    ar_full = "head" if args.ar_trainable == "head" else "full"
-    halves = {"ar": [("", args.lora_rank, ar_full)], "dit": [("DiT ", args.dit_lora_rank, "full")],
-              "both": [("AR ", args.lora_rank, ar_full), ("DiT ", args.dit_lora_rank, "full")]}[args.policy]
-    how = ", ".join(f"{half}{f'LoRA r={r}' if r else full}" for half, r, full in halves)
+    ar = f"LoRA r={args.lora_rank}" if args.lora_rank else "head" if args.ar_trainable == "head" else "full"
+    dit = f"LoRA r={args.dit_lora_rank}" if args.dit_lora_rank else "full"
+    how = {"ar": ar, "dit": f"DiT {dit}", "both": f"AR {ar}, DiT {dit}"}[args.policy]
     print(f"running with: mode={args.mode} model={args.model} device={args.device} dtype={args.dtype} "
           f"offload={args.offload} batch={args.prompts_per_step}x{args.group_size} mu={args.inner_epochs} "
           + (f"lr={args.lr} " if args.policy != "dit" else "") + f"trainable={count_text(trainable)} ({how}) "
@@ -1797,9 +1755,9 @@ def start_logging(args, trainer, out, start):
 
 def count_text(n):
     """A parameter count readable at any size: 3.2k, 0.09M would be 90.1k, 8.91B."""
-    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+    for unit, size, digits in (("B", 1e9, 2), ("M", 1e6, 2), ("k", 1e3, 1)):
         if n >= size:
-            return f"{n / size:.2f}{unit}" if unit != "k" else f"{n / size:.1f}k"
+            return f"{n / size:.{digits}f}{unit}"
     return str(n)
 
 
@@ -1842,16 +1800,14 @@ def warn_if_collapsed(row, warned, max_entropy=None):
     """Once per run: most groups tied (advantages 0). Why: low entropy, a collapse; high, the reward."""
     if warned or row["frac_reward_zero_std"] <= 0.5:
         return warned
-    head = f"warning: step {row['step']}: {row['frac_reward_zero_std']:.0%} of groups have identical rewards"
-    if "entropy" not in row:          # --policy dit: no AR entropy; the SDE noise keeps samples apart
-        why = "the reward does not separate the samples"
-    elif row["entropy"] < 0.5 * max_entropy:
-        why = (f"entropy {row['entropy']:.3f} of {max_entropy:.2f}: the policy has collapsed; lower --lr or "
-               "raise --temperature")
-    else:
-        why = (f"entropy {row['entropy']:.3f} of {max_entropy:.2f}: the samples differ but the reward does not "
-               "separate them (a pass/fail reward that no sample passes?); make the reward graded")
-    print(f"{head}: no learning signal: {why}", file=sys.stderr, flush=True)
+    why = "the reward does not separate the samples"     # --policy dit: no AR entropy, the SDE keeps samples apart
+    if "entropy" in row:
+        why = f"entropy {row['entropy']:.3f} of {max_entropy:.2f}: " + (
+            "the policy has collapsed; lower --lr or raise --temperature" if row["entropy"] < 0.5 * max_entropy
+            else "the samples differ but the reward does not separate them (a pass/fail reward that no sample "
+            "passes?); make the reward graded")
+    print(f"warning: step {row['step']}: {row['frac_reward_zero_std']:.0%} of groups have identical rewards: "
+          f"no learning signal: {why}", file=sys.stderr, flush=True)
     return True
 
 
@@ -1863,12 +1819,12 @@ def skip_cause(row):
 
 def non_finite_stop(causes, step, out):
     """Why 5 steps in a row updated nothing (what was non-finite), and the last checkpoint if any."""
-    seen = list(dict.fromkeys(causes))
     advice = {"loss": "the policy's log-probs overflowed: try a lower --lr",
               "gradient": "try a lower --lr or --max-grad-norm"}
-    what = "; ".join(f"non-finite {c} ({advice.get(c, 'fix the reward: it returned NaN or inf')})" for c in seen)
-    found = sorted((out / "checkpoints").glob("step_*.pt"))
-    saved = f"the last checkpoint is {found[-1]}" if found else "no checkpoint was written yet (none reached --save-every)"
+    what = "; ".join(f"non-finite {c} ({advice.get(c, 'fix the reward: it returned NaN or inf')})"
+                     for c in dict.fromkeys(causes))
+    found = saved_checkpoints(out)
+    saved = f"the last checkpoint is {found[-1]}" if found else "no checkpoint was written yet"
     return f"stopping: steps {step - len(causes) + 1}-{step} updated nothing: {what}; {saved}"
 
 
@@ -1899,9 +1855,7 @@ def save_samples(out, step, prompts, targets, images, rewards, sources, ode, arg
 
 def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, scale=None,
                      columns=8):
-    """Per prompt (sorted, to stay in place from sheet to sheet) a heading and `columns` cells a row: (i2i:
-    the source,) the target, (dit|both) the a = 0 decode `ode` [P, 3, H, W], the G samples and rewards.
-    Collapse and reward hacking show here long before they show in the numbers. Returns the sheet (PIL)."""
+    """Per prompt (sorted: it stays in place) `columns` cells a row: [source,] target, [a=0 decode,] G samples."""
     scale = scale or max(1, 128 // images.shape[-1])          # cells at least 128 px wide, to be seen
     width, height = images.shape[-1] * scale, images.shape[-2] * scale
     line, gap = 18, 6                                          # a line of text, white between cells
@@ -1958,12 +1912,11 @@ def round_ticks(low, high, count=5, least=0):
 
 
 def save_reward_curve(path, rows, size=(640, 360), margin=56, window=1):
-    """reward_curve.png with Pillow: mean reward per step +- the within-group std (band), and its moving
-    average over `window` steps (a pass over the prompts: the raw curve zig-zags between prompts)."""
+    """Mean reward per step +- the within-group std, and its moving average over `window` steps (a prompt pass)."""
     rows = [r for r in rows if r["reward_mean"] is not None and r["reward_std"] is not None]   # null: non-finite
     if not rows:
         return
-    steps = [r["step"] for r in rows]
+    steps, means = [r["step"] for r in rows], [r["reward_mean"] for r in rows]
     low = [r["reward_mean"] - r["reward_std"] for r in rows]
     high = [r["reward_mean"] + r["reward_std"] for r in rows]
     x0, x1 = min(steps), max(max(steps), min(steps) + 1)
@@ -1974,9 +1927,7 @@ def save_reward_curve(path, rows, size=(640, 360), margin=56, window=1):
                              h - margin - (y - y0) / (y1 - y0) * (h - 2 * margin))
     image = Image.new("RGB", size, "white")
     draw = ImageDraw.Draw(image)
-    band = [to_xy(s, y) for s, y in zip(steps, high)] + [to_xy(s, y) for s, y in zip(steps[::-1], low[::-1])]
-    draw.polygon(band, fill=(190, 210, 240))
-    means = [r["reward_mean"] for r in rows]
+    draw.polygon([to_xy(s, y) for s, y in zip(steps + steps[::-1], high + low[::-1])], fill=(190, 210, 240))
     draw.line([to_xy(s, m) for s, m in zip(steps, means)], fill=(110, 140, 220), width=1)
     title = "reward per step: mean +- within-group std"
     if 1 < window < len(rows):
@@ -1984,14 +1935,11 @@ def save_reward_curve(path, rows, size=(640, 360), margin=56, window=1):
         draw.line([to_xy(s, m) for s, m in zip(steps, average)], fill=(20, 40, 140), width=3)
         title += f"; thick: moving average over {window} steps"
     draw.rectangle((margin, margin, w - margin, h - margin), outline="black")
-    for value in round_ticks(y0, y1):
-        x, y = to_xy(x0, value)
-        draw.line((x - 4, y, x, y), fill="black")
-        draw.text((x - 6, y), f"{value:g}", fill="black", font=label_font(), anchor="rm")
-    for step in round_ticks(x0, x1, least=1):
-        x, y = to_xy(step, y0)
-        draw.line((x, y, x, y + 4), fill="black")
-        draw.text((x, y + 6), f"{step:g}", fill="black", font=label_font(), anchor="mt")
+    ticks = [(to_xy(x0, value), (-4, 0), "rm", value) for value in round_ticks(y0, y1)]       # left axis
+    ticks += [(to_xy(step, y0), (0, 4), "mt", step) for step in round_ticks(x0, x1, least=1)]  # bottom axis
+    for (x, y), (dx, dy), anchor, value in ticks:
+        draw.line((x + dx, y + dy, x, y), fill="black")
+        draw.text((x + 1.5 * dx, y + 1.5 * dy), f"{value:g}", fill="black", font=label_font(), anchor=anchor)
     labels = {(margin, 8): (title, "la"), (margin, margin - 6): ("reward", "mb"), (w // 2, h - 8): ("step", "mb")}
     for xy, (text, anchor) in labels.items():
         draw.text(xy, text, fill="black", font=label_font(), anchor=anchor)
@@ -2007,13 +1955,12 @@ def open_tracker(args, out, start):
 
     if args.report_to == "wandb":      # WANDB_MODE=offline: under <out>/wandb, for a later `wandb sync`
         tracker = WandBTracker("grpo_glm", name=out.name, dir=str(out), config=vars(args))
-        tracker.start()
-        return tracker
-    # purge_step: on resume, TensorBoard drops the events a killed run wrote after its checkpoint
-    tracker = TensorBoardTracker("logs", out, purge_step=start + 1 if start else None)
+    else:      # purge_step: on resume, TensorBoard drops the events a killed run wrote after its checkpoint
+        tracker = TensorBoardTracker("logs", out, purge_step=start + 1 if start else None)
     tracker.start()
-    flags = "\n".join(f"| --{k.replace('_', '-')} | {v} |" for k, v in sorted(vars(args).items()))
-    tracker.writer.add_text("flags", "| flag | value |\n|---|---|\n" + flags, global_step=start)
+    if args.report_to == "tensorboard":
+        flags = "\n".join(f"| --{k.replace('_', '-')} | {v} |" for k, v in sorted(vars(args).items()))
+        tracker.writer.add_text("flags", "| flag | value |\n|---|---|\n" + flags, global_step=start)
     return tracker
 
 
@@ -2021,25 +1968,20 @@ def open_tracker(args, out, start):
 # 18. Interruptions: Ctrl+C and SIGTERM
 # =============================================================================================
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)   # Ctrl+C; what Slurm, Kubernetes and torchrun send before SIGKILL
-
-
 class AbandonStep(BaseException):
     """A stop signal before the UPDATE drops the step (no `except Exception`, e.g. a plug-in's, catches it)."""
 
 
 class StopAfterStep:
-    """The one handler of Ctrl+C and SIGTERM: exit 128 + signal at a resumable state. Before the UPDATE,
-    drop the step and save the last; after, finish and save it. A second Ctrl+C quits at once, a second
-    SIGTERM changes nothing. Under torchrun the ranks decide together (agree)."""
+    """Ctrl+C / SIGTERM (Slurm's, torchrun's): save, exit 128 + signal; a step not yet updating is dropped."""
 
     def __init__(self):
         self.signum = None          # the first stop signal received
         self.abandonable = False    # True from a step's start until its update begins
-        self.previous = {s: signal.signal(s, self.request) for s in STOP_SIGNALS}
+        self.previous = {s: signal.signal(s, self.request) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def request(self, signum, _frame):
-        if self.signum is not None:
+        if self.signum is not None:       # a second Ctrl+C quits at once, a second SIGTERM changes nothing
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             return
@@ -2069,8 +2011,7 @@ class StopAfterStep:
                     print(f"{signal.Signals(self.signum).name} on another rank: stopping", file=sys.stderr, flush=True)
         return self.signum is not None
 
-    def before_update(self):
-        """The step's last moment to be dropped; every rank votes (one that left early, from the loop)."""
+    def before_update(self):      # the step's last moment to be dropped; every rank votes
         self.abandonable, self.agreed = False, True
         if self.agree():
             raise AbandonStep
@@ -2148,7 +2089,7 @@ def set_rng_state(state):
 def save_step_checkpoint(out, step, trainer, args, lead):
     path = save_checkpoint(out, step, trainer.trained, trainer.optimizer, args, trainer.lr_scheduler, lead)
     if lead and args.checkpoints_total_limit:      # after the save: a complete newest one always exists
-        for old in sorted((out / "checkpoints").glob("step_*.pt"))[:-args.checkpoints_total_limit]:
+        for old in saved_checkpoints(out)[:-args.checkpoints_total_limit]:
             old.unlink()
     return path
 
@@ -2166,18 +2107,19 @@ def save_checkpoint(out_dir, step, model, optimizer, args, lr_scheduler, lead=Tr
     return path
 
 
+def saved_checkpoints(out):
+    return sorted((out / "checkpoints").glob("step_*.pt"))      # oldest first: six-digit steps sort by name
+
+
 def find_checkpoint(spec, out_dir):
     """--resume latest: the newest <out>/checkpoints/step_*.pt, or None (start over); else the given path."""
-    if spec == "latest":
-        found = sorted((out_dir / "checkpoints").glob("step_*.pt"))
-        if not found:
-            print(f"--resume latest: no checkpoint in {out_dir / 'checkpoints'} yet; starting from step 0")
-            return None
-        return found[-1]
-    path = Path(spec)
-    if not path.is_file():
+    found = saved_checkpoints(out_dir) if spec == "latest" else [Path(spec)]
+    if not found:
+        print(f"--resume latest: no checkpoint in {out_dir / 'checkpoints'} yet; starting from step 0")
+        return None
+    if not found[-1].is_file():
         raise UsageError(f"--resume {spec}: file not found")
-    return path
+    return found[-1]
 
 
 def read_checkpoint(path):
@@ -2193,13 +2135,11 @@ def read_checkpoint(path):
     return ckpt
 
 
-def check_resume_flags(saved_args, args):
+def check_resume_flags(saved, args):
     """Algorithm flags that differ from the checkpoint's (the prompt file by its contents' hash)."""
-    def describe(k):
-        if k == "prompts_sha256":
-            return f"--prompts {saved_args.get('prompts')} -> {args.prompts}: contents differ"
-        return f"--{k.replace('_', '-')} {saved_args.get(k)} -> {getattr(args, k)}"
-    return [describe(k) for k in ALGORITHM_FLAGS if saved_args.get(k) != getattr(args, k)]
+    differ = [k for k in ALGORITHM_FLAGS if saved.get(k) != getattr(args, k)]
+    return [f"--prompts {saved.get('prompts')} -> {args.prompts}: contents differ" if k == "prompts_sha256"
+            else f"--{k.replace('_', '-')} {saved.get(k)} -> {getattr(args, k)}" for k in differ]
 
 
 WEIGHT_FLAGS = ("--policy", "--model", "--lora-rank", "--dit-lora-rank", "--ar-trainable")   # what is trained
