@@ -35,7 +35,6 @@ import gc
 import hashlib
 import importlib
 import importlib.util
-import io
 import json
 import math
 import os
