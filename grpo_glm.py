@@ -577,6 +577,9 @@ def grpo_update(optimizer, halves, args):
             optimizer.zero_grad(set_to_none=True)
             continue
         optimizer.step()
+        if not all_ranks_agree(all(bool(torch.isfinite(p).all()) for _, params, _ in halves for p in params)):
+            raise UsageError("the update made the weights non-finite (is --lr too large?); nothing of this step "
+                             "is saved, the last checkpoint is intact")
         done.append({k: v for k, v in metrics.items() if not k.endswith(FIRST_PASS_ONLY)})
     keys = [k for k in metrics if not k.endswith(FIRST_PASS_ONLY)]
     averaged = {k: sum(m[k] for m in done) / len(done) if done else float("nan") for k in keys}
@@ -991,16 +994,26 @@ def pipeline_from_pretrained(args, dtype):
     """GlmImagePipeline.from_pretrained of --model ('tiny': built and cached on first use, section 20).
     Rank 0 builds it: save_pretrained writes nothing on other ranks once torch.distributed is up."""
     from diffusers import GlmImagePipeline
+    from diffusers.utils import logging as diffusers_logging
 
     if args.model == TINY and rank() == 0:
         tiny_pipeline_dir(args.seed)
     all_ranks_agree(True)
+
     path = tiny_pipeline_dir(args.seed) if args.model == TINY else args.model
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()      # offline it warns "Couldn't connect to the Hub" before our line
     try:
         with quiet_progress_bars() if args.model == TINY else contextlib.nullcontext():
             return GlmImagePipeline.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        if not Path(path).is_dir():      # a hub id that is not in the local cache, and no network to fetch it
+            raise UsageError(f"--model {args.model}: its weights are not in the local Hugging Face cache and could "
+                             f"not be downloaded here; fetch them once with `hf download {args.model}` where the "
+                             "hub is reachable, or pass a local directory")
         raise UsageError(f"--model {args.model} could not be loaded as a GlmImagePipeline: {str(e).splitlines()[0]}")
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
 
 
 def place_pipeline(pipe, args):

@@ -2717,3 +2717,31 @@ def test_dit_gradient_checkpointing_in_i2i_gives_the_same_logprobs_and_gradients
     (logp0, grads0), (logp1, grads1) = results
     assert torch.equal(logp0, logp1)
     assert all(torch.equal(a, b) for a, b in zip(grads0, grads1)) and any(a.abs().sum() > 0 for a in grads0)
+
+
+def test_an_update_that_makes_the_weights_non_finite_stops_in_one_line(tmp_path, monkeypatch, capsys):
+    """An update that leaves a weight non-finite (an absurd --lr overflowing in AdamW, say) stops the
+    run at once, in one line, before anything samples from the weights or saves them (it died in a
+    traceback a step later). The optimizer writes a NaN here, as such an overflow would."""
+    step = torch.optim.AdamW.step
+
+    def overflowing(self, *args, **kwargs):
+        result = step(self, *args, **kwargs)
+        self.param_groups[0]["params"][0].data.view(-1)[0] = float("nan")
+        return result
+    monkeypatch.setattr(torch.optim.AdamW, "step", overflowing)
+    with pytest.raises(SystemExit) as stop:
+        g.main(["--steps", "2", "--save-every", "1", "--out", str(tmp_path), *SMALL])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1 and "made the weights non-finite" in err[0], err
+    assert not list(tmp_path.glob("checkpoints/*.pt"))
+
+
+def test_a_hub_model_missing_offline_says_so_in_one_line(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    result = subprocess.run([sys.executable, str(HERE / "grpo_glm.py"), "--model", "zai-org/GLM-Image-not-here",
+                             "--out", str(tmp_path / "run"), *SMALL], capture_output=True, text=True, env=env,
+                            cwd=HERE, timeout=300)
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(err) == 1, err
+    assert "not in the local Hugging Face cache" in err[0] and "hf download zai-org/GLM-Image-not-here" in err[0]
