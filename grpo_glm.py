@@ -2814,29 +2814,47 @@ REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, 
                             max_pixels=2048 * 2048)
 
 
-def saved_glm_image_on_meta(directory):
-    """The components of a saved pipeline directory, from its config.json files, on meta."""
+def glm_image_on_meta(directory=None):
+    """The weighted components on meta, from a saved pipeline directory's config.json files, or the
+    real GLM-Image's (GlmImageConfig() is its AR; the other sizes our reading of the checkpoint)."""
     from diffusers import AutoencoderKL, GlmImageTransformer2DModel
-    from transformers import AutoConfig, GlmImageForConditionalGeneration, T5EncoderModel
+    from transformers import AutoConfig, GlmImageConfig, GlmImageForConditionalGeneration, T5Config, T5EncoderModel
 
-    d = Path(directory)
+    if directory is None:
+        ar = GlmImageConfig()
+        glyph_t5 = T5Config(vocab_size=384, d_model=1472, d_kv=64, d_ff=3584, num_layers=12, num_heads=6,
+                            feed_forward_proj="gated-gelu")
+        dit = dict(patch_size=2, in_channels=16, out_channels=16, num_layers=30, attention_head_dim=128,
+                   num_attention_heads=32, text_embed_dim=1472, time_embed_dim=512, condition_dim=256,
+                   prior_vq_quantizer_codebook_size=16384)
+        vae = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 512, 1024, 1024),
+                   layers_per_block=3, down_block_types=["DownEncoderBlock2D"] * 4,
+                   up_block_types=["UpDecoderBlock2D"] * 4)
+    else:
+        d = Path(directory)
+        ar, glyph_t5 = (AutoConfig.from_pretrained(d / part) for part in ("vision_language_encoder", "text_encoder"))
+        dit, vae = GlmImageTransformer2DModel.load_config(d / "transformer"), AutoencoderKL.load_config(d / "vae")
     with torch.device("meta"):
-        return {
-            "ar": GlmImageForConditionalGeneration(AutoConfig.from_pretrained(d / "vision_language_encoder")),
-            "dit": GlmImageTransformer2DModel.from_config(GlmImageTransformer2DModel.load_config(d / "transformer")),
-            "glyph_t5": T5EncoderModel(AutoConfig.from_pretrained(d / "text_encoder")),
-            "vae": AutoencoderKL.from_config(AutoencoderKL.load_config(d / "vae")),
-        }
+        return {"ar": GlmImageForConditionalGeneration(ar), "dit": GlmImageTransformer2DModel.from_config(dit),
+                "glyph_t5": T5EncoderModel(glyph_t5), "vae": AutoencoderKL.from_config(vae)}
 
 
-def saved_image_processor(directory):
-    """The image processor a saved pipeline ships (it sets an i2i source's token count), else None."""
+def plan_components(args):
+    """(components, image processor) of --model: the tiny model, or a saved directory's or the real
+    model's on meta. A saved processor sets an i2i source's token count (None: the real settings)."""
     from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
 
+    if args.model == TINY:
+        pipe = build_tiny_pipeline(args.seed, renderer="mosaic")
+        return ({"ar": pipe.vision_language_encoder, "dit": pipe.transformer, "glyph_t5": pipe.text_encoder,
+                 "vae": pipe.vae}, pipe.processor.image_processor)
+    if not Path(args.model).is_dir():
+        return glm_image_on_meta(), None
+    components = glm_image_on_meta(args.model)
     try:
-        return GlmImageImageProcessorPil.from_pretrained(Path(directory) / "processor")
+        return components, GlmImageImageProcessorPil.from_pretrained(Path(args.model) / "processor")
     except (OSError, ValueError):
-        return None                                         # then the real checkpoint's settings
+        return components, None
 
 
 def numel(module):
@@ -2979,7 +2997,6 @@ def memory_plan(components, height, width, samples, prompt_tokens=64, ranks=(64,
                          "peak_no_offload": resident + max(u["peak"], u["grads"]) + sum(frozen.values())})
     return rows, counts, prompt_len + generated
 
-
 def dit_lora_parameter_count(dit, rank):
     return sum(rank * (m.in_features + m.out_features) for n, m in dit.named_modules()
                if isinstance(m, torch.nn.Linear) and any(n.endswith(t) for t in DIT_LORA_TARGETS))
@@ -2995,7 +3012,7 @@ def dit_activation_bytes(dit, height, width, samples, cfg, checkpointing, text_t
     return layers * block_inputs + 30 * block_inputs if checkpointing else layers * 30 * block_inputs
 
 
-def dit_memory_plan(components, height, width, samples, cfg, ar_row, text_tokens=64, ranks=(64,)):
+def dit_memory_plan(components, height, width, samples, cfg, ar_row):
     """--policy dit|both rows, as memory_plan's. Gradients accumulate over the trained steps beside one
     step's activations. 'dit': the frozen AR stays on the GPU; 'both' adds the trained AR (`ar_row`),
     whose activations are freed before the DiT's backward starts."""
@@ -3003,16 +3020,15 @@ def dit_memory_plan(components, height, width, samples, cfg, ar_row, text_tokens
     counts = {name: numel(module) for name, module in components.items()}
     frozen = max(2 * v for k, v in counts.items() if k not in ("dit", "ar"))     # offloaded, one at a time
     rows = []
-    for mode, trainable in [("full", counts["dit"])] + [(f"lora-{r}", dit_lora_parameter_count(dit, r)) for r in ranks]:
-        lora = mode != "full"
-        weights = 2 * counts["dit"] + (4 * trainable if lora else 0)
-        state = ADAPTER_BYTES if lora else 2
-        grads, adam = state * trainable, 2 * state * trainable
+    for mode, trainable in [("full", counts["dit"]), ("lora-64", dit_lora_parameter_count(dit, 64))]:
+        state = 2 if mode == "full" else ADAPTER_BYTES
+        weights = 2 * counts["dit"] + (0 if mode == "full" else 4 * trainable)
         for checkpointing in (False, True):
-            act = dit_activation_bytes(dit, height, width, samples, cfg, checkpointing, text_tokens)
-            dit_peak = weights + grads + adam + max(act, state * trainable) + frozen
+            act = dit_activation_bytes(dit, height, width, samples, cfg, checkpointing)
+            dit_peak = weights + 3 * state * trainable + max(act, state * trainable) + frozen
             rows.append({"mode": mode, "grad_ckpt": checkpointing, "trainable_params": trainable, "dit_weights": weights,
-                         "grads": grads, "adam": adam, "activations": act, "peak_dit": dit_peak + 2 * counts["ar"],
+                         "grads": state * trainable, "adam": 2 * state * trainable, "activations": act,
+                         "peak_dit": dit_peak + 2 * counts["ar"],
                          "peak_both": dit_peak + ar_row["ar_weights"] + ar_row["grads"] + ar_row["adam"]})
     return rows
 
@@ -3025,20 +3041,14 @@ def dit_memory_plan(components, height, width, samples, cfg, ar_row, text_tokens
 #   two decoder layers: forward prefetches the next, backward the previous (_backward_prefetch);
 #   at the end of a layer's backward, its reduce: the bf16 gradient and its fp32 copy (2 + 4 bytes
 #     per parameter); the root's reduce comes last, when layers and activations are freed;
-#   the whole model while it samples (whole_weights), beside its sampling working set.
+#   the whole model while it samples (whole_weights), beside its sampling working set: the larger of
+#     generate's KV cache and pi_old's no-grad pass over a micro-batch (bf16 logits, their fp32 copy
+#     / T, its log_softmax: 2 + 4 + 4 bytes per logit).
 # Peaks: the resident shards + the largest phase: sampling (all gradients, as zero_grad comes at the
 # next update, + one half's whole weights, or a frozen part's turn), a half's backward beside its and
 # the earlier halves' gradients, AdamW's step (foreach: one exp_avg_sq copy, the gradients' bytes).
 # Not counted: all-gather buffers briefly doubled during a copy-out, the reference's no-grad pass
 # (below the update's), the CUDA allocator's slack.
-
-def ar_sampling_bytes(text_config, samples, micro_batch, prompt_tokens, generated, bytes_per=2):
-    """The AR's working set while it samples `samples`: the larger of generate's KV cache and pi_old's
-    no-grad pass over a micro-batch (the logits, their fp32 copy / T, its log_softmax: 2 + 4 + 4 bytes)."""
-    kv = text_config.num_key_value_heads * head_dim(text_config)
-    cache = samples * (prompt_tokens + generated) * text_config.num_hidden_layers * 2 * kv * bytes_per
-    return max(cache, micro_batch * generated * text_config.vision_vocab_size * (bytes_per + 8))
-
 
 def fsdp_shard_bytes(model, trainable, gpus, working, sampling=0, reference=False, bytes_per=2):
     """Per-GPU bytes of `model` sharded on `gpus` GPUs (the comment above), `working` bytes of
@@ -3074,16 +3084,19 @@ def fsdp_memory_plan(components, gpus, height, width, samples, batch, cfg, promp
     micro-batch of `samples` (its working set as ar_update_bytes', no whole gradients), the DiT's
     step over batch // K samples. Frozen parts offloaded; under 'dit' the frozen AR stays whole."""
     ar, dit = components["ar"], components["dit"]
+    text = ar.config.text_config
     counts = {name: numel(module) for name, module in components.items()}
     offloaded = max(2 * v for k, v in counts.items() if k not in ("ar", "dit"))
     prompt_len, generated = ar_sequence(mode, height, width, prompt_tokens, image_processor)
     head = numel(ar.model.language_model.norm) + numel(ar.lm_head)
+    kv_cache = (prompt_len + generated) * text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim(text) * 2
+    logits = samples * generated * text.vision_vocab_size * (2 + 8)
     rows = []
     for k in gpus:
         for checkpointing in (False, True):
-            working = ar_update_bytes(ar.config.text_config, samples, prompt_len, generated, 0, checkpointing,
-                                      trainable=0, largest_trainable=0, head_trainable=head)["peak"]
-            sampling = ar_sampling_bytes(ar.config.text_config, batch // k, samples, prompt_len, generated)
+            working = ar_update_bytes(text, samples, prompt_len, generated, 0, checkpointing, trainable=0,
+                                      largest_trainable=0, head_trainable=head)["peak"]
+            sampling = max(batch // k * kv_cache, logits)
             a = fsdp_shard_bytes(ar, sum(trainable_tensors(ar, 0)), k, working, sampling, beta > 0)
             activations = dit_activation_bytes(dit, height, width, batch // k, cfg, checkpointing)
             d = fsdp_shard_bytes(dit, counts["dit"], k, activations, reference=beta > 0)
@@ -3094,38 +3107,11 @@ def fsdp_memory_plan(components, gpus, height, width, samples, batch, cfg, promp
     return rows
 
 
-def print_table(columns, rows):
-    """A markdown table: a header of `columns`, then one line of cells per row."""
+def print_table(columns, rows, cell):
+    """A markdown table: `columns` maps each header to its row key, cell(key, value) writes a value."""
     print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
-    for cells in rows:
-        print("| " + " | ".join(cells) + " |")
-
-
-def plan_components(args):
-    """(components, image processor) of --model: the tiny model, or a saved directory's or the real
-    model's on meta (GlmImageConfig() is the real AR; the other sizes our reading of the checkpoint)."""
-    from diffusers import AutoencoderKL, GlmImageTransformer2DModel
-    from transformers import GlmImageConfig, GlmImageForConditionalGeneration, T5Config, T5EncoderModel
-
-    if args.model == TINY:
-        pipe = build_tiny_pipeline(args.seed, renderer="mosaic")
-        return ({"ar": pipe.vision_language_encoder, "dit": pipe.transformer, "glyph_t5": pipe.text_encoder,
-                 "vae": pipe.vae}, pipe.processor.image_processor)
-    if Path(args.model).is_dir():
-        return saved_glm_image_on_meta(args.model), saved_image_processor(args.model)
-    with torch.device("meta"):
-        return {
-            "ar": GlmImageForConditionalGeneration(GlmImageConfig()),
-            "dit": GlmImageTransformer2DModel(
-                patch_size=2, in_channels=16, out_channels=16, num_layers=30, attention_head_dim=128,
-                num_attention_heads=32, text_embed_dim=1472, time_embed_dim=512, condition_dim=256,
-                prior_vq_quantizer_codebook_size=16384),
-            "glyph_t5": T5EncoderModel(T5Config(vocab_size=384, d_model=1472, d_kv=64, d_ff=3584, num_layers=12,
-                                                num_heads=6, feed_forward_proj="gated-gelu")),
-            "vae": AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16,
-                                 block_out_channels=(128, 512, 1024, 1024), layers_per_block=3,
-                                 down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4),
-        }, None
+    for row in rows:
+        print("| " + " | ".join(cell(key, row[key]) for key in columns.values()) + " |")
 
 
 def print_memory_plan(args):
@@ -3134,60 +3120,54 @@ def print_memory_plan(args):
     # AR activations are held for one micro-batch (--micro-batch-size samples, default G); the DiT's
     # update runs a denoising step over the whole batch at once.
     samples, batch = args.micro_batch_size or args.group_size, args.group_size * args.prompts_per_step
-    ranks = (args.lora_rank,) if args.lora_rank else (64, 16)
+    cfg, ranks = args.guidance_scale > 1, (args.lora_rank,) if args.lora_rank else (64, 16)
     rows, counts, tokens = memory_plan(components, args.height, args.width, samples, ranks=ranks, mode=args.mode,
                                        image_processor=image_processor, beta=args.beta)
     prompt_len, generated = ar_sequence(args.mode, args.height, args.width, image_processor=image_processor)
     # the tiny model's bytes would all print as 0.0 GiB: small models get MiB and thousands
     unit, unit_name = (GiB, "GiB") if max(r["peak_no_offload"] for r in rows) >= GiB else (1024 ** 2, "MiB")
     count_div, count_name = (1e6, "M") if max(counts.values()) >= 1e8 else (1e3, "k")
-    size = lambda *values: [f"{v / unit:.1f}" for v in values]
+
+    def cell(key, value):
+        if key == "grad_ckpt":
+            return "yes" if value else "no"
+        if key == "trainable_params":
+            return f"{value / count_div:.1f} {count_name}"
+        return str(value) if key in ("mode", "micro_batch", "gpus") else f"{value / unit:.1f}"
+
     print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count_div:,.1f} {count_name}" for k, v in counts.items()))
-    layout = f"{prompt_len} prompt + {generated} generated"
-    if args.mode == "i2i":
-        layout = layout.replace(" prompt", f" prompt incl. the source's {source_tokens(args.height, args.width, image_processor)} VQ tokens")
-    print(f"--mode {args.mode}, teacher-forced pass: {samples} samples x {tokens} tokens ({layout}, "
-          f"{args.height}x{args.width}); estimates in {unit_name}, bf16 weights, torch's AdamW (foreach)"
+    source = f" incl. the source's {source_tokens(args.height, args.width, image_processor)} VQ tokens"
+    print(f"--mode {args.mode}, teacher-forced pass: {samples} samples x {tokens} tokens ({prompt_len} prompt"
+          f"{source if args.mode == 'i2i' else ''} + {generated} generated, {args.height}x{args.width}); estimates"
+          f" in {unit_name}, bf16 weights, torch's AdamW (foreach)"
           + (", KL reference copy for full fine-tuning" if args.beta > 0 else "") + "\n")
-    print_table(["mode", "grad ckpt", "micro-batch", "trainable", "AR weights", "grads", "AdamW", "activations",
-                 "update peak", "peak, offload", "peak, no offload"],
-                [[r["mode"], "yes" if r["grad_ckpt"] else "no", str(r["micro_batch"]),
-                  f"{r['trainable_params'] / count_div:.1f} {count_name}",
-                  *size(*(r[k] for k in ("ar_weights", "grads", "adam", "activations", "update_peak",
-                                         "peak_offload", "peak_no_offload")))] for r in rows])
+    states = {"grads": "grads", "AdamW": "adam"}
+    print_table({"mode": "mode", "grad ckpt": "grad_ckpt", "micro-batch": "micro_batch", "trainable": "trainable_params",
+                 "AR weights": "ar_weights", **states, "activations": "activations", "update peak": "update_peak",
+                 "peak, offload": "peak_offload", "peak, no offload": "peak_no_offload"}, rows, cell)
     ar_row = next(r for r in rows if r["mode"] == f"lora-{ranks[0]}" and r["grad_ckpt"])
-    dit_rows = dit_memory_plan(components, args.height, args.width, batch, args.guidance_scale > 1, ar_row)
     print(f"\nDiT (Flow-GRPO, --policy dit|both): one denoising step's forward over {batch} samples, "
-          f"CFG {'on' if args.guidance_scale > 1 else 'off'}; 'both' adds the AR's {ar_row['mode']} weights, grads and AdamW")
-    print_table(["DiT mode", "grad ckpt", "trainable", "DiT weights", "grads", "AdamW", "activations", "peak, dit",
-                 "peak, both"],
-                [[r["mode"], "yes" if r["grad_ckpt"] else "no", f"{r['trainable_params'] / count_div:.1f} {count_name}",
-                  *size(*(r[k] for k in ("dit_weights", "grads", "adam", "activations", "peak_dit", "peak_both")))]
-                 for r in dit_rows])
-    if args.plan_gpus:
-        print_fsdp_plan(fsdp_memory_plan(components, args.plan_gpus, args.height, args.width, samples, batch,
-                                         args.guidance_scale > 1, mode=args.mode, image_processor=image_processor,
-                                         beta=args.beta), samples, batch, size)
-    else:
+          f"CFG {'on' if cfg else 'off'}; 'both' adds the AR's {ar_row['mode']} weights, grads and AdamW")
+    print_table({"DiT mode": "mode", "grad ckpt": "grad_ckpt", "trainable": "trainable_params",
+                 "DiT weights": "dit_weights", **states, "activations": "activations", "peak, dit": "peak_dit",
+                 "peak, both": "peak_both"}, dit_memory_plan(components, args.height, args.width, batch, cfg, ar_row), cell)
+    if not args.plan_gpus:
         print("\n(--plan-gpus K adds the per-GPU rows of --fsdp, full fine-tuning sharded over K GPUs)")
-
-
-def print_fsdp_plan(rows, samples, batch, size):
-    """fsdp_memory_plan's rows as two tables, the AR's and the DiT's; `size` formats bytes in the plan's unit."""
-    def table(half, title, peaks):
-        print_table(["GPUs", "grad ckpt", title, "grads", "AdamW", "gathered", "activations", *peaks],
-                    [[str(r["gpus"]), "yes" if r["grad_ckpt"] else "no",
-                      *size(r[half]["weights"] + r[half]["reference"],
-                            *(r[half][k] for k in ("grads", "adam", "gathered", "activations")),
-                            *(r[k] for k in peaks.values()))] for r in rows])
-
-    print(f"\n--fsdp, full fine-tuning, per GPU on K GPUs: fp32 shards of the trained weights, their gradients and "
-          f"AdamW (16 bytes per parameter / K), the bf16 root + 2 layers gathered, a micro-batch of {samples}; "
-          "frozen parts offloaded")
-    table("ar", "AR weights", {"update peak": "update_peak", "sampling peak": "sampling_peak", "peak": "peak"})
-    print(f"\nDiT under --fsdp, per GPU: one denoising step over {batch} / K samples; 'dit' keeps the frozen AR "
-          "whole on every GPU, 'both' its shards, gradients and AdamW (fewer bytes from about K = 8)")
-    table("dit", "DiT weights", {"peak, dit": "peak_dit", "peak, both": "peak_both"})
+        return
+    fsdp = fsdp_memory_plan(components, args.plan_gpus, args.height, args.width, samples, batch, cfg,
+                            mode=args.mode, image_processor=image_processor, beta=args.beta)
+    for half, title, peaks in [
+        ("AR", "--fsdp, full fine-tuning, per GPU on K GPUs: fp32 shards of the trained weights, their gradients and "
+               f"AdamW (16 bytes per parameter / K), the bf16 root + 2 layers gathered, a micro-batch of {samples}; "
+               "frozen parts offloaded", {"update peak": "update_peak", "sampling peak": "sampling_peak", "peak": "peak"}),
+        ("DiT", f"DiT under --fsdp, per GPU: one denoising step over {batch} / K samples; 'dit' keeps the frozen AR "
+                "whole on every GPU, 'both' its shards, gradients and AdamW (fewer bytes from about K = 8)",
+         {"peak, dit": "peak_dit", "peak, both": "peak_both"})]:
+        shards = [{**r, **r[half.lower()], "weights": r[half.lower()]["weights"] + r[half.lower()]["reference"]}
+                  for r in fsdp]
+        print("\n" + title)
+        print_table({"GPUs": "gpus", "grad ckpt": "grad_ckpt", f"{half} weights": "weights", **states,
+                     "gathered": "gathered", "activations": "activations", **peaks}, shards, cell)
 
 
 # =============================================================================================
