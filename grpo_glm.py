@@ -2216,15 +2216,12 @@ def restore_checkpoint(ckpt, path, model, optimizer, lr_scheduler):
 # =============================================================================================
 # `--model tiny` is GLM-Image at toy size, built from the real classes (build_tiny_pipeline). Its
 # AR stays random: learning what to paint from the prompt is GRPO's job. A random DiT + VAE would
-# paint colour noise whatever the tokens say, and nothing GRPO does would show in the pictures; so
-# the renderer learns a synthetic task: codebook id k means palette colour k, and a token grid's
-# truth is its "mosaic", every 32-px cell filled with its token's colour. The VAE's latent carries
-# the colour (channels 0-2 = the cell's colour in [-1, 1] per 8-px latent pixel): the VAE decoder
-# is set to paint it (colour_vae), and the DiT learns by flow matching prior tokens -> that latent
-# (train_tiny_renderer, ~15 s of CPU). The result is saved with save_pretrained to a cache
-# directory and loaded with from_pretrained, the path a user's own checkpoint takes
-# (tiny_pipeline_dir). Tests also use the untrained variant, renderer="random" (random DiT and VAE,
-# ~1 s), where only the code path matters.
+# paint colour noise whatever the tokens say, so the renderer learns a synthetic task: codebook id
+# k means palette colour k, and a token grid's truth is its "mosaic", every 32-px cell in its
+# token's colour. The VAE decoder is set by hand to paint latent channels 0-2 (colour_vae), and the
+# DiT learns by flow matching prior tokens -> that latent (train_tiny_renderer, ~15 s of CPU). The
+# result is cached with save_pretrained and loaded with from_pretrained, as a user's own checkpoint
+# is (tiny_pipeline_dir). Tests also use renderer="random" (random DiT and VAE, ~1 s).
 
 TINY_CODEBOOK = 64                       # real: 16384
 TINY_VISION_VOCAB = TINY_CODEBOOK + 16   # real: 16512 (codebook + 128 special ids)
@@ -2234,43 +2231,33 @@ TINY_VISION_VOCAB = TINY_CODEBOOK + 16   # real: 16512 (codebook + 128 special i
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
                       "<|dit_token_16384|><|image|><|dit_token_16385|>"
                       "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}")
-TINY_RENDERER_FORMAT = "grpo_glm-tiny-renderer-v1"
 TINY_RENDERER = dict(        # everything that shapes the training (all of it enters the cache key)
     dit_steps=800, dit_lr=3e-3, batch=8, dit_grids=((2, 2), (3, 3), (4, 4), (3, 2)), inference_steps=4,
 )
-
-
-def build_tiny_tokenizer():
-    """A character-level tokenizer: the image tokens first (as in the real one, where the bos
-    '<|dit_token_16384|>' is image_start_token_id), printable ASCII, GlmImageProcessor's specials."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    image_tokens = [f"<|dit_token_{i}|>" for i in range(TINY_CODEBOOK)]
-    image_tokens += [f"<|dit_token_{16384 + i}|>" for i in range(TINY_VISION_VOCAB - TINY_CODEBOOK)]
-    chars = [chr(c) for c in range(32, 127)]
-    specials = ["<|image|>", "<sop>", "<eop>", "<pad>", "<unk>"]
-    vocab = {t: i for i, t in enumerate(image_tokens + chars + specials)}
-    # BPE with no merges = one token per character; the special tokens match as whole strings.
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<|dit_token_16384|>", eos_token="<|dit_token_16385|>",
-        pad_token="<pad>", unk_token="<unk>", padding_side="left",
-        extra_special_tokens={"image_token": "<|image|>", "grid_bos_token": "<sop>", "grid_eos_token": "<eop>"},
-    )
 
 
 def build_tiny_pipeline(seed=0, ar_init_range=0.02, renderer="random"):
     """GLM-Image at toy size, seeded: renderer "random" or "mosaic" (the banner). `ar_init_range` >
     0.02 sharpens the AR's logits (tests: wrong M-RoPE positions then change log-probs visibly)."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, GlmImagePipeline, GlmImageTransformer2DModel
+    from tokenizers import Tokenizer, models
     from transformers import (ByT5Tokenizer, GlmImageConfig, GlmImageForConditionalGeneration, GlmImageProcessor,
-                              T5Config, T5EncoderModel)
+                              PreTrainedTokenizerFast, T5Config, T5EncoderModel)
     from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
 
     torch.manual_seed(seed)
     mosaic = renderer == "mosaic"
-    tokenizer = build_tiny_tokenizer()
+    # A character-level tokenizer (BPE with no merges): the image tokens first (as in the real one,
+    # where the bos '<|dit_token_16384|>' is image_start_token_id), printable ASCII, the processor's specials.
+    image_tokens = [f"<|dit_token_{i}|>" for i in range(TINY_CODEBOOK)]
+    image_tokens += [f"<|dit_token_{16384 + i}|>" for i in range(TINY_VISION_VOCAB - TINY_CODEBOOK)]
+    specials = ["<|image|>", "<sop>", "<eop>", "<pad>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(image_tokens + [chr(c) for c in range(32, 127)] + specials)}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>")),
+        bos_token="<|dit_token_16384|>", eos_token="<|dit_token_16385|>", pad_token="<pad>", unk_token="<unk>",
+        padding_side="left",
+        extra_special_tokens={"image_token": "<|image|>", "grid_bos_token": "<sop>", "grid_eos_token": "<eop>"})
     # GLM-Image's image processor settings but min_pixels: the real 512^2 would upscale a small
     # source, while the pipeline VAE-encodes it at its own size (the DiT's source tokens would not line up).
     image_processor = GlmImageImageProcessorPil(patch_size=16, temporal_patch_size=1, merge_size=1,
@@ -2349,12 +2336,6 @@ def token_mosaic(tokens, grid_hw, palette, cell=32):
     return colours.repeat_interleave(cell, 2).repeat_interleave(cell, 3)
 
 
-def colour_latents(tokens, grid_hw, palette, channels, cell):
-    """The latent a grid decodes from [N, channels, H*cell, W*cell]: its mosaic in [-1, 1], then zeros."""
-    mosaic = token_mosaic(tokens, grid_hw, palette, cell) * 2 - 1
-    return torch.cat([mosaic, mosaic.new_zeros(mosaic.shape[0], channels - 3, *mosaic.shape[2:])], 1)
-
-
 def random_grids(batch, grid_hw, codebook_size, generator):
     """Training grids [batch, H*W], each from a sub-palette of 1, 2, 4 or all colours (uniform
     fields and two-colour shapes as familiar to the renderer as confetti)."""
@@ -2416,7 +2397,8 @@ def train_tiny_renderer(pipe, settings, seed):
         hw = tuple(settings["dit_grids"][step % len(settings["dit_grids"])])
         timesteps, _ = dit_schedule(pipe, 32 * hw[0], 32 * hw[1], settings["inference_steps"])   # sets the scheduler
         tokens = random_grids(batch, hw, codebook, generator)                            # [B, H*W]
-        x0 = colour_latents(tokens, hw, palette, channels, cell)                         # [B, C, h, w]
+        mosaic = token_mosaic(tokens, hw, palette, cell) * 2 - 1                        # [B, 3, h, w] in [-1, 1]
+        x0 = torch.cat([mosaic, mosaic.new_zeros(batch, channels - 3, *mosaic.shape[2:])], 1)  # [B, C, h, w]
         t = timesteps[torch.randint(len(timesteps), (batch,), generator=generator)]
         eps = torch.randn(x0.shape, generator=generator)
         x_t = pipe.scheduler.scale_noise(x0, t, eps)
@@ -2436,30 +2418,28 @@ def quiet_progress_bars():
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
-    was = diffusers_logging.is_progress_bar_enabled(), transformers_logging.is_progress_bar_enabled()
-    diffusers_logging.disable_progress_bar(), transformers_logging.disable_progress_bar()
+    shown = [lib for lib in (diffusers_logging, transformers_logging) if lib.is_progress_bar_enabled()]
+    for lib in shown:
+        lib.disable_progress_bar()
     try:
         yield
     finally:
-        if was[0]:
-            diffusers_logging.enable_progress_bar()
-        if was[1]:
-            transformers_logging.enable_progress_bar()
+        for lib in shown:
+            lib.enable_progress_bar()
 
 
 def tiny_cache_key(seed, settings):
-    """A hash of all that shapes the built model: seed, settings, format, library versions and the
-    source of the functions that build and train it (an edit to any of them builds a new model)."""
+    """A hash of all that shapes the built model: seed, settings, library versions and the source of
+    the functions that build and train it (an edit to any of them builds a new model)."""
     import inspect
 
     import diffusers
     import transformers
 
-    code = [inspect.getsource(f) for f in (build_tiny_tokenizer, build_tiny_pipeline, colour_vae, tiny_palette,
-                                            token_mosaic, colour_latents, random_grids, train_tiny_renderer,
-                                            dit_schedule, dit_condition, dit_velocity, write_source_caches,
-                                            policy_generation_config, image_token_suppression)]
-    parts = {"format": TINY_RENDERER_FORMAT, "seed": seed, "settings": settings, "code": code,
+    code = [inspect.getsource(f) for f in (build_tiny_pipeline, colour_vae, tiny_palette, token_mosaic, random_grids,
+                                            train_tiny_renderer, dit_schedule, dit_condition, dit_velocity,
+                                            write_source_caches, policy_generation_config, image_token_suppression)]
+    parts = {"format": "grpo_glm-tiny-renderer-v1", "seed": seed, "settings": settings, "code": code,
              "constants": [TINY_CODEBOOK, TINY_VISION_VOCAB, TINY_CHAT_TEMPLATE],
              "versions": [torch.__version__, diffusers.__version__, transformers.__version__]}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -2475,9 +2455,8 @@ def tiny_cache_is_complete(path, key):
     try:
         manifest = json.loads((path / TINY_MANIFEST).read_text(encoding="utf-8"))
         files = manifest["files"]
-        weighted = all(any(name.startswith(f"{component}/") and name.endswith(".safetensors") for name in files)
-                       for component in TINY_WEIGHTED)
-        return manifest["key"] == key and weighted and all(
+        weighted = {name.split("/")[0] for name in files if name.endswith(".safetensors")}
+        return manifest["key"] == key and weighted >= set(TINY_WEIGHTED) and all(
             hashlib.sha256((path / name).read_bytes()).hexdigest() == digest for name, digest in files.items())
     except (OSError, ValueError, KeyError, TypeError):
         return False
@@ -2508,11 +2487,11 @@ def tiny_pipeline_dir(seed=0, settings=None):
             shutil.rmtree(final)
         for stale in root.glob(f".{final.name}.tmp-*"):     # left by a killed build, never loaded
             shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
-        try:
-            start = time.time()
-            print(f"building --model tiny (seed {seed}): a random AR, and a renderer (DiT) pre-trained on token "
-                  f"mosaics for {settings['dit_steps']} steps, once ...", end=" ", flush=True)
+        start = time.time()
+        print(f"building --model tiny (seed {seed}): a random AR, and a renderer (DiT) pre-trained on token "
+              f"mosaics for {settings['dit_steps']} steps, once ...", end=" ", flush=True)
+        # removed on an error; renamed into place, whole, after its manifest
+        with tempfile.TemporaryDirectory(prefix=f".{final.name}.tmp-", dir=root, ignore_cleanup_errors=True) as tmp:
             with torch.random.fork_rng(devices=[]):
                 pipe = build_tiny_pipeline(seed, renderer="mosaic")
                 pipe.set_progress_bar_config(disable=True)
@@ -2523,16 +2502,11 @@ def tiny_pipeline_dir(seed=0, settings=None):
             with quiet_progress_bars():
                 pipe.save_pretrained(tmp)
             files = {str(p.relative_to(tmp)): hashlib.sha256(p.read_bytes()).hexdigest()
-                     for p in sorted(tmp.rglob("*")) if p.is_file()}
-            atomic_write_bytes(tmp / TINY_MANIFEST, json.dumps(
-                {"key": key, "seed": seed, "settings": settings, "final_loss": loss, "files": files},
-                indent=1).encode())
+                     for p in sorted(Path(tmp).rglob("*")) if p.is_file()}
+            manifest = {"key": key, "seed": seed, "settings": settings, "final_loss": loss, "files": files}
+            (Path(tmp) / TINY_MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
             os.rename(tmp, final)
-            print(f"done in {time.time() - start:.0f} s (flow-matching loss {loss:.4f}), cached in {final}", flush=True)
-        except BaseException:
-            print("failed", flush=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        print(f"done in {time.time() - start:.0f} s (flow-matching loss {loss:.4f}), cached in {final}", flush=True)
     return final
 
 
