@@ -2517,16 +2517,12 @@ def tiny_pipeline_dir(seed=0, settings=None):
 # WORLD_SIZE in their environment). --prompts-per-step is the global count, cut into K contiguous
 # blocks (DanceGRPO's layout): each rank samples, decodes, rewards and standardises whole groups of
 # its own, so the advantages need no communication. What crosses ranks: the gradient average
-# (DDP's all-reduce, FSDP's reduce-scatter) and a few scalars per step (metrics, the skip and stop
-# decisions: all_reduce_scalars). Rank 0 alone writes metrics, samples and checkpoints.
-# Why 1 process and K sample and train the same: a group's tokens are drawn from a seed of (seed,
-# step, slot), its DiT noise from (seed, prompt), and every forward covers one micro-batch of rows
-# cut the same way on any K (by default one group; the DiT one prompt's group, see dit_velocity).
-# So the samples are the same, and the weights are too, up to the order of floating-point sums. In
-# fp32 that order shows: AdamW divides each coordinate by its own size, and coordinates that are 0
-# but for rounding (~1e-9, near its eps) then move apart by up to ~lr/10 (README, Measurements); in
-# float64 (--dtype float64) 1 and K processes agree to rounding, as the tests check. A checkpoint
-# written at one world size resumes exactly at another.
+# (DDP's all-reduce, FSDP's reduce-scatter) and a few scalars per step (all_reduce_scalars). Rank 0
+# alone writes metrics, samples and checkpoints. 1 process and K sample the same: a group's tokens
+# come from a seed of (seed, step, slot), its DiT noise from (seed, prompt), and every forward covers
+# one micro-batch cut the same way on any K. The weights agree up to the order of floating-point
+# sums, which fp32 AdamW magnifies on near-zero coordinates (README, Measurements); in float64 1 and
+# K processes agree to rounding, as the tests check. A checkpoint resumes at any world size.
 
 def float64_throughout(pipe):
     """--dtype float64 runs every weight-dependent sum in float64. Two library functions round to
@@ -2570,8 +2566,7 @@ def init_distributed(args):
                             timeout=datetime.timedelta(seconds=args.dist_timeout))
 
 
-def launched_world_size():
-    """The process count torchrun set in the environment (readable before the group is joined)."""
+def launched_world_size():      # torchrun's process count, readable before the group is joined
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -2587,8 +2582,7 @@ def world_size():
     return dist.get_world_size() if is_ddp() else 1
 
 
-def collective_device():
-    """nccl reduces CUDA tensors only, gloo CPU ones."""
+def collective_device():        # nccl reduces CUDA tensors only, gloo CPU ones
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
@@ -2599,9 +2593,8 @@ def rank_slots(prompts_per_step):
 
 
 def wrap_for_training(model, device):
-    """DistributedDataParallel around a module that trains: its backward averages the gradients, so
-    every rank's AdamW takes the same step. Only the training forward goes through it (no `.generate`:
-    no-grad passes use unwrap(model)). Buffers are not broadcast: none changes during training."""
+    """DDP around a module that trains (its backward averages the gradients), for the training
+    forward only: no-grad passes and `.generate` use unwrap(model). No buffer changes in training."""
     if not is_ddp() or is_sharded(model):        # FSDP2 shards in place and averages by itself
         return model
     from torch.nn.parallel import DistributedDataParallel
@@ -2611,7 +2604,6 @@ def wrap_for_training(model, device):
 
 
 def unwrap(model):
-    """The module inside a DDP wrapper, else the model."""
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
@@ -2632,19 +2624,16 @@ def all_ranks_agree(flag):
     return all_reduce_scalars([bool(flag)], dist.ReduceOp.MIN)[0] == 1
 
 
-MAX_METRICS = ("logp_diff_max",)
-
-
 def reduce_metrics(row):
-    """A metrics row averaged over ranks (maxima for MAX_METRICS). Every rank holds as many samples
-    of the same length, so the mean of the per-rank means is the global mean."""
+    """A metrics row averaged over ranks (logp_diff_max: the maximum). Every rank holds as many
+    samples of the same length, so the mean of the per-rank means is the global mean."""
     if not is_ddp():
         return row
     keys = [k for k in row if k != "step"]
     values = [float(row[k]) for k in keys]
     total, peak = all_reduce_scalars(values, dist.ReduceOp.SUM), all_reduce_scalars(values, dist.ReduceOp.MAX)
-    reduced = {k: peak[i] if k in MAX_METRICS else total[i] / world_size() for i, k in enumerate(keys)}
-    return {"step": row["step"], **{k: type(row[k])(v) for k, v in reduced.items()}}
+    reduced = [peak[i] if k == "logp_diff_max" else total[i] / world_size() for i, k in enumerate(keys)]
+    return {"step": row["step"], **{k: type(row[k])(v) for k, v in zip(keys, reduced)}}
 
 
 def collective_failed(error):
@@ -2669,25 +2658,19 @@ def is_sharded(model):
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
-@functools.cache
-def device_mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(collective_device().type, (world_size(),))
-
-
 def shard_for_training(model, params, args, reference=None):
     """--fsdp under torchrun: shards `model` and its frozen KL `reference` in place; returns the
     trainable parameters, new DTensors that AdamW must be built on (else `params`). bf16: trained
     shards in fp32 (AdamW's updates of a bf16 weight round away), gathered as bf16, reduced in fp32."""
     if not (args.fsdp and is_ddp()):
         return params
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # The DiT returns a view (its unpatchify); FSDP2 warns in case the caller modifies it in place,
     # which would skip its pre-backward hook. Nothing here does (dit_velocity is out of place).
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    policy = MixedPrecisionPolicy()
+    mesh, policy = init_device_mesh(collective_device().type, (world_size(),)), MixedPrecisionPolicy()
     if args.dtype == "bfloat16":
         from diffusers.training_utils import cast_training_params
 
@@ -2697,10 +2680,10 @@ def shard_for_training(model, params, args, reference=None):
         if module is None:
             continue
         for unit in sharded_layers(module):
-            fully_shard(unit, mesh=device_mesh(), mp_policy=policy)
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
         # FSDP2 keeps a root's weights gathered after its forward (backward needs them at once), and
         # a root that never runs backward would keep them for good: the reference reshards at once.
-        fully_shard(module, mesh=device_mesh(), mp_policy=policy,
+        fully_shard(module, mesh=mesh, mp_policy=policy,
                     reshard_after_forward=True if module is reference else None)
     return [p for p in model.parameters() if p.requires_grad]
 
