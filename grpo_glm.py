@@ -2225,15 +2225,13 @@ def restore_checkpoint(ckpt, path, model, optimizer, lr_scheduler):
 
 TINY_CODEBOOK = 64                       # real: 16384
 TINY_VISION_VOCAB = TINY_CODEBOOK + 16   # real: 16512 (codebook + 128 special ids)
-# A minimal stand-in chat template (the real processor ships its own). A source image sits between
-# image start and end tokens: get_rope_index finds source images by those markers (and gives them
-# 2-D positions); a bare <|image|> would be numbered like text.
+# A stand-in chat template. A source image sits between image start and end tokens: get_rope_index
+# finds it by those markers (2-D positions); a bare <|image|> would be numbered like text.
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
                       "<|dit_token_16384|><|image|><|dit_token_16385|>"
                       "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}")
 TINY_RENDERER = dict(        # everything that shapes the training (all of it enters the cache key)
-    dit_steps=800, dit_lr=3e-3, batch=8, dit_grids=((2, 2), (3, 3), (4, 4), (3, 2)), inference_steps=4,
-)
+    dit_steps=800, dit_lr=3e-3, batch=8, dit_grids=((2, 2), (3, 3), (4, 4), (3, 2)), inference_steps=4)
 
 
 def build_tiny_pipeline(seed=0, ar_init_range=0.02, renderer="random"):
@@ -2258,10 +2256,9 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, renderer="random"):
         bos_token="<|dit_token_16384|>", eos_token="<|dit_token_16385|>", pad_token="<pad>", unk_token="<unk>",
         padding_side="left",
         extra_special_tokens={"image_token": "<|image|>", "grid_bos_token": "<sop>", "grid_eos_token": "<eop>"})
-    # GLM-Image's image processor settings but min_pixels: the real 512^2 would upscale a small
-    # source, while the pipeline VAE-encodes it at its own size (the DiT's source tokens would not line up).
-    image_processor = GlmImageImageProcessorPil(patch_size=16, temporal_patch_size=1, merge_size=1,
-                                                min_pixels=32 * 32, max_pixels=2048 * 2048,
+    # The real min_pixels 512^2 would upscale a small source, while the pipeline VAE-encodes it at its
+    # own size (the DiT's source tokens would not line up).
+    image_processor = GlmImageImageProcessorPil(**dict(REAL_IMAGE_PROCESSOR, min_pixels=32 * 32),
                                                 image_mean=[0.5] * 3, image_std=[0.5] * 3)
     processor = GlmImageProcessor(image_processor=image_processor, tokenizer=tokenizer,
                                   chat_template=TINY_CHAT_TEMPLATE)
@@ -2279,15 +2276,13 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, renderer="random"):
         vision_config=dict(depth=1, hidden_size=32, num_heads=2, image_size=64, patch_size=16, intermediate_size=32),
         vq_config=dict(embed_dim=32, num_embeddings=TINY_CODEBOOK, latent_channels=32),
         image_token_id=tokenizer.convert_tokens_to_ids("<|image|>"),
-        image_start_token_id=TINY_CODEBOOK, image_end_token_id=TINY_CODEBOOK + 1,
-    )
+        image_start_token_id=TINY_CODEBOOK, image_end_token_id=TINY_CODEBOOK + 1)
     ar = GlmImageForConditionalGeneration(ar_config)
     if mosaic:
-        # At the default init a grid token's logits are set by the random token before it (the
-        # input embedding dominates a 2-layer residual stream), and GRPO would learn one colour for
-        # every cell of every prompt. Equal image-token embeddings (a cell's choice depends on the
-        # prompt and its place, not on the tokens drawn before it) and q/k at 16x the init (attention
-        # sharp enough to tell prompts apart) let lm_head read each (prompt, cell) off its own features.
+        # At the default init the random token before a grid token sets its logits (the input
+        # embedding dominates 2 layers), and GRPO would learn one colour for every cell. Equal
+        # image-token embeddings (a cell depends on the prompt and its place) and q/k at 16x the init
+        # (attention sharp enough to tell prompts apart) let lm_head read each (prompt, cell) apart.
         with torch.no_grad():
             image_embeddings = ar.model.language_model.embed_tokens.weight[:TINY_VISION_VOCAB]
             image_embeddings.copy_(image_embeddings.mean(0).expand_as(image_embeddings))
@@ -2440,7 +2435,7 @@ def tiny_cache_key(seed, settings):
                                             train_tiny_renderer, dit_schedule, dit_condition, dit_velocity,
                                             write_source_caches, policy_generation_config, image_token_suppression)]
     parts = {"format": "grpo_glm-tiny-renderer-v1", "seed": seed, "settings": settings, "code": code,
-             "constants": [TINY_CODEBOOK, TINY_VISION_VOCAB, TINY_CHAT_TEMPLATE],
+             "constants": [TINY_CODEBOOK, TINY_VISION_VOCAB, TINY_CHAT_TEMPLATE, REAL_IMAGE_PROCESSOR],
              "versions": [torch.__version__, diffusers.__version__, transformers.__version__]}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -2926,8 +2921,7 @@ def trainable_tensors(ar, lora_rank):
 
 def memory_plan(components, height, width, samples, prompt_tokens=64, ranks=(64, 16), mode="t2i",
                 image_processor=None, bytes_per=2, foreach=True, beta=0.0):
-    """The AR's rows per training mode, without and with checkpointing; (rows, parameter counts,
-    tokens per sample)."""
+    """(the AR's rows per mode, without and with checkpointing; parameter counts; tokens per sample)"""
     ar = components["ar"]
     counts = {name: numel(module) for name, module in components.items()}
     frozen = {k: bytes_per * v for k, v in counts.items() if k != "ar"}
@@ -2953,6 +2947,7 @@ def memory_plan(components, height, width, samples, prompt_tokens=64, ranks=(64,
                          "peak_offload": resident + max(u["peak"], u["grads"] + max(frozen.values())),
                          "peak_no_offload": resident + max(u["peak"], u["grads"]) + sum(frozen.values())})
     return rows, counts, prompt_len + generated
+
 
 def dit_lora_parameter_count(dit, rank):
     return sum(rank * (m.in_features + m.out_features) for n, m in dit.named_modules()
@@ -3064,13 +3059,6 @@ def fsdp_memory_plan(components, gpus, height, width, samples, batch, cfg, promp
     return rows
 
 
-def print_table(columns, rows, cell):
-    """A markdown table: `columns` maps each header to its row key, cell(key, value) writes a value."""
-    print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
-    for row in rows:
-        print("| " + " | ".join(cell(key, row[key]) for key in columns.values()) + " |")
-
-
 def print_memory_plan(args):
     validate_plan_args(args)
     components, image_processor = plan_components(args)
@@ -3092,6 +3080,11 @@ def print_memory_plan(args):
             return f"{value / count_div:.1f} {count_name}"
         return str(value) if key in ("mode", "micro_batch", "gpus") else f"{value / unit:.1f}"
 
+    def print_table(columns, rows):      # a markdown table; `columns` maps each header to its row key
+        print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
+        for row in rows:
+            print("| " + " | ".join(cell(key, row[key]) for key in columns.values()) + " |")
+
     print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count_div:,.1f} {count_name}" for k, v in counts.items()))
     source = f" incl. the source's {source_tokens(args.height, args.width, image_processor)} VQ tokens"
     print(f"--mode {args.mode}, teacher-forced pass: {samples} samples x {tokens} tokens ({prompt_len} prompt"
@@ -3099,15 +3092,16 @@ def print_memory_plan(args):
           f" in {unit_name}, bf16 weights, torch's AdamW (foreach)"
           + (", KL reference copy for full fine-tuning" if args.beta > 0 else "") + "\n")
     states = {"grads": "grads", "AdamW": "adam"}
-    print_table({"mode": "mode", "grad ckpt": "grad_ckpt", "micro-batch": "micro_batch", "trainable": "trainable_params",
-                 "AR weights": "ar_weights", **states, "activations": "activations", "update peak": "update_peak",
-                 "peak, offload": "peak_offload", "peak, no offload": "peak_no_offload"}, rows, cell)
+    print_table({"mode": "mode", "grad ckpt": "grad_ckpt", "micro-batch": "micro_batch",
+                 "trainable": "trainable_params", "AR weights": "ar_weights", **states, "activations": "activations",
+                 "update peak": "update_peak", "peak, offload": "peak_offload", "peak, no offload": "peak_no_offload"},
+                rows)
     ar_row = next(r for r in rows if r["mode"] == f"lora-{ranks[0]}" and r["grad_ckpt"])
     print(f"\nDiT (Flow-GRPO, --policy dit|both): one denoising step's forward over {batch} samples, "
           f"CFG {'on' if cfg else 'off'}; 'both' adds the AR's {ar_row['mode']} weights, grads and AdamW")
     print_table({"DiT mode": "mode", "grad ckpt": "grad_ckpt", "trainable": "trainable_params",
                  "DiT weights": "dit_weights", **states, "activations": "activations", "peak, dit": "peak_dit",
-                 "peak, both": "peak_both"}, dit_memory_plan(components, args.height, args.width, batch, cfg, ar_row), cell)
+                 "peak, both": "peak_both"}, dit_memory_plan(components, args.height, args.width, batch, cfg, ar_row))
     if not args.plan_gpus:
         print("\n(--plan-gpus K adds the per-GPU rows of --fsdp, full fine-tuning sharded over K GPUs)")
         return
@@ -3116,7 +3110,8 @@ def print_memory_plan(args):
     for half, title, peaks in [
         ("AR", "--fsdp, full fine-tuning, per GPU on K GPUs: fp32 shards of the trained weights, their gradients and "
                f"AdamW (16 bytes per parameter / K), the bf16 root + 2 layers gathered, a micro-batch of {samples}; "
-               "frozen parts offloaded", {"update peak": "update_peak", "sampling peak": "sampling_peak", "peak": "peak"}),
+               "frozen parts offloaded", {"update peak": "update_peak", "sampling peak": "sampling_peak",
+                                          "peak": "peak"}),
         ("DiT", f"DiT under --fsdp, per GPU: one denoising step over {batch} / K samples; 'dit' keeps the frozen AR "
                 "whole on every GPU, 'both' its shards, gradients and AdamW (fewer bytes from about K = 8)",
          {"peak, dit": "peak_dit", "peak, both": "peak_both"})]:
@@ -3124,7 +3119,7 @@ def print_memory_plan(args):
                   for r in fsdp]
         print("\n" + title)
         print_table({"GPUs": "gpus", "grad ckpt": "grad_ckpt", f"{half} weights": "weights", **states,
-                     "gathered": "gathered", "activations": "activations", **peaks}, shards, cell)
+                     "gathered": "gathered", "activations": "activations", **peaks}, shards)
 
 
 # =============================================================================================
