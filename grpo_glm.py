@@ -2445,8 +2445,7 @@ TINY_MANIFEST = "grpo_glm_tiny.json"   # written last: a directory without it (o
 
 
 def tiny_cache_is_complete(path, key):
-    """True only for a finished build of `key` whose files all match the manifest's sha256, with
-    weights for every model."""
+    """True only for a finished build of `key`, weights for every model, all files as their sha256."""
     try:
         manifest = json.loads((path / TINY_MANIFEST).read_text(encoding="utf-8"))
         files = manifest["files"]
@@ -2554,9 +2553,8 @@ def init_distributed(args):
     if launched_world_size() == 1:
         return
     if args.device == "cuda":
-        local_rank = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local_rank)
-        args.device = f"cuda:{local_rank}"
+        args.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+        torch.cuda.set_device(args.device)
     dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo",
                             timeout=datetime.timedelta(seconds=args.dist_timeout))
 
