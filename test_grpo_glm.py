@@ -1032,7 +1032,8 @@ def test_memory_plan_matches_a_hand_count_on_the_tiny_model(tmp_path):
     real = {"ar": pipe.vision_language_encoder, "dit": pipe.transformer, "glyph_t5": pipe.text_encoder, "vae": pipe.vae}
     assert counts == {k: sum(p.numel() for p in m.parameters()) for k, m in real.items()}
     assert tokens == 10 + 16 * 16 + 2 * 2 + 1
-    assert g.source_tokens(64, 64, g.plan_components(g.parse_args(["--plan", "--model", str(tmp_path / "tiny")]))[1]) == 2 * 2     # i2i: its own processor
+    saved_processor = g.plan_components(g.parse_args(["--plan", "--model", str(tmp_path / "tiny")]))[1]
+    assert g.source_tokens(64, 64, saved_processor) == 2 * 2     # i2i: its own processor
     # LoRA rank 4 on q, k, v, o, gate_up, down of 2 layers (hidden 64, kv 2 heads x 16, intermediate 128):
     per_layer = 4 * ((64 + 64) + (64 + 32) + (64 + 32) + (64 + 64) + (64 + 256) + (128 + 64))
     lora = next(r for r in rows if r["mode"] == "lora-4" and not r["grad_ckpt"])
