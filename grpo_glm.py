@@ -2174,65 +2174,49 @@ def restore_checkpoint(ckpt, path, model, optimizer, lr_scheduler):
 # =============================================================================================
 # `--model tiny` is GLM-Image at toy size, built from the real classes (build_tiny_pipeline). Its
 # AR stays random: learning what to paint from the prompt is GRPO's job. A random DiT + VAE would
-# paint colour noise whatever the tokens say, and nothing GRPO does would show in the pictures; so
-# the renderer learns a synthetic task: codebook id k means palette colour k, and a token grid's
-# truth is its "mosaic", every 32-px cell filled with its token's colour. The VAE's latent carries
-# the colour (channels 0-2 = the cell's colour in [-1, 1] per 8-px latent pixel): the VAE decoder
-# is set to paint it (colour_vae), and the DiT learns by flow matching prior tokens -> that latent
-# (train_tiny_renderer, ~15 s of CPU). The result is saved with save_pretrained to a cache
-# directory and loaded with from_pretrained, the path a user's own checkpoint takes
-# (tiny_pipeline_dir). Tests also use the untrained variant, renderer="random" (random DiT and VAE,
-# ~1 s), where only the code path matters.
+# paint colour noise whatever the tokens say, so the renderer learns a synthetic task: codebook id
+# k means palette colour k, and a token grid's truth is its "mosaic", every 32-px cell in its
+# token's colour. The VAE decoder is set by hand to paint latent channels 0-2 (colour_vae), and the
+# DiT learns by flow matching prior tokens -> that latent (train_tiny_renderer, ~15 s of CPU). The
+# result is cached with save_pretrained and loaded with from_pretrained, as a user's own checkpoint
+# is (tiny_pipeline_dir). Tests also use renderer="random" (random DiT and VAE, ~1 s).
 
 TINY_CODEBOOK = 64                       # real: 16384
 TINY_VISION_VOCAB = TINY_CODEBOOK + 16   # real: 16512 (codebook + 128 special ids)
-# A minimal stand-in chat template (the real processor ships its own). A source image sits between
-# image start and end tokens: get_rope_index finds source images by those markers (and gives them
-# 2-D positions); a bare <|image|> would be numbered like text.
+# A stand-in chat template. A source image sits between image start and end tokens: get_rope_index
+# finds it by those markers (2-D positions); a bare <|image|> would be numbered like text.
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
                       "<|dit_token_16384|><|image|><|dit_token_16385|>"
                       "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}")
-TINY_RENDERER_FORMAT = "grpo_glm-tiny-renderer-v1"
 TINY_RENDERER = dict(        # everything that shapes the training (all of it enters the cache key)
-    dit_steps=800, dit_lr=3e-3, batch=8, dit_grids=((2, 2), (3, 3), (4, 4), (3, 2)), inference_steps=4,
-)
-
-
-def build_tiny_tokenizer():
-    """A character-level tokenizer: the image tokens first (as in the real one, where the bos
-    '<|dit_token_16384|>' is image_start_token_id), printable ASCII, GlmImageProcessor's specials."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    image_tokens = [f"<|dit_token_{i}|>" for i in range(TINY_CODEBOOK)]
-    image_tokens += [f"<|dit_token_{16384 + i}|>" for i in range(TINY_VISION_VOCAB - TINY_CODEBOOK)]
-    chars = [chr(c) for c in range(32, 127)]
-    specials = ["<|image|>", "<sop>", "<eop>", "<pad>", "<unk>"]
-    vocab = {t: i for i, t in enumerate(image_tokens + chars + specials)}
-    # BPE with no merges = one token per character; the special tokens match as whole strings.
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<|dit_token_16384|>", eos_token="<|dit_token_16385|>",
-        pad_token="<pad>", unk_token="<unk>", padding_side="left",
-        extra_special_tokens={"image_token": "<|image|>", "grid_bos_token": "<sop>", "grid_eos_token": "<eop>"},
-    )
+    dit_steps=800, dit_lr=3e-3, batch=8, dit_grids=((2, 2), (3, 3), (4, 4), (3, 2)), inference_steps=4)
 
 
 def build_tiny_pipeline(seed=0, ar_init_range=0.02, renderer="random"):
     """GLM-Image at toy size, seeded: renderer "random" or "mosaic" (the banner). `ar_init_range` >
     0.02 sharpens the AR's logits (tests: wrong M-RoPE positions then change log-probs visibly)."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, GlmImagePipeline, GlmImageTransformer2DModel
+    from tokenizers import Tokenizer, models
     from transformers import (ByT5Tokenizer, GlmImageConfig, GlmImageForConditionalGeneration, GlmImageProcessor,
-                              T5Config, T5EncoderModel)
+                              PreTrainedTokenizerFast, T5Config, T5EncoderModel)
     from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
 
     torch.manual_seed(seed)
     mosaic = renderer == "mosaic"
-    tokenizer = build_tiny_tokenizer()
-    # GLM-Image's image processor settings but min_pixels: the real 512^2 would upscale a small
-    # source, while the pipeline VAE-encodes it at its own size (the DiT's source tokens would not line up).
-    image_processor = GlmImageImageProcessorPil(patch_size=16, temporal_patch_size=1, merge_size=1,
-                                                min_pixels=32 * 32, max_pixels=2048 * 2048,
+    # A character-level tokenizer (BPE with no merges): the image tokens first (as in the real one,
+    # where the bos '<|dit_token_16384|>' is image_start_token_id), printable ASCII, the processor's specials.
+    image_tokens = [f"<|dit_token_{i}|>" for i in range(TINY_CODEBOOK)]
+    image_tokens += [f"<|dit_token_{16384 + i}|>" for i in range(TINY_VISION_VOCAB - TINY_CODEBOOK)]
+    specials = ["<|image|>", "<sop>", "<eop>", "<pad>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(image_tokens + [chr(c) for c in range(32, 127)] + specials)}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>")),
+        bos_token="<|dit_token_16384|>", eos_token="<|dit_token_16385|>", pad_token="<pad>", unk_token="<unk>",
+        padding_side="left",
+        extra_special_tokens={"image_token": "<|image|>", "grid_bos_token": "<sop>", "grid_eos_token": "<eop>"})
+    # The real min_pixels 512^2 would upscale a small source, while the pipeline VAE-encodes it at its
+    # own size (the DiT's source tokens would not line up).
+    image_processor = GlmImageImageProcessorPil(**dict(REAL_IMAGE_PROCESSOR, min_pixels=32 * 32),
                                                 image_mean=[0.5] * 3, image_std=[0.5] * 3)
     processor = GlmImageProcessor(image_processor=image_processor, tokenizer=tokenizer,
                                   chat_template=TINY_CHAT_TEMPLATE)
@@ -2250,15 +2234,13 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, renderer="random"):
         vision_config=dict(depth=1, hidden_size=32, num_heads=2, image_size=64, patch_size=16, intermediate_size=32),
         vq_config=dict(embed_dim=32, num_embeddings=TINY_CODEBOOK, latent_channels=32),
         image_token_id=tokenizer.convert_tokens_to_ids("<|image|>"),
-        image_start_token_id=TINY_CODEBOOK, image_end_token_id=TINY_CODEBOOK + 1,
-    )
+        image_start_token_id=TINY_CODEBOOK, image_end_token_id=TINY_CODEBOOK + 1)
     ar = GlmImageForConditionalGeneration(ar_config)
     if mosaic:
-        # At the default init a grid token's logits are set by the random token before it (the
-        # input embedding dominates a 2-layer residual stream), and GRPO would learn one colour for
-        # every cell of every prompt. Equal image-token embeddings (a cell's choice depends on the
-        # prompt and its place, not on the tokens drawn before it) and q/k at 16x the init (attention
-        # sharp enough to tell prompts apart) let lm_head read each (prompt, cell) off its own features.
+        # At the default init the random token before a grid token sets its logits (the input
+        # embedding dominates 2 layers), and GRPO would learn one colour for every cell. Equal
+        # image-token embeddings (a cell depends on the prompt and its place) and q/k at 16x the init
+        # (attention sharp enough to tell prompts apart) let lm_head read each (prompt, cell) apart.
         with torch.no_grad():
             image_embeddings = ar.model.language_model.embed_tokens.weight[:TINY_VISION_VOCAB]
             image_embeddings.copy_(image_embeddings.mean(0).expand_as(image_embeddings))
@@ -2305,12 +2287,6 @@ def token_mosaic(tokens, grid_hw, palette, cell=32):
     H, W = grid_hw
     colours = palette[tokens].view(-1, H, W, 3).permute(0, 3, 1, 2)
     return colours.repeat_interleave(cell, 2).repeat_interleave(cell, 3)
-
-
-def colour_latents(tokens, grid_hw, palette, channels, cell):
-    """The latent a grid decodes from [N, channels, H*cell, W*cell]: its mosaic in [-1, 1], then zeros."""
-    mosaic = token_mosaic(tokens, grid_hw, palette, cell) * 2 - 1
-    return torch.cat([mosaic, mosaic.new_zeros(mosaic.shape[0], channels - 3, *mosaic.shape[2:])], 1)
 
 
 def random_grids(batch, grid_hw, codebook_size, generator):
@@ -2374,7 +2350,8 @@ def train_tiny_renderer(pipe, settings, seed):
         hw = tuple(settings["dit_grids"][step % len(settings["dit_grids"])])
         timesteps, _ = dit_schedule(pipe, 32 * hw[0], 32 * hw[1], settings["inference_steps"])   # sets the scheduler
         tokens = random_grids(batch, hw, codebook, generator)                            # [B, H*W]
-        x0 = colour_latents(tokens, hw, palette, channels, cell)                         # [B, C, h, w]
+        mosaic = token_mosaic(tokens, hw, palette, cell) * 2 - 1                        # [B, 3, h, w] in [-1, 1]
+        x0 = torch.cat([mosaic, mosaic.new_zeros(batch, channels - 3, *mosaic.shape[2:])], 1)  # [B, C, h, w]
         t = timesteps[torch.randint(len(timesteps), (batch,), generator=generator)]
         eps = torch.randn(x0.shape, generator=generator)
         x_t = pipe.scheduler.scale_noise(x0, t, eps)
@@ -2394,31 +2371,29 @@ def quiet_progress_bars():
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
-    was = diffusers_logging.is_progress_bar_enabled(), transformers_logging.is_progress_bar_enabled()
-    diffusers_logging.disable_progress_bar(), transformers_logging.disable_progress_bar()
+    shown = [lib for lib in (diffusers_logging, transformers_logging) if lib.is_progress_bar_enabled()]
+    for lib in shown:
+        lib.disable_progress_bar()
     try:
         yield
     finally:
-        if was[0]:
-            diffusers_logging.enable_progress_bar()
-        if was[1]:
-            transformers_logging.enable_progress_bar()
+        for lib in shown:
+            lib.enable_progress_bar()
 
 
 def tiny_cache_key(seed, settings):
-    """A hash of all that shapes the built model: seed, settings, format, library versions and the
-    source of the functions that build and train it (an edit to any of them builds a new model)."""
+    """A hash of all that shapes the built model: seed, settings, library versions and the source of
+    the functions that build and train it (an edit to any of them builds a new model)."""
     import inspect
 
     import diffusers
     import transformers
 
-    code = [inspect.getsource(f) for f in (build_tiny_tokenizer, build_tiny_pipeline, colour_vae, tiny_palette,
-                                            token_mosaic, colour_latents, random_grids, train_tiny_renderer,
-                                            dit_schedule, dit_condition, dit_velocity, write_source_caches,
-                                            policy_generation_config, image_token_suppression)]
-    parts = {"format": TINY_RENDERER_FORMAT, "seed": seed, "settings": settings, "code": code,
-             "constants": [TINY_CODEBOOK, TINY_VISION_VOCAB, TINY_CHAT_TEMPLATE],
+    code = [inspect.getsource(f) for f in (build_tiny_pipeline, colour_vae, tiny_palette, token_mosaic, random_grids,
+                                            train_tiny_renderer, dit_schedule, dit_condition, dit_velocity,
+                                            write_source_caches, policy_generation_config, image_token_suppression)]
+    parts = {"format": "grpo_glm-tiny-renderer-v1", "seed": seed, "settings": settings, "code": code,
+             "constants": [TINY_CODEBOOK, TINY_VISION_VOCAB, TINY_CHAT_TEMPLATE, REAL_IMAGE_PROCESSOR],
              "versions": [torch.__version__, diffusers.__version__, transformers.__version__]}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -2428,14 +2403,12 @@ TINY_MANIFEST = "grpo_glm_tiny.json"   # written last: a directory without it (o
 
 
 def tiny_cache_is_complete(path, key):
-    """True only for a finished build of `key` whose files all match the manifest's sha256, with
-    weights for every model."""
+    """True only for a finished build of `key`, weights for every model, all files as their sha256."""
     try:
         manifest = json.loads((path / TINY_MANIFEST).read_text(encoding="utf-8"))
         files = manifest["files"]
-        weighted = all(any(name.startswith(f"{component}/") and name.endswith(".safetensors") for name in files)
-                       for component in TINY_WEIGHTED)
-        return manifest["key"] == key and weighted and all(
+        weighted = {name.split("/")[0] for name in files if name.endswith(".safetensors")}
+        return manifest["key"] == key and weighted >= set(TINY_WEIGHTED) and all(
             hashlib.sha256((path / name).read_bytes()).hexdigest() == digest for name, digest in files.items())
     except (OSError, ValueError, KeyError, TypeError):
         return False
@@ -2466,11 +2439,11 @@ def tiny_pipeline_dir(seed=0, settings=None):
             shutil.rmtree(final)
         for stale in root.glob(f".{final.name}.tmp-*"):     # left by a killed build, never loaded
             shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
-        try:
-            start = time.time()
-            print(f"building --model tiny (seed {seed}): a random AR, and a renderer (DiT) pre-trained on token "
-                  f"mosaics for {settings['dit_steps']} steps, once ...", end=" ", flush=True)
+        start = time.time()
+        print(f"building --model tiny (seed {seed}): a random AR, and a renderer (DiT) pre-trained on token "
+              f"mosaics for {settings['dit_steps']} steps, once ...", end=" ", flush=True)
+        # removed on an error; renamed into place, whole, after its manifest
+        with tempfile.TemporaryDirectory(prefix=f".{final.name}.tmp-", dir=root, ignore_cleanup_errors=True) as tmp:
             with torch.random.fork_rng(devices=[]):
                 pipe = build_tiny_pipeline(seed, renderer="mosaic")
                 pipe.set_progress_bar_config(disable=True)
@@ -2481,16 +2454,11 @@ def tiny_pipeline_dir(seed=0, settings=None):
             with quiet_progress_bars():
                 pipe.save_pretrained(tmp)
             files = {str(p.relative_to(tmp)): hashlib.sha256(p.read_bytes()).hexdigest()
-                     for p in sorted(tmp.rglob("*")) if p.is_file()}
-            atomic_write_bytes(tmp / TINY_MANIFEST, json.dumps(
-                {"key": key, "seed": seed, "settings": settings, "final_loss": loss, "files": files},
-                indent=1).encode())
+                     for p in sorted(Path(tmp).rglob("*")) if p.is_file()}
+            manifest = {"key": key, "seed": seed, "settings": settings, "final_loss": loss, "files": files}
+            (Path(tmp) / TINY_MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
             os.rename(tmp, final)
-            print(f"done in {time.time() - start:.0f} s (flow-matching loss {loss:.4f}), cached in {final}", flush=True)
-        except BaseException:
-            print("failed", flush=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        print(f"done in {time.time() - start:.0f} s (flow-matching loss {loss:.4f}), cached in {final}", flush=True)
     return final
 
 
@@ -2501,16 +2469,12 @@ def tiny_pipeline_dir(seed=0, settings=None):
 # WORLD_SIZE in their environment). --prompts-per-step is the global count, cut into K contiguous
 # blocks (DanceGRPO's layout): each rank samples, decodes, rewards and standardises whole groups of
 # its own, so the advantages need no communication. What crosses ranks: the gradient average
-# (DDP's all-reduce, FSDP's reduce-scatter) and a few scalars per step (metrics, the skip and stop
-# decisions: all_reduce_scalars). Rank 0 alone writes metrics, samples and checkpoints.
-# Why 1 process and K sample and train the same: a group's tokens are drawn from a seed of (seed,
-# step, slot), its DiT noise from (seed, prompt), and every forward covers one micro-batch of rows
-# cut the same way on any K (by default one group; the DiT one prompt's group, see dit_velocity).
-# So the samples are the same, and the weights are too, up to the order of floating-point sums. In
-# fp32 that order shows: AdamW divides each coordinate by its own size, and coordinates that are 0
-# but for rounding (~1e-9, near its eps) then move apart by up to ~lr/10 (README, Measurements); in
-# float64 (--dtype float64) 1 and K processes agree to rounding, as the tests check. A checkpoint
-# written at one world size resumes exactly at another.
+# (DDP's all-reduce, FSDP's reduce-scatter) and a few scalars per step (all_reduce_scalars). Rank 0
+# alone writes metrics, samples and checkpoints. 1 process and K sample the same: a group's tokens
+# come from a seed of (seed, step, slot), its DiT noise from (seed, prompt), and every forward covers
+# one micro-batch cut the same way on any K. The weights agree up to the order of floating-point
+# sums, which fp32 AdamW magnifies on near-zero coordinates (README, Measurements); in float64 1 and
+# K processes agree to rounding, as the tests check. A checkpoint resumes at any world size.
 
 def float64_throughout(pipe):
     """--dtype float64 runs every weight-dependent sum in float64. Two library functions round to
@@ -2547,15 +2511,13 @@ def init_distributed(args):
     if launched_world_size() == 1:
         return
     if args.device == "cuda":
-        local_rank = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local_rank)
-        args.device = f"cuda:{local_rank}"
+        args.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
+        torch.cuda.set_device(args.device)
     dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo",
                             timeout=datetime.timedelta(seconds=args.dist_timeout))
 
 
-def launched_world_size():
-    """The process count torchrun set in the environment (readable before the group is joined)."""
+def launched_world_size():      # torchrun's process count, readable before the group is joined
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -2571,8 +2533,7 @@ def world_size():
     return dist.get_world_size() if is_ddp() else 1
 
 
-def collective_device():
-    """nccl reduces CUDA tensors only, gloo CPU ones."""
+def collective_device():        # nccl reduces CUDA tensors only, gloo CPU ones
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
@@ -2583,9 +2544,8 @@ def rank_slots(prompts_per_step):
 
 
 def wrap_for_training(model, device):
-    """DistributedDataParallel around a module that trains: its backward averages the gradients, so
-    every rank's AdamW takes the same step. Only the training forward goes through it (no `.generate`:
-    no-grad passes use unwrap(model)). Buffers are not broadcast: none changes during training."""
+    """DDP around a module that trains (its backward averages the gradients), for the training
+    forward only: no-grad passes and `.generate` use unwrap(model). No buffer changes in training."""
     if not is_ddp() or is_sharded(model):        # FSDP2 shards in place and averages by itself
         return model
     from torch.nn.parallel import DistributedDataParallel
@@ -2595,7 +2555,6 @@ def wrap_for_training(model, device):
 
 
 def unwrap(model):
-    """The module inside a DDP wrapper, else the model."""
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
@@ -2616,19 +2575,16 @@ def all_ranks_agree(flag):
     return all_reduce_scalars([bool(flag)], dist.ReduceOp.MIN)[0] == 1
 
 
-MAX_METRICS = ("logp_diff_max",)
-
-
 def reduce_metrics(row):
-    """A metrics row averaged over ranks (maxima for MAX_METRICS). Every rank holds as many samples
-    of the same length, so the mean of the per-rank means is the global mean."""
+    """A metrics row averaged over ranks (logp_diff_max: the maximum). Every rank holds as many
+    samples of the same length, so the mean of the per-rank means is the global mean."""
     if not is_ddp():
         return row
     keys = [k for k in row if k != "step"]
     values = [float(row[k]) for k in keys]
     total, peak = all_reduce_scalars(values, dist.ReduceOp.SUM), all_reduce_scalars(values, dist.ReduceOp.MAX)
-    reduced = {k: peak[i] if k in MAX_METRICS else total[i] / world_size() for i, k in enumerate(keys)}
-    return {"step": row["step"], **{k: type(row[k])(v) for k, v in reduced.items()}}
+    reduced = [peak[i] if k == "logp_diff_max" else total[i] / world_size() for i, k in enumerate(keys)]
+    return {"step": row["step"], **{k: type(row[k])(v) for k, v in zip(keys, reduced)}}
 
 
 def collective_failed(error):
@@ -2653,25 +2609,19 @@ def is_sharded(model):
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
-@functools.cache
-def device_mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(collective_device().type, (world_size(),))
-
-
 def shard_for_training(model, params, args, reference=None):
     """--fsdp under torchrun: shards `model` and its frozen KL `reference` in place; returns the
     trainable parameters, new DTensors that AdamW must be built on (else `params`). bf16: trained
     shards in fp32 (AdamW's updates of a bf16 weight round away), gathered as bf16, reduced in fp32."""
     if not (args.fsdp and is_ddp()):
         return params
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # The DiT returns a view (its unpatchify); FSDP2 warns in case the caller modifies it in place,
     # which would skip its pre-backward hook. Nothing here does (dit_velocity is out of place).
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    policy = MixedPrecisionPolicy()
+    mesh, policy = init_device_mesh(collective_device().type, (world_size(),)), MixedPrecisionPolicy()
     if args.dtype == "bfloat16":
         from diffusers.training_utils import cast_training_params
 
@@ -2681,10 +2631,10 @@ def shard_for_training(model, params, args, reference=None):
         if module is None:
             continue
         for unit in sharded_layers(module):
-            fully_shard(unit, mesh=device_mesh(), mp_policy=policy)
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
         # FSDP2 keeps a root's weights gathered after its forward (backward needs them at once), and
         # a root that never runs backward would keep them for good: the reference reshards at once.
-        fully_shard(module, mesh=device_mesh(), mp_policy=policy,
+        fully_shard(module, mesh=mesh, mp_policy=policy,
                     reshard_after_forward=True if module is reference else None)
     return [p for p in model.parameters() if p.requires_grad]
 
@@ -2772,29 +2722,47 @@ REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, 
                             max_pixels=2048 * 2048)
 
 
-def saved_glm_image_on_meta(directory):
-    """The components of a saved pipeline directory, from its config.json files, on meta."""
+def glm_image_on_meta(directory=None):
+    """The weighted components on meta, from a saved pipeline directory's config.json files, or the
+    real GLM-Image's (GlmImageConfig() is its AR; the other sizes our reading of the checkpoint)."""
     from diffusers import AutoencoderKL, GlmImageTransformer2DModel
-    from transformers import AutoConfig, GlmImageForConditionalGeneration, T5EncoderModel
+    from transformers import AutoConfig, GlmImageConfig, GlmImageForConditionalGeneration, T5Config, T5EncoderModel
 
-    d = Path(directory)
+    if directory is None:
+        ar = GlmImageConfig()
+        glyph_t5 = T5Config(vocab_size=384, d_model=1472, d_kv=64, d_ff=3584, num_layers=12, num_heads=6,
+                            feed_forward_proj="gated-gelu")
+        dit = dict(patch_size=2, in_channels=16, out_channels=16, num_layers=30, attention_head_dim=128,
+                   num_attention_heads=32, text_embed_dim=1472, time_embed_dim=512, condition_dim=256,
+                   prior_vq_quantizer_codebook_size=16384)
+        vae = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 512, 1024, 1024),
+                   layers_per_block=3, down_block_types=["DownEncoderBlock2D"] * 4,
+                   up_block_types=["UpDecoderBlock2D"] * 4)
+    else:
+        d = Path(directory)
+        ar, glyph_t5 = (AutoConfig.from_pretrained(d / part) for part in ("vision_language_encoder", "text_encoder"))
+        dit, vae = GlmImageTransformer2DModel.load_config(d / "transformer"), AutoencoderKL.load_config(d / "vae")
     with torch.device("meta"):
-        return {
-            "ar": GlmImageForConditionalGeneration(AutoConfig.from_pretrained(d / "vision_language_encoder")),
-            "dit": GlmImageTransformer2DModel.from_config(GlmImageTransformer2DModel.load_config(d / "transformer")),
-            "glyph_t5": T5EncoderModel(AutoConfig.from_pretrained(d / "text_encoder")),
-            "vae": AutoencoderKL.from_config(AutoencoderKL.load_config(d / "vae")),
-        }
+        return {"ar": GlmImageForConditionalGeneration(ar), "dit": GlmImageTransformer2DModel.from_config(dit),
+                "glyph_t5": T5EncoderModel(glyph_t5), "vae": AutoencoderKL.from_config(vae)}
 
 
-def saved_image_processor(directory):
-    """The image processor a saved pipeline ships (it sets an i2i source's token count), else None."""
+def plan_components(args):
+    """(components, image processor) of --model: the tiny model, or a saved directory's or the real
+    model's on meta. A saved processor sets an i2i source's token count (None: the real settings)."""
     from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
 
+    if args.model == TINY:
+        pipe = build_tiny_pipeline(args.seed, renderer="mosaic")
+        return ({"ar": pipe.vision_language_encoder, "dit": pipe.transformer, "glyph_t5": pipe.text_encoder,
+                 "vae": pipe.vae}, pipe.processor.image_processor)
+    if not Path(args.model).is_dir():
+        return glm_image_on_meta(), None
+    components = glm_image_on_meta(args.model)
     try:
-        return GlmImageImageProcessorPil.from_pretrained(Path(directory) / "processor")
+        return components, GlmImageImageProcessorPil.from_pretrained(Path(args.model) / "processor")
     except (OSError, ValueError):
-        return None                                         # then the real checkpoint's settings
+        return components, None
 
 
 def numel(module):
@@ -2909,8 +2877,7 @@ def trainable_tensors(ar, lora_rank):
 
 def memory_plan(components, height, width, samples, prompt_tokens=64, ranks=(64, 16), mode="t2i",
                 image_processor=None, bytes_per=2, foreach=True, beta=0.0):
-    """The AR's rows per training mode, without and with checkpointing; (rows, parameter counts,
-    tokens per sample)."""
+    """(the AR's rows per mode, without and with checkpointing; parameter counts; tokens per sample)"""
     ar = components["ar"]
     counts = {name: numel(module) for name, module in components.items()}
     frozen = {k: bytes_per * v for k, v in counts.items() if k != "ar"}
@@ -2953,7 +2920,7 @@ def dit_activation_bytes(dit, height, width, samples, cfg, checkpointing, text_t
     return layers * block_inputs + 30 * block_inputs if checkpointing else layers * 30 * block_inputs
 
 
-def dit_memory_plan(components, height, width, samples, cfg, ar_row, text_tokens=64, ranks=(64,)):
+def dit_memory_plan(components, height, width, samples, cfg, ar_row):
     """--policy dit|both rows, as memory_plan's. Gradients accumulate over the trained steps beside one
     step's activations. 'dit': the frozen AR stays on the GPU; 'both' adds the trained AR (`ar_row`),
     whose activations are freed before the DiT's backward starts."""
@@ -2961,16 +2928,15 @@ def dit_memory_plan(components, height, width, samples, cfg, ar_row, text_tokens
     counts = {name: numel(module) for name, module in components.items()}
     frozen = max(2 * v for k, v in counts.items() if k not in ("dit", "ar"))     # offloaded, one at a time
     rows = []
-    for mode, trainable in [("full", counts["dit"])] + [(f"lora-{r}", dit_lora_parameter_count(dit, r)) for r in ranks]:
-        lora = mode != "full"
-        weights = 2 * counts["dit"] + (4 * trainable if lora else 0)
-        state = ADAPTER_BYTES if lora else 2
-        grads, adam = state * trainable, 2 * state * trainable
+    for mode, trainable in [("full", counts["dit"]), ("lora-64", dit_lora_parameter_count(dit, 64))]:
+        state = 2 if mode == "full" else ADAPTER_BYTES
+        weights = 2 * counts["dit"] + (0 if mode == "full" else 4 * trainable)
         for checkpointing in (False, True):
-            act = dit_activation_bytes(dit, height, width, samples, cfg, checkpointing, text_tokens)
-            dit_peak = weights + grads + adam + max(act, state * trainable) + frozen
+            act = dit_activation_bytes(dit, height, width, samples, cfg, checkpointing)
+            dit_peak = weights + 3 * state * trainable + max(act, state * trainable) + frozen
             rows.append({"mode": mode, "grad_ckpt": checkpointing, "trainable_params": trainable, "dit_weights": weights,
-                         "grads": grads, "adam": adam, "activations": act, "peak_dit": dit_peak + 2 * counts["ar"],
+                         "grads": state * trainable, "adam": 2 * state * trainable, "activations": act,
+                         "peak_dit": dit_peak + 2 * counts["ar"],
                          "peak_both": dit_peak + ar_row["ar_weights"] + ar_row["grads"] + ar_row["adam"]})
     return rows
 
@@ -2983,20 +2949,14 @@ def dit_memory_plan(components, height, width, samples, cfg, ar_row, text_tokens
 #   two decoder layers: forward prefetches the next, backward the previous (_backward_prefetch);
 #   at the end of a layer's backward, its reduce: the bf16 gradient and its fp32 copy (2 + 4 bytes
 #     per parameter); the root's reduce comes last, when layers and activations are freed;
-#   the whole model while it samples (whole_weights), beside its sampling working set.
+#   the whole model while it samples (whole_weights), beside its sampling working set: the larger of
+#     generate's KV cache and pi_old's no-grad pass over a micro-batch (bf16 logits, their fp32 copy
+#     / T, its log_softmax: 2 + 4 + 4 bytes per logit).
 # Peaks: the resident shards + the largest phase: sampling (all gradients, as zero_grad comes at the
 # next update, + one half's whole weights, or a frozen part's turn), a half's backward beside its and
 # the earlier halves' gradients, AdamW's step (foreach: one exp_avg_sq copy, the gradients' bytes).
 # Not counted: all-gather buffers briefly doubled during a copy-out, the reference's no-grad pass
 # (below the update's), the CUDA allocator's slack.
-
-def ar_sampling_bytes(text_config, samples, micro_batch, prompt_tokens, generated, bytes_per=2):
-    """The AR's working set while it samples `samples`: the larger of generate's KV cache and pi_old's
-    no-grad pass over a micro-batch (the logits, their fp32 copy / T, its log_softmax: 2 + 4 + 4 bytes)."""
-    kv = text_config.num_key_value_heads * head_dim(text_config)
-    cache = samples * (prompt_tokens + generated) * text_config.num_hidden_layers * 2 * kv * bytes_per
-    return max(cache, micro_batch * generated * text_config.vision_vocab_size * (bytes_per + 8))
-
 
 def fsdp_shard_bytes(model, trainable, gpus, working, sampling=0, reference=False, bytes_per=2):
     """Per-GPU bytes of `model` sharded on `gpus` GPUs (the comment above), `working` bytes of
@@ -3032,16 +2992,19 @@ def fsdp_memory_plan(components, gpus, height, width, samples, batch, cfg, promp
     micro-batch of `samples` (its working set as ar_update_bytes', no whole gradients), the DiT's
     step over batch // K samples. Frozen parts offloaded; under 'dit' the frozen AR stays whole."""
     ar, dit = components["ar"], components["dit"]
+    text = ar.config.text_config
     counts = {name: numel(module) for name, module in components.items()}
     offloaded = max(2 * v for k, v in counts.items() if k not in ("ar", "dit"))
     prompt_len, generated = ar_sequence(mode, height, width, prompt_tokens, image_processor)
     head = numel(ar.model.language_model.norm) + numel(ar.lm_head)
+    kv_cache = (prompt_len + generated) * text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim(text) * 2
+    logits = samples * generated * text.vision_vocab_size * (2 + 8)
     rows = []
     for k in gpus:
         for checkpointing in (False, True):
-            working = ar_update_bytes(ar.config.text_config, samples, prompt_len, generated, 0, checkpointing,
-                                      trainable=0, largest_trainable=0, head_trainable=head)["peak"]
-            sampling = ar_sampling_bytes(ar.config.text_config, batch // k, samples, prompt_len, generated)
+            working = ar_update_bytes(text, samples, prompt_len, generated, 0, checkpointing, trainable=0,
+                                      largest_trainable=0, head_trainable=head)["peak"]
+            sampling = max(batch // k * kv_cache, logits)
             a = fsdp_shard_bytes(ar, sum(trainable_tensors(ar, 0)), k, working, sampling, beta > 0)
             activations = dit_activation_bytes(dit, height, width, batch // k, cfg, checkpointing)
             d = fsdp_shard_bytes(dit, counts["dit"], k, activations, reference=beta > 0)
@@ -3052,100 +3015,67 @@ def fsdp_memory_plan(components, gpus, height, width, samples, batch, cfg, promp
     return rows
 
 
-def print_table(columns, rows):
-    """A markdown table: a header of `columns`, then one line of cells per row."""
-    print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
-    for cells in rows:
-        print("| " + " | ".join(cells) + " |")
-
-
-def plan_components(args):
-    """(components, image processor) of --model: the tiny model, or a saved directory's or the real
-    model's on meta (GlmImageConfig() is the real AR; the other sizes our reading of the checkpoint)."""
-    from diffusers import AutoencoderKL, GlmImageTransformer2DModel
-    from transformers import GlmImageConfig, GlmImageForConditionalGeneration, T5Config, T5EncoderModel
-
-    if args.model == TINY:
-        pipe = build_tiny_pipeline(args.seed, renderer="mosaic")
-        return ({"ar": pipe.vision_language_encoder, "dit": pipe.transformer, "glyph_t5": pipe.text_encoder,
-                 "vae": pipe.vae}, pipe.processor.image_processor)
-    if Path(args.model).is_dir():
-        return saved_glm_image_on_meta(args.model), saved_image_processor(args.model)
-    with torch.device("meta"):
-        return {
-            "ar": GlmImageForConditionalGeneration(GlmImageConfig()),
-            "dit": GlmImageTransformer2DModel(
-                patch_size=2, in_channels=16, out_channels=16, num_layers=30, attention_head_dim=128,
-                num_attention_heads=32, text_embed_dim=1472, time_embed_dim=512, condition_dim=256,
-                prior_vq_quantizer_codebook_size=16384),
-            "glyph_t5": T5EncoderModel(T5Config(vocab_size=384, d_model=1472, d_kv=64, d_ff=3584, num_layers=12,
-                                                num_heads=6, feed_forward_proj="gated-gelu")),
-            "vae": AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16,
-                                 block_out_channels=(128, 512, 1024, 1024), layers_per_block=3,
-                                 down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4),
-        }, None
-
-
 def print_memory_plan(args):
     validate_plan_args(args)
     components, image_processor = plan_components(args)
     # AR activations are held for one micro-batch (--micro-batch-size samples, default G); the DiT's
     # update runs a denoising step over the whole batch at once.
     samples, batch = args.micro_batch_size or args.group_size, args.group_size * args.prompts_per_step
-    ranks = (args.lora_rank,) if args.lora_rank else (64, 16)
+    cfg, ranks = args.guidance_scale > 1, (args.lora_rank,) if args.lora_rank else (64, 16)
     rows, counts, tokens = memory_plan(components, args.height, args.width, samples, ranks=ranks, mode=args.mode,
                                        image_processor=image_processor, beta=args.beta)
     prompt_len, generated = ar_sequence(args.mode, args.height, args.width, image_processor=image_processor)
     # the tiny model's bytes would all print as 0.0 GiB: small models get MiB and thousands
     unit, unit_name = (GiB, "GiB") if max(r["peak_no_offload"] for r in rows) >= GiB else (1024 ** 2, "MiB")
     count_div, count_name = (1e6, "M") if max(counts.values()) >= 1e8 else (1e3, "k")
-    size = lambda *values: [f"{v / unit:.1f}" for v in values]
+
+    def cell(key, value):
+        if key == "grad_ckpt":
+            return "yes" if value else "no"
+        if key == "trainable_params":
+            return f"{value / count_div:.1f} {count_name}"
+        return str(value) if key in ("mode", "micro_batch", "gpus") else f"{value / unit:.1f}"
+
+    def print_table(columns, rows):      # a markdown table; `columns` maps each header to its row key
+        print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
+        for row in rows:
+            print("| " + " | ".join(cell(key, row[key]) for key in columns.values()) + " |")
+
     print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count_div:,.1f} {count_name}" for k, v in counts.items()))
-    layout = f"{prompt_len} prompt + {generated} generated"
-    if args.mode == "i2i":
-        layout = layout.replace(" prompt", f" prompt incl. the source's {source_tokens(args.height, args.width, image_processor)} VQ tokens")
-    print(f"--mode {args.mode}, teacher-forced pass: {samples} samples x {tokens} tokens ({layout}, "
-          f"{args.height}x{args.width}); estimates in {unit_name}, bf16 weights, torch's AdamW (foreach)"
+    source = f" incl. the source's {source_tokens(args.height, args.width, image_processor)} VQ tokens"
+    print(f"--mode {args.mode}, teacher-forced pass: {samples} samples x {tokens} tokens ({prompt_len} prompt"
+          f"{source if args.mode == 'i2i' else ''} + {generated} generated, {args.height}x{args.width}); estimates"
+          f" in {unit_name}, bf16 weights, torch's AdamW (foreach)"
           + (", KL reference copy for full fine-tuning" if args.beta > 0 else "") + "\n")
-    print_table(["mode", "grad ckpt", "micro-batch", "trainable", "AR weights", "grads", "AdamW", "activations",
-                 "update peak", "peak, offload", "peak, no offload"],
-                [[r["mode"], "yes" if r["grad_ckpt"] else "no", str(r["micro_batch"]),
-                  f"{r['trainable_params'] / count_div:.1f} {count_name}",
-                  *size(*(r[k] for k in ("ar_weights", "grads", "adam", "activations", "update_peak",
-                                         "peak_offload", "peak_no_offload")))] for r in rows])
+    states = {"grads": "grads", "AdamW": "adam"}
+    print_table({"mode": "mode", "grad ckpt": "grad_ckpt", "micro-batch": "micro_batch",
+                 "trainable": "trainable_params", "AR weights": "ar_weights", **states, "activations": "activations",
+                 "update peak": "update_peak", "peak, offload": "peak_offload", "peak, no offload": "peak_no_offload"},
+                rows)
     ar_row = next(r for r in rows if r["mode"] == f"lora-{ranks[0]}" and r["grad_ckpt"])
-    dit_rows = dit_memory_plan(components, args.height, args.width, batch, args.guidance_scale > 1, ar_row)
     print(f"\nDiT (Flow-GRPO, --policy dit|both): one denoising step's forward over {batch} samples, "
-          f"CFG {'on' if args.guidance_scale > 1 else 'off'}; 'both' adds the AR's {ar_row['mode']} weights, grads and AdamW")
-    print_table(["DiT mode", "grad ckpt", "trainable", "DiT weights", "grads", "AdamW", "activations", "peak, dit",
-                 "peak, both"],
-                [[r["mode"], "yes" if r["grad_ckpt"] else "no", f"{r['trainable_params'] / count_div:.1f} {count_name}",
-                  *size(*(r[k] for k in ("dit_weights", "grads", "adam", "activations", "peak_dit", "peak_both")))]
-                 for r in dit_rows])
-    if args.plan_gpus:
-        print_fsdp_plan(fsdp_memory_plan(components, args.plan_gpus, args.height, args.width, samples, batch,
-                                         args.guidance_scale > 1, mode=args.mode, image_processor=image_processor,
-                                         beta=args.beta), samples, batch, size)
-    else:
+          f"CFG {'on' if cfg else 'off'}; 'both' adds the AR's {ar_row['mode']} weights, grads and AdamW")
+    print_table({"DiT mode": "mode", "grad ckpt": "grad_ckpt", "trainable": "trainable_params",
+                 "DiT weights": "dit_weights", **states, "activations": "activations", "peak, dit": "peak_dit",
+                 "peak, both": "peak_both"}, dit_memory_plan(components, args.height, args.width, batch, cfg, ar_row))
+    if not args.plan_gpus:
         print("\n(--plan-gpus K adds the per-GPU rows of --fsdp, full fine-tuning sharded over K GPUs)")
-
-
-def print_fsdp_plan(rows, samples, batch, size):
-    """fsdp_memory_plan's rows as two tables, the AR's and the DiT's; `size` formats bytes in the plan's unit."""
-    def table(half, title, peaks):
-        print_table(["GPUs", "grad ckpt", title, "grads", "AdamW", "gathered", "activations", *peaks],
-                    [[str(r["gpus"]), "yes" if r["grad_ckpt"] else "no",
-                      *size(r[half]["weights"] + r[half]["reference"],
-                            *(r[half][k] for k in ("grads", "adam", "gathered", "activations")),
-                            *(r[k] for k in peaks.values()))] for r in rows])
-
-    print(f"\n--fsdp, full fine-tuning, per GPU on K GPUs: fp32 shards of the trained weights, their gradients and "
-          f"AdamW (16 bytes per parameter / K), the bf16 root + 2 layers gathered, a micro-batch of {samples}; "
-          "frozen parts offloaded")
-    table("ar", "AR weights", {"update peak": "update_peak", "sampling peak": "sampling_peak", "peak": "peak"})
-    print(f"\nDiT under --fsdp, per GPU: one denoising step over {batch} / K samples; 'dit' keeps the frozen AR "
-          "whole on every GPU, 'both' its shards, gradients and AdamW (fewer bytes from about K = 8)")
-    table("dit", "DiT weights", {"peak, dit": "peak_dit", "peak, both": "peak_both"})
+        return
+    fsdp = fsdp_memory_plan(components, args.plan_gpus, args.height, args.width, samples, batch, cfg,
+                            mode=args.mode, image_processor=image_processor, beta=args.beta)
+    for half, title, peaks in [
+        ("AR", "--fsdp, full fine-tuning, per GPU on K GPUs: fp32 shards of the trained weights, their gradients and "
+               f"AdamW (16 bytes per parameter / K), the bf16 root + 2 layers gathered, a micro-batch of {samples}; "
+               "frozen parts offloaded", {"update peak": "update_peak", "sampling peak": "sampling_peak",
+                                          "peak": "peak"}),
+        ("DiT", f"DiT under --fsdp, per GPU: one denoising step over {batch} / K samples; 'dit' keeps the frozen AR "
+                "whole on every GPU, 'both' its shards, gradients and AdamW (fewer bytes from about K = 8)",
+         {"peak, dit": "peak_dit", "peak, both": "peak_both"})]:
+        shards = [{**r, **r[half.lower()], "weights": r[half.lower()]["weights"] + r[half.lower()]["reference"]}
+                  for r in fsdp]
+        print("\n" + title)
+        print_table({"GPUs": "gpus", "grad ckpt": "grad_ckpt", f"{half} weights": "weights", **states,
+                     "gathered": "gathered", "activations": "activations", **peaks}, shards)
 
 
 # =============================================================================================

@@ -1027,12 +1027,13 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
 def test_memory_plan_matches_a_hand_count_on_the_tiny_model(tmp_path):
     pipe = g.build_tiny_pipeline(seed=0)
     pipe.save_pretrained(tmp_path / "tiny")
-    components = g.saved_glm_image_on_meta(tmp_path / "tiny")
+    components = g.glm_image_on_meta(tmp_path / "tiny")
     rows, counts, tokens = g.memory_plan(components, 64, 64, samples=4, prompt_tokens=10, ranks=(4,))
     real = {"ar": pipe.vision_language_encoder, "dit": pipe.transformer, "glyph_t5": pipe.text_encoder, "vae": pipe.vae}
     assert counts == {k: sum(p.numel() for p in m.parameters()) for k, m in real.items()}
     assert tokens == 10 + 16 * 16 + 2 * 2 + 1
-    assert g.source_tokens(64, 64, g.saved_image_processor(tmp_path / "tiny")) == 2 * 2     # i2i: its own processor
+    saved_processor = g.plan_components(g.parse_args(["--plan", "--model", str(tmp_path / "tiny")]))[1]
+    assert g.source_tokens(64, 64, saved_processor) == 2 * 2     # i2i: its own processor
     # LoRA rank 4 on q, k, v, o, gate_up, down of 2 layers (hidden 64, kv 2 heads x 16, intermediate 128):
     per_layer = 4 * ((64 + 64) + (64 + 32) + (64 + 32) + (64 + 64) + (64 + 256) + (128 + 64))
     lora = next(r for r in rows if r["mode"] == "lora-4" and not r["grad_ckpt"])
@@ -1137,7 +1138,7 @@ def test_fsdp_plan_matches_a_hand_count_on_the_tiny_model(tmp_path):
         config = json.loads(path.read_text())
         edit(config)
         path.write_text(json.dumps(config))
-    components = g.saved_glm_image_on_meta(tmp_path / "tiny")
+    components = g.glm_image_on_meta(tmp_path / "tiny")
     rows = g.fsdp_memory_plan(components, [2, 4], 64, 64, samples=2, batch=8, cfg=True, prompt_tokens=10, beta=0.1)
     ar, dit = pipe.vision_language_encoder, pipe.transformer
     tc = ar.config.text_config
@@ -2373,7 +2374,7 @@ def test_fsdp_plan_counts_the_bytes_two_processes_hold(tmp_path):
             "--out", str(tmp_path / "run")]
     torch.multiprocessing.spawn(_shard_bytes_worker, args=(2, free_port(), argv, str(tmp_path)), nprocs=2)
     held = [torch.load(tmp_path / f"held{r}.pt") for r in range(2)]
-    components = g.saved_glm_image_on_meta(g.tiny_pipeline_dir(0))
+    components = g.glm_image_on_meta(g.tiny_pipeline_dir(0))
     row = g.fsdp_memory_plan(components, [2], 64, 64, samples=2, batch=4, cfg=False, mode="i2i", beta=0.01)[0]
     for half in ("ar", "dit"):
         for key in ("weights", "reference", "grads", "adam"):
