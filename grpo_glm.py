@@ -1,14 +1,14 @@
 """GRPO for GLM-Image, in one file.
 
     pip install -r requirements.txt
-    python grpo_glm.py --steps 10                        # tiny GLM-Image (section 20), on the CPU
+    python grpo_glm.py --steps 10                        # tiny GLM-Image (section 21), on the CPU
     python grpo_glm.py --steps 40 --out runs/demo        # long enough to see the red block drawn
     python grpo_glm.py --resume latest --out runs/demo --steps 60
     python grpo_glm.py --reward my_rewards.py:score --report-to tensorboard   # your reward, watched in TensorBoard
     python grpo_glm.py --model zai-org/GLM-Image --lora-rank 64 --height 512 --width 512
     python grpo_glm.py --plan --model zai-org/GLM-Image --height 1024 --width 1024   # memory plan, no GPU
     python grpo_glm.py --policy dit --steps 150 --inner-epochs 1 --group-size 8      # Flow-GRPO on the DiT
-    torchrun --nproc_per_node 8 grpo_glm.py --prompts-per-step 8 ...   # 8 GPUs, same flags (section 21)
+    torchrun --nproc_per_node 8 grpo_glm.py --prompts-per-step 8 ...   # 8 GPUs, same flags (section 22)
 
 GLM-Image is a hybrid: an autoregressive (AR) transformer writes a grid of discrete image tokens,
 and a diffusion transformer (DiT) + VAE paint the pixels they describe. The AR is the policy:
@@ -19,10 +19,10 @@ GRPO (Shao et al. 2024, DeepSeekMath) needs no value network: it samples a group
 prompt, standardises each reward within its group, A_i = (r_i - mean(r)) / (std(r) + eps), and
 pushes the policy up on better-than-average samples with PPO's clipped surrogate (Schulman et al.
 2017), optionally with a KL penalty towards the initial model. --policy dit|both trains the DiT
-too (Part II, Flow-GRPO). `--model tiny`, the default, is GLM-Image at toy size (section 20).
+too (Part II, Flow-GRPO). `--model tiny`, the default, is GLM-Image at toy size (section 21).
 
 Reading map: Part I (sections 1-11) is GRPO on the AR in the order a step runs; Part II (12-13)
-Flow-GRPO on the DiT; Part III (14-24) is plumbing. The pure functions (mse_reward,
+Flow-GRPO on the DiT; Part III (14-25) is plumbing. The pure functions (mse_reward,
 group_advantages, token_logprobs, grpo_loss) use no globals: copy them out freely.
 """
 
@@ -96,7 +96,7 @@ def parse_args(argv=None):
     positive, non_negative = number(float, above=0), number(float, least=0)
     pixels = number(int, least=32, multiple=32)
     a("--mode", choices=["t2i", "i2i"], default="t2i", help="t2i: text to image; i2i: edit each prompt's source image.")
-    a("--model", default=TINY, help="'tiny' (a toy GLM-Image, section 20), a hub id or a save_pretrained directory.")
+    a("--model", default=TINY, help="'tiny' (a toy GLM-Image, section 21), a hub id or a save_pretrained directory.")
     a("--prompts", default="prompts.txt", help="Prompt file: a prompt per line, optionally '| target.png' (i2i: "
       "'| target.png | source.png'); without them the demo images are drawn from its colour/shape words.")
     a("--reward", action="append", metavar="SPEC", help="A reward: 'mse', 'module:function' or 'file.py:function', "
@@ -173,7 +173,7 @@ def parse_args(argv=None):
 # =============================================================================================
 # 2. Model: GLM-Image = AR (transformers) + DiT/VAE/glyph encoder (diffusers)
 # =============================================================================================
-# `--model tiny` (section 20) loads into the real checkpoint's classes: it runs the real model's code path.
+# `--model tiny` (section 21) loads into the real checkpoint's classes: it runs the real model's code path.
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]   # the AR's Linears
 DIT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]                                 # the DiT's attention
@@ -189,7 +189,7 @@ def load_pipeline(args):
         float64_throughout(pipe)
     # generate() fills each field our sampler leaves unset from the checkpoint's generation_config.json
     # (repetition penalty, n-gram bans, bad words...): the loss would not know of them. The policy alone
-    # decides sampling, so its own config (section 23) replaces the checkpoint's.
+    # decides sampling, so its own config (section 24) replaces the checkpoint's.
     ar = pipe.vision_language_encoder
     ar.generation_config = policy_generation_config(ar, pipe.transformer.config.prior_vq_quantizer_codebook_size,
                                                     args.temperature)
@@ -370,7 +370,7 @@ def mse_reward(images, targets):
     """r = -mean((image - target)^2) over channels and pixels.
     images, targets: float [N, 3, H, W] in [0, 1]  ->  rewards [N] in [-1, 0]; 0 = perfect."""
     return -((at_least_fp32(images) - at_least_fp32(targets)) ** 2).mean(dim=(1, 2, 3))
-# A reward plug-in (--reward module:fn | path/to/file.py:fn, optionally =WEIGHT; section 16) is any
+# A reward plug-in (--reward module:fn | path/to/file.py:fn, optionally =WEIGHT; section 17) is any
 #     fn(images [N, 3, H, W] in [0, 1], prompts: N str, targets [N, 3, H, W] | None) -> [N], higher = better,
 # row i of each the same sample; one that reads targets says so with `fn.uses_targets = True`.
 
@@ -607,7 +607,7 @@ class Trainer:
     dit_policy: object = None
     dit_reference: object = None
     prompt_tokens: dict = None            # --policy dit: prompt index -> its token grid (shared_prompt_tokens)
-    before_update: object = lambda: None  # the stop handler's last chance to drop the step (section 18)
+    before_update: object = lambda: None  # the stop handler's last chance to drop the step (section 19)
 
 
 def setup_training(args, ckpt=None, ckpt_path=None, rewards=None):
@@ -674,7 +674,7 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
     # ---- ADVANTAGE: A [N], each reward standardised within its group ------------------------------
     advantages = group_advantages(rewards, G)
     # ---- UPDATE: mu passes over the batch, each trained half adding its loss -----------------------
-    trainer.before_update()          # a stop signal before this point drops the step (section 18)
+    trainer.before_update()          # a stop signal before this point drops the step (section 19)
     halves = [ar_half(trainer, rollout, advantages, args)] if train_ar else []
     halves += [dit_half(trainer, dit_run, advantages, args)] if train_dit else []
     update = grpo_update(trainer.optimizer, halves, args)
@@ -985,13 +985,13 @@ def ode_sheet(pipe, prompts, sources, run, noise, args):
 
 
 # =============================================================================================
-# 14a. (moved from Parts I and II) Plumbing of the GRPO step: loading, inputs, padding, micro-batches
+# 14. The GRPO step's plumbing: loading, inputs, padding, micro-batches, the DiT's inputs
 # =============================================================================================
 
 # ---- For section 2 (model) -------------------------------------------------------------------
 
 def pipeline_from_pretrained(args, dtype):
-    """GlmImagePipeline.from_pretrained of --model ('tiny': built and cached on first use, section 20).
+    """GlmImagePipeline.from_pretrained of --model ('tiny': built and cached on first use, section 21).
     Rank 0 builds it: save_pretrained writes nothing on other ranks once torch.distributed is up."""
     from diffusers import GlmImagePipeline
     from diffusers.utils import logging as diffusers_logging
@@ -1058,7 +1058,7 @@ def sampling_seed(seed, step, slot):
 
 def sample_groups(pipe, prompts, sources, slots, step, args, record_logp=True, prompt_len=None):
     """This rank's groups in one generate() call, the group at `slot` drawing from sampling_seed: its
-    rows are the same tensors, and its samples the same, on any number of processes (section 21)."""
+    rows are the same tensors, and its samples the same, on any number of processes (section 22)."""
     ar = pipe.vision_language_encoder
     if prompt_len is None:
         # One column past the step's longest prompt (a MAX all-reduce under torchrun): a row's fp32 sums
@@ -1305,7 +1305,7 @@ def latents_to_images(pipe, latents):
 
 
 # =============================================================================================
-# 14. Starting a run: flag checks (one-line errors before anything loads), --out, resume point
+# 15. Starting a run: flag checks (one-line errors before anything loads), --out, resume point
 # =============================================================================================
 
 class Parser(argparse.ArgumentParser):
@@ -1541,7 +1541,7 @@ def close_run(args, items, out, tracker, lock):
 
 
 # =============================================================================================
-# 15. Prompt files, images and the demo's targets
+# 16. Prompt files, images and the demo's targets
 # =============================================================================================
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (240, 210, 40),
@@ -1694,7 +1694,7 @@ def demo_scene(prompt, where, mode, role="target", why=""):
 
 
 # =============================================================================================
-# 16. Reward plug-ins: --reward module:fn | file.py:fn
+# 17. Reward plug-ins: --reward module:fn | file.py:fn
 # =============================================================================================
 
 def load_reward(spec):
@@ -1743,7 +1743,7 @@ def load_rewards(specs):
 
 
 # =============================================================================================
-# 17. LOG: the console, metrics.jsonl, sample sheets, the reward curve, TensorBoard / W&B
+# 18. LOG: the console, metrics.jsonl, sample sheets, the reward curve, TensorBoard / W&B
 # =============================================================================================
 
 def start_logging(args, trainer, out, start):
@@ -1977,7 +1977,7 @@ def open_tracker(args, out, start):
 
 
 # =============================================================================================
-# 18. Interruptions: Ctrl+C and SIGTERM
+# 19. Interruptions: Ctrl+C and SIGTERM
 # =============================================================================================
 
 class AbandonStep(BaseException):
@@ -2064,7 +2064,7 @@ def exit_after_checkpoint(stop, out, step, path, lead):
 
 
 # =============================================================================================
-# 19. CHECKPOINT
+# 20. CHECKPOINT
 # =============================================================================================
 # An exact resume needs the trained weights, AdamW's state, the schedule, step, RNG states and flags, in
 # one format at every world size; written atomically, loaded with weights_only=True (no pickled code).
@@ -2170,7 +2170,7 @@ def restore_checkpoint(ckpt, path, model, optimizer, lr_scheduler):
 
 
 # =============================================================================================
-# 20. The tiny model's renderer: pre-trained once on token mosaics, then cached
+# 21. The tiny model's renderer: pre-trained once on token mosaics, then cached
 # =============================================================================================
 # `--model tiny` is GLM-Image at toy size, built from the real classes (build_tiny_pipeline). Its
 # AR stays random: learning what to paint from the prompt is GRPO's job. A random DiT + VAE would
@@ -2449,7 +2449,7 @@ def tiny_pipeline_dir(seed=0, settings=None):
                 pipe.set_progress_bar_config(disable=True)
                 loss = train_tiny_renderer(pipe, settings, seed)
             ar = pipe.vision_language_encoder
-            ar.generation_config = policy_generation_config(     # section 23
+            ar.generation_config = policy_generation_config(     # section 24
                 ar, pipe.transformer.config.prior_vq_quantizer_codebook_size, temperature=1.0)
             with quiet_progress_bars():
                 pipe.save_pretrained(tmp)
@@ -2463,7 +2463,7 @@ def tiny_pipeline_dir(seed=0, settings=None):
 
 
 # =============================================================================================
-# 21. More GPUs: torchrun data parallel (DDP) and sharding (--fsdp)
+# 22. More GPUs: torchrun data parallel (DDP) and sharding (--fsdp)
 # =============================================================================================
 # `torchrun --nproc_per_node K grpo_glm.py ...` starts K copies of this script (RANK, LOCAL_RANK and
 # WORLD_SIZE in their environment). --prompts-per-step is the global count, cut into K contiguous
@@ -2704,7 +2704,7 @@ def load_training_state(model, optimizer, weights, optimizer_state):
 
 
 # =============================================================================================
-# 22. Memory plan for the real GLM-Image (arithmetic on the real configs, meta device)
+# 23. Memory plan for the real GLM-Image (arithmetic on the real configs, meta device)
 # =============================================================================================
 # --plan prints the bytes one GPU holds, from the configs alone: the components are built on the
 # meta device (shapes, no memory, no download). Weights in the model dtype (bf16 on CUDA: d = 2
@@ -2941,7 +2941,7 @@ def dit_memory_plan(components, height, width, samples, cfg, ar_row):
     return rows
 
 
-# --fsdp, per GPU on K GPUs (section 21). Sharded: the trained weights as fp32 master shards, with
+# --fsdp, per GPU on K GPUs (section 22). Sharded: the trained weights as fp32 master shards, with
 # fp32 gradients and two fp32 moments (16 bytes per parameter / K); the frozen ones (the AR's vision
 # encoder and VQ) in bf16 / K. Gathered in bf16, whole on every GPU for a while:
 #   the root unit (embeddings, heads, final norms, the AR's vision encoder and VQ), from its forward
@@ -3079,7 +3079,7 @@ def print_memory_plan(args):
 
 
 # =============================================================================================
-# 23. Saving and using the trained model (--save-pipeline, generate_images)
+# 24. Saving and using the trained model (--save-pipeline, generate_images)
 # =============================================================================================
 
 def save_trained_pipeline(pipe, args):
@@ -3156,7 +3156,7 @@ def generate_images(pipe, prompts, sources=None, height=64, width=64, num_infere
 
 
 # =============================================================================================
-# 24. Entry point
+# 25. Entry point
 # =============================================================================================
 
 def main(argv=None):
