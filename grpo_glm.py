@@ -230,7 +230,7 @@ def prepare_policy(ar, args):
 # =============================================================================================
 # 3. Prompts and targets
 # =============================================================================================
-# prompts_for_step (a seeded shuffle per pass: a resumed run sees the same prompts), batch_targets: 14a.
+# prompts_for_step (a seeded shuffle per pass: a resumed run sees the same prompts), batch_targets: section 14.
 
 def repeat_each(items, group_size):
     return [x for x in items for _ in range(group_size)]        # [a, b] -> [a x G, b x G], as the batch rows

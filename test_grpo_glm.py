@@ -2746,3 +2746,24 @@ def test_a_hub_model_missing_offline_says_so_in_one_line(tmp_path):
     err = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(err) == 1, err
     assert "not in the local Hugging Face cache" in err[0] and "hf download zai-org/GLM-Image-not-here" in err[0]
+
+
+def test_decoded_images_do_not_depend_on_their_batch_mates(sharp_pipe):
+    """DECODE runs one prompt's group per DiT call (issue 26 item 6: pipe() over several prompts pads
+    the shorter glyph embeddings with zeros the DiT attends to): a prompt without quoted text decodes
+    the same next to one with 17 glyph tokens as alone, with and without CFG."""
+    prompts = ["a red circle on a white background", 'a blue square that says "HELLO WORLD, GRPO"']
+    tokens = torch.randint(0, g.TINY_CODEBOOK, (4, 4), generator=torch.Generator().manual_seed(0))
+    noise = g.group_noise(sharp_pipe, [0, 1], 2, 64, 64, 0, 1, "per-prompt")
+    both = SimpleNamespace(target_tokens=tokens, grid_hw=(2, 2), source_prior=None)
+    alone = SimpleNamespace(target_tokens=tokens[:2], grid_hw=(2, 2), source_prior=None)
+    for guidance in (1.0, 2.5):
+        batched = g.decode_images(sharp_pipe, prompts, None, both, noise, 3, guidance)
+        assert torch.equal(batched[:2], g.decode_images(sharp_pipe, prompts[:1], None, alone, noise[:2], 3, guidance))
+
+
+def test_readme_examples_write_into_runs_not_the_repository():
+    """A user following the README leaves the clone clean: files its shell examples write go under runs/."""
+    blocks = re.findall(r"```bash\n(.*?)```", (HERE / "README.md").read_text(), re.S)
+    targets = re.findall(r">\s*(\S+)", "\n".join(blocks))
+    assert targets and all(t.startswith("runs/") for t in targets), targets
