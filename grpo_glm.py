@@ -577,7 +577,7 @@ def grpo_update(optimizer, halves, args):
             optimizer.zero_grad(set_to_none=True)
             continue
         optimizer.step()
-        if not all_ranks_agree(all(bool(torch.isfinite(p).all()) for _, params, _ in halves for p in params)):
+        if not all_ranks_agree(weights_finite([p for _, params, _ in halves for p in params])):
             raise UsageError("the update made the weights non-finite (is --lr too large?); nothing of this step "
                              "is saved, the last checkpoint is intact")
         done.append({k: v for k, v in metrics.items() if not k.endswith(FIRST_PASS_ONLY)})
@@ -1196,6 +1196,15 @@ def call_reward(reward, images, prompts, targets):
 
 
 # ---- For sections 8-11: dtypes, micro-batches under DDP, a run of non-finite steps --------------
+
+def weights_finite(params):
+    """One sum per tensor (no tensor-sized temporary; a non-finite entry makes its sum non-finite), this
+    rank's shards under --fsdp: the step after an update that overflowed must not sample or save."""
+    from torch.distributed.tensor import DTensor
+
+    sums = [(p.to_local() if isinstance(p, DTensor) else p).detach().sum().float() for p in params]
+    return bool(torch.isfinite(torch.stack(sums)).all())
+
 
 def at_least_fp32(x):
     return x.to(torch.promote_types(x.dtype, torch.float32))    # bf16/fp16 -> fp32; fp32, fp64 unchanged
