@@ -2479,6 +2479,22 @@ def _status_bytes(key):
     return int(Path("/proc/self/status").read_text().split(f"{key}:")[1].split()[0]) * 1024
 
 
+class ZeroBf16Matmuls(torch.utils._python_dispatch.TorchDispatchMode):
+    """bf16 matrix products write zeros instead of computing them: the same output tensors, allocated
+    alike, which is all a memory measurement reads (and the copy the CPU's bmm makes of an operand
+    broadcast over the batch, stride 0, as a frozen lm_head is). A CPU without AVX512-BF16 multiplies
+    bf16 at ~0.4 GFLOP/s (200x below fp32 on this AMD EPYC): the 4 updates took over 15 minutes."""
+    PRODUCTS = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in self.PRODUCTS or args[-1].dtype != torch.bfloat16:
+            return func(*args, **(kwargs or {}))
+        copies = [a.contiguous() for a in args if torch.is_tensor(a) and a.dim() == 3 and a.stride(0) == 0]
+        shape = func(*[a.to("meta") if torch.is_tensor(a) else a for a in args], **(kwargs or {})).shape
+        del copies
+        return torch.zeros(shape, dtype=torch.bfloat16)
+
+
 def measure_update(lora_rank, checkpointing, layout=None):
     """One grpo_update at the real width (run in a subprocess). Returns measured and planned bytes."""
     import resource
@@ -2514,7 +2530,8 @@ def measure_update(lora_rank, checkpointing, layout=None):
     Path("/proc/self/clear_refs").write_text("5")                         # restart VmHWM from here
     start = time.time()
     terms = g.ar_loss_terms(ar, rollout, torch.tensor([1.0, -1.0]), None, args, suppressed)
-    metrics, measured = _live_peaks(lambda: g.grpo_update(optimizer, [("", params, terms)], args))
+    with ZeroBf16Matmuls():
+        metrics, measured = _live_peaks(lambda: g.grpo_update(optimizer, [("", params, terms)], args))
     assert metrics["skipped_updates"] == 0
     head = 0 if lora_rank else g.numel(ar.model.language_model.norm) + g.numel(ar.lm_head)
     planned = g.ar_update_bytes(ar.config.text_config, n, P, G, lora_rank, checkpointing, sum(tensors), max(tensors),
