@@ -2145,7 +2145,9 @@ def find_checkpoint(spec, out_dir):
 
 def read_checkpoint(path):
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():     # a junk file can look like a pickle of another protocol: torch warns
+            warnings.simplefilter("ignore")
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types for a foreign or truncated file
         raise UsageError(f"--resume {path}: not a readable checkpoint ({type(e).__name__})")
     if not isinstance(ckpt, dict) or not str(ckpt.get("format", "")).startswith("grpo_glm-checkpoint-"):

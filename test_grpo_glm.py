@@ -563,7 +563,7 @@ def _bad_cases(tmp, run):
     (tmp / "bad.png").write_text("not an image")
     (tmp / "bad_target.txt").write_text("a red circle | bad.png\n")
     (tmp / "undrawable.txt").write_text("a cat wearing a hat\n")
-    (tmp / "junk.pt").write_bytes(os.urandom(256))
+    (tmp / "junk.pt").write_bytes(b"\x80\x5c" + os.urandom(254))    # reads as pickle protocol 92: torch warns
     torch.save({"weights": torch.zeros(2)}, tmp / "foreign.pt")
     torch.save({"format": "grpo_glm-checkpoint-v1", "step": 1}, tmp / "v1.pt")
     (tmp / "outfile").write_text("keep me")
