@@ -83,7 +83,7 @@ class UsageError(Exception):
 
 ALGORITHM_FLAGS = (
     "mode", "model", "prompts_sha256", "seed", "group_size", "prompts_per_step", "inner_epochs", "lr",
-    "max_grad_norm", "clip_eps", "beta", "temperature", "height", "width", "num_inference_steps",
+    "max_grad_norm", "clip_eps", "beta", "temperature", "top_k", "top_p", "height", "width", "num_inference_steps",
     "guidance_scale", "dit_noise", "loss_tokens", "lora_rank", "lora_alpha", "ar_trainable", "dtype",
     "reward", "weight_decay", "lr_scheduler", "lr_warmup_steps", "policy", "dit_lr", "dit_clip_eps",
     "dit_noise_level", "dit_train_steps", "dit_lora_rank", "dit_prior")
@@ -108,7 +108,7 @@ def parse_args(argv=None):
     a("--group-size", type=number(int, least=2), default=32, help="G: samples per prompt, compared within their group.")
     a("--prompts-per-step", type=count, default=2, help="Prompts per step; a step's batch is prompts x G samples.")
     a("--inner-epochs", type=count, default=4, help="mu: optimisation passes over each batch.")
-    a("--lr", type=positive, default=2e-2, help="AdamW learning rate (the tiny demo's; ~1e-5 for the real model).")
+    a("--lr", type=positive, default=2e-2, help="AdamW learning rate (a pretrained model: 1e-5).")
     a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="Learning-rate "
       "schedule over --steps GRPO steps (diffusers' get_scheduler); resuming with another --steps reshapes "
       "the rest of a cosine or linear one.")
@@ -119,13 +119,21 @@ def parse_args(argv=None):
     a("--beta", type=non_negative, default=0.0, help="Weight of the KL penalty towards the initial model (0 = "
       "none, TRL's default): k3 on the AR's tokens; on the DiT the exact Gaussian KL ||dmu||^2 / (2 std_t^2 "
       "|dt|). flow_grpo's code omits |dt|, so a beta taken from flow_grpo is 10-1000x stronger here.")
-    a("--temperature", type=positive, default=1.0, help="Sampling temperature T; log-probs use logits / T.")
-    a("--height", type=pixels, default=128, help="Image height in pixels, a multiple of GLM-Image's 32-pixel tokens.")
-    a("--width", type=pixels, default=128, help="Image width in pixels, a multiple of 32.")
-    a("--num-inference-steps", type=count, default=4, help="DiT denoising steps when decoding samples.")
+    a("--temperature", type=positive, default=1.0, help="Sampling temperature T; log-probs use logits / T (a pretrained "
+      "model: 0.9, its model card's).")
+    a("--top-k", type=non_negative_int, default=0, help="Sample among the k most likely image tokens (0 = all); "
+      "part of the policy: the loss scores tokens by the same truncated softmax.")
+    a("--top-p", type=number(float, above=0, most=1), default=1.0, help="Nucleus sampling: among the fewest tokens whose "
+      "probability adds up to p (1 = all); part of the policy, as --top-k (a pretrained model: 0.75).")
+    a("--height", type=pixels, default=128, help="Image height in pixels, a multiple of GLM-Image's 32-pixel tokens (a "
+      "pretrained model: 1024).")
+    a("--width", type=pixels, default=128, help="Image width in pixels, a multiple of 32 (a pretrained model: 1024).")
+    a("--num-inference-steps", type=count, default=4, help="DiT denoising steps when decoding samples (a pretrained "
+      "model: 30).")
     a("--dit-noise", choices=["per-prompt", "per-step"], default="per-prompt", help="Initial DiT noise: one "
       "draw per prompt for the whole run, or a fresh one per step (always shared within a group).")
-    a("--guidance-scale", type=number(float), default=1.0, help="DiT classifier-free guidance scale (1 = off).")
+    a("--guidance-scale", type=number(float), default=1.0, help="DiT classifier-free guidance scale (1 = off; a pretrained "
+      "model: 1.5).")
     a("--loss-tokens", choices=["target", "all"], default="target", help="Which generated tokens the loss "
       "covers: the target grid the DiT decodes, or the preview grid too (section 9).")
     a("--lora-rank", type=non_negative_int, default=0, help="LoRA rank on the AR's projections (0 = full fine-tuning).")
@@ -134,7 +142,8 @@ def parse_args(argv=None):
       "all its weights, or its output layer (head) on a frozen body; auto = head for --model tiny (section 2).")
     a("--policy", choices=["ar", "dit", "both"], default="ar", help="What GRPO trains: the AR token model "
       "(the DiT renders, frozen), the DiT with Flow-GRPO (tokens shared per prompt), or both from one reward.")
-    a("--dit-lr", type=positive, default=3e-3, help="AdamW learning rate of the DiT (flow_grpo: 3e-4 with LoRA).")
+    a("--dit-lr", type=positive, default=3e-3, help="AdamW learning rate of the DiT (a pretrained model: 1e-5; 3e-4 with "
+      "--dit-lora-rank).")
     a("--dit-clip-eps", type=positive, default=1e-4, help="PPO clip epsilon of the DiT's per-step ratio "
       "(flow_grpo's; step log-probs are means over latent dims, so ratios stay within ~1e-3 of 1).")
     a("--dit-noise-level", type=positive, default=0.7, help="a in Flow-GRPO's SDE, std_t = a sqrt(sigma / "
@@ -145,7 +154,8 @@ def parse_args(argv=None):
       "token grid a group shares is drawn once per prompt for the whole run, or afresh each step.")
     a("--dit-lora-rank", type=non_negative_int, default=0, help="LoRA rank on the DiT (0 = full fine-tuning).")
     a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto", help="Weights dtype: "
-      "auto = float32 on CPU, bfloat16 on CUDA; float64 is for checks, e.g. that K processes train as one.")
+      "auto = bfloat16 for a pretrained model on CUDA, else float32; float64 is for checks, e.g. that K "
+      "processes train as one.")
     a("--micro-batch-size", type=count, default=None, help="Samples per forward and backward; default: --group-size.")
     a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in the backward pass.")
     a("--offload", action=argparse.BooleanOptionalAction, default=None, help="Offload the frozen DiT, VAE and "
@@ -165,7 +175,11 @@ def parse_args(argv=None):
     a("--plan", action="store_true", help="Print the memory plan of --model at --height x --width, and exit.")
     a("--plan-gpus", type=number(int, least=2), nargs="+", metavar="K", help="With --plan: also print the "
       "per-GPU bytes of --fsdp over K GPUs for each K given; --prompts-per-step is then the global count.")
-    args = p.parse_args(attach_negative_numbers(sys.argv[1:] if argv is None else argv))
+    argv = attach_negative_numbers(sys.argv[1:] if argv is None else argv)
+    known = p.parse_known_args(argv)[0]
+    if known.model != TINY:
+        p.set_defaults(**pretrained_defaults(known))      # the defaults above are the tiny demo's
+    args = p.parse_args(argv)
     args.reward = args.reward or ["mse"]
     return args
 
@@ -187,12 +201,11 @@ def load_pipeline(args):
         getattr(pipe, name).requires_grad_(False)
     if dtype == torch.float64:
         float64_throughout(pipe)
-    # generate() fills each field our sampler leaves unset from the checkpoint's generation_config.json
-    # (repetition penalty, n-gram bans, bad words...): the loss would not know of them. The policy alone
-    # decides sampling, so its own config (section 24) replaces the checkpoint's.
+    # The policy alone decides sampling: its own generation config (section 24) replaces the checkpoint's.
     ar = pipe.vision_language_encoder
-    ar.generation_config = policy_generation_config(ar, pipe.transformer.config.prior_vq_quantizer_codebook_size,
-                                                    args.temperature)
+    suppressed = image_token_suppression(ar, pipe.transformer.config.prior_vq_quantizer_codebook_size)
+    ar.generation_config = policy_generation_config(ar, SamplingParams(args.temperature, args.top_k, args.top_p,
+                                                                       suppressed))
     pipe.processor.tokenizer.padding_side = "left"  # sampling code assumes prompts end at one column
     pipe.set_progress_bar_config(disable=True)      # the run prints its own progress, one line a step
     place_pipeline(pipe, args)                      # on the device, or --offload's frozen parts taking turns
@@ -258,28 +271,39 @@ class Rollout:
     source_prior: list = None    # i2i, per sample: (source VQ ids upsampled 2x, their grid [1, 3]) for the DiT
 
 
+@dataclass(frozen=True)
+class SamplingParams:
+    """The AR policy: pi(token) = softmax(logits / T) renormalised over the kept ids (vLLM's name for
+    these settings). Sampling and the loss both read it: the policy trained is the one sampled."""
+    temperature: float = 1.0
+    top_k: int = 0               # keep the k most likely ids (0: all)
+    top_p: float = 1.0           # of those, the fewest whose probability adds up to p (1: all)
+    suppressed: tuple = ()       # ids never sampled (image_token_suppression)
+
+
 def image_token_suppression(ar, codebook_size):
-    """Ids past the VQ codebook (image start/end, ...): a mid-grid end token would crash the DiT's
-    codebook lookup. Masked in sampling and in the loss alike: the policy trained is the one sampled."""
-    return list(range(codebook_size, ar.config.text_config.vision_vocab_size))
+    """Ids past the VQ codebook (image start/end, ...): a mid-grid end token would crash the DiT's codebook lookup."""
+    return tuple(range(codebook_size, ar.config.text_config.vision_vocab_size))
 
 
 class GumbelMax:
-    """Makes generate's greedy argmax draw from softmax(l / T): argmax_v (l_v / T + g_v), g_v standard
-    Gumbel, is so distributed (no top-k/p). Group k's noise [G, V] comes from generators[k] alone, where
-    generate(do_sample=True)'s draws for a row depend on the rows before it in the batch."""
+    """Makes generate's greedy argmax draw from pi: argmax_v (z_v + g_v), g_v standard Gumbel, is
+    distributed as softmax(z) over the ids where z is finite. Group k's noise [G, V] comes from
+    generators[k] alone, where generate(do_sample=True)'s draws for a row depend on the rows before it."""
 
-    def __init__(self, generators, group_size, temperature):
-        self.generators, self.group_size, self.temperature = generators, group_size, temperature
+    def __init__(self, generators, group_size, sampling):
+        self.generators, self.group_size, self.sampling = generators, group_size, sampling
 
     def __call__(self, input_ids, scores):                    # scores [N, V] fp32, N = groups x G
+        kept = torch.isfinite(policy_scores(scores, self.sampling))      # the loss's kept set: decided in fp32
         u = torch.cat([torch.rand(self.group_size, scores.shape[-1], generator=gen, device=gen.device,
                                   dtype=torch.float64) for gen in self.generators])   # [N, V]
-        return scores.double() / self.temperature - torch.log(-torch.log(u))        # u = 0: -inf, never drawn
+        z = (scores.double() / self.sampling.temperature).masked_fill(~kept, float("-inf"))
+        return z - torch.log(-torch.log(u))        # u = 0: -inf, never drawn
 
 
 @torch.no_grad()
-def sample_group(pipe, prompts, group_size, temperature, height, width, loss_tokens, sources=None,
+def sample_group(pipe, prompts, group_size, sampling, height, width, loss_tokens, sources=None,
                  record_logp=True, generators=None, prompt_len=None):
     """G samples per prompt in one generate() call (i2i when `sources` is given) -> Rollout. Group k
     draws from generators[k] (default: seeded off the global RNG). old_logp: the loss's token_logprobs
@@ -287,16 +311,16 @@ def sample_group(pipe, prompts, group_size, temperature, height, width, loss_tok
     from transformers import GenerationConfig
 
     ar = pipe.vision_language_encoder
-    suppressed = image_token_suppression(ar, pipe.transformer.config.prior_vq_quantizer_codebook_size)
     batch, vq_ids, source_prior, (num_generated, offset, (H, W)) = generation_inputs(
         pipe, prompts, sources, group_size, height, width, prompt_len)          # N = P x G rows
     if generators is None:
         generators = [torch.Generator(ar.device).manual_seed(int(torch.randint(2**62, ()))) for _ in prompts]
     config = GenerationConfig(    # do_sample=False: generate takes GumbelMax's argmax, no sampler of its own
         do_sample=False, top_k=50, top_p=1.0, temperature=1.0, max_new_tokens=num_generated,
-        min_new_tokens=num_generated, suppress_tokens=suppressed, pad_token_id=ar.config.text_config.pad_token_id,
-        eos_token_id=None, return_dict_in_generate=True, output_logits=record_logp)
-    gumbel = GumbelMax(generators, group_size, temperature)
+        min_new_tokens=num_generated, suppress_tokens=list(sampling.suppressed),
+        pad_token_id=ar.config.text_config.pad_token_id, eos_token_id=None, return_dict_in_generate=True,
+        output_logits=record_logp)
+    gumbel = GumbelMax(generators, group_size, sampling)
     out = ar.generate(**batch, generation_config=config, logits_processor=[gumbel])
     sequences = out.sequences                                                 # [N, P + L]
     if vq_ids is not None:       # i2i: the source's VQ ids in its placeholders; later passes skip the vision encoder
@@ -305,7 +329,7 @@ def sample_group(pipe, prompts, group_size, temperature, height, width, loss_tok
     generated = sequences[:, prompt_len:]                                     # [N, L]
     old_logp = None
     if record_logp:      # one decode step at a time: no [N, L, V] copy of the logits
-        old_logp = torch.cat([token_logprobs(logits[:, None], generated[:, t, None], temperature, suppressed)
+        old_logp = torch.cat([token_logprobs(logits[:, None], generated[:, t, None], sampling)
                               for t, logits in enumerate(out.logits)], dim=1)  # [N, L]
     loss_mask = torch.zeros_like(generated, dtype=torch.float32)
     loss_mask[:, (offset if loss_tokens == "target" else 0): offset + H * W] = 1.0    # never the end slot
@@ -326,8 +350,7 @@ def sample_tokens(trainer, prompts, sources, slots, step, args):
     with whole_weights(ar):
         rollout = sample_groups(trainer.pipe, prompts, sources, slots, step, args, record_logp=exact)
         if not exact:
-            rollout.old_logp = logprobs_by_micro_batch(ar, rollout, args.temperature, trainer.suppressed,
-                                                       args.micro_batch_size)
+            rollout.old_logp = logprobs_by_micro_batch(ar, rollout, trainer.sampling, args.micro_batch_size)
     return rollout
 
 
@@ -417,23 +440,40 @@ def reward_metrics(rewards, per_reward, group_size):
 # 8. Log-probs with gradients
 # =============================================================================================
 
-def scaled_logits(logits, temperature, suppressed=()):
-    """logits / T in at least fp32 (a bf16 log-softmax loses ~1e-2), `suppressed` ids at -inf."""
-    logits = at_least_fp32(logits) / temperature
-    if len(suppressed):
-        logits[..., list(suppressed)] = float("-inf")
-    return logits
+def policy_scores(logits, sampling, sampled=None):
+    """z = logits / T in at least fp32 (a bf16 log-softmax loses ~1e-2), -inf outside the kept ids:
+    the suppressed ones, then transformers' TopK and TopP warpers' rule, so a saved generation config
+    samples the same policy: top-k keeps z >= the k-th largest; top-p sorts ascending (torch.sort, the
+    warper's tie order) and drops ids while the mass up to them is <= 1 - p, never the largest. The
+    `sampled` ids [N, L] stay kept: after an update one may leave the kept set, and log 0 has no gradient."""
+    z = at_least_fp32(logits) / sampling.temperature
+    if len(sampling.suppressed):
+        z[..., list(sampling.suppressed)] = float("-inf")
+    if sampling.top_k == 0 and sampling.top_p == 1:
+        return z
+    with torch.no_grad():
+        dropped = torch.zeros_like(z, dtype=torch.bool)
+        if sampling.top_k:
+            dropped |= z < torch.topk(z, min(sampling.top_k, z.shape[-1]), dim=-1).values[..., -1:]
+        if sampling.top_p < 1:
+            ascending, order = torch.sort(z.masked_fill(dropped, float("-inf")), dim=-1)
+            tail = ascending.softmax(-1).cumsum(-1) <= 1 - sampling.top_p
+            tail[..., -1] = False
+            dropped |= tail.scatter(-1, order, tail)
+        if sampled is not None:
+            dropped.scatter_(-1, sampled.unsqueeze(-1), False)
+    return z.masked_fill(dropped, float("-inf"))
 
 
-def token_logprobs(logits, tokens, temperature, suppressed=()):
-    """log pi(token) under softmax(logits / T), suppressed ids at 0: logits [N, L, V], tokens [N, L] -> [N, L]."""
-    logits = scaled_logits(logits, temperature, suppressed)
-    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+def token_logprobs(logits, tokens, sampling):
+    """log pi(token) under `sampling`'s policy: logits [N, L, V], tokens [N, L] -> [N, L]."""
+    z = policy_scores(logits, sampling, sampled=tokens)
+    return torch.log_softmax(z, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def token_entropy(logits, temperature, suppressed=()):
-    """Entropy of the same distribution, [N, L, V] -> [N, L] nats: log(V - len(suppressed)) at uniform."""
-    return torch.distributions.Categorical(logits=scaled_logits(logits, temperature, suppressed)).entropy()
+def token_entropy(logits, sampling):
+    """Entropy of pi, [N, L, V] -> [N, L] nats: log(kept ids) at uniform."""
+    return torch.distributions.Categorical(logits=policy_scores(logits, sampling)).entropy()
 
 
 def policy_logits(ar, rollout):
@@ -443,15 +483,14 @@ def policy_logits(ar, rollout):
               position_ids=rollout.position_ids, logits_to_keep=num_generated, use_cache=False).logits
 
 
-def policy_logprobs(ar, rollout, temperature, suppressed):
-    return token_logprobs(policy_logits(ar, rollout), rollout.sequences[:, rollout.prompt_len:], temperature,
-                          suppressed)                                 # log pi_theta [N, L], differentiable
+def policy_logprobs(ar, rollout, sampling):
+    return token_logprobs(policy_logits(ar, rollout), rollout.sequences[:, rollout.prompt_len:], sampling)
 
 
 @torch.no_grad()
-def logprobs_by_micro_batch(model, rollout, temperature, suppressed, size=None):
+def logprobs_by_micro_batch(model, rollout, sampling, size=None):
     """policy_logprobs [N, L] without gradients, `size` samples per forward (default: all)."""
-    return torch.cat([policy_logprobs(model, slice_rollout(rollout, rows), temperature, suppressed)
+    return torch.cat([policy_logprobs(model, slice_rollout(rollout, rows), sampling)
                       for rows in row_slices(rollout.sequences.shape[0], size or rollout.sequences.shape[0])])
 
 
@@ -509,7 +548,7 @@ def reference_weights(model, reference):
             model.enable_adapters()
 
 
-def ar_loss_terms(policy, rollout, advantages, ref_logp, args, suppressed):
+def ar_loss_terms(policy, rollout, advantages, ref_logp, args, sampling):
     """The AR's loss for grpo_update by micro-batches, each weighted by its share of the loss tokens: the
     gradients add up to the full batch's. `policy`: the AR or its DDP wrapper. Returns terms(epoch)."""
     advantages = advantages.to(rollout.old_logp.device)
@@ -519,7 +558,7 @@ def ar_loss_terms(policy, rollout, advantages, ref_logp, args, suppressed):
         for rows in sync_on_last(policy, row_slices(advantages.shape[0], args.micro_batch_size)):
             part = slice_rollout(rollout, rows)
             logits = policy_logits(policy, part)                                   # [n, L, V]
-            logp = token_logprobs(logits, part.sequences[:, part.prompt_len:], args.temperature, suppressed)
+            logp = token_logprobs(logits, part.sequences[:, part.prompt_len:], sampling)
             loss, metrics = grpo_loss(logp, part.old_logp, advantages[rows], part.loss_mask, args.clip_eps,
                                       args.beta, None if ref_logp is None else ref_logp[rows])
             if epoch == 0:
@@ -528,7 +567,7 @@ def ar_loss_terms(policy, rollout, advantages, ref_logp, args, suppressed):
                 # Entropy collapse: near 0 a group's G samples are identical, every reward ties, all
                 # advantages are 0 and learning stops for good (frac_reward_zero_std -> 1).
                 with torch.no_grad():
-                    entropy = token_entropy(logits, args.temperature, suppressed) * part.loss_mask
+                    entropy = token_entropy(logits, sampling) * part.loss_mask
                 metrics["entropy"] = (entropy.sum() / part.loss_mask.sum()).item()
             yield loss, {**metrics, "loss": loss.item()}, (part.loss_mask.sum() / tokens).item()
     return terms
@@ -539,10 +578,9 @@ def ar_half(trainer, rollout, advantages, args):
     ar, ref_logp = trainer.pipe.vision_language_encoder, None
     if args.beta > 0:
         with reference_weights(ar, trainer.reference) as reference:
-            ref_logp = logprobs_by_micro_batch(reference, rollout, args.temperature, trainer.suppressed,
-                                               args.micro_batch_size)                  # [N, L]
+            ref_logp = logprobs_by_micro_batch(reference, rollout, trainer.sampling, args.micro_batch_size)  # [N, L]
     ar.train()   # switches gradient checkpointing on; the AR has no dropout, so pass 1 still gives pi_old
-    return "", trainer.params, ar_loss_terms(trainer.policy, rollout, advantages, ref_logp, args, trainer.suppressed)
+    return "", trainer.params, ar_loss_terms(trainer.policy, rollout, advantages, ref_logp, args, trainer.sampling)
 
 
 FIRST_PASS_ONLY = ("logp_diff_max", "entropy")   # measured while the policy still equals pi_old
@@ -595,7 +633,7 @@ class Trainer:
     """What the loop carries. Per trained half (the AR; `dit_` the DiT): its trainable params, the
     `policy` its training forward runs through (itself or its DDP wrapper), its frozen KL `reference`."""
     pipe: object                          # GlmImagePipeline
-    suppressed: list                      # ids outside the VQ codebook, never sampled inside a grid
+    sampling: SamplingParams              # the AR's policy over tokens
     optimizer: torch.optim.Optimizer = None   # one AdamW, a param group per trained half
     lr_scheduler: object = None           # one step per GRPO step
     trained: torch.nn.Module = None       # what checkpoints hold: the AR, or {AR, DiT}
@@ -618,7 +656,7 @@ def setup_training(args, ckpt=None, ckpt_path=None, rewards=None):
     pipe = load_pipeline(args)
     set_seed(args.seed)             # after loading: the same sampling stream however the model was made
     ar, dit = pipe.vision_language_encoder, pipe.transformer
-    trainer = Trainer(pipe, image_token_suppression(ar, dit.config.prior_vq_quantizer_codebook_size), prompt_tokens={})
+    trainer = Trainer(pipe, sampling_of(ar), prompt_tokens={})
     # Full fine-tuning with beta > 0 keeps a frozen copy as the KL reference (at 9B use LoRA instead).
     frozen_copy = lambda model, lora: copy.deepcopy(model).requires_grad_(False) if args.beta > 0 and not lora else None
     groups, trained = [], {}
@@ -932,8 +970,8 @@ def shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, cac
     def draw(i, seed):
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
             torch.manual_seed(seed)                               # leaves the run's RNG stream untouched
-            return sample_group(pipe, [prompts[i]], 1, args.temperature, args.height, args.width, args.loss_tokens,
-                                sources and [sources[i]], record_logp=False)
+            return sample_group(pipe, [prompts[i]], 1, sampling_of(pipe.vision_language_encoder), args.height,
+                                args.width, args.loss_tokens, sources and [sources[i]], record_logp=False)
 
     if args.dit_prior == "per-step":
         draws = [draw(i, sampling_seed(args.seed, step, slot)) for i, slot in enumerate(slots)]
@@ -1072,7 +1110,7 @@ def sample_groups(pipe, prompts, sources, slots, step, args, record_logp=True, p
             dist.all_reduce(longest, op=dist.ReduceOp.MAX)
         prompt_len = int(longest) + 1
     generators = [torch.Generator(ar.device).manual_seed(sampling_seed(args.seed, step, slot)) for slot in slots]
-    return sample_group(pipe, prompts, args.group_size, args.temperature, args.height, args.width, args.loss_tokens,
+    return sample_group(pipe, prompts, args.group_size, sampling_of(ar), args.height, args.width, args.loss_tokens,
                         sources, record_logp, generators, prompt_len)
 
 
@@ -1375,6 +1413,11 @@ def validate_args(args):
          "--dit-train-steps need --policy dit or both"),
         (args.policy == "dit" and args.lora_rank, "--lora-rank adapts the AR, which --policy dit does not "
          "train (use --dit-lora-rank)"),
+        # AdamW moves a weight by ~lr a step: 1e-5 is below half a bf16 ulp (2^-16) of any |w| >= 2^-8
+        (args.dtype == "bfloat16" and not args.fsdp and full_fine_tuning(args), "--dtype bfloat16 full "
+         "fine-tuning would round AdamW's updates away (a step of ~lr is below half a bf16 ulp of most weights): "
+         "train LoRA adapters (--lora-rank / --dit-lora-rank, fp32), shard fp32 weights with --fsdp, or use "
+         "--dtype float32"),
         (args.report_to != "none" and importlib.util.find_spec(args.report_to) is None,    # package = flag value
          f"--report-to {args.report_to} needs the '{args.report_to}' package: pip install {args.report_to}"),
         (Path(args.out).exists() and not Path(args.out).is_dir(), f"--out {args.out} exists and is not a directory"),
@@ -1397,6 +1440,11 @@ def validate_args(args):
         raise UsageError("--device cuda was asked for but no CUDA device is available")
     if args.offload and not (args.device != "cpu" and torch.cuda.is_available()):
         raise UsageError("--offload moves the frozen DiT, VAE and text encoder to a CUDA device: there is none")
+
+
+def full_fine_tuning(args):
+    """True if a trained half updates its own weights (not LoRA adapters)."""
+    return (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
 
 
 def validate_plan_args(args):
@@ -1426,12 +1474,20 @@ def check_writable(flag, path):
         raise UsageError(f"{flag} {path}: cannot write in {parent} ({e.strerror})")
 
 
+def pretrained_defaults(args):
+    """Defaults for any --model but the tiny demo (the flags' own, which train a random toy quickly): GLM-Image's
+    model card's sampler (T 0.9, top-p 0.75) and decode (30 DiT steps at guidance 1.5, 1024^2); learning
+    rates for a pretrained model, 1e-5 (DanceGRPO's for a whole DiT) or flow_grpo's 3e-4 for LoRA."""
+    return dict(lr=1e-5, dit_lr=3e-4 if args.dit_lora_rank else 1e-5, temperature=0.9, top_p=0.75,
+                num_inference_steps=30, guidance_scale=1.5, height=1024, width=1024)
+
+
 def resolve_runtime(args):
     """Values derived from flags, computed once and printed in the 'running with' block."""
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.dtype == "auto":
-        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+        args.dtype = "bfloat16" if args.device == "cuda" and args.model != TINY else "float32"
     if args.offload is None:
         args.offload = args.device == "cuda"
     if args.lora_alpha is None:
@@ -1447,8 +1503,8 @@ def resolve_runtime(args):
 
 def open_run(args):
     """Flags, --out's lock (rank 0), prompts, rewards, model; a failed start removes what it made."""
-    validate_args(args)
     resolve_runtime(args)
+    validate_args(args)
     init_distributed(args)
     lead = rank() == 0
     out = Path(args.out)
@@ -2279,6 +2335,9 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, renderer="random"):
     pipe = GlmImagePipeline(
         tokenizer=ByT5Tokenizer(), processor=processor, text_encoder=text_encoder, vision_language_encoder=ar,
         vae=vae, transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler())
+    # The policy's sampler as its generation config (section 24), as load_pipeline sets it.
+    suppressed = image_token_suppression(ar, TINY_CODEBOOK)
+    ar.generation_config = policy_generation_config(ar, SamplingParams(suppressed=suppressed))
     # Built from configs, components start in train mode (T5's dropout would embed a prompt differently each call).
     for module in (ar, text_encoder, transformer, vae):
         module.eval()
@@ -2459,9 +2518,6 @@ def tiny_pipeline_dir(seed=0, settings=None):
                 pipe = build_tiny_pipeline(seed, renderer="mosaic")
                 pipe.set_progress_bar_config(disable=True)
                 loss = train_tiny_renderer(pipe, settings, seed)
-            ar = pipe.vision_language_encoder
-            ar.generation_config = policy_generation_config(     # section 24
-                ar, pipe.transformer.config.prior_vq_quantizer_codebook_size, temperature=1.0)
             with quiet_progress_bars():
                 pipe.save_pretrained(tmp)
             files = {str(p.relative_to(tmp)): hashlib.sha256(p.read_bytes()).hexdigest()
@@ -3102,23 +3158,27 @@ def save_trained_pipeline(pipe, args):
     if args.dit_lora_rank:
         pipe.transformer.fuse_lora()        # diffusers' merge, W += B @ A * alpha / r
         pipe.transformer.unload_lora()      # each peft wrapper back to its base Linear
-    ar.generation_config = policy_generation_config(
-        ar, pipe.transformer.config.prior_vq_quantizer_codebook_size, args.temperature)
     pipe.save_pretrained(args.save_pipeline)
     print(f"saved the trained pipeline to {args.save_pipeline}")
 
 
-def policy_generation_config(ar, codebook_size, temperature):
-    """The trained policy, softmax(logits / T) with the special ids suppressed (as sample_group draws),
-    as the config the pipeline's AR stage samples with. The real one's suppresses nothing: a briefly
-    trained AR then writes image start/end ids mid-grid and the pipeline crashes."""
+def policy_generation_config(ar, sampling):
+    """The policy as the config the pipeline's AR stage samples with (set at load, saved with the
+    pipeline). Only these fields: generate() fills every field a config leaves unset from the
+    checkpoint's (penalties, n-gram bans), which the loss would not know of. The real one's suppresses
+    nothing: a briefly trained AR then writes image start/end ids mid-grid and the pipeline crashes."""
     from transformers import GenerationConfig
 
     return GenerationConfig(
-        do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
-        suppress_tokens=image_token_suppression(ar, codebook_size),
-        bos_token_id=ar.generation_config.bos_token_id, pad_token_id=ar.config.text_config.pad_token_id,
-        eos_token_id=ar.config.text_config.eos_token_id)
+        do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+        suppress_tokens=list(sampling.suppressed), bos_token_id=ar.generation_config.bos_token_id,
+        pad_token_id=ar.config.text_config.pad_token_id, eos_token_id=ar.config.text_config.eos_token_id)
+
+
+def sampling_of(ar):
+    """The AR's policy, read back from its generation config (policy_generation_config's inverse)."""
+    config = ar.generation_config
+    return SamplingParams(config.temperature, config.top_k, config.top_p, tuple(config.suppress_tokens))
 
 
 def merge_lora(ar):
@@ -3142,14 +3202,14 @@ def generate_images(pipe, prompts, sources=None, height=64, width=64, num_infere
     """Text-to-image, or edits of `sources` (one PIL image per prompt), with a pipeline trained here
     (from_pretrained(--save-pipeline dir), or main()'s return value): one PIL image per prompt. It
     runs the training's sample_group and decode_images; the library's `pipe(prompt, image=[source])`
-    fails (diffusers 0.42.1 with transformers 5, see encode_sources). temperature: default the saved
-    generation config's. Seeds the global torch RNG (generate takes no generator)."""
+    fails (diffusers 0.42.1 with transformers 5, see encode_sources). It samples the saved policy
+    (sampling_of), at `temperature` if given. Seeds the global torch RNG (generate takes no generator)."""
     if height % 32 or width % 32:
         raise ValueError(f"height and width must be multiples of 32, got {height}x{width}")
     if sources is not None and len(sources) != len(prompts):
         raise ValueError(f"one source per prompt: got {len(sources)} sources for {len(prompts)} prompts")
     ar = pipe.vision_language_encoder
-    temperature = temperature or getattr(ar.generation_config, "temperature", None) or 1.0
+    sampling = replace(sampling_of(ar), temperature=temperature or ar.generation_config.temperature)
     pipe.processor.tokenizer.padding_side = "left"        # as load_pipeline sets it for training
     if sources is not None:                               # upright, at the trained size
         sources = [to_rgb(ImageOps.exif_transpose(s)).resize((width, height), Image.BICUBIC) for s in sources]
@@ -3158,7 +3218,7 @@ def generate_images(pipe, prompts, sources=None, height=64, width=64, num_infere
     for k, prompt in enumerate(prompts):
         torch.manual_seed(seed * 1_000_003 + k)
         source = sources and sources[k: k + 1]
-        rollout = sample_group(pipe, [prompt], 1, temperature, height, width, "target", sources=source,
+        rollout = sample_group(pipe, [prompt], 1, sampling, height, width, "target", sources=source,
                                record_logp=False)
         images.append(decode_images(pipe, [prompt], source, rollout, noise[k: k + 1], num_inference_steps,
                                     guidance_scale))

@@ -44,6 +44,12 @@ def tiny_model(seed=0):
     return pipe
 
 
+def policy(pipe, temperature=1.0, **truncation):
+    """The tiny AR's sampling policy at `temperature` (special ids suppressed), as training builds it."""
+    suppressed = g.image_token_suppression(pipe.vision_language_encoder, g.TINY_CODEBOOK)
+    return g.SamplingParams(temperature, suppressed=suppressed, **truncation)
+
+
 def run_cli(*args, timeout=300):
     return subprocess.run([sys.executable, str(HERE / "grpo_glm.py"), *args], capture_output=True, text=True,
                           timeout=timeout, cwd=HERE)
@@ -86,12 +92,12 @@ def test_group_advantages_constant_group_is_exactly_zero_despite_rounding():
 def test_token_entropy_uniform_peaked_and_suppressed():
     logits = torch.zeros(1, 2, 8)
     logits[0, 1, 3] = 100.0
-    h = g.token_entropy(logits, temperature=1.0)
+    h = g.token_entropy(logits, g.SamplingParams(1.0))
     torch.testing.assert_close(h[0, 0], torch.log(torch.tensor(8.0)))
     assert h[0, 1].abs() < 1e-6
-    torch.testing.assert_close(g.token_entropy(logits, 1.0, suppressed=[6, 7])[0, 0], torch.log(torch.tensor(6.0)))
+    torch.testing.assert_close(g.token_entropy(logits, g.SamplingParams(1.0, suppressed=(6, 7)))[0, 0], torch.log(torch.tensor(6.0)))
     # a higher temperature flattens a peaked distribution
-    assert g.token_entropy(logits, 100.0)[0, 1] > h[0, 1] + 1
+    assert g.token_entropy(logits, g.SamplingParams(100.0))[0, 1] > h[0, 1] + 1
 
 
 def test_group_advantages_rejects_ragged_length():
@@ -155,7 +161,7 @@ def test_mse_reward():
 def test_token_logprobs_respects_temperature_and_suppression():
     logits = torch.tensor([[[2.0, 1.0, 0.0, 5.0]]])
     tokens = torch.tensor([[1]])
-    got = g.token_logprobs(logits, tokens, temperature=2.0, suppressed=[3])
+    got = g.token_logprobs(logits, tokens, g.SamplingParams(2.0, suppressed=(3,)))
     expected = torch.log_softmax(torch.tensor([1.0, 0.5, 0.0]), -1)[1]
     assert got.item() == pytest.approx(expected.item(), abs=1e-6)
 
@@ -198,13 +204,13 @@ def test_tiny_pipeline_is_seeded():
 def _logprob_gap(pipe, prompts, group_size):
     torch.manual_seed(0)
     ar = pipe.vision_language_encoder
-    rollout = g.sample_group(pipe, prompts, group_size, temperature=0.9, height=64, width=64, loss_tokens="all")
-    suppressed = g.image_token_suppression(ar, pipe.transformer.config.prior_vq_quantizer_codebook_size)
+    sampling = policy(pipe, 0.9)
+    rollout = g.sample_group(pipe, prompts, group_size, sampling, height=64, width=64, loss_tokens="all")
     with torch.no_grad():
-        recomputed = g.policy_logprobs(ar, rollout, 0.9, suppressed)
+        recomputed = g.policy_logprobs(ar, rollout, sampling)
         naive_logits = ar(input_ids=rollout.sequences[:, :-1], attention_mask=rollout.attention_mask,
                           logits_to_keep=recomputed.shape[1]).logits
-        naive = g.token_logprobs(naive_logits, rollout.sequences[:, rollout.prompt_len:], 0.9, suppressed)
+        naive = g.token_logprobs(naive_logits, rollout.sequences[:, rollout.prompt_len:], sampling)
     return rollout, (recomputed - rollout.old_logp).abs().max().item(), (naive - rollout.old_logp).abs().max().item()
 
 
@@ -224,7 +230,7 @@ def test_recomputed_logprobs_match_with_left_padding(sharp_pipe):
 
 def test_rollout_layout(sharp_pipe):
     torch.manual_seed(0)
-    rollout = g.sample_group(sharp_pipe, ["a", "bb"], 3, 1.0, 96, 64, "target")
+    rollout = g.sample_group(sharp_pipe, ["a", "bb"], 3, policy(sharp_pipe), 96, 64, "target")
     H, W = rollout.grid_hw
     assert (H, W) == (3, 2)
     L = rollout.sequences.shape[1] - rollout.prompt_len
@@ -894,14 +900,14 @@ def test_lora_trains_only_adapters_and_reference_is_the_base_model():
     before = {n: p.detach().clone() for n, p in ar.named_parameters()}
 
     torch.manual_seed(0)
-    rollout = g.sample_group(pipe, ["a red circle"], 4, 1.0, 64, 64, "target")
-    suppressed = g.image_token_suppression(ar, g.TINY_CODEBOOK)
+    suppressed = policy(pipe)
+    rollout = g.sample_group(pipe, ["a red circle"], 4, suppressed, 64, 64, "target")
     with torch.no_grad():
-        base_logp = g.policy_logprobs(base_pipe.vision_language_encoder, rollout, 1.0, suppressed)
+        base_logp = g.policy_logprobs(base_pipe.vision_language_encoder, rollout, suppressed)
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
     with g.reference_weights(ar, None) as reference:
-        ref_logp = g.logprobs_by_micro_batch(reference, rollout, 1.0, suppressed)
+        ref_logp = g.logprobs_by_micro_batch(reference, rollout, suppressed)
     torch.testing.assert_close(ref_logp, base_logp, atol=1e-5, rtol=0)
     g.grpo_update(optimizer, [("", params, g.ar_loss_terms(ar, rollout, advantages, ref_logp, args, suppressed))],
                                args)
@@ -909,9 +915,9 @@ def test_lora_trains_only_adapters_and_reference_is_the_base_model():
     assert changed and all("lora_" in n for n in changed)
     # after the update the adapters change the policy, the reference still equals the base model
     with torch.no_grad():
-        assert (g.policy_logprobs(ar, rollout, 1.0, suppressed) - base_logp).abs().max() > 1e-4
+        assert (g.policy_logprobs(ar, rollout, suppressed) - base_logp).abs().max() > 1e-4
     with g.reference_weights(ar, None) as reference:
-        torch.testing.assert_close(g.logprobs_by_micro_batch(reference, rollout, 1.0, suppressed), base_logp,
+        torch.testing.assert_close(g.logprobs_by_micro_batch(reference, rollout, suppressed), base_logp,
                                    atol=1e-5, rtol=0)
 
 
@@ -981,17 +987,30 @@ def test_saved_i2i_pipeline_edits_images_with_generate_images(tmp_path, i2i_prom
     assert [im.size for im in text] == [(64, 64)] * 2
 
 
-@pytest.mark.parametrize("lora", ["0", "2"])
-def test_bf16_runs_end_to_end(tmp_path, lora):
+def test_bf16_runs_end_to_end_with_a_truncated_sampler(tmp_path):
+    """bf16 LoRA with --top-k/--top-p: ratio 1 on the first pass, and the update moves the adapters."""
     pipe = g.main(["--steps", "2", "--out", str(tmp_path / "bf16"), "--dtype", "bfloat16", "--inner-epochs", "1",
-                   "--group-size", "2", "--prompts-per-step", "1", "--sample-every", "0", "--lora-rank", lora])
-    trainable = [p for p in pipe.vision_language_encoder.parameters() if p.requires_grad]
-    assert {p.dtype for p in trainable} == ({torch.float32} if lora != "0" else {torch.bfloat16})
+                   "--group-size", "2", "--prompts-per-step", "1", "--sample-every", "0", "--lora-rank", "2",
+                   "--temperature", "0.9", "--top-k", "40", "--top-p", "0.75"])
+    trainable = {n: p for n, p in pipe.vision_language_encoder.named_parameters() if p.requires_grad}
+    assert {p.dtype for p in trainable.values()} == {torch.float32}
+    assert all(p.abs().sum() > 0 for n, p in trainable.items() if "lora_B" in n)     # B starts at 0
     assert pipe.transformer.dtype == torch.bfloat16
     rows = read_metrics(tmp_path / "bf16")
     assert len(rows) == 2 and all(r["skipped_updates"] == 0 for r in rows)
     # old log-probs come from a teacher-forced pass in bf16, so the first-pass ratio is still 1
-    assert all(r["ratio_mean"] == pytest.approx(1.0, abs=1e-6) for r in rows)
+    assert all(r["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and r["logp_diff_max"] <= 1e-5 for r in rows)
+
+
+@pytest.mark.parametrize("flags", [[], ["--ar-trainable", "all"], ["--policy", "dit", "--dit-lora-rank", "0"]])
+def test_bf16_full_fine_tuning_is_refused(tmp_path, flags, capsys):
+    """AdamW's bf16 update of a bf16 weight rounds away: 1e-5 is below half an ulp of 0.25 (2^-9)."""
+    weight = torch.tensor([0.25], dtype=torch.bfloat16)
+    assert torch.equal(weight - 1e-5, weight)
+    with pytest.raises(SystemExit) as stop:
+        g.main(["--out", str(tmp_path / "run"), "--dtype", "bfloat16", *flags])
+    assert stop.value.code == 2 and "--dtype bfloat16 full fine-tuning" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_from_pretrained_directory_behaves_like_tiny(tmp_path):
@@ -1012,9 +1031,9 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
         if checkpointing:
             ar.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         torch.manual_seed(0)
-        rollout = g.sample_group(pipe, ["a red circle"], 3, 1.0, 64, 64, "all")
+        rollout = g.sample_group(pipe, ["a red circle"], 3, policy(pipe), 64, 64, "all")
         ar.train()
-        logp = g.policy_logprobs(ar, rollout, 1.0, g.image_token_suppression(ar, g.TINY_CODEBOOK))
+        logp = g.policy_logprobs(ar, rollout, policy(pipe))
         loss, _ = g.grpo_loss(logp, rollout.old_logp, torch.tensor([1.0, -0.5, -0.5]), rollout.loss_mask, 0.2)
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in params]))
@@ -1234,21 +1253,21 @@ def test_i2i_recomputed_logprobs_match_sampling_logprobs(sharp_pipe):
     ar = sharp_pipe.vision_language_encoder
     red = g.draw_shape("circle", "red", "white", 64, 64)
     green = g.draw_shape("square", "green", "black", 64, 64)
-    suppressed = g.image_token_suppression(ar, g.TINY_CODEBOOK)
+    sampling = policy(sharp_pipe, 0.9)
     for prompts, sources, group in [(["make it blue"], [red], 4),
                                     (["blue", "make the green square a yellow triangle"], [red, green], 2)]:
         torch.manual_seed(0)
-        rollout = g.sample_group(sharp_pipe, prompts, group, 0.9, 96, 64, "all", sources=sources)
+        rollout = g.sample_group(sharp_pipe, prompts, group, sampling, 96, 64, "all", sources=sources)
         n_source = 2 * 2                                        # a 64 px source: 2 x 2 tokens of 32 px
         assert rollout.sequences.shape[1] - rollout.prompt_len == 3 * 2 + 1   # target grid + end, no preview
         prompt_ids = rollout.sequences[:, :rollout.prompt_len]
         assert not (prompt_ids == ar.config.image_token_id).any()            # placeholders hold VQ ids
         assert ((prompt_ids < g.TINY_CODEBOOK) & (rollout.attention_mask[:, :rollout.prompt_len] == 1)).sum(1).eq(n_source).all()
         with torch.no_grad():
-            recomputed = g.policy_logprobs(ar, rollout, 0.9, suppressed)
+            recomputed = g.policy_logprobs(ar, rollout, sampling)
             naive = g.token_logprobs(ar(input_ids=rollout.sequences[:, :-1], attention_mask=rollout.attention_mask,
                                         logits_to_keep=recomputed.shape[1]).logits,
-                                     rollout.sequences[:, rollout.prompt_len:], 0.9, suppressed)
+                                     rollout.sequences[:, rollout.prompt_len:], sampling)
         assert (recomputed - rollout.old_logp).abs().max() <= 1e-5
         assert (naive - rollout.old_logp).abs().max() > 1.0
     assert (rollout.attention_mask[:, 0] == 0).any()            # the second case is left-padded
@@ -1415,7 +1434,7 @@ def test_special_ids_are_never_sampled_inside_a_grid(sharp_pipe):
     """At T = 5 the softmax is nearly flat over all 80 output ids, 16 of them past the codebook
     (image start/end, ...): unmasked, ~1000 sampled tokens would hold ~200 of them."""
     torch.manual_seed(0)
-    rollout = g.sample_group(sharp_pipe, ["a red circle"], 4, 5.0, 64, 64, "all")
+    rollout = g.sample_group(sharp_pipe, ["a red circle"], 4, policy(sharp_pipe, 5.0), 64, 64, "all")
     generated = rollout.sequences[:, rollout.prompt_len:]
     assert generated.numel() > 1000 and (generated < g.TINY_CODEBOOK).all()
     assert torch.isfinite(rollout.old_logp).all()
@@ -1440,33 +1459,73 @@ def test_gumbel_max_draws_from_softmax_over_the_allowed_ids():
     """argmax(logits / T + Gumbel noise) is a draw from softmax(logits / T); -inf ids never win."""
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 3.0, float("-inf")])      # the last id is suppressed
     n, T = 200_000, 2.0
-    draws = g.GumbelMax([torch.Generator().manual_seed(0)], n, T)(None, logits.expand(n, -1)).argmax(-1)
+    draws = g.GumbelMax([torch.Generator().manual_seed(0)], n, g.SamplingParams(T))(None, logits.expand(n, -1)).argmax(-1)
     counts = torch.bincount(draws, minlength=6).double()
     assert counts[5] == 0
     assert not chi_square_too_large(*chi_square(counts, torch.softmax(logits / T, -1).double()))
     assert chi_square_too_large(*chi_square(counts, torch.softmax(logits, -1).double()))   # T matters
 
 
-def test_sampler_draws_the_first_token_from_softmax_of_the_logits(sharp_pipe):
+@pytest.mark.parametrize("truncation", [{}, {"top_k": 40, "top_p": 0.6}])
+def test_sampler_draws_the_first_token_from_the_policy(sharp_pipe, truncation):
     """Through generate: 4 groups x 300 samples of one prompt (one generator each) give first tokens
-    distributed as softmax(logits / T) over the 64 codebook ids, all of them drawn (a top-k 50
-    sampler would show at most 50). i2i, whose AR writes only 7 tokens, keeps it quick."""
+    distributed as pi = softmax(logits / T) over the 64 codebook ids, all drawn (generate's own top-k
+    50 would show at most 50); truncated, as pi renormalised over the kept ids, none drawn outside
+    them (the untruncated softmax then fails). i2i, whose AR writes only 7 tokens, keeps it quick."""
     ar, T = sharp_pipe.vision_language_encoder, 2.0
+    sampling = policy(sharp_pipe, T, **truncation)
     red = g.draw_shape("circle", "red", "white", 64, 64)
     generators = [torch.Generator().manual_seed(k) for k in range(4)]
-    rollout = g.sample_group(sharp_pipe, ["make it blue"] * 4, 300, T, 96, 64, "all", sources=[red] * 4,
+    rollout = g.sample_group(sharp_pipe, ["make it blue"] * 4, 300, sampling, 96, 64, "all", sources=[red] * 4,
                              generators=generators)
     with torch.no_grad():        # the first position's logits, shared by every row
         logits = g.policy_logits(ar, g.slice_rollout(rollout, slice(0, 1)))[0, 0]
-    p = torch.softmax(logits.double() / T, -1)
-    p[g.TINY_CODEBOOK:] = 0.0
-    p /= p.sum()
+    p = torch.softmax(g.policy_scores(logits, sampling).double(), -1)
+    kept = p > 0
+    assert kept.sum() == g.TINY_CODEBOOK if not truncation else 10 < kept.sum() < 40     # truncation bites
     counts = torch.bincount(rollout.sequences[:, rollout.prompt_len], minlength=g.TINY_VISION_VOCAB).double()
-    assert (counts[:g.TINY_CODEBOOK] > 0).all() and counts[g.TINY_CODEBOOK:].sum() == 0
+    assert counts[~kept].sum() == 0 and (counts[kept] > 0).all()
     assert not chi_square_too_large(*chi_square(counts, p))
-    wrong = torch.softmax(logits.double(), -1)                                  # T = 1: the test can tell
+    wrong = torch.softmax(logits.double() / (1.0 if not truncation else T), -1)     # T = 1, or untruncated
     wrong[g.TINY_CODEBOOK:] = 0.0
     assert chi_square_too_large(*chi_square(counts, wrong / wrong.sum()))
+
+
+@pytest.mark.parametrize("T, top_k, top_p", [(0.9, 40, 0.75), (1.0, 0, 0.5), (2.0, 3, 1.0)])
+def test_saved_generation_config_samples_the_trained_policy(tmp_path, T, top_k, top_p):
+    """What --save-pipeline writes: generate()'s own processors, built from the saved config, turn
+    logits into the same scores as policy_scores, bit for bit (ties at the k-th value included)."""
+    from transformers import GenerationConfig
+
+    pipe = g.build_tiny_pipeline()
+    ar = pipe.vision_language_encoder
+    sampling = policy(pipe, T, top_k=top_k, top_p=top_p)
+    g.policy_generation_config(ar, sampling).save_pretrained(tmp_path)
+    ar.generation_config = GenerationConfig.from_pretrained(tmp_path)
+    assert g.sampling_of(ar) == sampling
+    logits = torch.randn(256, g.TINY_VISION_VOCAB, generator=torch.Generator().manual_seed(0)) * 2
+    logits[:, 5:12] = logits[:, 4:5]                                   # ties
+    library = ar._get_logits_processor(generation_config=ar.generation_config, device="cpu")
+    expected = library(torch.zeros(256, 1, dtype=torch.long), logits.clone())
+    assert torch.equal(g.policy_scores(logits, sampling), expected)
+    kept = torch.isfinite(expected).sum(-1)
+    assert (kept < g.TINY_CODEBOOK).all() and (kept >= 1).all()       # every row truncated, none empty
+
+
+def test_truncated_sampling_has_ratio_one(sharp_pipe):
+    """With top-k and top-p the loss recomputes the sampler's log-probs (every sampled id in the
+    kept set of the recomputed logits, without policy_scores' `sampled` rescue)."""
+    torch.manual_seed(0)
+    ar, sampling = sharp_pipe.vision_language_encoder, policy(sharp_pipe, 0.9, top_k=20, top_p=0.75)
+    rollout = g.sample_group(sharp_pipe, ["red", "a much longer prompt about a blue square"], 3, sampling, 64, 64,
+                             "all")
+    with torch.no_grad():
+        logits = g.policy_logits(ar, rollout)
+        recomputed = g.token_logprobs(logits, rollout.sequences[:, rollout.prompt_len:], sampling)
+        kept = torch.isfinite(g.policy_scores(logits, sampling))
+    tokens = rollout.sequences[:, rollout.prompt_len:]
+    assert kept.gather(-1, tokens[..., None]).all() and (kept.sum(-1) < g.TINY_CODEBOOK).float().mean() > 0.5
+    assert (recomputed - rollout.old_logp).abs().max() <= 1e-5
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1805,7 +1864,7 @@ def _dit_case(pipe, mode, guidance, group=2, steps=4):
     torch.manual_seed(0)
     source = [g.draw_shape("circle", "red", "white", 64, 64)] if mode == "i2i" else None
     prompts = ["make the red circle blue"]
-    rollout = g.sample_group(pipe, prompts, group, 1.0, 64, 64, "target", sources=source)
+    rollout = g.sample_group(pipe, prompts, group, policy(pipe), 64, 64, "target", sources=source)
     cond = g.dit_condition(pipe, prompts, group, rollout.target_tokens, rollout.grid_hw, guidance, source,
                            rollout.source_prior and rollout.source_prior[:1])
     noise = g.group_noise(pipe, [0], group, 64, 64, 0, 1, "per-prompt")
@@ -1970,7 +2029,7 @@ def test_micro_batches_give_the_full_batch_gradient():
     so 1e-9 leaves room and still catches a wrongly weighted micro-batch (an error of order 1)."""
     pipe, params, args = _policy(group_size=3, inner_epochs=1, max_grad_norm=1e9, beta=0.1, height=64, width=64)
     ar = pipe.vision_language_encoder
-    suppressed = g.image_token_suppression(ar, g.TINY_CODEBOOK)
+    suppressed = policy(pipe)
     prompts = ["a red circle", "a blue square on a green background"]
     rollout = g.sample_groups(pipe, prompts, None, range(2), 1, args)
     assert rollout.attention_mask[0, 0] == 0                          # the short prompt is padded
@@ -2047,6 +2106,17 @@ def test_a_group_samples_the_same_whatever_else_its_rank_holds(sharp_pipe, mode,
     assert 0 < (bare.old_logp - rank0.old_logp).abs().max() < 1e-4
     other_step = g.sample_groups(sharp_pipe, [long], sources(green), range(1, 2), 6, args)
     assert not torch.equal(other_step.sequences, rank1.sequences)
+
+
+def test_defaults_follow_the_model():
+    """The tiny demo's defaults, or for a pretrained GLM-Image its model card's sampler and decode and a
+    fine-tuning learning rate; a flag given still wins."""
+    pick = lambda args: (args.lr, args.temperature, args.top_p, args.num_inference_steps, args.guidance_scale,
+                         args.height, args.dit_lr)
+    assert pick(g.parse_args([])) == (2e-2, 1.0, 1.0, 4, 1.0, 128, 3e-3)
+    assert pick(g.parse_args(["--model", "zai-org/GLM-Image"])) == (1e-5, 0.9, 0.75, 30, 1.5, 1024, 1e-5)
+    assert g.parse_args(["--model", "my/model", "--dit-lora-rank", "8"]).dit_lr == 3e-4
+    assert g.parse_args(["--model", "my/model", "--lr", "3e-5", "--top-p", "1"]).lr == 3e-5
 
 
 def test_help_gives_each_default_once(capsys):
@@ -2525,7 +2595,7 @@ def measure_update(lora_rank, checkpointing, layout=None):
         sequences=sequences, attention_mask=torch.ones(n, P + G - 1, dtype=torch.long),
         position_ids=torch.arange(P + G - 1).expand(3, n, -1).contiguous(), old_logp=torch.full((n, G), -9.7),
         loss_mask=torch.ones(n, G), target_tokens=sequences[:, P:], grid_hw=(1, G), prompt_len=P)
-    suppressed = g.image_token_suppression(ar, 16384)
+    suppressed = g.SamplingParams(suppressed=g.image_token_suppression(ar, 16384))
     rss_before = _status_bytes("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")                         # restart VmHWM from here
     start = time.time()
