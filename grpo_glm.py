@@ -86,7 +86,7 @@ ALGORITHM_FLAGS = (
     "max_grad_norm", "clip_eps", "beta", "temperature", "top_k", "top_p", "height", "width", "num_inference_steps",
     "guidance_scale", "dit_noise", "loss_tokens", "lora_rank", "lora_alpha", "ar_trainable", "dtype",
     "reward", "weight_decay", "lr_scheduler", "lr_warmup_steps", "policy", "dit_lr", "dit_clip_eps",
-    "dit_noise_level", "dit_train_steps", "dit_lora_rank", "dit_prior")
+    "dit_noise_level", "dit_train_steps", "dit_lora_rank", "dit_prior", "dit_reward")
 
 
 def parse_args(argv=None):
@@ -152,6 +152,9 @@ def parse_args(argv=None):
       "SDE steps and enter the DiT loss; the rest run the ODE (default: all but the last).")
     a("--dit-prior", choices=["per-prompt", "per-step"], default="per-prompt", help="--policy dit: the AR "
       "token grid a group shares is drawn once per prompt for the whole run, or afresh each step.")
+    a("--dit-reward", action="append", metavar="SPEC", help="--policy both: the DiT's own reward (--reward's "
+      "syntax, repeatable); the AR's advantages then come from --reward alone (GLM-Image's decoupled RL: "
+      "layout and meaning to the AR, detail and text to the DiT).")
     a("--dit-lora-rank", type=non_negative_int, default=0, help="LoRA rank on the DiT (0 = full fine-tuning).")
     a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto", help="Weights dtype: "
       "auto = bfloat16 for a pretrained model on CUDA, else float32; float64 is for checks, e.g. that K "
@@ -638,6 +641,7 @@ class Trainer:
     lr_scheduler: object = None           # one step per GRPO step
     trained: torch.nn.Module = None       # what checkpoints hold: the AR, or {AR, DiT}
     rewards: list = None                  # the --reward plug-ins (section 6)
+    dit_rewards: list = None              # the --dit-reward ones (none: the DiT trains on `rewards`)
     params: list = None
     policy: object = None
     reference: object = None
@@ -648,7 +652,7 @@ class Trainer:
     before_update: object = lambda: None  # the stop handler's last chance to drop the step (section 19)
 
 
-def setup_training(args, ckpt=None, ckpt_path=None, rewards=None):
+def setup_training(args, ckpt=None, ckpt_path=None, rewards=None, dit_rewards=None):
     """Loads the model, marks what trains, one AdamW (a param group per half), restores `ckpt`."""
     from diffusers.optimization import get_scheduler
     from diffusers.training_utils import set_seed
@@ -681,6 +685,7 @@ def setup_training(args, ckpt=None, ckpt_path=None, rewards=None):
         if rank() == 0:
             print(f"Resuming from step {ckpt['step']} ({ckpt_path})")
     trainer.rewards = load_rewards(args.reward) if rewards is None else rewards
+    trainer.dit_rewards = load_rewards(args.dit_reward or []) if dit_rewards is None else dit_rewards
     trainer.policy = wrap_for_training(ar, args.device) if args.policy != "dit" else None
     trainer.dit_policy = wrap_for_training(dit, args.device) if args.policy != "ar" else None
     return trainer, ckpt["step"] if ckpt else 0
@@ -707,16 +712,21 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
                                args.guidance_scale)
     # ---- REWARD: r [N], one per image ------------------------------------------------------------
     targets = batch_targets(batch)                                                           # [P, 3, H, W]
-    rewards, per_reward = compute_rewards(trainer.rewards, images, repeat_each(prompts, G),
-                                          None if targets is None else targets.repeat_interleave(G, 0))
+    scored = (repeat_each(prompts, G), None if targets is None else targets.repeat_interleave(G, 0))
+    rewards, per_reward = compute_rewards(trainer.rewards, images, *scored)
     # ---- ADVANTAGE: A [N], each reward standardised within its group ------------------------------
-    advantages = group_advantages(rewards, G)
+    advantages = dit_advantages = group_advantages(rewards, G)
+    row = {"step": step, **reward_metrics(rewards, per_reward, G)}
+    if trainer.dit_rewards:     # --dit-reward: the DiT's own (GLM-Image's decoupled RL: detail to the DiT)
+        dit_rewards, dit_per_reward = compute_rewards(trainer.dit_rewards, images, *scored)
+        dit_advantages = group_advantages(dit_rewards, G)
+        row.update({"dit/" + k: v for k, v in reward_metrics(dit_rewards, dit_per_reward, G).items()})
     # ---- UPDATE: mu passes over the batch, each trained half adding its loss -----------------------
     trainer.before_update()          # a stop signal before this point drops the step (section 19)
     halves = [ar_half(trainer, rollout, advantages, args)] if train_ar else []
-    halves += [dit_half(trainer, dit_run, advantages, args)] if train_dit else []
+    halves += [dit_half(trainer, dit_run, dit_advantages, args)] if train_dit else []
     update = grpo_update(trainer.optimizer, halves, args)
-    row = {"step": step, **reward_metrics(rewards, per_reward, G), **update}
+    row.update(update)
     ode = None
     if train_dit:
         row["loss"] = update.get("loss", 0.0) + update["dit/loss"]                          # AR + DiT
@@ -1411,6 +1421,8 @@ def validate_args(args):
          f"--num-inference-steps ({args.num_inference_steps}), got {args.dit_train_steps}"),
         (args.policy == "ar" and (args.dit_lora_rank or args.dit_train_steps is not None), "--dit-lora-rank and "
          "--dit-train-steps need --policy dit or both"),
+        (args.dit_reward and args.policy != "both", "--dit-reward is the DiT's own reward beside the AR's "
+         "under --policy both (under --policy dit, --reward is the DiT's)"),
         (args.policy == "dit" and args.lora_rank, "--lora-rank adapts the AR, which --policy dit does not "
          "train (use --dit-lora-rank)"),
         # AdamW moves a weight by ~lr a step: 1e-5 is below half a bf16 ulp (2^-16) of any |w| >= 2^-8
@@ -1532,13 +1544,14 @@ def open_run(args):
 def start_training(args, out, lead):
     """Prompts, rewards, checkpoint, model and their checks. Returns (items, trainer, start) or None."""
     # The built-in mse's targets are checked before any plug-in loads (a CLIP model takes a while).
-    builtin = ["mse"] if any(spec.partition("=")[0] == "mse" for spec in args.reward) else []
+    specs = args.reward + (args.dit_reward or [])
+    builtin = ["mse"] if any(spec.partition("=")[0] == "mse" for spec in specs) else []
     items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
     if args.prompts_per_step > len(items) and lead:
         print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} prompt(s) of {args.prompts}: "
               "each step's prompts repeat lines of the file")
-    rewards = load_rewards(args.reward)
-    readers = [r.name for r in rewards if r.uses_targets]
+    rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [])
+    readers = [r.name for r in rewards + dit_rewards if r.uses_targets]
     if readers and not builtin:
         require_targets(items, readers)
     args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
@@ -1562,8 +1575,10 @@ def start_training(args, out, lead):
             raise UsageError(f"--resume {ckpt_path}: {out} has later checkpoints ({later[-1].name}); resuming from "
                              f"step {step} would drop them and the metrics after step {step} (add "
                              "--resume-force to do so; they are then kept as *.dropped)")
-    trainer, start = setup_training(args, ckpt, ckpt_path, rewards)
+    trainer, start = setup_training(args, ckpt, ckpt_path, rewards, dit_rewards)
     check_prompt_lengths(trainer.pipe, items, args)
+    if args.mode == "i2i":
+        check_source_size(trainer.pipe.processor.image_processor, args.height, args.width)
     for path in later if lead else []:
         path.rename(path.with_name(path.name + ".dropped"))      # out of --resume latest's way
         print(f"note: kept {path.name} of the dropped history as {path.name}.dropped")
@@ -1580,6 +1595,26 @@ def check_prompt_lengths(pipe, items, args):
         if len(ids) > context - others:
             raise UsageError(f"{item.where}: the prompt is {len(ids)} tokens; the model's context of {context} "
                              f"leaves {context - others} for a prompt at {args.height}x{args.width}")
+
+
+def check_source_size(processor, height, width):
+    """i2i: the AR reads a source's VQ grid at the size the processor's own rule (transformers'
+    smart_resize: the short side raised to sqrt(min_pixels), the long one lowered to sqrt(max_pixels),
+    aspect <= 4, then halved) makes of --height x --width; the DiT reads its VAE latent at that size
+    itself. Elsewhere the grids disagree and the DiT fails deep inside (zai-org/GLM-Image issue 14)."""
+    from transformers.models.glm_image.image_processing_pil_glm_image import smart_resize
+
+    side = lambda key: math.isqrt(processor.size[key])
+    try:
+        resized = smart_resize(height, width, processor.patch_size * processor.merge_size,
+                               processor.size["shortest_edge"], processor.size["longest_edge"])
+    except ValueError as e:
+        raise UsageError(f"--mode i2i at {height}x{width}: the image processor refuses it ({e})")
+    if resized != (height // 2, width // 2):
+        raise UsageError(f"--mode i2i at {height}x{width}: the image processor resizes a source to "
+                         f"{2 * resized[0]}x{2 * resized[1]} (sides {side('shortest_edge')} to "
+                         f"{side('longest_edge')} px), so its tokens would not line up with the DiT's; use "
+                         f"--height {2 * resized[0]} --width {2 * resized[1]}")
 
 
 def lock_out_dir(out):
@@ -1826,6 +1861,8 @@ def start_logging(args, trainer, out, start):
           + (f" policy={args.policy} dit_lr={args.dit_lr} dit_train_steps={args.dit_train_steps}/"
              f"{args.num_inference_steps} dit_noise_level={args.dit_noise_level}" if args.policy != "ar" else ""))
     print("rewards: " + " + ".join(f"{r.weight:g} x {r.name}" for r in trainer.rewards)
+          + (" | the DiT's: " + " + ".join(f"{r.weight:g} x {r.name}" for r in trainer.dit_rewards)
+             if trainer.dit_rewards else "")
           + f" | lr schedule {args.lr_scheduler}, warm-up {args.lr_warmup_steps} | report to {args.report_to}")
     return open_tracker(args, out, start)
 

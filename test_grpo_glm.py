@@ -1285,6 +1285,32 @@ def test_i2i_cli_writes_metrics_samples_and_checkpoint(tmp_path, i2i_prompts):
     assert sheet.width == (1 + 1 + 4) * (128 + 6)            # source, target, G samples; 6 px apart
 
 
+def test_i2i_size_the_processor_cannot_line_up_is_one_line(tmp_path, i2i_prompts, capsys):
+    """The real processor raises a source's short side to 512 (min_pixels 512^2): at 128 px its VQ grid
+    would be 16 x 16 where the DiT reads 4 x 4 and fails deep inside. Refused at start-up, naming a
+    size its rule leaves alone; the same size passes, and so does the tiny processor's 128."""
+    tiny_model().save_pretrained(tmp_path / "model")
+    config = tmp_path / "model" / "processor" / "processor_config.json"
+    settings = json.loads(config.read_text())
+    settings["image_processor"]["size"]["shortest_edge"] = 512 * 512
+    config.write_text(json.dumps(settings))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        g.main(["--prompts", str(i2i_prompts), "--steps", "1", "--out", str(tmp_path / "run"), "--model",
+                str(tmp_path / "model"), "--ar-trainable", "head", "--mode", "i2i", "--height", "128", "--width", "128"])
+    err = capsys.readouterr().err           # above the error: the loading progress bar of a model not tiny
+    assert stop.value.code == 2 and "Traceback" not in err, err
+    assert "resizes a source to 512x512" in err.splitlines()[-1] and err.endswith("use --height 512 --width 512\n")
+    from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
+
+    real = GlmImageImageProcessorPil(**g.REAL_IMAGE_PROCESSOR)
+    g.check_source_size(real, 512, 512)
+    g.check_source_size(real, 1024, 2048)
+    g.check_source_size(tiny_model().processor.image_processor, 128, 128)
+    with pytest.raises(g.UsageError, match="aspect ratio"):
+        g.check_source_size(real, 512, 2560)
+
+
 def test_i2i_resume_is_bit_identical(tmp_path, i2i_prompts):
     common = ["--prompts", str(i2i_prompts), "--save-every", "2", *I2I]
     g.main(["--steps", "4", "--out", str(tmp_path / "a"), *common])
@@ -1986,6 +2012,44 @@ def test_dit_resume_is_bit_identical(tmp_path, policy):
     else:                   # no AR is trained: no entropy, and the collapse warning does without it
         assert all("entropy" not in r for r in rows)
         assert g.warn_if_collapsed({**rows[0], "frac_reward_zero_std": 1.0}, warned=False)
+
+
+def test_dit_reward_trains_each_half_on_its_own_reward(tmp_path, monkeypatch):
+    """--policy both with opposite rewards: the AR's on redness, the DiT's (--dit-reward) on its
+    negative. After one small update each half's summed log-prob moved with its own advantages
+    (sum_i A_i dlogp_i > 0, first order), so the DiT's moved against the AR's."""
+    (tmp_path / "colour.py").write_text("def red(images, prompts, targets):\n    return images[:, 0].mean((1, 2))\n\n"
+                                        "def not_red(images, prompts, targets):\n    return -red(images, prompts, targets)\n")
+    args = g.resolve_runtime(g.parse_args(["--policy", "both", "--group-size", "4", "--prompts-per-step", "1",
+                                           "--height", "64", "--width", "64", "--inner-epochs", "1", "--lr", "1e-3",
+                                           "--dit-lr", "1e-4", "--reward", f"{tmp_path / 'colour.py'}:red",
+                                           "--dit-reward", f"{tmp_path / 'colour.py'}:not_red"]))
+    trainer, _ = g.setup_training(args)
+    ar = trainer.pipe.vision_language_encoder
+    seen = {}
+
+    def ar_logp(rollout):
+        with torch.no_grad():
+            return (g.policy_logprobs(ar, rollout, trainer.sampling) * rollout.loss_mask).sum(1)
+
+    def dit_logp(run):
+        with torch.no_grad():
+            steps = range(run.trajectories.old_logp.shape[1])
+            return sum(g.dit_step_logprob(trainer.pipe.transformer, run.cond, run.trajectories, i, 0.7)[0] for i in steps)
+
+    for name, logp in [("ar_half", ar_logp), ("dit_half", dit_logp)]:
+        def spy(trainer, batch, advantages, args, half=getattr(g, name), logp=logp, name=name):
+            seen[name] = (advantages.clone(), logp(batch), lambda: logp(batch))
+            return half(trainer, batch, advantages, args)
+        monkeypatch.setattr(g, name, spy)
+    row = g.grpo_step(trainer, g.read_prompts(HERE / "prompts.txt", 64, 64), [0], 1, args)[0]
+    (ar_adv, ar_before, ar_after), (dit_adv, dit_before, dit_after) = seen["ar_half"], seen["dit_half"]
+    torch.testing.assert_close(dit_adv, -ar_adv)                      # each half got its own reward's
+    assert ar_adv.abs().sum() > 0
+    assert (ar_adv * (ar_after() - ar_before)).sum() > 0
+    assert (dit_adv * (dit_after() - dit_before)).sum() > 0
+    assert row["dit/reward_mean"] == pytest.approx(-row["reward_mean"]) and "dit/rewards/not_red" in row
+    assert row["rewards/red"] == pytest.approx(row["reward_mean"])
 
 
 def test_both_policies_count_tied_groups_alike(tmp_path):
