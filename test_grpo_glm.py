@@ -2052,6 +2052,15 @@ def test_dit_reward_trains_each_half_on_its_own_reward(tmp_path, monkeypatch):
     assert row["rewards/red"] == pytest.approx(row["reward_mean"])
 
 
+def test_sharpness_reward_from_the_readme_prefers_detail(tmp_path):
+    (tmp_path / "sharpness_reward.py").write_text(readme_block("# sharpness_reward.py"))
+    reward = g.load_reward(f"{tmp_path / 'sharpness_reward.py'}:sharpness")
+    stripes = torch.zeros(1, 3, 32, 32)
+    stripes[..., ::2] = 1.0
+    scores = g.call_reward(reward, torch.cat([stripes, torch.full_like(stripes, 0.5)]), ["a", "a"], None)
+    assert scores[0] > 1.0 and scores[1] == 0.0
+
+
 def test_both_policies_count_tied_groups_alike(tmp_path):
     """A constant reward whose float32 std over the group is not exactly 0 (the mean of 3 copies
     is one ulp off): every group is tied, under --policy ar and --policy dit alike."""
