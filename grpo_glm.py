@@ -444,28 +444,36 @@ def reward_metrics(rewards, per_reward, group_size):
 # =============================================================================================
 
 def policy_scores(logits, sampling, sampled=None):
-    """z = logits / T in at least fp32 (a bf16 log-softmax loses ~1e-2), -inf outside the kept ids:
-    the suppressed ones, then transformers' TopK and TopP warpers' rule, so a saved generation config
-    samples the same policy: top-k keeps z >= the k-th largest; top-p sorts ascending (torch.sort, the
-    warper's tie order) and drops ids while the mass up to them is <= 1 - p, never the largest. The
-    `sampled` ids [N, L] stay kept: after an update one may leave the kept set, and log 0 has no gradient."""
+    """z = logits / T in at least fp32 (a bf16 log-softmax loses ~1e-2), -inf outside the kept ids
+    (suppressed, or cut by top-k / top-p). The `sampled` ids [N, L] stay kept: after an update one may
+    leave the kept set, and log 0 would have no gradient."""
     z = at_least_fp32(logits) / sampling.temperature
     if len(sampling.suppressed):
         z[..., list(sampling.suppressed)] = float("-inf")
     if sampling.top_k == 0 and sampling.top_p == 1:
         return z
-    with torch.no_grad():
-        dropped = torch.zeros_like(z, dtype=torch.bool)
-        if sampling.top_k:
-            dropped |= z < torch.topk(z, min(sampling.top_k, z.shape[-1]), dim=-1).values[..., -1:]
-        if sampling.top_p < 1:
-            ascending, order = torch.sort(z.masked_fill(dropped, float("-inf")), dim=-1)
-            tail = ascending.softmax(-1).cumsum(-1) <= 1 - sampling.top_p
-            tail[..., -1] = False
-            dropped |= tail.scatter(-1, order, tail)
+    with torch.no_grad():     # 1,024 rows at a time: a sort of all [N, L, V] would hold ~23 bytes a logit
+        rows = z.detach().reshape(-1, z.shape[-1]).split(1024)
+        dropped = torch.cat([truncated(part, sampling.top_k, sampling.top_p) for part in rows]).view_as(z)
         if sampled is not None:
             dropped.scatter_(-1, sampled.unsqueeze(-1), False)
     return z.masked_fill(dropped, float("-inf"))
+
+
+def truncated(z, top_k, top_p):
+    """[rows, V] -> bool, True where transformers' TopK and TopP warpers drop an id (so a saved
+    generation config samples the same policy): top-k keeps z >= the k-th largest; top-p sorts
+    ascending (torch.sort: the warper's tie order) and drops ids while the mass up to them is <= 1 - p,
+    never the largest."""
+    dropped = torch.zeros_like(z, dtype=torch.bool)
+    if top_k:
+        dropped |= z < torch.topk(z, min(top_k, z.shape[-1]), dim=-1).values[..., -1:]
+    if top_p < 1:
+        ascending, order = torch.sort(z.masked_fill(dropped, float("-inf")), dim=-1)
+        tail = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
+        tail[..., -1] = False
+        dropped |= tail.scatter(-1, order, tail)
+    return dropped
 
 
 def token_logprobs(logits, tokens, sampling):
