@@ -713,7 +713,8 @@ def test_prompt_lines_escape_pipes_normalise_tabs_and_reject_empty_prompts(tmp_p
     Image.new("RGB", (64, 64), "red").save(tmp_path / "t.png")
     (tmp_path / "p.txt").write_text("a sign saying \"A \\| B\" | t.png\nred\tcircle\n")
     items = g.read_prompts(tmp_path / "p.txt", 64, 64)
-    assert [it.text for it in items] == ['a sign saying "A | B"', "red circle"] and items[0].target_file.name == "t.png"
+    assert [it.text for it in items] == ['a sign saying "A | B"', "red circle"]
+    assert items[0].image_from["target"].name == "t.png"
     for line, needle in [(" | t.png", "p.txt:1: empty prompt"), ("a | b | t.png", "write \\| for a '|'")]:
         (tmp_path / "p.txt").write_text(line + "\n")
         with pytest.raises(g.UsageError, match=needle.replace("|", "\\|")):
