@@ -988,15 +988,14 @@ def ode_sheet(pipe, prompts, sources, run, noise, args):
 # 14. The GRPO step's plumbing: loading, inputs, padding, micro-batches, the DiT's inputs
 # =============================================================================================
 
-# ---- For section 2 (model) -------------------------------------------------------------------
+# ---- For sections 2 and 3: the model, each step's prompts and targets ----------------------------
 
 def pipeline_from_pretrained(args, dtype):
-    """GlmImagePipeline.from_pretrained of --model ('tiny': built and cached on first use, section 21).
-    Rank 0 builds it: save_pretrained writes nothing on other ranks once torch.distributed is up."""
+    """GlmImagePipeline.from_pretrained of --model ('tiny': built and cached on first use, section 21)."""
     from diffusers import GlmImagePipeline
     from diffusers.utils import logging as diffusers_logging
 
-    if args.model == TINY and rank() == 0:
+    if args.model == TINY and rank() == 0:       # save_pretrained writes nothing on the other ranks
         tiny_pipeline_dir(args.seed)
     all_ranks_agree(True)
     path = tiny_pipeline_dir(args.seed) if args.model == TINY else args.model
@@ -1027,8 +1026,6 @@ def place_pipeline(pipe, args):
     pipe.enable_model_cpu_offload(device=args.device)
 
 
-# ---- For section 3 (prompts and targets) -----------------------------------------------------
-
 def prompts_for_step(num_prompts, per_step, step, seed):
     """Indices of step `step`'s prompts (1-based): a seeded shuffle per pass over the prompt file."""
     indices = []
@@ -1055,11 +1052,10 @@ def sampling_seed(seed, step, slot):
 
 
 def sample_groups(pipe, prompts, sources, slots, step, args, record_logp=True, prompt_len=None):
-    """This rank's groups in one generate() call, the group at `slot` drawing from sampling_seed: its
-    rows are the same tensors, and its samples the same, on any number of processes (section 22).
-    Prompts pad to one column past the step's longest (a MAX all-reduce under torchrun): a row's fp32
-    sums change with the padding columns before it (SDPA's masked sums), and a batch with none loses its
-    attention mask in transformers and takes SDPA's causal kernel, another summation order."""
+    """This rank's groups in one generate() call, the group at `slot` drawing from sampling_seed: the same
+    rows and samples on any number of processes (section 22). Prompts pad to one column past the step's
+    longest (a MAX all-reduce under torchrun): SDPA's masked fp32 sums change with the padding before a row,
+    and a batch with none loses its attention mask in transformers and takes SDPA's causal kernel."""
     if prompt_len is None:
         longest = processor_inputs(pipe, prompts, sources, args.height, args.width, "cpu")["input_ids"].shape[1]
         if is_ddp():
@@ -1529,9 +1525,9 @@ class PromptItem:
         return None if origin is None else draw_shape(*origin, *self.size)
 
 
-def read_prompts(path, height, width, mode="t2i", need_targets=True):
+def read_prompts(path, height, width, mode="t2i", need_targets=("mse",)):
     """Lines `prompt[ | target.png[ | source.png (i2i)]]`, paths relative to the file; `\\|` is a '|'.
-    need_targets: True, or the names of the rewards that read targets (require_targets)."""
+    need_targets: the names of the rewards that read targets (require_targets), or none."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"--prompts {path}: " + ("is a directory, not a file" if path.is_dir() else "file not found"))
@@ -1570,16 +1566,16 @@ def read_prompts(path, height, width, mode="t2i", need_targets=True):
     if resized:
         print(f"note: images resized to {width}x{height} (--width x --height)")
     if need_targets:
-        require_targets(items, [] if need_targets is True else need_targets)
+        require_targets(items, need_targets)
     return items
 
 
-def require_targets(items, reward_names=()):
+def require_targets(items, reward_names):
     """A prompt without a target file gets the demo target drawn from its words, or is a UsageError."""
-    why = f"the reward {', '.join(reward_names)} reads targets" if reward_names else ""
     for item in items:
         if "target" not in item.image_from:
-            item.image_from["target"] = demo_scene(item.text, item.where, item.mode, why=why)
+            item.image_from["target"] = demo_scene(item.text, item.where, item.mode,
+                                                   why=f"the reward {', '.join(reward_names)} reads targets")
 
 
 def read_image(path, where, kind, size=None):
@@ -1614,13 +1610,11 @@ def to_rgb(image):
 def draw_shape(shape, colour, background, height, width):
     image = Image.new("RGB", (width, height), COLOURS[background])
     draw = ImageDraw.Draw(image)
-    box = (width * 0.2, height * 0.2, width * 0.8, height * 0.8)
-    if shape == "circle":
-        draw.ellipse(box, fill=COLOURS[colour])
-    elif shape == "square":
-        draw.rectangle(box, fill=COLOURS[colour])
+    left, top, right, bottom = width * 0.2, height * 0.2, width * 0.8, height * 0.8
+    if shape == "triangle":
+        draw.polygon([(width / 2, top), (right, bottom), (left, bottom)], fill=COLOURS[colour])
     else:
-        draw.polygon([(width / 2, box[1]), (box[2], box[3]), (box[0], box[3])], fill=COLOURS[colour])
+        (draw.ellipse if shape == "circle" else draw.rectangle)((left, top, right, bottom), fill=COLOURS[colour])
     return image
 
 
@@ -3117,7 +3111,7 @@ def generate_images(pipe, prompts, sources=None, height=64, width=64, num_infere
     """Text-to-image, or edits of `sources` (one PIL image per prompt), with a pipeline trained here
     (from_pretrained(--save-pipeline dir), or main()'s return value): one PIL image per prompt. It
     runs the training's sample_group and decode_images; the library's `pipe(prompt, image=[source])`
-    fails (diffusers 0.42.1 with transformers 5, see encode_sources). temperature: default the saved
+    fails (diffusers 0.42.1 with transformers 5, see generation_inputs). temperature: default the saved
     generation config's. Seeds the global torch RNG (generate takes no generator)."""
     if height % 32 or width % 32:
         raise ValueError(f"height and width must be multiples of 32, got {height}x{width}")
