@@ -1070,9 +1070,8 @@ def sample_groups(pipe, prompts, sources, slots, step, args, record_logp=True, p
 
 def processor_inputs(pipe, prompts, sources, height, width, device):
     """Prompts (and i2i source images) tokenised as GlmImagePipeline.generate_prior_tokens does."""
-    def content(text, source):
-        return ([{"type": "image", "image": source}] if source is not None else []) + [{"type": "text", "text": text}]
-    messages = [[{"role": "user", "content": content(p, s)}] for p, s in zip(prompts, sources or [None] * len(prompts))]
+    images = [[] if s is None else [{"type": "image", "image": s}] for s in sources or [None] * len(prompts)]
+    messages = [[{"role": "user", "content": im + [{"type": "text", "text": p}]}] for p, im in zip(prompts, images)]
     return pipe.processor.apply_chat_template(
         messages, tokenize=True, return_dict=True, return_tensors="pt",
         processor_kwargs={"padding": True, "target_h": height, "target_w": width}).to(device)
