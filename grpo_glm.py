@@ -1044,18 +1044,16 @@ def ode_sheet(pipe, prompts, sources, run, noise, args):
 # 14. The GRPO step's plumbing: loading, inputs, padding, micro-batches, the DiT's inputs
 # =============================================================================================
 
-# ---- For section 2 (model) -------------------------------------------------------------------
+# ---- For sections 2 and 3: the model, each step's prompts and targets ----------------------------
 
 def pipeline_from_pretrained(args, dtype):
-    """GlmImagePipeline.from_pretrained of --model ('tiny': built and cached on first use, section 21).
-    Rank 0 builds it: save_pretrained writes nothing on other ranks once torch.distributed is up."""
+    """GlmImagePipeline.from_pretrained of --model ('tiny': built and cached on first use, section 21)."""
     from diffusers import GlmImagePipeline
     from diffusers.utils import logging as diffusers_logging
 
-    if args.model == TINY and rank() == 0:
+    if args.model == TINY and rank() == 0:       # save_pretrained writes nothing on the other ranks
         tiny_pipeline_dir(args.seed)
     all_ranks_agree(True)
-
     path = tiny_pipeline_dir(args.seed) if args.model == TINY else args.model
     verbosity = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity_error()      # offline it warns "Couldn't connect to the Hub" before our line
@@ -1084,8 +1082,6 @@ def place_pipeline(pipe, args):
     pipe.enable_model_cpu_offload(device=args.device)
 
 
-# ---- For section 3 (prompts and targets) -----------------------------------------------------
-
 def prompts_for_step(num_prompts, per_step, step, seed):
     """Indices of step `step`'s prompts (1-based): a seeded shuffle per pass over the prompt file."""
     indices = []
@@ -1108,28 +1104,33 @@ def batch_targets(batch):
 # ---- For section 4 (SAMPLE): seeds, the prompts as generate() takes them, rows of a rollout ---
 
 def sampling_seed(seed, step, slot):
-    """Seed of the group at position `slot` of step `step`'s prompts, whichever rank draws it."""
-    return seed * 1_000_000_007 + step * 100_003 + slot
+    return seed * 1_000_000_007 + step * 100_003 + slot    # the group at `slot` of the step's prompts, on any rank
 
 
 def sample_groups(pipe, prompts, sources, slots, step, args, record_logp=True, prompt_len=None):
-    """This rank's groups in one generate() call, the group at `slot` drawing from sampling_seed: its
-    rows are the same tensors, and its samples the same, on any number of processes (section 22)."""
-    ar = pipe.vision_language_encoder
+    """This rank's groups in one generate() call, the group at `slot` drawing from sampling_seed: the same
+    rows and samples on any number of processes (section 22). Prompts pad to one column past the step's
+    longest (a MAX all-reduce under torchrun): SDPA's masked fp32 sums change with the padding before a row,
+    and a batch with none loses its attention mask in transformers and takes SDPA's causal kernel."""
     if prompt_len is None:
-        # One column past the step's longest prompt (a MAX all-reduce under torchrun): a row's fp32 sums
-        # change with the padding columns before it (SDPA's masked sums), and a batch with none loses its
-        # attention mask in transformers and takes SDPA's causal kernel, another summation order;
-        # near-tied tokens could then flip.
-        inputs = processor_inputs(pipe, prompts, sources or [None] * len(prompts), args.height, args.width, "cpu")
-        longest = inputs["input_ids"].shape[1]
+        longest = processor_inputs(pipe, prompts, sources, args.height, args.width, "cpu")["input_ids"].shape[1]
         if is_ddp():
             longest = torch.tensor(longest, device=collective_device())
             dist.all_reduce(longest, op=dist.ReduceOp.MAX)
         prompt_len = int(longest) + 1
+    ar = pipe.vision_language_encoder
     generators = [torch.Generator(ar.device).manual_seed(sampling_seed(args.seed, step, slot)) for slot in slots]
     return sample_group(pipe, prompts, args.group_size, sampling_of(ar), args.height, args.width, args.loss_tokens,
                         sources, record_logp, generators, prompt_len)
+
+
+def processor_inputs(pipe, prompts, sources, height, width, device):
+    """Prompts (and i2i source images) tokenised as GlmImagePipeline.generate_prior_tokens does."""
+    images = [[] if s is None else [{"type": "image", "image": s}] for s in sources or [None] * len(prompts)]
+    messages = [[{"role": "user", "content": im + [{"type": "text", "text": p}]}] for p, im in zip(prompts, images)]
+    return pipe.processor.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_tensors="pt",
+        processor_kwargs={"padding": True, "target_h": height, "target_w": width}).to(device)
 
 
 def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_len=None):
@@ -1139,7 +1140,7 @@ def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
     ar = pipe.vision_language_encoder
-    inputs = processor_inputs(pipe, prompts, sources or [None] * len(prompts), height, width, ar.device)
+    inputs = processor_inputs(pipe, prompts, sources, height, width, ar.device)
     extra = (prompt_len or inputs["input_ids"].shape[1]) - inputs["input_ids"].shape[1]
     ids = torch.nn.functional.pad(inputs["input_ids"], (extra, 0), value=ar.config.text_config.pad_token_id)
     mask = torch.nn.functional.pad(inputs["attention_mask"], (extra, 0), value=0)
@@ -1153,43 +1154,27 @@ def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_
              "images_per_sample": per_sample.repeat_interleave(group_size)}
     vq_ids = source_prior = None
     if sources is not None:
-        features, vq_ids, source_prior = encode_sources(pipe, inputs, group_size)
+        # i2i: vision encoder + VQ once per prompt, then G times each: the features for generate's
+        # mm_encoder_outputs (a list: generate_prior_tokens torch.cat's it, which get_image_tokens fails on
+        # in diffusers 0.42.1), the VQ ids, and the DiT's condition (the ids upsampled 2x, their grid).
+        source_grids = ar.model.get_image_grids_for_generation(per_sample, inputs["image_grid_thw"])
+        features = list(ar.get_image_features(inputs["pixel_values"], source_grids).pooler_output)
+        tokens = torch.split(ar.get_image_tokens(features), source_grids.prod(-1).tolist())
+        prior = [(pipe._upsample_token_ids(t, h, w).squeeze(0), torch.tensor([[1, 2 * h, 2 * w]]))
+                 for t, (_, h, w) in zip(tokens, source_grids.tolist())]
+        features = repeat_each(features, group_size)
         batch["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=features)}
+        vq_ids, source_prior = torch.cat(repeat_each(tokens, group_size)), repeat_each(prior, group_size)
     num_generated, offset, H, W = pipe._compute_generation_params(grids[0], is_text_to_image=sources is None)
     return batch, vq_ids, source_prior, (num_generated, offset, (H, W))
-
-
-def processor_inputs(pipe, prompts, sources, height, width, device):
-    """Prompts (and i2i source images) tokenised as GlmImagePipeline.generate_prior_tokens does."""
-    def content(text, source):
-        return ([{"type": "image", "image": source}] if source is not None else []) + [{"type": "text", "text": text}]
-    messages = [[{"role": "user", "content": content(p, s)}] for p, s in zip(prompts, sources)]
-    return pipe.processor.apply_chat_template(
-        messages, tokenize=True, return_dict=True, return_tensors="pt",
-        processor_kwargs={"padding": True, "target_h": height, "target_w": width}).to(device)
-
-
-def encode_sources(pipe, inputs, group_size):
-    """i2i: vision encoder + VQ once per prompt -> G times each: features for generate(mm_encoder_outputs=)
-    (a list: generate_prior_tokens torch.cat's it, which get_image_tokens fails on in diffusers 0.42.1),
-    VQ ids (flat), and the DiT's condition (the ids upsampled 2x as generate_prior_tokens does, grid)."""
-    ar = pipe.vision_language_encoder
-    grids = ar.model.get_image_grids_for_generation(inputs["images_per_sample"], inputs["image_grid_thw"])
-    features = list(ar.get_image_features(inputs["pixel_values"], grids).pooler_output)   # one per prompt
-    ids = torch.split(ar.get_image_tokens(features), grids.prod(-1).tolist())
-    prior = [(pipe._upsample_token_ids(t, h, w).squeeze(0), torch.tensor([[1, 2 * h, 2 * w]]))
-             for t, (_, h, w) in zip(ids, grids.tolist())]
-    return repeat_each(features, group_size), torch.cat(repeat_each(ids, group_size)), repeat_each(prior, group_size)
 
 
 def decode_position_ids(ar, inputs, num_generated):
     """M-RoPE positions [3, N, P + L - 1] of the input prompt + generated[:-1]: image tokens get 2-D
     positions (temporal, row, column), not a plain forward's index. get_rope_index returns the prompt's
     and caches the generated grids' on the model (private, the only place transformers keeps them)."""
-    model = ar.model
-    prompt_positions, _ = model.get_rope_index(inputs["input_ids"], inputs["image_grid_thw"],
-                                                inputs["images_per_sample"], inputs["attention_mask"])
-    decode = model._cached_decode_position_ids            # [N, 3, L]: one per generated token
+    prompt_positions, _ = ar.model.get_rope_index(**inputs)             # its **kwargs take mm_encoder_outputs
+    decode = ar.model._cached_decode_position_ids                        # [N, 3, L]: one per generated token
     return torch.cat([prompt_positions, decode[:, :, : num_generated - 1].permute(1, 0, 2)], dim=-1)
 
 
@@ -1208,47 +1193,6 @@ def slice_rollout(rollout, rows):
         old_logp=None if rollout.old_logp is None else rollout.old_logp[rows],
         target_tokens=rollout.target_tokens[rows], prompt_len=rollout.prompt_len - first,
         source_prior=None if rollout.source_prior is None else rollout.source_prior[rows])
-
-
-# ---- For section 6 (REWARD): the plug-ins' type and the built-in one, each call checked ------
-
-@dataclass
-class Reward:
-    name: str                    # logged as rewards/<name>
-    fn: object
-    weight: float
-    uses_targets: bool
-
-
-def mse(images, prompts, targets):
-    return mse_reward(images, targets)        # the built-in demo reward as a plug-in
-
-
-mse.uses_targets = True
-
-
-def call_reward(reward, images, prompts, targets):
-    """One --reward on its own copy of the batch (in-place edits must not reach the next one) -> [N] in the
-    images' dtype. Raising or a wrong shape stops the run; non-finite values: grpo_update skips the step."""
-    n = len(prompts)
-    try:
-        value = reward.fn(images.clone(), list(prompts), None if targets is None else targets.clone())
-    except Exception as e:
-        raise UsageError(f"reward {reward.name} raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}",
-                         local=True)
-    try:
-        value = torch.as_tensor(value, dtype=images.dtype).detach().cpu()
-    except (TypeError, ValueError, RuntimeError):
-        raise UsageError(f"reward {reward.name} returned {type(value).__name__}, not a tensor or list of floats",
-                         local=True)
-    if value.shape != (n,):
-        raise UsageError(f"reward {reward.name} returned shape {list(value.shape)}, expected [{n}] "
-                         "(one value per image)", local=True)
-    bad = (~torch.isfinite(value)).sum().item()
-    if bad:
-        print(f"warning: reward {reward.name} returned {bad} non-finite values of {n}; "
-              "this step's update is skipped", file=sys.stderr)
-    return value
 
 
 # ---- For sections 8-11: dtypes, micro-batches under DDP, a run of non-finite steps --------------
@@ -1271,8 +1215,7 @@ def sync_on_last(policy, pieces):
     last backward all-reduces the sum once. Every rank runs as many (a missing one would hang the others)."""
     pieces = list(pieces)
     for k, piece in enumerate(pieces):
-        accumulate_only = hasattr(policy, "no_sync") and k < len(pieces) - 1
-        with policy.no_sync() if accumulate_only else contextlib.nullcontext():
+        with policy.no_sync() if hasattr(policy, "no_sync") and k < len(pieces) - 1 else contextlib.nullcontext():
             yield piece
 
 
@@ -1356,8 +1299,7 @@ def write_source_caches(dit, cond):
 
 
 def latent_stats(vae, device, dtype):
-    """The VAE's latents_mean, latents_std [1, C, 1, 1]: the DiT's latent = (VAE latent - mean) / std."""
-    stats = (vae.config.latents_mean, vae.config.latents_std)
+    stats = (vae.config.latents_mean, vae.config.latents_std)     # DiT latent = (VAE latent - mean) / std
     return (torch.tensor(v).view(1, -1, 1, 1).to(device, dtype) for v in stats)
 
 
@@ -1664,26 +1606,26 @@ class PromptItem:
     where: str                   # 'prompts.txt:3', for messages
     size: tuple                  # (height, width) images are resized to
     mode: str = "t2i"
-    target_file: Path = None
-    source_file: Path = None
-    draw_target: bool = False    # no target file: draw the demo target from the prompt's words
+    image_from: dict = None      # 'target' / 'source' -> a file, or draw_shape's (shape, colour, background)
 
     @property
     def target(self):
-        return self.image("target", self.target_file, self.draw_target)
+        return self.image("target")
 
     @property
     def source(self):
-        return self.image("source", self.source_file, self.mode == "i2i")
+        return self.image("source")
 
-    def image(self, kind, file, draw):
-        if file:
-            return read_image(file, self.where, kind, self.size)
-        return draw_shape(*demo_scene(self.text, self.where, self.mode, kind), *self.size) if draw else None
+    def image(self, kind):
+        origin = self.image_from.get(kind)
+        if isinstance(origin, Path):
+            return read_image(origin, self.where, kind, self.size)
+        return None if origin is None else draw_shape(*origin, *self.size)
 
 
-def read_prompts(path, height, width, mode="t2i", need_targets=True):
-    """Lines `prompt[ | target.png[ | source.png (i2i)]]`, paths relative to the file; `\\|` is a '|'."""
+def read_prompts(path, height, width, mode="t2i", need_targets=("mse",)):
+    """Lines `prompt[ | target.png[ | source.png (i2i)]]`, paths relative to the file; `\\|` is a '|'.
+    need_targets: the names of the rewards that read targets (require_targets), or none."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"--prompts {path}: " + ("is a directory, not a file" if path.is_dir() else "file not found"))
@@ -1706,36 +1648,32 @@ def read_prompts(path, height, width, mode="t2i", need_targets=True):
             raise UsageError(f"{where}: empty prompt before '|'")
         if len(paths) > (2 if mode == "i2i" else 1):
             raise UsageError(f"{where}: too many '|' fields for --mode {mode} (write \\| for a '|' in the prompt)")
-        target_file, source_file = [path.parent / p if p else None for p in paths + [""] * (2 - len(paths))]
-        for file, kind in [(target_file, "target"), (source_file, "source")]:
-            if file is None:
-                continue
+        image_from = {kind: path.parent / p for kind, p in zip(("target", "source"), paths) if p}
+        for kind, file in image_from.items():
             w, h = read_image(file, where, kind)
             resized |= (w, h) != (width, height)
             if w * height != h * width:
                 print(f"note: {where}: {kind} {file.name} is {w}x{h}, squashed to {width}x{height} "
                       "(another aspect ratio; crop it yourself to keep its proportions)")
-        draw_source = mode == "i2i" and source_file is None
-        if draw_source:
-            demo_scene(text, where, mode)
-        items.append(PromptItem(text, where, (height, width), mode, target_file, source_file,
-                                draw_target=draw_source and target_file is None))
+        if mode == "i2i" and "source" not in image_from:     # drawn from the edit's words, and the target if not given
+            image_from["source"] = demo_scene(text, where, mode, "source")
+            image_from.setdefault("target", demo_scene(text, where, mode))
+        items.append(PromptItem(text, where, (height, width), mode, image_from))
     if not items:
         raise UsageError(f"--prompts {path}: no prompts (only blank or comment lines)")
     if resized:
         print(f"note: images resized to {width}x{height} (--width x --height)")
-    if need_targets:      # True, or the names of the rewards that read targets
-        require_targets(items, [] if need_targets is True else need_targets)
+    if need_targets:
+        require_targets(items, need_targets)
     return items
 
 
-def require_targets(items, reward_names=()):
+def require_targets(items, reward_names):
     """A prompt without a target file gets the demo target drawn from its words, or is a UsageError."""
     for item in items:
-        if item.target_file is None and not item.draw_target:
-            demo_scene(item.text, item.where, item.mode, why=f"the reward {', '.join(reward_names)} reads targets"
-                       if reward_names else "")
-            item.draw_target = True
+        if "target" not in item.image_from:
+            item.image_from["target"] = demo_scene(item.text, item.where, item.mode,
+                                                   why=f"the reward {', '.join(reward_names)} reads targets")
 
 
 def read_image(path, where, kind, size=None):
@@ -1743,14 +1681,11 @@ def read_image(path, where, kind, size=None):
     try:
         with Image.open(path) as image:
             if size:
-                image = to_rgb(ImageOps.exif_transpose(image))
-                return image if image.size == size[::-1] else image.resize(size[::-1], Image.BICUBIC)
+                return to_rgb(ImageOps.exif_transpose(image)).resize(size[::-1], Image.BICUBIC)   # same size: a copy
             image.verify()            # leaves the file unusable, so reopen
         with Image.open(path) as image:
-            # PNG's getexif() decodes the pixels to look past them; an eXIf chunk before them is in info
-            exif = image.getexif() if image.format != "PNG" else Image.Exif()
-            if image.format == "PNG":
-                exif.load(image.info.get("exif"))
+            # PNG's getexif() decodes the pixels to look past them: an eXIf chunk before them is in info
+            exif = image.getexif() if image.format != "PNG" or "exif" in image.info else Image.Exif()
             turned = exif.get(Image.ExifTags.Base.Orientation, 1) in (5, 6, 7, 8)     # by 90 degrees
             return image.size[::-1] if turned else image.size
     except FileNotFoundError:
@@ -1773,13 +1708,11 @@ def to_rgb(image):
 def draw_shape(shape, colour, background, height, width):
     image = Image.new("RGB", (width, height), COLOURS[background])
     draw = ImageDraw.Draw(image)
-    box = (width * 0.2, height * 0.2, width * 0.8, height * 0.8)
-    if shape == "circle":
-        draw.ellipse(box, fill=COLOURS[colour])
-    elif shape == "square":
-        draw.rectangle(box, fill=COLOURS[colour])
+    left, top, right, bottom = width * 0.2, height * 0.2, width * 0.8, height * 0.8
+    if shape == "triangle":
+        draw.polygon([(width / 2, top), (right, bottom), (left, bottom)], fill=COLOURS[colour])
     else:
-        draw.polygon([(width / 2, box[1]), (box[2], box[3]), (box[0], box[3])], fill=COLOURS[colour])
+        (draw.ellipse if shape == "circle" else draw.rectangle)((left, top, right, bottom), fill=COLOURS[colour])
     return image
 
 
@@ -1805,6 +1738,21 @@ def demo_scene(prompt, where, mode, role="target", why=""):
 # 17. Reward plug-ins: --reward module:fn | file.py:fn
 # =============================================================================================
 
+@dataclass
+class Reward:
+    name: str                    # logged as rewards/<name>
+    fn: object
+    weight: float
+    uses_targets: bool
+
+
+def mse(images, prompts, targets):
+    return mse_reward(images, targets)        # the built-in demo reward as a plug-in
+
+
+mse.uses_targets = True
+
+
 def load_reward(spec):
     """'mse' | 'module:fn' | 'path/file.py:fn', each optionally followed by '=WEIGHT' -> Reward."""
     where, _, text = spec.rpartition("=") if "=" in spec else (spec, "", "1")
@@ -1827,10 +1775,8 @@ def load_reward(spec):
 
     sys.path.insert(0, os.getcwd())      # modules are looked up in the current directory first, as `python -m` does
     try:
-        if module_name.endswith(".py"):
-            namespace = runpy.run_path(module_name)
-        else:
-            namespace = vars(importlib.import_module(module_name))
+        namespace = (runpy.run_path(module_name) if module_name.endswith(".py")
+                     else vars(importlib.import_module(module_name)))
     except Exception as e:   # whatever the plug-in's own import raises
         raise UsageError(f"--reward {spec}: importing {module_name} failed: {type(e).__name__}: "
                          f"{(str(e).splitlines() or [''])[0]}")
@@ -1848,6 +1794,28 @@ def load_rewards(specs):
     if len(set(names)) < len(names):
         raise UsageError(f"--reward: two rewards share a name ({', '.join(names)}); rename one function")
     return rewards
+
+
+def call_reward(reward, images, prompts, targets):
+    """One --reward on its own copy of the batch (in-place edits must not reach the next one) -> [N] in the
+    images' dtype. Raising or a wrong shape stops the run; non-finite values: grpo_update skips the step."""
+    n, name = len(prompts), reward.name
+    try:
+        value = reward.fn(images.clone(), list(prompts), None if targets is None else targets.clone())
+    except Exception as e:
+        raise UsageError(f"reward {name} raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}", local=True)
+    try:
+        value = torch.as_tensor(value, dtype=images.dtype).detach().cpu()
+    except (TypeError, ValueError, RuntimeError):
+        raise UsageError(f"reward {name} returned {type(value).__name__}, not a tensor or list of floats", local=True)
+    if value.shape != (n,):
+        raise UsageError(f"reward {name} returned shape {list(value.shape)}, expected [{n}] (one value per image)",
+                         local=True)
+    bad = (~torch.isfinite(value)).sum().item()
+    if bad:
+        print(f"warning: reward {name} returned {bad} non-finite values of {n}; this step's update is skipped",
+              file=sys.stderr)
+    return value
 
 
 # =============================================================================================
@@ -3247,7 +3215,7 @@ def generate_images(pipe, prompts, sources=None, height=64, width=64, num_infere
     """Text-to-image, or edits of `sources` (one PIL image per prompt), with a pipeline trained here
     (from_pretrained(--save-pipeline dir), or main()'s return value): one PIL image per prompt. It
     runs the training's sample_group and decode_images; the library's `pipe(prompt, image=[source])`
-    fails (diffusers 0.42.1 with transformers 5, see encode_sources). It samples the saved policy
+    fails (diffusers 0.42.1 with transformers 5, see generation_inputs). It samples the saved policy
     (sampling_of), at `temperature` if given. Seeds the global torch RNG (generate takes no generator)."""
     if height % 32 or width % 32:
         raise ValueError(f"height and width must be multiples of 32, got {height}x{width}")

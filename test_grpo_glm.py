@@ -719,7 +719,8 @@ def test_prompt_lines_escape_pipes_normalise_tabs_and_reject_empty_prompts(tmp_p
     Image.new("RGB", (64, 64), "red").save(tmp_path / "t.png")
     (tmp_path / "p.txt").write_text("a sign saying \"A \\| B\" | t.png\nred\tcircle\n")
     items = g.read_prompts(tmp_path / "p.txt", 64, 64)
-    assert [it.text for it in items] == ['a sign saying "A | B"', "red circle"] and items[0].target_file.name == "t.png"
+    assert [it.text for it in items] == ['a sign saying "A | B"', "red circle"]
+    assert items[0].image_from["target"].name == "t.png"
     for line, needle in [(" | t.png", "p.txt:1: empty prompt"), ("a | b | t.png", "write \\| for a '|'")]:
         (tmp_path / "p.txt").write_text(line + "\n")
         with pytest.raises(g.UsageError, match=needle.replace("|", "\\|")):
@@ -1014,11 +1015,14 @@ def test_bf16_full_fine_tuning_is_refused(tmp_path, flags, capsys):
 
 
 def test_from_pretrained_directory_behaves_like_tiny(tmp_path):
-    """(A directory is trained whole by default, --model tiny through its head: --ar-trainable says which.)"""
+    """(A directory is trained whole by default, --model tiny through its head: --ar-trainable says which;
+    and its defaults are a pretrained model's: the tiny demo's are given.)"""
     tiny_model().save_pretrained(tmp_path / "tiny")
     g.main(["--steps", "2", "--out", str(tmp_path / "a"), *SMALL])
+    tiny_defaults = [x for k, v in g.parse_args([]).__dict__.items() if k in g.pretrained_defaults(g.parse_args([]))
+                     and k not in ("height", "width") for x in (f"--{k.replace('_', '-')}", str(v))]
     g.main(["--steps", "2", "--out", str(tmp_path / "b"), "--model", str(tmp_path / "tiny"), "--ar-trainable", "head",
-            *SMALL])
+            *tiny_defaults, *SMALL])
     drop = lambda rows: [{k: v for k, v in r.items() if k not in ("seconds",)} for r in rows]
     assert drop(read_metrics(tmp_path / "b")) == drop(read_metrics(tmp_path / "a"))
 
