@@ -2242,10 +2242,10 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
         image_token_id=tokenizer.convert_tokens_to_ids("<|image|>"), image_start_token_id=TINY_CODEBOOK,
         image_end_token_id=TINY_CODEBOOK + 1))
     if mosaic_ar:
-        # At the default init the random token before a grid token sets its logits (the input
-        # embedding dominates 2 layers), and GRPO would learn one colour for every cell. Equal
-        # image-token embeddings (a cell depends on the prompt and its place) and q/k at 16x the init
-        # (attention sharp enough to tell prompts apart) let lm_head read each (prompt, cell) apart.
+        # At the default init the random token before a grid token sets its logits (the input embedding
+        # dominates 2 layers): GRPO would learn one colour for every cell. Equal image-token embeddings
+        # (a cell depends on the prompt and its place) and q/k at 16x the init (attention sharp enough to
+        # tell prompts apart) let lm_head read each (prompt, cell) apart.
         with torch.no_grad():
             image_embeddings = ar.model.language_model.embed_tokens.weight[:TINY_VISION_VOCAB]
             image_embeddings.copy_(image_embeddings.mean(0).expand_as(image_embeddings))
@@ -2305,9 +2305,8 @@ def colour_vae(latent_channels=4, width=8, carrier=32.0):
         norm_num_groups=1, down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
         latents_mean=[0.0] * latent_channels, latents_std=[1.0] * latent_channels)
     decoder, rgb = vae.decoder, torch.arange(3)
-    modules = dict(decoder.named_modules())
-    identities = [m for n, m in modules.items() if n.endswith("upsamplers.0.conv")] + [vae.post_quant_conv]
-    residual_ends = [m for n, m in modules.items() if n.endswith((".conv2", ".to_out.0"))]
+    identities = [m for n, m in decoder.named_modules() if n.endswith("upsamplers.0.conv")] + [vae.post_quant_conv]
+    residual_ends = [m for n, m in decoder.named_modules() if n.endswith((".conv2", ".to_out.0"))]
     with torch.no_grad():
         for module in identities + residual_ends + [decoder.conv_in, decoder.conv_out]:
             module.weight.zero_()
@@ -2325,9 +2324,8 @@ def colour_vae(latent_channels=4, width=8, carrier=32.0):
 
 
 def train_tiny_renderer(seed, settings):
-    """--model tiny, its DiT trained by flow matching onto the colour latents (fp32, CPU): x_t =
-    scale_noise(x0, t, eps), target eps - x0, through the sampler's own conditioning and velocity
-    (Part II). Returns (pipeline, last loss); the caller's random state is left as it was."""
+    """(--model tiny, last loss): its DiT trained by flow matching onto the colour latents (fp32, CPU),
+    x_t = scale_noise(x0, t, eps), target eps - x0, through the sampler's conditioning and velocity."""
     with torch.random.fork_rng(devices=[]):
         pipe = build_tiny_pipeline(seed, mosaic_ar=True)
         generator = torch.Generator().manual_seed(seed)
@@ -2342,7 +2340,7 @@ def train_tiny_renderer(seed, settings):
             timesteps, _ = dit_schedule(pipe, 32 * hw[0], 32 * hw[1], settings["inference_steps"])  # sets the scheduler
             tokens = random_grids(batch, hw, TINY_CODEBOOK, generator)                          # [B, H*W]
             mosaic = token_mosaic(tokens, hw, tiny_palette(), 32 // pipe.vae_scale_factor)     # [B, 3, h, w]
-            x0 = torch.nn.functional.pad(mosaic * 2 - 1, (0, 0, 0, 0, 0, 1))             # [B, 4, h, w], RGB in [-1, 1]
+            x0 = torch.nn.functional.pad(mosaic * 2 - 1, (0, 0, 0, 0, 0, 1))   # [B, 4, h, w]: RGB in [-1, 1], then 0
             t = timesteps[torch.randint(len(timesteps), (batch,), generator=generator)]
             eps = torch.randn(x0.shape, generator=generator)
             x_t = pipe.scheduler.scale_noise(x0, t, eps)
@@ -2395,8 +2393,8 @@ def file_digests(directory):
 
 
 def tiny_cache_is_complete(path):
-    """A finished build: its files as the manifest lists them, weights for all four models (a pipeline
-    saved on a rank other than 0 has none for the AR: transformers writes on rank 0 only)."""
+    """A finished build: its files as the manifest lists them, weights for all four models (on a rank
+    other than 0, transformers would have written none for the AR)."""
     try:
         listed = json.loads((path / TINY_MANIFEST).read_text(encoding="utf-8"))["files"]
     except (OSError, ValueError, KeyError, TypeError):
