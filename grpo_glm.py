@@ -2252,14 +2252,12 @@ def restore_checkpoint(ckpt, path, model, optimizer, lr_scheduler):
 # =============================================================================================
 # 21. The tiny model's renderer: pre-trained once on token mosaics, then cached
 # =============================================================================================
-# `--model tiny` is GLM-Image at toy size, built from the real classes (build_tiny_pipeline). Its
-# AR stays random: learning what to paint from the prompt is GRPO's job. A random DiT + VAE would
-# paint colour noise whatever the tokens say, so the renderer learns a synthetic task: codebook id
-# k means palette colour k, and a token grid's truth is its "mosaic", every 32-px cell in its
-# token's colour. The VAE decoder is set by hand to paint latent channels 0-2 (colour_vae), and the
-# DiT learns by flow matching prior tokens -> that latent (train_tiny_renderer, ~15 s of CPU). The
-# result is cached with save_pretrained and loaded with from_pretrained, as a user's own checkpoint
-# is (tiny_pipeline_dir). Tests also use renderer="random" (random DiT and VAE, ~1 s).
+# `--model tiny` is GLM-Image at toy size, built from the real classes. Its AR stays random: what to
+# paint for a prompt is GRPO's to learn. A random renderer paints colour noise whatever the tokens say,
+# so it learns a synthetic task: codebook id k means palette colour k, a grid's truth is its "mosaic"
+# (each 32-px cell in its token's colour). The VAE decoder is set by hand to paint latent channels 0-2,
+# the DiT learns tokens -> that latent by flow matching (~15 s of CPU, once), and the result is saved
+# with save_pretrained, loaded with from_pretrained as a user's own checkpoint is.
 
 TINY_CODEBOOK = 64                       # real: 16384
 TINY_VISION_VOCAB = TINY_CODEBOOK + 16   # real: 16512 (codebook + 128 special ids)
@@ -2272,25 +2270,23 @@ TINY_RENDERER = dict(        # everything that shapes the training (all of it en
     dit_steps=800, dit_lr=3e-3, batch=8, dit_grids=((2, 2), (3, 3), (4, 4), (3, 2)), inference_steps=4)
 
 
-def build_tiny_pipeline(seed=0, ar_init_range=0.02, renderer="random"):
-    """GLM-Image at toy size, seeded: renderer "random" or "mosaic" (the banner). `ar_init_range` >
-    0.02 sharpens the AR's logits (tests: wrong M-RoPE positions then change log-probs visibly)."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, GlmImagePipeline, GlmImageTransformer2DModel
+def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
+    """GLM-Image at toy size, seeded, its DiT untrained. mosaic_ar: --model tiny's AR (below); an
+    ar_init_range > 0.02 sharpens the logits (tests: wrong M-RoPE positions then show in log-probs)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, GlmImagePipeline, GlmImageTransformer2DModel
     from tokenizers import Tokenizer, models
     from transformers import (ByT5Tokenizer, GlmImageConfig, GlmImageForConditionalGeneration, GlmImageProcessor,
                               PreTrainedTokenizerFast, T5Config, T5EncoderModel)
     from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
 
     torch.manual_seed(seed)
-    mosaic = renderer == "mosaic"
     # A character-level tokenizer (BPE with no merges): the image tokens first (as in the real one,
     # where the bos '<|dit_token_16384|>' is image_start_token_id), printable ASCII, the processor's specials.
-    image_tokens = [f"<|dit_token_{i}|>" for i in range(TINY_CODEBOOK)]
-    image_tokens += [f"<|dit_token_{16384 + i}|>" for i in range(TINY_VISION_VOCAB - TINY_CODEBOOK)]
-    specials = ["<|image|>", "<sop>", "<eop>", "<pad>", "<unk>"]
-    vocab = {t: i for i, t in enumerate(image_tokens + [chr(c) for c in range(32, 127)] + specials)}
+    image_ids = [*range(TINY_CODEBOOK), *range(16384, 16384 + TINY_VISION_VOCAB - TINY_CODEBOOK)]
+    names = [f"<|dit_token_{i}|>" for i in image_ids] + [chr(c) for c in range(32, 127)]
+    names += ["<|image|>", "<sop>", "<eop>", "<pad>", "<unk>"]
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>")),
+        tokenizer_object=Tokenizer(models.BPE({t: i for i, t in enumerate(names)}, merges=[], unk_token="<unk>")),
         bos_token="<|dit_token_16384|>", eos_token="<|dit_token_16385|>", pad_token="<pad>", unk_token="<unk>",
         padding_side="left",
         extra_special_tokens={"image_token": "<|image|>", "grid_bos_token": "<sop>", "grid_eos_token": "<eop>"})
@@ -2300,27 +2296,25 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, renderer="random"):
                                                 image_mean=[0.5] * 3, image_std=[0.5] * 3)
     processor = GlmImageProcessor(image_processor=image_processor, tokenizer=tokenizer,
                                   chat_template=TINY_CHAT_TEMPLATE)
-    ar_config = GlmImageConfig(
+    ar = GlmImageForConditionalGeneration(GlmImageConfig(
         text_config=dict(
             vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, initializer_range=ar_init_range,
             vision_vocab_size=TINY_VISION_VOCAB, eos_token_id=TINY_CODEBOOK + 1,
             pad_token_id=tokenizer.pad_token_id,  # the default 167841 is outside a tiny vocabulary
-            initializer_range=ar_init_range,
             # the mosaic AR rotates faster: at theta 1e4 with 4 rotary frequencies a grid row turns
             # the angle by 0.01 rad and a column by 0.001, and positions barely register
-            rope_parameters={"rope_type": "default", "rope_theta": 4.0 if mosaic else 10000.0,
+            rope_parameters={"rope_type": "default", "rope_theta": 4.0 if mosaic_ar else 10000.0,
                              "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5}),
         vision_config=dict(depth=1, hidden_size=32, num_heads=2, image_size=64, patch_size=16, intermediate_size=32),
         vq_config=dict(embed_dim=32, num_embeddings=TINY_CODEBOOK, latent_channels=32),
-        image_token_id=tokenizer.convert_tokens_to_ids("<|image|>"),
-        image_start_token_id=TINY_CODEBOOK, image_end_token_id=TINY_CODEBOOK + 1)
-    ar = GlmImageForConditionalGeneration(ar_config)
-    if mosaic:
-        # At the default init the random token before a grid token sets its logits (the input
-        # embedding dominates 2 layers), and GRPO would learn one colour for every cell. Equal
-        # image-token embeddings (a cell depends on the prompt and its place) and q/k at 16x the init
-        # (attention sharp enough to tell prompts apart) let lm_head read each (prompt, cell) apart.
+        image_token_id=tokenizer.convert_tokens_to_ids("<|image|>"), image_start_token_id=TINY_CODEBOOK,
+        image_end_token_id=TINY_CODEBOOK + 1))
+    if mosaic_ar:
+        # At the default init the random token before a grid token sets its logits (the input embedding
+        # dominates 2 layers): GRPO would learn one colour for every cell. Equal image-token embeddings
+        # (a cell depends on the prompt and its place) and q/k at 16x the init (attention sharp enough to
+        # tell prompts apart) let lm_head read each (prompt, cell) apart.
         with torch.no_grad():
             image_embeddings = ar.model.language_model.embed_tokens.weight[:TINY_VISION_VOCAB]
             image_embeddings.copy_(image_embeddings.mean(0).expand_as(image_embeddings))
@@ -2331,28 +2325,16 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, renderer="random"):
     # patch_size x vae_scale_factor = 16 pixels per DiT token: the AR's 32-pixel tokens are
     # upsampled 2x before they reach the DiT (as in the real model).
     transformer = GlmImageTransformer2DModel(
-        patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16 if mosaic else 8,
-        num_attention_heads=2, text_embed_dim=32, time_embed_dim=16, condition_dim=8,
-        prior_vq_quantizer_codebook_size=TINY_CODEBOOK)
-    if mosaic:
-        vae = colour_vae()
-    else:
-        # A random DiT mostly ignores the tokens; a strong prior-token embedding restores the real
-        # model's division of labour (tokens decide the content), which RL on the AR relies on.
-        with torch.no_grad():
-            transformer.prior_token_embedding.weight.mul_(30.0)
-        vae = AutoencoderKL(
-            block_out_channels=(8, 8, 8, 8), in_channels=3, out_channels=3, latent_channels=4, norm_num_groups=4,
-            down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
-            latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+        patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+        text_embed_dim=32, time_embed_dim=16, condition_dim=8, prior_vq_quantizer_codebook_size=TINY_CODEBOOK)
     pipe = GlmImagePipeline(
         tokenizer=ByT5Tokenizer(), processor=processor, text_encoder=text_encoder, vision_language_encoder=ar,
-        vae=vae, transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler())
+        vae=colour_vae(), transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler())
     # The policy's sampler as its generation config (section 24), as load_pipeline sets it.
     suppressed = image_token_suppression(ar, TINY_CODEBOOK)
     ar.generation_config = policy_generation_config(ar, SamplingParams(suppressed=suppressed))
     # Built from configs, components start in train mode (T5's dropout would embed a prompt differently each call).
-    for module in (ar, text_encoder, transformer, vae):
+    for module in (ar, text_encoder, transformer):
         module.eval()
     return pipe
 
@@ -2385,67 +2367,63 @@ def random_grids(batch, grid_hw, codebook_size, generator):
 
 def colour_vae(latent_channels=4, width=8, carrier=32.0):
     """A tiny AutoencoderKL whose decoder paints latent channels 0-2 upsampled 8x, set by hand (GroupNorm
-    erases absolute colour, and gradient descent stalls): residual branches off, upsampler convs the
-    identity, conv_in writes (c, -c) beside a constant pair (+carrier, -carrier), so the group's mean
-    is 0 and its std ~ carrier / 2 whatever the colours; conv_out reads SiLU(c) - SiLU(-c) = c."""
+    erases absolute colour, and gradient descent stalls): residual branches off, upsamplers the identity,
+    conv_in writes (c, -c) beside a constant pair (+carrier, -carrier), so the group's mean is 0 and its
+    std ~ carrier / 2 whatever the colours; conv_out reads SiLU(c) - SiLU(-c) = c."""
     from diffusers import AutoencoderKL
 
     vae = AutoencoderKL(
         block_out_channels=(width,) * 4, in_channels=3, out_channels=3, latent_channels=latent_channels,
         norm_num_groups=1, down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
         latents_mean=[0.0] * latent_channels, latents_std=[1.0] * latent_channels)
-    decoder, eye = vae.decoder, torch.eye(width)
+    decoder, rgb = vae.decoder, torch.arange(3)
+    identities = [m for n, m in decoder.named_modules() if n.endswith("upsamplers.0.conv")] + [vae.post_quant_conv]
+    residual_ends = [m for n, m in decoder.named_modules() if n.endswith((".conv2", ".to_out.0"))]
     with torch.no_grad():
-        for name, module in decoder.named_modules():
-            if name.endswith((".conv2", ".to_out.0")):                       # residual branches: off
-                module.weight.zero_(), module.bias.zero_()
-            elif name.endswith("upsamplers.0.conv"):                          # nearest upsample, then identity
-                module.weight.zero_(), module.bias.zero_()
-                module.weight[:, :, 1, 1] = eye
-        vae.post_quant_conv.weight.copy_(torch.eye(latent_channels)[:, :, None, None])
-        vae.post_quant_conv.bias.zero_()
-        decoder.conv_in.weight.zero_(), decoder.conv_in.bias.zero_()
-        for c in range(3):
-            decoder.conv_in.weight[c, c, 1, 1], decoder.conv_in.weight[3 + c, c, 1, 1] = 1.0, -1.0
+        for module in identities + residual_ends + [decoder.conv_in, decoder.conv_out]:
+            module.weight.zero_()
+            module.bias.zero_()
+        for module in identities:       # nearest upsample (or the 1x1 post-quant conv), then the identity
+            torch.nn.init.dirac_(module.weight)
+        decoder.conv_in.weight[rgb, rgb, 1, 1] = 1.0                # channel c -> (c, -c)
+        decoder.conv_in.weight[rgb + 3, rgb, 1, 1] = -1.0
         decoder.conv_in.bias[6:] = carrier * torch.tensor([1.0, -1.0]).repeat(width // 2)[: width - 6]
         decoder.conv_norm_out.weight.fill_(math.sqrt((decoder.conv_in.bias ** 2).mean().item()))
         decoder.conv_norm_out.bias.zero_()
-        decoder.conv_out.weight.zero_(), decoder.conv_out.bias.zero_()
-        for c in range(3):
-            decoder.conv_out.weight[c, c, 1, 1], decoder.conv_out.weight[c, 3 + c, 1, 1] = 1.0, -1.0
+        decoder.conv_out.weight[rgb, rgb, 1, 1] = 1.0               # (c, -c) -> c
+        decoder.conv_out.weight[rgb, rgb + 3, 1, 1] = -1.0
     return vae.eval().requires_grad_(False)
 
 
-def train_tiny_renderer(pipe, settings, seed):
-    """Flow matching onto the colour latents, in place (fp32, CPU): x_t = scale_noise(x0, t, eps), target
-    eps - x0, through the sampler's own conditioning and velocity (Part II). Returns the last loss."""
-    generator = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    codebook = pipe.transformer.config.prior_vq_quantizer_codebook_size
-    palette, cell, channels = tiny_palette(codebook), 32 // pipe.vae_scale_factor, pipe.vae.config.latent_channels
-    dit = pipe.transformer.train().requires_grad_(True)
-    optimizer = torch.optim.Adam(dit.parameters(), lr=settings["dit_lr"])
-    loss, batch = torch.tensor(float("nan")), settings["batch"]
-    # the glyph condition of "" per grid size, computed once (it does not depend on the tokens)
-    conds = {hw: dit_condition(pipe, [""], batch, torch.zeros(batch, hw[0] * hw[1], dtype=torch.long), hw, 1.0)
-             for hw in map(tuple, settings["dit_grids"])}    # one prompt, "", of `batch` rows: one DiT call
-    for step in range(settings["dit_steps"]):
-        hw = tuple(settings["dit_grids"][step % len(settings["dit_grids"])])
-        timesteps, _ = dit_schedule(pipe, 32 * hw[0], 32 * hw[1], settings["inference_steps"])   # sets the scheduler
-        tokens = random_grids(batch, hw, codebook, generator)                            # [B, H*W]
-        mosaic = token_mosaic(tokens, hw, palette, cell) * 2 - 1                        # [B, 3, h, w] in [-1, 1]
-        x0 = torch.cat([mosaic, mosaic.new_zeros(batch, channels - 3, *mosaic.shape[2:])], 1)  # [B, C, h, w]
-        t = timesteps[torch.randint(len(timesteps), (batch,), generator=generator)]
-        eps = torch.randn(x0.shape, generator=generator)
-        x_t = pipe.scheduler.scale_noise(x0, t, eps)
-        cond = replace(conds[hw], prior=torch.cat([pipe._upsample_token_ids(row, *hw) for row in tokens]))
-        v = dit_velocity(dit, x_t, t, cond, write_source_caches(dit, cond))
-        loss = ((v - (eps - x0)) ** 2).mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+def train_tiny_renderer(seed, settings):
+    """(--model tiny, last loss): its DiT trained by flow matching onto the colour latents (fp32, CPU),
+    x_t = scale_noise(x0, t, eps), target eps - x0, through the sampler's conditioning and velocity."""
+    with torch.random.fork_rng(devices=[]):
+        pipe = build_tiny_pipeline(seed, mosaic_ar=True)
+        generator = torch.Generator().manual_seed(seed)
+        torch.manual_seed(seed)
+        dit, batch, grids = pipe.transformer.train().requires_grad_(True), settings["batch"], settings["dit_grids"]
+        optimizer = torch.optim.Adam(dit.parameters(), lr=settings["dit_lr"])
+        # the glyph condition of "" per grid size, once: one prompt of `batch` rows (one DiT call)
+        conds = {hw: dit_condition(pipe, [""], batch, torch.zeros(batch, hw[0] * hw[1], dtype=torch.long), hw, 1.0)
+                 for hw in map(tuple, grids)}
+        for step in range(settings["dit_steps"]):
+            hw = tuple(grids[step % len(grids)])
+            timesteps, _ = dit_schedule(pipe, 32 * hw[0], 32 * hw[1], settings["inference_steps"])  # sets the scheduler
+            tokens = random_grids(batch, hw, TINY_CODEBOOK, generator)                          # [B, H*W]
+            mosaic = token_mosaic(tokens, hw, tiny_palette(), 32 // pipe.vae_scale_factor)     # [B, 3, h, w]
+            x0 = torch.nn.functional.pad(mosaic * 2 - 1, (0, 0, 0, 0, 0, 1))   # [B, 4, h, w]: RGB in [-1, 1], then 0
+            t = timesteps[torch.randint(len(timesteps), (batch,), generator=generator)]
+            eps = torch.randn(x0.shape, generator=generator)
+            x_t = pipe.scheduler.scale_noise(x0, t, eps)
+            cond = replace(conds[hw], prior=torch.cat([pipe._upsample_token_ids(row, *hw) for row in tokens]))
+            v = dit_velocity(dit, x_t, t, cond, write_source_caches(dit, cond))
+            loss = ((v - (eps - x0)) ** 2).mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
     dit.eval().requires_grad_(False)
-    return loss.item()
+    return pipe, loss.item()
 
 
 @contextlib.contextmanager
@@ -2454,19 +2432,16 @@ def quiet_progress_bars():
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
-    shown = [lib for lib in (diffusers_logging, transformers_logging) if lib.is_progress_bar_enabled()]
-    for lib in shown:
-        lib.disable_progress_bar()
-    try:
+    with contextlib.ExitStack() as restore:
+        for library in (diffusers_logging, transformers_logging):
+            if library.is_progress_bar_enabled():
+                library.disable_progress_bar()
+                restore.callback(library.enable_progress_bar)
         yield
-    finally:
-        for lib in shown:
-            lib.enable_progress_bar()
 
 
 def tiny_cache_key(seed, settings):
-    """A hash of all that shapes the built model: seed, settings, library versions and the source of
-    the functions that build and train it (an edit to any of them builds a new model)."""
+    """A hash of seed, settings, library versions and the code that builds and trains the model."""
     import inspect
 
     import diffusers
@@ -2474,27 +2449,32 @@ def tiny_cache_key(seed, settings):
 
     code = [inspect.getsource(f) for f in (build_tiny_pipeline, colour_vae, tiny_palette, token_mosaic, random_grids,
                                             train_tiny_renderer, dit_schedule, dit_condition, dit_velocity,
-                                            write_source_caches, policy_generation_config, image_token_suppression)]
+                                            write_source_caches, policy_generation_config, image_token_suppression,
+                                            SamplingParams)]
     parts = {"format": "grpo_glm-tiny-renderer-v1", "seed": seed, "settings": settings, "code": code,
              "constants": [TINY_CODEBOOK, TINY_VISION_VOCAB, TINY_CHAT_TEMPLATE, REAL_IMAGE_PROCESSOR],
              "versions": [torch.__version__, diffusers.__version__, transformers.__version__]}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-TINY_WEIGHTED = ("vision_language_encoder", "text_encoder", "transformer", "vae")   # components with weight files
-TINY_MANIFEST = "grpo_glm_tiny.json"   # written last: a directory without it (or with a wrong one) is never loaded
+TINY_MANIFEST = "grpo_glm_tiny.json"   # written last: {file: sha256}, with the seed, settings and final loss
 
 
-def tiny_cache_is_complete(path, key):
-    """True only for a finished build of `key`, weights for every model, all files as their sha256."""
+def file_digests(directory):
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(directory).rglob("*")) if p.is_file() and p.name != TINY_MANIFEST}
+
+
+def tiny_cache_is_complete(path):
+    """A finished build: its files as the manifest lists them, weights for all four models (on a rank
+    other than 0, transformers would have written none for the AR)."""
     try:
-        manifest = json.loads((path / TINY_MANIFEST).read_text(encoding="utf-8"))
-        files = manifest["files"]
-        weighted = {name.split("/")[0] for name in files if name.endswith(".safetensors")}
-        return manifest["key"] == key and weighted >= set(TINY_WEIGHTED) and all(
-            hashlib.sha256((path / name).read_bytes()).hexdigest() == digest for name, digest in files.items())
+        listed = json.loads((path / TINY_MANIFEST).read_text(encoding="utf-8"))["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return False
+    weighted = {name.split("/")[0] for name in listed if name.endswith(".safetensors")}
+    models = {"vision_language_encoder", "text_encoder", "transformer", "vae"}
+    return weighted >= models and listed == file_digests(path)
 
 
 def tiny_pipeline_dir(seed=0, settings=None):
@@ -2507,15 +2487,12 @@ def tiny_pipeline_dir(seed=0, settings=None):
     from filelock import FileLock
 
     settings = dict(TINY_RENDERER if settings is None else settings)
-    key = tiny_cache_key(seed, settings)
     root = Path(os.environ.get("GRPO_GLM_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
                 / "grpo_glm")
-    final = root / f"tiny-seed{seed}-{key}"
-    if tiny_cache_is_complete(final, key):
-        return final
+    final = root / f"tiny-seed{seed}-{tiny_cache_key(seed, settings)}"
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(root / f".{final.name}.lock"):   # released when the block ends (or the process dies)
-        if tiny_cache_is_complete(final, key):      # another run built it while we waited
+        if tiny_cache_is_complete(final):           # built before, or by the run we waited for
             return final
         if final.exists():
             print(f"note: {final} is incomplete or corrupt; rebuilding it")
@@ -2527,15 +2504,10 @@ def tiny_pipeline_dir(seed=0, settings=None):
               f"mosaics for {settings['dit_steps']} steps, once ...", end=" ", flush=True)
         # removed on an error; renamed into place, whole, after its manifest
         with tempfile.TemporaryDirectory(prefix=f".{final.name}.tmp-", dir=root, ignore_cleanup_errors=True) as tmp:
-            with torch.random.fork_rng(devices=[]):
-                pipe = build_tiny_pipeline(seed, renderer="mosaic")
-                pipe.set_progress_bar_config(disable=True)
-                loss = train_tiny_renderer(pipe, settings, seed)
+            pipe, loss = train_tiny_renderer(seed, settings)
             with quiet_progress_bars():
                 pipe.save_pretrained(tmp)
-            files = {str(p.relative_to(tmp)): hashlib.sha256(p.read_bytes()).hexdigest()
-                     for p in sorted(Path(tmp).rglob("*")) if p.is_file()}
-            manifest = {"key": key, "seed": seed, "settings": settings, "final_loss": loss, "files": files}
+            manifest = {"seed": seed, "settings": settings, "final_loss": loss, "files": file_digests(tmp)}
             (Path(tmp) / TINY_MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
             os.rename(tmp, final)
         print(f"done in {time.time() - start:.0f} s (flow-matching loss {loss:.4f}), cached in {final}", flush=True)
@@ -2833,7 +2805,7 @@ def plan_components(args):
     from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
 
     if args.model == TINY:
-        pipe = build_tiny_pipeline(args.seed, renderer="mosaic")
+        pipe = build_tiny_pipeline(args.seed, mosaic_ar=True)
         return ({"ar": pipe.vision_language_encoder, "dit": pipe.transformer, "glyph_t5": pipe.text_encoder,
                  "vae": pipe.vae}, pipe.processor.image_processor)
     if not Path(args.model).is_dir():
