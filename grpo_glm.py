@@ -2721,9 +2721,9 @@ def load_training_state(model, optimizer, weights, optimizer_state):
 # meta device (shapes, no memory, no download). Weights in the model dtype (bf16 on CUDA: d = 2
 # bytes); LoRA adapters, their gradients and AdamW moments in fp32 (a = 4); under full fine-tuning
 # gradients and moments in the weights' dtype (torch's AdamW allocates its state like the
-# parameter). Checked against the CPU allocator: the AR's terms for one update at the real width
-# (test_slow_memory_plan_matches_a_measured_update_at_the_real_width) and per layer (autograd's
-# saved tensors), the VAE's decode; the DiT's are estimates.
+# parameter). Checked against the CPU allocator: the AR's update at the real width (test_slow_memory_
+# plan_matches_a_measured_update_at_the_real_width), a layer's saved tensors, a VAE decode; the DiT's
+# terms are estimates. A row's keys are its printed columns.
 
 GiB = 1024 ** 3
 WEIGHT_BYTES = 2         # the model dtype on CUDA, bf16: weights, activations, KV caches
@@ -2735,9 +2735,8 @@ REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, 
 
 
 def plan_components(model, seed=0):
-    """(components, image processor) of --model: the tiny model; or on meta a saved pipeline's, from its
-    config.json files and processor (None if absent: the real settings), or the real GLM-Image's
-    (GlmImageConfig() is its AR; the other sizes our reading of the checkpoint)."""
+    """(components, image processor) of --model: the tiny model; on meta, a saved pipeline's (its configs
+    and processor, None if absent) or the real GLM-Image's (its AR GlmImageConfig(), the rest as read)."""
     from diffusers import AutoencoderKL, GlmImageTransformer2DModel
     from transformers import AutoConfig, GlmImageConfig, GlmImageForConditionalGeneration, T5Config, T5EncoderModel
     from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
@@ -2749,20 +2748,16 @@ def plan_components(model, seed=0):
     saved, processor = Path(model), None
     if saved.is_dir():
         ar, glyph_t5 = (AutoConfig.from_pretrained(saved / part) for part in ("vision_language_encoder", "text_encoder"))
-        dit, vae = (cls.load_config(saved / part) for cls, part in [(GlmImageTransformer2DModel, "transformer"),
-                                                                     (AutoencoderKL, "vae")])
+        dit = GlmImageTransformer2DModel.load_config(saved / "transformer")
+        vae = AutoencoderKL.load_config(saved / "vae")
         with contextlib.suppress(OSError, ValueError):
             processor = GlmImageImageProcessorPil.from_pretrained(saved / "processor")
     else:
-        ar = GlmImageConfig()
+        ar, dit = GlmImageConfig(), dict(attention_head_dim=128, num_attention_heads=32)    # else the defaults
         glyph_t5 = T5Config(vocab_size=384, d_model=1472, d_kv=64, d_ff=3584, num_layers=12, num_heads=6,
                             feed_forward_proj="gated-gelu")
-        dit = dict(patch_size=2, in_channels=16, out_channels=16, num_layers=30, attention_head_dim=128,
-                   num_attention_heads=32, text_embed_dim=1472, time_embed_dim=512, condition_dim=256,
-                   prior_vq_quantizer_codebook_size=16384)
-        vae = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 512, 1024, 1024),
-                   layers_per_block=3, down_block_types=["DownEncoderBlock2D"] * 4,
-                   up_block_types=["UpDecoderBlock2D"] * 4)
+        vae = dict(latent_channels=16, block_out_channels=(128, 512, 1024, 1024), layers_per_block=3,
+                   down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4)
     with torch.device("meta"):
         return {"ar": GlmImageForConditionalGeneration(ar), "dit": GlmImageTransformer2DModel.from_config(dit),
                 "glyph_t5": T5EncoderModel(glyph_t5), "vae": AutoencoderKL.from_config(vae)}, processor
@@ -2782,8 +2777,8 @@ def generated_tokens(height, width):
 
 def ar_sequence(mode, height, width, prompt_tokens=64, image_processor=None):
     """(P, L): prompt and generated tokens of one AR sample (section 4). i2i: the prompt also holds the
-    source's VQ tokens between image start and end, by the processor's rule (None: the real one's,
-    1,024 at 1024^2), and L is the grid + end slot (no preview)."""
+    source's VQ tokens (the processor's rule, None: the real one's) between image start and end, and L
+    is the grid + end slot (no preview)."""
     from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
 
     if mode == "t2i":
@@ -2798,42 +2793,39 @@ def head_dim(text_config):
 
 
 def layer_activation_bytes(text_config, lora_rank=0, bytes_per=WEIGHT_BYTES):
-    """Bytes one decoder layer keeps per token for its backward (d = bytes_per, a = ADAPTER_BYTES, h
-    hidden, kv the key/value width, i intermediate, r the LoRA rank). SDPA (flash, on CUDA and CPU)
-    keeps no T^2 matrix, only a log-sum-exp per head."""
+    """Bytes one decoder layer keeps per token for its backward. SDPA (flash, on CUDA and CPU) keeps no
+    T^2 matrix, only a log-sum-exp (LSE) per head."""
     h, i, heads = text_config.hidden_size, text_config.intermediate_size, text_config.num_attention_heads
     kv, d, a = text_config.num_key_value_heads * head_dim(text_config), bytes_per, ADAPTER_BYTES
     kept = (d * (2 * h + 2 * kv + 3 * i)        # q, k, v after RoPE, SDPA's output; gate_up's output, SiLU's
             + 4 * heads + 4 * (4 * h + 4))      # the LSE; the 4 RMSNorms' fp32 inputs and 1 / rms
     if not lora_rank:                           # the norms' normalised values; inputs of q/k/v, o, gate_up, down
         return kept + d * (7 * h + i)
-    # the adapters' inputs cast to fp32 (q, k, v each cast theirs; an fp32 model keeps the shared ones,
-    # 3h + i), the A outputs
+    # the adapters' inputs cast to fp32 (q, k, v each cast theirs; an fp32 model keeps the shared ones), A's outputs
     return kept + a * (5 * h + i if d != a else 3 * h + i) + len(LORA_TARGETS) * a * lora_rank
 
 
 def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, checkpointing, tensors=(),
-                    head_trainable=0, bytes_per=WEIGHT_BYTES, foreach=True):
-    """One micro-batch's forward/backward and AdamW step on top of the weights and moments, `tensors` the
-    trained numels: each phase's peak and their max, "peak". `head_trainable`: parameters whose
-    gradients exist from the start of backward (final norm and lm_head; 0 under LoRA). V the vision
-    vocabulary, rows the logit rows (samples x L)."""
+                    head_trainable=0, total_params=0, bytes_per=WEIGHT_BYTES, foreach=True):
+    """The AR's weights (`total_params` + the adapters), gradients and moments of the trained `tensors`
+    (numels), and each phase of one micro-batch's update on top of them, with their max, "peak".
+    `head_trainable`: parameters with gradients from backward's start (final norm, lm_head; 0 under LoRA)."""
     d, h, V = bytes_per, text_config.hidden_size, text_config.vision_vocab_size
     tokens = samples * (prompt_tokens + generated - 1)       # teacher-forced input: prompt + generated[:-1]
-    rows = samples * generated
+    rows = samples * generated                               # logit rows
     layer = layer_activation_bytes(text_config, lora_rank, d) * tokens
     layers = text_config.num_hidden_layers
     # checkpointing keeps each layer's input (d h per token); one layer is recomputed in full in backward
     kept = layers * d * h * tokens if checkpointing else layers * layer
     rotary = int(head_dim(text_config) * text_config.rope_parameters.get("partial_rotary_factor", 1.0))
-    # per token outside the layers: the final norm's fp32 input, M-RoPE's cos and sin (all layers);
-    # full fine-tuning adds the final norm's normalised value and lm_head's input
+    # per token outside the layers: the final norm's fp32 input, M-RoPE's cos and sin (all layers); full
+    # fine-tuning: the final norm's normalised value, lm_head's input
     outside = tokens * (4 * h + (0 if lora_rank else 2 * d * h) + 2 * rotary * d)
     state = ADAPTER_BYTES if lora_rank else d                 # gradients and moments: the parameters' dtype
     grads = state * sum(tensors)
-    logits = rows * d * V                     # held by ar_loss_terms till the next micro-batch
-    # a frozen lm_head (LoRA): matmul broadcasts the weight over the logits_to_keep slice and the CPU's bmm
-    # copies it per sample (CUDA may not: the plan is high)
+    logits = rows * d * V                                     # held by ar_loss_terms till the next micro-batch
+    # a frozen lm_head (LoRA): matmul broadcasts it over the logits_to_keep slice, the CPU's bmm copies it
+    # per sample (CUDA may not: the plan is high)
     head_copy = 0 if head_trainable else samples * V * h * d
     held = kept + outside + logits
     forward_model = held + max(head_copy, rows * 8 * V)      # token_logprobs' fp32 copy and its division by T
@@ -2842,17 +2834,12 @@ def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, c
     backward_activations = max(held + rows * 12 * V,          # the fp32 gradient chain of gather and log_softmax
                                held + logits + head_copy, kept + logits + layer if checkpointing else 0)
     backward = max(backward_activations + head_trainable * state, grads + logits)
-    # AdamW's step: one exp_avg_sq copy of all parameters (foreach, the CUDA default), or of 2 x the
-    # largest tensor (per tensor, CPU)
+    # AdamW's step: an exp_avg_sq copy of all parameters (foreach, CUDA's default), or of the 2 largest (CPU)
     step = grads + state * (sum(tensors) if foreach else 2 * max(tensors))
-    return {"grads": grads, "adam": 2 * grads, "activations": max(forward_model, forward_logits, backward_activations),
+    return {"weights": d * total_params + (ADAPTER_BYTES * sum(tensors) if lora_rank else 0), "grads": grads,
+            "adam": 2 * grads, "activations": max(forward_model, forward_logits, backward_activations),
             "forward_model": forward_model, "forward_logits": forward_logits, "backward": backward, "step": step,
             "peak": max(forward_model, forward_logits, backward, step)}
-
-
-def ar_weight_bytes(total_params, trainable, lora_rank, bytes_per=WEIGHT_BYTES):
-    """The AR's weights in the model dtype, plus the fp32 LoRA adapters (not in a bare model's count)."""
-    return bytes_per * total_params + (ADAPTER_BYTES * trainable if lora_rank else 0)
 
 
 def trainable_tensors(ar, lora_rank):
@@ -2870,9 +2857,9 @@ def dit_lora_parameter_count(dit, rank):
                if isinstance(m, torch.nn.Linear) and any(n.endswith(t) for t in DIT_LORA_TARGETS))
 
 
-def dit_activation_bytes(dit, height, width, samples, cfg, checkpointing, text_tokens=64):
-    """What one denoising step (Part II backpropagates one at a time) keeps for backward, bf16, x2 with
-    CFG: per block and token ~30 x hidden values (attention as the AR's, a 4x GELU MLP), not measured;
+def dit_step_bytes(dit, height, width, samples, cfg, checkpointing, text_tokens=64):
+    """What one denoising step (Part II backpropagates one at a time) keeps for backward, x2 with CFG:
+    per block and token ~30 x hidden values (attention as the AR's, a 4x GELU MLP), not measured;
     with checkpointing, each block's input and one block recomputed."""
     hidden = dit.config.num_attention_heads * dit.config.attention_head_dim
     block_inputs = ((height // 16) * (width // 16) + text_tokens) * samples * (2 if cfg else 1) * hidden * 2
@@ -2881,45 +2868,41 @@ def dit_activation_bytes(dit, height, width, samples, cfg, checkpointing, text_t
 
 
 def source_kv_bytes(dit, height, width, prompts):
-    """i2i: the source KV caches of `prompts` prompts (write_source_caches, one per prompt, alive while the
-    DiT samples and through a step's backward): each layer's K and V over the source latent's tokens."""
+    """i2i: write_source_caches' KV caches, one per prompt, alive while the DiT samples and through a
+    step's backward: each layer's K and V over the source latent's tokens (1.9 GiB per prompt at 1024^2)."""
     hidden = dit.config.num_attention_heads * dit.config.attention_head_dim
     return prompts * dit.config.num_layers * 2 * (height // 16) * (width // 16) * hidden * WEIGHT_BYTES
 
 
 def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
-    """The peak of one vae.decode over `images` latents (latents_to_images), no grad. Up block i runs at
-    height x width / 4^(last - i) with reversed(block_out_channels)[i]; its first resnet holds its input
-    (block i - 1's channels, upsampled), norm1's and SiLU's outputs: 3 x channels x pixels, the most in
-    the last block (GLM-Image: 3 x 512 x 1024^2, 3 GiB per image). Measured on the CPU in fp32 (its bf16
-    convolutions take an im2col path with a 9x buffer, cuDNN's do not): planned / measured 0.999."""
+    """The peak of one vae.decode (latents_to_images) of `images` latents, no grad. Up block i runs at
+    height x width / 4^(last - i); its first resnet holds its input (block i - 1's channels, upsampled),
+    norm1's and SiLU's outputs: 3 x channels x pixels, the most in the last block (GLM-Image: 3 x 512 x
+    1024^2, 3 GiB an image). On the CPU in fp32 (its bf16 convolutions take an im2col path with a 9x
+    buffer, cuDNN's do not), planned / measured = 0.999 (test_plan_counts_the_vae_decode_and_source_caches)."""
     channels = list(reversed(vae.config.block_out_channels))
     last = len(channels) - 1
-    pixels = [channels[max(i - 1, 0)] * height * width // 4 ** (last - i) for i in range(last + 1)]
-    return 3 * bytes_per * images * max(pixels)
+    return 3 * bytes_per * images * max(channels[max(i - 1, 0)] * height * width // 4 ** (last - i)
+                                        for i in range(last + 1))
 
 
-# --fsdp, per GPU on K GPUs (section 22). Sharded: the trained weights as fp32 master shards, with
-# fp32 gradients and two fp32 moments (16 bytes per parameter / K); the frozen ones (the AR's vision
-# encoder and VQ) in bf16 / K. Gathered in bf16, whole on every GPU for a while:
-#   the root unit (embeddings, heads, final norms, the AR's vision encoder and VQ), from its forward
-#     to the end of its backward (FSDP2 does not reshard a root after forward);
-#   two decoder layers: forward prefetches the next, backward the previous (_backward_prefetch);
-#   at the end of a layer's backward, its reduce: the bf16 gradient and its fp32 copy (2 + 4 bytes
-#     per parameter); the root's reduce comes last, when layers and activations are freed;
-#   the whole model while it samples (whole_weights), beside its sampling working set: the larger of
-#     generate's KV cache and pi_old's no-grad pass over a micro-batch (bf16 logits, their fp32 copy
-#     / T, its log_softmax: 2 + 4 + 4 bytes per logit); the DiT's: i2i's source KV caches.
-# Peaks: the resident shards + the largest phase: sampling (all gradients, as zero_grad comes at the
-# next update, + one half's whole weights, or a frozen part's turn), a half's backward beside its and
-# the earlier halves' gradients, AdamW's step (foreach: one exp_avg_sq copy, the gradients' bytes).
-# Not counted: all-gather buffers briefly doubled during a copy-out, the reference's no-grad pass
-# (below the update's), the CUDA allocator's slack.
+# --fsdp, per GPU on K GPUs (section 22). Sharded: the trained weights as fp32 master shards, with fp32
+# gradients and two fp32 moments (16 bytes per parameter / K); the frozen ones (the AR's vision encoder
+# and VQ) in bf16 / K. Gathered in bf16, whole on every GPU for a while: the root unit (embeddings,
+# heads, final norms, the AR's vision encoder and VQ) from its forward to the end of its backward
+# (FSDP2 does not reshard a root after forward); two decoder layers (forward prefetches the next,
+# backward the previous); a layer's reduce at the end of its backward: its bf16 gradient and fp32 copy
+# (2 + 4 bytes per parameter), the root's last, when layers and activations are freed; the whole model
+# while it samples (whole_weights), beside its sampling working set. Peaks: the resident shards + the
+# largest phase: sampling (all gradients, as zero_grad comes at the next update, + one half's whole
+# weights, or a frozen part's turn), a half's backward beside its and the earlier halves' gradients,
+# AdamW's step (foreach: the gradients' bytes). Not counted: all-gather buffers briefly doubled during a
+# copy-out, the reference's no-grad pass (below the update's), the CUDA allocator's slack.
 
 def fsdp_shard_bytes(model, trainable, gpus, working, sampling=0, reference=False, bytes_per=WEIGHT_BYTES):
-    """Per-GPU bytes of `model` sharded on `gpus` GPUs (the comment above), `working` bytes of
-    activations per backward, `sampling` bytes of working set while it samples. "backward": its peak
-    on top of the gradients, in a layer (gathered + activations + its reduce) or the root's reduce."""
+    """Per-GPU bytes of `model` sharded on `gpus` GPUs, `working` bytes of activations per backward,
+    `sampling` bytes while it samples. "backward": its peak on top of the gradients, in a layer
+    (gathered + activations + its reduce) or the root's reduce."""
     layers = [numel(layer) for layer in sharded_layers(model)]
     total, m, d = numel(model), FSDP_MASTER_BYTES, bytes_per
     gathered = d * (total - sum(layers) + 2 * max(layers))
@@ -2931,8 +2914,8 @@ def fsdp_shard_bytes(model, trainable, gpus, working, sampling=0, reference=Fals
 
 
 def fsdp_peaks(halves, beside=0, offloaded=0):
-    """Per-GPU peaks of the halves trained together, in grpo_update's order (the comment above), with
-    `beside` bytes always on the GPU and `offloaded`, the largest frozen part's turn."""
+    """Per-GPU peaks of the halves trained together, in grpo_update's order, with `beside` bytes always
+    on the GPU and `offloaded`, the largest frozen part's turn."""
     resident = beside + sum(h["weights"] + h["adam"] + h["reference"] for h in halves)
     grads = sum(h["grads"] for h in halves)
     done, update = 0, 2 * grads
@@ -2940,17 +2923,17 @@ def fsdp_peaks(halves, beside=0, offloaded=0):
         done += h["grads"]
         update = max(update, done + h["backward"])
     sampling = grads + max(h["sampling"] for h in halves)
-    return {"update_peak": resident + update, "sampling_peak": resident + sampling,
+    return {"update peak": resident + update, "sampling peak": resident + sampling,
             "peak": resident + max(update, sampling, grads + offloaded)}
 
 
 def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=False, gpus=(), ranks=(64, 16),
                 mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0):
-    """--plan's rows: {"ar": per LoRA rank (0: full), "dit": full and lora-64, "fsdp": per K in `gpus`},
-    each without and with checkpointing; parameter counts; the step's terms. `samples`: the AR's
-    micro-batch; `batch` images of `prompts` prompts: the DiT's step, the VAE's decode and i2i's source
-    KV caches (under --fsdp each GPU holds / K). Frozen parts take turns on the GPU (offloaded): the
-    VAE with its decode, the DiT with the source caches; under 'dit' the frozen AR stays whole."""
+    """--plan's rows, each without and with checkpointing: "ar" per LoRA rank (0: full), "dit" full and
+    lora-64, "fsdp" per K in `gpus`; parameter counts; the step's terms. The AR trains on micro-batches
+    of `samples`; `batch` images of `prompts` prompts make the DiT's step, the VAE's decode and i2i's
+    source caches (/ K per GPU under --fsdp). The frozen parts take turns on the GPU, the VAE with its
+    decode, the DiT with the source caches; the frozen AR (--policy dit) stays."""
     ar, dit, d = components["ar"], components["dit"], WEIGHT_BYTES
     text, batch = ar.config.text_config, batch or samples
     counts = {name: numel(module) for name, module in components.items()}
@@ -2959,67 +2942,58 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
     head = numel(ar.model.language_model.norm) + numel(ar.lm_head)
     terms = {"tokens": (prompt_len, generated), "decode": vae_decode_bytes(components["vae"], height, width, batch),
              "source_kv": source_kv_bytes(dit, height, width, prompts) if mode == "i2i" else 0}
-    working = {"vae": terms["decode"], "dit": terms["source_kv"]}
+    working = {"vae": terms["decode"], "dit": terms["source_kv"], "glyph_t5": 0}
 
-    def turn(parts, k=1):
-        return max(frozen[part] + working.get(part, 0) // k for part in parts)
+    def turn(parts, k=1):                     # the largest frozen part on the GPU, with its working set
+        return max(frozen[p] + working[p] // k for p in parts)
 
     def ar_row(rank, checkpointing):
         tensors = trainable_tensors(ar, rank)
-        u = ar_update_bytes(text, samples, prompt_len, generated, rank, checkpointing, tensors, 0 if rank else head)
-        # the KL reference of full fine-tuning is a frozen copy of the AR (LoRA: adapters off)
-        weights = ar_weight_bytes(counts["ar"], sum(tensors), rank) + (d * counts["ar"] if beta > 0 and not rank else 0)
+        u = ar_update_bytes(text, samples, prompt_len, generated, rank, checkpointing, tensors, 0 if rank else head,
+                            counts["ar"])
+        weights = u["weights"] + (d * counts["ar"] if beta > 0 and not rank else 0)   # full: a KL reference copy
         resident = weights + u["adam"]
-        # between updates the gradients stay (zero_grad comes at the next update) while the frozen
-        # parts run: offloaded, one at a time; else all of them, always
-        return {"mode": f"lora-{rank}" if rank else "full", "grad_ckpt": checkpointing, "micro_batch": samples,
-                "trainable_params": sum(tensors), "weights": weights, "grads": u["grads"], "adam": u["adam"],
-                "activations": u["activations"], "update_peak": resident + u["peak"],
-                "peak_offload": resident + max(u["peak"], u["grads"] + turn(frozen)),
-                "peak_no_offload": resident + max(u["peak"], u["grads"] + max(working.values())) + sum(frozen.values())}
+        # between updates the gradients stay (zero_grad comes at the next update) while the frozen parts
+        # run: offloaded, one at a time; else all of them, always
+        return {"mode": f"lora-{rank}" if rank else "full", "grad ckpt": checkpointing, "micro-batch": samples,
+                "trainable": sum(tensors), "AR weights": weights, "grads": u["grads"], "AdamW": u["adam"],
+                "activations": u["activations"], "update peak": resident + u["peak"],
+                "peak, offload": resident + max(u["peak"], u["grads"] + turn(frozen)),
+                "peak, no offload": resident + max(u["peak"], u["grads"] + max(working.values())) + sum(frozen.values())}
 
-    both = ar_row((ranks or (0,))[0], True)       # --policy both trains the AR too: its first rank's row
-    others = ("glyph_t5", "vae")
+    both, others = ar_row((ranks or (0,))[0], True), ("glyph_t5", "vae")    # 'both' trains the AR's first rank
 
     def dit_row(lora, checkpointing):
         # gradients accumulate over the trained steps beside one step's activations; 'dit' keeps the frozen
-        # AR on the GPU, 'both' the trained AR (its activations freed before the DiT's backward)
+        # AR on the GPU, 'both' the trained AR's weights and states (its activations freed before)
         trainable, state = (dit_lora_parameter_count(dit, 64), ADAPTER_BYTES) if lora else (counts["dit"], d)
         weights = frozen["dit"] + (ADAPTER_BYTES * trainable if lora else 0)
-        activations = dit_activation_bytes(dit, height, width, batch, cfg, checkpointing) + terms["source_kv"]
-        peak = weights + 3 * state * trainable + max(max(frozen[p] for p in others) + max(
-            activations, state * trainable), turn(others))
-        return {"dit_mode": "lora-64" if lora else "full", "grad_ckpt": checkpointing, "trainable_params": trainable,
-                "weights": weights, "grads": state * trainable, "adam": 2 * state * trainable,
-                "activations": activations, "peak_dit": peak + d * counts["ar"],
-                "peak_both": peak + both["weights"] + both["grads"] + both["adam"]}
+        activations = dit_step_bytes(dit, height, width, batch, cfg, checkpointing) + terms["source_kv"]
+        peak = weights + 3 * state * trainable + max(
+            max(frozen[p] for p in others) + max(activations, state * trainable), turn(others))
+        return {"DiT mode": "lora-64" if lora else "full", "grad ckpt": checkpointing, "trainable": trainable,
+                "DiT weights": weights, "grads": state * trainable, "AdamW": 2 * state * trainable,
+                "activations": activations, "peak, dit": peak + d * counts["ar"],
+                "peak, both": peak + both["AR weights"] + both["grads"] + both["AdamW"]}
 
     def fsdp_row(k, checkpointing):
-        # the AR's micro-batch as ar_update_bytes' (no whole gradients); sampling: generate's KV cache of the
-        # GPU's batch / K samples or pi_old's logits; the DiT's step over batch / K samples
+        # the AR: ar_update_bytes' micro-batch (no whole gradients); sampling: generate's KV cache of the
+        # GPU's batch / K samples, or pi_old's pass (bf16 logits, fp32 copy / T, log_softmax: 10 bytes each)
         update = ar_update_bytes(text, samples, prompt_len, generated, 0, checkpointing, head_trainable=head)
-        kv_cache = batch // k * (prompt_len + generated) * text.num_hidden_layers * 2 * text.num_key_value_heads \
-            * head_dim(text) * d
-        sampling = max(kv_cache, samples * generated * text.vision_vocab_size * (2 + 8))
+        kv_cache = (prompt_len + generated) * text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim(text)
+        sampling = max(batch // k * kv_cache * d, samples * generated * text.vision_vocab_size * (2 + 8))
         a = fsdp_shard_bytes(ar, sum(trainable_tensors(ar, 0)), k, update["peak"], sampling, beta > 0)
-        source_kv = terms["source_kv"] // k
-        activations = dit_activation_bytes(dit, height, width, batch // k, cfg, checkpointing) + source_kv
+        source_kv = terms["source_kv"] // k           # the DiT's: a step over batch / K samples
+        activations = dit_step_bytes(dit, height, width, batch // k, cfg, checkpointing) + source_kv
         t = fsdp_shard_bytes(dit, counts["dit"], k, activations, source_kv, beta > 0)
-        return {"gpus": k, "grad_ckpt": checkpointing, "ar": a, "dit": t, **fsdp_peaks([a], offloaded=turn(frozen, k)),
-                "peak_dit": fsdp_peaks([t], beside=d * counts["ar"], offloaded=turn(others, k))["peak"],
-                "peak_both": fsdp_peaks([a, t], offloaded=turn(others, k))["peak"]}
+        return {"GPUs": k, "grad ckpt": checkpointing, "ar": a, "dit": t, **fsdp_peaks([a], offloaded=turn(frozen, k)),
+                "peak, dit": fsdp_peaks([t], beside=d * counts["ar"], offloaded=turn(others, k))["peak"],
+                "peak, both": fsdp_peaks([a, t], offloaded=turn(others, k))["peak"]}
 
     rows = {"ar": [ar_row(rank, c) for rank in (0, *ranks) for c in (False, True)],
             "dit": [dit_row(lora, c) for lora in (False, True) for c in (False, True)],
             "fsdp": [fsdp_row(k, c) for k in gpus for c in (False, True)]}
     return rows, counts, terms
-
-
-# The printed tables: a row's keys, in order, are its columns; their headers ("{}": the trained half).
-HEADERS = dict(mode="mode", dit_mode="DiT mode", gpus="GPUs", grad_ckpt="grad ckpt", micro_batch="micro-batch",
-               trainable_params="trainable", weights="{} weights", adam="AdamW", update_peak="update peak",
-               sampling_peak="sampling peak", peak_offload="peak, offload", peak_no_offload="peak, no offload",
-               peak_dit="peak, dit", peak_both="peak, both")
 
 
 def print_memory_plan(args):
@@ -3034,48 +3008,47 @@ def print_memory_plan(args):
                                       beta=args.beta)
     (prompt_len, generated), i2i = terms["tokens"], args.mode == "i2i"
     # the tiny model's bytes would all print as 0.0 GiB: small models get MiB and thousands
-    unit, unit_name = (GiB, "GiB") if max(r["peak_no_offload"] for r in rows["ar"]) >= GiB else (1024 ** 2, "MiB")
+    unit, unit_name = (GiB, "GiB") if max(r["peak, no offload"] for r in rows["ar"]) >= GiB else (1024 ** 2, "MiB")
     count_div, count_name = (1e6, "M") if max(counts.values()) >= 1e8 else (1e3, "k")
 
     def cell(key, value):
-        if key == "grad_ckpt":
+        if key == "grad ckpt":
             return "yes" if value else "no"
-        if key == "trainable_params":
+        if key == "trainable":
             return f"{value / count_div:.1f} {count_name}"
-        return str(value) if key in ("mode", "dit_mode", "micro_batch", "gpus") else f"{value / unit:.1f}"
+        return str(value) if key in ("mode", "DiT mode", "micro-batch", "GPUs") else f"{value / unit:.1f}"
 
-    def print_table(title, half, rows):
-        print(title + "\n| " + " | ".join(HEADERS.get(k, k).format(half) for k in rows[0]) + " |\n|" + "---|" * len(rows[0]))
+    def print_table(title, rows):               # a markdown table: the rows' keys are its columns
+        print(title + "\n| " + " | ".join(rows[0]) + " |\n|" + "---|" * len(rows[0]))
         for row in rows:
             print("| " + " | ".join(cell(key, value) for key, value in row.items()) + " |")
 
-    def fsdp_table(title, half, peaks):       # one half's shards (+ its KL reference's) and what it gathers
-        shards = [r[half.lower()] for r in rows["fsdp"]]
-        print_table("\n" + title, half, [
-            {"gpus": r["gpus"], "grad_ckpt": r["grad_ckpt"], "weights": s["weights"] + s["reference"],
-             **{k: s[k] for k in ("grads", "adam", "gathered", "activations")}, **{k: r[k] for k in peaks}}
-            for r, s in zip(rows["fsdp"], shards)])
+    def fsdp_table(title, half, peaks):         # one half's shards (+ its KL reference's), what it gathers
+        shards = [{"GPUs": r["GPUs"], "grad ckpt": r["grad ckpt"], f"{half} weights": h["weights"] + h["reference"],
+                   "grads": h["grads"], "AdamW": h["adam"], "gathered": h["gathered"], "activations": h["activations"],
+                   **{k: r[k] for k in peaks}} for r in rows["fsdp"] for h in [r[half.lower()]]]
+        print_table("\n" + title, shards)
 
     print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count_div:,.1f} {count_name}" for k, v in counts.items()))
     source = f" incl. the source's {prompt_len - 66} VQ tokens" if i2i else ""      # 64 text, image start and end
     print(f"--mode {args.mode}, teacher-forced pass: {samples} samples x {prompt_len + generated} tokens ({prompt_len}"
           f" prompt{source} + {generated} generated, {args.height}x{args.width}); estimates in {unit_name}, bf16"
           " weights, torch's AdamW (foreach)" + (", KL reference copy for full fine-tuning" if args.beta > 0 else "")
-          + f"; the VAE decodes the step's {batch} images at once in its turn ({cell('', terms['decode'])})")
-    print_table("", "AR", rows["ar"])
+          + f"; the peaks count the VAE's decode of the step's {batch} images at once ({cell('', terms['decode'])})")
+    print_table("", rows["ar"])
     print_table(f"\nDiT (Flow-GRPO, --policy dit|both): one denoising step's forward over {batch} samples, CFG "
                 f"{'on' if cfg else 'off'}; 'both' adds the AR's lora-{ranks[0]} weights, grads and AdamW" + (
                     f"; activations incl. the {prompts} prompts' source KV caches ({cell('', terms['source_kv'])})"
-                    if i2i else ""), "DiT", rows["dit"])
+                    if i2i else ""), rows["dit"])
     if not args.plan_gpus:
         print("\n(--plan-gpus K adds the per-GPU rows of --fsdp, full fine-tuning sharded over K GPUs)")
         return
     fsdp_table("--fsdp, full fine-tuning, per GPU on K GPUs: fp32 shards of the trained weights, their gradients and "
                f"AdamW (16 bytes per parameter / K), the bf16 root + 2 layers gathered, a micro-batch of {samples}; "
-               "frozen parts offloaded", "AR", ("update_peak", "sampling_peak", "peak"))
+               "frozen parts offloaded", "AR", ("update peak", "sampling peak", "peak"))
     fsdp_table(f"DiT under --fsdp, per GPU: one denoising step over {batch} / K samples; 'dit' keeps the frozen AR "
                "whole on every GPU, 'both' its shards, gradients and AdamW (fewer bytes from about K = 8)", "DiT",
-               ("peak_dit", "peak_both"))
+               ("peak, dit", "peak, both"))
 
 
 # =============================================================================================
