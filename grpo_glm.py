@@ -2747,7 +2747,8 @@ def plan_components(model, seed=0):
                  "vae": pipe.vae}, pipe.processor.image_processor)
     saved, processor = Path(model), None
     if saved.is_dir():
-        ar, glyph_t5 = (AutoConfig.from_pretrained(saved / part) for part in ("vision_language_encoder", "text_encoder"))
+        ar = AutoConfig.from_pretrained(saved / "vision_language_encoder")
+        glyph_t5 = AutoConfig.from_pretrained(saved / "text_encoder")
         dit = GlmImageTransformer2DModel.load_config(saved / "transformer")
         vae = AutoencoderKL.load_config(saved / "vae")
         with contextlib.suppress(OSError, ValueError):
@@ -2900,9 +2901,8 @@ def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
 # copy-out, the reference's no-grad pass (below the update's), the CUDA allocator's slack.
 
 def fsdp_shard_bytes(model, trainable, gpus, working, sampling=0, reference=False, bytes_per=WEIGHT_BYTES):
-    """Per-GPU bytes of `model` sharded on `gpus` GPUs, `working` bytes of activations per backward,
-    `sampling` bytes while it samples. "backward": its peak on top of the gradients, in a layer
-    (gathered + activations + its reduce) or the root's reduce."""
+    """Per-GPU bytes of `model` sharded on `gpus` GPUs, `working`: its activations, `sampling`: its working set
+    while it samples. "backward": on top of the gradients, a layer's (gathered, activations, reduce) or the root's."""
     layers = [numel(layer) for layer in sharded_layers(model)]
     total, m, d = numel(model), FSDP_MASTER_BYTES, bytes_per
     gathered = d * (total - sum(layers) + 2 * max(layers))
@@ -2959,9 +2959,10 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
                 "trainable": sum(tensors), "AR weights": weights, "grads": u["grads"], "AdamW": u["adam"],
                 "activations": u["activations"], "update peak": resident + u["peak"],
                 "peak, offload": resident + max(u["peak"], u["grads"] + turn(frozen)),
-                "peak, no offload": resident + max(u["peak"], u["grads"] + max(working.values())) + sum(frozen.values())}
+                "peak, no offload": resident + max(u["peak"], u["grads"] + max(working.values()))
+                + sum(frozen.values())}
 
-    both, others = ar_row((ranks or (0,))[0], True), ("glyph_t5", "vae")    # 'both' trains the AR's first rank
+    both, in_turn = ar_row((ranks or (0,))[0], True), ("glyph_t5", "vae")    # 'both' trains the AR's first rank
 
     def dit_row(lora, checkpointing):
         # gradients accumulate over the trained steps beside one step's activations; 'dit' keeps the frozen
@@ -2970,7 +2971,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         weights = frozen["dit"] + (ADAPTER_BYTES * trainable if lora else 0)
         activations = dit_step_bytes(dit, height, width, batch, cfg, checkpointing) + terms["source_kv"]
         peak = weights + 3 * state * trainable + max(
-            max(frozen[p] for p in others) + max(activations, state * trainable), turn(others))
+            max(frozen[p] for p in in_turn) + max(activations, state * trainable), turn(in_turn))
         return {"DiT mode": "lora-64" if lora else "full", "grad ckpt": checkpointing, "trainable": trainable,
                 "DiT weights": weights, "grads": state * trainable, "AdamW": 2 * state * trainable,
                 "activations": activations, "peak, dit": peak + d * counts["ar"],
@@ -2987,8 +2988,8 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         activations = dit_step_bytes(dit, height, width, batch // k, cfg, checkpointing) + source_kv
         t = fsdp_shard_bytes(dit, counts["dit"], k, activations, source_kv, beta > 0)
         return {"GPUs": k, "grad ckpt": checkpointing, "ar": a, "dit": t, **fsdp_peaks([a], offloaded=turn(frozen, k)),
-                "peak, dit": fsdp_peaks([t], beside=d * counts["ar"], offloaded=turn(others, k))["peak"],
-                "peak, both": fsdp_peaks([a, t], offloaded=turn(others, k))["peak"]}
+                "peak, dit": fsdp_peaks([t], beside=d * counts["ar"], offloaded=turn(in_turn, k))["peak"],
+                "peak, both": fsdp_peaks([a, t], offloaded=turn(in_turn, k))["peak"]}
 
     rows = {"ar": [ar_row(rank, c) for rank in (0, *ranks) for c in (False, True)],
             "dit": [dit_row(lora, c) for lora in (False, True) for c in (False, True)],
@@ -3002,7 +3003,8 @@ def print_memory_plan(args):
     # AR activations are held for one micro-batch (--micro-batch-size samples, default G); the DiT's
     # update runs a denoising step over the whole batch at once, and the VAE decodes it at once.
     samples, prompts = args.micro_batch_size or args.group_size, args.prompts_per_step
-    batch, cfg, ranks = args.group_size * prompts, args.guidance_scale > 1, (args.lora_rank,) if args.lora_rank else (64, 16)
+    batch, cfg = args.group_size * prompts, args.guidance_scale > 1
+    ranks = (args.lora_rank,) if args.lora_rank else (64, 16)
     rows, counts, terms = memory_plan(components, args.height, args.width, samples, batch, prompts, cfg,
                                       args.plan_gpus or (), ranks, args.mode, image_processor=image_processor,
                                       beta=args.beta)
@@ -3018,6 +3020,9 @@ def print_memory_plan(args):
             return f"{value / count_div:.1f} {count_name}"
         return str(value) if key in ("mode", "DiT mode", "micro-batch", "GPUs") else f"{value / unit:.1f}"
 
+    def size(nbytes):
+        return f"{nbytes / unit:.1f} {unit_name}"
+
     def print_table(title, rows):               # a markdown table: the rows' keys are its columns
         print(title + "\n| " + " | ".join(rows[0]) + " |\n|" + "---|" * len(rows[0]))
         for row in rows:
@@ -3029,17 +3034,18 @@ def print_memory_plan(args):
                    **{k: r[k] for k in peaks}} for r in rows["fsdp"] for h in [r[half.lower()]]]
         print_table("\n" + title, shards)
 
-    print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count_div:,.1f} {count_name}" for k, v in counts.items()))
+    print(f"parameters of {args.model}: "
+          + ", ".join(f"{k} {v / count_div:,.1f} {count_name}" for k, v in counts.items()))
     source = f" incl. the source's {prompt_len - 66} VQ tokens" if i2i else ""      # 64 text, image start and end
     print(f"--mode {args.mode}, teacher-forced pass: {samples} samples x {prompt_len + generated} tokens ({prompt_len}"
           f" prompt{source} + {generated} generated, {args.height}x{args.width}); estimates in {unit_name}, bf16"
           " weights, torch's AdamW (foreach)" + (", KL reference copy for full fine-tuning" if args.beta > 0 else "")
-          + f"; the peaks count the VAE's decode of the step's {batch} images at once ({cell('', terms['decode'])})")
+          + f"; counted: the VAE's decode of the step's {batch} images at once ({size(terms['decode'])})"
+          + (f", the DiT's {prompts} source KV caches, one per prompt ({size(terms['source_kv'])})" if i2i else ""))
     print_table("", rows["ar"])
     print_table(f"\nDiT (Flow-GRPO, --policy dit|both): one denoising step's forward over {batch} samples, CFG "
-                f"{'on' if cfg else 'off'}; 'both' adds the AR's lora-{ranks[0]} weights, grads and AdamW" + (
-                    f"; activations incl. the {prompts} prompts' source KV caches ({cell('', terms['source_kv'])})"
-                    if i2i else ""), rows["dit"])
+                f"{'on' if cfg else 'off'}; 'both' adds the AR's lora-{ranks[0]} weights, grads and AdamW"
+                + ("; activations incl. the source KV caches" if i2i else ""), rows["dit"])
     if not args.plan_gpus:
         print("\n(--plan-gpus K adds the per-GPU rows of --fsdp, full fine-tuning sharded over K GPUs)")
         return

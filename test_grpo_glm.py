@@ -1281,8 +1281,8 @@ def test_plan_counts_the_vae_decode_and_source_caches(capsys):
     # and the header says so
     g.main(["--plan", "--model", "zai-org/GLM-Image", "--mode", "i2i", "--height", "1024", "--width", "1024"])
     printed = capsys.readouterr().out
-    assert "the peaks count the VAE's decode of the step's 64 images at once (192.0)" in printed
-    assert "activations incl. the 2 prompts' source KV caches (3.8)" in printed
+    assert "counted: the VAE's decode of the step's 64 images at once (192.0 GiB), the DiT's 2 source KV caches, " \
+        "one per prompt (3.8 GiB)" in printed and "activations incl. the source KV caches" in printed
 
 # ---------------------------------------------------------------------------------------------
 # Image to image
