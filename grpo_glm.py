@@ -2721,9 +2721,9 @@ def load_training_state(model, optimizer, weights, optimizer_state):
 # meta device (shapes, no memory, no download). Weights in the model dtype (bf16 on CUDA: d = 2
 # bytes); LoRA adapters, their gradients and AdamW moments in fp32 (a = 4); under full fine-tuning
 # gradients and moments in the weights' dtype (torch's AdamW allocates its state like the
-# parameter). Checked against the CPU allocator: the AR's update at the real width (test_slow_memory_
-# plan_matches_a_measured_update_at_the_real_width), a layer's saved tensors, a VAE decode; the DiT's
-# terms are estimates. A row's keys are its printed columns.
+# parameter). Checked against the CPU allocator: the AR's update at the real width
+# (test_slow_memory_plan_matches_a_measured_update_at_the_real_width), a layer's saved tensors, a VAE
+# decode; the DiT's terms are estimates. A row's keys are its printed columns.
 
 GiB = 1024 ** 3
 WEIGHT_BYTES = 2         # the model dtype on CUDA, bf16: weights, activations, KV caches
@@ -2879,8 +2879,9 @@ def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
     """The peak of one vae.decode (latents_to_images) of `images` latents, no grad. Up block i runs at
     height x width / 4^(last - i); its first resnet holds its input (block i - 1's channels, upsampled),
     norm1's and SiLU's outputs: 3 x channels x pixels, the most in the last block (GLM-Image: 3 x 512 x
-    1024^2, 3 GiB an image). On the CPU in fp32 (its bf16 convolutions take an im2col path with a 9x
-    buffer, cuDNN's do not), planned / measured = 0.999 (test_plan_counts_the_vae_decode_and_source_caches)."""
+    1024^2, 3 GiB an image). Planned / measured on the CPU in fp32 (its bf16 convolutions take an im2col
+    path with a 9x buffer, cuDNN's do not): 0.999 at GLM-Image's widths / 8
+    (test_plan_counts_the_vae_decode_and_source_caches); 0.6 at the tiny model's 8 channels."""
     channels = list(reversed(vae.config.block_out_channels))
     last = len(channels) - 1
     return 3 * bytes_per * images * max(channels[max(i - 1, 0)] * height * width // 4 ** (last - i)
