@@ -2794,12 +2794,11 @@ def head_dim(text_config):
 
 
 def layer_activation_bytes(text_config, lora_rank=0, bytes_per=WEIGHT_BYTES):
-    """Bytes one decoder layer keeps per token for its backward. SDPA (flash, on CUDA and CPU) keeps no
-    T^2 matrix, only a log-sum-exp (LSE) per head."""
+    """Bytes one decoder layer keeps per token for its backward (SDPA, flash on CUDA and CPU: no T^2 matrix)."""
     h, i, heads = text_config.hidden_size, text_config.intermediate_size, text_config.num_attention_heads
     kv, d, a = text_config.num_key_value_heads * head_dim(text_config), bytes_per, ADAPTER_BYTES
     kept = (d * (2 * h + 2 * kv + 3 * i)        # q, k, v after RoPE, SDPA's output; gate_up's output, SiLU's
-            + 4 * heads + 4 * (4 * h + 4))      # the LSE; the 4 RMSNorms' fp32 inputs and 1 / rms
+            + 4 * heads + 4 * (4 * h + 4))      # SDPA's log-sum-exp; the 4 RMSNorms' fp32 inputs and 1 / rms
     if not lora_rank:                           # the norms' normalised values; inputs of q/k/v, o, gate_up, down
         return kept + d * (7 * h + i)
     # the adapters' inputs cast to fp32 (q, k, v each cast theirs; an fp32 model keeps the shared ones), A's outputs
@@ -2915,8 +2914,8 @@ def fsdp_shard_bytes(model, trainable, gpus, working, sampling=0, reference=Fals
 
 
 def fsdp_peaks(halves, beside=0, offloaded=0):
-    """Per-GPU peaks of the halves trained together, in grpo_update's order, with `beside` bytes always
-    on the GPU and `offloaded`, the largest frozen part's turn."""
+    """Per-GPU peaks of the halves trained together (grpo_update's order), `beside` bytes always on the GPU,
+    `offloaded` the largest frozen part's turn."""
     resident = beside + sum(h["weights"] + h["adam"] + h["reference"] for h in halves)
     grads = sum(h["grads"] for h in halves)
     done, update = 0, 2 * grads
@@ -2932,9 +2931,9 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
                 mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0):
     """--plan's rows, each without and with checkpointing: "ar" per LoRA rank (0: full), "dit" full and
     lora-64, "fsdp" per K in `gpus`; parameter counts; the step's terms. The AR trains on micro-batches
-    of `samples`; `batch` images of `prompts` prompts make the DiT's step, the VAE's decode and i2i's
-    source caches (/ K per GPU under --fsdp). The frozen parts take turns on the GPU, the VAE with its
-    decode, the DiT with the source caches; the frozen AR (--policy dit) stays."""
+    of `samples`; `batch` images (default `samples`) of `prompts` prompts make the DiT's step, the VAE's
+    decode and i2i's source caches (/ K per GPU under --fsdp). The frozen parts take turns on the GPU,
+    the VAE with its decode, the DiT with the source caches; the frozen AR (--policy dit) stays."""
     ar, dit, d = components["ar"], components["dit"], WEIGHT_BYTES
     text, batch = ar.config.text_config, batch or samples
     counts = {name: numel(module) for name, module in components.items()}
