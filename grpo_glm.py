@@ -211,6 +211,7 @@ def load_pipeline(args):
                                                                        suppressed))
     pipe.processor.tokenizer.padding_side = "left"  # sampling code assumes prompts end at one column
     pipe.set_progress_bar_config(disable=True)      # the run prints its own progress, one line a step
+    pipe.vae.enable_slicing()     # decode a batch one image at a time: at 1024^2 each holds ~3 GiB (section 23)
     place_pipeline(pipe, args)                      # on the device, or --offload's frozen parts taking turns
     return pipe
 
@@ -1307,7 +1308,7 @@ def latents_to_images(pipe, latents):
     """The pipeline's decode (un-normalise, vae.decode, postprocess) -> [N, 3, H, W] in [0, 1], fp32, CPU."""
     latents = latents.to(pipe.vae.dtype)
     mean, std = latent_stats(pipe.vae, latents.device, latents.dtype)
-    image = pipe.vae.decode(latents * std + mean, return_dict=False)[0]
+    image = pipe.vae.decode(latents * std + mean, return_dict=False)[0]      # one image at a time (load_pipeline)
     return at_least_fp32(pipe.image_processor.postprocess(image, output_type="pt")).cpu()
 
 
@@ -2762,11 +2763,12 @@ def load_training_state(model, optimizer, weights, optimizer_state):
 # meta device (shapes, no memory, no download). Weights in the model dtype (bf16 on CUDA: d = 2
 # bytes); LoRA adapters, their gradients and AdamW moments in fp32 (a = 4); under full fine-tuning
 # gradients and moments in the weights' dtype (torch's AdamW allocates its state like the
-# parameter). The AR's terms were checked against the CPU allocator's live bytes for one update at
-# the real width (test_slow_memory_plan_matches_a_measured_update_at_the_real_width) and, per
-# layer, against autograd's saved tensors; the DiT's are estimates.
+# parameter). Checked against the CPU allocator: the AR's update at the real width
+# (test_slow_memory_plan_matches_a_measured_update_at_the_real_width), a layer's saved tensors, a VAE
+# decode; the DiT's terms are estimates. A row's keys are its printed columns.
 
 GiB = 1024 ** 3
+WEIGHT_BYTES = 2         # the model dtype on CUDA, bf16: weights, activations, KV caches
 ADAPTER_BYTES = 4        # LoRA adapters train in fp32 (prepare_policy): weights, grads, AdamW moments
 FSDP_MASTER_BYTES = 4    # --fsdp's trained shards, their gradients and AdamW moments: fp32
 # The real checkpoint's image-processor settings (its public config; the tiny model differs in min_pixels).
@@ -2774,47 +2776,34 @@ REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, 
                             max_pixels=2048 * 2048)
 
 
-def glm_image_on_meta(directory=None):
-    """The weighted components on meta, from a saved pipeline directory's config.json files, or the
-    real GLM-Image's (GlmImageConfig() is its AR; the other sizes our reading of the checkpoint)."""
+def plan_components(model, seed=0):
+    """(components, image processor) of --model: the tiny model; on meta, a saved pipeline's (its configs
+    and processor, None if absent) or the real GLM-Image's (its AR GlmImageConfig(), the rest as read)."""
     from diffusers import AutoencoderKL, GlmImageTransformer2DModel
     from transformers import AutoConfig, GlmImageConfig, GlmImageForConditionalGeneration, T5Config, T5EncoderModel
-
-    if directory is None:
-        ar = GlmImageConfig()
-        glyph_t5 = T5Config(vocab_size=384, d_model=1472, d_kv=64, d_ff=3584, num_layers=12, num_heads=6,
-                            feed_forward_proj="gated-gelu")
-        dit = dict(patch_size=2, in_channels=16, out_channels=16, num_layers=30, attention_head_dim=128,
-                   num_attention_heads=32, text_embed_dim=1472, time_embed_dim=512, condition_dim=256,
-                   prior_vq_quantizer_codebook_size=16384)
-        vae = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 512, 1024, 1024),
-                   layers_per_block=3, down_block_types=["DownEncoderBlock2D"] * 4,
-                   up_block_types=["UpDecoderBlock2D"] * 4)
-    else:
-        d = Path(directory)
-        ar, glyph_t5 = (AutoConfig.from_pretrained(d / part) for part in ("vision_language_encoder", "text_encoder"))
-        dit, vae = GlmImageTransformer2DModel.load_config(d / "transformer"), AutoencoderKL.load_config(d / "vae")
-    with torch.device("meta"):
-        return {"ar": GlmImageForConditionalGeneration(ar), "dit": GlmImageTransformer2DModel.from_config(dit),
-                "glyph_t5": T5EncoderModel(glyph_t5), "vae": AutoencoderKL.from_config(vae)}
-
-
-def plan_components(args):
-    """(components, image processor) of --model: the tiny model, or a saved directory's or the real
-    model's on meta. A saved processor sets an i2i source's token count (None: the real settings)."""
     from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
 
-    if args.model == TINY:
-        pipe = build_tiny_pipeline(args.seed, mosaic_ar=True)
+    if model == TINY:
+        pipe = build_tiny_pipeline(seed, mosaic_ar=True)
         return ({"ar": pipe.vision_language_encoder, "dit": pipe.transformer, "glyph_t5": pipe.text_encoder,
                  "vae": pipe.vae}, pipe.processor.image_processor)
-    if not Path(args.model).is_dir():
-        return glm_image_on_meta(), None
-    components = glm_image_on_meta(args.model)
-    try:
-        return components, GlmImageImageProcessorPil.from_pretrained(Path(args.model) / "processor")
-    except (OSError, ValueError):
-        return components, None
+    saved, processor = Path(model), None
+    if saved.is_dir():
+        ar = AutoConfig.from_pretrained(saved / "vision_language_encoder")
+        glyph_t5 = AutoConfig.from_pretrained(saved / "text_encoder")
+        dit = GlmImageTransformer2DModel.load_config(saved / "transformer")
+        vae = AutoencoderKL.load_config(saved / "vae")
+        with contextlib.suppress(OSError, ValueError):
+            processor = GlmImageImageProcessorPil.from_pretrained(saved / "processor")
+    else:
+        ar, dit = GlmImageConfig(), dict(attention_head_dim=128, num_attention_heads=32)    # else the defaults
+        glyph_t5 = T5Config(vocab_size=384, d_model=1472, d_kv=64, d_ff=3584, num_layers=12, num_heads=6,
+                            feed_forward_proj="gated-gelu")
+        vae = dict(latent_channels=16, block_out_channels=(128, 512, 1024, 1024), layers_per_block=3,
+                   down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4)
+    with torch.device("meta"):
+        return {"ar": GlmImageForConditionalGeneration(ar), "dit": GlmImageTransformer2DModel.from_config(dit),
+                "glyph_t5": T5EncoderModel(glyph_t5), "vae": AutoencoderKL.from_config(vae)}, processor
 
 
 def numel(module):
@@ -2829,92 +2818,70 @@ def generated_tokens(height, width):
     return preview + (height // 32) * (width // 32) + 1
 
 
-def source_tokens(height, width, image_processor=None):
-    """VQ tokens of one i2i source image at height x width, by the processor's own rule (1,024 at 1024^2)."""
-    if image_processor is None:
-        from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
-        image_processor = GlmImageImageProcessorPil(**REAL_IMAGE_PROCESSOR)
-    return image_processor.get_number_of_image_patches(height, width) // image_processor.merge_size ** 2
-
-
 def ar_sequence(mode, height, width, prompt_tokens=64, image_processor=None):
-    """(P, L): prompt and generated tokens of one AR sample (section 4). i2i: the prompt also holds
-    the source's VQ tokens between image start and end, and L is the grid + end slot (no preview)."""
+    """(P, L): prompt and generated tokens of one AR sample (section 4). i2i: the prompt also holds the
+    source's VQ tokens (the processor's rule, None: the real one's) between image start and end, and L
+    is the grid + end slot (no preview)."""
+    from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
+
     if mode == "t2i":
         return prompt_tokens, generated_tokens(height, width)
-    return prompt_tokens + 2 + source_tokens(height, width, image_processor), (height // 32) * (width // 32) + 1
+    processor = image_processor or GlmImageImageProcessorPil(**REAL_IMAGE_PROCESSOR)
+    source = processor.get_number_of_image_patches(height, width) // processor.merge_size ** 2
+    return prompt_tokens + 2 + source, (height // 32) * (width // 32) + 1
 
 
 def head_dim(text_config):
     return getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
 
 
-# What one AR update holds, in bytes: d the model dtype's size, a = ADAPTER_BYTES, h hidden, kv the
-# key/value width, i intermediate, r the LoRA rank, V the vision vocabulary, n samples x L generated
-# logit rows. SDPA (flash, on CUDA and CPU) keeps no T^2 matrix, only a log-sum-exp per head.
-#   per token, each layer    d (2h + 2kv + 3i)    q, k, v after RoPE, SDPA's output; gate_up's output, SiLU's
-#                            + 4 heads + 4(4h + 4)  the LSE; the 4 RMSNorms' fp32 inputs and 1 / rms
-#     + full fine-tuning     d (7h + i)           the norms' normalised values; inputs of q/k/v, o, gate_up, down
-#     + LoRA                 a (5h + i) + 6 a r   the adapters' inputs cast to fp32 (q, k, v each cast theirs; an
-#                                                 fp32 model keeps the shared ones, 3h + i), the A outputs
-#     checkpointing          d h                  the layer's input; one layer is recomputed in full in backward
-#   per token, outside       4h + 2 d rot         the final norm's fp32 input, M-RoPE's cos and sin (all layers)
-#     + full fine-tuning     2 d h                the final norm's normalised value, lm_head's input
-#   per logit row            d V                  the logits (held by ar_loss_terms till the next micro-batch)
-#     forward                8 V                  token_logprobs' fp32 copy and its division by T
-#     forward, 1st pass      24 V                 its log_softmax (4 V) + the entropy monitor (logits / T,
-#                                                 log_softmax, exp, nan_to_num, product: 20 V)
-#     backward               12 V                 the fp32 gradient chain of gather and log_softmax
-#   frozen lm_head (LoRA)    n V h d              matmul broadcasts the weight over the logits_to_keep slice
-#                                                 and the CPU's bmm copies it (CUDA may not: the plan is high)
-#   step                     grads + one exp_avg_sq copy of all parameters (foreach AdamW, the CUDA
-#                            default), or 2 x the largest tensor (per tensor, CPU)
-
-def layer_activation_bytes(text_config, lora_rank=0, bytes_per=2):
-    """Bytes one decoder layer keeps per token for its backward (the table above)."""
+def layer_activation_bytes(text_config, lora_rank=0, bytes_per=WEIGHT_BYTES):
+    """Bytes one decoder layer keeps per token for its backward (SDPA, flash on CUDA and CPU: no T^2 matrix)."""
     h, i, heads = text_config.hidden_size, text_config.intermediate_size, text_config.num_attention_heads
-    kv = text_config.num_key_value_heads * head_dim(text_config)
-    d, a = bytes_per, ADAPTER_BYTES
-    kept = d * (2 * h + 2 * kv + 3 * i) + 4 * heads + 4 * (4 * h + 4)
-    if not lora_rank:
+    kv, d, a = text_config.num_key_value_heads * head_dim(text_config), bytes_per, ADAPTER_BYTES
+    kept = (d * (2 * h + 2 * kv + 3 * i)        # q, k, v after RoPE, SDPA's output; gate_up's output, SiLU's
+            + 4 * heads + 4 * (4 * h + 4))      # SDPA's log-sum-exp; the 4 RMSNorms' fp32 inputs and 1 / rms
+    if not lora_rank:                           # the norms' normalised values; inputs of q/k/v, o, gate_up, down
         return kept + d * (7 * h + i)
+    # the adapters' inputs cast to fp32 (q, k, v each cast theirs; an fp32 model keeps the shared ones), A's outputs
     return kept + a * (5 * h + i if d != a else 3 * h + i) + len(LORA_TARGETS) * a * lora_rank
 
 
-def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, checkpointing, trainable,
-                    largest_trainable, head_trainable=0, bytes_per=2, foreach=True):
-    """One micro-batch's forward/backward and AdamW step on top of the weights and moments (the table
-    above): each phase's peak and their max, "peak". `head_trainable`: parameters whose gradients
-    exist from the start of backward (final norm and lm_head; 0 under LoRA)."""
+def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, checkpointing, tensors=(),
+                    head_trainable=0, total_params=0, bytes_per=WEIGHT_BYTES, foreach=True):
+    """The AR's weights (`total_params` + the adapters), gradients and moments of the trained `tensors`
+    (numels), and each phase of one micro-batch's update on top of them, with their max, "peak".
+    `head_trainable`: parameters with gradients from backward's start (final norm, lm_head; 0 under LoRA)."""
     d, h, V = bytes_per, text_config.hidden_size, text_config.vision_vocab_size
     tokens = samples * (prompt_tokens + generated - 1)       # teacher-forced input: prompt + generated[:-1]
-    rows = samples * generated
+    rows = samples * generated                               # logit rows
     layer = layer_activation_bytes(text_config, lora_rank, d) * tokens
     layers = text_config.num_hidden_layers
+    # checkpointing keeps each layer's input (d h per token); one layer is recomputed in full in backward
     kept = layers * d * h * tokens if checkpointing else layers * layer
     rotary = int(head_dim(text_config) * text_config.rope_parameters.get("partial_rotary_factor", 1.0))
+    # per token outside the layers: the final norm's fp32 input, M-RoPE's cos and sin (all layers); full
+    # fine-tuning: the final norm's normalised value, lm_head's input
     outside = tokens * (4 * h + (0 if lora_rank else 2 * d * h) + 2 * rotary * d)
     state = ADAPTER_BYTES if lora_rank else d                 # gradients and moments: the parameters' dtype
-    grads = state * trainable
-    logits = rows * d * V
+    grads = state * sum(tensors)
+    logits = rows * d * V                                     # held by ar_loss_terms till the next micro-batch
+    # a frozen lm_head (LoRA): matmul broadcasts it over the logits_to_keep slice, the CPU's bmm copies it
+    # per sample (CUDA may not: the plan is high)
     head_copy = 0 if head_trainable else samples * V * h * d
     held = kept + outside + logits
-    forward_model = held + max(head_copy, rows * 8 * V)
+    forward_model = held + max(head_copy, rows * 8 * V)      # token_logprobs' fp32 copy and its division by T
+    # 1st pass: log_softmax (4 V) + the entropy monitor (logits / T, log_softmax, exp, nan_to_num, product)
     forward_logits = held + rows * 24 * V
-    backward_activations = max(held + rows * 12 * V, held + logits + head_copy,
-                               kept + logits + layer if checkpointing else 0)
+    backward_activations = max(held + rows * 12 * V,          # the fp32 gradient chain of gather and log_softmax
+                               held + logits + head_copy, kept + logits + layer if checkpointing else 0)
     backward = max(backward_activations + head_trainable * state, grads + logits)
-    optimizer_temp = state * (trainable if foreach else 2 * largest_trainable)
-    step = grads + optimizer_temp
-    return {"grads": grads, "adam": 2 * state * trainable, "optimizer_temp": optimizer_temp,
-            "activations": max(forward_model, forward_logits, backward_activations),
+    # AdamW's step: an exp_avg_sq copy of all parameters (foreach, CUDA's default), or of the 2 largest (CPU)
+    step = grads + state * (sum(tensors) if foreach else 2 * max(tensors))
+    return {"weights": d * total_params + (ADAPTER_BYTES * sum(tensors) if lora_rank else 0), "grads": grads,
+            "adam": 2 * grads, "activations": max(forward_model, forward_logits, backward_activations),
             "forward_model": forward_model, "forward_logits": forward_logits, "backward": backward, "step": step,
             "peak": max(forward_model, forward_logits, backward, step)}
-
-
-def ar_weight_bytes(total_params, trainable, lora_rank, bytes_per=2):
-    """The AR's weights in the model dtype, plus the fp32 LoRA adapters (not in a bare model's count)."""
-    return bytes_per * total_params + (ADAPTER_BYTES * trainable if lora_rank else 0)
 
 
 def trainable_tensors(ar, lora_rank):
@@ -2927,44 +2894,14 @@ def trainable_tensors(ar, lora_rank):
             for n in (lora_rank * m.in_features, m.out_features * lora_rank)]
 
 
-def memory_plan(components, height, width, samples, prompt_tokens=64, ranks=(64, 16), mode="t2i",
-                image_processor=None, bytes_per=2, foreach=True, beta=0.0):
-    """(the AR's rows per mode, without and with checkpointing; parameter counts; tokens per sample)"""
-    ar = components["ar"]
-    counts = {name: numel(module) for name, module in components.items()}
-    frozen = {k: bytes_per * v for k, v in counts.items() if k != "ar"}
-    prompt_len, generated = ar_sequence(mode, height, width, prompt_tokens, image_processor)
-    head = numel(ar.model.language_model.norm) + numel(ar.lm_head)
-    rows = []
-    for rank in (0,) + tuple(ranks):
-        tensors = trainable_tensors(ar, rank)
-        trainable = sum(tensors)
-        # the KL reference of full fine-tuning is a frozen copy of the AR (LoRA: adapters off)
-        weights = ar_weight_bytes(counts["ar"], trainable, rank, bytes_per)
-        weights += bytes_per * counts["ar"] if beta > 0 and not rank else 0
-        for checkpointing in (False, True):
-            u = ar_update_bytes(ar.config.text_config, samples, prompt_len, generated, rank, checkpointing,
-                                trainable, max(tensors), 0 if rank else head, bytes_per, foreach)
-            resident = weights + u["adam"]
-            # between updates the gradients stay (zero_grad comes at the next update) while the frozen
-            # parts run: offloaded, one at a time; else all of them, always
-            rows.append({"mode": f"lora-{rank}" if rank else "full", "grad_ckpt": checkpointing,
-                         "micro_batch": samples, "trainable_params": trainable, "ar_weights": weights,
-                         "grads": u["grads"], "adam": u["adam"], "activations": u["activations"],
-                         "update_peak": resident + u["peak"],
-                         "peak_offload": resident + max(u["peak"], u["grads"] + max(frozen.values())),
-                         "peak_no_offload": resident + max(u["peak"], u["grads"]) + sum(frozen.values())})
-    return rows, counts, prompt_len + generated
-
-
 def dit_lora_parameter_count(dit, rank):
     return sum(rank * (m.in_features + m.out_features) for n, m in dit.named_modules()
                if isinstance(m, torch.nn.Linear) and any(n.endswith(t) for t in DIT_LORA_TARGETS))
 
 
-def dit_activation_bytes(dit, height, width, samples, cfg, checkpointing, text_tokens=64):
-    """What one denoising step (Part II backpropagates one at a time) keeps for backward, bf16, x2 with
-    CFG: per block and token ~30 x hidden values (attention as the AR's, a 4x GELU MLP), not measured;
+def dit_step_bytes(dit, height, width, samples, cfg, checkpointing, text_tokens=64):
+    """What one denoising step (Part II backpropagates one at a time) keeps for backward, x2 with CFG:
+    per block and token ~30 x hidden values (attention as the AR's, a 4x GELU MLP), not measured;
     with checkpointing, each block's input and one block recomputed."""
     hidden = dit.config.num_attention_heads * dit.config.attention_head_dim
     block_inputs = ((height // 16) * (width // 16) + text_tokens) * samples * (2 if cfg else 1) * hidden * 2
@@ -2972,48 +2909,42 @@ def dit_activation_bytes(dit, height, width, samples, cfg, checkpointing, text_t
     return layers * block_inputs + 30 * block_inputs if checkpointing else layers * 30 * block_inputs
 
 
-def dit_memory_plan(components, height, width, samples, cfg, ar_row):
-    """--policy dit|both rows, as memory_plan's. Gradients accumulate over the trained steps beside one
-    step's activations. 'dit': the frozen AR stays on the GPU; 'both' adds the trained AR (`ar_row`),
-    whose activations are freed before the DiT's backward starts."""
-    dit = components["dit"]
-    counts = {name: numel(module) for name, module in components.items()}
-    frozen = max(2 * v for k, v in counts.items() if k not in ("dit", "ar"))     # offloaded, one at a time
-    rows = []
-    for mode, trainable in [("full", counts["dit"]), ("lora-64", dit_lora_parameter_count(dit, 64))]:
-        state = 2 if mode == "full" else ADAPTER_BYTES
-        weights = 2 * counts["dit"] + (0 if mode == "full" else 4 * trainable)
-        for checkpointing in (False, True):
-            act = dit_activation_bytes(dit, height, width, samples, cfg, checkpointing)
-            dit_peak = weights + 3 * state * trainable + max(act, state * trainable) + frozen
-            rows.append({"mode": mode, "grad_ckpt": checkpointing, "trainable_params": trainable, "dit_weights": weights,
-                         "grads": state * trainable, "adam": 2 * state * trainable, "activations": act,
-                         "peak_dit": dit_peak + 2 * counts["ar"],
-                         "peak_both": dit_peak + ar_row["ar_weights"] + ar_row["grads"] + ar_row["adam"]})
-    return rows
+def source_kv_bytes(dit, height, width, prompts):
+    """i2i: write_source_caches' KV caches, one per prompt, alive while the DiT samples and through a
+    step's backward: each layer's K and V over the source latent's tokens (1.9 GiB per prompt at 1024^2)."""
+    hidden = dit.config.num_attention_heads * dit.config.attention_head_dim
+    return prompts * dit.config.num_layers * 2 * (height // 16) * (width // 16) * hidden * WEIGHT_BYTES
 
 
-# --fsdp, per GPU on K GPUs (section 22). Sharded: the trained weights as fp32 master shards, with
-# fp32 gradients and two fp32 moments (16 bytes per parameter / K); the frozen ones (the AR's vision
-# encoder and VQ) in bf16 / K. Gathered in bf16, whole on every GPU for a while:
-#   the root unit (embeddings, heads, final norms, the AR's vision encoder and VQ), from its forward
-#     to the end of its backward (FSDP2 does not reshard a root after forward);
-#   two decoder layers: forward prefetches the next, backward the previous (_backward_prefetch);
-#   at the end of a layer's backward, its reduce: the bf16 gradient and its fp32 copy (2 + 4 bytes
-#     per parameter); the root's reduce comes last, when layers and activations are freed;
-#   the whole model while it samples (whole_weights), beside its sampling working set: the larger of
-#     generate's KV cache and pi_old's no-grad pass over a micro-batch (bf16 logits, their fp32 copy
-#     / T, its log_softmax: 2 + 4 + 4 bytes per logit).
-# Peaks: the resident shards + the largest phase: sampling (all gradients, as zero_grad comes at the
-# next update, + one half's whole weights, or a frozen part's turn), a half's backward beside its and
-# the earlier halves' gradients, AdamW's step (foreach: one exp_avg_sq copy, the gradients' bytes).
-# Not counted: all-gather buffers briefly doubled during a copy-out, the reference's no-grad pass
-# (below the update's), the CUDA allocator's slack.
+def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
+    """The peak of one vae.decode (latents_to_images) of `images` latents, no grad. Up block i runs at
+    height x width / 4^(last - i); its first resnet holds its input (block i - 1's channels, upsampled),
+    norm1's and SiLU's outputs: 3 x channels x pixels, the most in the last block (GLM-Image: 3 x 512 x
+    1024^2, 3 GiB an image). Planned / measured on the CPU in fp32 (its bf16 convolutions take an im2col
+    path with a 9x buffer, cuDNN's do not): 0.999 at GLM-Image's widths / 8
+    (test_plan_counts_the_vae_decode_and_source_caches); 0.6 at the tiny model's 8 channels."""
+    channels = list(reversed(vae.config.block_out_channels))
+    last = len(channels) - 1
+    return 3 * bytes_per * images * max(channels[max(i - 1, 0)] * height * width // 4 ** (last - i)
+                                        for i in range(last + 1))
 
-def fsdp_shard_bytes(model, trainable, gpus, working, sampling=0, reference=False, bytes_per=2):
-    """Per-GPU bytes of `model` sharded on `gpus` GPUs (the comment above), `working` bytes of
-    activations per backward, `sampling` bytes of working set while it samples. "backward": its peak
-    on top of the gradients, in a layer (gathered + activations + its reduce) or the root's reduce."""
+
+# --fsdp, per GPU on K GPUs (section 22). Sharded: the trained weights as fp32 master shards, with fp32
+# gradients and two fp32 moments (16 bytes per parameter / K); the frozen ones (the AR's vision encoder
+# and VQ) in bf16 / K. Gathered in bf16, whole on every GPU for a while: the root unit (embeddings,
+# heads, final norms, the AR's vision encoder and VQ) from its forward to the end of its backward
+# (FSDP2 does not reshard a root after forward); two decoder layers (forward prefetches the next,
+# backward the previous); a layer's reduce at the end of its backward: its bf16 gradient and fp32 copy
+# (2 + 4 bytes per parameter), the root's last, when layers and activations are freed; the whole model
+# while it samples (whole_weights), beside its sampling working set. Peaks: the resident shards + the
+# largest phase: sampling (all gradients, as zero_grad comes at the next update, + one half's whole
+# weights, or a frozen part's turn), a half's backward beside its and the earlier halves' gradients,
+# AdamW's step (foreach: the gradients' bytes). Not counted: all-gather buffers briefly doubled during a
+# copy-out, the reference's no-grad pass (below the update's), the CUDA allocator's slack.
+
+def fsdp_shard_bytes(model, trainable, gpus, working, sampling=0, reference=False, bytes_per=WEIGHT_BYTES):
+    """Per-GPU bytes of `model` sharded on `gpus` GPUs, `working`: its activations, `sampling`: its working set
+    while it samples. "backward": on top of the gradients, a layer's (gathered, activations, reduce) or the root's."""
     layers = [numel(layer) for layer in sharded_layers(model)]
     total, m, d = numel(model), FSDP_MASTER_BYTES, bytes_per
     gathered = d * (total - sum(layers) + 2 * max(layers))
@@ -3025,8 +2956,8 @@ def fsdp_shard_bytes(model, trainable, gpus, working, sampling=0, reference=Fals
 
 
 def fsdp_peaks(halves, beside=0, offloaded=0):
-    """Per-GPU peaks of the halves trained together, in grpo_update's order (the comment above), with
-    `beside` bytes always on the GPU and `offloaded`, the largest frozen part, taking its turn."""
+    """Per-GPU peaks of the halves trained together (grpo_update's order), `beside` bytes always on the GPU,
+    `offloaded` the largest frozen part's turn."""
     resident = beside + sum(h["weights"] + h["adam"] + h["reference"] for h in halves)
     grads = sum(h["grads"] for h in halves)
     done, update = 0, 2 * grads
@@ -3034,100 +2965,138 @@ def fsdp_peaks(halves, beside=0, offloaded=0):
         done += h["grads"]
         update = max(update, done + h["backward"])
     sampling = grads + max(h["sampling"] for h in halves)
-    return {"update_peak": resident + update, "sampling_peak": resident + sampling,
+    return {"update peak": resident + update, "sampling peak": resident + sampling,
             "peak": resident + max(update, sampling, grads + offloaded)}
 
 
-def fsdp_memory_plan(components, gpus, height, width, samples, batch, cfg, prompt_tokens=64, mode="t2i",
-                     image_processor=None, beta=0.0):
-    """--plan-gpus: --fsdp rows per GPU for each K in `gpus`, without and with checkpointing: the AR's
-    micro-batch of `samples` (its working set as ar_update_bytes', no whole gradients), the DiT's
-    step over batch // K samples. Frozen parts offloaded; under 'dit' the frozen AR stays whole."""
-    ar, dit = components["ar"], components["dit"]
-    text = ar.config.text_config
+def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=False, gpus=(), ranks=(64, 16),
+                mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0):
+    """--plan's rows, each without and with checkpointing: "ar" per LoRA rank (0: full), "dit" full and
+    lora-64, "fsdp" per K in `gpus`; parameter counts; the step's terms. The AR trains on micro-batches
+    of `samples`; `batch` images (default `samples`) of `prompts` prompts make the DiT's step, the VAE's
+    decode and i2i's source caches (/ K per GPU under --fsdp). The frozen parts take turns on the GPU,
+    the VAE with its decode, the DiT with the source caches; the frozen AR (--policy dit) stays."""
+    ar, dit, d = components["ar"], components["dit"], WEIGHT_BYTES
+    text, batch = ar.config.text_config, batch or samples
     counts = {name: numel(module) for name, module in components.items()}
-    offloaded = max(2 * v for k, v in counts.items() if k not in ("ar", "dit"))
+    frozen = {name: d * counts[name] for name in ("dit", "glyph_t5", "vae")}
     prompt_len, generated = ar_sequence(mode, height, width, prompt_tokens, image_processor)
     head = numel(ar.model.language_model.norm) + numel(ar.lm_head)
-    kv_cache = (prompt_len + generated) * text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim(text) * 2
-    logits = samples * generated * text.vision_vocab_size * (2 + 8)
-    rows = []
-    for k in gpus:
-        for checkpointing in (False, True):
-            working = ar_update_bytes(text, samples, prompt_len, generated, 0, checkpointing, trainable=0,
-                                      largest_trainable=0, head_trainable=head)["peak"]
-            sampling = max(batch // k * kv_cache, logits)
-            a = fsdp_shard_bytes(ar, sum(trainable_tensors(ar, 0)), k, working, sampling, beta > 0)
-            activations = dit_activation_bytes(dit, height, width, batch // k, cfg, checkpointing)
-            d = fsdp_shard_bytes(dit, counts["dit"], k, activations, reference=beta > 0)
-            rows.append({"gpus": k, "grad_ckpt": checkpointing, "ar": a, "dit": d,
-                         **fsdp_peaks([a], offloaded=max(offloaded, 2 * counts["dit"])),
-                         "peak_dit": fsdp_peaks([d], beside=2 * counts["ar"], offloaded=offloaded)["peak"],
-                         "peak_both": fsdp_peaks([a, d], offloaded=offloaded)["peak"]})
-    return rows
+    terms = {"tokens": (prompt_len, generated), "decode": vae_decode_bytes(components["vae"], height, width, 1),
+             "source_kv": source_kv_bytes(dit, height, width, prompts) if mode == "i2i" else 0}
+    working = {"vae": terms["decode"], "dit": terms["source_kv"], "glyph_t5": 0}
+
+    def turn(parts, k=1):      # the largest frozen part on the GPU, with its working set (source caches / K)
+        return max(frozen[p] + (working[p] // k if p == "dit" else working[p]) for p in parts)
+
+    def ar_row(rank, checkpointing):
+        tensors = trainable_tensors(ar, rank)
+        u = ar_update_bytes(text, samples, prompt_len, generated, rank, checkpointing, tensors, 0 if rank else head,
+                            counts["ar"])
+        weights = u["weights"] + (d * counts["ar"] if beta > 0 and not rank else 0)   # full: a KL reference copy
+        resident = weights + u["adam"]
+        # between updates the gradients stay (zero_grad comes at the next update) while the frozen parts
+        # run: offloaded, one at a time; else all of them, always
+        return {"mode": f"lora-{rank}" if rank else "full", "grad ckpt": checkpointing, "micro-batch": samples,
+                "trainable": sum(tensors), "AR weights": weights, "grads": u["grads"], "AdamW": u["adam"],
+                "activations": u["activations"], "update peak": resident + u["peak"],
+                "peak, offload": resident + max(u["peak"], u["grads"] + turn(frozen)),
+                "peak, no offload": resident + max(u["peak"], u["grads"] + max(working.values()))
+                + sum(frozen.values())}
+
+    both, in_turn = ar_row((ranks or (0,))[0], True), ("glyph_t5", "vae")    # 'both' trains the AR's first rank
+
+    def dit_row(lora, checkpointing):
+        # gradients accumulate over the trained steps beside one step's activations; 'dit' keeps the frozen
+        # AR on the GPU, 'both' the trained AR's weights and states (its activations freed before)
+        trainable, state = (dit_lora_parameter_count(dit, 64), ADAPTER_BYTES) if lora else (counts["dit"], d)
+        weights = frozen["dit"] + (ADAPTER_BYTES * trainable if lora else 0)
+        activations = dit_step_bytes(dit, height, width, batch, cfg, checkpointing) + terms["source_kv"]
+        peak = weights + 3 * state * trainable + max(
+            max(frozen[p] for p in in_turn) + max(activations, state * trainable), turn(in_turn))
+        return {"DiT mode": "lora-64" if lora else "full", "grad ckpt": checkpointing, "trainable": trainable,
+                "DiT weights": weights, "grads": state * trainable, "AdamW": 2 * state * trainable,
+                "activations": activations, "peak, dit": peak + d * counts["ar"],
+                "peak, both": peak + both["AR weights"] + both["grads"] + both["AdamW"]}
+
+    def fsdp_row(k, checkpointing):
+        # the AR: ar_update_bytes' micro-batch (no whole gradients); sampling: generate's KV cache of the
+        # GPU's batch / K samples, or pi_old's pass (bf16 logits, fp32 copy / T, log_softmax: 10 bytes each)
+        update = ar_update_bytes(text, samples, prompt_len, generated, 0, checkpointing, head_trainable=head)
+        kv_cache = (prompt_len + generated) * text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim(text)
+        sampling = max(batch // k * kv_cache * d, samples * generated * text.vision_vocab_size * (2 + 8))
+        a = fsdp_shard_bytes(ar, sum(trainable_tensors(ar, 0)), k, update["peak"], sampling, beta > 0)
+        source_kv = terms["source_kv"] // k           # the DiT's: a step over batch / K samples
+        activations = dit_step_bytes(dit, height, width, batch // k, cfg, checkpointing) + source_kv
+        t = fsdp_shard_bytes(dit, counts["dit"], k, activations, source_kv, beta > 0)
+        return {"GPUs": k, "grad ckpt": checkpointing, "ar": a, "dit": t, **fsdp_peaks([a], offloaded=turn(frozen, k)),
+                "peak, dit": fsdp_peaks([t], beside=d * counts["ar"], offloaded=turn(in_turn, k))["peak"],
+                "peak, both": fsdp_peaks([a, t], offloaded=turn(in_turn, k))["peak"]}
+
+    rows = {"ar": [ar_row(rank, c) for rank in (0, *ranks) for c in (False, True)],
+            "dit": [dit_row(lora, c) for lora in (False, True) for c in (False, True)],
+            "fsdp": [fsdp_row(k, c) for k in gpus for c in (False, True)]}
+    return rows, counts, terms
 
 
 def print_memory_plan(args):
     validate_plan_args(args)
-    components, image_processor = plan_components(args)
+    components, image_processor = plan_components(args.model, args.seed)
     # AR activations are held for one micro-batch (--micro-batch-size samples, default G); the DiT's
-    # update runs a denoising step over the whole batch at once.
-    samples, batch = args.micro_batch_size or args.group_size, args.group_size * args.prompts_per_step
-    cfg, ranks = args.guidance_scale > 1, (args.lora_rank,) if args.lora_rank else (64, 16)
-    rows, counts, tokens = memory_plan(components, args.height, args.width, samples, ranks=ranks, mode=args.mode,
-                                       image_processor=image_processor, beta=args.beta)
-    prompt_len, generated = ar_sequence(args.mode, args.height, args.width, image_processor=image_processor)
+    # update runs a denoising step over the whole batch at once; the VAE decodes one image at a time.
+    samples, prompts = args.micro_batch_size or args.group_size, args.prompts_per_step
+    batch, cfg = args.group_size * prompts, args.guidance_scale > 1
+    ranks = (args.lora_rank,) if args.lora_rank else (64, 16)
+    rows, counts, terms = memory_plan(components, args.height, args.width, samples, batch, prompts, cfg,
+                                      args.plan_gpus or (), ranks, args.mode, image_processor=image_processor,
+                                      beta=args.beta)
+    (prompt_len, generated), i2i = terms["tokens"], args.mode == "i2i"
     # the tiny model's bytes would all print as 0.0 GiB: small models get MiB and thousands
-    unit, unit_name = (GiB, "GiB") if max(r["peak_no_offload"] for r in rows) >= GiB else (1024 ** 2, "MiB")
+    unit, unit_name = (GiB, "GiB") if max(r["peak, no offload"] for r in rows["ar"]) >= GiB else (1024 ** 2, "MiB")
     count_div, count_name = (1e6, "M") if max(counts.values()) >= 1e8 else (1e3, "k")
 
     def cell(key, value):
-        if key == "grad_ckpt":
+        if key == "grad ckpt":
             return "yes" if value else "no"
-        if key == "trainable_params":
+        if key == "trainable":
             return f"{value / count_div:.1f} {count_name}"
-        return str(value) if key in ("mode", "micro_batch", "gpus") else f"{value / unit:.1f}"
+        return str(value) if key in ("mode", "DiT mode", "micro-batch", "GPUs") else f"{value / unit:.1f}"
 
-    def print_table(columns, rows):      # a markdown table; `columns` maps each header to its row key
-        print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
+    def size(nbytes):
+        return f"{nbytes / unit:.1f} {unit_name}"
+
+    def print_table(title, rows):               # a markdown table: the rows' keys are its columns
+        print(title + "\n| " + " | ".join(rows[0]) + " |\n|" + "---|" * len(rows[0]))
         for row in rows:
-            print("| " + " | ".join(cell(key, row[key]) for key in columns.values()) + " |")
+            print("| " + " | ".join(cell(key, value) for key, value in row.items()) + " |")
 
-    print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count_div:,.1f} {count_name}" for k, v in counts.items()))
-    source = f" incl. the source's {source_tokens(args.height, args.width, image_processor)} VQ tokens"
-    print(f"--mode {args.mode}, teacher-forced pass: {samples} samples x {tokens} tokens ({prompt_len} prompt"
-          f"{source if args.mode == 'i2i' else ''} + {generated} generated, {args.height}x{args.width}); estimates"
-          f" in {unit_name}, bf16 weights, torch's AdamW (foreach)"
-          + (", KL reference copy for full fine-tuning" if args.beta > 0 else "") + "\n")
-    states = {"grads": "grads", "AdamW": "adam"}
-    print_table({"mode": "mode", "grad ckpt": "grad_ckpt", "micro-batch": "micro_batch",
-                 "trainable": "trainable_params", "AR weights": "ar_weights", **states, "activations": "activations",
-                 "update peak": "update_peak", "peak, offload": "peak_offload", "peak, no offload": "peak_no_offload"},
-                rows)
-    ar_row = next(r for r in rows if r["mode"] == f"lora-{ranks[0]}" and r["grad_ckpt"])
-    print(f"\nDiT (Flow-GRPO, --policy dit|both): one denoising step's forward over {batch} samples, "
-          f"CFG {'on' if cfg else 'off'}; 'both' adds the AR's {ar_row['mode']} weights, grads and AdamW")
-    print_table({"DiT mode": "mode", "grad ckpt": "grad_ckpt", "trainable": "trainable_params",
-                 "DiT weights": "dit_weights", **states, "activations": "activations", "peak, dit": "peak_dit",
-                 "peak, both": "peak_both"}, dit_memory_plan(components, args.height, args.width, batch, cfg, ar_row))
+    def fsdp_table(title, half, peaks):         # one half's shards (+ its KL reference's), what it gathers
+        shards = [{"GPUs": r["GPUs"], "grad ckpt": r["grad ckpt"], f"{half} weights": h["weights"] + h["reference"],
+                   "grads": h["grads"], "AdamW": h["adam"], "gathered": h["gathered"], "activations": h["activations"],
+                   **{k: r[k] for k in peaks}} for r in rows["fsdp"] for h in [r[half.lower()]]]
+        print_table("\n" + title, shards)
+
+    print(f"parameters of {args.model}: "
+          + ", ".join(f"{k} {v / count_div:,.1f} {count_name}" for k, v in counts.items()))
+    source = f" incl. the source's {prompt_len - 66} VQ tokens" if i2i else ""      # 64 text, image start and end
+    print(f"--mode {args.mode}, teacher-forced pass: {samples} samples x {prompt_len + generated} tokens ({prompt_len}"
+          f" prompt{source} + {generated} generated, {args.height}x{args.width}); estimates in {unit_name}, bf16"
+          " weights, torch's AdamW (foreach)" + (", KL reference copy for full fine-tuning" if args.beta > 0 else "")
+          + f"; counted: the VAE's decode, one image at a time ({size(terms['decode'])})"
+          + (f", the DiT's {prompts} source KV caches, one per prompt ({size(terms['source_kv'])})" if i2i else ""))
+    print_table("", rows["ar"])
+    print_table(f"\nDiT (Flow-GRPO, --policy dit|both): one denoising step's forward over {batch} samples, CFG "
+                f"{'on' if cfg else 'off'}; 'both' adds the AR's lora-{ranks[0]} weights, grads and AdamW"
+                + ("; activations incl. the source KV caches" if i2i else ""), rows["dit"])
     if not args.plan_gpus:
         print("\n(--plan-gpus K adds the per-GPU rows of --fsdp, full fine-tuning sharded over K GPUs)")
         return
-    fsdp = fsdp_memory_plan(components, args.plan_gpus, args.height, args.width, samples, batch, cfg,
-                            mode=args.mode, image_processor=image_processor, beta=args.beta)
-    for half, title, peaks in [
-        ("AR", "--fsdp, full fine-tuning, per GPU on K GPUs: fp32 shards of the trained weights, their gradients and "
+    fsdp_table("--fsdp, full fine-tuning, per GPU on K GPUs: fp32 shards of the trained weights, their gradients and "
                f"AdamW (16 bytes per parameter / K), the bf16 root + 2 layers gathered, a micro-batch of {samples}; "
-               "frozen parts offloaded", {"update peak": "update_peak", "sampling peak": "sampling_peak",
-                                          "peak": "peak"}),
-        ("DiT", f"DiT under --fsdp, per GPU: one denoising step over {batch} / K samples; 'dit' keeps the frozen AR "
-                "whole on every GPU, 'both' its shards, gradients and AdamW (fewer bytes from about K = 8)",
-         {"peak, dit": "peak_dit", "peak, both": "peak_both"})]:
-        shards = [{**r, **r[half.lower()], "weights": r[half.lower()]["weights"] + r[half.lower()]["reference"]}
-                  for r in fsdp]
-        print("\n" + title)
-        print_table({"GPUs": "gpus", "grad ckpt": "grad_ckpt", f"{half} weights": "weights", **states,
-                     "gathered": "gathered", "activations": "activations", **peaks}, shards)
+               "frozen parts offloaded", "AR", ("update peak", "sampling peak", "peak"))
+    fsdp_table(f"DiT under --fsdp, per GPU: one denoising step over {batch} / K samples; 'dit' keeps the frozen AR "
+               "whole on every GPU, 'both' its shards, gradients and AdamW (fewer bytes from about K = 8)", "DiT",
+               ("peak, dit", "peak, both"))
 
 
 # =============================================================================================
