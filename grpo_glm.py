@@ -1764,7 +1764,7 @@ CONSOLE_FIELDS = ("loss {ar_loss:+.4f}", "dit loss {dit/loss:+.3e}", "reward {re
 
 def start_logging(args, trainer, out, start):
     """Drops the metrics rows of a killed run's lost steps, prints the run's settings, opens the tracker."""
-    truncate_metrics(out / "metrics.jsonl", start)
+    read_metrics(out / "metrics.jsonl", drop_after=start)
     trainable = sum(p.numel() for p in trainer.trained.parameters() if p.requires_grad)
     ar = f"LoRA r={args.lora_rank}" if args.lora_rank else "head" if args.ar_trainable == "head" else "full"
     dit = f"LoRA r={args.dit_lora_rank}" if args.dit_lora_rank else "full"
@@ -1847,21 +1847,19 @@ def non_finite_stop(causes, step, out):
     return f"stopping: steps {step - len(causes) + 1}-{step} updated nothing: {what}; {saved}"
 
 
-def truncate_metrics(path, last_step):
-    """On resume, rows past the checkpoint's step (a killed run's) move to a file beside the log."""
-    rows = read_metrics(path)
-    dropped = [row for row in rows if row["step"] > last_step]
-    if dropped:
-        aside = path.with_name(f"metrics.dropped_after_step_{last_step:06d}.jsonl")
-        atomic_write_bytes(aside, "".join(json.dumps(row) + "\n" for row in dropped).encode())
-        atomic_write_bytes(path, "".join(json.dumps(row) + "\n" for row in rows if row["step"] <= last_step).encode())
-        print(f"note: resuming at step {last_step} drops metrics rows of steps {dropped[0]['step']}.."
-              f"{dropped[-1]['step']} (no checkpoint after step {last_step}); kept in {aside}")
-
-
-def read_metrics(path):
+def read_metrics(path, drop_after=None):
+    """metrics.jsonl's rows; drop_after (a resume's step): later rows, a killed run's, move to a file beside it."""
     lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
-    return [json.loads(line) for line in lines if line.strip()]
+    rows = [json.loads(line) for line in lines if line.strip()]
+    dropped = [row for row in rows if drop_after is not None and row["step"] > drop_after]
+    if dropped:
+        aside = path.with_name(f"metrics.dropped_after_step_{drop_after:06d}.jsonl")
+        atomic_write_bytes(aside, "".join(json.dumps(row) + "\n" for row in dropped).encode())
+        rows = [row for row in rows if row["step"] <= drop_after]
+        atomic_write_bytes(path, "".join(json.dumps(row) + "\n" for row in rows).encode())
+        print(f"note: resuming at step {drop_after} drops metrics rows of steps {dropped[0]['step']}.."
+              f"{dropped[-1]['step']} (no checkpoint after step {drop_after}); kept in {aside}")
+    return rows
 
 
 def save_samples(out, step, prompts, targets, images, rewards, sources, ode, args, tracker):
@@ -1907,10 +1905,7 @@ def drawable(text):
     font = ImageFont.load_default(size=12)
     glyph = lambda ch: (lambda m: (m.size, bytes(m)))(font.getmask(ch))
     box = glyph("\U0010FFFD")       # a private-use code point has no glyph
-
-    def drawn(s):
-        return bool(s) and all(c == " " or glyph(c) != box for c in s)
-
+    drawn = lambda s: bool(s) and all(c == " " or glyph(c) != box for c in s)
     plain = [unicodedata.normalize("NFKD", ch).encode("ascii", "ignore").decode() for ch in text]
     return "".join(ch if drawn(ch) else p if drawn(p) else "?" for ch, p in zip(text, plain))
 
@@ -2035,9 +2030,8 @@ class StopAfterStep:
             if not (is_ddp() and collective_failed(e)):
                 raise
             peers = False
-        set_rng_state(step_rng)                   # what a checkpoint of step - 1 holds
-        if step - 1 > last_saved and (peers or rank() == 0):
-            save_checkpoint(out, step - 1, trainer, args, rank() == 0)
+        if step - 1 > last_saved and (peers or rank() == 0):      # step_rng: what step - 1 left
+            save_checkpoint(out, step - 1, trainer, args, rank() == 0, step_rng)
         saved = f"step {step - 1} is saved in {out / 'checkpoints' / f'step_{step - 1:06d}.pt'}"
         self.exit(f"interrupted in step {step} before its update: " + (
             saved if step > 1 else "no step finished, nothing to save"), out if step > 1 else None, peers)
@@ -2080,25 +2074,17 @@ def rng_state():
             "torch": torch.get_rng_state(), "cuda": cuda}
 
 
-def set_rng_state(state):
-    random.setstate(state["python"])
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_checkpoint(out, step, trainer, args, lead=True):
+def save_checkpoint(out, step, trainer, args, lead=True, rng=None):
     """All ranks gather (--fsdp: a collective); rank 0 streams it to checkpoints/step_NNNNNN.pt (no copy),
-    then keeps the newest --checkpoints-total-limit (after the save: a complete newest one always exists)."""
+    then keeps the newest --checkpoints-total-limit (after the save: a complete newest one always exists).
+    rng: the RNG states to store (default: the current ones)."""
     weights, optimizer_state = gather_training_state(trainer.trained, trainer.optimizer)
     if not lead:
         return None
     path = out / "checkpoints" / f"step_{step:06d}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": CHECKPOINT_FORMAT, "step": step, "trainable": weights, "optimizer": optimizer_state,
-               "lr_scheduler": trainer.lr_scheduler.state_dict(), "rng": rng_state(), "args": vars(args)}
+               "lr_scheduler": trainer.lr_scheduler.state_dict(), "rng": rng or rng_state(), "args": vars(args)}
     atomic_write_bytes(path, functools.partial(torch.save, payload))
     for old in saved_checkpoints(out)[:-args.checkpoints_total_limit] if args.checkpoints_total_limit else []:
         old.unlink()
@@ -2154,7 +2140,12 @@ def restore_checkpoint(ckpt, path, model, optimizer, lr_scheduler):
     except (RuntimeError, ValueError, KeyError) as e:
         why = ckpt.get("weight_flags") or str(e).splitlines()[0][:120]
         raise UsageError(f"--resume {path}: its weights do not fit this model: {why}")
-    set_rng_state(ckpt["rng"])
+    name, keys, *rest = ckpt["rng"]["numpy"]        # rng_state's, in reverse
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    random.setstate(ckpt["rng"]["python"])
+    torch.set_rng_state(ckpt["rng"]["torch"])
+    if ckpt["rng"]["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
 
 
 # =============================================================================================
