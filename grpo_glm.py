@@ -1783,10 +1783,8 @@ def start_logging(args, trainer, out, start):
 
 def count_text(n):
     """A parameter count readable at any size: 3.2k, 0.09M would be 90.1k, 8.91B."""
-    for unit, size, digits in (("B", 1e9, 2), ("M", 1e6, 2), ("k", 1e3, 1)):
-        if n >= size:
-            return f"{n / size:.{digits}f}{unit}"
-    return str(n)
+    units = (("B", 1e9, 2), ("M", 1e6, 2), ("k", 1e3, 1))
+    return next((f"{n / size:.{digits}f}{unit}" for unit, size, digits in units if n >= size), str(n))
 
 
 def finish_row(row, trainer, args, t0):
@@ -2075,9 +2073,8 @@ def rng_state():
 
 
 def save_checkpoint(out, step, trainer, args, lead=True, rng=None):
-    """All ranks gather (--fsdp: a collective); rank 0 streams it to checkpoints/step_NNNNNN.pt (no copy),
-    then keeps the newest --checkpoints-total-limit (after the save: a complete newest one always exists).
-    rng: the RNG states to store (default: the current ones)."""
+    """All ranks gather (--fsdp: a collective); rank 0 streams it, with `rng` (default: the RNG states now),
+    to checkpoints/step_NNNNNN.pt (no copy), then keeps the newest --checkpoints-total-limit."""
     weights, optimizer_state = gather_training_state(trainer.trained, trainer.optimizer)
     if not lead:
         return None
@@ -2087,7 +2084,7 @@ def save_checkpoint(out, step, trainer, args, lead=True, rng=None):
                "lr_scheduler": trainer.lr_scheduler.state_dict(), "rng": rng or rng_state(), "args": vars(args)}
     atomic_write_bytes(path, functools.partial(torch.save, payload))
     for old in saved_checkpoints(out)[:-args.checkpoints_total_limit] if args.checkpoints_total_limit else []:
-        old.unlink()
+        old.unlink()      # after the save: a complete newest checkpoint always exists
     return path
 
 
