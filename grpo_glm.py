@@ -765,7 +765,7 @@ def train(args):
                 # ---- SAMPLE, DECODE, REWARD, ADVANTAGE, UPDATE ---------------------------------
                 row, rewards, images, targets, sources, ode = grpo_step(trainer, items, indices, step, args, slots)
             except AbandonStep:               # a stop signal before the update: the weights are still step - 1's
-                stop_before_update(stop, trainer, args, out, step, last_saved, step_rng)
+                stop.drop_step(trainer, args, out, step, last_saved, step_rng)
             row = finish_row(row, trainer, args, t0)
             stopping = stop.agree()                              # a stop signal seen by any rank stops all
             # ---- LOG -------------------------------------------------------------------------
@@ -777,10 +777,10 @@ def train(args):
                              args, tracker)
             # ---- CHECKPOINT ------------------------------------------------------------------
             if step % args.save_every == 0 or step == args.steps or stopping:
-                path = save_step_checkpoint(out, step, trainer, args, lead)
+                path = save_checkpoint(out, step, trainer, args, lead)
                 last_saved = step
             if stopping:
-                exit_after_checkpoint(stop, out, step, path, lead)
+                stop.exit(f"interrupted: saved step {step} to {path}", out)
     except KeyboardInterrupt:   # the second Ctrl+C: leave now, the last checkpoint is complete
         print(f"\ninterrupted: last checkpoint is step {last_saved} in {out / 'checkpoints'}", file=sys.stderr)
         sys.exit(130)
@@ -1822,10 +1822,17 @@ def call_reward(reward, images, prompts, targets):
 # =============================================================================================
 # 18. LOG: the console, metrics.jsonl, sample sheets, the reward curve, TensorBoard / W&B
 # =============================================================================================
+# A step's console line: the fields whose metrics the row holds (section 10's names, 'dit/' the DiT half's;
+# ar_loss: the AR's part of 'loss', the sum of both halves' under --policy both; the DiT's is ~1e-5: step means).
+CONSOLE_FIELDS = ("loss {ar_loss:+.4f}", "dit loss {dit/loss:+.3e}", "reward {reward_mean:.5f} ± {reward_std:.5f}",
+                  "ratio {ratio_mean:.4f}", "clip {clip_ratio:.3f}", "kl {kl:.2e}", "dit/ratio {dit/ratio_mean:.4f}",
+                  "dit/clip {dit/clip_ratio:.3f}", "dit/kl {dit/kl:.2e}", "entropy {entropy:.3f}",
+                  "zero_std {frac_reward_zero_std:.2f}", "{seconds:.2f}s")
+
 
 def start_logging(args, trainer, out, start):
     """Drops the metrics rows of a killed run's lost steps, prints the run's settings, opens the tracker."""
-    truncate_metrics(out / "metrics.jsonl", start)
+    read_metrics(out / "metrics.jsonl", drop_after=start)
     trainable = sum(p.numel() for p in trainer.trained.parameters() if p.requires_grad)
     ar = f"LoRA r={args.lora_rank}" if args.lora_rank else "head" if args.ar_trainable == "head" else "full"
     dit = f"LoRA r={args.dit_lora_rank}" if args.dit_lora_rank else "full"
@@ -1846,19 +1853,14 @@ def start_logging(args, trainer, out, start):
 
 def count_text(n):
     """A parameter count readable at any size: 3.2k, 0.09M would be 90.1k, 8.91B."""
-    for unit, size, digits in (("B", 1e9, 2), ("M", 1e6, 2), ("k", 1e3, 1)):
-        if n >= size:
-            return f"{n / size:.{digits}f}{unit}"
-    return str(n)
+    units = (("B", 1e9, 2), ("M", 1e6, 2), ("k", 1e3, 1))
+    return next((f"{n / size:.{digits}f}{unit}" for unit, size, digits in units if n >= size), str(n))
 
 
 def finish_row(row, trainer, args, t0):
     """Adds the step's learning rates, moves the schedule on one step, averages the row over ranks."""
-    lrs = trainer.lr_scheduler.get_last_lr()    # [AR][, DiT]
-    if args.policy != "dit":
-        row["lr"] = lrs[0]
-    if args.policy != "ar":
-        row["dit/lr"] = lrs[-1]
+    names = {"ar": ["lr"], "dit": ["dit/lr"], "both": ["lr", "dit/lr"]}[args.policy]   # a param group per half
+    row.update(zip(names, trainer.lr_scheduler.get_last_lr()))
     with warnings.catch_warnings():
         # a step whose updates were all skipped (non-finite) never called optimizer.step()
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
@@ -1875,15 +1877,9 @@ def log_step(row, step, args, trainer, out, tracker, warned):
         f.write(json.dumps(finite, allow_nan=False) + "\n")
     if tracker:
         tracker.log({k: v for k, v in row.items() if k != "step"}, step)
-    dit_loss = f"dit loss {row.get('dit/loss', math.nan):+.3e}"     # ~1e-5: step log-probs are means
-    losses = {"ar": f"loss {row['loss']:+.4f}", "dit": dit_loss,
-              "both": f"loss {row['loss'] - row.get('dit/loss', math.nan):+.4f} | {dit_loss}"}[args.policy]
-    print(f"step {step:4d}/{args.steps} | {losses} | reward {row['reward_mean']:.5f} "
-          f"± {row['reward_std']:.5f} | " + "".join(
-              f"{prefix}ratio {row[prefix + 'ratio_mean']:.4f} | {prefix}clip {row[prefix + 'clip_ratio']:.3f} "
-              f"| {prefix}kl {row[prefix + 'kl']:.2e} | " for prefix in ("", "dit/") if prefix + "kl" in row)
-          + (f"entropy {row['entropy']:.3f} | " if "entropy" in row else "")
-          + f"zero_std {row['frac_reward_zero_std']:.2f} | {row['seconds']:.2f}s", flush=True)
+    shown = {**row, "ar_loss": row["loss"] - row.get("dit/loss", 0.0)} if args.policy != "dit" else row
+    fields = [f.format_map(shown) for f in CONSOLE_FIELDS if all(k in shown for k in re.findall(r"{([^:]+):", f))]
+    print(f"step {step:4d}/{args.steps} | " + " | ".join(fields), flush=True)
     return warn_if_collapsed(row, warned, math.log(trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size))
 
 
@@ -1919,21 +1915,19 @@ def non_finite_stop(causes, step, out):
     return f"stopping: steps {step - len(causes) + 1}-{step} updated nothing: {what}; {saved}"
 
 
-def truncate_metrics(path, last_step):
-    """On resume, rows past the checkpoint's step (a killed run's) move to a file beside the log."""
-    rows = read_metrics(path)
-    dropped = [row for row in rows if row["step"] > last_step]
-    if dropped:
-        aside = path.with_name(f"metrics.dropped_after_step_{last_step:06d}.jsonl")
-        atomic_write_bytes(aside, "".join(json.dumps(row) + "\n" for row in dropped).encode())
-        atomic_write_bytes(path, "".join(json.dumps(row) + "\n" for row in rows if row["step"] <= last_step).encode())
-        print(f"note: resuming at step {last_step} drops metrics rows of steps {dropped[0]['step']}.."
-              f"{dropped[-1]['step']} (no checkpoint after step {last_step}); kept in {aside}")
-
-
-def read_metrics(path):
+def read_metrics(path, drop_after=None):
+    """metrics.jsonl's rows; drop_after (a resume's step): later rows, a killed run's, move to a file beside it."""
     lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
-    return [json.loads(line) for line in lines if line.strip()]
+    rows = [json.loads(line) for line in lines if line.strip()]
+    dropped = [row for row in rows if drop_after is not None and row["step"] > drop_after]
+    if dropped:
+        aside = path.with_name(f"metrics.dropped_after_step_{drop_after:06d}.jsonl")
+        atomic_write_bytes(aside, "".join(json.dumps(row) + "\n" for row in dropped).encode())
+        rows = [row for row in rows if row["step"] <= drop_after]
+        atomic_write_bytes(path, "".join(json.dumps(row) + "\n" for row in rows).encode())
+        print(f"note: resuming at step {drop_after} drops metrics rows of steps {dropped[0]['step']}.."
+              f"{dropped[-1]['step']} (no checkpoint after step {drop_after}); kept in {aside}")
+    return rows
 
 
 def save_samples(out, step, prompts, targets, images, rewards, sources, ode, args, tracker):
@@ -1944,54 +1938,44 @@ def save_samples(out, step, prompts, targets, images, rewards, sources, ode, arg
         tracker.log_images({"samples": np.asarray(sheet)[None]}, step, **formats)
 
 
-def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, scale=None,
-                     columns=8):
-    """Per prompt (sorted: it stays in place) `columns` cells a row: [source,] target, [a=0 decode,] G samples."""
-    scale = scale or max(1, 128 // images.shape[-1])          # cells at least 128 px wide, to be seen
+# The PNGs' text: Pillow's built-in font at 12 px (draw.text's font_size; at its own 10 px some spaces vanish).
+
+def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None):
+    """Per prompt (sorted: it stays in place) 8 cells a row: [source,] target, [a=0 decode,] its G samples."""
+    scale = max(1, 128 // images.shape[-1])                   # cells at least 128 px wide, to be seen
     width, height = images.shape[-1] * scale, images.shape[-2] * scale
     line, gap = 18, 6                                          # a line of text, white between cells
-    to_pil = lambda t: Image.fromarray((t.clamp(0, 1).permute(1, 2, 0).numpy() * 255).astype(np.uint8))
-    references = [("source", sources), ("target", targets), ("a=0 (ODE)", ode)]      # sources: PIL images
-    blocks = []
-    for row in sorted(range(len(prompts)), key=lambda r: prompts[r]):
-        cells = [(x[row] if name == "source" else to_pil(x[row]), name) for name, x in references if x is not None]
-        cells += [(to_pil(images[i]), f"{rewards[i].item():.4f}")
-                  for i in range(row * group_size, (row + 1) * group_size)]
-        blocks.append((prompts[row], cells))
-    columns = min(columns, len(cells))
-    block = 2 * line + math.ceil(len(cells) / columns) * (height + line)     # heading, rows of cells, space
-    sheet = Image.new("RGB", (columns * (width + gap), len(blocks) * block), "white")
-    draw, font = ImageDraw.Draw(sheet), label_font()
-    for b, (prompt, cells) in enumerate(blocks):
-        draw.text((0, b * block), drawable(prompt, font)[:sheet.width // 9], fill="black", font=label_font(16))
-        for i, (image, label) in enumerate(cells):
+    to_pil = lambda x: x if isinstance(x, Image.Image) else Image.fromarray(      # sources are PIL images
+        (x.clamp(0, 1).permute(1, 2, 0).numpy() * 255).astype(np.uint8))
+    references = [(name, x) for name, x in [("source", sources), ("target", targets), ("a=0 (ODE)", ode)]
+                  if x is not None]
+    cells = len(references) + group_size
+    columns = min(8, cells)
+    block = 2 * line + math.ceil(cells / columns) * (height + line)     # heading, rows of cells, space
+    sheet = Image.new("RGB", (columns * (width + gap), len(prompts) * block), "white")
+    draw = ImageDraw.Draw(sheet)
+    for b, row in enumerate(sorted(range(len(prompts)), key=lambda r: prompts[r])):
+        draw.text((0, b * block), drawable(prompts[row])[:sheet.width // 9], fill="black", font_size=16)
+        samples = [(images[i], f"{rewards[i].item():.4f}") for i in range(row * group_size, (row + 1) * group_size)]
+        for i, (image, label) in enumerate([(x[row], name) for name, x in references] + samples):
             x, y = i % columns * (width + gap), b * block + line + 4 + i // columns * (height + line)
-            sheet.paste(image.resize((width, height), Image.NEAREST), (x, y))
-            draw.text((x + 2, y + height + 2), label, fill="black", font=font)
+            sheet.paste(to_pil(image).resize((width, height), Image.NEAREST), (x, y))
+            draw.text((x + 2, y + height + 2), label, fill="black", font_size=12)
     path.parent.mkdir(parents=True, exist_ok=True)
     sheet.save(path)
     return sheet
 
 
-@functools.lru_cache(maxsize=None)
-def label_font(size=12):
-    """Pillow's built-in font, 12 px by default (at its own 10 px some spaces shrink to nothing)."""
+def drawable(text):
+    """`text` as the built-in font (ASCII) can draw it: 'é' -> 'e', emoji or CJK -> '?', never a 'no glyph' box."""
     from PIL import ImageFont
 
-    return ImageFont.load_default(size=size)
-
-
-def drawable(text, font):
-    """`text` as `font` can draw it (the built-in font is ASCII): 'é' -> 'e', emoji or CJK -> '?', no boxes."""
+    font = ImageFont.load_default(size=12)
     glyph = lambda ch: (lambda m: (m.size, bytes(m)))(font.getmask(ch))
-    missing = glyph("\U0010FFFD")       # a private-use code point: the font's 'no glyph' box
-    out = []
-    for ch in text:
-        if ch != " " and glyph(ch) == missing:
-            plain = unicodedata.normalize("NFKD", ch).encode("ascii", "ignore").decode()
-            ch = plain if plain and all(c == " " or glyph(c) != missing for c in plain) else "?"
-        out.append(ch)
-    return "".join(out)
+    box = glyph("\U0010FFFD")       # a private-use code point has no glyph
+    drawn = lambda s: bool(s) and all(c == " " or glyph(c) != box for c in s)
+    plain = [unicodedata.normalize("NFKD", ch).encode("ascii", "ignore").decode() for ch in text]
+    return "".join(ch if drawn(ch) else p if drawn(p) else "?" for ch, p in zip(text, plain))
 
 
 def round_ticks(low, high, count=5, least=0):
@@ -2002,38 +1986,36 @@ def round_ticks(low, high, count=5, least=0):
     return [round(k * spacing, 12) for k in range(math.ceil(low / spacing), math.floor(high / spacing) + 1)]
 
 
-def save_reward_curve(path, rows, size=(640, 360), margin=56, window=1):
+def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
     """Mean reward per step +- the within-group std, and its moving average over `window` steps (a prompt pass)."""
     rows = [r for r in rows if r["reward_mean"] is not None and r["reward_std"] is not None]   # null: non-finite
     if not rows:
         return
-    steps, means = [r["step"] for r in rows], [r["reward_mean"] for r in rows]
-    low = [r["reward_mean"] - r["reward_std"] for r in rows]
-    high = [r["reward_mean"] + r["reward_std"] for r in rows]
-    x0, x1 = min(steps), max(max(steps), min(steps) + 1)
-    y0, y1 = min(low), max(high)
+    steps, means, stds = (np.array([r[k] for r in rows]) for k in ("step", "reward_mean", "reward_std"))
+    x0, x1 = steps.min(), max(steps.max(), steps.min() + 1)
+    y0, y1 = (means - stds).min(), (means + stds).max()
     y0, y1 = (y0 - 1e-6, y1 + 1e-6) if y1 - y0 < 1e-6 else (y0, y1)
-    w, h = size
-    to_xy = lambda step, y: (margin + (step - x0) / (x1 - x0) * (w - 2 * margin),
-                             h - margin - (y - y0) / (y1 - y0) * (h - 2 * margin))
-    image = Image.new("RGB", size, "white")
+    to_xy = lambda s, y: (margin + (s - x0) / (x1 - x0) * (w - 2 * margin),
+                          h - margin - (y - y0) / (y1 - y0) * (h - 2 * margin))
+    image = Image.new("RGB", (w, h), "white")
     draw = ImageDraw.Draw(image)
-    draw.polygon([to_xy(s, y) for s, y in zip(steps + steps[::-1], high + low[::-1])], fill=(190, 210, 240))
-    draw.line([to_xy(s, m) for s, m in zip(steps, means)], fill=(110, 140, 220), width=1)
+    band = to_xy(np.r_[steps, steps[::-1]], np.r_[means + stds, (means - stds)[::-1]])
+    draw.polygon(list(zip(*band)), fill=(190, 210, 240))
+    draw.line(list(zip(*to_xy(steps, means))), fill=(110, 140, 220), width=1)
     title = "reward per step: mean +- within-group std"
     if 1 < window < len(rows):
         average = [np.mean(means[max(0, i - window + 1): i + 1]) for i in range(len(means))]
-        draw.line([to_xy(s, m) for s, m in zip(steps, average)], fill=(20, 40, 140), width=3)
+        draw.line(list(zip(*to_xy(steps, np.array(average)))), fill=(20, 40, 140), width=3)
         title += f"; thick: moving average over {window} steps"
     draw.rectangle((margin, margin, w - margin, h - margin), outline="black")
     ticks = [(to_xy(x0, value), (-4, 0), "rm", value) for value in round_ticks(y0, y1)]       # left axis
     ticks += [(to_xy(step, y0), (0, 4), "mt", step) for step in round_ticks(x0, x1, least=1)]  # bottom axis
     for (x, y), (dx, dy), anchor, value in ticks:
         draw.line((x + dx, y + dy, x, y), fill="black")
-        draw.text((x + 1.5 * dx, y + 1.5 * dy), f"{value:g}", fill="black", font=label_font(), anchor=anchor)
-    labels = {(margin, 8): (title, "la"), (margin, margin - 6): ("reward", "mb"), (w // 2, h - 8): ("step", "mb")}
-    for xy, (text, anchor) in labels.items():
-        draw.text(xy, text, fill="black", font=label_font(), anchor=anchor)
+        draw.text((x + 1.5 * dx, y + 1.5 * dy), f"{value:g}", fill="black", font_size=12, anchor=anchor)
+    for xy, text, anchor in [((margin, 8), title, "la"), ((margin, margin - 6), "reward", "mb"),
+                             ((w // 2, h - 8), "step", "mb")]:
+        draw.text(xy, text, fill="black", font_size=12, anchor=anchor)
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path)
 
@@ -2058,17 +2040,19 @@ def open_tracker(args, out, start):
 # =============================================================================================
 # 19. Interruptions: Ctrl+C and SIGTERM
 # =============================================================================================
+# Ctrl+C or SIGTERM (Slurm's, torchrun's) stops the run at a step's end, saved, exit code 128 + signal.
+# A step whose update has not begun is dropped (AbandonStep unwinds it from wherever the signal came: the
+# weights are still step - 1's); one whose update has begun is finished. A second Ctrl+C quits at once.
+# Under torchrun the ranks vote (agree) before each update and after each step: all stop at the same point.
 
 class AbandonStep(BaseException):
-    """A stop signal before the UPDATE drops the step (no `except Exception`, e.g. a plug-in's, catches it)."""
+    """BaseException: no `except Exception` (a reward plug-in's, say) swallows it."""
 
 
 class StopAfterStep:
-    """Ctrl+C / SIGTERM (Slurm's, torchrun's): save, exit 128 + signal; a step not yet updating is dropped."""
-
     def __init__(self):
         self.signum = None          # the first stop signal received
-        self.abandonable = False    # True from a step's start until its update begins
+        self.voted = True           # the step's update has begun (its ranks voted): a signal now finishes it
         self.previous = {s: signal.signal(s, self.request) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def request(self, signum, _frame):
@@ -2079,67 +2063,57 @@ class StopAfterStep:
         self.signum = signum
         name = "Ctrl+C" if signum == signal.SIGINT else signal.Signals(signum).name
         if rank() == 0:
-            print(f"\n{name}: " + ("abandoning this step (its update has not begun) and saving the last one"
-                                   if self.abandonable else "finishing this step and saving a checkpoint")
+            print(f"\n{name}: " + ("finishing this step and saving a checkpoint" if self.voted else
+                                   "abandoning this step (its update has not begun) and saving the last one")
                   + " (Ctrl+C to quit now)", file=sys.stderr, flush=True)
-        if self.abandonable:
-            self.abandonable = False
+        if not self.voted:
             raise AbandonStep
 
     def begin_step(self):
-        self.abandonable, self.agreed = self.signum is None, False
-        if self.signum is not None:      # came after the last step's check: nothing of this step to keep
+        self.voted = False
+        if self.signum is not None:      # came after the last step's vote: nothing of this step to keep
             raise AbandonStep
 
     def agree(self):
         """True if any rank got a stop signal; all ranks then adopt its number (for the exit code)."""
-        if is_ddp():
-            seen = torch.tensor(int(self.signum or 0), device=collective_device())
-            dist.all_reduce(seen, op=dist.ReduceOp.MAX)
-            if seen.item() and self.signum is None:
-                self.signum = int(seen.item())
-                if rank() == 0:
-                    print(f"{signal.Signals(self.signum).name} on another rank: stopping", file=sys.stderr, flush=True)
+        self.voted = True
+        seen = int(all_reduce_scalars([self.signum or 0], dist.ReduceOp.MAX)[0])
+        if seen and self.signum is None:
+            self.signum = seen
+            if rank() == 0:
+                print(f"{signal.Signals(seen).name} on another rank: stopping", file=sys.stderr, flush=True)
         return self.signum is not None
 
-    def before_update(self):      # the step's last moment to be dropped; every rank votes
-        self.abandonable, self.agreed = False, True
+    def before_update(self):      # the step's last moment to be dropped
         if self.agree():
             raise AbandonStep
+
+    def drop_step(self, trainer, args, out, step, last_saved, step_rng):
+        """Saves step - 1 (if not yet saved) and exits; with a rank killed (kill -9, OOM), rank 0 saves alone."""
+        peers = True
+        try:
+            if not self.voted:         # a rank that left its step early still answers the others' vote
+                self.agree()
+        except Exception as e:
+            if not (is_ddp() and collective_failed(e)):
+                raise
+            peers = False
+        if step - 1 > last_saved and (peers or rank() == 0):      # step_rng: what step - 1 left
+            save_checkpoint(out, step - 1, trainer, args, rank() == 0, step_rng)
+        saved = f"step {step - 1} is saved in {out / 'checkpoints' / f'step_{step - 1:06d}.pt'}"
+        self.exit(f"interrupted in step {step} before its update: " + (
+            saved if step > 1 else "no step finished, nothing to save"), out if step > 1 else None, peers)
+
+    def exit(self, what, out=None, peers=True):
+        if peers:
+            all_ranks_agree(True)     # the others wait for rank 0's file before they exit
+        if rank() == 0:
+            print(what + (f"; continue with --resume latest --out {out}" if out else ""), file=sys.stderr)
+        sys.exit(128 + self.signum)
 
     def restore(self):
         for s, handler in self.previous.items():
             signal.signal(s, handler)
-
-
-def stop_before_update(stop, trainer, args, out, step, last_saved, step_rng):
-    """Saves step - 1 (if not yet saved) and exits; with a rank killed (kill -9, OOM), rank 0 saves alone."""
-    lead = rank() == 0
-    peers = True
-    try:
-        if not stop.agreed:         # a rank that left its step early still answers the others' vote
-            stop.agree()
-    except Exception as e:
-        if not (is_ddp() and collective_failed(e)):
-            raise
-        peers = False
-    set_rng_state(step_rng)                   # what a checkpoint of step - 1 holds
-    if step - 1 > last_saved and (peers or lead):
-        save_step_checkpoint(out, step - 1, trainer, args, lead)
-    if peers:
-        all_ranks_agree(True)     # the others wait for rank 0's file before they exit
-    if lead:
-        print(f"interrupted in step {step} before its update: " + (
-            f"step {step - 1} is saved in {out / 'checkpoints' / f'step_{step - 1:06d}.pt'}; continue with "
-            f"--resume latest --out {out}" if step - 1 > 0 else "no step finished, nothing to save"), file=sys.stderr)
-    sys.exit(128 + stop.signum)
-
-
-def exit_after_checkpoint(stop, out, step, path, lead):
-    all_ranks_agree(True)     # the others wait for rank 0's file before they exit
-    if lead:
-        print(f"interrupted: saved step {step} to {path}; continue with --resume latest --out {out}", file=sys.stderr)
-    sys.exit(128 + stop.signum)
 
 
 # =============================================================================================
@@ -2168,33 +2142,19 @@ def rng_state():
             "torch": torch.get_rng_state(), "cuda": cuda}
 
 
-def set_rng_state(state):
-    random.setstate(state["python"])
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_step_checkpoint(out, step, trainer, args, lead):
-    path = save_checkpoint(out, step, trainer.trained, trainer.optimizer, args, trainer.lr_scheduler, lead)
-    if lead and args.checkpoints_total_limit:      # after the save: a complete newest one always exists
-        for old in saved_checkpoints(out)[:-args.checkpoints_total_limit]:
-            old.unlink()
-    return path
-
-
-def save_checkpoint(out_dir, step, model, optimizer, args, lr_scheduler, lead=True):
-    """All ranks gather (--fsdp: a collective); rank 0 streams it to checkpoints/step_NNNNNN.pt (no copy)."""
-    weights, optimizer_state = gather_training_state(model, optimizer)
+def save_checkpoint(out, step, trainer, args, lead=True, rng=None):
+    """All ranks gather (--fsdp: a collective); rank 0 streams it, with `rng` (default: the RNG states now),
+    to checkpoints/step_NNNNNN.pt (no copy), then keeps the newest --checkpoints-total-limit."""
+    weights, optimizer_state = gather_training_state(trainer.trained, trainer.optimizer)
     if not lead:
         return None
-    path = out_dir / "checkpoints" / f"step_{step:06d}.pt"
+    path = out / "checkpoints" / f"step_{step:06d}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": CHECKPOINT_FORMAT, "step": step, "trainable": weights, "optimizer": optimizer_state,
-               "lr_scheduler": lr_scheduler.state_dict(), "rng": rng_state(), "args": vars(args)}
+               "lr_scheduler": trainer.lr_scheduler.state_dict(), "rng": rng or rng_state(), "args": vars(args)}
     atomic_write_bytes(path, functools.partial(torch.save, payload))
+    for old in saved_checkpoints(out)[:-args.checkpoints_total_limit] if args.checkpoints_total_limit else []:
+        old.unlink()      # after the save: a complete newest checkpoint always exists
     return path
 
 
@@ -2247,7 +2207,12 @@ def restore_checkpoint(ckpt, path, model, optimizer, lr_scheduler):
     except (RuntimeError, ValueError, KeyError) as e:
         why = ckpt.get("weight_flags") or str(e).splitlines()[0][:120]
         raise UsageError(f"--resume {path}: its weights do not fit this model: {why}")
-    set_rng_state(ckpt["rng"])
+    name, keys, *rest = ckpt["rng"]["numpy"]        # rng_state's, in reverse
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    random.setstate(ckpt["rng"]["python"])
+    torch.set_rng_state(ckpt["rng"]["torch"])
+    if ckpt["rng"]["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
 
 
 # =============================================================================================

@@ -1527,7 +1527,9 @@ def test_ctrl_c_during_a_checkpoint_write_is_held_until_the_file_is_complete(tmp
     monkeypatch.setattr(torch, "save", save_interrupted)
     stop = g.StopAfterStep()                        # the run's handler, as train() installs it
     try:
-        path = g.save_checkpoint(tmp_path, 7, model, optimizer, args, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1))
+        trainer = SimpleNamespace(trained=model, optimizer=optimizer,
+                                  lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1))
+        path = g.save_checkpoint(tmp_path, 7, trainer, args)
     finally:
         stop.restore()
     assert seen == ["write finished"] and stop.signum == signal.SIGINT   # noted, acted on after the step
@@ -1921,9 +1923,8 @@ def test_reward_curve_is_drawn(tmp_path):
 
 
 def test_sample_sheet_captions_draw_no_boxes():
-    font = g.label_font()
-    assert g.drawable("a café 🎨 sign, 中 ok", font) == "a cafe ? sign, ? ok"
-    assert g.drawable("plain ASCII: #ff0000 | 0.1234", font) == "plain ASCII: #ff0000 | 0.1234"
+    assert g.drawable("a café 🎨 sign, 中 ok") == "a cafe ? sign, ? ok"
+    assert g.drawable("plain ASCII: #ff0000 | 0.1234") == "plain ASCII: #ff0000 | 0.1234"
 
 
 def test_cosine_schedule_with_warmup_is_followed_and_resumes_bit_identically(tmp_path):
