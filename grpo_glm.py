@@ -1840,7 +1840,9 @@ def start_logging(args, trainer, out, start):
     print(f"running with: mode={args.mode} model={args.model} device={args.device} dtype={args.dtype} "
           f"offload={args.offload} batch={args.prompts_per_step}x{args.group_size} mu={args.inner_epochs} "
           + (f"lr={args.lr} " if args.policy != "dit" else "") + f"trainable={count_text(trainable)} ({how}) "
-          f"image={args.height}x{args.width} loss_tokens={args.loss_tokens} dit_noise={args.dit_noise} out={out} "
+          f"image={args.height}x{args.width} sampler=T {args.temperature}, top-k {args.top_k}, top-p {args.top_p} "
+          f"decode={args.num_inference_steps} steps, guidance {args.guidance_scale} "
+          f"loss_tokens={args.loss_tokens} dit_noise={args.dit_noise} out={out} "
           f"threads={torch.get_num_threads()} processes={world_size()} micro_batch={args.micro_batch_size}"
           + (f" policy={args.policy} dit_lr={args.dit_lr} dit_train_steps={args.dit_train_steps}/"
              f"{args.num_inference_steps} dit_noise_level={args.dit_noise_level}" if args.policy != "ar" else ""))

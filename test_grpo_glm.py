@@ -2048,6 +2048,7 @@ def test_policy_dit_trains_only_the_dit_and_saves_it(tmp_path, lora, capsys):
     printed = capsys.readouterr().out
     header = next(line for line in printed.splitlines() if line.startswith("running with:"))
     assert " lr=" not in header and "dit_lr=0.05" in header and ".00M" not in header     # no unused AR lr
+    assert "sampler=T 1.0, top-k 0, top-p 1.0 decode=4 steps, guidance 1.0 " in header   # the tiny demo's defaults
     base = tiny_model()
     lora_count = g.count_text(g.dit_lora_parameter_count(base.transformer, 4))         # a few thousand: "k"
     assert (f"trainable={lora_count} (DiT LoRA r=4)" if lora != "0" else "(DiT full)") in header
