@@ -186,7 +186,7 @@ def load_pipeline(args):
     for name in ("text_encoder", "transformer", "vae"):
         getattr(pipe, name).requires_grad_(False)
     if dtype == torch.float64:
-        float64_throughout(pipe)
+        float64_throughout()
     # generate() fills each field our sampler leaves unset from the checkpoint's generation_config.json
     # (repetition penalty, n-gram bans, bad words...): the loss would not know of them. The policy alone
     # decides sampling, so its own config (section 24) replaces the checkpoint's.
@@ -1291,7 +1291,7 @@ def write_source_caches(dit, cond):
         read.set_mode("read")
         for mine, theirs in zip(read.caches, written.caches):
             mine.k_caches, mine.v_caches = list(theirs.k_caches), list(theirs.v_caches)
-        if torch.is_grad_enabled() and is_sharded(module):
+        if torch.is_grad_enabled() and fsdp_units(module):
             # --fsdp gathers a layer's weights for backward when the gradient reaches its *output*, not
             # the cached keys/values: 0 x this output, added to the velocity, routes it there too.
             read.anchor = at_least_fp32(out).sum() * 0
@@ -1359,7 +1359,7 @@ def attach_negative_numbers(argv):
 
 def validate_args(args):
     """What the flags' types cannot check: flags together, files, the machine. Before any model loads."""
-    world = launched_world_size()
+    world = world_size()
     refusals = [      # (refused?, why): the first refused one is the error
         (args.prompts_per_step % world, f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
          f"number of processes ({world}): each rank trains whole groups"),
@@ -2476,50 +2476,45 @@ def tiny_pipeline_dir(seed=0, settings=None):
 # =============================================================================================
 # 22. More GPUs: torchrun data parallel (DDP) and sharding (--fsdp)
 # =============================================================================================
-# `torchrun --nproc_per_node K grpo_glm.py ...` starts K copies of this script (RANK, LOCAL_RANK and
-# WORLD_SIZE in their environment). --prompts-per-step is the global count, cut into K contiguous
-# blocks (DanceGRPO's layout): each rank samples, decodes, rewards and standardises whole groups of
-# its own, so the advantages need no communication. What crosses ranks: the gradient average
-# (DDP's all-reduce, FSDP's reduce-scatter) and a few scalars per step (all_reduce_scalars). Rank 0
-# alone writes metrics, samples and checkpoints. 1 process and K sample the same: a group's tokens
-# come from a seed of (seed, step, slot), its DiT noise from (seed, prompt), and every forward covers
-# one micro-batch cut the same way on any K. The weights agree up to the order of floating-point
-# sums, which fp32 AdamW magnifies on near-zero coordinates (README, Measurements); in float64 1 and
-# K processes agree to rounding, as the tests check. A checkpoint resumes at any world size.
+# `torchrun --nproc_per_node K grpo_glm.py ...` starts K copies of this script (RANK, LOCAL_RANK,
+# WORLD_SIZE in their environment). The step's --prompts-per-step is cut into K contiguous blocks
+# (DanceGRPO's layout): each rank samples, decodes, rewards and standardises whole groups of its own,
+# so advantages need no communication. What crosses ranks: the gradient average (DDP's all-reduce,
+# FSDP's reduce-scatter) and a few scalars per step. Rank 0 alone writes metrics, samples and
+# checkpoints. 1 process and K sample the same (a group's tokens from a seed of (seed, step, slot),
+# its DiT noise from (seed, prompt), micro-batches cut the same on any K); the weights agree up to
+# the order of floating-point sums (README, Measurements), in float64 to rounding (the tests).
 
-def float64_throughout(pipe):
-    """--dtype float64 runs every weight-dependent sum in float64. Two library functions round to
-    fp32 on purpose (a bf16 model needs it): the AR's RMSNorm (transformers' GlmImageRMSNorm) and
-    the DiT's rotary embedding (diffusers' apply_rotary_emb, `x.float()`). In a float64 run they round
-    activations to fp32, and a 1e-16 difference in sum order then flips an fp32 rounding (6e-8)
-    here and there: 1 and 2 processes drifted 1e-9 apart on torch 2.14.1. Both are swapped for the
-    same formula in at least fp32, which is the library's own at every other dtype."""
+def float64_throughout():
+    """--dtype float64: two library functions round to fp32 on purpose (for bf16), the AR's RMSNorm
+    (transformers' GlmImageRMSNorm) and the DiT's rotary embedding (diffusers' apply_rotary_emb); a
+    1e-16 difference in sum order then flips an fp32 rounding, and 1 and 2 processes drifted 1e-9
+    apart. Both are swapped for the same formula in at least fp32 (the library's own at other dtypes)."""
     import diffusers.models.embeddings as embeddings
     from transformers.models.glm_image.modeling_glm_image import GlmImageRMSNorm
 
     def rms_norm(self, x):
         wide = x.to(torch.promote_types(x.dtype, torch.float32))
-        return self.weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(x.dtype)
+        rms = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * (wide * rms).to(x.dtype)
 
-    def rotary(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequence_dim=2, library=embeddings.apply_rotary_emb):
+    def rotary(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequence_dim=2,
+               library=embeddings.apply_rotary_emb):
         if x.dtype != torch.float64 or (use_real, use_real_unbind_dim, sequence_dim) != (True, -2, 1):
             return library(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
         cos, sin = (f.to(x.device)[None, :, None, :] for f in freqs_cis)     # GLM-Image's DiT: [B, S, heads, D]
         x_real, x_imag = x.reshape(*x.shape[:-1], 2, -1).unbind(-2)
         return x * cos + torch.cat([-x_imag, x_real], dim=-1) * sin
 
-    for module in pipe.vision_language_encoder.modules():
-        if isinstance(module, GlmImageRMSNorm):
-            module.forward = rms_norm.__get__(module)
     if not getattr(embeddings.apply_rotary_emb, "float64_throughout", False):
         rotary.float64_throughout = True
-        embeddings.apply_rotary_emb = rotary
+        embeddings.apply_rotary_emb, GlmImageRMSNorm.forward = rotary, rms_norm
 
 
 def init_distributed(args):
-    """Joins the process group torchrun describes (nothing to do for one process): gloo on CPU, nccl
-    on CUDA. A rank that dies or hangs makes the others' next collective raise after --dist-timeout."""
-    if launched_world_size() == 1:
+    """Joins torchrun's process group (gloo on CPU, nccl on CUDA); nothing to do for one process. A
+    rank that dies or hangs makes the others' next collective raise after --dist-timeout."""
+    if world_size() == 1:
         return
     if args.device == "cuda":
         args.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
@@ -2528,20 +2523,16 @@ def init_distributed(args):
                             timeout=datetime.timedelta(seconds=args.dist_timeout))
 
 
-def launched_world_size():      # torchrun's process count, readable before the group is joined
+def rank():     # torchrun's environment, readable before the group is joined (as nanoGPT reads it)
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size():
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def is_ddp():
     return dist.is_available() and dist.is_initialized()
-
-
-def rank():
-    return dist.get_rank() if is_ddp() else 0
-
-
-def world_size():
-    return dist.get_world_size() if is_ddp() else 1
 
 
 def collective_device():        # nccl reduces CUDA tensors only, gloo CPU ones
@@ -2555,47 +2546,38 @@ def rank_slots(prompts_per_step):
 
 
 def wrap_for_training(model, device):
-    """DDP around a module that trains (its backward averages the gradients), for the training
-    forward only: no-grad passes and `.generate` use unwrap(model). No buffer changes in training."""
-    if not is_ddp() or is_sharded(model):        # FSDP2 shards in place and averages by itself
+    """DDP around a module that trains (its backward averages the gradients), for the training forward
+    only: no-grad passes and `.generate` use unwrap(model). FSDP2 shards in place and averages itself."""
+    if not is_ddp() or fsdp_units(model):
         return model
-    from torch.nn.parallel import DistributedDataParallel
-
     device_ids = [torch.device(device)] if str(device).startswith("cuda") else None
-    return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
 
 
 def unwrap(model):
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
-def all_reduce_scalars(values, op):
-    """Numbers reduced element-wise over ranks by `op` (dist.ReduceOp.SUM, MIN, MAX), as float64
-    floats: one collective for the lot. Without torchrun, the values themselves."""
-    if not is_ddp():
-        return [float(v) for v in values]
-    reduced = torch.tensor(values, dtype=torch.float64, device=collective_device())
-    dist.all_reduce(reduced, op=op)
-    return reduced.tolist()
-
-
 def all_ranks_agree(flag):
-    """True only if `flag` is True on every rank. Decisions that change how many collectives a rank
-    runs next (skip a non-finite update, stop after Ctrl+C) must be taken together, or one rank
-    waits forever in an all-reduce the others never start."""
-    return all_reduce_scalars([bool(flag)], dist.ReduceOp.MIN)[0] == 1
+    """True only if `flag` is True on every rank (a MIN all-reduce). Decisions that change how many
+    collectives a rank runs next (skip a non-finite update, stop) must be taken together, or one
+    rank waits forever in a collective the others never start."""
+    if not is_ddp():
+        return bool(flag)
+    agreed = torch.tensor(int(bool(flag)), device=collective_device())
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    return bool(agreed)
 
 
 def reduce_metrics(row):
-    """A metrics row averaged over ranks (logp_diff_max: the maximum). Every rank holds as many
+    """A metrics row averaged over ranks (logp_diff_max: the maximum): every rank holds as many
     samples of the same length, so the mean of the per-rank means is the global mean."""
     if not is_ddp():
         return row
-    keys = [k for k in row if k != "step"]
-    values = [float(row[k]) for k in keys]
-    total, peak = all_reduce_scalars(values, dist.ReduceOp.SUM), all_reduce_scalars(values, dist.ReduceOp.MAX)
-    reduced = [peak[i] if k == "logp_diff_max" else total[i] / world_size() for i, k in enumerate(keys)]
-    return {"step": row["step"], **{k: type(row[k])(v) for k, v in zip(keys, reduced)}}
+    rows = [None] * world_size()
+    dist.all_gather_object(rows, row)       # every rank's row, in rank order
+    return {k: type(v)(max(r[k] for r in rows) if k == "logp_diff_max" else sum(float(r[k]) for r in rows) / len(rows))
+            for k, v in row.items()}
 
 
 def collective_failed(error):
@@ -2609,15 +2591,14 @@ def collective_failed(error):
 # --fsdp: FSDP2 (torch.distributed.fsdp.fully_shard). Each rank keeps 1/K of every trained weight,
 # its gradient and AdamW moments (DTensors on a 1-D mesh). A unit's weights are all-gathered just
 # before its forward and backward and freed after; gradients are reduce-scattered (averaged) into
-# the shards after every backward. Units: each decoder layer, then the root (embeddings, norms,
-# heads, the AR's frozen vision encoder and VQ). Sampling runs on whole weights (whole_weights):
-# generate would otherwise all-gather every layer per generated token. Checkpoints hold whole
-# weights and AdamW state, as a 1-process run writes them, so either resumes the other.
+# the shards after every backward. Units: each decoder layer (DiT block), then the root. Sampling
+# runs on whole weights (whole_weights): generate would otherwise all-gather every layer per token.
 
-def is_sharded(model):
+def fsdp_units(model):
+    """The modules fully_shard made FSDPModules; [] for a model that is not sharded."""
     from torch.distributed.fsdp import FSDPModule
 
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 def shard_for_training(model, params, args, reference=None):
@@ -2638,15 +2619,12 @@ def shard_for_training(model, params, args, reference=None):
 
         cast_training_params(model, dtype=torch.float32)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for module in (model, reference):
-        if module is None:
-            continue
+    for module in [m for m in (model, reference) if m is not None]:
         for unit in sharded_layers(module):
             fully_shard(unit, mesh=mesh, mp_policy=policy)
         # FSDP2 keeps a root's weights gathered after its forward (backward needs them at once), and
         # a root that never runs backward would keep them for good: the reference reshards at once.
-        fully_shard(module, mesh=mesh, mp_policy=policy,
-                    reshard_after_forward=True if module is reference else None)
+        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=True if module is reference else None)
     return [p for p in model.parameters() if p.requires_grad]
 
 
@@ -2660,21 +2638,15 @@ def sharded_layers(module):
 def whole_weights(model):
     """A sharded model's whole weights, gathered for the duration (sampling and no-grad passes then
     run with no communication) and freed after. A no-op for a model that is not sharded."""
-    from torch.distributed.fsdp import FSDPModule
-
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not units:
-        yield
-        return
-    model.set_reshard_after_forward(False)
+    units = fsdp_units(model)
     for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
         unit.unshard()
     try:
         yield
     finally:
-        model.set_reshard_after_forward(True)
-        model.set_reshard_after_forward(False, recurse=False)   # FSDP2's default for the root
         for unit in units:
+            unit.set_reshard_after_forward(unit is not model, recurse=False)   # FSDP2's defaults (root: False)
             unit.reshard()
 
 
@@ -2690,28 +2662,27 @@ def clip_gradients(params, max_norm):
     return norm
 
 
-def gather_training_state(model, optimizer):
-    """(trained weights, AdamW state), both keyed by parameter name, whole on rank 0's CPU at any world
-    size: torch.distributed.checkpoint's state_dict API all-gathers --fsdp shards and works without a
-    process group too. Every rank calls it (a collective under --fsdp); the other ranks get empty dicts."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+# Checkpoints hold whole weights and AdamW state keyed by parameter name, as 1 process writes them,
+# so any world size resumes any other: torch.distributed.checkpoint's state_dict API (dsd) gathers,
+# or scatters, --fsdp shards, and works without a process group too. Every rank calls both.
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+def gather_training_state(model, optimizer):
+    """(trained weights, AdamW state), whole on rank 0's CPU (the other ranks get empty dicts)."""
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    options = dsd.StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     trained = {name for name, p in model.named_parameters() if p.requires_grad}
-    weights = {k: v for k, v in get_model_state_dict(model, options=options).items() if k in trained}  # no buffers
-    return weights, get_optimizer_state_dict(model, optimizer, options=options)
+    weights = {k: v for k, v in dsd.get_model_state_dict(model, options=options).items() if k in trained}  # no buffers
+    return weights, dsd.get_optimizer_state_dict(model, optimizer, options=options)
 
 
 def load_training_state(model, optimizer, weights, optimizer_state):
-    """Loads gather_training_state's whole weights and AdamW state (of any world size); under --fsdp
-    each rank keeps its shards. Every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    """Loads gather_training_state's output, of any world size; under --fsdp each rank keeps its shards."""
+    from torch.distributed.checkpoint import state_dict as dsd
 
-    options = StateDictOptions(full_state_dict=True, strict=False)
-    set_model_state_dict(model, weights, options=options)
-    set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+    options = dsd.StateDictOptions(full_state_dict=True, strict=False)
+    dsd.set_model_state_dict(model, weights, options=options)
+    dsd.set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
 
 
 # =============================================================================================
@@ -3094,14 +3065,20 @@ def print_memory_plan(args):
 # =============================================================================================
 
 def save_trained_pipeline(pipe, args):
-    """Writes a pipeline that GlmImagePipeline.from_pretrained(dir) loads as usual: LoRA merged into
-    the weights (no adapter code needed to load), the AR's generation config the trained policy."""
+    """Writes a pipeline that GlmImagePipeline.from_pretrained(dir) loads as usual, with no adapter
+    code: each LoRA merged into its weight (peft's merge, W += B @ A * alpha / r; transformers has no
+    merge for the AR), its wrapper swapped back for the base Linear (diffusers' recurse_remove_peft_layers,
+    as the DiT's unload_lora does); the AR's generation config the trained policy."""
+    from diffusers.utils import recurse_remove_peft_layers
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
     ar = pipe.vision_language_encoder
-    if args.lora_rank and args.policy != "dit":
-        merge_lora(ar)
-    if args.dit_lora_rank:
-        pipe.transformer.fuse_lora()        # diffusers' merge, W += B @ A * alpha / r
-        pipe.transformer.unload_lora()      # each peft wrapper back to its base Linear
+    for model in (ar, pipe.transformer):
+        for module in model.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.merge()
+        recurse_remove_peft_layers(model)
+        model._hf_peft_config_loaded = False      # else save_pretrained writes the adapters alone
     ar.generation_config = policy_generation_config(
         ar, pipe.transformer.config.prior_vq_quantizer_codebook_size, args.temperature)
     pipe.save_pretrained(args.save_pipeline)
@@ -3121,35 +3098,19 @@ def policy_generation_config(ar, codebook_size, temperature):
         eos_token_id=ar.config.text_config.eos_token_id)
 
 
-def merge_lora(ar):
-    """peft's LoraLayer.merge (W += B @ A * alpha / r), each wrapper then swapped for its base Linear:
-    transformers' add_adapter API has no merge, and peft's merge_and_unload needs a PeftModel."""
-    from peft.tuners.lora import LoraLayer
-
-    wrappers = [(name, module) for name, module in ar.named_modules() if isinstance(module, LoraLayer)]
-    for name, module in wrappers:
-        module.merge()
-        parent_name, _, child = name.rpartition(".")
-        setattr(ar.get_submodule(parent_name), child, module.get_base_layer())
-    ar.peft_config = {}
-    ar._hf_peft_config_loaded = False
-    return ar
-
-
 @torch.no_grad()
 def generate_images(pipe, prompts, sources=None, height=64, width=64, num_inference_steps=4, guidance_scale=1.0,
                     temperature=None, seed=0):
     """Text-to-image, or edits of `sources` (one PIL image per prompt), with a pipeline trained here
-    (from_pretrained(--save-pipeline dir), or main()'s return value): one PIL image per prompt. It
-    runs the training's sample_group and decode_images; the library's `pipe(prompt, image=[source])`
-    fails (diffusers 0.42.1 with transformers 5, see encode_sources). temperature: default the saved
+    (from_pretrained(--save-pipeline dir), or main()'s return), by the training's sample_group and
+    decode_images: one PIL image per prompt. The library's `pipe(prompt, image=[source])` fails
+    (diffusers 0.42.1 with transformers 5, see encode_sources). temperature: default the saved
     generation config's. Seeds the global torch RNG (generate takes no generator)."""
     if height % 32 or width % 32:
         raise ValueError(f"height and width must be multiples of 32, got {height}x{width}")
     if sources is not None and len(sources) != len(prompts):
         raise ValueError(f"one source per prompt: got {len(sources)} sources for {len(prompts)} prompts")
-    ar = pipe.vision_language_encoder
-    temperature = temperature or getattr(ar.generation_config, "temperature", None) or 1.0
+    temperature = temperature or getattr(pipe.vision_language_encoder.generation_config, "temperature", None) or 1.0
     pipe.processor.tokenizer.padding_side = "left"        # as load_pipeline sets it for training
     if sources is not None:                               # upright, at the trained size
         sources = [to_rgb(ImageOps.exif_transpose(s)).resize((width, height), Image.BICUBIC) for s in sources]
@@ -3173,15 +3134,11 @@ def generate_images(pipe, prompts, sources=None, height=64, width=64, num_infere
 def main(argv=None):
     args = parse_args(argv)
     try:
-        if args.plan:
-            print_memory_plan(args)
-            return
-        return train(args)
-    except UsageError as e:
-        where = int(os.environ.get("RANK", "0"))      # torchrun's rank (the group may not be joined yet)
-        if e.local and launched_world_size() > 1:
-            print(f"error: rank {where}: {e}", file=sys.stderr)
-        elif where == 0:
+        return print_memory_plan(args) if args.plan else train(args)
+    except UsageError as e:     # a bad flag or input: one line, by rank 0 (by its rank, if seen there alone)
+        if e.local and world_size() > 1:
+            print(f"error: rank {rank()}: {e}", file=sys.stderr)
+        elif rank() == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except Exception as e:
@@ -3191,25 +3148,20 @@ def main(argv=None):
                   f"(micro-batch {args.micro_batch_size}): lower --micro-batch-size, --group-size or "
                   f"--prompts-per-step, or add --gradient-checkpointing; the checkpoints in {args.out} are intact",
                   file=sys.stderr)
-            sys.exit(1)
-        if not (is_ddp() and collective_failed(e)):
+        elif is_ddp() and collective_failed(e):
+            print(f"error: rank {rank()} lost contact with the other processes ({str(e).splitlines()[0][:160]}): "
+                  f"one died or hung past --dist-timeout; its own output says why", file=sys.stderr)
+        else:
             raise
-        print(f"error: rank {rank()} lost contact with the other processes ({str(e).splitlines()[0][:160]}): "
-              f"one died or hung past --dist-timeout; its own output says why", file=sys.stderr)
         sys.exit(1)
     finally:
         if is_ddp():
             dist.destroy_process_group()
 
 
-def release_process_group_holders():
-    """Under torchrun: frees the trained model while Python is fully alive. DDP's and FSDP's state
-    keeps the process group referenced past destroy_process_group; left to interpreter exit, its gloo
-    threads release tensors when no thread may take the GIL any more, and a finished rank dies of
-    SIGABRT ("terminate called without an active exception"; pytorch PR 179291 describes it)."""
-    gc.collect()
-
-
 if __name__ == "__main__":
     main()
-    release_process_group_holders()
+    # Under torchrun, DDP's and FSDP's state keeps the process group referenced past
+    # destroy_process_group; freed at interpreter exit, its gloo threads would release tensors when no
+    # thread may take the GIL, and a finished rank dies of SIGABRT (pytorch PR 179291): so now.
+    gc.collect()
