@@ -2476,20 +2476,17 @@ def tiny_pipeline_dir(seed=0, settings=None):
 # =============================================================================================
 # 22. More GPUs: torchrun data parallel (DDP) and sharding (--fsdp)
 # =============================================================================================
-# `torchrun --nproc_per_node K grpo_glm.py ...` starts K copies of this script (RANK, LOCAL_RANK,
-# WORLD_SIZE in their environment). The step's --prompts-per-step is cut into K contiguous blocks
-# (DanceGRPO's layout): each rank samples, decodes, rewards and standardises whole groups of its own,
-# so advantages need no communication. What crosses ranks: the gradient average (DDP's all-reduce,
-# FSDP's reduce-scatter) and a few scalars per step. Rank 0 alone writes metrics, samples and
-# checkpoints. 1 process and K sample the same (a group's tokens from a seed of (seed, step, slot),
-# its DiT noise from (seed, prompt), micro-batches cut the same on any K); the weights agree up to
-# the order of floating-point sums (README, Measurements), in float64 to rounding (the tests).
+# `torchrun --nproc_per_node K grpo_glm.py ...` starts K copies (RANK, LOCAL_RANK, WORLD_SIZE in
+# their environment). Each rank takes a contiguous block of the step's prompts (DanceGRPO's layout)
+# and samples, decodes, rewards and standardises whole groups of its own: advantages need no
+# communication. Crossing ranks: the gradient average (DDP's all-reduce, FSDP's reduce-scatter) and
+# a few scalars; rank 0 alone writes files. 1 process and K sample the same (seeds of (seed, step,
+# slot), noise of (seed, prompt)); weights agree up to the order of sums, in float64 to rounding.
 
 def float64_throughout():
-    """--dtype float64: two library functions round to fp32 on purpose (for bf16), the AR's RMSNorm
-    (transformers' GlmImageRMSNorm) and the DiT's rotary embedding (diffusers' apply_rotary_emb); a
-    1e-16 difference in sum order then flips an fp32 rounding, and 1 and 2 processes drifted 1e-9
-    apart. Both are swapped for the same formula in at least fp32 (the library's own at other dtypes)."""
+    """--dtype float64: transformers' GlmImageRMSNorm and diffusers' apply_rotary_emb round to fp32 on
+    purpose (for bf16), so a 1e-16 difference in sum order flipped fp32 roundings (1 and 2 processes
+    drifted 1e-9 apart). Both swapped for their formula in at least fp32: the library's at other dtypes."""
     import diffusers.models.embeddings as embeddings
     from transformers.models.glm_image.modeling_glm_image import GlmImageRMSNorm
 
@@ -2512,8 +2509,7 @@ def float64_throughout():
 
 
 def init_distributed(args):
-    """Joins torchrun's process group (gloo on CPU, nccl on CUDA); nothing to do for one process. A
-    rank that dies or hangs makes the others' next collective raise after --dist-timeout."""
+    """torchrun's process group, gloo or nccl: a dead or hung rank makes the others raise after --dist-timeout."""
     if world_size() == 1:
         return
     if args.device == "cuda":
@@ -2539,15 +2535,13 @@ def collective_device():        # nccl reduces CUDA tensors only, gloo CPU ones
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def rank_slots(prompts_per_step):
-    """Positions (in the step's global prompt list) of this rank's groups: a contiguous block."""
+def rank_slots(prompts_per_step):       # this rank's groups: a contiguous block of the step's prompts
     per_rank = prompts_per_step // world_size()
     return range(rank() * per_rank, (rank() + 1) * per_rank)
 
 
 def wrap_for_training(model, device):
-    """DDP around a module that trains (its backward averages the gradients), for the training forward
-    only: no-grad passes and `.generate` use unwrap(model). FSDP2 shards in place and averages itself."""
+    """DDP (its backward averages the gradients) for the training forward; the rest uses unwrap(model)."""
     if not is_ddp() or fsdp_units(model):
         return model
     device_ids = [torch.device(device)] if str(device).startswith("cuda") else None
@@ -2559,9 +2553,8 @@ def unwrap(model):
 
 
 def all_ranks_agree(flag):
-    """True only if `flag` is True on every rank (a MIN all-reduce). Decisions that change how many
-    collectives a rank runs next (skip a non-finite update, stop) must be taken together, or one
-    rank waits forever in a collective the others never start."""
+    """True if `flag` is on every rank: a choice of how many collectives come next (skip an update,
+    stop) is taken together, or a rank waits forever in a collective the others never start."""
     if not is_ddp():
         return bool(flag)
     agreed = torch.tensor(int(bool(flag)), device=collective_device())
@@ -2581,37 +2574,31 @@ def reduce_metrics(row):
 
 
 def collective_failed(error):
-    """True for an error raised inside torch.distributed or DDP: a peer that died or timed out (gloo
-    reports one as a plain RuntimeError, hence the look at where it came from). Inside backward
-    (DDP's all-reduce, FSDP's reduce-scatter) the frame is autograd's: the message names the backend."""
+    """A peer died or timed out: gloo raises a plain RuntimeError from torch.distributed or DDP, or,
+    in backward (DDP's all-reduce, FSDP's reduce-scatter), from autograd's frame naming the backend."""
     frames = traceback.extract_tb(error.__traceback__)
     return isinstance(error, dist.DistError) or bool(frames and (
         re.search(r"torch[/\\](distributed|nn[/\\]parallel)[/\\]", frames[-1].filename)
         or re.search(r"torch[/\\]autograd[/\\]", frames[-1].filename) and re.search(r"gloo|nccl", str(error), re.I)))
-# --fsdp: FSDP2 (torch.distributed.fsdp.fully_shard). Each rank keeps 1/K of every trained weight,
-# its gradient and AdamW moments (DTensors on a 1-D mesh). A unit's weights are all-gathered just
-# before its forward and backward and freed after; gradients are reduce-scattered (averaged) into
-# the shards after every backward. Units: each decoder layer (DiT block), then the root. Sampling
-# runs on whole weights (whole_weights): generate would otherwise all-gather every layer per token.
+# --fsdp: FSDP2 (fully_shard). Each rank keeps 1/K of every trained weight, its gradient and AdamW
+# moments (DTensors on a 1-D mesh). A unit (a decoder layer or DiT block, then the root) is gathered
+# just before its forward and backward and freed after; gradients are reduce-scattered (averaged).
 
-def fsdp_units(model):
-    """The modules fully_shard made FSDPModules; [] for a model that is not sharded."""
+def fsdp_units(model):      # the modules fully_shard made FSDPModules: [] if not sharded
     from torch.distributed.fsdp import FSDPModule
 
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 def shard_for_training(model, params, args, reference=None):
-    """--fsdp under torchrun: shards `model` and its frozen KL `reference` in place; returns the
-    trainable parameters, new DTensors that AdamW must be built on (else `params`). bf16: trained
-    shards in fp32 (AdamW's updates of a bf16 weight round away), gathered as bf16, reduced in fp32."""
+    """--fsdp: shards `model` and its KL `reference` in place; returns the new trainable DTensors for
+    AdamW. bf16: shards in fp32 (AdamW's steps on bf16 round away), gathered in bf16, reduced in fp32."""
     if not (args.fsdp and is_ddp()):
         return params
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    # The DiT returns a view (its unpatchify); FSDP2 warns in case the caller modifies it in place,
-    # which would skip its pre-backward hook. Nothing here does (dit_velocity is out of place).
+    # FSDP2 warns that the DiT returns a view (unpatchify), lest a caller change it in place: none does
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     mesh, policy = init_device_mesh(collective_device().type, (world_size(),)), MixedPrecisionPolicy()
     if args.dtype == "bfloat16":
@@ -2622,22 +2609,20 @@ def shard_for_training(model, params, args, reference=None):
     for module in [m for m in (model, reference) if m is not None]:
         for unit in sharded_layers(module):
             fully_shard(unit, mesh=mesh, mp_policy=policy)
-        # FSDP2 keeps a root's weights gathered after its forward (backward needs them at once), and
-        # a root that never runs backward would keep them for good: the reference reshards at once.
+        # a root's weights stay gathered after forward, for its backward: the reference has none
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=True if module is reference else None)
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def sharded_layers(module):
-    """The units sharded one by one before the root: the AR's decoder layers, the DiT's blocks."""
+def sharded_layers(module):     # the units sharded before the root: the AR's decoder layers, the DiT's blocks
     inner = getattr(module, "model", None)
     return inner.language_model.layers if inner is not None else module.transformer_blocks
 
 
 @contextlib.contextmanager
 def whole_weights(model):
-    """A sharded model's whole weights, gathered for the duration (sampling and no-grad passes then
-    run with no communication) and freed after. A no-op for a model that is not sharded."""
+    """Whole weights for sampling and no-grad passes, which then never communicate (generate would
+    gather each layer per token); freed after. A no-op for a model that is not sharded."""
     units = fsdp_units(model)
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
@@ -2651,20 +2636,17 @@ def whole_weights(model):
 
 
 def clip_gradients(params, max_norm):
-    """torch's clip_grad_norm_ in its two halves, so that a sharded (DTensor) norm is reduced to the
-    whole gradient's before it scales them (as torchtitan does). Returns the norm before clipping."""
+    """clip_grad_norm_ in two halves, a sharded (DTensor) norm made whole between them (as torchtitan)."""
     from torch.distributed.tensor import DTensor
 
     norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
 
 
-# Checkpoints hold whole weights and AdamW state keyed by parameter name, as 1 process writes them,
-# so any world size resumes any other: torch.distributed.checkpoint's state_dict API (dsd) gathers,
-# or scatters, --fsdp shards, and works without a process group too. Every rank calls both.
+# Checkpoints hold whole tensors by parameter name at any world size: torch.distributed.checkpoint's
+# state_dict API (dsd) gathers or scatters --fsdp shards, needing no group. Every rank calls both.
 
 def gather_training_state(model, optimizer):
     """(trained weights, AdamW state), whole on rank 0's CPU (the other ranks get empty dicts)."""
@@ -3065,22 +3047,18 @@ def print_memory_plan(args):
 # =============================================================================================
 
 def save_trained_pipeline(pipe, args):
-    """Writes a pipeline that GlmImagePipeline.from_pretrained(dir) loads as usual, with no adapter
-    code: each LoRA merged into its weight (peft's merge, W += B @ A * alpha / r; transformers has no
-    merge for the AR), its wrapper swapped back for the base Linear (diffusers' recurse_remove_peft_layers,
-    as the DiT's unload_lora does); the AR's generation config the trained policy."""
+    """A pipeline GlmImagePipeline.from_pretrained(dir) loads with no adapter code: each LoRA merged
+    (peft's merge, W += B @ A * alpha / r), its wrapper swapped back for the base Linear (diffusers'
+    recurse_remove_peft_layers, as unload_lora does). The AR's generation config: load_pipeline's."""
     from diffusers.utils import recurse_remove_peft_layers
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    ar = pipe.vision_language_encoder
-    for model in (ar, pipe.transformer):
+    for model in (pipe.vision_language_encoder, pipe.transformer):
         for module in model.modules():
             if isinstance(module, BaseTunerLayer):
                 module.merge()
         recurse_remove_peft_layers(model)
         model._hf_peft_config_loaded = False      # else save_pretrained writes the adapters alone
-    ar.generation_config = policy_generation_config(
-        ar, pipe.transformer.config.prior_vq_quantizer_codebook_size, args.temperature)
     pipe.save_pretrained(args.save_pipeline)
     print(f"saved the trained pipeline to {args.save_pipeline}")
 
@@ -3101,11 +3079,10 @@ def policy_generation_config(ar, codebook_size, temperature):
 @torch.no_grad()
 def generate_images(pipe, prompts, sources=None, height=64, width=64, num_inference_steps=4, guidance_scale=1.0,
                     temperature=None, seed=0):
-    """Text-to-image, or edits of `sources` (one PIL image per prompt), with a pipeline trained here
-    (from_pretrained(--save-pipeline dir), or main()'s return), by the training's sample_group and
-    decode_images: one PIL image per prompt. The library's `pipe(prompt, image=[source])` fails
-    (diffusers 0.42.1 with transformers 5, see encode_sources). temperature: default the saved
-    generation config's. Seeds the global torch RNG (generate takes no generator)."""
+    """One PIL image per prompt (an edit of its PIL source, if given) from a pipeline trained here
+    (from_pretrained(--save-pipeline dir) or main()'s return), by sample_group and decode_images: the
+    library's pipe(prompt, image=[source]) fails (diffusers 0.42.1, transformers 5: encode_sources).
+    temperature: the saved config's by default. Seeds the global torch RNG (generate takes no generator)."""
     if height % 32 or width % 32:
         raise ValueError(f"height and width must be multiples of 32, got {height}x{width}")
     if sources is not None and len(sources) != len(prompts):
@@ -3123,8 +3100,7 @@ def generate_images(pipe, prompts, sources=None, height=64, width=64, num_infere
                                record_logp=False)
         images.append(decode_images(pipe, [prompt], source, rollout, noise[k: k + 1], num_inference_steps,
                                     guidance_scale))
-    pixels = torch.cat(images).clamp(0, 1).permute(0, 2, 3, 1).numpy()
-    return [Image.fromarray((p * 255).round().astype(np.uint8)) for p in pixels]
+    return pipe.image_processor.numpy_to_pil(torch.cat(images).clamp(0, 1).permute(0, 2, 3, 1).numpy())
 
 
 # =============================================================================================
@@ -3161,7 +3137,6 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-    # Under torchrun, DDP's and FSDP's state keeps the process group referenced past
-    # destroy_process_group; freed at interpreter exit, its gloo threads would release tensors when no
-    # thread may take the GIL, and a finished rank dies of SIGABRT (pytorch PR 179291): so now.
+    # DDP's and FSDP's state keeps the process group past destroy_process_group: freed at exit, gloo
+    # threads release tensors with no GIL to take and the rank dies of SIGABRT (pytorch PR 179291).
     gc.collect()
