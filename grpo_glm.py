@@ -2476,17 +2476,15 @@ def tiny_pipeline_dir(seed=0, settings=None):
 # =============================================================================================
 # 22. More GPUs: torchrun data parallel (DDP) and sharding (--fsdp)
 # =============================================================================================
-# `torchrun --nproc_per_node K grpo_glm.py ...` starts K copies (RANK, LOCAL_RANK, WORLD_SIZE in
-# their environment). Each rank takes a contiguous block of the step's prompts (DanceGRPO's layout)
-# and samples, decodes, rewards and standardises whole groups of its own: advantages need no
-# communication. Crossing ranks: the gradient average (DDP's all-reduce, FSDP's reduce-scatter) and
-# a few scalars; rank 0 alone writes files. 1 process and K sample the same (seeds of (seed, step,
-# slot), noise of (seed, prompt)); weights agree up to the order of sums, in float64 to rounding.
+# `torchrun --nproc_per_node K grpo_glm.py ...` starts K copies (RANK, LOCAL_RANK, WORLD_SIZE in their
+# environment). Each rank samples, decodes, rewards and standardises whole groups, a contiguous block of
+# the step's prompts (DanceGRPO's layout), so advantages need no communication: only the gradient average
+# (DDP's all-reduce, FSDP's reduce-scatter) and a few scalars cross ranks; rank 0 alone writes files. 1
+# and K processes sample the same (seeds of (seed, step, slot)); weights agree up to the order of sums.
 
 def float64_throughout():
-    """--dtype float64: transformers' GlmImageRMSNorm and diffusers' apply_rotary_emb round to fp32 on
-    purpose (for bf16), so a 1e-16 difference in sum order flipped fp32 roundings (1 and 2 processes
-    drifted 1e-9 apart). Both swapped for their formula in at least fp32: the library's at other dtypes."""
+    """--dtype float64: GlmImageRMSNorm (transformers) and apply_rotary_emb (diffusers) round to fp32 for
+    bf16, and 1 vs 2 processes drifted 1e-9 apart: swapped for their own formula in at least fp32."""
     import diffusers.models.embeddings as embeddings
     from transformers.models.glm_image.modeling_glm_image import GlmImageRMSNorm
 
@@ -2541,8 +2539,8 @@ def rank_slots(prompts_per_step):       # this rank's groups: a contiguous block
 
 
 def wrap_for_training(model, device):
-    """DDP (its backward averages the gradients) for the training forward; the rest uses unwrap(model)."""
-    if not is_ddp() or fsdp_units(model):
+    """DDP for the training forward (its backward averages gradients; buffers never change): else unwrap."""
+    if not is_ddp() or fsdp_units(model):       # FSDP2 shards in place and averages by itself
         return model
     device_ids = [torch.device(device)] if str(device).startswith("cuda") else None
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
@@ -2607,22 +2605,19 @@ def shard_for_training(model, params, args, reference=None):
         cast_training_params(model, dtype=torch.float32)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for module in [m for m in (model, reference) if m is not None]:
-        for unit in sharded_layers(module):
-            fully_shard(unit, mesh=mesh, mp_policy=policy)
-        # a root's weights stay gathered after forward, for its backward: the reference has none
-        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=True if module is reference else None)
+        # layers, then the root, which FSDP2 (None) keeps gathered after forward for backward: the reference has none
+        for unit in [*sharded_layers(module), module]:
+            fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True if unit is reference else None)
     return [p for p in model.parameters() if p.requires_grad]
 
 
 def sharded_layers(module):     # the units sharded before the root: the AR's decoder layers, the DiT's blocks
-    inner = getattr(module, "model", None)
-    return inner.language_model.layers if inner is not None else module.transformer_blocks
+    return module.model.language_model.layers if hasattr(module, "model") else module.transformer_blocks
 
 
 @contextlib.contextmanager
 def whole_weights(model):
-    """Whole weights for sampling and no-grad passes, which then never communicate (generate would
-    gather each layer per token); freed after. A no-op for a model that is not sharded."""
+    """Whole weights while sampling and in no-grad passes (else generate gathers each layer per token)."""
     units = fsdp_units(model)
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
@@ -2645,11 +2640,9 @@ def clip_gradients(params, max_norm):
     return norm
 
 
-# Checkpoints hold whole tensors by parameter name at any world size: torch.distributed.checkpoint's
-# state_dict API (dsd) gathers or scatters --fsdp shards, needing no group. Every rank calls both.
-
 def gather_training_state(model, optimizer):
-    """(trained weights, AdamW state), whole on rank 0's CPU (the other ranks get empty dicts)."""
+    """(trained weights, AdamW state) by parameter name, whole on rank 0's CPU at any world size (others:
+    empty): torch.distributed.checkpoint's state_dict API (dsd) gathers --fsdp shards. Every rank calls it."""
     from torch.distributed.checkpoint import state_dict as dsd
 
     options = dsd.StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
@@ -2659,7 +2652,7 @@ def gather_training_state(model, optimizer):
 
 
 def load_training_state(model, optimizer, weights, optimizer_state):
-    """Loads gather_training_state's output, of any world size; under --fsdp each rank keeps its shards."""
+    """gather_training_state's output, of any world size, loaded (each rank keeps its --fsdp shards)."""
     from torch.distributed.checkpoint import state_dict as dsd
 
     options = dsd.StateDictOptions(full_state_dict=True, strict=False)
@@ -3079,9 +3072,8 @@ def policy_generation_config(ar, codebook_size, temperature):
 @torch.no_grad()
 def generate_images(pipe, prompts, sources=None, height=64, width=64, num_inference_steps=4, guidance_scale=1.0,
                     temperature=None, seed=0):
-    """One PIL image per prompt (an edit of its PIL source, if given) from a pipeline trained here
-    (from_pretrained(--save-pipeline dir) or main()'s return), by sample_group and decode_images: the
-    library's pipe(prompt, image=[source]) fails (diffusers 0.42.1, transformers 5: encode_sources).
+    """One PIL image per prompt (an edit of its PIL source, if given) from a pipeline trained here, by
+    sample_group and decode_images: pipe(prompt, image=[source]) fails (diffusers 0.42.1, transformers 5).
     temperature: the saved config's by default. Seeds the global torch RNG (generate takes no generator)."""
     if height % 32 or width % 32:
         raise ValueError(f"height and width must be multiples of 32, got {height}x{width}")
