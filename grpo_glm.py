@@ -2490,8 +2490,8 @@ def float64_throughout():
 
     def rms_norm(self, x):
         wide = x.to(torch.promote_types(x.dtype, torch.float32))
-        rms = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * (wide * rms).to(x.dtype)
+        inv_rms = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * (wide * inv_rms).to(x.dtype)
 
     def rotary(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequence_dim=2,
                library=embeddings.apply_rotary_emb):
@@ -2501,8 +2501,7 @@ def float64_throughout():
         x_real, x_imag = x.reshape(*x.shape[:-1], 2, -1).unbind(-2)
         return x * cos + torch.cat([-x_imag, x_real], dim=-1) * sin
 
-    if not getattr(embeddings.apply_rotary_emb, "float64_throughout", False):
-        rotary.float64_throughout = True
+    if "float64_throughout" not in embeddings.apply_rotary_emb.__qualname__:      # not swapped yet
         embeddings.apply_rotary_emb, GlmImageRMSNorm.forward = rotary, rms_norm
 
 
@@ -3085,13 +3084,11 @@ def generate_images(pipe, prompts, sources=None, height=64, width=64, num_infere
         sources = [to_rgb(ImageOps.exif_transpose(s)).resize((width, height), Image.BICUBIC) for s in sources]
     noise = group_noise(pipe, range(len(prompts)), 1, height, width, seed, 0, "per-prompt")
     images = []
-    for k, prompt in enumerate(prompts):
+    for k, (prompt, latents) in enumerate(zip(prompts, noise.split(1))):
         torch.manual_seed(seed * 1_000_003 + k)
         source = sources and sources[k: k + 1]
-        rollout = sample_group(pipe, [prompt], 1, temperature, height, width, "target", sources=source,
-                               record_logp=False)
-        images.append(decode_images(pipe, [prompt], source, rollout, noise[k: k + 1], num_inference_steps,
-                                    guidance_scale))
+        rollout = sample_group(pipe, [prompt], 1, temperature, height, width, "target", source, record_logp=False)
+        images.append(decode_images(pipe, [prompt], source, rollout, latents, num_inference_steps, guidance_scale))
     return pipe.image_processor.numpy_to_pil(torch.cat(images).clamp(0, 1).permute(0, 2, 3, 1).numpy())
 
 
