@@ -2588,8 +2588,8 @@ def fsdp_units(model):      # the modules fully_shard made FSDPModules: [] if no
 
 
 def shard_for_training(model, params, args, reference=None):
-    """--fsdp: shards `model` and its KL `reference` in place; returns the new trainable DTensors for
-    AdamW. bf16: shards in fp32 (AdamW's steps on bf16 round away), gathered in bf16, reduced in fp32."""
+    """--fsdp: shards `model` and its KL `reference` in place; returns AdamW's parameters (new DTensors
+    if sharded). bf16: shards in fp32 (AdamW's steps on bf16 round away), gathered in bf16, reduced in fp32."""
     if not (args.fsdp and is_ddp()):
         return params
     from torch.distributed.device_mesh import init_device_mesh
@@ -2604,7 +2604,7 @@ def shard_for_training(model, params, args, reference=None):
         cast_training_params(model, dtype=torch.float32)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for module in [m for m in (model, reference) if m is not None]:
-        # layers, then the root, which FSDP2 (None) keeps gathered after forward for backward: the reference has none
+        # layers, then the root: None lets FSDP2 keep a root gathered after forward (for backward); a reference has none
         for unit in [*sharded_layers(module), module]:
             fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True if unit is reference else None)
     return [p for p in model.parameters() if p.requires_grad]
