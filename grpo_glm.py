@@ -203,7 +203,7 @@ def load_pipeline(args):
     for name in ("text_encoder", "transformer", "vae"):
         getattr(pipe, name).requires_grad_(False)
     if dtype == torch.float64:
-        float64_throughout(pipe)
+        float64_throughout()
     # The policy alone decides sampling: its own generation config (section 24) replaces the checkpoint's.
     ar = pipe.vision_language_encoder
     suppressed = image_token_suppression(ar, pipe.transformer.config.prior_vq_quantizer_codebook_size)
@@ -1291,7 +1291,7 @@ def write_source_caches(dit, cond):
         read.set_mode("read")
         for mine, theirs in zip(read.caches, written.caches):
             mine.k_caches, mine.v_caches = list(theirs.k_caches), list(theirs.v_caches)
-        if torch.is_grad_enabled() and is_sharded(module):
+        if torch.is_grad_enabled() and fsdp_units(module):
             # --fsdp gathers a layer's weights for backward when the gradient reaches its *output*, not
             # the cached keys/values: 0 x this output, added to the velocity, routes it there too.
             read.anchor = at_least_fp32(out).sum() * 0
@@ -1358,7 +1358,7 @@ def attach_negative_numbers(argv):
 
 def validate_args(args):
     """What the flags' types cannot check: flags together, files, the machine. Before any model loads."""
-    world = launched_world_size()
+    world = world_size()
     refusals = [      # (refused?, why): the first refused one is the error
         (args.prompts_per_step % world, f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
          f"number of processes ({world}): each rank trains whole groups"),
@@ -2485,50 +2485,38 @@ def tiny_pipeline_dir(seed=0, settings=None):
 # =============================================================================================
 # 22. More GPUs: torchrun data parallel (DDP) and sharding (--fsdp)
 # =============================================================================================
-# `torchrun --nproc_per_node K grpo_glm.py ...` starts K copies of this script (RANK, LOCAL_RANK and
-# WORLD_SIZE in their environment). --prompts-per-step is the global count, cut into K contiguous
-# blocks (DanceGRPO's layout): each rank samples, decodes, rewards and standardises whole groups of
-# its own, so the advantages need no communication. What crosses ranks: the gradient average
-# (DDP's all-reduce, FSDP's reduce-scatter) and a few scalars per step (all_reduce_scalars). Rank 0
-# alone writes metrics, samples and checkpoints. 1 process and K sample the same: a group's tokens
-# come from a seed of (seed, step, slot), its DiT noise from (seed, prompt), and every forward covers
-# one micro-batch cut the same way on any K. The weights agree up to the order of floating-point
-# sums, which fp32 AdamW magnifies on near-zero coordinates (README, Measurements); in float64 1 and
-# K processes agree to rounding, as the tests check. A checkpoint resumes at any world size.
+# `torchrun --nproc_per_node K grpo_glm.py ...` starts K copies (RANK, LOCAL_RANK, WORLD_SIZE in their
+# environment). Each rank samples, decodes, rewards and standardises whole groups, a contiguous block of
+# the step's prompts (DanceGRPO's layout), so advantages need no communication: only the gradient average
+# (DDP's all-reduce, FSDP's reduce-scatter) and a few scalars cross ranks; rank 0 alone writes files. 1
+# and K processes sample the same (seeds of (seed, step, slot)); weights agree up to the order of sums.
 
-def float64_throughout(pipe):
-    """--dtype float64 runs every weight-dependent sum in float64. Two library functions round to
-    fp32 on purpose (a bf16 model needs it): the AR's RMSNorm (transformers' GlmImageRMSNorm) and
-    the DiT's rotary embedding (diffusers' apply_rotary_emb, `x.float()`). In a float64 run they round
-    activations to fp32, and a 1e-16 difference in sum order then flips an fp32 rounding (6e-8)
-    here and there: 1 and 2 processes drifted 1e-9 apart on torch 2.14.1. Both are swapped for the
-    same formula in at least fp32, which is the library's own at every other dtype."""
+def float64_throughout():
+    """--dtype float64: GlmImageRMSNorm (transformers) and apply_rotary_emb (diffusers) round to fp32 for
+    bf16, and 1 vs 2 processes drifted 1e-9 apart: swapped for their own formula in at least fp32."""
     import diffusers.models.embeddings as embeddings
     from transformers.models.glm_image.modeling_glm_image import GlmImageRMSNorm
 
     def rms_norm(self, x):
         wide = x.to(torch.promote_types(x.dtype, torch.float32))
-        return self.weight * (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(x.dtype)
+        inv_rms = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * (wide * inv_rms).to(x.dtype)
 
-    def rotary(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequence_dim=2, library=embeddings.apply_rotary_emb):
+    def rotary(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequence_dim=2,
+               library=embeddings.apply_rotary_emb):
         if x.dtype != torch.float64 or (use_real, use_real_unbind_dim, sequence_dim) != (True, -2, 1):
             return library(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
         cos, sin = (f.to(x.device)[None, :, None, :] for f in freqs_cis)     # GLM-Image's DiT: [B, S, heads, D]
         x_real, x_imag = x.reshape(*x.shape[:-1], 2, -1).unbind(-2)
         return x * cos + torch.cat([-x_imag, x_real], dim=-1) * sin
 
-    for module in pipe.vision_language_encoder.modules():
-        if isinstance(module, GlmImageRMSNorm):
-            module.forward = rms_norm.__get__(module)
-    if not getattr(embeddings.apply_rotary_emb, "float64_throughout", False):
-        rotary.float64_throughout = True
-        embeddings.apply_rotary_emb = rotary
+    if "float64_throughout" not in embeddings.apply_rotary_emb.__qualname__:      # not swapped yet
+        embeddings.apply_rotary_emb, GlmImageRMSNorm.forward = rotary, rms_norm
 
 
 def init_distributed(args):
-    """Joins the process group torchrun describes (nothing to do for one process): gloo on CPU, nccl
-    on CUDA. A rank that dies or hangs makes the others' next collective raise after --dist-timeout."""
-    if launched_world_size() == 1:
+    """torchrun's process group, gloo or nccl: a dead or hung rank makes the others raise after --dist-timeout."""
+    if world_size() == 1:
         return
     if args.device == "cuda":
         args.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
@@ -2537,7 +2525,11 @@ def init_distributed(args):
                             timeout=datetime.timedelta(seconds=args.dist_timeout))
 
 
-def launched_world_size():      # torchrun's process count, readable before the group is joined
+def rank():     # torchrun's environment, readable before the group is joined (as nanoGPT reads it)
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size():
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -2545,101 +2537,75 @@ def is_ddp():
     return dist.is_available() and dist.is_initialized()
 
 
-def rank():
-    return dist.get_rank() if is_ddp() else 0
-
-
-def world_size():
-    return dist.get_world_size() if is_ddp() else 1
-
-
 def collective_device():        # nccl reduces CUDA tensors only, gloo CPU ones
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def rank_slots(prompts_per_step):
-    """Positions (in the step's global prompt list) of this rank's groups: a contiguous block."""
+def rank_slots(prompts_per_step):       # this rank's groups: a contiguous block of the step's prompts
     per_rank = prompts_per_step // world_size()
     return range(rank() * per_rank, (rank() + 1) * per_rank)
 
 
 def wrap_for_training(model, device):
-    """DDP around a module that trains (its backward averages the gradients), for the training
-    forward only: no-grad passes and `.generate` use unwrap(model). No buffer changes in training."""
-    if not is_ddp() or is_sharded(model):        # FSDP2 shards in place and averages by itself
+    """DDP for the training forward (its backward averages gradients; buffers never change): else unwrap."""
+    if not is_ddp() or fsdp_units(model):       # FSDP2 shards in place and averages by itself
         return model
-    from torch.nn.parallel import DistributedDataParallel
-
     device_ids = [torch.device(device)] if str(device).startswith("cuda") else None
-    return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
 
 
 def unwrap(model):
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
-def all_reduce_scalars(values, op):
-    """Numbers reduced element-wise over ranks by `op` (dist.ReduceOp.SUM, MIN, MAX), as float64
-    floats: one collective for the lot. Without torchrun, the values themselves."""
-    if not is_ddp():
-        return [float(v) for v in values]
-    reduced = torch.tensor(values, dtype=torch.float64, device=collective_device())
-    dist.all_reduce(reduced, op=op)
-    return reduced.tolist()
-
-
 def all_ranks_agree(flag):
-    """True only if `flag` is True on every rank. Decisions that change how many collectives a rank
-    runs next (skip a non-finite update, stop after Ctrl+C) must be taken together, or one rank
-    waits forever in an all-reduce the others never start."""
-    return all_reduce_scalars([bool(flag)], dist.ReduceOp.MIN)[0] == 1
+    """True if `flag` is on every rank: a choice of how many collectives come next (skip an update,
+    stop) is taken together, or a rank waits forever in a collective the others never start."""
+    if not is_ddp():
+        return bool(flag)
+    agreed = torch.tensor(int(bool(flag)), device=collective_device())
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    return bool(agreed)
 
 
 def reduce_metrics(row):
-    """A metrics row averaged over ranks (logp_diff_max: the maximum). Every rank holds as many
+    """A metrics row averaged over ranks (logp_diff_max, dit/ too: the maximum): every rank holds as many
     samples of the same length, so the mean of the per-rank means is the global mean."""
     if not is_ddp():
         return row
-    keys = [k for k in row if k != "step"]
-    values = [float(row[k]) for k in keys]
-    total, peak = all_reduce_scalars(values, dist.ReduceOp.SUM), all_reduce_scalars(values, dist.ReduceOp.MAX)
-    reduced = [peak[i] if k == "logp_diff_max" else total[i] / world_size() for i, k in enumerate(keys)]
-    return {"step": row["step"], **{k: type(row[k])(v) for k, v in zip(keys, reduced)}}
+    rows = [None] * world_size()
+    dist.all_gather_object(rows, row)       # every rank's row, in rank order
+    peak = lambda k: max(r[k] for r in rows)
+    mean = lambda k: sum(float(r[k]) for r in rows) / len(rows)
+    return {k: type(v)(peak(k) if k.endswith("logp_diff_max") else mean(k)) for k, v in row.items()}
 
 
 def collective_failed(error):
-    """True for an error raised inside torch.distributed or DDP: a peer that died or timed out (gloo
-    reports one as a plain RuntimeError, hence the look at where it came from). Inside backward
-    (DDP's all-reduce, FSDP's reduce-scatter) the frame is autograd's: the message names the backend."""
+    """A peer died or timed out: gloo raises a plain RuntimeError from torch.distributed or DDP, or,
+    in backward (DDP's all-reduce, FSDP's reduce-scatter), from autograd's frame naming the backend."""
     frames = traceback.extract_tb(error.__traceback__)
     return isinstance(error, dist.DistError) or bool(frames and (
         re.search(r"torch[/\\](distributed|nn[/\\]parallel)[/\\]", frames[-1].filename)
         or re.search(r"torch[/\\]autograd[/\\]", frames[-1].filename) and re.search(r"gloo|nccl", str(error), re.I)))
-# --fsdp: FSDP2 (torch.distributed.fsdp.fully_shard). Each rank keeps 1/K of every trained weight,
-# its gradient and AdamW moments (DTensors on a 1-D mesh). A unit's weights are all-gathered just
-# before its forward and backward and freed after; gradients are reduce-scattered (averaged) into
-# the shards after every backward. Units: each decoder layer, then the root (embeddings, norms,
-# heads, the AR's frozen vision encoder and VQ). Sampling runs on whole weights (whole_weights):
-# generate would otherwise all-gather every layer per generated token. Checkpoints hold whole
-# weights and AdamW state, as a 1-process run writes them, so either resumes the other.
+# --fsdp: FSDP2 (fully_shard). Each rank keeps 1/K of every trained weight, its gradient and AdamW
+# moments (DTensors on a 1-D mesh). A unit (a decoder layer or DiT block, then the root) is gathered
+# just before its forward and backward and freed after; gradients are reduce-scattered (averaged).
 
-def is_sharded(model):
+def fsdp_units(model):      # the modules fully_shard made FSDPModules: [] if not sharded
     from torch.distributed.fsdp import FSDPModule
 
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 def shard_for_training(model, params, args, reference=None):
-    """--fsdp under torchrun: shards `model` and its frozen KL `reference` in place; returns the
-    trainable parameters, new DTensors that AdamW must be built on (else `params`). bf16: trained
-    shards in fp32 (AdamW's updates of a bf16 weight round away), gathered as bf16, reduced in fp32."""
+    """--fsdp: shards `model` and its KL `reference` in place; returns AdamW's parameters (new DTensors
+    if sharded). bf16: shards in fp32 (AdamW's steps on bf16 round away), gathered in bf16, reduced in fp32."""
     if not (args.fsdp and is_ddp()):
         return params
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    # The DiT returns a view (its unpatchify); FSDP2 warns in case the caller modifies it in place,
-    # which would skip its pre-backward hook. Nothing here does (dit_velocity is out of place).
+    # FSDP2 warns that the DiT returns a view (unpatchify), lest a caller change it in place: none does
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     mesh, policy = init_device_mesh(collective_device().type, (world_size(),)), MixedPrecisionPolicy()
     if args.dtype == "bfloat16":
@@ -2647,80 +2613,60 @@ def shard_for_training(model, params, args, reference=None):
 
         cast_training_params(model, dtype=torch.float32)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for module in (model, reference):
-        if module is None:
-            continue
-        for unit in sharded_layers(module):
-            fully_shard(unit, mesh=mesh, mp_policy=policy)
-        # FSDP2 keeps a root's weights gathered after its forward (backward needs them at once), and
-        # a root that never runs backward would keep them for good: the reference reshards at once.
-        fully_shard(module, mesh=mesh, mp_policy=policy,
-                    reshard_after_forward=True if module is reference else None)
+    for module in [m for m in (model, reference) if m is not None]:
+        # layers, then the root: None lets FSDP2 keep a root gathered after forward (for backward); a reference has none
+        for unit in [*sharded_layers(module), module]:
+            fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True if unit is reference else None)
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def sharded_layers(module):
-    """The units sharded one by one before the root: the AR's decoder layers, the DiT's blocks."""
-    inner = getattr(module, "model", None)
-    return inner.language_model.layers if inner is not None else module.transformer_blocks
+def sharded_layers(module):     # the units sharded before the root: the AR's decoder layers, the DiT's blocks
+    return module.model.language_model.layers if hasattr(module, "model") else module.transformer_blocks
 
 
 @contextlib.contextmanager
 def whole_weights(model):
-    """A sharded model's whole weights, gathered for the duration (sampling and no-grad passes then
-    run with no communication) and freed after. A no-op for a model that is not sharded."""
-    from torch.distributed.fsdp import FSDPModule
-
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not units:
-        yield
-        return
-    model.set_reshard_after_forward(False)
+    """Whole weights while sampling and in no-grad passes (else generate gathers each layer per token)."""
+    units = fsdp_units(model)
     for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
         unit.unshard()
     try:
         yield
     finally:
-        model.set_reshard_after_forward(True)
-        model.set_reshard_after_forward(False, recurse=False)   # FSDP2's default for the root
         for unit in units:
+            unit.set_reshard_after_forward(unit is not model, recurse=False)   # FSDP2's defaults (root: False)
             unit.reshard()
 
 
 def clip_gradients(params, max_norm):
-    """torch's clip_grad_norm_ in its two halves, so that a sharded (DTensor) norm is reduced to the
-    whole gradient's before it scales them (as torchtitan does). Returns the norm before clipping."""
+    """clip_grad_norm_ in two halves, a sharded (DTensor) norm made whole between them (as torchtitan)."""
     from torch.distributed.tensor import DTensor
 
     norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
 
 
 def gather_training_state(model, optimizer):
-    """(trained weights, AdamW state), both keyed by parameter name, whole on rank 0's CPU at any world
-    size: torch.distributed.checkpoint's state_dict API all-gathers --fsdp shards and works without a
-    process group too. Every rank calls it (a collective under --fsdp); the other ranks get empty dicts."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    """(trained weights, AdamW state) by parameter name, whole on rank 0's CPU at any world size (others:
+    empty): torch.distributed.checkpoint's state_dict API (dsd) gathers --fsdp shards. Every rank calls it."""
+    from torch.distributed.checkpoint import state_dict as dsd
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    options = dsd.StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
     trained = {name for name, p in model.named_parameters() if p.requires_grad}
-    weights = {k: v for k, v in get_model_state_dict(model, options=options).items() if k in trained}  # no buffers
-    return weights, get_optimizer_state_dict(model, optimizer, options=options)
+    weights = {k: v for k, v in dsd.get_model_state_dict(model, options=options).items() if k in trained}  # no buffers
+    return weights, dsd.get_optimizer_state_dict(model, optimizer, options=options)
 
 
 def load_training_state(model, optimizer, weights, optimizer_state):
-    """Loads gather_training_state's whole weights and AdamW state (of any world size); under --fsdp
-    each rank keeps its shards. Every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
+    """gather_training_state's output, of any world size, loaded (each rank keeps its --fsdp shards)."""
+    from torch.distributed.checkpoint import state_dict as dsd
 
-    options = StateDictOptions(full_state_dict=True, strict=False)
-    set_model_state_dict(model, weights, options=options)
-    set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+    options = dsd.StateDictOptions(full_state_dict=True, strict=False)
+    dsd.set_model_state_dict(model, weights, options=options)
+    dsd.set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
 
 
 # =============================================================================================
@@ -3071,14 +3017,18 @@ def print_memory_plan(args):
 # =============================================================================================
 
 def save_trained_pipeline(pipe, args):
-    """Writes a pipeline that GlmImagePipeline.from_pretrained(dir) loads as usual: LoRA merged into
-    the weights (no adapter code needed to load), the AR's generation config the trained policy."""
-    ar = pipe.vision_language_encoder
-    if args.lora_rank and args.policy != "dit":
-        merge_lora(ar)
-    if args.dit_lora_rank:
-        pipe.transformer.fuse_lora()        # diffusers' merge, W += B @ A * alpha / r
-        pipe.transformer.unload_lora()      # each peft wrapper back to its base Linear
+    """A pipeline GlmImagePipeline.from_pretrained(dir) loads with no adapter code: each LoRA merged
+    (peft's merge, W += B @ A * alpha / r), its wrapper swapped back for the base Linear (diffusers'
+    recurse_remove_peft_layers, as unload_lora does). The AR's generation config: load_pipeline's."""
+    from diffusers.utils import recurse_remove_peft_layers
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for model in (pipe.vision_language_encoder, pipe.transformer):
+        for module in model.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.merge()
+        recurse_remove_peft_layers(model)
+        model._hf_peft_config_loaded = False      # else save_pretrained writes the adapters alone
     pipe.save_pretrained(args.save_pipeline)
     print(f"saved the trained pipeline to {args.save_pipeline}")
 
@@ -3102,29 +3052,13 @@ def sampling_of(ar):
     return SamplingParams(config.temperature, config.top_k, config.top_p, tuple(config.suppress_tokens))
 
 
-def merge_lora(ar):
-    """peft's LoraLayer.merge (W += B @ A * alpha / r), each wrapper then swapped for its base Linear:
-    transformers' add_adapter API has no merge, and peft's merge_and_unload needs a PeftModel."""
-    from peft.tuners.lora import LoraLayer
-
-    wrappers = [(name, module) for name, module in ar.named_modules() if isinstance(module, LoraLayer)]
-    for name, module in wrappers:
-        module.merge()
-        parent_name, _, child = name.rpartition(".")
-        setattr(ar.get_submodule(parent_name), child, module.get_base_layer())
-    ar.peft_config = {}
-    ar._hf_peft_config_loaded = False
-    return ar
-
-
 @torch.no_grad()
 def generate_images(pipe, prompts, sources=None, height=64, width=64, num_inference_steps=4, guidance_scale=1.0,
                     temperature=None, seed=0):
-    """Text-to-image, or edits of `sources` (one PIL image per prompt), with a pipeline trained here
-    (from_pretrained(--save-pipeline dir), or main()'s return value): one PIL image per prompt. It
-    runs the training's sample_group and decode_images; the library's `pipe(prompt, image=[source])`
-    fails (diffusers 0.42.1 with transformers 5, see generation_inputs). It samples the saved policy
-    (sampling_of), at `temperature` if given. Seeds the global torch RNG (generate takes no generator)."""
+    """One PIL image per prompt (an edit of its PIL source, if given) from a pipeline trained here, by
+    sample_group and decode_images: pipe(prompt, image=[source]) fails (diffusers 0.42.1, transformers 5).
+    It samples the saved policy (sampling_of), at `temperature` if given. Seeds the global torch RNG
+    (generate takes no generator)."""
     if height % 32 or width % 32:
         raise ValueError(f"height and width must be multiples of 32, got {height}x{width}")
     if sources is not None and len(sources) != len(prompts):
@@ -3136,15 +3070,12 @@ def generate_images(pipe, prompts, sources=None, height=64, width=64, num_infere
         sources = [to_rgb(ImageOps.exif_transpose(s)).resize((width, height), Image.BICUBIC) for s in sources]
     noise = group_noise(pipe, range(len(prompts)), 1, height, width, seed, 0, "per-prompt")
     images = []
-    for k, prompt in enumerate(prompts):
+    for k, (prompt, latents) in enumerate(zip(prompts, noise.split(1))):
         torch.manual_seed(seed * 1_000_003 + k)
         source = sources and sources[k: k + 1]
-        rollout = sample_group(pipe, [prompt], 1, sampling, height, width, "target", sources=source,
-                               record_logp=False)
-        images.append(decode_images(pipe, [prompt], source, rollout, noise[k: k + 1], num_inference_steps,
-                                    guidance_scale))
-    pixels = torch.cat(images).clamp(0, 1).permute(0, 2, 3, 1).numpy()
-    return [Image.fromarray((p * 255).round().astype(np.uint8)) for p in pixels]
+        rollout = sample_group(pipe, [prompt], 1, sampling, height, width, "target", source, record_logp=False)
+        images.append(decode_images(pipe, [prompt], source, rollout, latents, num_inference_steps, guidance_scale))
+    return pipe.image_processor.numpy_to_pil(torch.cat(images).clamp(0, 1).permute(0, 2, 3, 1).numpy())
 
 
 # =============================================================================================
@@ -3154,15 +3085,11 @@ def generate_images(pipe, prompts, sources=None, height=64, width=64, num_infere
 def main(argv=None):
     args = parse_args(argv)
     try:
-        if args.plan:
-            print_memory_plan(args)
-            return
-        return train(args)
-    except UsageError as e:
-        where = int(os.environ.get("RANK", "0"))      # torchrun's rank (the group may not be joined yet)
-        if e.local and launched_world_size() > 1:
-            print(f"error: rank {where}: {e}", file=sys.stderr)
-        elif where == 0:
+        return print_memory_plan(args) if args.plan else train(args)
+    except UsageError as e:     # a bad flag or input: one line, by rank 0 (by its rank, if seen there alone)
+        if e.local and world_size() > 1:
+            print(f"error: rank {rank()}: {e}", file=sys.stderr)
+        elif rank() == 0:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except Exception as e:
@@ -3172,25 +3099,19 @@ def main(argv=None):
                   f"(micro-batch {args.micro_batch_size}): lower --micro-batch-size, --group-size or "
                   f"--prompts-per-step, or add --gradient-checkpointing; the checkpoints in {args.out} are intact",
                   file=sys.stderr)
-            sys.exit(1)
-        if not (is_ddp() and collective_failed(e)):
+        elif is_ddp() and collective_failed(e):
+            print(f"error: rank {rank()} lost contact with the other processes ({str(e).splitlines()[0][:160]}): "
+                  f"one died or hung past --dist-timeout; its own output says why", file=sys.stderr)
+        else:
             raise
-        print(f"error: rank {rank()} lost contact with the other processes ({str(e).splitlines()[0][:160]}): "
-              f"one died or hung past --dist-timeout; its own output says why", file=sys.stderr)
         sys.exit(1)
     finally:
         if is_ddp():
             dist.destroy_process_group()
 
 
-def release_process_group_holders():
-    """Under torchrun: frees the trained model while Python is fully alive. DDP's and FSDP's state
-    keeps the process group referenced past destroy_process_group; left to interpreter exit, its gloo
-    threads release tensors when no thread may take the GIL any more, and a finished rank dies of
-    SIGABRT ("terminate called without an active exception"; pytorch PR 179291 describes it)."""
-    gc.collect()
-
-
 if __name__ == "__main__":
     main()
-    release_process_group_holders()
+    # DDP's and FSDP's state keeps the process group past destroy_process_group: freed at exit, gloo
+    # threads release tensors with no GIL to take and the rank dies of SIGABRT (pytorch PR 179291).
+    gc.collect()
