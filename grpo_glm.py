@@ -119,21 +119,21 @@ def parse_args(argv=None):
     a("--beta", type=non_negative, default=0.0, help="Weight of the KL penalty towards the initial model (0 = "
       "none, TRL's default): k3 on the AR's tokens; on the DiT the exact Gaussian KL ||dmu||^2 / (2 std_t^2 "
       "|dt|). flow_grpo's code omits |dt|, so a beta taken from flow_grpo is 10-1000x stronger here.")
-    a("--temperature", type=positive, default=1.0, help="Sampling temperature T; log-probs use logits / T (a pretrained "
-      "model: 0.9, its model card's).")
+    a("--temperature", type=positive, default=1.0, help="Sampling temperature T; log-probs use logits / T "
+      "(a pretrained model: 0.9, its model card's).")
     a("--top-k", type=non_negative_int, default=0, help="Sample among the k most likely image tokens (0 = all); "
       "part of the policy: the loss scores tokens by the same truncated softmax.")
-    a("--top-p", type=number(float, above=0, most=1), default=1.0, help="Nucleus sampling: among the fewest tokens whose "
-      "probability adds up to p (1 = all); part of the policy, as --top-k (a pretrained model: 0.75).")
-    a("--height", type=pixels, default=128, help="Image height in pixels, a multiple of GLM-Image's 32-pixel tokens (a "
-      "pretrained model: 1024).")
+    a("--top-p", type=number(float, above=0, most=1), default=1.0, help="Nucleus sampling: among the fewest "
+      "tokens whose probability adds up to p (1 = all); part of the policy, as --top-k (a pretrained model: 0.75).")
+    a("--height", type=pixels, default=128, help="Image height in pixels, a multiple of GLM-Image's 32-pixel "
+      "tokens (a pretrained model: 1024).")
     a("--width", type=pixels, default=128, help="Image width in pixels, a multiple of 32 (a pretrained model: 1024).")
     a("--num-inference-steps", type=count, default=4, help="DiT denoising steps when decoding samples (a pretrained "
       "model: 30).")
     a("--dit-noise", choices=["per-prompt", "per-step"], default="per-prompt", help="Initial DiT noise: one "
       "draw per prompt for the whole run, or a fresh one per step (always shared within a group).")
-    a("--guidance-scale", type=number(float), default=1.0, help="DiT classifier-free guidance scale (1 = off; a pretrained "
-      "model: 1.5).")
+    a("--guidance-scale", type=number(float), default=1.0, help="DiT classifier-free guidance scale (1 = off; "
+      "a pretrained model: 1.5).")
     a("--loss-tokens", choices=["target", "all"], default="target", help="Which generated tokens the loss "
       "covers: the target grid the DiT decodes, or the preview grid too (section 9).")
     a("--lora-rank", type=non_negative_int, default=0, help="LoRA rank on the AR's projections (0 = full fine-tuning).")
