@@ -142,8 +142,8 @@ def parse_args(argv=None):
       "all its weights, or its output layer (head) on a frozen body; auto = head for --model tiny (section 2).")
     a("--policy", choices=["ar", "dit", "both"], default="ar", help="What GRPO trains: the AR token model "
       "(the DiT renders, frozen), the DiT with Flow-GRPO (tokens shared per prompt), or both from one reward.")
-    a("--dit-lr", type=positive, default=3e-3, help="AdamW learning rate of the DiT (a pretrained model: 1e-5; 3e-4 with "
-      "--dit-lora-rank).")
+    a("--dit-lr", type=positive, default=3e-3, help="AdamW learning rate of the DiT (a pretrained model: 1e-5; "
+      "3e-4 with --dit-lora-rank).")
     a("--dit-clip-eps", type=positive, default=1e-4, help="PPO clip epsilon of the DiT's per-step ratio "
       "(flow_grpo's; step log-probs are means over latent dims, so ratios stay within ~1e-3 of 1).")
     a("--dit-noise-level", type=positive, default=0.7, help="a in Flow-GRPO's SDE, std_t = a sqrt(sigma / "
