@@ -1115,10 +1115,7 @@ def sample_groups(pipe, prompts, sources, slots, step, args, record_logp=True, p
     and a batch with none loses its attention mask in transformers and takes SDPA's causal kernel."""
     if prompt_len is None:
         longest = processor_inputs(pipe, prompts, sources, args.height, args.width, "cpu")["input_ids"].shape[1]
-        if is_ddp():
-            longest = torch.tensor(longest, device=collective_device())
-            dist.all_reduce(longest, op=dist.ReduceOp.MAX)
-        prompt_len = int(longest) + 1
+        prompt_len = max_over_ranks(longest) + 1
     ar = pipe.vision_language_encoder
     generators = [torch.Generator(ar.device).manual_seed(sampling_seed(args.seed, step, slot)) for slot in slots]
     return sample_group(pipe, prompts, args.group_size, sampling_of(ar), args.height, args.width, args.loss_tokens,
@@ -2079,7 +2076,7 @@ class StopAfterStep:
     def agree(self):
         """True if any rank got a stop signal; all ranks then adopt its number (for the exit code)."""
         self.voted = True
-        seen = int(all_reduce_scalars([self.signum or 0], dist.ReduceOp.MAX)[0])
+        seen = max_over_ranks(self.signum or 0)
         if seen and self.signum is None:
             self.signum = seen
             if rank() == 0:
@@ -2558,14 +2555,19 @@ def unwrap(model):
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
+def max_over_ranks(value):
+    """The largest of every rank's integer `value` (one all-reduce; without torchrun, `value`)."""
+    if not is_ddp():
+        return int(value)
+    value = torch.tensor(int(value), device=collective_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value)
+
+
 def all_ranks_agree(flag):
     """True if `flag` is on every rank: a choice of how many collectives come next (skip an update,
     stop) is taken together, or a rank waits forever in a collective the others never start."""
-    if not is_ddp():
-        return bool(flag)
-    agreed = torch.tensor(int(bool(flag)), device=collective_device())
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
-    return bool(agreed)
+    return max_over_ranks(not flag) == 0
 
 
 def reduce_metrics(row):
