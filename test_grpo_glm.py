@@ -950,15 +950,15 @@ def test_saved_pipeline_loads_and_carries_the_training(tmp_path):
     # crashed on a mid-grid end id before the saved generation config suppressed them)
     base.vision_language_encoder.generation_config = loaded.vision_language_encoder.generation_config
     changed = 0
-    for seed in range(8):
+    for seed in range(16):
         images = [pipe("a red circle on a white background", height=64, width=64, num_inference_steps=4,
                        generator=torch.Generator().manual_seed(seed), output_type="pt").images
                   for pipe in (loaded, base)]
         assert images[0].shape == (1, 3, 64, 64) and torch.isfinite(images[0]).all()
         changed += (images[0] - images[1]).abs().max().item() > 1e-3
-    # 3 small steps move each grid token's probability by a few %: the same seed then draws
-    # other tokens for some seeds, not all
-    assert changed >= 2
+    # 3 small steps move each grid token's probability by a few %: the same seed then draws other
+    # tokens for some seeds, not all (6 and 7 of 16 in two runs whose decodes differed by 1e-7)
+    assert changed >= 3
 
 
 def test_saved_i2i_pipeline_edits_images_with_generate_images(tmp_path, i2i_prompts, monkeypatch):
