@@ -2674,13 +2674,10 @@ def load_training_state(model, optimizer, weights, optimizer_state):
 # =============================================================================================
 # 23. Memory plan for the real GLM-Image (arithmetic on the real configs, meta device)
 # =============================================================================================
-# --plan prints the bytes one GPU holds, from the configs alone: the components are built on the
-# meta device (shapes, no memory, no download). Weights in the model dtype (bf16 on CUDA: d = 2
-# bytes); LoRA adapters, their gradients and AdamW moments in fp32 (a = 4); under full fine-tuning
-# gradients and moments in the weights' dtype (torch's AdamW allocates its state like the
-# parameter). Checked against the CPU allocator: the AR's update at the real width
-# (test_slow_memory_plan_matches_a_measured_update_at_the_real_width), a layer's saved tensors, a VAE
-# decode; the DiT's terms are estimates. A row's keys are its printed columns.
+# --plan prints the bytes one GPU holds, from the configs alone (components built on the meta device: no
+# memory, no download). Weights in the model dtype (bf16 on CUDA); LoRA adapters, their gradients and AdamW
+# moments in fp32; full fine-tuning's in the weights' dtype (torch's AdamW allocates state like the parameter).
+# Checked against the CPU allocator (README, Measurements); the DiT's terms are estimates.
 
 GiB = 1024 ** 3
 WEIGHT_BYTES = 2         # the model dtype on CUDA, bf16: weights, activations, KV caches
@@ -2734,9 +2731,8 @@ def generated_tokens(height, width):
 
 
 def ar_sequence(mode, height, width, prompt_tokens=64, image_processor=None):
-    """(P, L): prompt and generated tokens of one AR sample (section 4). i2i: the prompt also holds the
-    source's VQ tokens (the processor's rule, None: the real one's) between image start and end, and L
-    is the grid + end slot (no preview)."""
+    """(P, L): prompt and generated tokens of one AR sample (section 4). i2i: P adds image start, end and the
+    source's VQ tokens (`image_processor`'s rule, None: the real one's); L is the grid + end slot (no preview)."""
     from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
 
     if mode == "t2i":
@@ -2764,30 +2760,25 @@ def layer_activation_bytes(text_config, lora_rank=0, bytes_per=WEIGHT_BYTES):
 
 def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, checkpointing, tensors=(),
                     head_trainable=0, total_params=0, bytes_per=WEIGHT_BYTES, foreach=True):
-    """The AR's weights (`total_params` + the adapters), gradients and moments of the trained `tensors`
-    (numels), and each phase of one micro-batch's update on top of them, with their max, "peak".
-    `head_trainable`: parameters with gradients from backward's start (final norm, lm_head; 0 under LoRA)."""
+    """The AR's weights (`total_params` + adapters), grads and moments of the trained `tensors` (numels), each phase
+    of one micro-batch's update, and their max "peak". `head_trainable`: final norm + lm_head (0 under LoRA)."""
     d, h, V = bytes_per, text_config.hidden_size, text_config.vision_vocab_size
     tokens = samples * (prompt_tokens + generated - 1)       # teacher-forced input: prompt + generated[:-1]
     rows = samples * generated                               # logit rows
     layer = layer_activation_bytes(text_config, lora_rank, d) * tokens
-    layers = text_config.num_hidden_layers
-    # checkpointing keeps each layer's input (d h per token); one layer is recomputed in full in backward
-    kept = layers * d * h * tokens if checkpointing else layers * layer
+    # checkpointing: each layer's input (d h per token), and one layer recomputed in full in backward
+    kept = text_config.num_hidden_layers * (d * h * tokens if checkpointing else layer)
     rotary = int(head_dim(text_config) * text_config.rope_parameters.get("partial_rotary_factor", 1.0))
-    # per token outside the layers: the final norm's fp32 input, M-RoPE's cos and sin (all layers); full
-    # fine-tuning: the final norm's normalised value, lm_head's input
+    # per token: the final norm's fp32 input, M-RoPE's cos and sin; full: the norm's output, lm_head's input
     outside = tokens * (4 * h + (0 if lora_rank else 2 * d * h) + 2 * rotary * d)
     state = ADAPTER_BYTES if lora_rank else d                 # gradients and moments: the parameters' dtype
     grads = state * sum(tensors)
     logits = rows * d * V                                     # held by ar_loss_terms till the next micro-batch
-    # a frozen lm_head (LoRA): matmul broadcasts it over the logits_to_keep slice, the CPU's bmm copies it
-    # per sample (CUDA may not: the plan is high)
+    # a frozen lm_head (LoRA): the CPU's bmm copies it per sample (CUDA may not: the plan is high)
     head_copy = 0 if head_trainable else samples * V * h * d
     held = kept + outside + logits
     forward_model = held + max(head_copy, rows * 8 * V)      # token_logprobs' fp32 copy and its division by T
-    # 1st pass: log_softmax (4 V) + the entropy monitor (logits / T, log_softmax, exp, nan_to_num, product)
-    forward_logits = held + rows * 24 * V
+    forward_logits = held + rows * 24 * V                     # log_softmax (4 V) + the entropy monitor (5 x 4 V)
     backward_activations = max(held + rows * 12 * V,          # the fp32 gradient chain of gather and log_softmax
                                held + logits + head_copy, kept + logits + layer if checkpointing else 0)
     backward = max(backward_activations + head_trainable * state, grads + logits)
@@ -2815,47 +2806,31 @@ def dit_lora_parameter_count(dit, rank):
 
 
 def dit_step_bytes(dit, height, width, samples, cfg, checkpointing, text_tokens=64):
-    """What one denoising step (Part II backpropagates one at a time) keeps for backward, x2 with CFG:
-    per block and token ~30 x hidden values (attention as the AR's, a 4x GELU MLP), not measured;
-    with checkpointing, each block's input and one block recomputed."""
+    """One denoising step's saved tensors (Part II backpropagates one at a time), not measured: ~30 x hidden values
+    per block and token (a 4x GELU MLP), x2 with CFG; checkpointing: each block's input + one block recomputed."""
     hidden = dit.config.num_attention_heads * dit.config.attention_head_dim
-    block_inputs = ((height // 16) * (width // 16) + text_tokens) * samples * (2 if cfg else 1) * hidden * 2
+    block_input = ((height // 16) * (width // 16) + text_tokens) * samples * (2 if cfg else 1) * hidden * 2
     layers = dit.config.num_layers
-    return layers * block_inputs + 30 * block_inputs if checkpointing else layers * 30 * block_inputs
-
-
-def source_kv_bytes(dit, height, width, prompts):
-    """i2i: write_source_caches' KV caches, one per prompt, alive while the DiT samples and through a
-    step's backward: each layer's K and V over the source latent's tokens (1.9 GiB per prompt at 1024^2)."""
-    hidden = dit.config.num_attention_heads * dit.config.attention_head_dim
-    return prompts * dit.config.num_layers * 2 * (height // 16) * (width // 16) * hidden * WEIGHT_BYTES
+    return (layers + 30 if checkpointing else layers * 30) * block_input
 
 
 def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
-    """The peak of one vae.decode (latents_to_images) of `images` latents, no grad. Up block i runs at
-    height x width / 4^(last - i); its first resnet holds its input (block i - 1's channels, upsampled),
-    norm1's and SiLU's outputs: 3 x channels x pixels, the most in the last block (GLM-Image: 3 x 512 x
-    1024^2, 3 GiB an image). Planned / measured on the CPU in fp32 (its bf16 convolutions take an im2col
-    path with a 9x buffer, cuDNN's do not): 0.999 at GLM-Image's widths / 8
-    (test_plan_counts_the_vae_decode_and_source_caches); 0.6 at the tiny model's 8 channels."""
+    """Peak of one no-grad vae.decode: up block i runs at H W / 4^(last - i), its first resnet holds its input (block
+    i - 1's channels, upsampled), norm1's and SiLU's outputs: 3 x channels x pixels (3 GiB an image at 1024^2)."""
     channels = list(reversed(vae.config.block_out_channels))
     last = len(channels) - 1
     return 3 * bytes_per * images * max(channels[max(i - 1, 0)] * height * width // 4 ** (last - i)
                                         for i in range(last + 1))
 
 
-# --fsdp, per GPU on K GPUs (section 22). Sharded: the trained weights as fp32 master shards, with fp32
-# gradients and two fp32 moments (16 bytes per parameter / K); the frozen ones (the AR's vision encoder
-# and VQ) in bf16 / K. Gathered in bf16, whole on every GPU for a while: the root unit (embeddings,
-# heads, final norms, the AR's vision encoder and VQ) from its forward to the end of its backward
-# (FSDP2 does not reshard a root after forward); two decoder layers (forward prefetches the next,
-# backward the previous); a layer's reduce at the end of its backward: its bf16 gradient and fp32 copy
-# (2 + 4 bytes per parameter), the root's last, when layers and activations are freed; the whole model
-# while it samples (whole_weights), beside its sampling working set. Peaks: the resident shards + the
-# largest phase: sampling (all gradients, as zero_grad comes at the next update, + one half's whole
-# weights, or a frozen part's turn), a half's backward beside its and the earlier halves' gradients,
-# AdamW's step (foreach: the gradients' bytes). Not counted: all-gather buffers briefly doubled during a
-# copy-out, the reference's no-grad pass (below the update's), the CUDA allocator's slack.
+# --fsdp, per GPU on K GPUs (section 22):
+#   shards: the trained weights as fp32 masters + fp32 grads + 2 fp32 moments (16 bytes / parameter / K), frozen bf16 / K
+#   gathered, bf16: the root unit (embeddings, heads, final norms, the AR's vision encoder and VQ) from its forward
+#     to its backward's end (FSDP2 does not reshard a root); 2 decoder layers (prefetch); the whole model to sample
+#   a layer's reduce at its backward's end: its bf16 grad + an fp32 copy (2 + 4 bytes / parameter), the root's last
+#   peak: the shards + max(sampling beside all grads (zero_grad comes at the next update), a half's backward beside
+#     its and earlier halves' grads, AdamW's step (foreach: the grads' bytes), a frozen part's turn)
+#   not counted: all-gather buffers doubled during a copy-out, the reference's no-grad pass, the allocator's slack
 
 def fsdp_shard_bytes(model, trainable, gpus, working, sampling=0, reference=False, bytes_per=WEIGHT_BYTES):
     """Per-GPU bytes of `model` sharded on `gpus` GPUs, `working`: its activations, `sampling`: its working set
@@ -2886,22 +2861,23 @@ def fsdp_peaks(halves, beside=0, offloaded=0):
 
 def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=False, gpus=(), ranks=(64, 16),
                 mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0):
-    """--plan's rows, each without and with checkpointing: "ar" per LoRA rank (0: full), "dit" full and
-    lora-64, "fsdp" per K in `gpus`; parameter counts; the step's terms. The AR trains on micro-batches
-    of `samples`; `batch` images (default `samples`) of `prompts` prompts make the DiT's step, the VAE's
-    decode and i2i's source caches (/ K per GPU under --fsdp). The frozen parts take turns on the GPU,
-    the VAE with its decode, the DiT with the source caches; the frozen AR (--policy dit) stays."""
+    """--plan's rows keyed by their printed columns, without and with checkpointing: "ar" per LoRA rank (0: full),
+    "dit" full and lora-64, "fsdp" per K in `gpus`; the AR's micro-batch: `samples`; the DiT's step: `batch`."""
     ar, dit, d = components["ar"], components["dit"], WEIGHT_BYTES
     text, batch = ar.config.text_config, batch or samples
     counts = {name: numel(module) for name, module in components.items()}
     frozen = {name: d * counts[name] for name in ("dit", "glyph_t5", "vae")}
     prompt_len, generated = ar_sequence(mode, height, width, prompt_tokens, image_processor)
     head = numel(ar.model.language_model.norm) + numel(ar.lm_head)
+    hidden = dit.config.num_attention_heads * dit.config.attention_head_dim
+    # i2i: write_source_caches' KV caches, one per prompt, alive while the DiT samples and through a step's
+    # backward: each layer's K and V over the source latent's tokens
+    source_kv = prompts * dit.config.num_layers * 2 * (height // 16) * (width // 16) * hidden * d if mode == "i2i" else 0
     terms = {"tokens": (prompt_len, generated), "decode": vae_decode_bytes(components["vae"], height, width, 1),
-             "source_kv": source_kv_bytes(dit, height, width, prompts) if mode == "i2i" else 0}
-    working = {"vae": terms["decode"], "dit": terms["source_kv"], "glyph_t5": 0}
+             "source_kv": source_kv}
+    working = {"vae": terms["decode"], "dit": source_kv, "glyph_t5": 0}
 
-    def turn(parts, k=1):      # the largest frozen part on the GPU, with its working set (source caches / K)
+    def turn(parts, k=1):      # frozen parts take turns on the GPU, each with its working set (source caches / K)
         return max(frozen[p] + (working[p] // k if p == "dit" else working[p]) for p in parts)
 
     def ar_row(rank, checkpointing):
@@ -2910,8 +2886,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
                             counts["ar"])
         weights = u["weights"] + (d * counts["ar"] if beta > 0 and not rank else 0)   # full: a KL reference copy
         resident = weights + u["adam"]
-        # between updates the gradients stay (zero_grad comes at the next update) while the frozen parts
-        # run: offloaded, one at a time; else all of them, always
+        # the gradients stay between updates (zero_grad comes at the next) while the frozen parts run
         return {"mode": f"lora-{rank}" if rank else "full", "grad ckpt": checkpointing, "micro-batch": samples,
                 "trainable": sum(tensors), "AR weights": weights, "grads": u["grads"], "AdamW": u["adam"],
                 "activations": u["activations"], "update peak": resident + u["peak"],
@@ -2922,11 +2897,11 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
     both, in_turn = ar_row((ranks or (0,))[0], True), ("glyph_t5", "vae")    # 'both' trains the AR's first rank
 
     def dit_row(lora, checkpointing):
-        # gradients accumulate over the trained steps beside one step's activations; 'dit' keeps the frozen
-        # AR on the GPU, 'both' the trained AR's weights and states (its activations freed before)
+        # grads accumulate over the trained steps beside one step's activations; 'dit' keeps the frozen AR,
+        # 'both' the trained AR's weights and states (its activations freed before)
         trainable, state = (dit_lora_parameter_count(dit, 64), ADAPTER_BYTES) if lora else (counts["dit"], d)
         weights = frozen["dit"] + (ADAPTER_BYTES * trainable if lora else 0)
-        activations = dit_step_bytes(dit, height, width, batch, cfg, checkpointing) + terms["source_kv"]
+        activations = dit_step_bytes(dit, height, width, batch, cfg, checkpointing) + source_kv
         peak = weights + 3 * state * trainable + max(
             max(frozen[p] for p in in_turn) + max(activations, state * trainable), turn(in_turn))
         return {"DiT mode": "lora-64" if lora else "full", "grad ckpt": checkpointing, "trainable": trainable,
@@ -2941,9 +2916,8 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         kv_cache = (prompt_len + generated) * text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim(text)
         sampling = max(batch // k * kv_cache * d, samples * generated * text.vision_vocab_size * (2 + 8))
         a = fsdp_shard_bytes(ar, sum(trainable_tensors(ar, 0)), k, update["peak"], sampling, beta > 0)
-        source_kv = terms["source_kv"] // k           # the DiT's: a step over batch / K samples
-        activations = dit_step_bytes(dit, height, width, batch // k, cfg, checkpointing) + source_kv
-        t = fsdp_shard_bytes(dit, counts["dit"], k, activations, source_kv, beta > 0)
+        activations = dit_step_bytes(dit, height, width, batch // k, cfg, checkpointing) + source_kv // k
+        t = fsdp_shard_bytes(dit, counts["dit"], k, activations, source_kv // k, beta > 0)
         return {"GPUs": k, "grad ckpt": checkpointing, "ar": a, "dit": t, **fsdp_peaks([a], offloaded=turn(frozen, k)),
                 "peak, dit": fsdp_peaks([t], beside=d * counts["ar"], offloaded=turn(in_turn, k))["peak"],
                 "peak, both": fsdp_peaks([a, t], offloaded=turn(in_turn, k))["peak"]}
@@ -2957,15 +2931,14 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
 def print_memory_plan(args):
     validate_plan_args(args)
     components, image_processor = plan_components(args.model, args.seed)
-    # AR activations are held for one micro-batch (--micro-batch-size samples, default G); the DiT's
-    # update runs a denoising step over the whole batch at once; the VAE decodes one image at a time.
+    # AR activations: one micro-batch (--micro-batch-size, default G); the DiT: one step over the whole batch
     samples, prompts = args.micro_batch_size or args.group_size, args.prompts_per_step
-    batch, cfg = args.group_size * prompts, args.guidance_scale > 1
+    batch, cfg, i2i = args.group_size * prompts, args.guidance_scale > 1, args.mode == "i2i"
     ranks = (args.lora_rank,) if args.lora_rank else (64, 16)
     rows, counts, terms = memory_plan(components, args.height, args.width, samples, batch, prompts, cfg,
                                       args.plan_gpus or (), ranks, args.mode, image_processor=image_processor,
                                       beta=args.beta)
-    (prompt_len, generated), i2i = terms["tokens"], args.mode == "i2i"
+    prompt_len, generated = terms["tokens"]
     # the tiny model's bytes would all print as 0.0 GiB: small models get MiB and thousands
     unit, unit_name = (GiB, "GiB") if max(r["peak, no offload"] for r in rows["ar"]) >= GiB else (1024 ** 2, "MiB")
     count_div, count_name = (1e6, "M") if max(counts.values()) >= 1e8 else (1e3, "k")
@@ -2977,41 +2950,36 @@ def print_memory_plan(args):
             return f"{value / count_div:.1f} {count_name}"
         return str(value) if key in ("mode", "DiT mode", "micro-batch", "GPUs") else f"{value / unit:.1f}"
 
-    def size(nbytes):
-        return f"{nbytes / unit:.1f} {unit_name}"
-
     def print_table(title, rows):               # a markdown table: the rows' keys are its columns
         print(title + "\n| " + " | ".join(rows[0]) + " |\n|" + "---|" * len(rows[0]))
         for row in rows:
             print("| " + " | ".join(cell(key, value) for key, value in row.items()) + " |")
 
-    def fsdp_table(title, half, peaks):         # one half's shards (+ its KL reference's), what it gathers
-        shards = [{"GPUs": r["GPUs"], "grad ckpt": r["grad ckpt"], f"{half} weights": h["weights"] + h["reference"],
-                   "grads": h["grads"], "AdamW": h["adam"], "gathered": h["gathered"], "activations": h["activations"],
-                   **{k: r[k] for k in peaks}} for r in rows["fsdp"] for h in [r[half.lower()]]]
-        print_table("\n" + title, shards)
-
-    print(f"parameters of {args.model}: "
-          + ", ".join(f"{k} {v / count_div:,.1f} {count_name}" for k, v in counts.items()))
+    print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count_div:,.1f} {count_name}" for k, v in counts.items()))
     source = f" incl. the source's {prompt_len - 66} VQ tokens" if i2i else ""      # 64 text, image start and end
     print(f"--mode {args.mode}, teacher-forced pass: {samples} samples x {prompt_len + generated} tokens ({prompt_len}"
           f" prompt{source} + {generated} generated, {args.height}x{args.width}); estimates in {unit_name}, bf16"
           " weights, torch's AdamW (foreach)" + (", KL reference copy for full fine-tuning" if args.beta > 0 else "")
-          + f"; counted: the VAE's decode, one image at a time ({size(terms['decode'])})"
-          + (f", the DiT's {prompts} source KV caches, one per prompt ({size(terms['source_kv'])})" if i2i else ""))
+          + f"; counted: the VAE's decode, one image at a time ({terms['decode'] / unit:.1f} {unit_name})"
+          + (f", the DiT's {prompts} source KV caches, one per prompt ({terms['source_kv'] / unit:.1f} {unit_name})"
+             if i2i else ""))
     print_table("", rows["ar"])
-    print_table(f"\nDiT (Flow-GRPO, --policy dit|both): one denoising step's forward over {batch} samples, CFG "
-                f"{'on' if cfg else 'off'}; 'both' adds the AR's lora-{ranks[0]} weights, grads and AdamW"
-                + ("; activations incl. the source KV caches" if i2i else ""), rows["dit"])
+    print_table(f"\nDiT (Flow-GRPO, --policy dit|both): one denoising step over {batch} samples, CFG {'on' if cfg else 'off'}"
+                f"; 'both' adds the AR's lora-{ranks[0]} state" + ("; activations incl. the source KV caches" if i2i else ""),
+                rows["dit"])
     if not args.plan_gpus:
         print("\n(--plan-gpus K adds the per-GPU rows of --fsdp, full fine-tuning sharded over K GPUs)")
         return
-    fsdp_table("--fsdp, full fine-tuning, per GPU on K GPUs: fp32 shards of the trained weights, their gradients and "
-               f"AdamW (16 bytes per parameter / K), the bf16 root + 2 layers gathered, a micro-batch of {samples}; "
-               "frozen parts offloaded", "AR", ("update peak", "sampling peak", "peak"))
-    fsdp_table(f"DiT under --fsdp, per GPU: one denoising step over {batch} / K samples; 'dit' keeps the frozen AR "
-               "whole on every GPU, 'both' its shards, gradients and AdamW (fewer bytes from about K = 8)", "DiT",
-               ("peak, dit", "peak, both"))
+    for title, half, peaks in [
+            (f"--fsdp, full fine-tuning, per GPU on K GPUs: 16 bytes per trained parameter / K, the bf16 root + 2 layers"
+             f" gathered, a micro-batch of {samples}; frozen parts offloaded", "AR", ("update peak", "sampling peak", "peak")),
+            (f"DiT under --fsdp, per GPU: one step over {batch} / K samples; 'dit' keeps the frozen AR whole, 'both' "
+             "its shards (fewer bytes from about K = 8)", "DiT", ("peak, dit", "peak, both"))]:
+        # one half's shards (+ its KL reference's) and what it gathers
+        print_table("\n" + title, [
+            {"GPUs": r["GPUs"], "grad ckpt": r["grad ckpt"], f"{half} weights": h["weights"] + h["reference"],
+             "grads": h["grads"], "AdamW": h["adam"], "gathered": h["gathered"], "activations": h["activations"],
+             **{k: r[k] for k in peaks}} for r in rows["fsdp"] for h in [r[half.lower()]]])
 
 
 # =============================================================================================
