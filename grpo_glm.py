@@ -1536,7 +1536,7 @@ def start_training(args, out, lead):
 def check_prompt_lengths(pipe, items, args):
     """The AR's context holds the prompt, an i2i source, the generated tokens and grid markers (32)."""
     grid = (args.height // 32) * (args.width // 32)
-    others = (2 * grid + 1 if args.mode == "i2i" else generated_tokens(args.height, args.width)) + 32
+    others = (2 * grid + 1 if args.mode == "i2i" else ar_sequence("t2i", args.height, args.width)[1]) + 32
     context = pipe.vision_language_encoder.config.text_config.max_position_embeddings
     prompts = pipe.processor.tokenizer([it.text for it in items], add_special_tokens=False)["input_ids"]
     for item, ids in zip(items, prompts):
@@ -2722,24 +2722,18 @@ def numel(module):
     return sum(p.numel() for p in module.parameters())
 
 
-def generated_tokens(height, width):
-    """Tokens the AR writes for one t2i image: ~16x16 preview + (H/32)x(W/32) grid + 1 end slot
-    (the preview as GlmImageProcessor._get_target_shape computes it)."""
-    ratio = (height // 32) / (width // 32)
-    preview = int(math.sqrt(ratio) * 16) * int(math.sqrt(1 / ratio) * 16)
-    return preview + (height // 32) * (width // 32) + 1
-
-
 def ar_sequence(mode, height, width, prompt_tokens=64, image_processor=None):
     """(P, L): prompt and generated tokens of one AR sample (section 4). i2i: P adds image start, end and the
     source's VQ tokens (`image_processor`'s rule, None: the real one's); L is the grid + end slot (no preview)."""
     from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
 
-    if mode == "t2i":
-        return prompt_tokens, generated_tokens(height, width)
+    grid = (height // 32) * (width // 32) + 1          # the (H/32) x (W/32) target grid + 1 end slot
+    if mode == "t2i":           # + a ~16x16 preview, as GlmImageProcessor._get_target_shape computes it
+        ratio = (height // 32) / (width // 32)
+        return prompt_tokens, int(math.sqrt(ratio) * 16) * int(math.sqrt(1 / ratio) * 16) + grid
     processor = image_processor or GlmImageImageProcessorPil(**REAL_IMAGE_PROCESSOR)
     source = processor.get_number_of_image_patches(height, width) // processor.merge_size ** 2
-    return prompt_tokens + 2 + source, (height // 32) * (width // 32) + 1
+    return prompt_tokens + 2 + source, grid
 
 
 def head_dim(text_config):
@@ -2791,8 +2785,7 @@ def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, c
 
 
 def trainable_tensors(ar, lora_rank):
-    """Numels of the tensors prepare_policy trains: the language model and lm_head (the vision
-    encoder and VQ stay frozen), or LoRA's A [r, in] and B [out, r] of each adapted Linear."""
+    """Numels prepare_policy trains: the language model and lm_head, or LoRA's A [r, in] and B [out, r]."""
     if not lora_rank:
         return [p.numel() for m in (ar.model.language_model, ar.lm_head) for p in m.parameters()]
     return [n for name, m in ar.model.language_model.named_modules()
@@ -2805,15 +2798,6 @@ def dit_lora_parameter_count(dit, rank):
                if isinstance(m, torch.nn.Linear) and any(n.endswith(t) for t in DIT_LORA_TARGETS))
 
 
-def dit_step_bytes(dit, height, width, samples, cfg, checkpointing, text_tokens=64):
-    """One denoising step's saved tensors (Part II backpropagates one at a time), not measured: ~30 x hidden values
-    per block and token (a 4x GELU MLP), x2 with CFG; checkpointing: each block's input + one block recomputed."""
-    hidden = dit.config.num_attention_heads * dit.config.attention_head_dim
-    block_input = ((height // 16) * (width // 16) + text_tokens) * samples * (2 if cfg else 1) * hidden * 2
-    layers = dit.config.num_layers
-    return (layers + 30 if checkpointing else layers * 30) * block_input
-
-
 def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
     """Peak of one no-grad vae.decode: up block i runs at H W / 4^(last - i), its first resnet holds its input (block
     i - 1's channels, upsampled), norm1's and SiLU's outputs: 3 x channels x pixels (3 GiB an image at 1024^2)."""
@@ -2824,7 +2808,7 @@ def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
 
 
 # --fsdp, per GPU on K GPUs (section 22):
-#   shards: the trained weights as fp32 masters + fp32 grads + 2 fp32 moments (16 bytes / parameter / K), frozen bf16 / K
+#   shards: trained weights as fp32 masters + fp32 grads + 2 fp32 moments (16 bytes / parameter / K), frozen bf16 / K
 #   gathered, bf16: the root unit (embeddings, heads, final norms, the AR's vision encoder and VQ) from its forward
 #     to its backward's end (FSDP2 does not reshard a root); 2 decoder layers (prefetch); the whole model to sample
 #   a layer's reduce at its backward's end: its bf16 grad + an fp32 copy (2 + 4 bytes / parameter), the root's last
@@ -2846,8 +2830,7 @@ def fsdp_shard_bytes(model, trainable, gpus, working, sampling=0, reference=Fals
 
 
 def fsdp_peaks(halves, beside=0, offloaded=0):
-    """Per-GPU peaks of the halves trained together (grpo_update's order), `beside` bytes always on the GPU,
-    `offloaded` the largest frozen part's turn."""
+    """Per-GPU peaks of `halves` trained in grpo_update's order, `beside` always held, `offloaded` a frozen turn."""
     resident = beside + sum(h["weights"] + h["adam"] + h["reference"] for h in halves)
     grads = sum(h["grads"] for h in halves)
     done, update = 0, 2 * grads
@@ -2863,7 +2846,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
                 mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0):
     """--plan's rows keyed by their printed columns, without and with checkpointing: "ar" per LoRA rank (0: full),
     "dit" full and lora-64, "fsdp" per K in `gpus`; the AR's micro-batch: `samples`; the DiT's step: `batch`."""
-    ar, dit, d = components["ar"], components["dit"], WEIGHT_BYTES
+    ar, dit, d, i2i = components["ar"], components["dit"], WEIGHT_BYTES, mode == "i2i"
     text, batch = ar.config.text_config, batch or samples
     counts = {name: numel(module) for name, module in components.items()}
     frozen = {name: d * counts[name] for name in ("dit", "glyph_t5", "vae")}
@@ -2872,10 +2855,15 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
     hidden = dit.config.num_attention_heads * dit.config.attention_head_dim
     # i2i: write_source_caches' KV caches, one per prompt, alive while the DiT samples and through a step's
     # backward: each layer's K and V over the source latent's tokens
-    source_kv = prompts * dit.config.num_layers * 2 * (height // 16) * (width // 16) * hidden * d if mode == "i2i" else 0
+    source_kv = prompts * dit.config.num_layers * 2 * (height // 16) * (width // 16) * hidden * d if i2i else 0
     terms = {"tokens": (prompt_len, generated), "decode": vae_decode_bytes(components["vae"], height, width, 1),
              "source_kv": source_kv}
     working = {"vae": terms["decode"], "dit": source_kv, "glyph_t5": 0}
+
+    def dit_step(samples, checkpointing):      # Part II backpropagates one step at a time; text: 64 tokens
+        # per block and token ~30 x hidden values (x2 with CFG), not measured; checkpointing: the blocks' inputs + one
+        block_input = ((height // 16) * (width // 16) + 64) * samples * (2 if cfg else 1) * hidden * 2
+        return (dit.config.num_layers + 30 if checkpointing else dit.config.num_layers * 30) * block_input
 
     def turn(parts, k=1):      # frozen parts take turns on the GPU, each with its working set (source caches / K)
         return max(frozen[p] + (working[p] // k if p == "dit" else working[p]) for p in parts)
@@ -2901,7 +2889,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         # 'both' the trained AR's weights and states (its activations freed before)
         trainable, state = (dit_lora_parameter_count(dit, 64), ADAPTER_BYTES) if lora else (counts["dit"], d)
         weights = frozen["dit"] + (ADAPTER_BYTES * trainable if lora else 0)
-        activations = dit_step_bytes(dit, height, width, batch, cfg, checkpointing) + source_kv
+        activations = dit_step(batch, checkpointing) + source_kv
         peak = weights + 3 * state * trainable + max(
             max(frozen[p] for p in in_turn) + max(activations, state * trainable), turn(in_turn))
         return {"DiT mode": "lora-64" if lora else "full", "grad ckpt": checkpointing, "trainable": trainable,
@@ -2916,7 +2904,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         kv_cache = (prompt_len + generated) * text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim(text)
         sampling = max(batch // k * kv_cache * d, samples * generated * text.vision_vocab_size * (2 + 8))
         a = fsdp_shard_bytes(ar, sum(trainable_tensors(ar, 0)), k, update["peak"], sampling, beta > 0)
-        activations = dit_step_bytes(dit, height, width, batch // k, cfg, checkpointing) + source_kv // k
+        activations = dit_step(batch // k, checkpointing) + source_kv // k
         t = fsdp_shard_bytes(dit, counts["dit"], k, activations, source_kv // k, beta > 0)
         return {"GPUs": k, "grad ckpt": checkpointing, "ar": a, "dit": t, **fsdp_peaks([a], offloaded=turn(frozen, k)),
                 "peak, dit": fsdp_peaks([t], beside=d * counts["ar"], offloaded=turn(in_turn, k))["peak"],
@@ -2955,7 +2943,8 @@ def print_memory_plan(args):
         for row in rows:
             print("| " + " | ".join(cell(key, value) for key, value in row.items()) + " |")
 
-    print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count_div:,.1f} {count_name}" for k, v in counts.items()))
+    print(f"parameters of {args.model}: "
+          + ", ".join(f"{k} {v / count_div:,.1f} {count_name}" for k, v in counts.items()))
     source = f" incl. the source's {prompt_len - 66} VQ tokens" if i2i else ""      # 64 text, image start and end
     print(f"--mode {args.mode}, teacher-forced pass: {samples} samples x {prompt_len + generated} tokens ({prompt_len}"
           f" prompt{source} + {generated} generated, {args.height}x{args.width}); estimates in {unit_name}, bf16"
@@ -2964,15 +2953,16 @@ def print_memory_plan(args):
           + (f", the DiT's {prompts} source KV caches, one per prompt ({terms['source_kv'] / unit:.1f} {unit_name})"
              if i2i else ""))
     print_table("", rows["ar"])
-    print_table(f"\nDiT (Flow-GRPO, --policy dit|both): one denoising step over {batch} samples, CFG {'on' if cfg else 'off'}"
-                f"; 'both' adds the AR's lora-{ranks[0]} state" + ("; activations incl. the source KV caches" if i2i else ""),
-                rows["dit"])
+    print_table(f"\nDiT (Flow-GRPO, --policy dit|both): one denoising step over {batch} samples, CFG "
+                f"{'on' if cfg else 'off'}; 'both' adds the AR's lora-{ranks[0]} state"
+                + ("; activations incl. the source KV caches" if i2i else ""), rows["dit"])
     if not args.plan_gpus:
         print("\n(--plan-gpus K adds the per-GPU rows of --fsdp, full fine-tuning sharded over K GPUs)")
         return
     for title, half, peaks in [
-            (f"--fsdp, full fine-tuning, per GPU on K GPUs: 16 bytes per trained parameter / K, the bf16 root + 2 layers"
-             f" gathered, a micro-batch of {samples}; frozen parts offloaded", "AR", ("update peak", "sampling peak", "peak")),
+            (f"--fsdp, full fine-tuning, per GPU on K GPUs: 16 bytes per trained parameter / K, the bf16 root + 2 "
+             f"layers gathered, a micro-batch of {samples}; frozen parts offloaded", "AR",
+             ("update peak", "sampling peak", "peak")),
             (f"DiT under --fsdp, per GPU: one step over {batch} / K samples; 'dit' keeps the frozen AR whole, 'both' "
              "its shards (fewer bytes from about K = 8)", "DiT", ("peak, dit", "peak, both"))]:
         # one half's shards (+ its KL reference's) and what it gathers
