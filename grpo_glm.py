@@ -2809,11 +2809,9 @@ def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
 
 # --fsdp, per GPU on K GPUs (section 22):
 #   shards: trained weights as fp32 masters + fp32 grads + 2 fp32 moments (16 bytes / parameter / K), frozen bf16 / K
-#   gathered, bf16: the root unit (embeddings, heads, final norms, the AR's vision encoder and VQ) from its forward
-#     to its backward's end (FSDP2 does not reshard a root); 2 decoder layers (prefetch); the whole model to sample
-#   a layer's reduce at its backward's end: its bf16 grad + an fp32 copy (2 + 4 bytes / parameter), the root's last
-#   peak: the shards + max(sampling beside all grads (zero_grad comes at the next update), a half's backward beside
-#     its and earlier halves' grads, AdamW's step (foreach: the grads' bytes), a frozen part's turn)
+#   gathered, bf16: the root (embeddings, heads, norms, vision encoder, VQ) from its forward to its backward's end
+#     (FSDP2 keeps a root); 2 decoder layers (prefetch); the whole model to sample; a layer's reduce: 2 + 4 bytes each
+#   peak: shards + max(sampling, a half's backward beside its and earlier halves' grads, AdamW's step, a frozen turn)
 #   not counted: all-gather buffers doubled during a copy-out, the reference's no-grad pass, the allocator's slack
 
 def fsdp_shard_bytes(model, trainable, gpus, working, sampling=0, reference=False, bytes_per=WEIGHT_BYTES):
@@ -2853,15 +2851,13 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
     prompt_len, generated = ar_sequence(mode, height, width, prompt_tokens, image_processor)
     head = numel(ar.model.language_model.norm) + numel(ar.lm_head)
     hidden = dit.config.num_attention_heads * dit.config.attention_head_dim
-    # i2i: write_source_caches' KV caches, one per prompt, alive while the DiT samples and through a step's
-    # backward: each layer's K and V over the source latent's tokens
+    # i2i: write_source_caches' K and V per layer and prompt, alive while the DiT samples and through its backward
     source_kv = prompts * dit.config.num_layers * 2 * (height // 16) * (width // 16) * hidden * d if i2i else 0
     terms = {"tokens": (prompt_len, generated), "decode": vae_decode_bytes(components["vae"], height, width, 1),
              "source_kv": source_kv}
     working = {"vae": terms["decode"], "dit": source_kv, "glyph_t5": 0}
 
-    def dit_step(samples, checkpointing):      # Part II backpropagates one step at a time; text: 64 tokens
-        # per block and token ~30 x hidden values (x2 with CFG), not measured; checkpointing: the blocks' inputs + one
+    def dit_step(samples, checkpointing):   # ~30 x hidden per block and token (x2 CFG, 64 text tokens), not measured
         block_input = ((height // 16) * (width // 16) + 64) * samples * (2 if cfg else 1) * hidden * 2
         return (dit.config.num_layers + 30 if checkpointing else dit.config.num_layers * 30) * block_input
 
@@ -2885,8 +2881,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
     both, in_turn = ar_row((ranks or (0,))[0], True), ("glyph_t5", "vae")    # 'both' trains the AR's first rank
 
     def dit_row(lora, checkpointing):
-        # grads accumulate over the trained steps beside one step's activations; 'dit' keeps the frozen AR,
-        # 'both' the trained AR's weights and states (its activations freed before)
+        # grads accumulate over the steps beside one step's activations; 'both' adds the AR's state, 'dit' its weights
         trainable, state = (dit_lora_parameter_count(dit, 64), ADAPTER_BYTES) if lora else (counts["dit"], d)
         weights = frozen["dit"] + (ADAPTER_BYTES * trainable if lora else 0)
         activations = dit_step(batch, checkpointing) + source_kv
