@@ -2219,13 +2219,16 @@ def restore_checkpoint(ckpt, path, model, optimizer, lr_scheduler):
 # =============================================================================================
 # `--model tiny` is GLM-Image at toy size, built from the real classes. Its AR stays random: what to
 # paint for a prompt is GRPO's to learn. A random renderer paints colour noise whatever the tokens say,
-# so it learns a synthetic task: codebook id k means palette colour k, a grid's truth is its "mosaic"
-# (each 32-px cell in its token's colour). The VAE decoder is set by hand to paint latent channels 0-2,
-# the DiT learns tokens -> that latent by flow matching (~15 s of CPU, once), and the result is saved
-# with save_pretrained, loaded with from_pretrained as a user's own checkpoint is.
+# so it learns a synthetic task: codebook id k paints the demo's colour k mod 8 (many ids per colour, as
+# in a real VQ codebook: a random policy draws a cell's right colour 1 time in 8), a grid's truth is its
+# "mosaic" (each 32-px cell in its token's colour). The VAE decoder is set by hand to paint latent
+# channels 0-2, the DiT learns tokens -> that latent by flow matching (~15 s of CPU, once). The result
+# is saved with save_pretrained in $GRPO_GLM_CACHE (else $XDG_CACHE_HOME/grpo_glm or ~/.cache/grpo_glm)
+# under a hash of its seed, settings, library versions and code, and loaded as a user's checkpoint is.
 
 TINY_CODEBOOK = 64                       # real: 16384
 TINY_VISION_VOCAB = TINY_CODEBOOK + 16   # real: 16512 (codebook + 128 special ids)
+TINY_PALETTE = (torch.tensor(list(COLOURS.values()), dtype=torch.float32) / 255)[torch.arange(TINY_CODEBOOK) % 8]
 # A stand-in chat template. A source image sits between image start and end tokens: get_rope_index
 # finds it by those markers (2-D positions); a bare <|image|> would be numbered like text.
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
@@ -2233,6 +2236,7 @@ TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{% if c
                       "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}")
 TINY_RENDERER = dict(        # everything that shapes the training (all of it enters the cache key)
     dit_steps=800, dit_lr=3e-3, batch=8, dit_grids=((2, 2), (3, 3), (4, 4), (3, 2)), inference_steps=4)
+TINY_MANIFEST = "grpo_glm_tiny.json"   # written last: {file: sha256}, with the seed, settings and final loss
 
 
 def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
@@ -2257,16 +2261,14 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
         extra_special_tokens={"image_token": "<|image|>", "grid_bos_token": "<sop>", "grid_eos_token": "<eop>"})
     # The real min_pixels 512^2 would upscale a small source, while the pipeline VAE-encodes it at its
     # own size (the DiT's source tokens would not line up).
-    image_processor = GlmImageImageProcessorPil(**dict(REAL_IMAGE_PROCESSOR, min_pixels=32 * 32),
-                                                image_mean=[0.5] * 3, image_std=[0.5] * 3)
-    processor = GlmImageProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                                  chat_template=TINY_CHAT_TEMPLATE)
+    pil_processor = GlmImageImageProcessorPil(**dict(REAL_IMAGE_PROCESSOR, min_pixels=32 * 32),
+                                              image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    processor = GlmImageProcessor(image_processor=pil_processor, tokenizer=tokenizer, chat_template=TINY_CHAT_TEMPLATE)
     ar = GlmImageForConditionalGeneration(GlmImageConfig(
-        text_config=dict(
+        text_config=dict(  # pad_token_id: the default 167841 is outside a tiny vocabulary
             vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, initializer_range=ar_init_range,
-            vision_vocab_size=TINY_VISION_VOCAB, eos_token_id=TINY_CODEBOOK + 1,
-            pad_token_id=tokenizer.pad_token_id,  # the default 167841 is outside a tiny vocabulary
+            vision_vocab_size=TINY_VISION_VOCAB, eos_token_id=TINY_CODEBOOK + 1, pad_token_id=tokenizer.pad_token_id,
             # the mosaic AR rotates faster: at theta 1e4 with 4 rotary frequencies a grid row turns
             # the angle by 0.01 rad and a column by 0.001, and positions barely register
             rope_parameters={"rope_type": "default", "rope_theta": 4.0 if mosaic_ar else 10000.0,
@@ -2287,8 +2289,7 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
                 layer.self_attn.q_proj.weight.mul_(16.0)
                 layer.self_attn.k_proj.weight.mul_(16.0)
     text_encoder = T5EncoderModel(T5Config(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2))
-    # patch_size x vae_scale_factor = 16 pixels per DiT token: the AR's 32-pixel tokens are
-    # upsampled 2x before they reach the DiT (as in the real model).
+    # patch 2 x VAE 8 = 16 pixels per DiT token: the AR's 32-pixel tokens are upsampled 2x (as in the real model)
     transformer = GlmImageTransformer2DModel(
         patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
         text_embed_dim=32, time_embed_dim=16, condition_dim=8, prior_vq_quantizer_codebook_size=TINY_CODEBOOK)
@@ -2304,30 +2305,18 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
     return pipe
 
 
-def tiny_palette(codebook_size=TINY_CODEBOOK):
-    """Colour [K, 3] in [0, 1] of each codebook id: id k paints the demo's colour k mod 8 (many ids
-    per colour, as in a real VQ codebook; a random policy draws a cell's right colour 1 time in 8)."""
-    names = ("red", "green", "blue", "yellow", "white", "black", "orange", "purple")
-    colours = torch.tensor([COLOURS[n] for n in names], dtype=torch.float32) / 255
-    return colours[torch.arange(codebook_size) % len(names)]
-
-
-def token_mosaic(tokens, grid_hw, palette, cell=32):
-    """tokens [N, H*W] -> the grid's truth [N, 3, H*cell, W*cell] in [0, 1]: each cell in its colour."""
+def random_mosaics(batch, grid_hw, generator, cell=32):
+    """(grids [batch, H*W], their mosaics [batch, 3, H*cell, W*cell] in [0, 1]), each grid from 1, 2, 4
+    or all codebook ids (uniform fields and two-colour shapes as familiar to the renderer as confetti)."""
     H, W = grid_hw
-    colours = palette[tokens].view(-1, H, W, 3).permute(0, 3, 1, 2)
-    return colours.repeat_interleave(cell, 2).repeat_interleave(cell, 3)
-
-
-def random_grids(batch, grid_hw, codebook_size, generator):
-    """Training grids [batch, H*W], each from a sub-palette of 1, 2, 4 or all colours (uniform
-    fields and two-colour shapes as familiar to the renderer as confetti)."""
     rows = []
     for _ in range(batch):
-        k = [1, 2, 4, codebook_size][int(torch.randint(4, (1,), generator=generator))]
-        colours = torch.randperm(codebook_size, generator=generator)[:k]
-        rows.append(colours[torch.randint(k, (grid_hw[0] * grid_hw[1],), generator=generator)])
-    return torch.stack(rows)
+        k = [1, 2, 4, TINY_CODEBOOK][int(torch.randint(4, (1,), generator=generator))]
+        colours = torch.randperm(TINY_CODEBOOK, generator=generator)[:k]
+        rows.append(colours[torch.randint(k, (H * W,), generator=generator)])
+    tokens = torch.stack(rows)
+    mosaics = TINY_PALETTE[tokens].view(-1, H, W, 3).permute(0, 3, 1, 2)
+    return tokens, mosaics.repeat_interleave(cell, 2).repeat_interleave(cell, 3)
 
 
 def colour_vae(latent_channels=4, width=8, carrier=32.0):
@@ -2361,8 +2350,7 @@ def colour_vae(latent_channels=4, width=8, carrier=32.0):
 
 
 def train_tiny_renderer(seed, settings):
-    """(--model tiny, last loss): its DiT trained by flow matching onto the colour latents (fp32, CPU),
-    x_t = scale_noise(x0, t, eps), target eps - x0, through the sampler's conditioning and velocity."""
+    """(pipe, last loss): flow matching (fp32, CPU), x_t = scale_noise(x0, t, eps), target eps - x0."""
     with torch.random.fork_rng(devices=[]):
         pipe = build_tiny_pipeline(seed, mosaic_ar=True)
         generator = torch.Generator().manual_seed(seed)
@@ -2375,9 +2363,8 @@ def train_tiny_renderer(seed, settings):
         for step in range(settings["dit_steps"]):
             hw = tuple(grids[step % len(grids)])
             timesteps, _ = dit_schedule(pipe, 32 * hw[0], 32 * hw[1], settings["inference_steps"])  # sets the scheduler
-            tokens = random_grids(batch, hw, TINY_CODEBOOK, generator)                          # [B, H*W]
-            mosaic = token_mosaic(tokens, hw, tiny_palette(), 32 // pipe.vae_scale_factor)     # [B, 3, h, w]
-            x0 = torch.nn.functional.pad(mosaic * 2 - 1, (0, 0, 0, 0, 0, 1))   # [B, 4, h, w]: RGB in [-1, 1], then 0
+            tokens, mosaics = random_mosaics(batch, hw, generator, 32 // pipe.vae_scale_factor)  # [B, 3, h, w]
+            x0 = torch.nn.functional.pad(mosaics * 2 - 1, (0, 0, 0, 0, 0, 1))  # [B, 4, h, w]: RGB in [-1, 1], then 0
             t = timesteps[torch.randint(len(timesteps), (batch,), generator=generator)]
             eps = torch.randn(x0.shape, generator=generator)
             x_t = pipe.scheduler.scale_noise(x0, t, eps)
@@ -2387,7 +2374,6 @@ def train_tiny_renderer(seed, settings):
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-    dit.eval().requires_grad_(False)
     return pipe, loss.item()
 
 
@@ -2406,23 +2392,16 @@ def quiet_progress_bars():
 
 
 def tiny_cache_key(seed, settings):
-    """A hash of seed, settings, library versions and the code that builds and trains the model."""
     import inspect
 
-    import diffusers
-    import transformers
-
-    code = [inspect.getsource(f) for f in (build_tiny_pipeline, colour_vae, tiny_palette, token_mosaic, random_grids,
-                                            train_tiny_renderer, dit_schedule, dit_condition, dit_velocity,
-                                            write_source_caches, policy_generation_config, image_token_suppression,
-                                            SamplingParams)]
+    code = [inspect.getsource(f) for f in (build_tiny_pipeline, colour_vae, random_mosaics, train_tiny_renderer,
+                                            dit_schedule, dit_condition, dit_velocity, write_source_caches,
+                                            policy_generation_config, image_token_suppression, SamplingParams)]
     parts = {"format": "grpo_glm-tiny-renderer-v1", "seed": seed, "settings": settings, "code": code,
-             "constants": [TINY_CODEBOOK, TINY_VISION_VOCAB, TINY_CHAT_TEMPLATE, REAL_IMAGE_PROCESSOR],
-             "versions": [torch.__version__, diffusers.__version__, transformers.__version__]}
+             "constants": [TINY_CODEBOOK, TINY_VISION_VOCAB, TINY_PALETTE.tolist(), TINY_CHAT_TEMPLATE,
+                           REAL_IMAGE_PROCESSOR],
+             "versions": [importlib.import_module(m).__version__ for m in ("torch", "diffusers", "transformers")]}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-TINY_MANIFEST = "grpo_glm_tiny.json"   # written last: {file: sha256}, with the seed, settings and final loss
 
 
 def file_digests(directory):
@@ -2431,38 +2410,33 @@ def file_digests(directory):
 
 
 def tiny_cache_is_complete(path):
-    """A finished build: its files as the manifest lists them, weights for all four models (on a rank
-    other than 0, transformers would have written none for the AR)."""
+    """A finished build: its files as its manifest lists them, and weights for all four models."""
     try:
         listed = json.loads((path / TINY_MANIFEST).read_text(encoding="utf-8"))["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return False
     weighted = {name.split("/")[0] for name in listed if name.endswith(".safetensors")}
-    models = {"vision_language_encoder", "text_encoder", "transformer", "vae"}
+    models = {"vision_language_encoder", "text_encoder", "transformer", "vae"}   # none for the AR: built off rank 0
     return weighted >= models and listed == file_digests(path)
 
 
-def tiny_pipeline_dir(seed=0, settings=None):
-    """`--model tiny`'s directory for this seed in $GRPO_GLM_CACHE (else $XDG_CACHE_HOME/grpo_glm or
-    ~/.cache/grpo_glm), built on first use: in a temporary directory renamed into place after its
-    manifest, under a lock a second run waits on. An entry that fails its manifest is rebuilt."""
+def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
+    """`--model tiny`'s directory for this seed, built on first use."""
     import shutil
     import tempfile
 
     from filelock import FileLock
 
-    settings = dict(TINY_RENDERER if settings is None else settings)
     root = Path(os.environ.get("GRPO_GLM_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
                 / "grpo_glm")
     final = root / f"tiny-seed{seed}-{tiny_cache_key(seed, settings)}"
     root.mkdir(parents=True, exist_ok=True)
-    with FileLock(root / f".{final.name}.lock"):   # released when the block ends (or the process dies)
+    with FileLock(root / f".{final.name}.lock"):   # a second run waits here (released if the process dies)
         if tiny_cache_is_complete(final):           # built before, or by the run we waited for
             return final
         if final.exists():
             print(f"note: {final} is incomplete or corrupt; rebuilding it")
-            shutil.rmtree(final)
-        for stale in root.glob(f".{final.name}.tmp-*"):     # left by a killed build, never loaded
+        for stale in [final, *root.glob(f".{final.name}.tmp-*")]:   # and a killed build's leftovers, never loaded
             shutil.rmtree(stale, ignore_errors=True)
         start = time.time()
         print(f"building --model tiny (seed {seed}): a random AR, and a renderer (DiT) pre-trained on token "
@@ -2972,9 +2946,8 @@ def print_memory_plan(args):
 # =============================================================================================
 
 def save_trained_pipeline(pipe, args):
-    """A pipeline GlmImagePipeline.from_pretrained(dir) loads with no adapter code: each LoRA merged
-    (peft's merge, W += B @ A * alpha / r), its wrapper swapped back for the base Linear (diffusers'
-    recurse_remove_peft_layers, as unload_lora does). The AR's generation config: load_pipeline's."""
+    """A pipeline GlmImagePipeline.from_pretrained(dir) loads with no adapter code: each LoRA merged (peft's
+    merge, W += B @ A * alpha / r), its wrapper swapped back for the base Linear (as unload_lora does)."""
     from diffusers.utils import recurse_remove_peft_layers
     from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -2989,12 +2962,12 @@ def save_trained_pipeline(pipe, args):
 
 
 def policy_generation_config(ar, sampling):
-    """The policy as the config the pipeline's AR stage samples with (set at load, saved with the
-    pipeline). Only these fields: generate() fills every field a config leaves unset from the
-    checkpoint's (penalties, n-gram bans), which the loss would not know of. The real one's suppresses
-    nothing: a briefly trained AR then writes image start/end ids mid-grid and the pipeline crashes."""
+    """The policy as the config the pipeline's AR stage samples with (set at load, saved with the pipeline)."""
     from transformers import GenerationConfig
 
+    # Only these fields: generate() fills every unset one from the checkpoint's (penalties, n-gram bans), which
+    # the loss would not know of. The real one suppresses nothing: a briefly trained AR then writes image
+    # start/end ids mid-grid and the pipeline crashes.
     return GenerationConfig(
         do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
         suppress_tokens=list(sampling.suppressed), bos_token_id=ar.generation_config.bos_token_id,
@@ -3010,16 +2983,14 @@ def sampling_of(ar):
 @torch.no_grad()
 def generate_images(pipe, prompts, sources=None, height=64, width=64, num_inference_steps=4, guidance_scale=1.0,
                     temperature=None, seed=0):
-    """One PIL image per prompt (an edit of its PIL source, if given) from a pipeline trained here, by
-    sample_group and decode_images: pipe(prompt, image=[source]) fails (diffusers 0.42.1, transformers 5).
-    It samples the saved policy (sampling_of), at `temperature` if given. Seeds the global torch RNG
-    (generate takes no generator)."""
+    """One PIL image per prompt (an edit of its PIL source, if given), sampling the saved policy (at
+    `temperature` if given). Seeds the global torch RNG (generate takes no generator)."""
     if height % 32 or width % 32:
         raise ValueError(f"height and width must be multiples of 32, got {height}x{width}")
     if sources is not None and len(sources) != len(prompts):
         raise ValueError(f"one source per prompt: got {len(sources)} sources for {len(prompts)} prompts")
-    ar = pipe.vision_language_encoder
-    sampling = replace(sampling_of(ar), temperature=temperature or ar.generation_config.temperature)
+    sampling = sampling_of(pipe.vision_language_encoder)
+    sampling = replace(sampling, temperature=temperature or sampling.temperature)
     pipe.processor.tokenizer.padding_side = "left"        # as load_pipeline sets it for training
     if sources is not None:                               # upright, at the trained size
         sources = [to_rgb(ImageOps.exif_transpose(s)).resize((width, height), Image.BICUBIC) for s in sources]
@@ -3028,6 +2999,7 @@ def generate_images(pipe, prompts, sources=None, height=64, width=64, num_infere
     for k, (prompt, latents) in enumerate(zip(prompts, noise.split(1))):
         torch.manual_seed(seed * 1_000_003 + k)
         source = sources and sources[k: k + 1]
+        # sample_group and decode_images: pipe(prompt, image=[source]) fails (diffusers 0.42.1, transformers 5)
         rollout = sample_group(pipe, [prompt], 1, sampling, height, width, "target", source, record_logp=False)
         images.append(decode_images(pipe, [prompt], source, rollout, latents, num_inference_steps, guidance_scale))
     return pipe.image_processor.numpy_to_pil(torch.cat(images).clamp(0, 1).permute(0, 2, 3, 1).numpy())

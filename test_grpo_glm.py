@@ -272,14 +272,14 @@ def test_tiny_renderer_paints_the_token_mosaic():
 
     pipe = tiny_model()
     assert type(pipe) is GlmImagePipeline
-    palette = g.tiny_palette()
+    palette = g.TINY_PALETTE
     generator = torch.Generator().manual_seed(1)
     for (H, W), steps in [((4, 4), 4), ((2, 2), 4), ((3, 2), 3)]:
-        tokens = g.random_grids(6, (H, W), g.TINY_CODEBOOK, generator)
+        tokens, mosaics = g.random_mosaics(6, (H, W), generator)
         noise = torch.randn(6, 4, 4 * H, 4 * W, generator=generator)
         images = g.decode_images(pipe, ["a red circle on a white background"], None,
                                  SimpleNamespace(target_tokens=tokens, grid_hw=(H, W), source_prior=None), noise, steps, 1.0)
-        mse = ((images - g.token_mosaic(tokens, (H, W), palette)) ** 2).mean(dim=(1, 2, 3))
+        mse = ((images - mosaics) ** 2).mean(dim=(1, 2, 3))
         assert mse.max() <= 0.005, (H, W, steps, mse)
     # the demo's colours are in the palette, exactly
     for name in ("red", "white", "blue", "yellow", "black"):
