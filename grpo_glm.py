@@ -1488,7 +1488,7 @@ def start_training(args, out, lead):
         print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} prompt(s) of {args.prompts}: "
               "each step's prompts repeat lines of the file")
     rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [])
-    readers = [r.name for r in rewards + dit_rewards if r.uses_targets]
+    readers = [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)]
     if readers and not builtin:
         require_targets(items, readers)
     args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
@@ -1728,9 +1728,8 @@ def demo_scene(prompt, where, mode, role="target", why=""):
 @dataclass
 class Reward:
     name: str                    # logged as rewards/<name>
-    fn: object
+    fn: object                   # fn.uses_targets = True: it reads the targets
     weight: float
-    uses_targets: bool
 
 
 def mse(images, prompts, targets):
@@ -1752,7 +1751,7 @@ def load_reward(spec):
     if weight == 0:
         raise UsageError(f"--reward {spec}: a weight of 0 leaves the reward out of the sum; drop it instead")
     if where == "mse":
-        return Reward("mse", mse, weight, True)
+        return Reward("mse", mse, weight)
     module_name, _, fn_name = where.rpartition(":")
     if not module_name or not fn_name:
         raise UsageError(f"--reward {spec}: expected 'mse', 'module:function' or 'path/to/file.py:function'")
@@ -1772,7 +1771,7 @@ def load_reward(spec):
     fn = namespace.get(fn_name)
     if not callable(fn):
         raise UsageError(f"--reward {spec}: {module_name} has no function {fn_name}")
-    return Reward(fn_name, fn, weight, bool(getattr(fn, "uses_targets", False)))
+    return Reward(fn_name, fn, weight)
 
 
 def load_rewards(specs):
