@@ -1046,7 +1046,6 @@ def ode_sheet(pipe, prompts, sources, run, noise, args):
 # =============================================================================================
 
 # ---- For sections 2 and 3: the model, each step's prompts and targets ----------------------------
-
 def pipeline_from_pretrained(args, dtype):
     """GlmImagePipeline.from_pretrained of --model ('tiny': built and cached on first use, section 21)."""
     from diffusers import GlmImagePipeline
@@ -1103,17 +1102,15 @@ def batch_targets(batch):
 
 
 # ---- For section 4 (SAMPLE): seeds, the prompts as generate() takes them, rows of a rollout ---
-
 def sampling_seed(seed, step, slot):
     return seed * 1_000_000_007 + step * 100_003 + slot    # the group at `slot` of the step's prompts, on any rank
 
 
 def sample_groups(pipe, prompts, sources, slots, step, args, record_logp=True, prompt_len=None):
-    """This rank's groups in one generate() call, the group at `slot` drawing from sampling_seed: the same
-    rows and samples on any number of processes (section 22). Prompts pad to one column past the step's
-    longest (a MAX all-reduce under torchrun): SDPA's masked fp32 sums change with the padding before a row,
-    and a batch with none loses its attention mask in transformers and takes SDPA's causal kernel."""
-    if prompt_len is None:
+    """This rank's groups in one generate() call, the group at `slot` seeded by sampling_seed: the same
+    samples on any number of processes (section 22)."""
+    if prompt_len is None:      # one column past the step's longest prompt (on all ranks): SDPA's masked
+        # fp32 sums change with the padding before a row, and an unpadded batch takes its causal kernel
         longest = processor_inputs(pipe, prompts, sources, args.height, args.width, "cpu")["input_ids"].shape[1]
         prompt_len = max_over_ranks(longest) + 1
     ar = pipe.vision_language_encoder
@@ -1132,9 +1129,8 @@ def processor_inputs(pipe, prompts, sources, height, width, device):
 
 
 def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_len=None):
-    """generate()'s keyword arguments for P prompts x G samples ([N, ...] rows, left-padded to `prompt_len`),
-    i2i: the sources' VQ ids (flat) and per-sample DiT condition (else None, None), and the pipeline's
-    layout (tokens to generate, offset of the target grid among them, (H, W))."""
+    """generate()'s kwargs for P x G rows (left-padded to `prompt_len`), i2i: the sources' VQ ids and per-sample
+    DiT condition (else None, None), the layout (tokens to generate, target grid's offset, (H, W))."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
     ar = pipe.vision_language_encoder
@@ -1168,9 +1164,8 @@ def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_
 
 
 def decode_position_ids(ar, inputs, num_generated):
-    """M-RoPE positions [3, N, P + L - 1] of the input prompt + generated[:-1]: image tokens get 2-D
-    positions (temporal, row, column), not a plain forward's index. get_rope_index returns the prompt's
-    and caches the generated grids' on the model (private, the only place transformers keeps them)."""
+    """M-RoPE positions [3, N, P + L - 1] (temporal, row, column) of prompt + generated[:-1]: the prompt's from
+    get_rope_index, the generated grids' from the model's private cache (transformers keeps them nowhere else)."""
     prompt_positions, _ = ar.model.get_rope_index(**inputs)             # its **kwargs take mm_encoder_outputs
     decode = ar.model._cached_decode_position_ids                        # [N, 3, L]: one per generated token
     return torch.cat([prompt_positions, decode[:, :, : num_generated - 1].permute(1, 0, 2)], dim=-1)
@@ -1185,16 +1180,13 @@ def slice_rollout(rollout, rows):
     so a group's forward is the same tensors whatever else shares its rank's batch."""
     mask = rollout.attention_mask[rows]
     first = int(mask.any(dim=0).nonzero()[0])          # only prompt columns can be all padding
-    return replace(
-        rollout, sequences=rollout.sequences[rows, first:], attention_mask=mask[:, first:],
-        position_ids=rollout.position_ids[:, rows, first:], loss_mask=rollout.loss_mask[rows],
-        old_logp=None if rollout.old_logp is None else rollout.old_logp[rows],
-        target_tokens=rollout.target_tokens[rows], prompt_len=rollout.prompt_len - first,
-        source_prior=None if rollout.source_prior is None else rollout.source_prior[rows])
+    per_row = {name: getattr(rollout, name) for name in ("old_logp", "loss_mask", "target_tokens", "source_prior")}
+    return replace(rollout, sequences=rollout.sequences[rows, first:], attention_mask=mask[:, first:],
+                   position_ids=rollout.position_ids[:, rows, first:], prompt_len=rollout.prompt_len - first,
+                   **{name: None if value is None else value[rows] for name, value in per_row.items()})
 
 
 # ---- For sections 8-11: dtypes, micro-batches under DDP, a run of non-finite steps --------------
-
 def weights_finite(params):
     """One sum per tensor (no tensor-sized temporary; a non-finite entry makes its sum non-finite), this
     rank's shards under --fsdp: the step after an update that overflowed must not sample or save."""
@@ -1226,14 +1218,13 @@ def non_finite_streak(bad_steps, row, step, out, args):
 
 
 # ---- For Part II: the DiT's inputs as the pipeline builds them, the i2i source cache, the VAE ----
-
 def dit_schedule(pipe, height, width, num_inference_steps):
     """(timesteps [K], sigmas [K+1]) exactly as GlmImagePipeline.__call__ sets them up; sigma is read
     back from scheduler.sigmas, which is shifted (t / 1000 is not the sigma the DiT runs at)."""
     from diffusers.pipelines.glm_image.pipeline_glm_image import calculate_shift, retrieve_timesteps
 
     scheduler, device = pipe.scheduler, pipe._execution_device
-    seq_len = (height // pipe.vae_scale_factor) * (width // pipe.vae_scale_factor) // pipe.transformer.config.patch_size ** 2
+    seq_len = height * width // (pipe.vae_scale_factor * pipe.transformer.config.patch_size) ** 2   # latent patches
     train_steps = scheduler.config.num_train_timesteps
     timesteps = np.linspace(train_steps, 1.0, num_inference_steps + 1)[:-1].astype(np.int64).astype(np.float32)
     mu = calculate_shift(seq_len, scheduler.config.get("base_image_seq_len", 256),
@@ -1251,7 +1242,6 @@ def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_sc
     H, W = grid_hw
     height, width = 32 * H, 32 * W
     device, dtype = pipe._execution_device, pipe.dtype
-    n = target_tokens.shape[0]
     encoded = [pipe.encode_prompt([p], guidance_scale > 1, num_images_per_prompt=group_size, device=device,
                                   dtype=dtype) for p in prompts]
     embeds, negative = [e for e, _ in encoded], [u for _, u in encoded] if guidance_scale > 1 else None
@@ -1261,17 +1251,14 @@ def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_sc
         mean, std = latent_stats(pipe.vae, device, dtype)
         pixels = [pipe.image_processor.preprocess(s, height=height, width=width).to(device, dtype) for s in sources]
         latents = [(retrieve_latents(pipe.vae.encode(p), sample_mode="argmax") - mean) / std for p in pixels]
-    size = torch.tensor([[height, width]], dtype=dtype, device=device).repeat(n, 1)
+    size = torch.tensor([[height, width]], dtype=dtype, device=device).repeat(target_tokens.shape[0], 1)
     return DitCondition(embeds, negative, prior, size, torch.zeros_like(size), guidance_scale, latents,
                         [ids.to(device) for ids, _ in source_prior] if sources is not None else None)
 
 
 def write_source_caches(dit, cond):
-    """Per prompt, the keys/values its G samples' DiT passes read: i2i, a pass over the source latent at
-    timestep 0 writes them (as the pipeline does), part of the training graph; t2i, none (None). The
-    library keeps a cache's mode (write/read/skip) on the cache, and gradient checkpointing recomputes a
-    block in backward, after later calls: so each call gets a cache whose mode never changes, the read
-    cache holding copies of the written lists (a recomputed write appends to its own)."""
+    """Per prompt, the KV cache its G samples' DiT passes read (t2i: None): i2i, a pass over the source
+    latent at timestep 0 writes it, as the pipeline does, part of the training graph."""
     from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
 
     module = unwrap(dit)
@@ -1285,6 +1272,8 @@ def write_source_caches(dit, cond):
                   prior_token_id=ids, prior_token_drop=torch.zeros_like(ids, dtype=torch.bool),
                   timestep=torch.zeros(1, device=latent.device), target_size=cond.target_size[:1],
                   crop_coords=cond.crop_coords[:1], kv_caches=written, return_dict=False)[0]
+        # The cache holds its mode, and gradient checkpointing reruns a block in backward after later calls:
+        # so a cache whose mode never changes, reading copies of the lists (a rerun write appends to its own).
         read.set_mode("read")
         for mine, theirs in zip(read.caches, written.caches):
             mine.k_caches, mine.v_caches = list(theirs.k_caches), list(theirs.v_caches)
@@ -1499,7 +1488,7 @@ def start_training(args, out, lead):
         print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} prompt(s) of {args.prompts}: "
               "each step's prompts repeat lines of the file")
     rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [])
-    readers = [r.name for r in rewards + dit_rewards if r.uses_targets]
+    readers = [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)]
     if readers and not builtin:
         require_targets(items, readers)
     args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
@@ -1739,9 +1728,8 @@ def demo_scene(prompt, where, mode, role="target", why=""):
 @dataclass
 class Reward:
     name: str                    # logged as rewards/<name>
-    fn: object
+    fn: object                   # fn.uses_targets = True: it reads the targets
     weight: float
-    uses_targets: bool
 
 
 def mse(images, prompts, targets):
@@ -1763,7 +1751,7 @@ def load_reward(spec):
     if weight == 0:
         raise UsageError(f"--reward {spec}: a weight of 0 leaves the reward out of the sum; drop it instead")
     if where == "mse":
-        return Reward("mse", mse, weight, True)
+        return Reward("mse", mse, weight)
     module_name, _, fn_name = where.rpartition(":")
     if not module_name or not fn_name:
         raise UsageError(f"--reward {spec}: expected 'mse', 'module:function' or 'path/to/file.py:function'")
@@ -1783,7 +1771,7 @@ def load_reward(spec):
     fn = namespace.get(fn_name)
     if not callable(fn):
         raise UsageError(f"--reward {spec}: {module_name} has no function {fn_name}")
-    return Reward(fn_name, fn, weight, bool(getattr(fn, "uses_targets", False)))
+    return Reward(fn_name, fn, weight)
 
 
 def load_rewards(specs):

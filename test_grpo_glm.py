@@ -1647,7 +1647,7 @@ def readme_block(first_line):
 
 
 def _reward(name, fn, weight=1.0):
-    return g.Reward(name, fn, weight, False)
+    return g.Reward(name, fn, weight)
 
 
 def test_compute_rewards_weighted_sum_and_per_name():
@@ -1664,7 +1664,7 @@ def test_a_reward_that_edits_images_in_place_changes_nothing_for_the_next():
     images, targets = torch.rand(4, 3, 8, 8), torch.rand(4, 3, 8, 8)
     before = images.clone()
     mutate = lambda im, p, t: (im.mul_(0), t.mul_(0), p.clear(), [0.0] * 4)[-1]
-    mse = g.Reward("mse", g.mse, 1.0, True)
+    mse = g.Reward("mse", g.mse, 1.0)
     _, parts = g.compute_rewards([_reward("mutate", mutate), mse], images, list("abcd"), targets)
     torch.testing.assert_close(parts["mse"], g.mse_reward(before, targets))
     assert torch.equal(images, before)
