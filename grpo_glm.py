@@ -773,8 +773,8 @@ def train(args):
                 warned = log_step(row, step, args, trainer, out, tracker, warned)
             bad_steps = non_finite_streak(bad_steps, row, step, out, args)
             if lead and args.sample_every and step % args.sample_every == 0:     # rank 0's groups
-                save_samples(out, step, [items[i].text for i in indices], targets, images, rewards, sources, ode,
-                             args, tracker)
+                save_sample_grid(out / "samples" / f"step_{step:06d}.png", [items[i].text for i in indices],
+                                 targets, images, rewards, args.group_size, sources, ode, tracker, step)
             # ---- CHECKPOINT ------------------------------------------------------------------
             if step % args.save_every == 0 or step == args.steps or stopping:
                 path = save_checkpoint(out, step, trainer, args, lead)
@@ -1828,7 +1828,8 @@ CONSOLE_FIELDS = ("loss {ar_loss:+.4f}", "dit loss {dit/loss:+.3e}", "reward {re
 
 
 def start_logging(args, trainer, out, start):
-    """Drops the metrics rows of a killed run's lost steps, prints the run's settings, opens the tracker."""
+    """Drops a killed run's metrics rows after `start`, prints the run's settings, opens accelerate's tracker
+    (None for --report-to none), which logs the metrics rows, the sample sheets and the flags."""
     read_metrics(out / "metrics.jsonl", drop_after=start)
     trainable = sum(p.numel() for p in trainer.trained.parameters() if p.requires_grad)
     ar = f"LoRA r={args.lora_rank}" if args.lora_rank else "head" if args.ar_trainable == "head" else "full"
@@ -1843,11 +1844,23 @@ def start_logging(args, trainer, out, start):
           f"threads={torch.get_num_threads()} processes={world_size()} micro_batch={args.micro_batch_size}"
           + (f" policy={args.policy} dit_lr={args.dit_lr} dit_train_steps={args.dit_train_steps}/"
              f"{args.num_inference_steps} dit_noise_level={args.dit_noise_level}" if args.policy != "ar" else ""))
-    print("rewards: " + " + ".join(f"{r.weight:g} x {r.name}" for r in trainer.rewards)
-          + (" | the DiT's: " + " + ".join(f"{r.weight:g} x {r.name}" for r in trainer.dit_rewards)
-             if trainer.dit_rewards else "")
+    ar_rewards, dit_rewards = (" + ".join(f"{r.weight:g} x {r.name}" for r in rs) for rs in
+                               (trainer.rewards, trainer.dit_rewards))
+    print(f"rewards: {ar_rewards}" + (f" | the DiT's: {dit_rewards}" if dit_rewards else "")
           + f" | lr schedule {args.lr_scheduler}, warm-up {args.lr_warmup_steps} | report to {args.report_to}")
-    return open_tracker(args, out, start)
+    if args.report_to == "none":
+        return None
+    from accelerate.tracking import TensorBoardTracker, WandBTracker
+
+    if args.report_to == "wandb":      # WANDB_MODE=offline: under <out>/wandb, for a later `wandb sync`
+        tracker = WandBTracker("grpo_glm", name=out.name, dir=str(out), config=vars(args))
+    else:      # purge_step: on resume, TensorBoard drops the events a killed run wrote after its checkpoint
+        tracker = TensorBoardTracker("logs", out, purge_step=start + 1 if start else None)
+    tracker.start()
+    if args.report_to == "tensorboard":
+        flags = "\n".join(f"| --{k.replace('_', '-')} | {v} |" for k, v in sorted(vars(args).items()))
+        tracker.writer.add_text("flags", "| flag | value |\n|---|---|\n" + flags, global_step=start)
+    return tracker
 
 
 def count_text(n):
@@ -1929,17 +1942,10 @@ def read_metrics(path, drop_after=None):
     return rows
 
 
-def save_samples(out, step, prompts, targets, images, rewards, sources, ode, args, tracker):
-    sheet = save_sample_grid(out / "samples" / f"step_{step:06d}.png", prompts, targets, images, rewards,
-                             args.group_size, sources, ode)
-    if tracker:      # a batch of one HWC image (W&B takes no dataformats: it reads each row as an image)
-        formats = {"dataformats": "NHWC"} if tracker.name == "tensorboard" else {}
-        tracker.log_images({"samples": np.asarray(sheet)[None]}, step, **formats)
-
-
 # The PNGs' text: Pillow's built-in font at 12 px (draw.text's font_size; at its own 10 px some spaces vanish).
 
-def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None):
+def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, tracker=None,
+                     step=None):
     """Per prompt (sorted: it stays in place) 8 cells a row: [source,] target, [a=0 decode,] its G samples."""
     scale = max(1, 128 // images.shape[-1])                   # cells at least 128 px wide, to be seen
     width, height = images.shape[-1] * scale, images.shape[-2] * scale
@@ -1962,6 +1968,9 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
             draw.text((x + 2, y + height + 2), label, fill="black", font_size=12)
     path.parent.mkdir(parents=True, exist_ok=True)
     sheet.save(path)
+    if tracker:      # a batch of one HWC image (W&B takes no dataformats: it reads each row as an image)
+        formats = {"dataformats": "NHWC"} if tracker.name == "tensorboard" else {}
+        tracker.log_images({"samples": np.asarray(sheet)[None]}, step, **formats)
     return sheet
 
 
@@ -2017,23 +2026,6 @@ def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
         draw.text(xy, text, fill="black", font_size=12, anchor=anchor)
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path)
-
-
-def open_tracker(args, out, start):
-    """accelerate's trackers (None for --report-to none): the metrics rows, the sample sheets, the flags."""
-    if args.report_to == "none":
-        return None
-    from accelerate.tracking import TensorBoardTracker, WandBTracker
-
-    if args.report_to == "wandb":      # WANDB_MODE=offline: under <out>/wandb, for a later `wandb sync`
-        tracker = WandBTracker("grpo_glm", name=out.name, dir=str(out), config=vars(args))
-    else:      # purge_step: on resume, TensorBoard drops the events a killed run wrote after its checkpoint
-        tracker = TensorBoardTracker("logs", out, purge_step=start + 1 if start else None)
-    tracker.start()
-    if args.report_to == "tensorboard":
-        flags = "\n".join(f"| --{k.replace('_', '-')} | {v} |" for k, v in sorted(vars(args).items()))
-        tracker.writer.add_text("flags", "| flag | value |\n|---|---|\n" + flags, global_step=start)
-    return tracker
 
 
 # =============================================================================================
