@@ -690,7 +690,7 @@ def setup_training(args, ckpt=None, ckpt_path=None, rewards=None, dit_rewards=No
     trainer.lr_scheduler = get_scheduler("constant_with_warmup" if warmup else args.lr_scheduler, trainer.optimizer,
                                          num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.steps)
     if ckpt is not None:
-        restore_checkpoint(ckpt, ckpt_path, trainer.trained, trainer.optimizer, trainer.lr_scheduler)
+        restore_checkpoint(ckpt, trainer, args)
         if rank() == 0:
             print(f"Resuming from step {ckpt['step']} ({ckpt_path})")
     trainer.rewards = load_rewards(args.reward) if rewards is None else rewards
@@ -1503,13 +1503,12 @@ def start_training(args, out, lead):
     if readers and not builtin:
         require_targets(items, readers)
     args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
-    ckpt_path = find_checkpoint(args.resume, out) if args.resume else None
-    ckpt = read_checkpoint(ckpt_path) if ckpt_path else None
+    ckpt = read_checkpoint(args.resume, out) if args.resume else None
+    ckpt_path = ckpt["path"] if ckpt else None
     later = []
     if ckpt is not None:
         step = ckpt["step"]
         differences = check_resume_flags(ckpt["args"], args)
-        ckpt["weight_flags"] = "; ".join(d for d in differences if d.split()[0] in WEIGHT_FLAGS)
         if differences and not args.resume_force:
             raise UsageError(f"--resume {ckpt_path}: flags differ from the checkpoint's: {'; '.join(differences)} "
                              "(add --resume-force to accept)")
@@ -2153,18 +2152,15 @@ def saved_checkpoints(out):
     return sorted((out / "checkpoints").glob("step_*.pt"))      # oldest first: six-digit steps sort by name
 
 
-def find_checkpoint(spec, out_dir):
-    """--resume latest: the newest <out>/checkpoints/step_*.pt, or None (start over); else the given path."""
-    found = saved_checkpoints(out_dir) if spec == "latest" else [Path(spec)]
-    if not found:
-        print(f"--resume latest: no checkpoint in {out_dir / 'checkpoints'} yet; starting from step 0")
+def read_checkpoint(spec, out=None):
+    """A checkpoint's checked contents, its path under "path"; spec 'latest': the newest in <out>/checkpoints
+    (None: there is none yet, start over)."""
+    path = max(saved_checkpoints(out), default=None) if spec == "latest" else Path(spec)
+    if path is None:
+        print(f"--resume latest: no checkpoint in {out / 'checkpoints'} yet; starting from step 0")
         return None
-    if not found[-1].is_file():
+    if not path.is_file():
         raise UsageError(f"--resume {spec}: file not found")
-    return found[-1]
-
-
-def read_checkpoint(path):
     try:
         with warnings.catch_warnings():     # a junk file can look like a pickle of another protocol: torch warns
             warnings.simplefilter("ignore")
@@ -2176,7 +2172,7 @@ def read_checkpoint(path):
     if ckpt["format"] != CHECKPOINT_FORMAT:
         raise UsageError(f"--resume {path}: written by an older grpo_glm.py ({ckpt['format']}, this one reads "
                          f"{CHECKPOINT_FORMAT}); start a new run")
-    return ckpt
+    return {**ckpt, "path": path}
 
 
 def check_resume_flags(saved, args):
@@ -2189,15 +2185,16 @@ def check_resume_flags(saved, args):
 WEIGHT_FLAGS = ("--policy", "--model", "--lora-rank", "--dit-lora-rank", "--ar-trainable")   # what is trained
 
 
-def restore_checkpoint(ckpt, path, model, optimizer, lr_scheduler):
-    try:      # ckpt["weight_flags"]: the WEIGHT_FLAGS this run changes (start_training)
-        if set(ckpt["trainable"]) != {name for name, p in model.named_parameters() if p.requires_grad}:
+def restore_checkpoint(ckpt, trainer, args):
+    try:
+        if set(ckpt["trainable"]) != {name for name, p in trainer.trained.named_parameters() if p.requires_grad}:
             raise ValueError(f"other parameter names ({', '.join(WEIGHT_FLAGS)})")
-        load_training_state(model, optimizer, ckpt["trainable"], ckpt["optimizer"])
-        lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
-    except (RuntimeError, ValueError, KeyError) as e:
-        why = ckpt.get("weight_flags") or str(e).splitlines()[0][:120]
-        raise UsageError(f"--resume {path}: its weights do not fit this model: {why}")
+        load_training_state(trainer.trained, trainer.optimizer, ckpt["trainable"], ckpt["optimizer"])
+        trainer.lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
+    except (RuntimeError, ValueError, KeyError) as e:     # name the flags that changed what is trained
+        changed = [d for d in check_resume_flags(ckpt["args"], args) if d.split()[0] in WEIGHT_FLAGS]
+        raise UsageError(f"--resume {ckpt['path']}: its weights do not fit this model: "
+                         + ("; ".join(changed) or str(e).splitlines()[0][:120]))
     name, keys, *rest = ckpt["rng"]["numpy"]        # rng_state's, in reverse
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     random.setstate(ckpt["rng"]["python"])
