@@ -1219,7 +1219,7 @@ def sync_on_last(policy, pieces):
 
 def non_finite_streak(bad_steps, row, step, out, args):
     """The causes of the steps in a row, up to this one, whose every update was skipped: 5 stop the run."""
-    bad_steps = bad_steps + [skip_cause(row)] if row["skipped_updates"] == args.inner_epochs else []
+    bad_steps = bad_steps + [row] if row["skipped_updates"] == args.inner_epochs else []
     if len(bad_steps) >= 5:
         raise UsageError(non_finite_stop(bad_steps, step, out))
     return bad_steps
@@ -1909,21 +1909,20 @@ def warn_if_collapsed(row, warned, max_entropy=None):
     return True
 
 
-def skip_cause(row):
-    """What made a step skip all its updates: 'reward <names>', 'loss' or 'gradient'."""
-    bad = [k[len("rewards/"):] for k, v in row.items() if k.startswith("rewards/") and not math.isfinite(v)]
-    return f"reward {', '.join(bad)}" if bad else "loss" if row.get("skipped_nonfinite_loss") else "gradient"
-
-
-def non_finite_stop(causes, step, out):
-    """Why 5 steps in a row updated nothing (what was non-finite), and the last checkpoint if any."""
+def non_finite_stop(rows, step, out):
+    """Why the steps of `rows` (5 in a row) updated nothing, and the last checkpoint if any."""
     advice = {"loss": "the policy's log-probs overflowed: try a lower --lr",
               "gradient": "try a lower --lr or --max-grad-norm"}
+    causes = []
+    for row in rows:      # a non-finite reward (named), else the loss, else the gradient
+        bad = [k[len("rewards/"):] for k, v in row.items() if k.startswith("rewards/") and not math.isfinite(v)]
+        causes.append(f"reward {', '.join(bad)}" if bad else
+                      "loss" if row.get("skipped_nonfinite_loss") else "gradient")
     what = "; ".join(f"non-finite {c} ({advice.get(c, 'fix the reward: it returned NaN or inf')})"
                      for c in dict.fromkeys(causes))
     found = saved_checkpoints(out)
     saved = f"the last checkpoint is {found[-1]}" if found else "no checkpoint was written yet"
-    return f"stopping: steps {step - len(causes) + 1}-{step} updated nothing: {what}; {saved}"
+    return f"stopping: steps {step - len(rows) + 1}-{step} updated nothing: {what}; {saved}"
 
 
 def read_metrics(path, drop_after=None):
