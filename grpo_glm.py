@@ -690,7 +690,7 @@ def setup_training(args, ckpt=None, ckpt_path=None, rewards=None, dit_rewards=No
     trainer.lr_scheduler = get_scheduler("constant_with_warmup" if warmup else args.lr_scheduler, trainer.optimizer,
                                          num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.steps)
     if ckpt is not None:
-        restore_checkpoint(ckpt, ckpt_path, trainer.trained, trainer.optimizer, trainer.lr_scheduler)
+        restore_checkpoint(ckpt, trainer, args)
         if rank() == 0:
             print(f"Resuming from step {ckpt['step']} ({ckpt_path})")
     trainer.rewards = load_rewards(args.reward) if rewards is None else rewards
@@ -773,8 +773,8 @@ def train(args):
                 warned = log_step(row, step, args, trainer, out, tracker, warned)
             bad_steps = non_finite_streak(bad_steps, row, step, out, args)
             if lead and args.sample_every and step % args.sample_every == 0:     # rank 0's groups
-                save_samples(out, step, [items[i].text for i in indices], targets, images, rewards, sources, ode,
-                             args, tracker)
+                save_sample_grid(out / "samples" / f"step_{step:06d}.png", [items[i].text for i in indices],
+                                 targets, images, rewards, args.group_size, sources, ode, tracker, step)
             # ---- CHECKPOINT ------------------------------------------------------------------
             if step % args.save_every == 0 or step == args.steps or stopping:
                 path = save_checkpoint(out, step, trainer, args, lead)
@@ -1211,7 +1211,7 @@ def sync_on_last(policy, pieces):
 
 def non_finite_streak(bad_steps, row, step, out, args):
     """The causes of the steps in a row, up to this one, whose every update was skipped: 5 stop the run."""
-    bad_steps = bad_steps + [skip_cause(row)] if row["skipped_updates"] == args.inner_epochs else []
+    bad_steps = bad_steps + [row] if row["skipped_updates"] == args.inner_epochs else []
     if len(bad_steps) >= 5:
         raise UsageError(non_finite_stop(bad_steps, step, out))
     return bad_steps
@@ -1492,13 +1492,12 @@ def start_training(args, out, lead):
     if readers and not builtin:
         require_targets(items, readers)
     args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
-    ckpt_path = find_checkpoint(args.resume, out) if args.resume else None
-    ckpt = read_checkpoint(ckpt_path) if ckpt_path else None
+    ckpt = read_checkpoint(args.resume, out) if args.resume else None
+    ckpt_path = ckpt["path"] if ckpt else None
     later = []
     if ckpt is not None:
         step = ckpt["step"]
         differences = check_resume_flags(ckpt["args"], args)
-        ckpt["weight_flags"] = "; ".join(d for d in differences if d.split()[0] in WEIGHT_FLAGS)
         if differences and not args.resume_force:
             raise UsageError(f"--resume {ckpt_path}: flags differ from the checkpoint's: {'; '.join(differences)} "
                              "(add --resume-force to accept)")
@@ -1816,7 +1815,8 @@ CONSOLE_FIELDS = ("loss {ar_loss:+.4f}", "dit loss {dit/loss:+.3e}", "reward {re
 
 
 def start_logging(args, trainer, out, start):
-    """Drops the metrics rows of a killed run's lost steps, prints the run's settings, opens the tracker."""
+    """Drops a killed run's metrics rows after `start`, prints the run's settings, opens accelerate's tracker
+    (None for --report-to none), which logs the metrics rows, the sample sheets and the flags."""
     read_metrics(out / "metrics.jsonl", drop_after=start)
     trainable = sum(p.numel() for p in trainer.trained.parameters() if p.requires_grad)
     ar = f"LoRA r={args.lora_rank}" if args.lora_rank else "head" if args.ar_trainable == "head" else "full"
@@ -1831,11 +1831,23 @@ def start_logging(args, trainer, out, start):
           f"threads={torch.get_num_threads()} processes={world_size()} micro_batch={args.micro_batch_size}"
           + (f" policy={args.policy} dit_lr={args.dit_lr} dit_train_steps={args.dit_train_steps}/"
              f"{args.num_inference_steps} dit_noise_level={args.dit_noise_level}" if args.policy != "ar" else ""))
-    print("rewards: " + " + ".join(f"{r.weight:g} x {r.name}" for r in trainer.rewards)
-          + (" | the DiT's: " + " + ".join(f"{r.weight:g} x {r.name}" for r in trainer.dit_rewards)
-             if trainer.dit_rewards else "")
+    ar_rewards, dit_rewards = (" + ".join(f"{r.weight:g} x {r.name}" for r in rs) for rs in
+                               (trainer.rewards, trainer.dit_rewards))
+    print(f"rewards: {ar_rewards}" + (f" | the DiT's: {dit_rewards}" if dit_rewards else "")
           + f" | lr schedule {args.lr_scheduler}, warm-up {args.lr_warmup_steps} | report to {args.report_to}")
-    return open_tracker(args, out, start)
+    if args.report_to == "none":
+        return None
+    from accelerate.tracking import TensorBoardTracker, WandBTracker
+
+    if args.report_to == "wandb":      # WANDB_MODE=offline: under <out>/wandb, for a later `wandb sync`
+        tracker = WandBTracker("grpo_glm", name=out.name, dir=str(out), config=vars(args))
+    else:      # purge_step: on resume, TensorBoard drops the events a killed run wrote after its checkpoint
+        tracker = TensorBoardTracker("logs", out, purge_step=start + 1 if start else None)
+    tracker.start()
+    if args.report_to == "tensorboard":
+        flags = "\n".join(f"| --{k.replace('_', '-')} | {v} |" for k, v in sorted(vars(args).items()))
+        tracker.writer.add_text("flags", "| flag | value |\n|---|---|\n" + flags, global_step=start)
+    return tracker
 
 
 def count_text(n):
@@ -1885,21 +1897,20 @@ def warn_if_collapsed(row, warned, max_entropy=None):
     return True
 
 
-def skip_cause(row):
-    """What made a step skip all its updates: 'reward <names>', 'loss' or 'gradient'."""
-    bad = [k[len("rewards/"):] for k, v in row.items() if k.startswith("rewards/") and not math.isfinite(v)]
-    return f"reward {', '.join(bad)}" if bad else "loss" if row.get("skipped_nonfinite_loss") else "gradient"
-
-
-def non_finite_stop(causes, step, out):
-    """Why 5 steps in a row updated nothing (what was non-finite), and the last checkpoint if any."""
+def non_finite_stop(rows, step, out):
+    """Why the steps of `rows` (5 in a row) updated nothing, and the last checkpoint if any."""
     advice = {"loss": "the policy's log-probs overflowed: try a lower --lr",
               "gradient": "try a lower --lr or --max-grad-norm"}
+    causes = []
+    for row in rows:      # a non-finite reward (named), else the loss, else the gradient
+        bad = [k[len("rewards/"):] for k, v in row.items() if k.startswith("rewards/") and not math.isfinite(v)]
+        causes.append(f"reward {', '.join(bad)}" if bad else
+                      "loss" if row.get("skipped_nonfinite_loss") else "gradient")
     what = "; ".join(f"non-finite {c} ({advice.get(c, 'fix the reward: it returned NaN or inf')})"
                      for c in dict.fromkeys(causes))
     found = saved_checkpoints(out)
     saved = f"the last checkpoint is {found[-1]}" if found else "no checkpoint was written yet"
-    return f"stopping: steps {step - len(causes) + 1}-{step} updated nothing: {what}; {saved}"
+    return f"stopping: steps {step - len(rows) + 1}-{step} updated nothing: {what}; {saved}"
 
 
 def read_metrics(path, drop_after=None):
@@ -1917,17 +1928,10 @@ def read_metrics(path, drop_after=None):
     return rows
 
 
-def save_samples(out, step, prompts, targets, images, rewards, sources, ode, args, tracker):
-    sheet = save_sample_grid(out / "samples" / f"step_{step:06d}.png", prompts, targets, images, rewards,
-                             args.group_size, sources, ode)
-    if tracker:      # a batch of one HWC image (W&B takes no dataformats: it reads each row as an image)
-        formats = {"dataformats": "NHWC"} if tracker.name == "tensorboard" else {}
-        tracker.log_images({"samples": np.asarray(sheet)[None]}, step, **formats)
-
-
 # The PNGs' text: Pillow's built-in font at 12 px (draw.text's font_size; at its own 10 px some spaces vanish).
 
-def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None):
+def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, tracker=None,
+                     step=None):
     """Per prompt (sorted: it stays in place) 8 cells a row: [source,] target, [a=0 decode,] its G samples."""
     scale = max(1, 128 // images.shape[-1])                   # cells at least 128 px wide, to be seen
     width, height = images.shape[-1] * scale, images.shape[-2] * scale
@@ -1950,6 +1954,9 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
             draw.text((x + 2, y + height + 2), label, fill="black", font_size=12)
     path.parent.mkdir(parents=True, exist_ok=True)
     sheet.save(path)
+    if tracker:      # a batch of one HWC image (W&B takes no dataformats: it reads each row as an image)
+        formats = {"dataformats": "NHWC"} if tracker.name == "tensorboard" else {}
+        tracker.log_images({"samples": np.asarray(sheet)[None]}, step, **formats)
     return sheet
 
 
@@ -2005,23 +2012,6 @@ def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
         draw.text(xy, text, fill="black", font_size=12, anchor=anchor)
     path.parent.mkdir(parents=True, exist_ok=True)
     image.save(path)
-
-
-def open_tracker(args, out, start):
-    """accelerate's trackers (None for --report-to none): the metrics rows, the sample sheets, the flags."""
-    if args.report_to == "none":
-        return None
-    from accelerate.tracking import TensorBoardTracker, WandBTracker
-
-    if args.report_to == "wandb":      # WANDB_MODE=offline: under <out>/wandb, for a later `wandb sync`
-        tracker = WandBTracker("grpo_glm", name=out.name, dir=str(out), config=vars(args))
-    else:      # purge_step: on resume, TensorBoard drops the events a killed run wrote after its checkpoint
-        tracker = TensorBoardTracker("logs", out, purge_step=start + 1 if start else None)
-    tracker.start()
-    if args.report_to == "tensorboard":
-        flags = "\n".join(f"| --{k.replace('_', '-')} | {v} |" for k, v in sorted(vars(args).items()))
-        tracker.writer.add_text("flags", "| flag | value |\n|---|---|\n" + flags, global_step=start)
-    return tracker
 
 
 # =============================================================================================
@@ -2149,18 +2139,15 @@ def saved_checkpoints(out):
     return sorted((out / "checkpoints").glob("step_*.pt"))      # oldest first: six-digit steps sort by name
 
 
-def find_checkpoint(spec, out_dir):
-    """--resume latest: the newest <out>/checkpoints/step_*.pt, or None (start over); else the given path."""
-    found = saved_checkpoints(out_dir) if spec == "latest" else [Path(spec)]
-    if not found:
-        print(f"--resume latest: no checkpoint in {out_dir / 'checkpoints'} yet; starting from step 0")
+def read_checkpoint(spec, out=None):
+    """A checkpoint's checked contents, its path under "path"; spec 'latest': the newest in <out>/checkpoints
+    (None: there is none yet, start over)."""
+    path = max(saved_checkpoints(out), default=None) if spec == "latest" else Path(spec)
+    if path is None:
+        print(f"--resume latest: no checkpoint in {out / 'checkpoints'} yet; starting from step 0")
         return None
-    if not found[-1].is_file():
+    if not path.is_file():
         raise UsageError(f"--resume {spec}: file not found")
-    return found[-1]
-
-
-def read_checkpoint(path):
     try:
         with warnings.catch_warnings():     # a junk file can look like a pickle of another protocol: torch warns
             warnings.simplefilter("ignore")
@@ -2172,7 +2159,7 @@ def read_checkpoint(path):
     if ckpt["format"] != CHECKPOINT_FORMAT:
         raise UsageError(f"--resume {path}: written by an older grpo_glm.py ({ckpt['format']}, this one reads "
                          f"{CHECKPOINT_FORMAT}); start a new run")
-    return ckpt
+    return {**ckpt, "path": path}
 
 
 def check_resume_flags(saved, args):
@@ -2185,15 +2172,16 @@ def check_resume_flags(saved, args):
 WEIGHT_FLAGS = ("--policy", "--model", "--lora-rank", "--dit-lora-rank", "--ar-trainable")   # what is trained
 
 
-def restore_checkpoint(ckpt, path, model, optimizer, lr_scheduler):
-    try:      # ckpt["weight_flags"]: the WEIGHT_FLAGS this run changes (start_training)
-        if set(ckpt["trainable"]) != {name for name, p in model.named_parameters() if p.requires_grad}:
+def restore_checkpoint(ckpt, trainer, args):
+    try:
+        if set(ckpt["trainable"]) != {name for name, p in trainer.trained.named_parameters() if p.requires_grad}:
             raise ValueError(f"other parameter names ({', '.join(WEIGHT_FLAGS)})")
-        load_training_state(model, optimizer, ckpt["trainable"], ckpt["optimizer"])
-        lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
-    except (RuntimeError, ValueError, KeyError) as e:
-        why = ckpt.get("weight_flags") or str(e).splitlines()[0][:120]
-        raise UsageError(f"--resume {path}: its weights do not fit this model: {why}")
+        load_training_state(trainer.trained, trainer.optimizer, ckpt["trainable"], ckpt["optimizer"])
+        trainer.lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
+    except (RuntimeError, ValueError, KeyError) as e:     # name the flags that changed what is trained
+        changed = [d for d in check_resume_flags(ckpt["args"], args) if d.split()[0] in WEIGHT_FLAGS]
+        raise UsageError(f"--resume {ckpt['path']}: its weights do not fit this model: "
+                         + ("; ".join(changed) or str(e).splitlines()[0][:120]))
     name, keys, *rest = ckpt["rng"]["numpy"]        # rng_state's, in reverse
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     random.setstate(ckpt["rng"]["python"])
