@@ -705,7 +705,7 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
     rewards [N], images [N, 3, H, W], targets [P, 3, H, W] | None, sources | None, DiT's a = 0 decode | None)."""
     batch = [items[i] for i in indices]
     prompts = [it.text for it in batch]
-    sources = [it.source for it in batch] if args.mode == "i2i" else None
+    sources = [it.image("source") for it in batch] if args.mode == "i2i" else None
     slots = range(len(indices)) if slots is None else slots
     pipe, G, train_ar, train_dit = trainer.pipe, args.group_size, args.policy != "dit", args.policy != "ar"
     # ---- SAMPLE: G token grids per prompt (--policy dit: one per prompt, its group shares it) ----
@@ -1095,7 +1095,7 @@ def prompts_for_step(num_prompts, per_step, step, seed):
 
 def batch_targets(batch):
     """The step's target images [P, 3, H, W] in [0, 1], or None if any is missing."""
-    targets = [it.target for it in batch]
+    targets = [it.image("target") for it in batch]
     if any(t is None for t in targets):
         return None
     return torch.stack([torch.from_numpy(np.asarray(t, dtype=np.float32) / 255.0).permute(2, 0, 1) for t in targets])
@@ -1587,22 +1587,14 @@ SHAPES = ("circle", "square", "triangle")
 
 @dataclass
 class PromptItem:
-    """One prompt line; its images (RGB at `size`, or None) are read or drawn when a step asks, never kept."""
+    """One prompt line; its images are read or drawn when a step asks, never kept."""
     text: str
     where: str                   # 'prompts.txt:3', for messages
     size: tuple                  # (height, width) images are resized to
     mode: str = "t2i"
     image_from: dict = None      # 'target' / 'source' -> a file, or draw_shape's (shape, colour, background)
 
-    @property
-    def target(self):
-        return self.image("target")
-
-    @property
-    def source(self):
-        return self.image("source")
-
-    def image(self, kind):
+    def image(self, kind):       # RGB at `size`, or None
         origin = self.image_from.get(kind)
         if isinstance(origin, Path):
             return read_image(origin, self.where, kind, self.size)

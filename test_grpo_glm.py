@@ -669,8 +669,8 @@ def test_images_are_read_as_the_user_sees_them(tmp_path, capsys):
     (tmp_path / "p.txt").write_text("one | rgba.png\ntwo | grey16.png\nthree | wide.png\n")
     assert Image.open(tmp_path / "grey16.png").mode.startswith("I")
     items = g.read_prompts(tmp_path / "p.txt", 64, 64)
-    assert items[0].target.getpixel((0, 0)) == (255, 255, 255) and items[0].target.getpixel((32, 32)) == (0, 0, 255)
-    assert items[1].target.getpixel((10, 10)) == (128, 128, 128)
+    assert items[0].image("target").getpixel((0, 0)) == (255, 255, 255) and items[0].image("target").getpixel((32, 32)) == (0, 0, 255)
+    assert items[1].image("target").getpixel((10, 10)) == (128, 128, 128)
     out = capsys.readouterr().out
     assert "wide.png is 128x64, squashed to 64x64" in out and f"{tmp_path / 'p.txt'}:3" in out
     assert "rgba.png" not in out and "grey16.png" not in out
@@ -691,8 +691,8 @@ def test_prompt_images_are_checked_at_start_but_read_only_when_used(tmp_path, mo
     items = g.read_prompts(tmp_path / "p.txt", 64, 64) + g.read_prompts(tmp_path / "i.txt", 64, 64, "i2i")
     assert decoded == []
     assert not any(isinstance(v, Image.Image) for it in items for v in vars(it).values())
-    assert items[1].target.getpixel((0, 0)) == (0, 0, 255) and len(set(map(id, decoded))) == 1
-    assert items[2].source.size == (64, 64) and items[3].source.getpixel((32, 32)) == g.COLOURS["red"]
+    assert items[1].image("target").getpixel((0, 0)) == (0, 0, 255) and len(set(map(id, decoded))) == 1
+    assert items[2].image("source").size == (64, 64) and items[3].image("source").getpixel((32, 32)) == g.COLOURS["red"]
     data = (tmp_path / "a.png").read_bytes()
     (tmp_path / "broken.png").write_bytes(data[:40] + bytes([data[40] ^ 0xFF]) + data[41:])   # a corrupt chunk
     (tmp_path / "q.txt").write_text("one | broken.png\n")
@@ -710,7 +710,7 @@ def test_exif_orientation_is_applied_to_targets_and_sources(tmp_path, capsys):
     (tmp_path / "p.txt").write_text("make it so | photo.jpg | photo.jpg\n")
     item = g.read_prompts(tmp_path / "p.txt", 64, 32, "i2i")[0]   # upright it is 32 wide, 64 high
     assert "squashed" not in capsys.readouterr().out
-    for image in (item.target, item.source):
+    for image in (item.image("target"), item.image("source")):
         assert image.size == (32, 64)
         r, gr, b = image.getpixel((16, 3))                  # shown upright, the band is at the top
         assert r > 200 and gr < 60 and b < 60, (r, gr, b)
@@ -747,7 +747,7 @@ def test_prompt_file_comments_bom_and_hash_in_text(tmp_path):
                                       "a blue square on a yellow background\n".encode("utf-8-sig"))
     items = g.read_prompts(tmp_path / "p.txt", 64, 64)
     assert [it.text for it in items] == ["colour #ff0000", "a blue square on a yellow background"]
-    assert items[0].target.getpixel((0, 0)) == (255, 0, 0)
+    assert items[0].image("target").getpixel((0, 0)) == (255, 0, 0)
 
 
 def assert_one_line_error_and_out_untouched(case, tmp_path, finished_run, run_main):
@@ -1736,7 +1736,7 @@ def test_targets_are_required_only_by_rewards_that_read_them(plugins, capsys):
     err = capsys.readouterr().err
     assert "(the reward mse reads targets;" in err and "no GPU here" not in err
     items = g.read_prompts(plugins / "free.txt", 64, 64, need_targets=False)
-    assert [it.target for it in items] == [None, None]
+    assert [it.image("target") for it in items] == [None, None]
 
 
 def test_nan_reward_is_named_and_never_reaches_the_weights(plugins, capsys, recwarn):
