@@ -1210,7 +1210,7 @@ def sync_on_last(policy, pieces):
 
 
 def non_finite_streak(bad_steps, row, step, out, args):
-    """The causes of the steps in a row, up to this one, whose every update was skipped: 5 stop the run."""
+    """The metrics rows of the steps in a row, up to this one, whose every update was skipped: 5 stop the run."""
     bad_steps = bad_steps + [row] if row["skipped_updates"] == args.inner_epochs else []
     if len(bad_steps) >= 5:
         raise UsageError(non_finite_stop(bad_steps, step, out))
