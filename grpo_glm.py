@@ -319,7 +319,9 @@ def sample_group(pipe, prompts, group_size, sampling, height, width, loss_tokens
         pipe, prompts, sources, group_size, height, width, prompt_len)          # N = P x G rows
     if generators is None:
         generators = [torch.Generator(ar.device).manual_seed(int(torch.randint(2**62, ()))) for _ in prompts]
-    config = GenerationConfig(    # do_sample=False: generate takes GumbelMax's argmax, no sampler of its own
+    # do_sample=False: generate takes GumbelMax's argmax, no sampler of its own; top_k/top_p/temperature are
+    # greedy's defaults, set so the checkpoint's are not filled in (the policy's act inside GumbelMax)
+    config = GenerationConfig(
         do_sample=False, top_k=50, top_p=1.0, temperature=1.0, max_new_tokens=num_generated,
         min_new_tokens=num_generated, suppress_tokens=list(sampling.suppressed),
         pad_token_id=ar.config.text_config.pad_token_id, eos_token_id=None, return_dict_in_generate=True,
@@ -354,7 +356,7 @@ def sample_tokens(trainer, prompts, sources, slots, step, args):
     with whole_weights(ar):
         rollout = sample_groups(trainer.pipe, prompts, sources, slots, step, args, record_logp=exact)
         if not exact:
-            rollout.old_logp = logprobs_by_micro_batch(ar, rollout, trainer.sampling, args.micro_batch_size)
+            rollout.old_logp = logprobs_by_micro_batch(ar, rollout, sampling_of(ar), args.micro_batch_size)
     return rollout
 
 
@@ -588,11 +590,12 @@ def ar_loss_terms(policy, rollout, advantages, ref_logp, args, sampling):
 def ar_half(trainer, rollout, advantages, args):
     """The AR's entry (prefix, params, terms) in grpo_update, with pi_ref's log-probs when beta > 0."""
     ar, ref_logp = trainer.pipe.vision_language_encoder, None
+    sampling = sampling_of(ar)        # the policy, as its generation config says (load_pipeline)
     if args.beta > 0:
         with reference_weights(ar, trainer.reference) as reference:
-            ref_logp = logprobs_by_micro_batch(reference, rollout, trainer.sampling, args.micro_batch_size)  # [N, L]
+            ref_logp = logprobs_by_micro_batch(reference, rollout, sampling, args.micro_batch_size)  # [N, L]
     ar.train()   # switches gradient checkpointing on; the AR has no dropout, so pass 1 still gives pi_old
-    return "", trainer.params, ar_loss_terms(trainer.policy, rollout, advantages, ref_logp, args, trainer.sampling)
+    return "", trainer.params, ar_loss_terms(trainer.policy, rollout, advantages, ref_logp, args, sampling)
 
 
 FIRST_PASS_ONLY = ("logp_diff_max", "entropy")   # measured while the policy still equals pi_old
@@ -645,7 +648,6 @@ class Trainer:
     """What the loop carries. Per trained half (the AR; `dit_` the DiT): its trainable params, the
     `policy` its training forward runs through (itself or its DDP wrapper), its frozen KL `reference`."""
     pipe: object                          # GlmImagePipeline
-    sampling: SamplingParams              # the AR's policy over tokens
     optimizer: torch.optim.Optimizer = None   # one AdamW, a param group per trained half
     lr_scheduler: object = None           # one step per GRPO step
     trained: torch.nn.Module = None       # what checkpoints hold: the AR, or {AR, DiT}
@@ -669,7 +671,7 @@ def setup_training(args, ckpt=None, ckpt_path=None, rewards=None, dit_rewards=No
     pipe = load_pipeline(args)
     set_seed(args.seed)             # after loading: the same sampling stream however the model was made
     ar, dit = pipe.vision_language_encoder, pipe.transformer
-    trainer = Trainer(pipe, sampling_of(ar), prompt_tokens={})
+    trainer = Trainer(pipe, prompt_tokens={})
     # Full fine-tuning with beta > 0 keeps a frozen copy as the KL reference (at 9B use LoRA instead).
     frozen_copy = lambda model, lora: copy.deepcopy(model).requires_grad_(False) if args.beta > 0 and not lora else None
     groups, trained = [], {}

@@ -2110,7 +2110,7 @@ def test_dit_reward_trains_each_half_on_its_own_reward(tmp_path, monkeypatch):
 
     def ar_logp(rollout):
         with torch.no_grad():
-            return (g.policy_logprobs(ar, rollout, trainer.sampling) * rollout.loss_mask).sum(1)
+            return (g.policy_logprobs(ar, rollout, g.sampling_of(ar)) * rollout.loss_mask).sum(1)
 
     def dit_logp(run):
         with torch.no_grad():
