@@ -2206,7 +2206,6 @@ TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{% if c
                       "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}")
 TINY_RENDERER = dict(        # everything that shapes the training (all of it enters the cache key)
     dit_steps=800, dit_lr=3e-3, batch=8, dit_grids=((2, 2), (3, 3), (4, 4), (3, 2)), inference_steps=4)
-TINY_MANIFEST = "grpo_glm_tiny.json"   # written last: {file: sha256}, with the seed, settings and final loss
 
 
 def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
@@ -2374,24 +2373,9 @@ def tiny_cache_key(seed, settings):
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def file_digests(directory):
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(Path(directory).rglob("*")) if p.is_file() and p.name != TINY_MANIFEST}
-
-
-def tiny_cache_is_complete(path):
-    """A finished build: its files as its manifest lists them, and weights for all four models."""
-    try:
-        listed = json.loads((path / TINY_MANIFEST).read_text(encoding="utf-8"))["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    weighted = {name.split("/")[0] for name in listed if name.endswith(".safetensors")}
-    models = {"vision_language_encoder", "text_encoder", "transformer", "vae"}   # none for the AR: built off rank 0
-    return weighted >= models and listed == file_digests(path)
-
-
 def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
-    """`--model tiny`'s directory for this seed, built on first use."""
+    """`--model tiny`'s directory for this seed, built on first use: in a temporary directory, then
+    renamed into place (os.rename is atomic), so the final directory exists only if a build finished."""
     import shutil
     import tempfile
 
@@ -2402,22 +2386,18 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
     final = root / f"tiny-seed{seed}-{tiny_cache_key(seed, settings)}"
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(root / f".{final.name}.lock"):   # a second run waits here (released if the process dies)
-        if tiny_cache_is_complete(final):           # built before, or by the run we waited for
+        if final.is_dir():                          # built before, or by the run we waited for
             return final
-        if final.exists():
-            print(f"note: {final} is incomplete or corrupt; rebuilding it")
-        for stale in [final, *root.glob(f".{final.name}.tmp-*")]:   # and a killed build's leftovers, never loaded
-            shutil.rmtree(stale, ignore_errors=True)
+        for leftover in root.glob(f".{final.name}.tmp-*"):   # a killed build's, never loaded
+            shutil.rmtree(leftover, ignore_errors=True)
         start = time.time()
         print(f"building --model tiny (seed {seed}): a random AR, and a renderer (DiT) pre-trained on token "
               f"mosaics for {settings['dit_steps']} steps, once ...", end=" ", flush=True)
-        # removed on an error; renamed into place, whole, after its manifest
+        # removed on an error (Ctrl+C included); a kill leaves it for the next build to remove
         with tempfile.TemporaryDirectory(prefix=f".{final.name}.tmp-", dir=root, ignore_cleanup_errors=True) as tmp:
             pipe, loss = train_tiny_renderer(seed, settings)
             with quiet_progress_bars():
                 pipe.save_pretrained(tmp)
-            manifest = {"seed": seed, "settings": settings, "final_loss": loss, "files": file_digests(tmp)}
-            (Path(tmp) / TINY_MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
             os.rename(tmp, final)
         print(f"done in {time.time() - start:.0f} s (flow-matching loss {loss:.4f}), cached in {final}", flush=True)
     return final

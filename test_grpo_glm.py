@@ -314,26 +314,12 @@ def test_tiny_cache_is_reused_and_rebuilt_when_its_key_changes(cheap_cache, caps
     assert not list(cheap_cache.root.glob(".*tmp-*"))          # no temporary directory left behind
 
 
-@pytest.mark.parametrize("damage", ["truncated weights", "no manifest", "leftover of a killed build",
-                                    "no AR weights in a consistent manifest"])
-def test_a_corrupt_or_partial_tiny_cache_is_rebuilt_not_loaded(cheap_cache, damage, capsys):
+def test_a_killed_tiny_builds_leftover_is_rebuilt_not_loaded(cheap_cache):
     path = g.tiny_pipeline_dir(0, cheap_cache.settings)
-    weights = next(path.glob("transformer/*.safetensors"))
-    if damage == "truncated weights":
-        weights.write_bytes(weights.read_bytes()[:100])
-    elif damage == "no manifest":        # a copy interrupted before its last file
-        (path / g.TINY_MANIFEST).unlink()
-    elif damage.startswith("no AR weights"):  # what a build on torchrun's rank 1 wrote (transformers saves on rank 0 only)
-        manifest = json.loads((path / g.TINY_MANIFEST).read_text())
-        for name in [n for n in manifest["files"] if n.startswith("vision_language_encoder/model")]:
-            (path / name).unlink()
-            del manifest["files"][name]
-        (path / g.TINY_MANIFEST).write_text(json.dumps(manifest))
-    else:                                # a build killed before its rename: a temporary directory only
-        os.rename(path, cheap_cache.root / f".{path.name}.tmp-killed")
+    os.rename(path, cheap_cache.root / f".{path.name}.tmp-killed")   # a build killed before its rename
     assert g.tiny_pipeline_dir(0, cheap_cache.settings) == path and cheap_cache.builds == [0, 0]
-    assert ("incomplete or corrupt" in capsys.readouterr().out) == (damage != "leftover of a killed build")
-    assert g.tiny_cache_is_complete(path)
+    weighted = {p.parent.name for p in path.glob("*/*.safetensors")}     # a whole build: weights for all four models
+    assert weighted >= {"vision_language_encoder", "text_encoder", "transformer", "vae"}
     assert [p.name for p in cheap_cache.root.iterdir() if not p.name.endswith(".lock")] == [path.name]
 
 
