@@ -759,8 +759,7 @@ def train(args):
     try:
         for step in range(start + 1, args.steps + 1):
             t0 = time.time()
-            slots = rank_slots(args.prompts_per_step)            # this rank's share of the step's prompts
-            indices = [prompts_for_step(len(items), args.prompts_per_step, step, args.seed)[s] for s in slots]
+            slots, indices = prompts_for_step(len(items), step, args)      # this rank's share of the step's prompts
             step_rng = rng_state()
             try:
                 stop.begin_step()
@@ -1084,15 +1083,18 @@ def place_pipeline(pipe, args):
     pipe.enable_model_cpu_offload(device=args.device)
 
 
-def prompts_for_step(num_prompts, per_step, step, seed):
-    """Indices of step `step`'s prompts (1-based): a seeded shuffle per pass over the prompt file."""
+def prompts_for_step(num_prompts, step, args):
+    """(slots, indices) of this rank's groups in step `step` (1-based): a contiguous block of the step's
+    prompt list (section 22), drawn by a seeded shuffle per pass over the prompt file."""
+    per_rank = args.prompts_per_step // world_size()
+    slots = range(rank() * per_rank, (rank() + 1) * per_rank)
     indices = []
-    for position in range((step - 1) * per_step, step * per_step):
-        epoch, offset = divmod(position, num_prompts)
+    for slot in slots:
+        epoch, offset = divmod((step - 1) * args.prompts_per_step + slot, num_prompts)
         order = list(range(num_prompts))
-        random.Random(seed * 100003 + epoch).shuffle(order)
+        random.Random(args.seed * 100003 + epoch).shuffle(order)
         indices.append(order[offset])
-    return indices
+    return slots, indices
 
 
 def batch_targets(batch):
@@ -2480,11 +2482,6 @@ def is_ddp():
 
 def collective_device():        # nccl reduces CUDA tensors only, gloo CPU ones
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-def rank_slots(prompts_per_step):       # this rank's groups: a contiguous block of the step's prompts
-    per_rank = prompts_per_step // world_size()
-    return range(rank() * per_rank, (rank() + 1) * per_rank)
 
 
 def wrap_for_training(model, device):
