@@ -2518,9 +2518,9 @@ def reduce_metrics(row):
         return row
     rows = [None] * world_size()
     dist.all_gather_object(rows, row)       # every rank's row, in rank order
-    peak = lambda k: max(r[k] for r in rows)
-    mean = lambda k: sum(float(r[k]) for r in rows) / len(rows)
-    return {k: type(v)(peak(k) if k.endswith("logp_diff_max") else mean(k)) for k, v in row.items()}
+    columns = {k: [r[k] for r in rows] for k in row}
+    return {k: type(row[k])(max(c) if k.endswith("logp_diff_max") else sum(map(float, c)) / len(c))
+            for k, c in columns.items()}
 
 
 def collective_failed(error):
