@@ -1084,8 +1084,7 @@ def place_pipeline(pipe, args):
 
 
 def prompts_for_step(num_prompts, step, args):
-    """(slots, indices) of this rank's groups in step `step` (1-based): a contiguous block of the step's
-    prompt list (section 22), drawn by a seeded shuffle per pass over the prompt file."""
+    """(slots, indices) of this rank's block of step `step`'s prompts: a seeded shuffle per pass over the file."""
     per_rank = args.prompts_per_step // world_size()
     slots = range(rank() * per_rank, (rank() + 1) * per_rank)
     indices = []
