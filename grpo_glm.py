@@ -759,8 +759,7 @@ def train(args):
     try:
         for step in range(start + 1, args.steps + 1):
             t0 = time.time()
-            slots = rank_slots(args.prompts_per_step)            # this rank's share of the step's prompts
-            indices = [prompts_for_step(len(items), args.prompts_per_step, step, args.seed)[s] for s in slots]
+            slots, indices = prompts_for_step(len(items), step, args)      # this rank's share of the step's prompts
             step_rng = rng_state()
             try:
                 stop.begin_step()
@@ -1084,15 +1083,17 @@ def place_pipeline(pipe, args):
     pipe.enable_model_cpu_offload(device=args.device)
 
 
-def prompts_for_step(num_prompts, per_step, step, seed):
-    """Indices of step `step`'s prompts (1-based): a seeded shuffle per pass over the prompt file."""
+def prompts_for_step(num_prompts, step, args):
+    """(slots, indices) of this rank's block of step `step`'s prompts: a seeded shuffle per pass over the file."""
+    per_rank = args.prompts_per_step // world_size()
+    slots = range(rank() * per_rank, (rank() + 1) * per_rank)
     indices = []
-    for position in range((step - 1) * per_step, step * per_step):
-        epoch, offset = divmod(position, num_prompts)
+    for slot in slots:
+        epoch, offset = divmod((step - 1) * args.prompts_per_step + slot, num_prompts)
         order = list(range(num_prompts))
-        random.Random(seed * 100003 + epoch).shuffle(order)
+        random.Random(args.seed * 100003 + epoch).shuffle(order)
         indices.append(order[offset])
-    return indices
+    return slots, indices
 
 
 def batch_targets(batch):
@@ -2462,11 +2463,6 @@ def collective_device():        # nccl reduces CUDA tensors only, gloo CPU ones
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def rank_slots(prompts_per_step):       # this rank's groups: a contiguous block of the step's prompts
-    per_rank = prompts_per_step // world_size()
-    return range(rank() * per_rank, (rank() + 1) * per_rank)
-
-
 def wrap_for_training(model, device):
     """DDP for the training forward (its backward averages gradients; buffers never change): else unwrap."""
     if not is_ddp() or fsdp_units(model):       # FSDP2 shards in place and averages by itself
@@ -2501,9 +2497,9 @@ def reduce_metrics(row):
         return row
     rows = [None] * world_size()
     dist.all_gather_object(rows, row)       # every rank's row, in rank order
-    peak = lambda k: max(r[k] for r in rows)
-    mean = lambda k: sum(float(r[k]) for r in rows) / len(rows)
-    return {k: type(v)(peak(k) if k.endswith("logp_diff_max") else mean(k)) for k, v in row.items()}
+    columns = {k: [r[k] for r in rows] for k in row}
+    return {k: type(row[k])(max(c) if k.endswith("logp_diff_max") else sum(map(float, c)) / len(c))
+            for k, c in columns.items()}
 
 
 def collective_failed(error):
