@@ -2728,18 +2728,14 @@ def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, c
             "peak": max(forward_model, forward_logits, backward, step)}
 
 
-def trainable_tensors(ar, lora_rank):
-    """Numels prepare_policy trains: the language model and lm_head, or LoRA's A [r, in] and B [out, r]."""
+def trainable_tensors(model, lora_rank, targets=LORA_TARGETS):
+    """Numels add_lora trains: LoRA's A [r, in] and B [out, r] on each Linear named *.target (peft's match; the
+    AR's vision parts have none of LORA_TARGETS); rank 0, prepare_policy's: the AR's language model and lm_head."""
     if not lora_rank:
-        return [p.numel() for m in (ar.model.language_model, ar.lm_head) for p in m.parameters()]
-    return [n for name, m in ar.model.language_model.named_modules()
-            if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in LORA_TARGETS
+        return [p.numel() for m in (model.model.language_model, model.lm_head) for p in m.parameters()]
+    return [n for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and name.endswith(tuple("." + t for t in targets))
             for n in (lora_rank * m.in_features, m.out_features * lora_rank)]
-
-
-def dit_lora_parameter_count(dit, rank):
-    return sum(rank * (m.in_features + m.out_features) for n, m in dit.named_modules()
-               if isinstance(m, torch.nn.Linear) and any(n.endswith(t) for t in DIT_LORA_TARGETS))
 
 
 def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
@@ -2826,7 +2822,8 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
 
     def dit_row(lora, checkpointing):
         # grads accumulate over the steps beside one step's activations; 'both' adds the AR's state, 'dit' its weights
-        trainable, state = (dit_lora_parameter_count(dit, 64), ADAPTER_BYTES) if lora else (counts["dit"], d)
+        trainable = sum(trainable_tensors(dit, 64, DIT_LORA_TARGETS)) if lora else counts["dit"]
+        state = ADAPTER_BYTES if lora else d
         weights = frozen["dit"] + (ADAPTER_BYTES * trainable if lora else 0)
         activations = dit_step(batch, checkpointing) + source_kv
         peak = weights + 3 * state * trainable + max(
