@@ -2645,8 +2645,7 @@ def plan_components(model, seed=0):
                  "vae": pipe.vae}, pipe.processor.image_processor)
     saved, processor = Path(model), None
     if saved.is_dir():
-        ar = AutoConfig.from_pretrained(saved / "vision_language_encoder")
-        glyph_t5 = AutoConfig.from_pretrained(saved / "text_encoder")
+        ar, glyph_t5 = (AutoConfig.from_pretrained(saved / p) for p in ("vision_language_encoder", "text_encoder"))
         dit = GlmImageTransformer2DModel.load_config(saved / "transformer")
         vae = AutoencoderKL.load_config(saved / "vae")
         with contextlib.suppress(OSError, ValueError):
@@ -2793,9 +2792,8 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
     hidden = dit.config.num_attention_heads * dit.config.attention_head_dim
     # i2i: write_source_caches' K and V per layer and prompt, alive while the DiT samples and through its backward
     source_kv = prompts * dit.config.num_layers * 2 * (height // 16) * (width // 16) * hidden * d if i2i else 0
-    terms = {"tokens": (prompt_len, generated), "decode": vae_decode_bytes(components["vae"], height, width, 1),
-             "source_kv": source_kv}
-    working = {"vae": terms["decode"], "dit": source_kv, "glyph_t5": 0}
+    working = {"vae": vae_decode_bytes(components["vae"], height, width, 1), "dit": source_kv, "glyph_t5": 0}
+    terms = {"tokens": (prompt_len, generated), "decode": working["vae"], "source_kv": source_kv}
 
     def dit_step(samples, checkpointing):   # ~30 x hidden per block and token (x2 CFG, 64 text tokens), not measured
         block_input = ((height // 16) * (width // 16) + 64) * samples * (2 if cfg else 1) * hidden * 2
