@@ -2770,10 +2770,8 @@ def fsdp_peaks(halves, beside=0, offloaded=0):
     """Per-GPU peaks of `halves` trained in grpo_update's order, `beside` always held, `offloaded` a frozen turn."""
     resident = beside + sum(h["weights"] + h["adam"] + h["reference"] for h in halves)
     grads = sum(h["grads"] for h in halves)
-    done, update = 0, 2 * grads
-    for h in halves:
-        done += h["grads"]
-        update = max(update, done + h["backward"])
+    # AdamW's step, or half i's backward beside its and the earlier halves' gradients
+    update = max(2 * grads, *(sum(e["grads"] for e in halves[:i + 1]) + h["backward"] for i, h in enumerate(halves)))
     sampling = grads + max(h["sampling"] for h in halves)
     return {"update peak": resident + update, "sampling peak": resident + sampling,
             "peak": resident + max(update, sampling, grads + offloaded)}
