@@ -2621,8 +2621,7 @@ def plan_components(model, seed=0):
                  "vae": pipe.vae}, pipe.processor.image_processor)
     saved, processor = Path(model), None
     if saved.is_dir():
-        ar = AutoConfig.from_pretrained(saved / "vision_language_encoder")
-        glyph_t5 = AutoConfig.from_pretrained(saved / "text_encoder")
+        ar, glyph_t5 = (AutoConfig.from_pretrained(saved / p) for p in ("vision_language_encoder", "text_encoder"))
         dit = GlmImageTransformer2DModel.load_config(saved / "transformer")
         vae = AutoencoderKL.load_config(saved / "vae")
         with contextlib.suppress(OSError, ValueError):
@@ -2704,18 +2703,14 @@ def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, c
             "peak": max(forward_model, forward_logits, backward, step)}
 
 
-def trainable_tensors(ar, lora_rank):
-    """Numels prepare_policy trains: the language model and lm_head, or LoRA's A [r, in] and B [out, r]."""
+def trainable_tensors(model, lora_rank, targets=LORA_TARGETS):
+    """Numels add_lora trains: LoRA's A [r, in] and B [out, r] on each Linear named *.target (peft's match; the
+    AR's vision parts have none of LORA_TARGETS); rank 0, prepare_policy's: the AR's language model and lm_head."""
     if not lora_rank:
-        return [p.numel() for m in (ar.model.language_model, ar.lm_head) for p in m.parameters()]
-    return [n for name, m in ar.model.language_model.named_modules()
-            if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in LORA_TARGETS
+        return [p.numel() for m in (model.model.language_model, model.lm_head) for p in m.parameters()]
+    return [n for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and name.endswith(tuple("." + t for t in targets))
             for n in (lora_rank * m.in_features, m.out_features * lora_rank)]
-
-
-def dit_lora_parameter_count(dit, rank):
-    return sum(rank * (m.in_features + m.out_features) for n, m in dit.named_modules()
-               if isinstance(m, torch.nn.Linear) and any(n.endswith(t) for t in DIT_LORA_TARGETS))
 
 
 def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
@@ -2751,10 +2746,8 @@ def fsdp_peaks(halves, beside=0, offloaded=0):
     """Per-GPU peaks of `halves` trained in grpo_update's order, `beside` always held, `offloaded` a frozen turn."""
     resident = beside + sum(h["weights"] + h["adam"] + h["reference"] for h in halves)
     grads = sum(h["grads"] for h in halves)
-    done, update = 0, 2 * grads
-    for h in halves:
-        done += h["grads"]
-        update = max(update, done + h["backward"])
+    # AdamW's step, or half i's backward beside its and the earlier halves' gradients
+    update = max(2 * grads, *(sum(e["grads"] for e in halves[:i + 1]) + h["backward"] for i, h in enumerate(halves)))
     sampling = grads + max(h["sampling"] for h in halves)
     return {"update peak": resident + update, "sampling peak": resident + sampling,
             "peak": resident + max(update, sampling, grads + offloaded)}
@@ -2773,9 +2766,8 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
     hidden = dit.config.num_attention_heads * dit.config.attention_head_dim
     # i2i: write_source_caches' K and V per layer and prompt, alive while the DiT samples and through its backward
     source_kv = prompts * dit.config.num_layers * 2 * (height // 16) * (width // 16) * hidden * d if i2i else 0
-    terms = {"tokens": (prompt_len, generated), "decode": vae_decode_bytes(components["vae"], height, width, 1),
-             "source_kv": source_kv}
-    working = {"vae": terms["decode"], "dit": source_kv, "glyph_t5": 0}
+    working = {"vae": vae_decode_bytes(components["vae"], height, width, 1), "dit": source_kv, "glyph_t5": 0}
+    terms = {"tokens": (prompt_len, generated), "decode": working["vae"], "source_kv": source_kv}
 
     def dit_step(samples, checkpointing):   # ~30 x hidden per block and token (x2 CFG, 64 text tokens), not measured
         block_input = ((height // 16) * (width // 16) + 64) * samples * (2 if cfg else 1) * hidden * 2
@@ -2802,7 +2794,8 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
 
     def dit_row(lora, checkpointing):
         # grads accumulate over the steps beside one step's activations; 'both' adds the AR's state, 'dit' its weights
-        trainable, state = (dit_lora_parameter_count(dit, 64), ADAPTER_BYTES) if lora else (counts["dit"], d)
+        trainable = sum(trainable_tensors(dit, 64, DIT_LORA_TARGETS)) if lora else counts["dit"]
+        state = ADAPTER_BYTES if lora else d
         weights = frozen["dit"] + (ADAPTER_BYTES * trainable if lora else 0)
         activations = dit_step(batch, checkpointing) + source_kv
         peak = weights + 3 * state * trainable + max(

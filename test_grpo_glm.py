@@ -2036,7 +2036,8 @@ def test_policy_dit_trains_only_the_dit_and_saves_it(tmp_path, lora, capsys):
     assert " lr=" not in header and "dit_lr=0.05" in header and ".00M" not in header     # no unused AR lr
     assert "sampler=T 1.0, top-k 0, top-p 1.0 decode=4 steps, guidance 1.0 " in header   # the tiny demo's defaults
     base = tiny_model()
-    lora_count = g.count_text(g.dit_lora_parameter_count(base.transformer, 4))         # a few thousand: "k"
+    dit_lora = sum(g.trainable_tensors(base.transformer, 4, g.DIT_LORA_TARGETS))
+    lora_count = g.count_text(dit_lora)                                              # a few thousand: "k"
     assert (f"trainable={lora_count} (DiT LoRA r=4)" if lora != "0" else "(DiT full)") in header
     assert lora_count.endswith("k")
     assert re.search(r"step    1/2 \| dit loss [-+]\d\.\d{3}e[-+]\d\d \|", printed), printed
@@ -2047,7 +2048,7 @@ def test_policy_dit_trains_only_the_dit_and_saves_it(tmp_path, lora, capsys):
     ckpt = g.read_checkpoint(tmp_path / "run" / "checkpoints" / "step_000002.pt")
     assert ckpt["trainable"] and all(n.startswith("transformer.") for n in ckpt["trainable"])
     assert all(("lora_" in n) == (lora != "0") for n in ckpt["trainable"])
-    expected = g.dit_lora_parameter_count(base.transformer, 4) if lora != "0" else g.numel(base.transformer)
+    expected = dit_lora if lora != "0" else g.numel(base.transformer)
     assert sum(t.numel() for t in ckpt["trainable"].values()) == expected      # what --plan counts
     loaded = GlmImagePipeline.from_pretrained(tmp_path / "pipe")
     rollout, cond, noise, schedule, _ = _dit_case(base, "t2i", 1.0)
