@@ -1907,11 +1907,11 @@ def non_finite_stop(rows, step, out):
     return f"stopping: steps {step - len(rows) + 1}-{step} updated nothing: {what}; {saved}"
 
 
-def read_metrics(path, drop_after=None):
+def read_metrics(path, drop_after=math.inf):
     """metrics.jsonl's rows; drop_after (a resume's step): later rows, a killed run's, move to a file beside it."""
     lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
     rows = [json.loads(line) for line in lines if line.strip()]
-    dropped = [row for row in rows if drop_after is not None and row["step"] > drop_after]
+    dropped = [row for row in rows if row["step"] > drop_after]
     if dropped:
         aside = path.with_name(f"metrics.dropped_after_step_{drop_after:06d}.jsonl")
         atomic_write_bytes(aside, "".join(json.dumps(row) + "\n" for row in dropped).encode())
@@ -2107,10 +2107,9 @@ def atomic_write_bytes(path, data):
 
 
 def rng_state():
-    name, keys, *rest = np.random.get_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    name, keys, *rest = np.random.get_state()      # numpy's uint32 keys as an int64 tensor: weights_only loads it
     return {"python": random.getstate(), "numpy": [name, torch.from_numpy(keys.astype(np.int64)), *rest],
-            "torch": torch.get_rng_state(), "cuda": cuda}
+            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all()}     # no GPU: []
 
 
 def save_checkpoint(out, step, trainer, args, lead=True, rng=None):
@@ -2163,17 +2162,15 @@ def check_resume_flags(saved, args):
             else f"--{k.replace('_', '-')} {saved.get(k)} -> {getattr(args, k)}" for k in differ]
 
 
-WEIGHT_FLAGS = ("--policy", "--model", "--lora-rank", "--dit-lora-rank", "--ar-trainable")   # what is trained
-
-
 def restore_checkpoint(ckpt, trainer, args):
+    weight_flags = ("--policy", "--model", "--lora-rank", "--dit-lora-rank", "--ar-trainable")   # what is trained
     try:
         if set(ckpt["trainable"]) != {name for name, p in trainer.trained.named_parameters() if p.requires_grad}:
-            raise ValueError(f"other parameter names ({', '.join(WEIGHT_FLAGS)})")
+            raise ValueError(f"other parameter names ({', '.join(weight_flags)})")
         load_training_state(trainer.trained, trainer.optimizer, ckpt["trainable"], ckpt["optimizer"])
         trainer.lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
     except (RuntimeError, ValueError, KeyError) as e:     # name the flags that changed what is trained
-        changed = [d for d in check_resume_flags(ckpt["args"], args) if d.split()[0] in WEIGHT_FLAGS]
+        changed = [d for d in check_resume_flags(ckpt["args"], args) if d.split()[0] in weight_flags]
         raise UsageError(f"--resume {ckpt['path']}: its weights do not fit this model: "
                          + ("; ".join(changed) or str(e).splitlines()[0][:120]))
     name, keys, *rest = ckpt["rng"]["numpy"]        # rng_state's, in reverse
