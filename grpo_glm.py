@@ -2004,8 +2004,7 @@ def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
     for xy, text, anchor in [((margin, 8), title, "la"), ((margin, margin - 6), "reward", "mb"),
                              ((w // 2, h - 8), "step", "mb")]:
         draw.text(xy, text, fill="black", font_size=12, anchor=anchor)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    image.save(path)
+    image.save(path)      # into --out, which lock_out_dir made
 
 
 # =============================================================================================
@@ -2139,13 +2138,11 @@ def read_checkpoint(spec, out=None):
     if path is None:
         print(f"--resume latest: no checkpoint in {out / 'checkpoints'} yet; starting from step 0")
         return None
-    if not path.is_file():
-        raise UsageError(f"--resume {spec}: file not found")
     try:
         with warnings.catch_warnings():     # a junk file can look like a pickle of another protocol: torch warns
             warnings.simplefilter("ignore")
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises many types for a foreign or truncated file
+    except Exception as e:  # torch raises many types for a missing, foreign or truncated file
         raise UsageError(f"--resume {path}: not a readable checkpoint ({type(e).__name__})")
     if not isinstance(ckpt, dict) or not str(ckpt.get("format", "")).startswith("grpo_glm-checkpoint-"):
         raise UsageError(f"--resume {path}: not a checkpoint of grpo_glm.py")
