@@ -2174,7 +2174,7 @@ def restore_checkpoint(ckpt, trainer, args):
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     random.setstate(ckpt["rng"]["python"])
     torch.set_rng_state(ckpt["rng"]["torch"])
-    if ckpt["rng"]["cuda"] and torch.cuda.is_available():
+    if torch.cuda.is_available():      # a CPU run's checkpoint holds [] (a no-op)
         torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
 
 
