@@ -1908,11 +1908,11 @@ def non_finite_stop(rows, step, out):
     return f"stopping: steps {step - len(rows) + 1}-{step} updated nothing: {what}; {saved}"
 
 
-def read_metrics(path, drop_after=None):
+def read_metrics(path, drop_after=math.inf):
     """metrics.jsonl's rows; drop_after (a resume's step): later rows, a killed run's, move to a file beside it."""
     lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
     rows = [json.loads(line) for line in lines if line.strip()]
-    dropped = [row for row in rows if drop_after is not None and row["step"] > drop_after]
+    dropped = [row for row in rows if row["step"] > drop_after]
     if dropped:
         aside = path.with_name(f"metrics.dropped_after_step_{drop_after:06d}.jsonl")
         atomic_write_bytes(aside, "".join(json.dumps(row) + "\n" for row in dropped).encode())
@@ -2005,8 +2005,7 @@ def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
     for xy, text, anchor in [((margin, 8), title, "la"), ((margin, margin - 6), "reward", "mb"),
                              ((w // 2, h - 8), "step", "mb")]:
         draw.text(xy, text, fill="black", font_size=12, anchor=anchor)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    image.save(path)
+    image.save(path)      # into --out, which lock_out_dir made
 
 
 # =============================================================================================
@@ -2108,10 +2107,9 @@ def atomic_write_bytes(path, data):
 
 
 def rng_state():
-    name, keys, *rest = np.random.get_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    name, keys, *rest = np.random.get_state()      # numpy's uint32 keys as an int64 tensor: weights_only loads it
     return {"python": random.getstate(), "numpy": [name, torch.from_numpy(keys.astype(np.int64)), *rest],
-            "torch": torch.get_rng_state(), "cuda": cuda}
+            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all()}     # no GPU: []
 
 
 def save_checkpoint(out, step, trainer, args, lead=True, rng=None):
@@ -2141,13 +2139,11 @@ def read_checkpoint(spec, out=None):
     if path is None:
         print(f"--resume latest: no checkpoint in {out / 'checkpoints'} yet; starting from step 0")
         return None
-    if not path.is_file():
-        raise UsageError(f"--resume {spec}: file not found")
     try:
         with warnings.catch_warnings():     # a junk file can look like a pickle of another protocol: torch warns
             warnings.simplefilter("ignore")
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises many types for a foreign or truncated file
+    except Exception as e:  # torch raises many types for a missing, foreign or truncated file
         raise UsageError(f"--resume {path}: not a readable checkpoint ({type(e).__name__})")
     if not isinstance(ckpt, dict) or not str(ckpt.get("format", "")).startswith("grpo_glm-checkpoint-"):
         raise UsageError(f"--resume {path}: not a checkpoint of grpo_glm.py")
@@ -2164,24 +2160,22 @@ def check_resume_flags(saved, args):
             else f"--{k.replace('_', '-')} {saved.get(k)} -> {getattr(args, k)}" for k in differ]
 
 
-WEIGHT_FLAGS = ("--policy", "--model", "--lora-rank", "--dit-lora-rank", "--ar-trainable")   # what is trained
-
-
 def restore_checkpoint(ckpt, trainer, args):
+    weight_flags = ("--policy", "--model", "--lora-rank", "--dit-lora-rank", "--ar-trainable")   # what is trained
     try:
         if set(ckpt["trainable"]) != {name for name, p in trainer.trained.named_parameters() if p.requires_grad}:
-            raise ValueError(f"other parameter names ({', '.join(WEIGHT_FLAGS)})")
+            raise ValueError(f"other parameter names ({', '.join(weight_flags)})")
         load_training_state(trainer.trained, trainer.optimizer, ckpt["trainable"], ckpt["optimizer"])
         trainer.lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
     except (RuntimeError, ValueError, KeyError) as e:     # name the flags that changed what is trained
-        changed = [d for d in check_resume_flags(ckpt["args"], args) if d.split()[0] in WEIGHT_FLAGS]
+        changed = [d for d in check_resume_flags(ckpt["args"], args) if d.split()[0] in weight_flags]
         raise UsageError(f"--resume {ckpt['path']}: its weights do not fit this model: "
                          + ("; ".join(changed) or str(e).splitlines()[0][:120]))
     name, keys, *rest = ckpt["rng"]["numpy"]        # rng_state's, in reverse
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     random.setstate(ckpt["rng"]["python"])
     torch.set_rng_state(ckpt["rng"]["torch"])
-    if ckpt["rng"]["cuda"] and torch.cuda.is_available():
+    if torch.cuda.is_available():      # a CPU run's checkpoint holds [] (a no-op)
         torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
 
 
