@@ -178,7 +178,6 @@ def parse_args(argv=None):
     a("--plan", action="store_true", help="Print the memory plan of --model at --height x --width, and exit.")
     a("--plan-gpus", type=number(int, least=2), nargs="+", metavar="K", help="With --plan: also print the "
       "per-GPU bytes of --fsdp over K GPUs for each K given; --prompts-per-step is then the global count.")
-    argv = attach_negative_numbers(sys.argv[1:] if argv is None else argv)
     known = p.parse_known_args(argv)[0]
     if known.model != TINY:
         p.set_defaults(**pretrained_defaults(known))      # the defaults above are the tiny demo's
@@ -1305,6 +1304,11 @@ def latents_to_images(pipe, latents):
 # =============================================================================================
 
 class Parser(argparse.ArgumentParser):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        # what looks like a number is an option's value, not an option: '--lr -1e-3' too, as from Python 3.14
+        self._negative_number_matcher = re.compile(r"-[\d.]+(e[-+]?\d+)?$", re.I)
+
     def error(self, message):      # a bad flag: one line as for a UsageError, exit code 2, no usage block
         if os.environ.get("RANK", "0") == "0":
             print("error: " + re.sub(r"^argument (\S+): ", r"\1 ", message), file=sys.stderr)
@@ -1331,17 +1335,6 @@ def number(kind, least=None, above=None, most=None, multiple=None):
 
     parse.__name__ = kind.__name__      # argparse's message for 'abc': invalid float value: 'abc'
     return parse
-
-
-def attach_negative_numbers(argv):
-    """['--lr', '-1e-3'] -> ['--lr=-1e-3']: argparse takes '-1e-3' (not '-1') for an option."""
-    out = []
-    for token in argv:
-        if out and out[-1].startswith("--") and "=" not in out[-1] and re.fullmatch(r"-[\d.]+(e[-+]?\d+)?", token, re.I):
-            out[-1] += "=" + token
-        else:
-            out.append(token)
-    return out
 
 
 def validate_args(args):
