@@ -1339,7 +1339,9 @@ def number(kind, least=None, above=None, most=None, multiple=None):
 
 def validate_args(args):
     """What the flags' types cannot check: flags together, files, the machine. Before any model loads."""
-    world = world_size()
+    world, model, save = world_size(), Path(args.model), Path(args.save_pipeline or ".")
+    # full fine-tuning: a trained half updates its own weights, not LoRA adapters
+    full = (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
     refusals = [      # (refused?, why): the first refused one is the error
         (args.prompts_per_step % world, f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
          f"number of processes ({world}): each rank trains whole groups"),
@@ -1358,37 +1360,29 @@ def validate_args(args):
         (args.policy == "dit" and args.lora_rank, "--lora-rank adapts the AR, which --policy dit does not "
          "train (use --dit-lora-rank)"),
         # AdamW moves a weight by ~lr a step: 1e-5 is below half a bf16 ulp (2^-16) of any |w| >= 2^-8
-        (args.dtype == "bfloat16" and not args.fsdp and full_fine_tuning(args), "--dtype bfloat16 full "
+        (args.dtype == "bfloat16" and not args.fsdp and full, "--dtype bfloat16 full "
          "fine-tuning would round AdamW's updates away (a step of ~lr is below half a bf16 ulp of most weights): "
          "train LoRA adapters (--lora-rank / --dit-lora-rank, fp32), shard fp32 weights with --fsdp, or use "
          "--dtype float32"),
         (args.report_to != "none" and importlib.util.find_spec(args.report_to) is None,    # package = flag value
          f"--report-to {args.report_to} needs the '{args.report_to}' package: pip install {args.report_to}"),
         (Path(args.out).exists() and not Path(args.out).is_dir(), f"--out {args.out} exists and is not a directory"),
+        (args.save_pipeline and save.exists() and (not save.is_dir() or any(save.iterdir())), f"--save-pipeline "
+         f"{save} already exists; pick a new directory (nothing is overwritten)"),
+        (args.model != TINY and not (model / "model_index.json").is_file() and not looks_like_hub_id(args.model),
+         f"--model {args.model}: {'not a directory with model_index.json' if model.exists() else 'no such directory'}"
+         " (give 'tiny', a hub id like zai-org/GLM-Image, or a save_pretrained directory)"),
+        (args.device == "cuda" and not torch.cuda.is_available(), "--device cuda was asked for but no CUDA device "
+         "is available"),
+        (args.offload and not (args.device != "cpu" and torch.cuda.is_available()), "--offload moves the frozen "
+         "DiT, VAE and text encoder to a CUDA device: there is none"),
     ]
     for refused, why in refusals:
         if refused:
             raise UsageError(why)
     check_writable("--out", args.out)
     if args.save_pipeline:
-        target = Path(args.save_pipeline)
-        if target.exists() and (not target.is_dir() or any(target.iterdir())):
-            raise UsageError(f"--save-pipeline {target} already exists; pick a new directory (nothing is overwritten)")
-        check_writable("--save-pipeline", target)
-    model = Path(args.model)
-    if args.model != TINY and not (model / "model_index.json").is_file() and not looks_like_hub_id(args.model):
-        kind = "not a directory with model_index.json" if model.exists() else "no such directory"
-        raise UsageError(f"--model {args.model}: {kind} (give 'tiny', a hub id like zai-org/GLM-Image, "
-                         "or a save_pretrained directory)")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda was asked for but no CUDA device is available")
-    if args.offload and not (args.device != "cpu" and torch.cuda.is_available()):
-        raise UsageError("--offload moves the frozen DiT, VAE and text encoder to a CUDA device: there is none")
-
-
-def full_fine_tuning(args):
-    """True if a trained half updates its own weights (not LoRA adapters)."""
-    return (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
+        check_writable("--save-pipeline", save)
 
 
 def validate_plan_args(args):
