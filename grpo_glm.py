@@ -1477,29 +1477,25 @@ def start_training(args, out, lead):
         print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} prompt(s) of {args.prompts}: "
               "each step's prompts repeat lines of the file")
     rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [])
-    readers = [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)]
-    if readers and not builtin:
-        require_targets(items, readers)
+    require_targets(items, [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)])
     args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
     ckpt = read_checkpoint(args.resume, out) if args.resume else None
-    ckpt_path = ckpt["path"] if ckpt else None
-    later = []
-    if ckpt is not None:
-        step = ckpt["step"]
-        differences = check_resume_flags(ckpt["args"], args)
-        if differences and not args.resume_force:
-            raise UsageError(f"--resume {ckpt_path}: flags differ from the checkpoint's: {'; '.join(differences)} "
-                             "(add --resume-force to accept)")
-        if step >= args.steps:
-            print(f"nothing to do: {ckpt_path} is at step {step} and --steps is {args.steps} "
-                  f"(pass --steps {step + args.steps} to train {args.steps} more)")
-            return None
-        # Resuming from step k of a run that went further would replace its history after k.
-        later = [p for p in saved_checkpoints(out) if int(p.stem[5:]) > step]
-        if later and not args.resume_force:
-            raise UsageError(f"--resume {ckpt_path}: {out} has later checkpoints ({later[-1].name}); resuming from "
-                             f"step {step} would drop them and the metrics after step {step} (add "
-                             "--resume-force to do so; they are then kept as *.dropped)")
+    step, ckpt_path = (ckpt["step"], ckpt["path"]) if ckpt else (0, None)
+    differences = check_resume_flags(ckpt["args"], args) if ckpt else []
+    if differences and not args.resume_force:
+        raise UsageError(f"--resume {ckpt_path}: flags differ from the checkpoint's: {'; '.join(differences)} "
+                         "(add --resume-force to accept)")
+    if step >= args.steps:
+        print(f"nothing to do: {ckpt_path} is at step {step} and --steps is {args.steps} "
+              f"(pass --steps {step + args.steps} to train {args.steps} more)")
+        return None
+    # Resuming from step k of a run that went further would replace its history after k (a new run starts
+    # where no checkpoint is: open_run refused the others).
+    later = [p for p in saved_checkpoints(out) if int(p.stem[5:]) > step]
+    if later and not args.resume_force:
+        raise UsageError(f"--resume {ckpt_path}: {out} has later checkpoints ({later[-1].name}); resuming from "
+                         f"step {step} would drop them and the metrics after step {step} (add "
+                         "--resume-force to do so; they are then kept as *.dropped)")
     trainer, start = setup_training(args, ckpt, ckpt_path, rewards, dit_rewards)
     check_prompt_lengths(trainer.pipe, items, args)
     if args.mode == "i2i":
@@ -1630,15 +1626,14 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",)):
         raise UsageError(f"--prompts {path}: no prompts (only blank or comment lines)")
     if resized:
         print(f"note: images resized to {width}x{height} (--width x --height)")
-    if need_targets:
-        require_targets(items, need_targets)
+    require_targets(items, need_targets)
     return items
 
 
 def require_targets(items, reward_names):
-    """A prompt without a target file gets the demo target drawn from its words, or is a UsageError."""
+    """Rewards named (if any) read targets: a prompt without a target file gets one drawn from its words, or fails."""
     for item in items:
-        if "target" not in item.image_from:
+        if reward_names and "target" not in item.image_from:
             item.image_from["target"] = demo_scene(item.text, item.where, item.mode,
                                                    why=f"the reward {', '.join(reward_names)} reads targets")
 
