@@ -1718,11 +1718,9 @@ def load_reward(spec):
     """'mse' | 'module:fn' | 'path/file.py:fn', each optionally followed by '=WEIGHT' -> Reward."""
     where, _, text = spec.rpartition("=") if "=" in spec else (spec, "", "1")
     try:
-        weight = float(text)
-    except ValueError:
-        raise UsageError(f"--reward {spec}: the weight after '=' must be a number, got {text!r}")
-    if not math.isfinite(weight):
-        raise UsageError(f"--reward {spec}: the weight after '=' must be finite, got {text!r}")
+        weight = number(float)(text)      # the flags' own check: float() and finite
+    except (ValueError, argparse.ArgumentTypeError):
+        raise UsageError(f"--reward {spec}: the weight after '=' must be a finite number, got {text!r}")
     if weight == 0:
         raise UsageError(f"--reward {spec}: a weight of 0 leaves the reward out of the sum; drop it instead")
     if where == "mse":
