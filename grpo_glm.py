@@ -1446,8 +1446,7 @@ def open_run(args):
     init_distributed(args)
     lead = rank() == 0
     out = Path(args.out)
-    made = [d for d in [out.absolute(), *out.absolute().parents] if not d.exists()]    # what the lock creates
-    made_lock = not (out / ".lock").exists()
+    made = [p for p in [out / ".lock", out.absolute(), *out.absolute().parents] if not p.exists()]    # lock_out_dir makes
     lock = lock_out_dir(out) if lead else None
     started = None
     try:
@@ -1459,11 +1458,9 @@ def open_run(args):
     finally:
         if lead and started is None:
             lock.close()
-            if made_lock:
-                (out / ".lock").unlink(missing_ok=True)
             with contextlib.suppress(OSError):
-                for directory in made:       # innermost first; stops at one that is not empty
-                    directory.rmdir()
+                for path in made:       # the lock file, then directories innermost first; stops at one not empty
+                    (path.unlink if path.is_file() else path.rmdir)()
     return None if started is None else (*started, out, lead, lock)
 
 
