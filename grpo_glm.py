@@ -1446,7 +1446,7 @@ def open_run(args):
     init_distributed(args)
     lead = rank() == 0
     out = Path(args.out)
-    made = [p for p in [out / ".lock", out.absolute(), *out.absolute().parents] if not p.exists()]    # lock_out_dir makes
+    made = [p for p in [out / ".lock", out.absolute(), *out.absolute().parents] if not p.exists()]   # by the lock
     lock = lock_out_dir(out) if lead else None
     started = None
     try:
