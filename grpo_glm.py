@@ -1366,7 +1366,6 @@ def validate_args(args):
          "--dtype float32"),
         (args.report_to != "none" and importlib.util.find_spec(args.report_to) is None,    # package = flag value
          f"--report-to {args.report_to} needs the '{args.report_to}' package: pip install {args.report_to}"),
-        (Path(args.out).exists() and not Path(args.out).is_dir(), f"--out {args.out} exists and is not a directory"),
         (args.save_pipeline and save.exists() and (not save.is_dir() or any(save.iterdir())), f"--save-pipeline "
          f"{save} already exists; pick a new directory (nothing is overwritten)"),
         (args.model != TINY and not (model / "model_index.json").is_file() and not looks_like_hub_id(args.model),
@@ -1400,7 +1399,7 @@ def looks_like_hub_id(name):
 
 
 def check_writable(flag, path):
-    """The nearest existing parent of `path` must be a directory we can create files in (probed)."""
+    """`path`, or its nearest existing parent, must be a directory we can create files in (probed)."""
     import tempfile
 
     parent = next(p for p in [Path(path).absolute(), *Path(path).absolute().parents] if p.exists())
