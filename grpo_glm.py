@@ -1360,10 +1360,9 @@ def validate_args(args):
         (args.policy == "dit" and args.lora_rank, "--lora-rank adapts the AR, which --policy dit does not "
          "train (use --dit-lora-rank)"),
         # AdamW moves a weight by ~lr a step: 1e-5 is below half a bf16 ulp (2^-16) of any |w| >= 2^-8
-        (args.dtype == "bfloat16" and not args.fsdp and full, "--dtype bfloat16 full "
-         "fine-tuning would round AdamW's updates away (a step of ~lr is below half a bf16 ulp of most weights): "
-         "train LoRA adapters (--lora-rank / --dit-lora-rank, fp32), shard fp32 weights with --fsdp, or use "
-         "--dtype float32"),
+        (args.dtype == "bfloat16" and not args.fsdp and full, "--dtype bfloat16 full fine-tuning would round "
+         "AdamW's updates away (a step of ~lr is below half a bf16 ulp of most weights): train LoRA adapters "
+         "(--lora-rank / --dit-lora-rank, fp32), shard fp32 weights with --fsdp, or use --dtype float32"),
         (args.report_to != "none" and importlib.util.find_spec(args.report_to) is None,    # package = flag value
          f"--report-to {args.report_to} needs the '{args.report_to}' package: pip install {args.report_to}"),
         (args.save_pipeline and save.exists() and (not save.is_dir() or any(save.iterdir())), f"--save-pipeline "
