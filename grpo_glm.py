@@ -1723,8 +1723,6 @@ def load_reward(spec):
     module_name, _, fn_name = where.rpartition(":")
     if not module_name or not fn_name:
         raise UsageError(f"--reward {spec}: expected 'mse', 'module:function' or 'path/to/file.py:function'")
-    if module_name.endswith(".py") and not Path(module_name).is_file():
-        raise UsageError(f"--reward {spec}: file {module_name} not found")
     import runpy
 
     sys.path.insert(0, os.getcwd())      # modules are looked up in the current directory first, as `python -m` does

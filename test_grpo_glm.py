@@ -1699,7 +1699,7 @@ def plugins(tmp_path):
 
 @pytest.mark.parametrize("spec, needle", [
     ("nope", "expected 'mse', 'module:function'"),
-    ("{tmp}/missing.py:f", "missing.py not found"),
+    ("{tmp}/missing.py:f", "missing.py failed: FileNotFoundError: [Errno 2] No such file"),
     ("{tmp}/plug.py:nothing", "has no function nothing"),
     ("{tmp}/plug.py:half_nan=heavy", "weight after '=' must be a finite number, got 'heavy'"),
     ("mse=nan", "weight after '=' must be a finite number, got 'nan'"),
