@@ -1639,11 +1639,10 @@ def read_image(path, where, kind, size=None):
         with Image.open(path) as image:
             if size:
                 return to_rgb(ImageOps.exif_transpose(image)).resize(size[::-1], Image.BICUBIC)   # same size: a copy
-            image.verify()            # leaves the file unusable, so reopen
-        with Image.open(path) as image:
             # PNG's getexif() decodes the pixels to look past them: an eXIf chunk before them is in info
             exif = image.getexif() if image.format != "PNG" or "exif" in image.info else Image.Exif()
             turned = exif.get(Image.ExifTags.Base.Orientation, 1) in (5, 6, 7, 8)     # by 90 degrees
+            image.verify()            # reads the whole file, decodes nothing (and leaves it unusable: last)
             return image.size[::-1] if turned else image.size
     except FileNotFoundError:
         later = " (it was there at start-up)" if size else ""
