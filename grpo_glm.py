@@ -1424,16 +1424,13 @@ def resolve_runtime(args):
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.dtype == "auto":
         args.dtype = "bfloat16" if args.device == "cuda" and args.model != TINY else "float32"
-    if args.offload is None:
-        args.offload = args.device == "cuda"
-    if args.lora_alpha is None:
-        args.lora_alpha = float(args.lora_rank)
     if args.ar_trainable == "auto":
         args.ar_trainable = "head" if args.model == TINY and not (args.lora_rank or args.fsdp) else "all"
     if args.dit_train_steps is None and args.policy != "ar":
         args.dit_train_steps = max(args.num_inference_steps - 1, 1)
-    if args.micro_batch_size is None:
-        args.micro_batch_size = args.group_size
+    args.offload = args.device == "cuda" if args.offload is None else args.offload
+    args.lora_alpha = float(args.lora_rank) if args.lora_alpha is None else args.lora_alpha
+    args.micro_batch_size = args.micro_batch_size or args.group_size      # a count: None or >= 1
     return args
 
 
