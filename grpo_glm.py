@@ -1462,8 +1462,7 @@ def open_run(args):
 def start_training(args, out, lead):
     """Prompts, rewards, checkpoint, model and their checks. Returns (items, trainer, start) or None."""
     # The built-in mse's targets are checked before any plug-in loads (a CLIP model takes a while).
-    specs = args.reward + (args.dit_reward or [])
-    builtin = ["mse"] if any(spec.partition("=")[0] == "mse" for spec in specs) else []
+    builtin = ["mse"] if "mse" in [s.partition("=")[0] for s in args.reward + (args.dit_reward or [])] else []
     items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
     if args.prompts_per_step > len(items) and lead:
         print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} prompt(s) of {args.prompts}: "
@@ -1481,8 +1480,7 @@ def start_training(args, out, lead):
         print(f"nothing to do: {ckpt_path} is at step {step} and --steps is {args.steps} "
               f"(pass --steps {step + args.steps} to train {args.steps} more)")
         return None
-    # Resuming from step k of a run that went further would replace its history after k (a new run starts
-    # where no checkpoint is: open_run refused the others).
+    # Resuming from step k of a run that went further would replace its history after k (a new run: k = 0).
     later = [p for p in saved_checkpoints(out) if int(p.stem[5:]) > step]
     if later and not args.resume_force:
         raise UsageError(f"--resume {ckpt_path}: {out} has later checkpoints ({later[-1].name}); resuming from "
