@@ -178,7 +178,6 @@ def parse_args(argv=None):
     a("--plan", action="store_true", help="Print the memory plan of --model at --height x --width, and exit.")
     a("--plan-gpus", type=number(int, least=2), nargs="+", metavar="K", help="With --plan: also print the "
       "per-GPU bytes of --fsdp over K GPUs for each K given; --prompts-per-step is then the global count.")
-    argv = attach_negative_numbers(sys.argv[1:] if argv is None else argv)
     known = p.parse_known_args(argv)[0]
     if known.model != TINY:
         p.set_defaults(**pretrained_defaults(known))      # the defaults above are the tiny demo's
@@ -1306,6 +1305,11 @@ def latents_to_images(pipe, latents):
 # =============================================================================================
 
 class Parser(argparse.ArgumentParser):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        # what looks like a number is an option's value, not an option: '--lr -1e-3' too, as from Python 3.14
+        self._negative_number_matcher = re.compile(r"-[\d.]+(e[-+]?\d+)?$", re.I)
+
     def error(self, message):      # a bad flag: one line as for a UsageError, exit code 2, no usage block
         if os.environ.get("RANK", "0") == "0":
             print("error: " + re.sub(r"^argument (\S+): ", r"\1 ", message), file=sys.stderr)
@@ -1334,20 +1338,11 @@ def number(kind, least=None, above=None, most=None, multiple=None):
     return parse
 
 
-def attach_negative_numbers(argv):
-    """['--lr', '-1e-3'] -> ['--lr=-1e-3']: argparse takes '-1e-3' (not '-1') for an option."""
-    out = []
-    for token in argv:
-        if out and out[-1].startswith("--") and "=" not in out[-1] and re.fullmatch(r"-[\d.]+(e[-+]?\d+)?", token, re.I):
-            out[-1] += "=" + token
-        else:
-            out.append(token)
-    return out
-
-
 def validate_args(args):
     """What the flags' types cannot check: flags together, files, the machine. Before any model loads."""
-    world = world_size()
+    world, model, save = world_size(), Path(args.model), Path(args.save_pipeline or ".")
+    # full fine-tuning: a trained half updates its own weights, not LoRA adapters
+    full = (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
     refusals = [      # (refused?, why): the first refused one is the error
         (args.prompts_per_step % world, f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
          f"number of processes ({world}): each rank trains whole groups"),
@@ -1366,37 +1361,27 @@ def validate_args(args):
         (args.policy == "dit" and args.lora_rank, "--lora-rank adapts the AR, which --policy dit does not "
          "train (use --dit-lora-rank)"),
         # AdamW moves a weight by ~lr a step: 1e-5 is below half a bf16 ulp (2^-16) of any |w| >= 2^-8
-        (args.dtype == "bfloat16" and not args.fsdp and full_fine_tuning(args), "--dtype bfloat16 full "
-         "fine-tuning would round AdamW's updates away (a step of ~lr is below half a bf16 ulp of most weights): "
-         "train LoRA adapters (--lora-rank / --dit-lora-rank, fp32), shard fp32 weights with --fsdp, or use "
-         "--dtype float32"),
+        (args.dtype == "bfloat16" and not args.fsdp and full, "--dtype bfloat16 full fine-tuning would round "
+         "AdamW's updates away (a step of ~lr is below half a bf16 ulp of most weights): train LoRA adapters "
+         "(--lora-rank / --dit-lora-rank, fp32), shard fp32 weights with --fsdp, or use --dtype float32"),
         (args.report_to != "none" and importlib.util.find_spec(args.report_to) is None,    # package = flag value
          f"--report-to {args.report_to} needs the '{args.report_to}' package: pip install {args.report_to}"),
-        (Path(args.out).exists() and not Path(args.out).is_dir(), f"--out {args.out} exists and is not a directory"),
+        (args.save_pipeline and save.exists() and (not save.is_dir() or any(save.iterdir())), f"--save-pipeline "
+         f"{save} already exists; pick a new directory (nothing is overwritten)"),
+        (args.model != TINY and not (model / "model_index.json").is_file() and not looks_like_hub_id(args.model),
+         f"--model {args.model}: {'not a directory with model_index.json' if model.exists() else 'no such directory'}"
+         " (give 'tiny', a hub id like zai-org/GLM-Image, or a save_pretrained directory)"),
+        (args.device == "cuda" and not torch.cuda.is_available(), "--device cuda was asked for but no CUDA device "
+         "is available"),
+        (args.offload and not (args.device != "cpu" and torch.cuda.is_available()), "--offload moves the frozen "
+         "DiT, VAE and text encoder to a CUDA device: there is none"),
     ]
     for refused, why in refusals:
         if refused:
             raise UsageError(why)
     check_writable("--out", args.out)
     if args.save_pipeline:
-        target = Path(args.save_pipeline)
-        if target.exists() and (not target.is_dir() or any(target.iterdir())):
-            raise UsageError(f"--save-pipeline {target} already exists; pick a new directory (nothing is overwritten)")
-        check_writable("--save-pipeline", target)
-    model = Path(args.model)
-    if args.model != TINY and not (model / "model_index.json").is_file() and not looks_like_hub_id(args.model):
-        kind = "not a directory with model_index.json" if model.exists() else "no such directory"
-        raise UsageError(f"--model {args.model}: {kind} (give 'tiny', a hub id like zai-org/GLM-Image, "
-                         "or a save_pretrained directory)")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda was asked for but no CUDA device is available")
-    if args.offload and not (args.device != "cpu" and torch.cuda.is_available()):
-        raise UsageError("--offload moves the frozen DiT, VAE and text encoder to a CUDA device: there is none")
-
-
-def full_fine_tuning(args):
-    """True if a trained half updates its own weights (not LoRA adapters)."""
-    return (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
+        check_writable("--save-pipeline", save)
 
 
 def validate_plan_args(args):
@@ -1414,7 +1399,7 @@ def looks_like_hub_id(name):
 
 
 def check_writable(flag, path):
-    """The nearest existing parent of `path` must be a directory we can create files in (probed)."""
+    """`path`, or its nearest existing parent, must be a directory we can create files in (probed)."""
     import tempfile
 
     parent = next(p for p in [Path(path).absolute(), *Path(path).absolute().parents] if p.exists())
@@ -1440,16 +1425,13 @@ def resolve_runtime(args):
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.dtype == "auto":
         args.dtype = "bfloat16" if args.device == "cuda" and args.model != TINY else "float32"
-    if args.offload is None:
-        args.offload = args.device == "cuda"
-    if args.lora_alpha is None:
-        args.lora_alpha = float(args.lora_rank)
     if args.ar_trainable == "auto":
         args.ar_trainable = "head" if args.model == TINY and not (args.lora_rank or args.fsdp) else "all"
     if args.dit_train_steps is None and args.policy != "ar":
         args.dit_train_steps = max(args.num_inference_steps - 1, 1)
-    if args.micro_batch_size is None:
-        args.micro_batch_size = args.group_size
+    args.offload = args.device == "cuda" if args.offload is None else args.offload
+    args.lora_alpha = float(args.lora_rank) if args.lora_alpha is None else args.lora_alpha
+    args.micro_batch_size = args.micro_batch_size or args.group_size      # a count: None or >= 1
     return args
 
 
@@ -1460,8 +1442,7 @@ def open_run(args):
     init_distributed(args)
     lead = rank() == 0
     out = Path(args.out)
-    made = [d for d in [out.absolute(), *out.absolute().parents] if not d.exists()]    # what the lock creates
-    made_lock = not (out / ".lock").exists()
+    made = [p for p in [out / ".lock", out.absolute(), *out.absolute().parents] if not p.exists()]   # by the lock
     lock = lock_out_dir(out) if lead else None
     started = None
     try:
@@ -1473,47 +1454,39 @@ def open_run(args):
     finally:
         if lead and started is None:
             lock.close()
-            if made_lock:
-                (out / ".lock").unlink(missing_ok=True)
             with contextlib.suppress(OSError):
-                for directory in made:       # innermost first; stops at one that is not empty
-                    directory.rmdir()
+                for path in made:       # the lock file, then directories innermost first; stops at one not empty
+                    (path.unlink if path.is_file() else path.rmdir)()
     return None if started is None else (*started, out, lead, lock)
 
 
 def start_training(args, out, lead):
     """Prompts, rewards, checkpoint, model and their checks. Returns (items, trainer, start) or None."""
     # The built-in mse's targets are checked before any plug-in loads (a CLIP model takes a while).
-    specs = args.reward + (args.dit_reward or [])
-    builtin = ["mse"] if any(spec.partition("=")[0] == "mse" for spec in specs) else []
+    builtin = ["mse"] if "mse" in [s.partition("=")[0] for s in args.reward + (args.dit_reward or [])] else []
     items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
     if args.prompts_per_step > len(items) and lead:
         print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} prompt(s) of {args.prompts}: "
               "each step's prompts repeat lines of the file")
     rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [])
-    readers = [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)]
-    if readers and not builtin:
-        require_targets(items, readers)
+    require_targets(items, [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)])
     args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
     ckpt = read_checkpoint(args.resume, out) if args.resume else None
-    ckpt_path = ckpt["path"] if ckpt else None
-    later = []
-    if ckpt is not None:
-        step = ckpt["step"]
-        differences = check_resume_flags(ckpt["args"], args)
-        if differences and not args.resume_force:
-            raise UsageError(f"--resume {ckpt_path}: flags differ from the checkpoint's: {'; '.join(differences)} "
-                             "(add --resume-force to accept)")
-        if step >= args.steps:
-            print(f"nothing to do: {ckpt_path} is at step {step} and --steps is {args.steps} "
-                  f"(pass --steps {step + args.steps} to train {args.steps} more)")
-            return None
-        # Resuming from step k of a run that went further would replace its history after k.
-        later = [p for p in saved_checkpoints(out) if int(p.stem[5:]) > step]
-        if later and not args.resume_force:
-            raise UsageError(f"--resume {ckpt_path}: {out} has later checkpoints ({later[-1].name}); resuming from "
-                             f"step {step} would drop them and the metrics after step {step} (add "
-                             "--resume-force to do so; they are then kept as *.dropped)")
+    step, ckpt_path = (ckpt["step"], ckpt["path"]) if ckpt else (0, None)
+    differences = check_resume_flags(ckpt["args"], args) if ckpt else []
+    if differences and not args.resume_force:
+        raise UsageError(f"--resume {ckpt_path}: flags differ from the checkpoint's: {'; '.join(differences)} "
+                         "(add --resume-force to accept)")
+    if step >= args.steps:
+        print(f"nothing to do: {ckpt_path} is at step {step} and --steps is {args.steps} "
+              f"(pass --steps {step + args.steps} to train {args.steps} more)")
+        return None
+    # Resuming from step k of a run that went further would replace its history after k (a new run: k = 0).
+    later = [p for p in saved_checkpoints(out) if int(p.stem[5:]) > step]
+    if later and not args.resume_force:
+        raise UsageError(f"--resume {ckpt_path}: {out} has later checkpoints ({later[-1].name}); resuming from "
+                         f"step {step} would drop them and the metrics after step {step} (add "
+                         "--resume-force to do so; they are then kept as *.dropped)")
     trainer, start = setup_training(args, ckpt, ckpt_path, rewards, dit_rewards)
     check_prompt_lengths(trainer.pipe, items, args)
     if args.mode == "i2i":
@@ -1644,15 +1617,14 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",)):
         raise UsageError(f"--prompts {path}: no prompts (only blank or comment lines)")
     if resized:
         print(f"note: images resized to {width}x{height} (--width x --height)")
-    if need_targets:
-        require_targets(items, need_targets)
+    require_targets(items, need_targets)
     return items
 
 
 def require_targets(items, reward_names):
-    """A prompt without a target file gets the demo target drawn from its words, or is a UsageError."""
+    """Rewards named (if any) read targets: a prompt without a target file gets one drawn from its words, or fails."""
     for item in items:
-        if "target" not in item.image_from:
+        if reward_names and "target" not in item.image_from:
             item.image_from["target"] = demo_scene(item.text, item.where, item.mode,
                                                    why=f"the reward {', '.join(reward_names)} reads targets")
 
@@ -1663,11 +1635,10 @@ def read_image(path, where, kind, size=None):
         with Image.open(path) as image:
             if size:
                 return to_rgb(ImageOps.exif_transpose(image)).resize(size[::-1], Image.BICUBIC)   # same size: a copy
-            image.verify()            # leaves the file unusable, so reopen
-        with Image.open(path) as image:
             # PNG's getexif() decodes the pixels to look past them: an eXIf chunk before them is in info
             exif = image.getexif() if image.format != "PNG" or "exif" in image.info else Image.Exif()
             turned = exif.get(Image.ExifTags.Base.Orientation, 1) in (5, 6, 7, 8)     # by 90 degrees
+            image.verify()            # reads the whole file, decodes nothing (and leaves it unusable: last)
             return image.size[::-1] if turned else image.size
     except FileNotFoundError:
         later = " (it was there at start-up)" if size else ""
@@ -1737,11 +1708,9 @@ def load_reward(spec):
     """'mse' | 'module:fn' | 'path/file.py:fn', each optionally followed by '=WEIGHT' -> Reward."""
     where, _, text = spec.rpartition("=") if "=" in spec else (spec, "", "1")
     try:
-        weight = float(text)
-    except ValueError:
-        raise UsageError(f"--reward {spec}: the weight after '=' must be a number, got {text!r}")
-    if not math.isfinite(weight):
-        raise UsageError(f"--reward {spec}: the weight after '=' must be finite, got {text!r}")
+        weight = number(float)(text)      # the flags' own check: float() and finite
+    except (ValueError, argparse.ArgumentTypeError):
+        raise UsageError(f"--reward {spec}: the weight after '=' must be a finite number, got {text!r}")
     if weight == 0:
         raise UsageError(f"--reward {spec}: a weight of 0 leaves the reward out of the sum; drop it instead")
     if where == "mse":
@@ -1749,8 +1718,6 @@ def load_reward(spec):
     module_name, _, fn_name = where.rpartition(":")
     if not module_name or not fn_name:
         raise UsageError(f"--reward {spec}: expected 'mse', 'module:function' or 'path/to/file.py:function'")
-    if module_name.endswith(".py") and not Path(module_name).is_file():
-        raise UsageError(f"--reward {spec}: file {module_name} not found")
     import runpy
 
     sys.path.insert(0, os.getcwd())      # modules are looked up in the current directory first, as `python -m` does

@@ -1685,11 +1685,11 @@ def plugins(tmp_path):
 
 @pytest.mark.parametrize("spec, needle", [
     ("nope", "expected 'mse', 'module:function'"),
-    ("{tmp}/missing.py:f", "missing.py not found"),
+    ("{tmp}/missing.py:f", "missing.py failed: FileNotFoundError: [Errno 2] No such file"),
     ("{tmp}/plug.py:nothing", "has no function nothing"),
-    ("{tmp}/plug.py:half_nan=heavy", "weight after '=' must be a number"),
-    ("mse=nan", "weight after '=' must be finite, got 'nan'"),
-    ("mse=-inf", "weight after '=' must be finite, got '-inf'"),
+    ("{tmp}/plug.py:half_nan=heavy", "weight after '=' must be a finite number, got 'heavy'"),
+    ("mse=nan", "weight after '=' must be a finite number, got 'nan'"),
+    ("mse=-inf", "weight after '=' must be a finite number, got '-inf'"),
     ("{tmp}/broken_import.py:f", "RuntimeError: no GPU here"),
     ("os.path:no_such_fn", "os.path has no function no_such_fn"),
 ])
