@@ -2029,14 +2029,15 @@ def test_dit_gradient_raises_the_logprob_of_a_positive_advantage_trajectory():
     _, cond, noise, schedule, _ = _dit_case(pipe, "t2i", 1.0, group=2)
     trajectories = g.sample_dit(dit, cond, noise, schedule, 0.7, 3, g.sde_generators(0, 1, [0]))
     advantages = torch.tensor([1.0, -1.0])
-    terms = g.dit_loss_terms(dit, reference, cond, trajectories, advantages, args)
-    update = g.grpo_update(torch.optim.SGD(params, lr=1e-2), [("dit/", params, terms)], args)
+    trainer = SimpleNamespace(dit_policy=dit, dit_reference=reference, dit_params=params)
+    half = g.dit_half(trainer, SimpleNamespace(cond=cond, trajectories=trajectories), advantages, args)
+    update = g.grpo_update(torch.optim.SGD(params, lr=1e-2), [half], args)
     assert update["dit/kl"] == 0.0 and update["dit/logp_diff_max"] <= 1e-5    # first pass: policy = reference
     with torch.no_grad():
         moved = _dit_logprobs(dit, cond, trajectories, 0.7).sum(1) - trajectories.old_logp.sum(1)
         mean, ref_mean = (g.dit_step_logprob(m, cond, trajectories, 0, 0.7)[1] for m in (dit, reference))
     assert moved[0] > 0 and moved[1] < 0
-    assert g.dit_kl(mean, ref_mean, g.step_std(trajectories.sigmas, 0, 0.7)).min() > 0
+    assert g.dit_kl(mean, ref_mean, g.sde_std(trajectories.sigmas, 0, 0.7)[1]).min() > 0
 
 
 @pytest.mark.parametrize("lora", ["0", "4"])
