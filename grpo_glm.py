@@ -384,11 +384,11 @@ def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps, g
     source's KV cache per sample, and ends by re-hooking the CPU offload of every component: the
     trained AR would leave the GPU and come back at each decode."""
     G = rollout.target_tokens.shape[0] // len(prompts)
-    source_prior = rollout.source_prior and rollout.source_prior[::G]                      # per prompt
     cond = dit_condition(pipe, prompts, G, rollout.target_tokens, rollout.grid_hw, guidance_scale, sources,
-                         source_prior)
+                         rollout.source_prior and rollout.source_prior[::G])              # i2i: per prompt
     H, W = rollout.grid_hw
-    return ode_decode(pipe, cond, noise, dit_schedule(pipe, 32 * H, 32 * W, num_inference_steps))
+    schedule = dit_schedule(pipe, 32 * H, 32 * W, num_inference_steps)
+    return latents_to_images(pipe, sample_dit(pipe.transformer, cond, noise, schedule).states[:, -1])  # a = 0
 
 
 # =============================================================================================
@@ -894,7 +894,7 @@ def sde_generators(seed, step, prompt_indices):
 
 
 @torch.no_grad()
-def sample_dit(dit, cond, noise, schedule, noise_level, train_steps, generators):
+def sample_dit(dit, cond, noise, schedule, noise_level=0.0, train_steps=0, generators=()):
     """Denoises `noise` [N, C, h, w]: `train_steps` SDE steps (eps [G, C, h, w] per prompt from its
     generator) recording log-probs, then ODE steps -> DitRollout (states[:, -1]: the final latent)."""
     timesteps, sigmas = schedule
@@ -931,13 +931,6 @@ def dit_kl(mean, ref_mean, std):
     dims like the log-prob: ||mean - ref_mean||^2 / (2 std^2), [N, C, h, w] -> [N]."""
     # std = std_t sqrt(|dt|); flow_grpo's code omits |dt|, so a beta taken from it is 10-1000x stronger here
     return ((mean - ref_mean) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * std ** 2)
-
-
-@torch.no_grad()
-def ode_decode(pipe, cond, noise, schedule):
-    """What the current DiT paints without SDE noise (a = 0)."""
-    rollout = sample_dit(pipe.transformer, cond, noise, schedule, 0.0, 0, [])
-    return latents_to_images(pipe, rollout.states[:, -1])
 
 
 def dit_half(trainer, run, advantages, args):
@@ -1010,9 +1003,8 @@ def sample_dit_trajectories(pipe, prompts, sources, rollout, noise, indices, ste
     """SAMPLE and DECODE for --policy dit|both: G SDE trajectories per prompt from the rollout's grids
     and the shared noise [N, C, h, w] -> namespace: cond, trajectories (a DitRollout), images [N, 3, H, W]."""
     G = args.group_size
-    source_prior = rollout.source_prior and rollout.source_prior[::G]                      # per prompt
     cond = dit_condition(pipe, prompts, G, rollout.target_tokens, rollout.grid_hw, args.guidance_scale, sources,
-                         source_prior)
+                         rollout.source_prior and rollout.source_prior[::G])              # i2i: per prompt
     schedule = dit_schedule(pipe, args.height, args.width, args.num_inference_steps)
     trajectories = sample_dit(pipe.transformer, cond, noise, schedule, args.dit_noise_level, args.dit_train_steps,
                               sde_generators(args.seed, step, indices))
