@@ -1008,8 +1008,7 @@ def sample_dit_trajectories(pipe, prompts, sources, rollout, noise, indices, ste
     schedule = dit_schedule(pipe, args.height, args.width, args.num_inference_steps)
     trajectories = sample_dit(pipe.transformer, cond, noise, schedule, args.dit_noise_level, args.dit_train_steps,
                               sde_generators(args.seed, step, indices))
-    with torch.no_grad():
-        images = latents_to_images(pipe, trajectories.states[:, -1])                       # [N, 3, H, W]
+    images = latents_to_images(pipe, trajectories.states[:, -1])      # [N, 3, H, W]; VAE frozen: no graph
     return SimpleNamespace(cond=cond, trajectories=trajectories, images=images)
 
 
