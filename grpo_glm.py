@@ -874,9 +874,9 @@ def sde_std(sigmas, i, noise_level):
 
 
 def sde_step(v, x, sigmas, i, noise_level, eps=None, x_next=None):
-    """One Flow-GRPO SDE step from x = x_i (fp32 [N, C, h, w]) -> (x', logp [N], mean). x' = mean +
-    std * eps; `x_next` instead of `eps` scores a stored transition. logp is the Gaussian log-density
-    averaged over latent dims; noise_level 0 is the Euler step (no logp)."""
+    """One Flow-GRPO SDE step from x = x_i (fp32 [N, C, h, w]) -> (x', logp [N], mean). x' = mean + std * eps;
+    `x_next` instead of `eps` scores a stored transition. logp: torch's Normal.log_prob (flow_grpo's formula op
+    for op; unvalidated: a NaN reaches section 10's skip) averaged over latent dims; noise_level 0: Euler's step."""
     sigma, dt = sigmas[i], sigmas[i + 1] - sigmas[i]
     std_t, std = sde_std(sigmas, i, noise_level)
     mean = x * (1 + std_t ** 2 / (2 * sigma) * dt) + v * (1 + std_t ** 2 * (1 - sigma) / (2 * sigma)) * dt
@@ -884,7 +884,7 @@ def sde_step(v, x, sigmas, i, noise_level, eps=None, x_next=None):
         return mean, None, mean
     if x_next is None:
         x_next = mean + std * eps
-    logp = -((x_next.detach() - mean) ** 2) / (2 * std ** 2) - torch.log(std) - math.log(math.sqrt(2 * math.pi))
+    logp = torch.distributions.Normal(mean, std, validate_args=False).log_prob(x_next.detach())
     return x_next, logp.mean(dim=tuple(range(1, logp.ndim))), mean
 
 
