@@ -383,11 +383,11 @@ def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps, g
     source's KV cache per sample, and ends by re-hooking the CPU offload of every component: the
     trained AR would leave the GPU and come back at each decode."""
     G = rollout.target_tokens.shape[0] // len(prompts)
-    source_prior = rollout.source_prior and rollout.source_prior[::G]                      # per prompt
     cond = dit_condition(pipe, prompts, G, rollout.target_tokens, rollout.grid_hw, guidance_scale, sources,
-                         source_prior)
+                         rollout.source_prior and rollout.source_prior[::G])              # i2i: per prompt
     H, W = rollout.grid_hw
-    return ode_decode(pipe, cond, noise, dit_schedule(pipe, 32 * H, 32 * W, num_inference_steps))
+    schedule = dit_schedule(pipe, 32 * H, 32 * W, num_inference_steps)
+    return latents_to_images(pipe, sample_dit(pipe.transformer, cond, noise, schedule).states[:, -1])  # a = 0
 
 
 # =============================================================================================
@@ -741,7 +741,7 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
     if train_dit:
         row["loss"] = update.get("loss", 0.0) + update["dit/loss"]                          # AR + DiT
         if args.sample_every and step % args.sample_every == 0:
-            ode = ode_sheet(pipe, prompts, sources, dit_run, noise, args)
+            ode = ode_sheet(pipe, prompts, sources, rollout, noise, args)
     return row, rewards, images, targets, sources, ode
 
 
@@ -863,30 +863,27 @@ def dit_velocity(dit, latents, t, cond, caches):
     return torch.cat(velocities)
 
 
-def sde_std_t(sigmas, i, noise_level):
+def sde_std(sigmas, i, noise_level):
+    """(std_t, std = std_t sqrt(-dt)): step i's noise scale and its Gaussian's standard deviation."""
     # flow_grpo puts sigmas[1] for sigma = 1 here only, where 1 - sigma would divide by zero
     sigma = sigmas[i]
-    return noise_level * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigmas[1], sigma)))
+    std_t = noise_level * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigmas[1], sigma)))
+    return std_t, std_t * torch.sqrt(sigma - sigmas[i + 1])
 
 
 def sde_step(v, x, sigmas, i, noise_level, eps=None, x_next=None):
-    """One Flow-GRPO SDE step from x = x_i (fp32 [N, C, h, w]) -> (x', logp [N], mean). x' = mean +
-    std * eps, std = std_t sqrt(-dt); `x_next` instead of `eps` scores a stored transition. logp is the
-    Gaussian log-density averaged over latent dims; noise_level 0 is the Euler step (no logp)."""
+    """One Flow-GRPO SDE step from x = x_i (fp32 [N, C, h, w]) -> (x', logp [N], mean). x' = mean + std * eps;
+    `x_next` instead of `eps` scores a stored transition. logp: torch's Normal.log_prob (flow_grpo's formula op
+    for op; unvalidated: a NaN reaches section 10's skip) averaged over latent dims; noise_level 0: Euler's step."""
     sigma, dt = sigmas[i], sigmas[i + 1] - sigmas[i]
-    std_t = sde_std_t(sigmas, i, noise_level)
+    std_t, std = sde_std(sigmas, i, noise_level)
     mean = x * (1 + std_t ** 2 / (2 * sigma) * dt) + v * (1 + std_t ** 2 * (1 - sigma) / (2 * sigma)) * dt
     if noise_level == 0:
         return mean, None, mean
-    std = std_t * torch.sqrt(-dt)
     if x_next is None:
         x_next = mean + std * eps
-    logp = -((x_next.detach() - mean) ** 2) / (2 * std ** 2) - torch.log(std) - math.log(math.sqrt(2 * math.pi))
+    logp = torch.distributions.Normal(mean, std, validate_args=False).log_prob(x_next.detach())
     return x_next, logp.mean(dim=tuple(range(1, logp.ndim))), mean
-
-
-def step_std(sigmas, i, noise_level):
-    return sde_std_t(sigmas, i, noise_level) * torch.sqrt(sigmas[i] - sigmas[i + 1])   # sde_step's std
 
 
 def sde_generators(seed, step, prompt_indices):
@@ -895,22 +892,23 @@ def sde_generators(seed, step, prompt_indices):
 
 
 @torch.no_grad()
-def sample_dit(dit, cond, noise, schedule, noise_level, train_steps, generators):
+def sample_dit(dit, cond, noise, schedule, noise_level=0.0, train_steps=0, generators=()):
     """Denoises `noise` [N, C, h, w]: `train_steps` SDE steps (eps [G, C, h, w] per prompt from its
     generator) recording log-probs, then ODE steps -> DitRollout (states[:, -1]: the final latent)."""
     timesteps, sigmas = schedule
-    caches = write_source_caches(dit, cond)
     x, states, logps = noise.to(sigmas.device, sigmas.dtype), [], []
-    for i, t in enumerate(timesteps):
-        states.append(x)
-        v = dit_velocity(dit, x, t, cond, caches)
-        if i < train_steps:
-            group = (x.shape[0] // len(generators), *x.shape[1:])
-            eps = torch.cat([torch.randn(group, generator=g) for g in generators]).to(x.device, x.dtype)
-            x, logp, _ = sde_step(v, x, sigmas, i, noise_level, eps=eps)
-            logps.append(logp)
-        else:
-            x, _, _ = sde_step(v, x, sigmas, i, 0.0)
+    with whole_weights(dit):
+        caches = write_source_caches(dit, cond)
+        for i, t in enumerate(timesteps):
+            states.append(x)
+            v = dit_velocity(dit, x, t, cond, caches)
+            if i < train_steps:
+                group = (x.shape[0] // len(generators), *x.shape[1:])
+                eps = torch.cat([torch.randn(group, generator=g) for g in generators]).to(x.device, x.dtype)
+                x, logp, _ = sde_step(v, x, sigmas, i, noise_level, eps=eps)
+                logps.append(logp)
+            else:
+                x, _, _ = sde_step(v, x, sigmas, i, 0.0)
     states.append(x)
     old_logp = torch.stack(logps, 1) if logps else x.new_zeros(x.shape[0], 0)
     return DitRollout(torch.stack(states, 1), old_logp, timesteps, sigmas)
@@ -933,16 +931,10 @@ def dit_kl(mean, ref_mean, std):
     return ((mean - ref_mean) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * std ** 2)
 
 
-@torch.no_grad()
-def ode_decode(pipe, cond, noise, schedule):
-    """What the current DiT paints without SDE noise (a = 0)."""
-    rollout = sample_dit(pipe.transformer, cond, noise, schedule, 0.0, 0, [])
-    return latents_to_images(pipe, rollout.states[:, -1])
-
-
-def dit_loss_terms(policy, reference, cond, rollout, advantages, args):
-    """The DiT's loss for grpo_update, as ar_loss_terms: grpo_loss per trained step's column, weight 1/T
-    (adding up to grpo_loss over [N, T], one step's activations alive, as flow_grpo), + beta x dit_kl."""
+def dit_half(trainer, run, advantages, args):
+    """The DiT's entry (prefix, params, terms) in grpo_update: grpo_loss per trained step's column, weight
+    1/T (adding up to grpo_loss over [N, T], one step's activations alive, as flow_grpo), + beta x dit_kl."""
+    policy, reference, cond, rollout = trainer.dit_policy, trainer.dit_reference, run.cond, run.trajectories
     steps = rollout.old_logp.shape[1]
     ones = torch.ones_like(rollout.old_logp[:, :1])
     advantages = advantages.to(rollout.old_logp.device)
@@ -955,13 +947,13 @@ def dit_loss_terms(policy, reference, cond, rollout, advantages, args):
             if args.beta > 0:
                 with torch.no_grad(), reference_weights(unwrap(policy), reference) as ref:
                     ref_mean = dit_step_logprob(ref, cond, rollout, i, args.dit_noise_level)[1]
-                kl = dit_kl(mean, ref_mean, step_std(rollout.sigmas, i, args.dit_noise_level)).mean()
+                kl = dit_kl(mean, ref_mean, sde_std(rollout.sigmas, i, args.dit_noise_level)[1]).mean()
                 loss = loss + args.beta * kl
                 metrics["kl"] = kl.item()
             if epoch == 0:
                 metrics["logp_diff_max"] = (logp.detach() - rollout.old_logp[:, i]).abs().max().item()
             yield loss, {**metrics, "loss": loss.item()}, 1 / steps
-    return terms
+    return "dit/", trainer.dit_params, terms
 
 
 # =============================================================================================
@@ -984,8 +976,8 @@ def prepare_dit_policy(dit, args):
 
 
 def shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, cache):
-    """--policy dit: one token grid per prompt for its group (target_tokens [P, H*W]). --dit-prior per-prompt
-    draws it once (kept in `cache`): a fixed input the DiT can learn to paint; per-step draws anew."""
+    """--policy dit: one token grid per prompt, shared by its G samples (target_tokens [N, H*W]). --dit-prior
+    per-prompt draws it once (kept in `cache`): a fixed input the DiT can learn to paint; per-step anew."""
     def draw(i, seed):
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
             torch.manual_seed(seed)                               # leaves the run's RNG stream untouched
@@ -999,40 +991,31 @@ def shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, cac
             if index not in cache:
                 cache[index] = draw(i, args.seed * 7_919 + index)
         draws = [cache[index] for index in indices]
-    return SimpleNamespace(target_tokens=torch.cat([d.target_tokens for d in draws]), grid_hw=draws[0].grid_hw,
-                           source_prior=sources and [d.source_prior[0] for d in draws])
+    G = args.group_size
+    source_prior = sources and repeat_each([d.source_prior[0] for d in draws], G)          # per sample
+    return SimpleNamespace(target_tokens=torch.cat([d.target_tokens.expand(G, -1) for d in draws]),
+                           grid_hw=draws[0].grid_hw, source_prior=source_prior)
 
 
 def sample_dit_trajectories(pipe, prompts, sources, rollout, noise, indices, step, args):
-    """SAMPLE and DECODE for --policy dit|both: G SDE trajectories per prompt from the shared noise
-    [N, C, h, w] -> namespace: cond, trajectories (a DitRollout), images [N, 3, H, W], ode_sheet's inputs."""
-    G, dit, per_prompt = args.group_size, pipe.transformer, args.policy == "dit"
-    tokens = rollout.target_tokens.repeat_interleave(G, 0) if per_prompt else rollout.target_tokens   # [N, H*W]
-    source_prior = rollout.source_prior and rollout.source_prior[::1 if per_prompt else G]         # per prompt
-    cond = dit_condition(pipe, prompts, G, tokens, rollout.grid_hw, args.guidance_scale, sources, source_prior)
+    """SAMPLE and DECODE for --policy dit|both: G SDE trajectories per prompt from the rollout's grids
+    and the shared noise [N, C, h, w] -> namespace: cond, trajectories (a DitRollout), images [N, 3, H, W]."""
+    G = args.group_size
+    cond = dit_condition(pipe, prompts, G, rollout.target_tokens, rollout.grid_hw, args.guidance_scale, sources,
+                         rollout.source_prior and rollout.source_prior[::G])              # i2i: per prompt
     schedule = dit_schedule(pipe, args.height, args.width, args.num_inference_steps)
-    with whole_weights(dit):
-        trajectories = sample_dit(dit, cond, noise, schedule, args.dit_noise_level, args.dit_train_steps,
-                                  sde_generators(args.seed, step, indices))
-    with torch.no_grad():
-        images = latents_to_images(pipe, trajectories.states[:, -1])                       # [N, 3, H, W]
-    return SimpleNamespace(cond=cond, trajectories=trajectories, images=images, tokens=tokens,
-                           grid_hw=rollout.grid_hw, source_prior=source_prior, schedule=schedule)
+    trajectories = sample_dit(pipe.transformer, cond, noise, schedule, args.dit_noise_level, args.dit_train_steps,
+                              sde_generators(args.seed, step, indices))
+    images = latents_to_images(pipe, trajectories.states[:, -1])      # [N, 3, H, W]; VAE frozen: no graph
+    return SimpleNamespace(cond=cond, trajectories=trajectories, images=images)
 
 
-def dit_half(trainer, run, advantages, args):
-    """The DiT's entry (prefix, params, terms) in grpo_update."""
-    return "dit/", trainer.dit_params, dit_loss_terms(trainer.dit_policy, trainer.dit_reference, run.cond,
-                                                      run.trajectories, advantages, args)
-
-
-def ode_sheet(pipe, prompts, sources, run, noise, args):
+def ode_sheet(pipe, prompts, sources, rollout, noise, args):
     """The updated DiT's a = 0 decode of each prompt's first sample [P, 3, H, W], for the sample sheet."""
-    first = slice(None, None, args.group_size)
-    cond = dit_condition(pipe, prompts, 1, run.tokens[first], run.grid_hw, args.guidance_scale, sources,
-                         run.source_prior)
-    with whole_weights(pipe.transformer):
-        return ode_decode(pipe, cond, noise[first], run.schedule)
+    G = args.group_size
+    firsts = SimpleNamespace(target_tokens=rollout.target_tokens[::G], grid_hw=rollout.grid_hw,
+                             source_prior=rollout.source_prior and rollout.source_prior[::G])
+    return decode_images(pipe, prompts, sources, firsts, noise[::G], args.num_inference_steps, args.guidance_scale)
 
 
 # #############################################################################################

@@ -1962,10 +1962,14 @@ def _dit_case(pipe, mode, guidance, group=2, steps=4):
     return rollout, cond, noise, g.dit_schedule(pipe, 64, 64, steps), source
 
 
+def _ode_decode(pipe, cond, noise, schedule):        # the DiT loop at a = 0, then the VAE
+    return g.latents_to_images(pipe, g.sample_dit(pipe.transformer, cond, noise, schedule).states[:, -1])
+
+
 @pytest.mark.parametrize("mode, guidance", [("t2i", 1.0), ("t2i", 2.5), ("i2i", 2.5)])
 def test_dit_loop_at_noise_level_zero_equals_the_pipeline(sharp_pipe, mode, guidance):
     rollout, cond, noise, schedule, source = _dit_case(sharp_pipe, mode, guidance)
-    ours = g.ode_decode(sharp_pipe, cond, noise, schedule)
+    ours = _ode_decode(sharp_pipe, cond, noise, schedule)
     assert torch.equal(ours, g.decode_images(sharp_pipe, ["make the red circle blue"], source, rollout, noise, 4,
                                              guidance))
     i2i = {}
@@ -1976,7 +1980,7 @@ def test_dit_loop_at_noise_level_zero_equals_the_pipeline(sharp_pipe, mode, guid
     theirs = sharp_pipe(prompt=["make the red circle blue"] * 2, prior_token_ids=prior, height=64, width=64,
                         latents=noise, num_inference_steps=4, guidance_scale=guidance, output_type="pt", **i2i).images
     assert (ours - theirs).abs().max() <= 1e-5
-    assert (ours - theirs).abs().max() < (ours - g.ode_decode(sharp_pipe, cond, noise.flip(1), schedule)).abs().max()
+    assert (ours - theirs).abs().max() < (ours - _ode_decode(sharp_pipe, cond, noise.flip(1), schedule)).abs().max()
 
 
 def _dit_logprobs(dit, cond, trajectories, noise_level):     # logp [N, T] of the T trained steps
@@ -2015,14 +2019,15 @@ def test_dit_gradient_raises_the_logprob_of_a_positive_advantage_trajectory():
     _, cond, noise, schedule, _ = _dit_case(pipe, "t2i", 1.0, group=2)
     trajectories = g.sample_dit(dit, cond, noise, schedule, 0.7, 3, g.sde_generators(0, 1, [0]))
     advantages = torch.tensor([1.0, -1.0])
-    terms = g.dit_loss_terms(dit, reference, cond, trajectories, advantages, args)
-    update = g.grpo_update(torch.optim.SGD(params, lr=1e-2), [("dit/", params, terms)], args)
+    trainer = SimpleNamespace(dit_policy=dit, dit_reference=reference, dit_params=params)
+    half = g.dit_half(trainer, SimpleNamespace(cond=cond, trajectories=trajectories), advantages, args)
+    update = g.grpo_update(torch.optim.SGD(params, lr=1e-2), [half], args)
     assert update["dit/kl"] == 0.0 and update["dit/logp_diff_max"] <= 1e-5    # first pass: policy = reference
     with torch.no_grad():
         moved = _dit_logprobs(dit, cond, trajectories, 0.7).sum(1) - trajectories.old_logp.sum(1)
         mean, ref_mean = (g.dit_step_logprob(m, cond, trajectories, 0, 0.7)[1] for m in (dit, reference))
     assert moved[0] > 0 and moved[1] < 0
-    assert g.dit_kl(mean, ref_mean, g.step_std(trajectories.sigmas, 0, 0.7)).min() > 0
+    assert g.dit_kl(mean, ref_mean, g.sde_std(trajectories.sigmas, 0, 0.7)[1]).min() > 0
 
 
 @pytest.mark.parametrize("lora", ["0", "4"])
@@ -2052,7 +2057,7 @@ def test_policy_dit_trains_only_the_dit_and_saves_it(tmp_path, lora, capsys):
     assert sum(t.numel() for t in ckpt["trainable"].values()) == expected      # what --plan counts
     loaded = GlmImagePipeline.from_pretrained(tmp_path / "pipe")
     rollout, cond, noise, schedule, _ = _dit_case(base, "t2i", 1.0)
-    images = {name: g.ode_decode(p, cond, noise, schedule) for name, p in
+    images = {name: _ode_decode(p, cond, noise, schedule) for name, p in
               [("trained", trained), ("loaded", loaded), ("base", base)]}
     torch.testing.assert_close(images["loaded"], images["trained"], atol=1e-5, rtol=0)
     assert (images["loaded"] - images["base"]).abs().max() > 1e-3
