@@ -30,18 +30,23 @@ import argparse
 import contextlib
 import copy
 import datetime
+import fcntl
 import functools
 import gc
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import os
 import random
 import re
+import runpy
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import traceback
 import unicodedata
@@ -53,7 +58,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 import torch.distributed as dist
-from PIL import Image, ImageDraw, ImageOps, UnidentifiedImageError
+from filelock import FileLock
+from PIL import Image, ImageDraw, ImageFont, ImageOps, UnidentifiedImageError
 
 CHECKPOINT_FORMAT = "grpo_glm-checkpoint-v3"   # v3: AdamW state keyed by parameter name, at every world size
 TINY = "tiny"
@@ -1383,8 +1389,6 @@ def looks_like_hub_id(name):
 
 def check_writable(flag, path):
     """`path`, or its nearest existing parent, must be a directory we can create files in (probed)."""
-    import tempfile
-
     parent = next(p for p in [Path(path).absolute(), *Path(path).absolute().parents] if p.exists())
     if not parent.is_dir():
         raise UsageError(f"{flag} {path}: {parent} is a file, not a directory")
@@ -1514,8 +1518,6 @@ def check_source_size(processor, height, width):
 
 def lock_out_dir(out):
     """An exclusive fcntl.flock on <out>/.lock while the returned file is open (released even on kill -9)."""
-    import fcntl
-
     out.mkdir(parents=True, exist_ok=True)
     handle = open(out / ".lock", "a")      # stays empty
     try:
@@ -1701,8 +1703,6 @@ def load_reward(spec):
     module_name, _, fn_name = where.rpartition(":")
     if not module_name or not fn_name:
         raise UsageError(f"--reward {spec}: expected 'mse', 'module:function' or 'path/to/file.py:function'")
-    import runpy
-
     sys.path.insert(0, os.getcwd())      # modules are looked up in the current directory first, as `python -m` does
     try:
         namespace = (runpy.run_path(module_name) if module_name.endswith(".py")
@@ -1907,8 +1907,6 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
 
 def drawable(text):
     """`text` as the built-in font (ASCII) can draw it: 'é' -> 'e', emoji or CJK -> '?', never a 'no glyph' box."""
-    from PIL import ImageFont
-
     font = ImageFont.load_default(size=12)
     glyph = lambda ch: (lambda m: (m.size, bytes(m)))(font.getmask(ch))
     box = glyph("\U0010FFFD")       # a private-use code point has no glyph
@@ -2306,8 +2304,6 @@ def quiet_progress_bars():
 
 
 def tiny_cache_key(seed, settings):
-    import inspect
-
     code = [inspect.getsource(f) for f in (build_tiny_pipeline, colour_vae, random_mosaics, train_tiny_renderer,
                                             dit_schedule, dit_condition, dit_velocity, write_source_caches,
                                             policy_generation_config, image_token_suppression, SamplingParams)]
@@ -2321,11 +2317,6 @@ def tiny_cache_key(seed, settings):
 def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
     """`--model tiny`'s directory for this seed, built on first use: in a temporary directory, then
     renamed into place (os.rename is atomic), so the final directory exists only if a build finished."""
-    import shutil
-    import tempfile
-
-    from filelock import FileLock
-
     root = Path(os.environ.get("GRPO_GLM_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
                 / "grpo_glm")
     final = root / f"tiny-seed{seed}-{tiny_cache_key(seed, settings)}"
@@ -2453,6 +2444,8 @@ def collective_failed(error):
     return isinstance(error, dist.DistError) or bool(frames and (
         re.search(r"torch[/\\](distributed|nn[/\\]parallel)[/\\]", frames[-1].filename)
         or re.search(r"torch[/\\]autograd[/\\]", frames[-1].filename) and re.search(r"gloo|nccl", str(error), re.I)))
+
+
 # --fsdp: FSDP2 (fully_shard). Each rank keeps 1/K of every trained weight, its gradient and AdamW
 # moments (DTensors on a 1-D mesh). A unit (a decoder layer or DiT block, then the root) is gathered
 # just before its forward and backward and freed after; gradients are reduce-scattered (averaged).
