@@ -1373,13 +1373,6 @@ def validate_args(args):
         check_writable("--save-pipeline", save)
 
 
-def validate_plan_args(args):
-    for k in args.plan_gpus or ():
-        if args.prompts_per_step % k:
-            raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by --plan-gpus {k}: "
-                             "each rank trains whole groups")
-
-
 def looks_like_hub_id(name):
     """'owner/name' that is no local path: a typo in './runs/x' or 'runs/x' must not go to the hub."""
     owner = name.split("/", 1)[0]
@@ -2135,9 +2128,8 @@ def restore_checkpoint(ckpt, trainer, args):
 # so it learns a synthetic task: codebook id k paints the demo's colour k mod 8 (many ids per colour, as
 # in a real VQ codebook: a random policy draws a cell's right colour 1 time in 8), a grid's truth is its
 # "mosaic" (each 32-px cell in its token's colour). The VAE decoder is set by hand to paint latent
-# channels 0-2, the DiT learns tokens -> that latent by flow matching (~15 s of CPU, once). The result
-# is saved with save_pretrained in $GRPO_GLM_CACHE (else $XDG_CACHE_HOME/grpo_glm or ~/.cache/grpo_glm)
-# under a hash of its seed, settings, library versions and code, and loaded as a user's checkpoint is.
+# channels 0-2, the DiT learns tokens -> that latent by flow matching (~15 s of CPU, once), saved and
+# loaded as a user's checkpoint is (tiny_pipeline_dir).
 
 TINY_CODEBOOK = 64                       # real: 16384
 TINY_VISION_VOCAB = TINY_CODEBOOK + 16   # real: 16512 (codebook + 128 special ids)
@@ -2762,7 +2754,10 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
 
 
 def print_memory_plan(args):
-    validate_plan_args(args)
+    for k in args.plan_gpus or ():
+        if args.prompts_per_step % k:
+            raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by --plan-gpus {k}: "
+                             "each rank trains whole groups")
     components, image_processor = plan_components(args.model, args.seed)
     # AR activations: one micro-batch (--micro-batch-size, default G); the DiT: one step over the whole batch
     samples, prompts = args.micro_batch_size or args.group_size, args.prompts_per_step
