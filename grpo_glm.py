@@ -84,16 +84,6 @@ class UsageError(Exception):
 # =============================================================================================
 # 1. Settings
 # =============================================================================================
-# Flags that change what the algorithm computes. Resuming with different values would splice
-# two different runs into one log, so --resume refuses them (unless --resume-force).
-
-ALGORITHM_FLAGS = (
-    "mode", "model", "prompts_sha256", "seed", "group_size", "prompts_per_step", "inner_epochs", "lr",
-    "max_grad_norm", "clip_eps", "beta", "temperature", "top_k", "top_p", "height", "width", "num_inference_steps",
-    "guidance_scale", "dit_noise", "loss_tokens", "lora_rank", "lora_alpha", "ar_trainable", "dtype",
-    "reward", "weight_decay", "lr_scheduler", "lr_warmup_steps", "policy", "dit_lr", "dit_clip_eps",
-    "dit_noise_level", "dit_train_steps", "dit_lora_rank", "dit_prior", "dit_reward")
-
 
 def parse_args(argv=None):
     p = Parser(description="GRPO fine-tuning of GLM-Image against image rewards.", formatter_class=HelpFormatter)
@@ -668,7 +658,7 @@ class Trainer:
     before_update: object = lambda: None  # the stop handler's last chance to drop the step (section 19)
 
 
-def setup_training(args, ckpt=None, ckpt_path=None, rewards=None, dit_rewards=None):
+def setup_training(args, ckpt=None, rewards=None, dit_rewards=None):
     """Loads the model, marks what trains, one AdamW (a param group per half), restores `ckpt`."""
     from diffusers.optimization import get_scheduler
     from diffusers.training_utils import set_seed
@@ -699,7 +689,7 @@ def setup_training(args, ckpt=None, ckpt_path=None, rewards=None, dit_rewards=No
     if ckpt is not None:
         restore_checkpoint(ckpt, trainer, args)
         if rank() == 0:
-            print(f"Resuming from step {ckpt['step']} ({ckpt_path})")
+            print(f"Resuming from step {ckpt['step']} ({ckpt['path']})")
     trainer.rewards = load_rewards(args.reward) if rewards is None else rewards
     trainer.dit_rewards = load_rewards(args.dit_reward or []) if dit_rewards is None else dit_rewards
     trainer.policy = wrap_for_training(ar, args.device) if args.policy != "dit" else None
@@ -1467,7 +1457,7 @@ def start_training(args, out, lead):
         raise UsageError(f"--resume {ckpt_path}: {out} has later checkpoints ({later[-1].name}); resuming from "
                          f"step {step} would drop them and the metrics after step {step} (add "
                          "--resume-force to do so; they are then kept as *.dropped)")
-    trainer, start = setup_training(args, ckpt, ckpt_path, rewards, dit_rewards)
+    trainer, start = setup_training(args, ckpt, rewards, dit_rewards)
     check_prompt_lengths(trainer.pipe, items, args)
     if args.mode == "i2i":
         check_source_size(trainer.pipe.processor.image_processor, args.height, args.width)
@@ -2092,6 +2082,17 @@ def read_checkpoint(spec, out=None):
         raise UsageError(f"--resume {path}: written by an older grpo_glm.py ({ckpt['format']}, this one reads "
                          f"{CHECKPOINT_FORMAT}); start a new run")
     return {**ckpt, "path": path}
+
+
+# Flags that change what the algorithm computes. Resuming with different values would splice
+# two different runs into one log, so --resume refuses them (unless --resume-force).
+
+ALGORITHM_FLAGS = (
+    "mode", "model", "prompts_sha256", "seed", "group_size", "prompts_per_step", "inner_epochs", "lr",
+    "max_grad_norm", "clip_eps", "beta", "temperature", "top_k", "top_p", "height", "width", "num_inference_steps",
+    "guidance_scale", "dit_noise", "loss_tokens", "lora_rank", "lora_alpha", "ar_trainable", "dtype",
+    "reward", "weight_decay", "lr_scheduler", "lr_warmup_steps", "policy", "dit_lr", "dit_clip_eps",
+    "dit_noise_level", "dit_train_steps", "dit_lora_rank", "dit_prior", "dit_reward")
 
 
 def check_resume_flags(saved, args):
