@@ -215,11 +215,19 @@ def add_lora(model, rank, alpha, targets, **config):
     """PEFT LoRA adapters on `targets` (the AR's and the DiT's alike), the base frozen. They train in fp32
     on a bf16 base (diffusers' cast_training_params): bf16 would round AdamW's small updates away."""
     from diffusers.training_utils import cast_training_params
-    from peft import LoraConfig
+    from peft import LoraConfig, inject_adapter_in_model
 
     model.requires_grad_(False)
-    model.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, **config))
+    # peft's own injection, not the models' add_adapter: transformers 5.24's refuses every peft released
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, **config)
+    inject_adapter_in_model(config, model)
     cast_training_params(model, dtype=torch.promote_types(model.dtype, torch.float32))
+
+
+def lora_layers(model):
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
 
 
 def prepare_policy(ar, args):
@@ -305,8 +313,9 @@ class GumbelMax:
 def sample_group(pipe, prompts, group_size, sampling, height, width, loss_tokens, sources=None,
                  record_logp=True, generators=None, prompt_len=None):
     """G samples per prompt in one generate() call (i2i when `sources` is given) -> Rollout. Group k
-    draws from generators[k] (default: seeded off the global RNG). old_logp: the loss's token_logprobs
-    of generate's raw fp32 logits, never the Gumbel-noised scores."""
+    draws from generators[k] (default: seeded off the global RNG). record_logp: old_logp holds the sampler's
+    own log-probs (token_logprobs of generate's raw fp32 logits, never the Gumbel-noised scores), which the
+    tests hold the loss's teacher-forced pass against; training takes pi_old from that pass (sample_tokens)."""
     from transformers import GenerationConfig
 
     ar = pipe.vision_language_encoder
@@ -343,16 +352,13 @@ def sample_group(pipe, prompts, group_size, sampling, height, width, loss_tokens
 
 def sample_tokens(trainer, prompts, sources, slots, step, args):
     """SAMPLE with the AR in eval mode -> Rollout. pi_old's log-probs must equal the loss's first pass
-    bit for bit (ratio 1): in fp32 the sampler's do; in bf16 (generate's cached decode is ~1e-2 off a
-    full pass) and fp64 (generate returns fp32 logits) they come from the loss's own pass."""
+    bit for bit (ratio 1), so sample_groups takes them from the loss's own teacher-forced pass, micro-batch
+    for micro-batch, not from generate's cached decode: its logits are ~1e-2 off a full pass in bf16, fp32
+    in fp64, and in fp32 they move by ~1e-6 with what else the batch holds (transformers 5.24)."""
     ar = trainer.pipe.vision_language_encoder
     ar.eval()
-    exact = args.dtype == "float32"
     with whole_weights(ar):
-        rollout = sample_groups(trainer.pipe, prompts, sources, slots, step, args, record_logp=exact)
-        if not exact:
-            rollout.old_logp = logprobs_by_micro_batch(ar, rollout, sampling_of(ar), args.micro_batch_size)
-    return rollout
+        return sample_groups(trainer.pipe, prompts, sources, slots, step, args)
 
 
 # =============================================================================================
@@ -548,13 +554,14 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
 def reference_weights(model, reference):
     """The KL's pi_ref, for the AR and the DiT alike: the frozen copy of the initial weights
     (`reference`, full fine-tuning), or with LoRA (reference None) `model` itself, adapters off."""
-    if reference is None:
-        model.disable_adapters()
+    adapters = lora_layers(model) if reference is None else []
+    for layer in adapters:
+        layer.enable_adapters(False)
     try:
         yield model if reference is None else reference
     finally:
-        if reference is None:
-            model.enable_adapters()
+        for layer in adapters:
+            layer.enable_adapters(True)
 
 
 def ar_loss_terms(policy, rollout, advantages, ref_logp, args, sampling):
@@ -1087,7 +1094,7 @@ def sampling_seed(seed, step, slot):
     return seed * 1_000_000_007 + step * 100_003 + slot    # the group at `slot` of the step's prompts, on any rank
 
 
-def sample_groups(pipe, prompts, sources, slots, step, args, record_logp=True, prompt_len=None):
+def sample_groups(pipe, prompts, sources, slots, step, args, prompt_len=None):
     """This rank's groups in one generate() call, the group at `slot` seeded by sampling_seed: the same
     samples on any number of processes (section 22)."""
     if prompt_len is None:      # one column past the step's longest prompt (on all ranks): SDPA's masked
@@ -1096,8 +1103,10 @@ def sample_groups(pipe, prompts, sources, slots, step, args, record_logp=True, p
         prompt_len = max_over_ranks(longest) + 1
     ar = pipe.vision_language_encoder
     generators = [torch.Generator(ar.device).manual_seed(sampling_seed(args.seed, step, slot)) for slot in slots]
-    return sample_group(pipe, prompts, args.group_size, sampling_of(ar), args.height, args.width, args.loss_tokens,
-                        sources, record_logp, generators, prompt_len)
+    rollout = sample_group(pipe, prompts, args.group_size, sampling_of(ar), args.height, args.width,
+                           args.loss_tokens, sources, False, generators, prompt_len)
+    rollout.old_logp = logprobs_by_micro_batch(ar, rollout, sampling_of(ar), args.micro_batch_size)   # sample_tokens
+    return rollout
 
 
 def processor_inputs(pipe, prompts, sources, height, width, device):
@@ -1317,12 +1326,26 @@ def number(kind, least=None, above=None, most=None, multiple=None):
     return parse
 
 
+# requirements.txt's lower bounds (a test keeps them equal): an older release fails deep in a run, after loading.
+LEAST_VERSIONS = {"transformers": "5.23", "diffusers": "0.42.1", "peft": "0.20", "accelerate": "1.10"}
+
+
+def outdated_libraries():
+    """'peft 0.19.0 (needs >= 0.20)' for each installed library older than LEAST_VERSIONS, joined; '' if none."""
+    from importlib.metadata import version
+    from packaging.version import Version
+
+    return ", ".join(f"{name} {version(name)} (needs >= {least})" for name, least in LEAST_VERSIONS.items()
+                     if Version(version(name)) < Version(least))
+
+
 def validate_args(args):
     """What the flags' types cannot check: flags together, files, the machine. Before any model loads."""
-    world, model, save = world_size(), Path(args.model), Path(args.save_pipeline or ".")
+    world, model, save, outdated = world_size(), Path(args.model), Path(args.save_pipeline or "."), outdated_libraries()
     # full fine-tuning: a trained half updates its own weights, not LoRA adapters
     full = (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
     refusals = [      # (refused?, why): the first refused one is the error
+        (outdated, f"installed libraries too old for grpo_glm.py: {outdated}; run: pip install -r requirements.txt"),
         (args.prompts_per_step % world, f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
          f"number of processes ({world}): each rank trains whole groups"),
         (args.ar_trainable == "head" and (args.lora_rank or args.fsdp), "--ar-trainable head trains the AR's "
@@ -2821,14 +2844,11 @@ def save_trained_pipeline(pipe, args):
     """A pipeline GlmImagePipeline.from_pretrained(dir) loads with no adapter code: each LoRA merged (peft's
     merge, W += B @ A * alpha / r), its wrapper swapped back for the base Linear (as unload_lora does)."""
     from diffusers.utils import recurse_remove_peft_layers
-    from peft.tuners.tuners_utils import BaseTunerLayer
 
     for model in (pipe.vision_language_encoder, pipe.transformer):
-        for module in model.modules():
-            if isinstance(module, BaseTunerLayer):
-                module.merge()
+        for layer in lora_layers(model):
+            layer.merge()
         recurse_remove_peft_layers(model)
-        model._hf_peft_config_loaded = False      # else save_pretrained writes the adapters alone
     pipe.save_pretrained(args.save_pipeline)
     print(f"saved the trained pipeline to {args.save_pipeline}")
 

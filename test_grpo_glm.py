@@ -5,6 +5,7 @@ checks carry `slow` in their names, not a pytest mark: a custom mark needs regis
 config file (pytest.ini, conftest.py, ...), and this project keeps its top level to five files."""
 
 import gc
+import importlib.metadata
 import json
 import math
 import os
@@ -772,6 +773,20 @@ def test_bad_input_gives_one_line_error_from_the_command_line(case, tmp_path, fi
         return result.returncode, result.stderr
 
     assert_one_line_error_and_out_untouched(case, tmp_path, finished_run, run_main)
+
+
+def test_a_library_older_than_the_requirements_is_one_line_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    """LEAST_VERSIONS are requirements.txt's lower bounds; an older install is refused at start-up."""
+    bounds = dict(re.findall(r"^([\w-]+)>=([\d.]+)", (HERE / "requirements.txt").read_text(), re.M))
+    assert g.LEAST_VERSIONS == {name: bounds[name] for name in g.LEAST_VERSIONS}
+    monkeypatch.setitem(g.LEAST_VERSIONS, "peft", "99.0")
+    monkeypatch.setattr(g, "load_pipeline", lambda args: pytest.fail("a model loaded"))
+    with pytest.raises(SystemExit) as exit_:
+        g.main(["--out", str(tmp_path / "run"), "--steps", "1", "--lora-rank", "4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1, err
+    assert f"peft {importlib.metadata.version('peft')} (needs >= 99.0)" in err[0], err
+    assert "pip install -r requirements.txt" in err[0] and not (tmp_path / "run").exists()
 
 
 def test_target_of_another_size_is_resized_not_rejected(tmp_path, capsys):
@@ -2243,12 +2258,15 @@ def test_a_group_samples_the_same_whatever_else_its_rank_holds(sharp_pipe, mode,
         assert torch.equal(both.sequences[rows], part.sequences) and torch.equal(both.old_logp[rows], part.old_logp)
     # What the padding buys: without a single padding column (a rank holding only the longest prompt,
     # were there no extra column) transformers drops the attention mask and SDPA sums in another
-    # order. The tokens agree at this seed, the log-probs only to ~1e-6: a near-tie could flip.
+    # order. The tokens agree at this seed, the sampler's own log-probs only to ~1e-6: a near-tie could flip.
     longest = g.processor_inputs(sharp_pipe, [short], [red if mode == "i2i" else None], 96, 64, "cpu")
-    bare = sample([short], sources(red), range(1), prompt_len=longest["input_ids"].shape[1])
-    assert not (bare.attention_mask == 0).any()
+    sampler = lambda prompt_len: g.sample_group(
+        sharp_pipe, [short], 4, g.sampling_of(sharp_pipe.vision_language_encoder), 96, 64, "target", sources(red),
+        generators=[torch.Generator().manual_seed(g.sampling_seed(args.seed, 5, 0))], prompt_len=prompt_len)
+    bare, padded = sampler(longest["input_ids"].shape[1]), sampler(both.prompt_len)
+    assert not (bare.attention_mask == 0).any() and torch.equal(padded.sequences, rank0.sequences)
     assert torch.equal(bare.sequences[:, bare.prompt_len:], rank0.sequences[:, rank0.prompt_len:])
-    assert 0 < (bare.old_logp - rank0.old_logp).abs().max() < 1e-4
+    assert 0 < (bare.old_logp - padded.old_logp).abs().max() < 1e-4
     other_step = g.sample_groups(sharp_pipe, [long], sources(green), range(1, 2), 6, args)
     assert not torch.equal(other_step.sequences, rank1.sequences)
 
