@@ -2221,7 +2221,9 @@ def test_policy_both_honours_micro_batch_size(monkeypatch):
     worst-case rounding bound is n * 6e-8 ~ 3e-4 relative; a mis-weighted piece is off by O(1)."""
     sizes, grads = [], {}
     original = g.policy_logits
-    monkeypatch.setattr(g, "policy_logits", lambda ar, part: sizes.append(part.sequences.shape[0]) or original(ar, part))
+    # the training forwards: those with gradients (pi_old's pass has none)
+    monkeypatch.setattr(g, "policy_logits", lambda ar, part: (torch.is_grad_enabled() and sizes.append(
+        part.sequences.shape[0])) or original(ar, part))
     items = g.read_prompts(HERE / "prompts.txt", 64, 64)
     for micro in ("4", "3"):
         args = g.resolve_runtime(g.parse_args(["--policy", "both", "--group-size", "4", "--prompts-per-step", "1",
