@@ -393,7 +393,8 @@ def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps, g
 def mse_reward(images, targets):
     """r = -mean((image - target)^2) over channels and pixels.
     images, targets: float [N, 3, H, W] in [0, 1]  ->  rewards [N] in [-1, 0]; 0 = perfect."""
-    return -((at_least_fp32(images) - at_least_fp32(targets)) ** 2).mean(dim=(1, 2, 3))
+    wide = images.to(torch.promote_types(images.dtype, torch.float32))     # bf16 -> fp32, fp32 and fp64 stay
+    return -((wide - targets) ** 2).mean(dim=(1, 2, 3))
 # A reward plug-in (--reward module:fn | path/to/file.py:fn, optionally =WEIGHT; section 17) is any
 #     fn(images [N, 3, H, W] in [0, 1], prompts: N str, targets [N, 3, H, W] | None) -> [N], higher = better,
 # row i of each the same sample; one that reads targets says so with `fn.uses_targets = True`.
@@ -420,12 +421,8 @@ def group_advantages(rewards, group_size, eps=1e-4):
     groups = rewards.view(-1, group_size)
     centred = groups - groups.mean(dim=1, keepdim=True)
     advantages = centred / (groups.std(dim=1, keepdim=True) + eps)
-    return torch.where(constant_groups(groups), 0.0, advantages).view(-1)
-
-
-def constant_groups(groups):
-    """[P, G] -> [P, 1] bool: groups whose G rewards are all identical (no learning signal)."""
-    return groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)
+    tied = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)      # [P, 1]: no learning signal
+    return torch.where(tied, 0.0, advantages).view(-1)
 
 
 def reward_metrics(rewards, per_reward, group_size):
@@ -433,7 +430,7 @@ def reward_metrics(rewards, per_reward, group_size):
     return {"reward_mean": rewards.mean().item(),
             # the MEAN WITHIN-GROUP std (what the advantages divide by); TRL now logs the batch std by this name
             "reward_std": groups.std(dim=1).mean().item(),
-            "frac_reward_zero_std": constant_groups(groups).float().mean().item(),   # groups with no signal
+            "frac_reward_zero_std": (groups.amax(dim=1) == groups.amin(dim=1)).float().mean().item(),  # tied
             **{f"rewards/{name}": value.mean().item() for name, value in per_reward.items()}}
 
 
@@ -441,43 +438,40 @@ def reward_metrics(rewards, per_reward, group_size):
 # 8. Log-probs with gradients
 # =============================================================================================
 
-def policy_scores(logits, sampling, sampled=None):
-    """z = logits / T in at least fp32 (a bf16 log-softmax loses ~1e-2), -inf outside the kept ids
-    (suppressed, or cut by top-k / top-p). The `sampled` ids [N, L] stay kept: after an update one may
-    leave the kept set, and log 0 would have no gradient."""
-    z = at_least_fp32(logits) / sampling.temperature
+def token_logprobs(logits, tokens, sampling, scores=False):
+    """log pi(token): logits [N, L, V], tokens [N, L] -> [N, L] (scores=True: z [N, L, V]). pi = softmax(z),
+    z = logits / T in at least fp32 (a bf16 log-softmax loses ~1e-2), -inf where transformers' warpers drop
+    an id (a saved generation config samples the same policy) or suppressed: top-k keeps z >= the k-th
+    largest; top-p sorts ascending (the warper's tie order), drops ids while the mass up to them is <= 1 - p,
+    never the largest. `tokens` stay kept: after an update one may leave, and log 0 has no gradient."""
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / sampling.temperature
     if len(sampling.suppressed):
         z[..., list(sampling.suppressed)] = float("-inf")
-    if sampling.top_k == 0 and sampling.top_p == 1:
+    if sampling.top_k or sampling.top_p < 1:
+        parts = []
+        with torch.no_grad():     # 1,024 rows at a time: a sort of all [N, L, V] would hold ~23 bytes a logit
+            for rows in z.detach().reshape(-1, z.shape[-1]).split(1024):
+                dropped = torch.zeros_like(rows, dtype=torch.bool)
+                if sampling.top_k:
+                    dropped |= rows < torch.topk(rows, min(sampling.top_k, rows.shape[-1]), dim=-1).values[..., -1:]
+                if sampling.top_p < 1:
+                    ascending, order = torch.sort(rows.masked_fill(dropped, float("-inf")), dim=-1)
+                    tail = ascending.softmax(-1).cumsum(-1) <= 1 - sampling.top_p
+                    tail[..., -1] = False
+                    dropped |= tail.scatter(-1, order, tail)
+                parts.append(dropped)
+            dropped = torch.cat(parts).view_as(z)
+            if tokens is not None:
+                dropped.scatter_(-1, tokens.unsqueeze(-1), False)
+        z = z.masked_fill(dropped, float("-inf"))
+    if scores:
         return z
-    with torch.no_grad():     # 1,024 rows at a time: a sort of all [N, L, V] would hold ~23 bytes a logit
-        rows = z.detach().reshape(-1, z.shape[-1]).split(1024)
-        dropped = torch.cat([truncated(part, sampling.top_k, sampling.top_p) for part in rows]).view_as(z)
-        if sampled is not None:
-            dropped.scatter_(-1, sampled.unsqueeze(-1), False)
-    return z.masked_fill(dropped, float("-inf"))
-
-
-def truncated(z, top_k, top_p):
-    """[rows, V] -> bool, True where transformers' TopK and TopP warpers drop an id (so a saved
-    generation config samples the same policy): top-k keeps z >= the k-th largest; top-p sorts
-    ascending (torch.sort: the warper's tie order) and drops ids while the mass up to them is <= 1 - p,
-    never the largest."""
-    dropped = torch.zeros_like(z, dtype=torch.bool)
-    if top_k:
-        dropped |= z < torch.topk(z, min(top_k, z.shape[-1]), dim=-1).values[..., -1:]
-    if top_p < 1:
-        ascending, order = torch.sort(z.masked_fill(dropped, float("-inf")), dim=-1)
-        tail = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
-        tail[..., -1] = False
-        dropped |= tail.scatter(-1, order, tail)
-    return dropped
-
-
-def token_logprobs(logits, tokens, sampling):
-    """log pi(token) under `sampling`'s policy: logits [N, L, V], tokens [N, L] -> [N, L]."""
-    z = policy_scores(logits, sampling, sampled=tokens)
     return torch.log_softmax(z, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def policy_scores(logits, sampling, sampled=None):
+    """token_logprobs' z [N, L, V] (finite: the kept ids), the sampler's scores too."""
+    return token_logprobs(logits, sampled, sampling, scores=True)
 
 
 def token_entropy(logits, sampling):
@@ -872,7 +866,8 @@ def sde_step(v, x, sigmas, i, noise_level, eps=None, x_next=None):
     `x_next` instead of `eps` scores a stored transition. logp: torch's Normal.log_prob (flow_grpo's formula op
     for op; unvalidated: a NaN reaches section 10's skip) averaged over latent dims; noise_level 0: Euler's step."""
     sigma, dt = sigmas[i], sigmas[i + 1] - sigmas[i]
-    std_t, std = sde_std(sigmas, i, noise_level)
+    std_t = noise_level * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigmas[1], sigma)))     # sde_std's
+    std = std_t * torch.sqrt(-dt)
     mean = x * (1 + std_t ** 2 / (2 * sigma) * dt) + v * (1 + std_t ** 2 * (1 - sigma) / (2 * sigma)) * dt
     if noise_level == 0:
         return mean, None, mean
