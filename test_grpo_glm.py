@@ -396,8 +396,10 @@ def test_cli_two_steps_writes_metrics_samples_and_checkpoint(tmp_path):
     assert "entropy" in result.stdout and "zero_std" in result.stdout
 
 
-def test_collapse_is_warned_once(tmp_path, capsys, monkeypatch):
-    """A policy with all its mass on one token draws G identical samples: every group ties."""
+@pytest.mark.parametrize("sampling, scale", [([], "4.16"), (["--top-k", "16"], "2.77"), (["--top-p", "0.9"], "0.00")])
+def test_collapse_is_warned_once(tmp_path, capsys, monkeypatch, sampling, scale):
+    """A policy with all its mass on one token draws G identical samples: every group ties. Its entropy
+    is measured against log(kept ids): the codebook's, --top-k's, or under top-p the first step's."""
     out = tmp_path / "collapsed"
     load = g.load_pipeline
 
@@ -408,11 +410,43 @@ def test_collapse_is_warned_once(tmp_path, capsys, monkeypatch):
             trainer_pipe.vision_language_encoder.lm_head.bias[7] = 0.0
         return trainer_pipe
     monkeypatch.setattr(g, "load_pipeline", collapsed)
-    g.main(["--steps", "3", "--out", str(out), "--group-size", "4", "--prompts-per-step", "1", "--sample-every", "0"])
+    g.main(["--steps", "3", "--out", str(out), "--group-size", "4", "--prompts-per-step", "1", "--sample-every", "0",
+            *sampling])
     rows = read_metrics(out)
     assert all(r["frac_reward_zero_std"] == 1.0 and r["entropy"] < 1e-3 for r in rows)
     err = capsys.readouterr().err
-    assert err.count("no learning signal: entropy 0.000 of 4.16: the policy has collapsed") == 1 and "--temperature" in err
+    assert err.count(f"no learning signal: entropy 0.000 of {scale}: the policy has collapsed") == 1
+    assert "--temperature" in err
+
+
+def test_a_peaked_top_k_policy_is_not_called_collapsed(tmp_path, capsys, monkeypatch):
+    """--top-k 16, 4 ids 20x likelier than the other 12 (as a pretrained model is peaked): entropy ~1.9,
+    over half of log 16 but under half of log 64 (what the codebook's yardstick would call a collapse).
+    A reward that ties every sample makes the warning speak."""
+    load = g.load_pipeline
+
+    def peaked(args):
+        pipe = load(args)
+        bias = torch.full((g.TINY_VISION_VOCAB,), -1e4)
+        bias[:16], bias[:4] = 0.0, 3.0
+        pipe.vision_language_encoder.lm_head.bias = torch.nn.Parameter(bias)
+        return pipe
+    monkeypatch.setattr(g, "load_pipeline", peaked)
+    (tmp_path / "flat.py").write_text("def flat(images, prompts, targets):\n    return images.new_zeros(len(images))\n")
+    g.main(["--steps", "2", "--out", str(tmp_path / "run"), "--reward", f"{tmp_path}/flat.py:flat", "--top-k", "16",
+            *SMALL[:4], "--sample-every", "0"])
+    rows = read_metrics(tmp_path / "run")
+    assert all(0.5 * math.log(16) < r["entropy"] < 0.5 * math.log(64) for r in rows), [r["entropy"] for r in rows]
+    err = capsys.readouterr().err
+    assert "the samples differ but the reward does not separate them" in err and "collapsed" not in err
+
+
+def test_top_p_entropy_is_measured_against_the_first_step(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "entropy": 3.0}\n{"step": 2, "entropy": 1.0}\n')
+    config = SimpleNamespace(prior_vq_quantizer_codebook_size=64)
+    assert g.entropy_scale(g.parse_args(["--top-p", "0.9", "--top-k", "16"]), config, tmp_path) == 3.0
+    assert g.entropy_scale(g.parse_args(["--top-k", "16"]), config, tmp_path) == math.log(16)
+    assert g.entropy_scale(g.parse_args(["--top-k", "100"]), config, tmp_path) == math.log(64)
 
 
 def test_a_reward_that_ties_every_sample_is_not_called_a_collapse(capsys):
