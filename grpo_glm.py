@@ -2496,13 +2496,9 @@ def whole_weights(model):
 
 
 def clip_gradients(params, max_norm):
-    """clip_grad_norm_ in two halves, a sharded (DTensor) norm made whole between them (as torchtitan)."""
-    from torch.distributed.tensor import DTensor
-
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return norm
+    """clip_grad_norm_; under --fsdp the norm is a DTensor (each rank's shards reduced), made whole."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def gather_training_state(model, optimizer):
@@ -2510,19 +2506,18 @@ def gather_training_state(model, optimizer):
     empty): torch.distributed.checkpoint's state_dict API (dsd) gathers --fsdp shards. Every rank calls it."""
     from torch.distributed.checkpoint import state_dict as dsd
 
-    options = dsd.StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    weights, optimizer_state = dsd.get_state_dict(model, optimizer, options=dsd.StateDictOptions(
+        full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
     trained = {name for name, p in model.named_parameters() if p.requires_grad}
-    weights = {k: v for k, v in dsd.get_model_state_dict(model, options=options).items() if k in trained}  # no buffers
-    return weights, dsd.get_optimizer_state_dict(model, optimizer, options=options)
+    return {k: v for k, v in weights.items() if k in trained}, optimizer_state      # no buffers
 
 
 def load_training_state(model, optimizer, weights, optimizer_state):
     """gather_training_state's output, of any world size, loaded (each rank keeps its --fsdp shards)."""
     from torch.distributed.checkpoint import state_dict as dsd
 
-    options = dsd.StateDictOptions(full_state_dict=True, strict=False)
-    dsd.set_model_state_dict(model, weights, options=options)
-    dsd.set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+    dsd.set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optimizer_state,
+                       options=dsd.StateDictOptions(full_state_dict=True, strict=False))
 
 
 # =============================================================================================
