@@ -1802,20 +1802,16 @@ def log_step(row, step, args, trainer, out, tracker, warned):
     shown = {**row, "ar_loss": row["loss"] - row.get("dit/loss", 0.0)} if args.policy != "dit" else row
     fields = [f.format_map(shown) for f in CONSOLE_FIELDS if all(k in shown for k in re.findall(r"{([^:]+):", f))]
     print(f"step {step:4d}/{args.steps} | " + " | ".join(fields), flush=True)
-    return warn_if_collapsed(row, warned, entropy_scale(args, trainer.pipe.transformer.config, out))
-
-
-def entropy_scale(args, dit_config, out):
-    """log(kept ids), the most entropy can be, under --top-k or none; top-p keeps no fixed number of ids:
-    the run's first logged entropy (a top-p policy collapsed from the start keeps one id: entropy 0 <= 0)."""
+    # entropy's yardstick: log(kept ids), its most; top-p keeps no fixed number: the first step's (collapsed: 1 id, 0)
+    scale = math.log(min(args.top_k or math.inf, trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size))
     if args.top_p < 1:
         with open(out / "metrics.jsonl", encoding="utf-8") as f:
-            return json.loads(f.readline()).get("entropy")
-    return math.log(min(args.top_k or math.inf, dit_config.prior_vq_quantizer_codebook_size))
+            scale = json.loads(f.readline()).get("entropy")
+    return warn_if_collapsed(row, warned, scale)
 
 
 def warn_if_collapsed(row, warned, max_entropy=None):
-    """Once per run: most groups tied (advantages 0). Why: entropy < half its scale, a collapse; else the reward."""
+    """Once per run: most groups tied (advantages 0). Why: low entropy, a collapse; high, the reward."""
     if warned or row["frac_reward_zero_std"] <= 0.5:
         return warned
     why = "the reward does not separate the samples"     # --policy dit: no AR entropy, the SDE keeps samples apart

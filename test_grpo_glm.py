@@ -441,14 +441,6 @@ def test_a_peaked_top_k_policy_is_not_called_collapsed(tmp_path, capsys, monkeyp
     assert "the samples differ but the reward does not separate them" in err and "collapsed" not in err
 
 
-def test_top_p_entropy_is_measured_against_the_first_step(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "entropy": 3.0}\n{"step": 2, "entropy": 1.0}\n')
-    config = SimpleNamespace(prior_vq_quantizer_codebook_size=64)
-    assert g.entropy_scale(g.parse_args(["--top-p", "0.9", "--top-k", "16"]), config, tmp_path) == 3.0
-    assert g.entropy_scale(g.parse_args(["--top-k", "16"]), config, tmp_path) == math.log(16)
-    assert g.entropy_scale(g.parse_args(["--top-k", "100"]), config, tmp_path) == math.log(64)
-
-
 def test_a_reward_that_ties_every_sample_is_not_called_a_collapse(capsys):
     row = {"step": 1, "frac_reward_zero_std": 1.0, "entropy": 4.15}     # a 0/1 reward nothing passes yet
     assert g.warn_if_collapsed(row, False, math.log(64))
