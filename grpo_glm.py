@@ -22,8 +22,8 @@ pushes the policy up on better-than-average samples with PPO's clipped surrogate
 too (Part II, Flow-GRPO). `--model tiny`, the default, is GLM-Image at toy size (section 21).
 
 Reading map: Part I (sections 1-11) is GRPO on the AR in the order a step runs; Part II (12-13)
-Flow-GRPO on the DiT; Part III (14-25) is plumbing. The pure functions (mse_reward,
-group_advantages, token_logprobs, grpo_loss) use no globals: copy them out freely.
+Flow-GRPO on the DiT; Part III (14-25) is plumbing. The pure functions (mse_reward, group_advantages,
+token_logprobs, grpo_loss, sde_step, dit_kl) need only torch and math: copy them out freely (tested).
 """
 
 import argparse
@@ -440,23 +440,24 @@ def reward_metrics(rewards, per_reward, group_size):
 
 def token_logprobs(logits, tokens, sampling, scores=False):
     """log pi(token): logits [N, L, V], tokens [N, L] -> [N, L] (scores=True: z [N, L, V]). pi = softmax(z),
-    z = logits / T in at least fp32 (a bf16 log-softmax loses ~1e-2), -inf where transformers' warpers drop
-    an id (a saved generation config samples the same policy) or suppressed: top-k keeps z >= the k-th
-    largest; top-p sorts ascending (the warper's tie order), drops ids while the mass up to them is <= 1 - p,
-    never the largest. `tokens` stay kept: after an update one may leave, and log 0 has no gradient."""
+    z = logits / T in at least fp32 (a bf16 log-softmax loses ~1e-2), -inf where suppressed or where
+    transformers' warpers drop an id (a saved generation config samples the same policy): top-k keeps z >=
+    the k-th largest; top-p sorts ascending (the warper's tie order), drops ids while the mass up to them is
+    <= 1 - p, never the largest. `tokens` stay kept: after an update one may leave, and log 0 has no gradient."""
+    k, p = sampling.top_k, sampling.top_p
     z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / sampling.temperature
     if len(sampling.suppressed):
         z[..., list(sampling.suppressed)] = float("-inf")
-    if sampling.top_k or sampling.top_p < 1:
+    if k or p < 1:
         parts = []
         with torch.no_grad():     # 1,024 rows at a time: a sort of all [N, L, V] would hold ~23 bytes a logit
             for rows in z.detach().reshape(-1, z.shape[-1]).split(1024):
                 dropped = torch.zeros_like(rows, dtype=torch.bool)
-                if sampling.top_k:
-                    dropped |= rows < torch.topk(rows, min(sampling.top_k, rows.shape[-1]), dim=-1).values[..., -1:]
-                if sampling.top_p < 1:
+                if k:
+                    dropped |= rows < torch.topk(rows, min(k, rows.shape[-1]), dim=-1).values[..., -1:]
+                if p < 1:
                     ascending, order = torch.sort(rows.masked_fill(dropped, float("-inf")), dim=-1)
-                    tail = ascending.softmax(-1).cumsum(-1) <= 1 - sampling.top_p
+                    tail = ascending.softmax(-1).cumsum(-1) <= 1 - p
                     tail[..., -1] = False
                     dropped |= tail.scatter(-1, order, tail)
                 parts.append(dropped)
@@ -470,7 +471,7 @@ def token_logprobs(logits, tokens, sampling, scores=False):
 
 
 def policy_scores(logits, sampling, sampled=None):
-    """token_logprobs' z [N, L, V] (finite: the kept ids), the sampler's scores too."""
+    """token_logprobs' z [N, L, V]: finite on the kept ids (the sampler's too)."""
     return token_logprobs(logits, sampled, sampling, scores=True)
 
 
@@ -2387,10 +2388,6 @@ def is_ddp():
     return dist.is_available() and dist.is_initialized()
 
 
-def collective_device():        # nccl reduces CUDA tensors only, gloo CPU ones
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
 def wrap_for_training(model, device):
     """DDP for the training forward (its backward averages gradients; buffers never change): else unwrap."""
     if not is_ddp() or fsdp_units(model):       # FSDP2 shards in place and averages by itself
@@ -2403,28 +2400,29 @@ def unwrap(model):
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
-def max_over_ranks(value):
-    """The largest of every rank's integer `value` (one all-reduce; without torchrun, `value`)."""
+def from_every_rank(value):
+    """Every rank's `value` (any picklable), in rank order: one all_gather_object ([value] without torchrun)."""
     if not is_ddp():
-        return int(value)
-    value = torch.tensor(int(value), device=collective_device())
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return int(value)
+        return [value]
+    values = [None] * world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def max_over_ranks(value):
+    return max(from_every_rank(int(value)))
 
 
 def all_ranks_agree(flag):
     """True if `flag` is on every rank: a choice of how many collectives come next (skip an update,
     stop) is taken together, or a rank waits forever in a collective the others never start."""
-    return max_over_ranks(not flag) == 0
+    return all(from_every_rank(bool(flag)))
 
 
 def reduce_metrics(row):
     """A metrics row averaged over ranks (logp_diff_max, dit/ too: the maximum): every rank holds as many
     samples of the same length, so the mean of the per-rank means is the global mean."""
-    if not is_ddp():
-        return row
-    rows = [None] * world_size()
-    dist.all_gather_object(rows, row)       # every rank's row, in rank order
+    rows = from_every_rank(row)
     columns = {k: [r[k] for r in rows] for k in row}
     return {k: type(row[k])(max(c) if k.endswith("logp_diff_max") else sum(map(float, c)) / len(c))
             for k, c in columns.items()}
@@ -2459,7 +2457,7 @@ def shard_for_training(model, params, args, reference=None):
 
     # FSDP2 warns that the DiT returns a view (unpatchify), lest a caller change it in place: none does
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    mesh, policy = init_device_mesh(collective_device().type, (world_size(),)), MixedPrecisionPolicy()
+    mesh, policy = init_device_mesh(torch.device(args.device).type, (world_size(),)), MixedPrecisionPolicy()
     if args.dtype == "bfloat16":
         from diffusers.training_utils import cast_training_params
 
