@@ -393,7 +393,7 @@ def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps, g
 def mse_reward(images, targets):
     """r = -mean((image - target)^2) over channels and pixels.
     images, targets: float [N, 3, H, W] in [0, 1]  ->  rewards [N] in [-1, 0]; 0 = perfect."""
-    wide = images.to(torch.promote_types(images.dtype, torch.float32))     # bf16 -> fp32, fp32 and fp64 stay
+    wide = images.to(torch.promote_types(images.dtype, torch.float32))     # bf16 -> fp32; fp64 stays
     return -((wide - targets) ** 2).mean(dim=(1, 2, 3))
 # A reward plug-in (--reward module:fn | path/to/file.py:fn, optionally =WEIGHT; section 17) is any
 #     fn(images [N, 3, H, W] in [0, 1], prompts: N str, targets [N, 3, H, W] | None) -> [N], higher = better,
@@ -471,7 +471,7 @@ def token_logprobs(logits, tokens, sampling, scores=False):
 
 
 def policy_scores(logits, sampling, sampled=None):
-    """token_logprobs' z [N, L, V]: finite on the kept ids (the sampler's too)."""
+    """token_logprobs' z [N, L, V], finite on the kept ids."""
     return token_logprobs(logits, sampled, sampling, scores=True)
 
 
@@ -867,7 +867,7 @@ def sde_step(v, x, sigmas, i, noise_level, eps=None, x_next=None):
     `x_next` instead of `eps` scores a stored transition. logp: torch's Normal.log_prob (flow_grpo's formula op
     for op; unvalidated: a NaN reaches section 10's skip) averaged over latent dims; noise_level 0: Euler's step."""
     sigma, dt = sigmas[i], sigmas[i + 1] - sigmas[i]
-    std_t = noise_level * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigmas[1], sigma)))     # sde_std's
+    std_t = noise_level * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigmas[1], sigma)))    # sde_std, inline
     std = std_t * torch.sqrt(-dt)
     mean = x * (1 + std_t ** 2 / (2 * sigma) * dt) + v * (1 + std_t ** 2 * (1 - sigma) / (2 * sigma)) * dt
     if noise_level == 0:
@@ -1803,7 +1803,7 @@ def log_step(row, step, args, trainer, out, tracker, warned):
     shown = {**row, "ar_loss": row["loss"] - row.get("dit/loss", 0.0)} if args.policy != "dit" else row
     fields = [f.format_map(shown) for f in CONSOLE_FIELDS if all(k in shown for k in re.findall(r"{([^:]+):", f))]
     print(f"step {step:4d}/{args.steps} | " + " | ".join(fields), flush=True)
-    # entropy's yardstick: log(kept ids), its most; top-p keeps no fixed number: the first step's (collapsed: 1 id, 0)
+    # entropy's yardstick: log(kept ids), its most; top-p keeps no fixed number: step 1's (collapsed: 1 id, 0)
     scale = math.log(min(args.top_k or math.inf, trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size))
     if args.top_p < 1:
         with open(out / "metrics.jsonl", encoding="utf-8") as f:
@@ -2349,7 +2349,7 @@ def float64_throughout():
     from transformers.models.glm_image.modeling_glm_image import GlmImageRMSNorm
 
     def rms_norm(self, x):
-        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        wide = at_least_fp32(x)
         inv_rms = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * (wide * inv_rms).to(x.dtype)
 
