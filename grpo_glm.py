@@ -1803,11 +1803,11 @@ def log_step(row, step, args, trainer, out, tracker, warned):
     shown = {**row, "ar_loss": row["loss"] - row.get("dit/loss", 0.0)} if args.policy != "dit" else row
     fields = [f.format_map(shown) for f in CONSOLE_FIELDS if all(k in shown for k in re.findall(r"{([^:]+):", f))]
     print(f"step {step:4d}/{args.steps} | " + " | ".join(fields), flush=True)
-    # entropy's yardstick: log(kept ids), its most; top-p keeps no fixed number: step 1's (collapsed: 1 id, 0)
+    # entropy's yardstick: log(kept ids), its most; top-p keeps no fixed number: step 1's entropy (if > 0)
     scale = math.log(min(args.top_k or math.inf, trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size))
     if args.top_p < 1:
         with open(out / "metrics.jsonl", encoding="utf-8") as f:
-            scale = json.loads(f.readline()).get("entropy")
+            scale = json.loads(f.readline()).get("entropy") or scale
     return warn_if_collapsed(row, warned, scale)
 
 
@@ -1818,7 +1818,7 @@ def warn_if_collapsed(row, warned, max_entropy=None):
     why = "the reward does not separate the samples"     # --policy dit: no AR entropy, the SDE keeps samples apart
     if "entropy" in row:
         why = f"entropy {row['entropy']:.3f} of {max_entropy:.2f}: " + (
-            "the policy has collapsed; lower --lr or raise --temperature" if row["entropy"] <= 0.5 * max_entropy
+            "the policy has collapsed; lower --lr or raise --temperature" if row["entropy"] < 0.5 * max_entropy
             else "the samples differ but the reward does not separate them (a pass/fail reward that no sample "
             "passes?); make the reward graded")
     print(f"warning: step {row['step']}: {row['frac_reward_zero_std']:.0%} of groups have identical rewards: "

@@ -396,10 +396,10 @@ def test_cli_two_steps_writes_metrics_samples_and_checkpoint(tmp_path):
     assert "entropy" in result.stdout and "zero_std" in result.stdout
 
 
-@pytest.mark.parametrize("sampling, scale", [([], "4.16"), (["--top-k", "16"], "2.77"), (["--top-p", "0.9"], "0.00")])
+@pytest.mark.parametrize("sampling, scale", [([], "4.16"), (["--top-k", "16"], "2.77"), (["--top-p", "0.9"], "4.16")])
 def test_collapse_is_warned_once(tmp_path, capsys, monkeypatch, sampling, scale):
     """A policy with all its mass on one token draws G identical samples: every group ties. Its entropy
-    is measured against log(kept ids): the codebook's, --top-k's, or under top-p the first step's."""
+    is measured against log(kept ids): the codebook's, --top-k's, or under top-p step 1's entropy (if > 0)."""
     out = tmp_path / "collapsed"
     load = g.load_pipeline
 
@@ -419,10 +419,12 @@ def test_collapse_is_warned_once(tmp_path, capsys, monkeypatch, sampling, scale)
     assert "--temperature" in err
 
 
-def test_a_peaked_top_k_policy_is_not_called_collapsed(tmp_path, capsys, monkeypatch):
-    """--top-k 16, 4 ids 20x likelier than the other 12 (as a pretrained model is peaked): entropy ~1.9,
-    over half of log 16 but under half of log 64 (what the codebook's yardstick would call a collapse).
-    A reward that ties every sample makes the warning speak."""
+@pytest.mark.parametrize("truncation", [["--top-k", "16"], ["--top-p", "0.99"]])
+def test_a_peaked_truncated_policy_is_not_called_collapsed(tmp_path, capsys, monkeypatch, truncation):
+    """16 ids kept, 4 of them 20x likelier than the other 12 (as a pretrained model is peaked): entropy ~1.9,
+    over half of log 16 but under half of log 64 (what the codebook's yardstick called a collapse). Top-p
+    0.99 keeps the 16 too, and measures against step 1's entropy. A reward that ties every sample makes
+    the warning speak."""
     load = g.load_pipeline
 
     def peaked(args):
@@ -433,12 +435,13 @@ def test_a_peaked_top_k_policy_is_not_called_collapsed(tmp_path, capsys, monkeyp
         return pipe
     monkeypatch.setattr(g, "load_pipeline", peaked)
     (tmp_path / "flat.py").write_text("def flat(images, prompts, targets):\n    return images.new_zeros(len(images))\n")
-    g.main(["--steps", "2", "--out", str(tmp_path / "run"), "--reward", f"{tmp_path}/flat.py:flat", "--top-k", "16",
+    g.main(["--steps", "2", "--out", str(tmp_path / "run"), "--reward", f"{tmp_path}/flat.py:flat", *truncation,
             *SMALL[:4], "--sample-every", "0"])
     rows = read_metrics(tmp_path / "run")
     assert all(0.5 * math.log(16) < r["entropy"] < 0.5 * math.log(64) for r in rows), [r["entropy"] for r in rows]
+    scale = math.log(16) if truncation[0] == "--top-k" else rows[0]["entropy"]
     err = capsys.readouterr().err
-    assert "the samples differ but the reward does not separate them" in err and "collapsed" not in err
+    assert f"of {scale:.2f}: the samples differ but the reward does not separate them" in err and "collapsed" not in err
 
 
 def test_a_reward_that_ties_every_sample_is_not_called_a_collapse(capsys):
