@@ -2342,6 +2342,7 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
 # (DDP's all-reduce, FSDP's reduce-scatter) and a few scalars cross ranks; rank 0 alone writes files. 1
 # and K processes sample the same (seeds of (seed, step, slot)); weights agree up to the order of sums.
 
+@functools.cache     # swapped once a process
 def float64_throughout():
     """--dtype float64: GlmImageRMSNorm (transformers) and apply_rotary_emb (diffusers) round to fp32 for
     bf16, and 1 vs 2 processes drifted 1e-9 apart: swapped for their own formula in at least fp32."""
@@ -2361,8 +2362,7 @@ def float64_throughout():
         x_real, x_imag = x.reshape(*x.shape[:-1], 2, -1).unbind(-2)
         return x * cos + torch.cat([-x_imag, x_real], dim=-1) * sin
 
-    if "float64_throughout" not in embeddings.apply_rotary_emb.__qualname__:      # not swapped yet
-        embeddings.apply_rotary_emb, GlmImageRMSNorm.forward = rotary, rms_norm
+    embeddings.apply_rotary_emb, GlmImageRMSNorm.forward = rotary, rms_norm
 
 
 def init_distributed(args):
