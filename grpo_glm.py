@@ -22,8 +22,8 @@ pushes the policy up on better-than-average samples with PPO's clipped surrogate
 too (Part II, Flow-GRPO). `--model tiny`, the default, is GLM-Image at toy size (section 21).
 
 Reading map: Part I (sections 1-11) is GRPO on the AR in the order a step runs; Part II (12-13)
-Flow-GRPO on the DiT; Part III (14-25) is plumbing. The pure functions (mse_reward,
-group_advantages, token_logprobs, grpo_loss) use no globals: copy them out freely.
+Flow-GRPO on the DiT; Part III (14-25) is plumbing. The pure functions (mse_reward, group_advantages,
+token_logprobs, grpo_loss, sde_step, dit_kl) need only torch and math: copy them out freely (tested).
 """
 
 import argparse
@@ -399,7 +399,8 @@ def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps, g
 def mse_reward(images, targets):
     """r = -mean((image - target)^2) over channels and pixels.
     images, targets: float [N, 3, H, W] in [0, 1]  ->  rewards [N] in [-1, 0]; 0 = perfect."""
-    return -((at_least_fp32(images) - at_least_fp32(targets)) ** 2).mean(dim=(1, 2, 3))
+    wide = images.to(torch.promote_types(images.dtype, torch.float32))     # bf16 -> fp32; fp64 stays
+    return -((wide - targets) ** 2).mean(dim=(1, 2, 3))
 # A reward plug-in (--reward module:fn | path/to/file.py:fn, optionally =WEIGHT; section 17) is any
 #     fn(images [N, 3, H, W] in [0, 1], prompts: N str, targets [N, 3, H, W] | None) -> [N], higher = better,
 # row i of each the same sample; one that reads targets says so with `fn.uses_targets = True`.
@@ -426,12 +427,8 @@ def group_advantages(rewards, group_size, eps=1e-4):
     groups = rewards.view(-1, group_size)
     centred = groups - groups.mean(dim=1, keepdim=True)
     advantages = centred / (groups.std(dim=1, keepdim=True) + eps)
-    return torch.where(constant_groups(groups), 0.0, advantages).view(-1)
-
-
-def constant_groups(groups):
-    """[P, G] -> [P, 1] bool: groups whose G rewards are all identical (no learning signal)."""
-    return groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)
+    tied = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)      # [P, 1]: no learning signal
+    return torch.where(tied, 0.0, advantages).view(-1)
 
 
 def reward_metrics(rewards, per_reward, group_size):
@@ -439,7 +436,7 @@ def reward_metrics(rewards, per_reward, group_size):
     return {"reward_mean": rewards.mean().item(),
             # the MEAN WITHIN-GROUP std (what the advantages divide by); TRL now logs the batch std by this name
             "reward_std": groups.std(dim=1).mean().item(),
-            "frac_reward_zero_std": constant_groups(groups).float().mean().item(),   # groups with no signal
+            "frac_reward_zero_std": (groups.amax(dim=1) == groups.amin(dim=1)).float().mean().item(),  # tied
             **{f"rewards/{name}": value.mean().item() for name, value in per_reward.items()}}
 
 
@@ -447,43 +444,41 @@ def reward_metrics(rewards, per_reward, group_size):
 # 8. Log-probs with gradients
 # =============================================================================================
 
-def policy_scores(logits, sampling, sampled=None):
-    """z = logits / T in at least fp32 (a bf16 log-softmax loses ~1e-2), -inf outside the kept ids
-    (suppressed, or cut by top-k / top-p). The `sampled` ids [N, L] stay kept: after an update one may
-    leave the kept set, and log 0 would have no gradient."""
-    z = at_least_fp32(logits) / sampling.temperature
+def token_logprobs(logits, tokens, sampling, scores=False):
+    """log pi(token): logits [N, L, V], tokens [N, L] -> [N, L] (scores=True: z [N, L, V]). pi = softmax(z),
+    z = logits / T in at least fp32 (a bf16 log-softmax loses ~1e-2), -inf where suppressed or where
+    transformers' warpers drop an id (a saved generation config samples the same policy): top-k keeps z >=
+    the k-th largest; top-p sorts ascending (the warper's tie order), drops ids while the mass up to them is
+    <= 1 - p, never the largest. `tokens` stay kept: after an update one may leave, and log 0 has no gradient."""
+    k, p = sampling.top_k, sampling.top_p
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / sampling.temperature
     if len(sampling.suppressed):
         z[..., list(sampling.suppressed)] = float("-inf")
-    if sampling.top_k == 0 and sampling.top_p == 1:
+    if k or p < 1:
+        parts = []
+        with torch.no_grad():     # 1,024 rows at a time: a sort of all [N, L, V] would hold ~23 bytes a logit
+            for rows in z.detach().reshape(-1, z.shape[-1]).split(1024):
+                dropped = torch.zeros_like(rows, dtype=torch.bool)
+                if k:
+                    dropped |= rows < torch.topk(rows, min(k, rows.shape[-1]), dim=-1).values[..., -1:]
+                if p < 1:
+                    ascending, order = torch.sort(rows.masked_fill(dropped, float("-inf")), dim=-1)
+                    tail = ascending.softmax(-1).cumsum(-1) <= 1 - p
+                    tail[..., -1] = False
+                    dropped |= tail.scatter(-1, order, tail)
+                parts.append(dropped)
+            dropped = torch.cat(parts).view_as(z)
+            if tokens is not None:
+                dropped.scatter_(-1, tokens.unsqueeze(-1), False)
+        z = z.masked_fill(dropped, float("-inf"))
+    if scores:
         return z
-    with torch.no_grad():     # 1,024 rows at a time: a sort of all [N, L, V] would hold ~23 bytes a logit
-        rows = z.detach().reshape(-1, z.shape[-1]).split(1024)
-        dropped = torch.cat([truncated(part, sampling.top_k, sampling.top_p) for part in rows]).view_as(z)
-        if sampled is not None:
-            dropped.scatter_(-1, sampled.unsqueeze(-1), False)
-    return z.masked_fill(dropped, float("-inf"))
-
-
-def truncated(z, top_k, top_p):
-    """[rows, V] -> bool, True where transformers' TopK and TopP warpers drop an id (so a saved
-    generation config samples the same policy): top-k keeps z >= the k-th largest; top-p sorts
-    ascending (torch.sort: the warper's tie order) and drops ids while the mass up to them is <= 1 - p,
-    never the largest."""
-    dropped = torch.zeros_like(z, dtype=torch.bool)
-    if top_k:
-        dropped |= z < torch.topk(z, min(top_k, z.shape[-1]), dim=-1).values[..., -1:]
-    if top_p < 1:
-        ascending, order = torch.sort(z.masked_fill(dropped, float("-inf")), dim=-1)
-        tail = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
-        tail[..., -1] = False
-        dropped |= tail.scatter(-1, order, tail)
-    return dropped
-
-
-def token_logprobs(logits, tokens, sampling):
-    """log pi(token) under `sampling`'s policy: logits [N, L, V], tokens [N, L] -> [N, L]."""
-    z = policy_scores(logits, sampling, sampled=tokens)
     return torch.log_softmax(z, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def policy_scores(logits, sampling, sampled=None):
+    """token_logprobs' z [N, L, V], finite on the kept ids."""
+    return token_logprobs(logits, sampled, sampling, scores=True)
 
 
 def token_entropy(logits, sampling):
@@ -879,7 +874,8 @@ def sde_step(v, x, sigmas, i, noise_level, eps=None, x_next=None):
     `x_next` instead of `eps` scores a stored transition. logp: torch's Normal.log_prob (flow_grpo's formula op
     for op; unvalidated: a NaN reaches section 10's skip) averaged over latent dims; noise_level 0: Euler's step."""
     sigma, dt = sigmas[i], sigmas[i + 1] - sigmas[i]
-    std_t, std = sde_std(sigmas, i, noise_level)
+    std_t = noise_level * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigmas[1], sigma)))    # sde_std, inline
+    std = std_t * torch.sqrt(-dt)
     mean = x * (1 + std_t ** 2 / (2 * sigma) * dt) + v * (1 + std_t ** 2 * (1 - sigma) / (2 * sigma)) * dt
     if noise_level == 0:
         return mean, None, mean
@@ -1830,7 +1826,12 @@ def log_step(row, step, args, trainer, out, tracker, warned):
     shown = {**row, "ar_loss": row["loss"] - row.get("dit/loss", 0.0)} if args.policy != "dit" else row
     fields = [f.format_map(shown) for f in CONSOLE_FIELDS if all(k in shown for k in re.findall(r"{([^:]+):", f))]
     print(f"step {step:4d}/{args.steps} | " + " | ".join(fields), flush=True)
-    return warn_if_collapsed(row, warned, math.log(trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size))
+    # entropy's yardstick: log(kept ids), its most; top-p keeps no fixed number: step 1's entropy (if > 0)
+    scale = math.log(min(args.top_k or math.inf, trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size))
+    if args.top_p < 1:
+        with open(out / "metrics.jsonl", encoding="utf-8") as f:
+            scale = json.loads(f.readline()).get("entropy") or scale
+    return warn_if_collapsed(row, warned, scale)
 
 
 def warn_if_collapsed(row, warned, max_entropy=None):
@@ -2364,6 +2365,7 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
 # (DDP's all-reduce, FSDP's reduce-scatter) and a few scalars cross ranks; rank 0 alone writes files. 1
 # and K processes sample the same (seeds of (seed, step, slot)); weights agree up to the order of sums.
 
+@functools.cache     # swapped once a process
 def float64_throughout():
     """--dtype float64: GlmImageRMSNorm (transformers) and apply_rotary_emb (diffusers) round to fp32 for
     bf16, and 1 vs 2 processes drifted 1e-9 apart: swapped for their own formula in at least fp32."""
@@ -2371,7 +2373,7 @@ def float64_throughout():
     from transformers.models.glm_image.modeling_glm_image import GlmImageRMSNorm
 
     def rms_norm(self, x):
-        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        wide = at_least_fp32(x)
         inv_rms = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * (wide * inv_rms).to(x.dtype)
 
@@ -2383,8 +2385,7 @@ def float64_throughout():
         x_real, x_imag = x.reshape(*x.shape[:-1], 2, -1).unbind(-2)
         return x * cos + torch.cat([-x_imag, x_real], dim=-1) * sin
 
-    if "float64_throughout" not in embeddings.apply_rotary_emb.__qualname__:      # not swapped yet
-        embeddings.apply_rotary_emb, GlmImageRMSNorm.forward = rotary, rms_norm
+    embeddings.apply_rotary_emb, GlmImageRMSNorm.forward = rotary, rms_norm
 
 
 def init_distributed(args):
@@ -2410,10 +2411,6 @@ def is_ddp():
     return dist.is_available() and dist.is_initialized()
 
 
-def collective_device():        # nccl reduces CUDA tensors only, gloo CPU ones
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
 def wrap_for_training(model, device):
     """DDP for the training forward (its backward averages gradients; buffers never change): else unwrap."""
     if not is_ddp() or fsdp_units(model):       # FSDP2 shards in place and averages by itself
@@ -2426,28 +2423,29 @@ def unwrap(model):
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
-def max_over_ranks(value):
-    """The largest of every rank's integer `value` (one all-reduce; without torchrun, `value`)."""
+def from_every_rank(value):
+    """Every rank's `value` (any picklable), in rank order: one all_gather_object ([value] without torchrun)."""
     if not is_ddp():
-        return int(value)
-    value = torch.tensor(int(value), device=collective_device())
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return int(value)
+        return [value]
+    values = [None] * world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def max_over_ranks(value):
+    return max(from_every_rank(int(value)))
 
 
 def all_ranks_agree(flag):
     """True if `flag` is on every rank: a choice of how many collectives come next (skip an update,
     stop) is taken together, or a rank waits forever in a collective the others never start."""
-    return max_over_ranks(not flag) == 0
+    return all(from_every_rank(bool(flag)))
 
 
 def reduce_metrics(row):
     """A metrics row averaged over ranks (logp_diff_max, dit/ too: the maximum): every rank holds as many
     samples of the same length, so the mean of the per-rank means is the global mean."""
-    if not is_ddp():
-        return row
-    rows = [None] * world_size()
-    dist.all_gather_object(rows, row)       # every rank's row, in rank order
+    rows = from_every_rank(row)
     columns = {k: [r[k] for r in rows] for k in row}
     return {k: type(row[k])(max(c) if k.endswith("logp_diff_max") else sum(map(float, c)) / len(c))
             for k, c in columns.items()}
@@ -2482,7 +2480,7 @@ def shard_for_training(model, params, args, reference=None):
 
     # FSDP2 warns that the DiT returns a view (unpatchify), lest a caller change it in place: none does
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    mesh, policy = init_device_mesh(collective_device().type, (world_size(),)), MixedPrecisionPolicy()
+    mesh, policy = init_device_mesh(torch.device(args.device).type, (world_size(),)), MixedPrecisionPolicy()
     if args.dtype == "bfloat16":
         from diffusers.training_utils import cast_training_params
 
@@ -2515,13 +2513,9 @@ def whole_weights(model):
 
 
 def clip_gradients(params, max_norm):
-    """clip_grad_norm_ in two halves, a sharded (DTensor) norm made whole between them (as torchtitan)."""
-    from torch.distributed.tensor import DTensor
-
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return norm
+    """clip_grad_norm_; under --fsdp the norm is a DTensor (each rank's shards reduced), made whole."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def gather_training_state(model, optimizer):
@@ -2529,19 +2523,18 @@ def gather_training_state(model, optimizer):
     empty): torch.distributed.checkpoint's state_dict API (dsd) gathers --fsdp shards. Every rank calls it."""
     from torch.distributed.checkpoint import state_dict as dsd
 
-    options = dsd.StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    weights, optimizer_state = dsd.get_state_dict(model, optimizer, options=dsd.StateDictOptions(
+        full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
     trained = {name for name, p in model.named_parameters() if p.requires_grad}
-    weights = {k: v for k, v in dsd.get_model_state_dict(model, options=options).items() if k in trained}  # no buffers
-    return weights, dsd.get_optimizer_state_dict(model, optimizer, options=options)
+    return {k: v for k, v in weights.items() if k in trained}, optimizer_state      # no buffers
 
 
 def load_training_state(model, optimizer, weights, optimizer_state):
     """gather_training_state's output, of any world size, loaded (each rank keeps its --fsdp shards)."""
     from torch.distributed.checkpoint import state_dict as dsd
 
-    options = dsd.StateDictOptions(full_state_dict=True, strict=False)
-    dsd.set_model_state_dict(model, weights, options=options)
-    dsd.set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+    dsd.set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optimizer_state,
+                       options=dsd.StateDictOptions(full_state_dict=True, strict=False))
 
 
 # =============================================================================================

@@ -6,6 +6,7 @@ config file (pytest.ini, conftest.py, ...), and this project keeps its top level
 
 import gc
 import importlib.metadata
+import inspect
 import json
 import math
 import os
@@ -89,6 +90,33 @@ def test_group_advantages_constant_group_is_exactly_zero_despite_rounding():
     rewards = torch.tensor(values).repeat_interleave(16)
     assert any((b - b.mean()).abs().max() > 0 for b in rewards.view(-1, 16))
     assert torch.equal(g.group_advantages(rewards, 16), torch.zeros(64))
+
+
+def test_pure_functions_copy_out():
+    """Each of the six, its source alone run in a namespace of torch and math, gives the in-file result
+    bit for bit (a NameError, if one still leaned on a helper of the file)."""
+    gen = torch.Generator().manual_seed(0)
+    x, v, noise = (torch.randn(4, 4, 2, 2, generator=gen) for _ in range(3))
+    logp, old, ref = (torch.randn(4, 6, generator=gen) for _ in range(3))
+    logits = (torch.randn(2, 5, g.TINY_VISION_VOCAB, generator=gen) * 3).bfloat16()
+    sampling = SimpleNamespace(temperature=0.7, top_k=20, top_p=0.8,
+                               suppressed=tuple(range(g.TINY_CODEBOOK, g.TINY_VISION_VOCAB)))
+    sigmas = torch.linspace(1, 0, 5)
+    calls = {g.mse_reward: (torch.rand(4, 3, 8, 8, generator=gen).bfloat16(), torch.rand(4, 3, 8, 8, generator=gen)),
+             g.group_advantages: (torch.tensor([1.0, 2.0, 4.0, 3.0, 3.0, 3.0]), 3),
+             g.token_logprobs: (logits, torch.randint(g.TINY_CODEBOOK, (2, 5), generator=gen), sampling),
+             g.grpo_loss: (logp, old, torch.randn(4, generator=gen), (torch.rand(4, 6, generator=gen) > 0.3).float(),
+                           0.2, 0.04, ref),
+             g.sde_step: (v, x, sigmas, 0, 0.7, noise),
+             g.dit_kl: (x, v, torch.tensor(0.3))}
+    for fn, args in calls.items():
+        namespace = {"torch": torch, "math": math}
+        exec(inspect.getsource(fn), namespace)
+        copied, in_file = namespace[fn.__name__](*args), fn(*args)
+        flat = lambda out: out if isinstance(out, tuple) else (out,)
+        assert len(flat(copied)) == len(flat(in_file)), fn.__name__
+        for a, b in zip(flat(copied), flat(in_file)):
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, fn.__name__
 
 
 def test_token_entropy_uniform_peaked_and_suppressed():
@@ -369,8 +397,10 @@ def test_cli_two_steps_writes_metrics_samples_and_checkpoint(tmp_path):
     assert "entropy" in result.stdout and "zero_std" in result.stdout
 
 
-def test_collapse_is_warned_once(tmp_path, capsys, monkeypatch):
-    """A policy with all its mass on one token draws G identical samples: every group ties."""
+@pytest.mark.parametrize("sampling, scale", [([], "4.16"), (["--top-k", "16"], "2.77"), (["--top-p", "0.9"], "4.16")])
+def test_collapse_is_warned_once(tmp_path, capsys, monkeypatch, sampling, scale):
+    """A policy with all its mass on one token draws G identical samples: every group ties. Its entropy
+    is measured against log(kept ids): the codebook's, --top-k's, or under top-p step 1's entropy (if > 0)."""
     out = tmp_path / "collapsed"
     load = g.load_pipeline
 
@@ -381,11 +411,38 @@ def test_collapse_is_warned_once(tmp_path, capsys, monkeypatch):
             trainer_pipe.vision_language_encoder.lm_head.bias[7] = 0.0
         return trainer_pipe
     monkeypatch.setattr(g, "load_pipeline", collapsed)
-    g.main(["--steps", "3", "--out", str(out), "--group-size", "4", "--prompts-per-step", "1", "--sample-every", "0"])
+    g.main(["--steps", "3", "--out", str(out), "--group-size", "4", "--prompts-per-step", "1", "--sample-every", "0",
+            *sampling])
     rows = read_metrics(out)
     assert all(r["frac_reward_zero_std"] == 1.0 and r["entropy"] < 1e-3 for r in rows)
     err = capsys.readouterr().err
-    assert err.count("no learning signal: entropy 0.000 of 4.16: the policy has collapsed") == 1 and "--temperature" in err
+    assert err.count(f"no learning signal: entropy 0.000 of {scale}: the policy has collapsed") == 1
+    assert "--temperature" in err
+
+
+@pytest.mark.parametrize("truncation", [["--top-k", "16"], ["--top-p", "0.99"]])
+def test_a_peaked_truncated_policy_is_not_called_collapsed(tmp_path, capsys, monkeypatch, truncation):
+    """16 ids kept, 4 of them 20x likelier than the other 12 (as a pretrained model is peaked): entropy ~1.9,
+    over half of log 16 but under half of log 64 (what the codebook's yardstick called a collapse). Top-p
+    0.99 keeps the 16 too, and measures against step 1's entropy. A reward that ties every sample makes
+    the warning speak."""
+    load = g.load_pipeline
+
+    def peaked(args):
+        pipe = load(args)
+        bias = torch.full((g.TINY_VISION_VOCAB,), -1e4)
+        bias[:16], bias[:4] = 0.0, 3.0
+        pipe.vision_language_encoder.lm_head.bias = torch.nn.Parameter(bias)
+        return pipe
+    monkeypatch.setattr(g, "load_pipeline", peaked)
+    (tmp_path / "flat.py").write_text("def flat(images, prompts, targets):\n    return images.new_zeros(len(images))\n")
+    g.main(["--steps", "2", "--out", str(tmp_path / "run"), "--reward", f"{tmp_path}/flat.py:flat", *truncation,
+            *SMALL[:4], "--sample-every", "0"])
+    rows = read_metrics(tmp_path / "run")
+    assert all(0.5 * math.log(16) < r["entropy"] < 0.5 * math.log(64) for r in rows), [r["entropy"] for r in rows]
+    scale = math.log(16) if truncation[0] == "--top-k" else rows[0]["entropy"]
+    err = capsys.readouterr().err
+    assert f"of {scale:.2f}: the samples differ but the reward does not separate them" in err and "collapsed" not in err
 
 
 def test_a_reward_that_ties_every_sample_is_not_called_a_collapse(capsys):
