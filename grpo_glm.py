@@ -837,20 +837,19 @@ def dit_velocity(dit, latents, t, cond, caches):
     """The guided velocity v [N, C, h, w] (fp32) at t as the pipeline computes it (the DiT gets t - 1; CFG
     v = v_u + g (v_c - v_u), v_u without prior tokens, in training too). One call per prompt: a batch would
     pad shorter glyph embeddings with zeros the DiT attends to (no mask helps, diffusers issue 13587)."""
-    n = latents.shape[0] // len(cond.prompt_embeds)
-    timestep = t.expand(n) - 1
     dtype = unwrap(dit).dtype
 
     def branch(rows, embeds, drop, cache):
         prior = cond.prior[rows]
         return dit(hidden_states=latents[rows].to(dtype), encoder_hidden_states=embeds, prior_token_id=prior,
-                   prior_token_drop=torch.full_like(prior, drop, dtype=torch.bool), timestep=timestep,
+                   prior_token_drop=torch.full_like(prior, drop, dtype=torch.bool), timestep=t.expand(len(prior)) - 1,
                    target_size=cond.target_size[rows], crop_coords=cond.crop_coords[rows], return_dict=False,
                    kv_caches=cache)[0].to(torch.promote_types(dtype, torch.float32))
 
-    velocities = []
+    velocities, start = [], 0
     for p, cache in enumerate(caches):
-        rows = slice(p * n, (p + 1) * n)
+        rows = slice(start, start + len(cond.prompt_embeds[p]))     # the prompt's samples, in order
+        start = rows.stop
         v = branch(rows, cond.prompt_embeds[p], False, cache)
         if cond.guidance_scale > 1:     # the unconditional branch skips the source too (the pipeline's "skip")
             v_uncond = branch(rows, cond.negative_embeds[p], True, None)
@@ -927,28 +926,45 @@ def dit_kl(mean, ref_mean, std):
     return ((mean - ref_mean) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * std ** 2)
 
 
+def condition_rows(cond, rows):
+    """The DitCondition of samples `rows` (a slice): the prompts they touch, each one's embeddings cut to its share."""
+    G = len(cond.prompt_embeds[0])
+    shares = [(p, min(rows.stop, p * G + G) - max(rows.start, p * G)) for p in range(len(cond.prompt_embeds))]
+    shares = [(p, n) for p, n in shares if n > 0]
+
+    def pick(per_prompt, cut=False):       # None (no CFG, t2i) stays None
+        return per_prompt and [per_prompt[p][:n] if cut else per_prompt[p] for p, n in shares]
+    return replace(cond, prompt_embeds=pick(cond.prompt_embeds, True), negative_embeds=pick(cond.negative_embeds, True),
+                   prior=cond.prior[rows], target_size=cond.target_size[rows], crop_coords=cond.crop_coords[rows],
+                   source_latents=pick(cond.source_latents), source_prior=pick(cond.source_prior))
+
+
 def dit_half(trainer, run, advantages, args):
-    """The DiT's entry (prefix, params, terms) in grpo_update: grpo_loss per trained step's column, weight
-    1/T (adding up to grpo_loss over [N, T], one step's activations alive, as flow_grpo), + beta x dit_kl."""
+    """The DiT's entry (prefix, params, terms) in grpo_update: grpo_loss per trained step's column and
+    --micro-batch-size rows, weight rows / (N T) (adding up to grpo_loss over [N, T], one piece's activations
+    alive; flow_grpo: a step's), + beta x dit_kl. Under DDP the last piece's backward all-reduces."""
     policy, reference, cond, rollout = trainer.dit_policy, trainer.dit_reference, run.cond, run.trajectories
-    steps = rollout.old_logp.shape[1]
-    ones = torch.ones_like(rollout.old_logp[:, :1])
+    N, steps = rollout.old_logp.shape
     advantages = advantages.to(rollout.old_logp.device)
+    parts = [(rows, condition_rows(cond, rows), replace(rollout, states=rollout.states[rows],
+                                                        old_logp=rollout.old_logp[rows]))
+             for rows in row_slices(N, args.micro_batch_size)]
 
     def terms(epoch):
-        for i in sync_on_last(policy, range(steps)):
-            logp, mean = dit_step_logprob(policy, cond, rollout, i, args.dit_noise_level)
-            loss, metrics = grpo_loss(logp[:, None], rollout.old_logp[:, i:i + 1], advantages, ones,
+        for i, (rows, condition, part) in sync_on_last(policy, [(i, part) for i in range(steps) for part in parts]):
+            logp, mean = dit_step_logprob(policy, condition, part, i, args.dit_noise_level)
+            old_logp = part.old_logp[:, i:i + 1]
+            loss, metrics = grpo_loss(logp[:, None], old_logp, advantages[rows], torch.ones_like(old_logp),
                                       args.dit_clip_eps)
             if args.beta > 0:
                 with torch.no_grad(), reference_weights(unwrap(policy), reference) as ref:
-                    ref_mean = dit_step_logprob(ref, cond, rollout, i, args.dit_noise_level)[1]
+                    ref_mean = dit_step_logprob(ref, condition, part, i, args.dit_noise_level)[1]
                 kl = dit_kl(mean, ref_mean, sde_std(rollout.sigmas, i, args.dit_noise_level)[1]).mean()
                 loss = loss + args.beta * kl
                 metrics["kl"] = kl.item()
             if epoch == 0:
-                metrics["logp_diff_max"] = (logp.detach() - rollout.old_logp[:, i]).abs().max().item()
-            yield loss, {**metrics, "loss": loss.item()}, 1 / steps
+                metrics["logp_diff_max"] = (logp.detach() - old_logp[:, 0]).abs().max().item()
+            yield loss, {**metrics, "loss": loss.item()}, len(old_logp) / (N * steps)
     return "dit/", trainer.dit_params, terms
 
 

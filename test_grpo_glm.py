@@ -2199,6 +2199,53 @@ def test_micro_batches_give_the_full_batch_gradient():
             assert update[key] == pytest.approx(full_update[key], rel=1e-9, abs=1e-9), (size, key)
 
 
+def test_dit_micro_batches_give_the_full_batch_update(monkeypatch):
+    """The DiT's loss in --micro-batch-size pieces (i2i, CFG, 2 prompts of different glyph lengths, KL, clipped
+    ratios): pieces that split groups and the batch unevenly add up to the whole batch's gradients and metrics.
+    float64 (float64_throughout, as --dtype float64): the split only reorders sums of ~1e4 terms per gradient
+    entry, within ~1e4 x 1.1e-16 ~ 1e-12 relative; 1e-9 leaves room and still catches a mis-weighted piece (O(1))."""
+    g.float64_throughout()
+    pipe = g.build_tiny_pipeline(seed=0, ar_init_range=0.2)
+    pipe.processor.tokenizer.padding_side = "left"
+    args = g.resolve_runtime(g.parse_args(["--policy", "dit", "--beta", "0.1", "--inner-epochs", "1", "--max-grad-norm",
+                                           "1e9", "--group-size", "3", "--prompts-per-step", "2", "--mode", "i2i"]))
+    dit = pipe.transformer.double()
+    params = g.prepare_dit_policy(dit, args)
+    reference = __import__("copy").deepcopy(dit).requires_grad_(False)
+    torch.manual_seed(0)
+    for p in reference.parameters():                   # a reference other than the policy: KL > 0
+        p += 1e-3 * torch.randn_like(p)
+    prompts = ["make the red circle blue", 'make the green square say "GRPO"']
+    sources = [g.draw_shape("circle", "red", "white", 64, 64), g.draw_shape("square", "green", "black", 64, 64)]
+    rollout = g.sample_group(pipe, prompts, 3, policy(pipe), 64, 64, "target", sources=sources)
+    pipe.to(torch.float64)
+    cond = g.dit_condition(pipe, prompts, 3, rollout.target_tokens, rollout.grid_hw, 2.5, sources,
+                           rollout.source_prior[::3])
+    assert cond.prompt_embeds[0].shape[1] != cond.prompt_embeds[1].shape[1]       # different glyph lengths
+    noise = g.group_noise(pipe, [0, 1], 3, 64, 64, 0, 1, "per-prompt").double()
+    trajectories = g.sample_dit(dit, cond, noise, g.dit_schedule(pipe, 64, 64, 4), 0.7, 3,
+                                g.sde_generators(0, 1, [0, 1]))
+    # pi_old a little off the policy: ratios of 1 +- 3e-4 (some clipped at --dit-clip-eps 1e-4)
+    trajectories.old_logp += 3e-4 * torch.linspace(-1, 1, 18, dtype=torch.float64).view(6, 3)
+    advantages = torch.tensor([1.0, -0.5, -0.5, 0.3, 0.7, -1.0], dtype=torch.float64)
+    trainer = SimpleNamespace(dit_policy=dit, dit_reference=reference, dit_params=params)
+    sizes, results, scored = [], {}, g.dit_step_logprob
+    monkeypatch.setattr(g, "dit_step_logprob", lambda m, c, part, *a: sizes.append(len(part.states)) or scored(m, c, part, *a))
+    for size in (6, 4, 1):
+        args.micro_batch_size, sizes[:] = size, []
+        half = g.dit_half(trainer, SimpleNamespace(cond=cond, trajectories=trajectories), advantages, args)
+        update = g.grpo_update(torch.optim.SGD(params, lr=0.0), [half], args)      # lr 0: keeps the weights
+        assert max(sizes) == size and sum(sizes) == 2 * 3 * 6        # policy and reference, 3 steps, 6 samples
+        results[size] = (update, torch.cat([p.grad.flatten() for p in params]))
+    full_update, full_grad = results[6]
+    assert full_grad.norm() > 0 and 0 < full_update["dit/clip_ratio"] < 1 and full_update["dit/kl"] > 0
+    for size in (4, 1):
+        update, grad = results[size]
+        assert (grad - full_grad).norm() <= 1e-9 * full_grad.norm(), size
+        for key in ("loss", "ratio_mean", "clip_ratio", "kl", "grad_norm", "logp_diff_max"):
+            assert update["dit/" + key] == pytest.approx(full_update["dit/" + key], rel=1e-9, abs=1e-12), (size, key)
+
+
 def test_policy_both_honours_micro_batch_size(monkeypatch):
     """--policy both runs the AR's training forward in --micro-batch-size pieces (the memory plan's
     micro-batch column assumes it), and the accumulated gradient is still the full-batch one.
