@@ -2545,7 +2545,6 @@ def load_training_state(model, optimizer, weights, optimizer_state):
 # moments in fp32; full fine-tuning's in the weights' dtype (torch's AdamW allocates state like the parameter).
 # Checked against the CPU allocator (README, Measurements); the DiT's terms are estimates.
 
-GiB = 1024 ** 3
 WEIGHT_BYTES = 2         # the model dtype on CUDA, bf16: weights, activations, KV caches
 ADAPTER_BYTES = 4        # LoRA adapters train in fp32 (prepare_policy): weights, grads, AdamW moments
 FSDP_MASTER_BYTES = 4    # --fsdp's trained shards, their gradients and AdamW moments: fp32
@@ -2668,12 +2667,13 @@ def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
                                         for i in range(last + 1))
 
 
-# --fsdp, per GPU on K GPUs (section 22):
-#   shards: trained weights as fp32 masters + fp32 grads + 2 fp32 moments (16 bytes / parameter / K), frozen bf16 / K
-#   gathered, bf16: the root (embeddings, heads, norms, vision encoder, VQ) from its forward to its backward's end
-#     (FSDP2 keeps a root); 2 decoder layers (prefetch); the whole model to sample; a layer's reduce: 2 + 4 bytes each
-#   peak: shards + max(sampling, a half's backward beside its and earlier halves' grads, AdamW's step, a frozen turn)
-#   not counted: all-gather buffers doubled during a copy-out, the reference's no-grad pass, the allocator's slack
+# A row's peak: resident bytes (weights, AdamW, KL reference) + its largest phase beside the gradients (zero_grad
+# comes at the next update): a half's backward or AdamW's step, sampling, a frozen part's turn (peaks). A half's
+# bytes per GPU of K: data parallel, all weights and batch / K samples; --fsdp (section 22), fp32 master shards,
+# grads and 2 moments (16 bytes / parameter / K), frozen bf16 / K, and gathered in bf16: the root (embeddings, heads,
+# norms, vision encoder, VQ) from its forward to its backward's end, 2 decoder layers (prefetch), the whole model to
+# sample; a layer's reduce, 2 + 4 bytes each. Not counted: all-gather buffers doubled during a copy-out, the
+# reference's no-grad pass, the allocator's slack.
 
 def fsdp_shard_bytes(model, trainable, gpus, working, sampling=0, reference=False, bytes_per=WEIGHT_BYTES):
     """Per-GPU bytes of `model` sharded on `gpus` GPUs, `working`: its activations, `sampling`: its working set
@@ -2681,14 +2681,13 @@ def fsdp_shard_bytes(model, trainable, gpus, working, sampling=0, reference=Fals
     layers = [numel(layer) for layer in sharded_layers(model)]
     total, m, d = numel(model), FSDP_MASTER_BYTES, bytes_per
     gathered = d * (total - sum(layers) + 2 * max(layers))
-    return {"weights": (m * trainable + d * (total - trainable)) / gpus,
-            "grads": m * trainable / gpus, "adam": 2 * m * trainable / gpus,
-            "reference": d * total / gpus if reference else 0,
-            "gathered": gathered, "activations": working, "sampling": d * total + sampling,
+    return {"weights": (m * trainable + d * (total - trainable)) / gpus, "grads": m * trainable / gpus,
+            "adam": 2 * m * trainable / gpus, "reference": d * total / gpus if reference else 0, "gathered": gathered,
+            "activations": working, "sampling": d * total + sampling,
             "backward": max(gathered + working + (d + m) * max(layers), (d + m) * (trainable - sum(layers)))}
 
 
-def fsdp_peaks(halves, beside=0, offloaded=0):
+def peaks(halves, beside=0, offloaded=0):
     """Per-GPU peaks of `halves` trained in grpo_update's order, `beside` always held, `offloaded` a frozen turn."""
     resident = beside + sum(h["weights"] + h["adam"] + h["reference"] for h in halves)
     grads = sum(h["grads"] for h in halves)
@@ -2700,133 +2699,135 @@ def fsdp_peaks(halves, beside=0, offloaded=0):
 
 
 def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=False, gpus=(), ranks=(64, 16),
-                mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0):
-    """--plan's rows keyed by their printed columns, without and with checkpointing: "ar" per LoRA rank (0: full),
-    "dit" full and lora-64, "fsdp" per K in `gpus`; the AR's micro-batch: `samples`; the DiT's step: `batch`."""
+                mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0, latents_kept=0):
+    """--plan's tables "ar" and "dit": rows keyed by their printed columns (+ "half": its bytes), per GPU on 1
+    GPU and on each K of `gpus` (a rank holds `batch` / K samples of `prompts` / K prompts), without and with
+    checkpointing, per mode: full, LoRA (the AR's `ranks`, the DiT's 64) and, on K GPUs, fsdp."""
     ar, dit, d, i2i = components["ar"], components["dit"], WEIGHT_BYTES, mode == "i2i"
-    text, batch = ar.config.text_config, batch or samples
+    text, batch, config = ar.config.text_config, batch or samples, dit.config
     counts = {name: numel(module) for name, module in components.items()}
     frozen = {name: d * counts[name] for name in ("dit", "glyph_t5", "vae")}
     prompt_len, generated = ar_sequence(mode, height, width, prompt_tokens, image_processor)
     head = numel(ar.model.language_model.norm) + numel(ar.lm_head)
-    hidden = dit.config.num_attention_heads * dit.config.attention_head_dim
+    hidden, patches = config.num_attention_heads * config.attention_head_dim, (height // 16) * (width // 16)
     # i2i: write_source_caches' K and V per layer and prompt, alive while the DiT samples and through its backward
-    source_kv = prompts * dit.config.num_layers * 2 * (height // 16) * (width // 16) * hidden * d if i2i else 0
-    working = {"vae": vae_decode_bytes(components["vae"], height, width, 1), "dit": source_kv, "glyph_t5": 0}
-    terms = {"tokens": (prompt_len, generated), "decode": working["vae"], "source_kv": source_kv}
+    source_kv = prompts * config.num_layers * 2 * patches * hidden * d if i2i else 0
+    decode = vae_decode_bytes(components["vae"], height, width, 1)
+    kv_cache = (prompt_len + generated) * text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim(text) * d
+    # the DiT's rollout: each sample's `latents_kept` fp32 latents [C, H / 8, W / 8] (K steps: K + 1), through its update
+    states = latents_kept * config.in_channels * (height // 8) * (width // 8) * 4
+    terms, in_turn = {"tokens": (prompt_len, generated), "decode": decode, "source_kv": source_kv}, ("glyph_t5", "vae")
 
-    def dit_step(samples, checkpointing):   # ~30 x hidden per block and token (x2 CFG, 64 text tokens), not measured
-        block_input = ((height // 16) * (width // 16) + 64) * samples * (2 if cfg else 1) * hidden * 2
-        return (dit.config.num_layers + 30 if checkpointing else dit.config.num_layers * 30) * block_input
+    def on_gpu(k, checkpointing):     # one GPU of k: its batch / k samples, in micro-batches
+        micro, working = min(samples, batch // k), {"vae": decode, "dit": source_kv // k, "glyph_t5": 0}
+        # the DiT's micro-batch: ~30 x hidden per block and token (x2 CFG, 64 text tokens), not measured
+        block_input = (patches + 64) * micro * (2 if cfg else 1) * hidden * d
+        blocks = config.num_layers + 30 if checkpointing else config.num_layers * 30
+        # the AR samples: generate's KV cache of the GPU's samples, or pi_old's pass over a micro-batch (bf16
+        # logits, their fp32 copy / T, log_softmax: 10 bytes each)
+        sampling = max(batch // k * kv_cache, micro * generated * text.vision_vocab_size * 10)
+        return SimpleNamespace(micro=micro, working=working, sampling=sampling,
+                               dit=blocks * block_input + working["dit"] + batch // k * states,
+                               turn=lambda parts: max(frozen[p] + working[p] for p in parts))   # frozen parts in turn
 
-    def turn(parts, k=1):      # frozen parts take turns on the GPU, each with its working set (source caches / K)
-        return max(frozen[p] + (working[p] // k if p == "dit" else working[p]) for p in parts)
-
-    def ar_row(rank, checkpointing):
+    def ar_half(mode, k, checkpointing):
+        gpu = on_gpu(k, checkpointing)
+        if mode == "fsdp":      # the micro-batch's activations (no whole gradients) beside the shards
+            update = ar_update_bytes(text, gpu.micro, prompt_len, generated, 0, checkpointing, head_trainable=head)
+            trainable = sum(trainable_tensors(ar, 0))
+            return {"trainable": trainable, **fsdp_shard_bytes(ar, trainable, k, update["peak"], gpu.sampling, beta > 0)}
+        rank = int(mode[5:]) if mode != "full" else 0
         tensors = trainable_tensors(ar, rank)
-        u = ar_update_bytes(text, samples, prompt_len, generated, rank, checkpointing, tensors, 0 if rank else head,
-                            counts["ar"])
-        weights = u["weights"] + (d * counts["ar"] if beta > 0 and not rank else 0)   # full: a KL reference copy
-        resident = weights + u["adam"]
-        # the gradients stay between updates (zero_grad comes at the next) while the frozen parts run
-        return {"mode": f"lora-{rank}" if rank else "full", "grad ckpt": checkpointing, "micro-batch": samples,
-                "trainable": sum(tensors), "AR weights": weights, "grads": u["grads"], "AdamW": u["adam"],
-                "activations": u["activations"], "update peak": resident + u["peak"],
-                "peak, offload": resident + max(u["peak"], u["grads"] + turn(frozen)),
-                "peak, no offload": resident + max(u["peak"], u["grads"] + max(working.values()))
-                + sum(frozen.values())}
+        u = ar_update_bytes(text, gpu.micro, prompt_len, generated, rank, checkpointing, tensors,
+                            0 if rank else head, counts["ar"])
+        return {"trainable": sum(tensors), "weights": u["weights"], "grads": u["grads"], "adam": u["adam"],
+                "reference": d * counts["ar"] if beta > 0 and not rank else 0,     # full: a KL reference copy
+                "activations": u["activations"], "backward": u["peak"] - u["grads"], "sampling": gpu.sampling}
 
-    both, in_turn = ar_row((ranks or (0,))[0], True), ("glyph_t5", "vae")    # 'both' trains the AR's first rank
+    def dit_half(mode, k, checkpointing):
+        gpu = on_gpu(k, checkpointing)
+        if mode == "fsdp":
+            return {"trainable": counts["dit"],
+                    **fsdp_shard_bytes(dit, counts["dit"], k, gpu.dit, gpu.working["dit"], beta > 0)}
+        trainable = sum(trainable_tensors(dit, 64, DIT_LORA_TARGETS)) if mode != "full" else counts["dit"]
+        state = ADAPTER_BYTES if mode != "full" else d
+        # backward: the largest frozen part in its turn, beside a piece's activations or AdamW's temporary
+        return {"trainable": trainable, "weights": frozen["dit"] + (ADAPTER_BYTES * trainable if mode != "full" else 0),
+                "grads": state * trainable, "adam": 2 * state * trainable, "reference": 0, "activations": gpu.dit,
+                "backward": max(frozen[p] for p in in_turn) + max(gpu.dit, state * trainable), "sampling": 0}
 
-    def dit_row(lora, checkpointing):
-        # grads accumulate over the steps beside one step's activations; 'both' adds the AR's state, 'dit' its weights
-        trainable = sum(trainable_tensors(dit, 64, DIT_LORA_TARGETS)) if lora else counts["dit"]
-        state = ADAPTER_BYTES if lora else d
-        weights = frozen["dit"] + (ADAPTER_BYTES * trainable if lora else 0)
-        activations = dit_step(batch, checkpointing) + source_kv
-        peak = weights + 3 * state * trainable + max(
-            max(frozen[p] for p in in_turn) + max(activations, state * trainable), turn(in_turn))
-        return {"DiT mode": "lora-64" if lora else "full", "grad ckpt": checkpointing, "trainable": trainable,
-                "DiT weights": weights, "grads": state * trainable, "AdamW": 2 * state * trainable,
-                "activations": activations, "peak, dit": peak + d * counts["ar"],
-                "peak, both": peak + both["AR weights"] + both["grads"] + both["AdamW"]}
+    def row(half, mode, k, checkpointing):
+        gpu, h = on_gpu(k, checkpointing), (ar_half if half == "AR" else dit_half)(mode, k, checkpointing)
+        columns = {"mode" if half == "AR" else "DiT mode": mode, "grad ckpt": checkpointing, "GPUs": k,
+                   "micro-batch": gpu.micro, "trainable": h["trainable"], f"{half} weights": h["weights"] + h["reference"],
+                   "grads": h["grads"], "AdamW": h["adam"], "activations": h["activations"], "half": h}
+        if half == "AR":
+            return {**columns, **{key: peaks([h])[key] for key in ("update peak", "sampling peak")},
+                    "peak, offload": peaks([h], offloaded=gpu.turn(frozen))["peak"],
+                    "peak, no offload": peaks([h], sum(frozen.values()), max(gpu.working.values()))["peak"]}
+        # 'dit' beside the frozen AR whole; 'both' beside the AR's shards under fsdp, else its first mode's state
+        if mode == "fsdp":
+            both = peaks([ar_half("fsdp", k, checkpointing), h], offloaded=gpu.turn(in_turn))
+        else:
+            a = ar_half(ar_modes[1 if ranks else 0], k, True)
+            both = peaks([h], a["weights"] + a["reference"] + a["grads"] + a["adam"], gpu.turn(in_turn))
+        return {**columns, "peak, dit": peaks([h], d * counts["ar"], gpu.turn(in_turn))["peak"],
+                "peak, both": both["peak"]}
 
-    def fsdp_row(k, checkpointing):
-        # the AR: ar_update_bytes' micro-batch (no whole gradients); sampling: generate's KV cache of the
-        # GPU's batch / K samples, or pi_old's pass (bf16 logits, fp32 copy / T, log_softmax: 10 bytes each)
-        update = ar_update_bytes(text, samples, prompt_len, generated, 0, checkpointing, head_trainable=head)
-        kv_cache = (prompt_len + generated) * text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim(text)
-        sampling = max(batch // k * kv_cache * d, samples * generated * text.vision_vocab_size * (2 + 8))
-        a = fsdp_shard_bytes(ar, sum(trainable_tensors(ar, 0)), k, update["peak"], sampling, beta > 0)
-        activations = dit_step(batch // k, checkpointing) + source_kv // k
-        t = fsdp_shard_bytes(dit, counts["dit"], k, activations, source_kv // k, beta > 0)
-        return {"GPUs": k, "grad ckpt": checkpointing, "ar": a, "dit": t, **fsdp_peaks([a], offloaded=turn(frozen, k)),
-                "peak, dit": fsdp_peaks([t], beside=d * counts["ar"], offloaded=turn(in_turn, k))["peak"],
-                "peak, both": fsdp_peaks([a, t], offloaded=turn(in_turn, k))["peak"]}
-
-    rows = {"ar": [ar_row(rank, c) for rank in (0, *ranks) for c in (False, True)],
-            "dit": [dit_row(lora, c) for lora in (False, True) for c in (False, True)],
-            "fsdp": [fsdp_row(k, c) for k in gpus for c in (False, True)]}
-    return rows, counts, terms
+    ar_modes = ["full", *(f"lora-{rank}" for rank in ranks), "fsdp"]
+    return {"ar": [row("AR", m, k, c) for k in (1, *gpus) for m in ar_modes[:None if k > 1 else -1]
+                   for c in (False, True)],
+            "dit": [row("DiT", m, k, c) for k in (1, *gpus) for m in ("full", "lora-64", "fsdp")[:3 if k > 1 else 2]
+                    for c in (False, True)]}, counts, terms
 
 
 def print_memory_plan(args):
-    for k in args.plan_gpus or ():
-        if args.prompts_per_step % k:
-            raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by --plan-gpus {k}: "
-                             "each rank trains whole groups")
+    gpus, prompts, samples = args.plan_gpus or (), args.prompts_per_step, args.micro_batch_size or args.group_size
+    for k in gpus:
+        if prompts % k:
+            raise UsageError(f"--prompts-per-step {prompts} must be divisible by --plan-gpus {k}: each rank trains "
+                             "whole groups")
     components, image_processor = plan_components(args.model, args.seed)
-    # AR activations: one micro-batch (--micro-batch-size, default G); the DiT: one step over the whole batch
-    samples, prompts = args.micro_batch_size or args.group_size, args.prompts_per_step
-    batch, cfg, i2i = args.group_size * prompts, args.guidance_scale > 1, args.mode == "i2i"
-    ranks = (args.lora_rank,) if args.lora_rank else (64, 16)
-    rows, counts, terms = memory_plan(components, args.height, args.width, samples, batch, prompts, cfg,
-                                      args.plan_gpus or (), ranks, args.mode, image_processor=image_processor,
-                                      beta=args.beta)
+    ranks, i2i = (args.lora_rank,) if args.lora_rank else (64, 16), args.mode == "i2i"
+    rows, counts, terms = memory_plan(components, args.height, args.width, samples, args.group_size * prompts, prompts,
+                                      args.guidance_scale > 1, gpus, ranks, args.mode, image_processor=image_processor,
+                                      beta=args.beta, latents_kept=args.num_inference_steps + 1)
     prompt_len, generated = terms["tokens"]
     # the tiny model's bytes would all print as 0.0 GiB: small models get MiB and thousands
-    unit, unit_name = (GiB, "GiB") if max(r["peak, no offload"] for r in rows["ar"]) >= GiB else (1024 ** 2, "MiB")
-    count_div, count_name = (1e6, "M") if max(counts.values()) >= 1e8 else (1e3, "k")
+    big = max(r["peak, no offload"] for r in rows["ar"]) >= 1024 ** 3
+    (unit, unit_name), (count_div, count_name) = (1024 ** (3 if big else 2), "GiB" if big else "MiB"), \
+        (1e6, "M") if max(counts.values()) >= 1e8 else (1e3, "k")
 
     def cell(key, value):
-        if key == "grad ckpt":
-            return "yes" if value else "no"
-        if key == "trainable":
-            return f"{value / count_div:.1f} {count_name}"
+        if key in ("grad ckpt", "trainable"):
+            return f"{value / count_div:.1f} {count_name}" if key == "trainable" else "yes" if value else "no"
         return str(value) if key in ("mode", "DiT mode", "micro-batch", "GPUs") else f"{value / unit:.1f}"
 
     def print_table(title, rows):               # a markdown table: the rows' keys are its columns
-        print(title + "\n| " + " | ".join(rows[0]) + " |\n|" + "---|" * len(rows[0]))
+        columns = [key for key in rows[0] if key != "half"]
+        print(title + "\n| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
         for row in rows:
-            print("| " + " | ".join(cell(key, value) for key, value in row.items()) + " |")
+            print("| " + " | ".join(cell(key, row[key]) for key in columns) + " |")
 
-    print(f"parameters of {args.model}: "
-          + ", ".join(f"{k} {v / count_div:,.1f} {count_name}" for k, v in counts.items()))
+    print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count_div:,.1f} {count_name}"
+                                                       for k, v in counts.items()))
     source = f" incl. the source's {prompt_len - 66} VQ tokens" if i2i else ""      # 64 text, image start and end
     print(f"--mode {args.mode}, teacher-forced pass: {samples} samples x {prompt_len + generated} tokens ({prompt_len}"
-          f" prompt{source} + {generated} generated, {args.height}x{args.width}); estimates in {unit_name}, bf16"
-          " weights, torch's AdamW (foreach)" + (", KL reference copy for full fine-tuning" if args.beta > 0 else "")
+          f" prompt{source} + {generated} generated, {args.height}x{args.width}); estimates in {unit_name} per GPU, on"
+          f" K GPUs each holding {prompts} / K groups of {args.group_size}; bf16 weights, torch's AdamW (foreach)"
+          + (", KL reference copy for full fine-tuning" if args.beta > 0 else "")
           + f"; counted: the VAE's decode, one image at a time ({terms['decode'] / unit:.1f} {unit_name})"
           + (f", the DiT's {prompts} source KV caches, one per prompt ({terms['source_kv'] / unit:.1f} {unit_name})"
-             if i2i else ""))
-    print_table("", rows["ar"])
-    print_table(f"\nDiT (Flow-GRPO, --policy dit|both): one denoising step over {batch} samples, CFG "
-                f"{'on' if cfg else 'off'}; 'both' adds the AR's lora-{ranks[0]} state"
-                + ("; activations incl. the source KV caches" if i2i else ""), rows["dit"])
-    if not args.plan_gpus:
-        print("\n(--plan-gpus K adds the per-GPU rows of --fsdp, full fine-tuning sharded over K GPUs)")
-        return
-    for title, half, peaks in [
-            (f"--fsdp, full fine-tuning, per GPU on K GPUs: 16 bytes per trained parameter / K, the bf16 root + 2 "
-             f"layers gathered, a micro-batch of {samples}; frozen parts offloaded", "AR",
-             ("update peak", "sampling peak", "peak")),
-            (f"DiT under --fsdp, per GPU: one step over {batch} / K samples; 'dit' keeps the frozen AR whole, 'both' "
-             "its shards (fewer bytes from about K = 8)", "DiT", ("peak, dit", "peak, both"))]:
-        # one half's shards (+ its KL reference's) and what it gathers
-        print_table("\n" + title, [
-            {"GPUs": r["GPUs"], "grad ckpt": r["grad ckpt"], f"{half} weights": h["weights"] + h["reference"],
-             "grads": h["grads"], "AdamW": h["adam"], "gathered": h["gathered"], "activations": h["activations"],
-             **{k: r[k] for k in peaks}} for r in rows["fsdp"] for h in [r[half.lower()]]])
+             if i2i else "") + ", the AR's KV cache while it samples")
+    fsdp = ("; fsdp: full fine-tuning sharded (--fsdp), 16 bytes per trained parameter / K, the bf16 root + 2 layers "
+            "gathered, frozen parts offloaded" if gpus else "")
+    print_table(fsdp[2:], rows["ar"])
+    print_table(f"\nDiT (Flow-GRPO, --policy dit|both): a micro-batch of each denoising step, CFG "
+                f"{'on' if args.guidance_scale > 1 else 'off'}; 'both' adds the AR's lora-{ranks[0]} state (fsdp: its "
+                "shards); activations incl." + (" the source KV caches," if i2i else "") + " the trajectories" + fsdp,
+                rows["dit"])
+    if not gpus:
+        print("\n(--plan-gpus K adds the rows per GPU on K GPUs, and those of --fsdp: full fine-tuning sharded)")
 
 
 # =============================================================================================
