@@ -929,8 +929,8 @@ def dit_kl(mean, ref_mean, std):
 def condition_rows(cond, rows):
     """The DitCondition of samples `rows` (a slice): the prompts they touch, each one's embeddings cut to its share."""
     G = len(cond.prompt_embeds[0])
-    shares = [(p, min(rows.stop, p * G + G) - max(rows.start, p * G)) for p in range(len(cond.prompt_embeds))]
-    shares = [(p, n) for p, n in shares if n > 0]
+    touched = range(rows.start // G, (rows.stop - 1) // G + 1)
+    shares = [(p, min(rows.stop, p * G + G) - max(rows.start, p * G)) for p in touched]
 
     def pick(per_prompt, cut=False):       # None (no CFG, t2i) stays None
         return per_prompt and [per_prompt[p][:n] if cut else per_prompt[p] for p, n in shares]
@@ -2600,14 +2600,10 @@ def ar_sequence(mode, height, width, prompt_tokens=64, image_processor=None):
     return prompt_tokens + 2 + source, grid
 
 
-def head_dim(text_config):
-    return getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-
-
 def layer_activation_bytes(text_config, lora_rank=0, bytes_per=WEIGHT_BYTES):
     """Bytes one decoder layer keeps per token for its backward (SDPA, flash on CUDA and CPU: no T^2 matrix)."""
     h, i, heads = text_config.hidden_size, text_config.intermediate_size, text_config.num_attention_heads
-    kv, d, a = text_config.num_key_value_heads * head_dim(text_config), bytes_per, ADAPTER_BYTES
+    kv, d, a = text_config.num_key_value_heads * h // heads, bytes_per, ADAPTER_BYTES     # h // heads: head_dim
     kept = (d * (2 * h + 2 * kv + 3 * i)        # q, k, v after RoPE, SDPA's output; gate_up's output, SiLU's
             + 4 * heads + 4 * (4 * h + 4))      # SDPA's log-sum-exp; the 4 RMSNorms' fp32 inputs and 1 / rms
     if not lora_rank:                           # the norms' normalised values; inputs of q/k/v, o, gate_up, down
@@ -2626,7 +2622,7 @@ def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, c
     layer = layer_activation_bytes(text_config, lora_rank, d) * tokens
     # checkpointing: each layer's input (d h per token), and one layer recomputed in full in backward
     kept = text_config.num_hidden_layers * (d * h * tokens if checkpointing else layer)
-    rotary = int(head_dim(text_config) * text_config.rope_parameters.get("partial_rotary_factor", 1.0))
+    rotary = int(h // text_config.num_attention_heads * text_config.rope_parameters.get("partial_rotary_factor", 1))
     # per token: the final norm's fp32 input, M-RoPE's cos and sin; full: the norm's output, lm_head's input
     outside = tokens * (4 * h + (0 if lora_rank else 2 * d * h) + 2 * rotary * d)
     state = ADAPTER_BYTES if lora_rank else d                 # gradients and moments: the parameters' dtype
@@ -2661,19 +2657,16 @@ def trainable_tensors(model, lora_rank, targets=LORA_TARGETS):
 def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
     """Peak of one no-grad vae.decode: up block i runs at H W / 4^(last - i), its first resnet holds its input (block
     i - 1's channels, upsampled), norm1's and SiLU's outputs: 3 x channels x pixels (3 GiB an image at 1024^2)."""
-    channels = list(reversed(vae.config.block_out_channels))
-    last = len(channels) - 1
+    channels, last = vae.config.block_out_channels[::-1], len(vae.config.block_out_channels) - 1
     return 3 * bytes_per * images * max(channels[max(i - 1, 0)] * height * width // 4 ** (last - i)
                                         for i in range(last + 1))
 
 
-# A row's peak: resident bytes (weights, AdamW, KL reference) + its largest phase beside the gradients (zero_grad
-# comes at the next update): a half's backward or AdamW's step, sampling, a frozen part's turn (peaks). A half's
-# bytes per GPU of K: data parallel, all weights and batch / K samples; --fsdp (section 22), fp32 master shards,
-# grads and 2 moments (16 bytes / parameter / K), frozen bf16 / K, and gathered in bf16: the root (embeddings, heads,
-# norms, vision encoder, VQ) from its forward to its backward's end, 2 decoder layers (prefetch), the whole model to
-# sample; a layer's reduce, 2 + 4 bytes each. Not counted: all-gather buffers doubled during a copy-out, the
-# reference's no-grad pass, the allocator's slack.
+# Per GPU of K, a trained half holds (data parallel) all weights and batch / K samples, or (--fsdp, section 22)
+# fp32 master shards, grads and 2 moments (16 bytes / parameter / K), frozen bf16 / K, and gathered in bf16: the
+# root (embeddings, heads, norms, vision encoder, VQ) from its forward to its backward's end, 2 decoder layers
+# (prefetch), the whole model to sample; a layer's reduce, 2 + 4 bytes each. Not counted: all-gather buffers doubled
+# during a copy-out, the reference's no-grad pass, the allocator's slack.
 
 def fsdp_shard_bytes(model, trainable, gpus, working, sampling=0, reference=False, bytes_per=WEIGHT_BYTES):
     """Per-GPU bytes of `model` sharded on `gpus` GPUs, `working`: its activations, `sampling`: its working set
@@ -2681,14 +2674,15 @@ def fsdp_shard_bytes(model, trainable, gpus, working, sampling=0, reference=Fals
     layers = [numel(layer) for layer in sharded_layers(model)]
     total, m, d = numel(model), FSDP_MASTER_BYTES, bytes_per
     gathered = d * (total - sum(layers) + 2 * max(layers))
-    return {"weights": (m * trainable + d * (total - trainable)) / gpus, "grads": m * trainable / gpus,
-            "adam": 2 * m * trainable / gpus, "reference": d * total / gpus if reference else 0, "gathered": gathered,
-            "activations": working, "sampling": d * total + sampling,
+    return {"trainable": trainable, "weights": (m * trainable + d * (total - trainable)) / gpus,
+            "grads": m * trainable / gpus, "adam": 2 * m * trainable / gpus, "gathered": gathered,
+            "reference": d * total / gpus if reference else 0, "activations": working, "sampling": d * total + sampling,
             "backward": max(gathered + working + (d + m) * max(layers), (d + m) * (trainable - sum(layers)))}
 
 
 def peaks(halves, beside=0, offloaded=0):
-    """Per-GPU peaks of `halves` trained in grpo_update's order, `beside` always held, `offloaded` a frozen turn."""
+    """Every row's peaks: the resident bytes (weights, AdamW, KL reference, `beside`) + the largest phase beside the
+    gradients (zero_grad comes at the next update) of `halves` trained in grpo_update's order, `offloaded` a turn."""
     resident = beside + sum(h["weights"] + h["adam"] + h["reference"] for h in halves)
     grads = sum(h["grads"] for h in halves)
     # AdamW's step, or half i's backward beside its and the earlier halves' gradients
@@ -2700,9 +2694,9 @@ def peaks(halves, beside=0, offloaded=0):
 
 def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=False, gpus=(), ranks=(64, 16),
                 mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0, latents_kept=0):
-    """--plan's tables "ar" and "dit": rows keyed by their printed columns (+ "half": its bytes), per GPU on 1
-    GPU and on each K of `gpus` (a rank holds `batch` / K samples of `prompts` / K prompts), without and with
-    checkpointing, per mode: full, LoRA (the AR's `ranks`, the DiT's 64) and, on K GPUs, fsdp."""
+    """--plan's tables "ar" and "dit", rows keyed by their printed columns (+ "half": its bytes) per GPU of 1 and
+    each K in `gpus` (a rank holds `batch` / K samples, `prompts` / K prompts), per mode (full, LoRA: the AR's
+    `ranks`, the DiT's 64; on K GPUs fsdp), without and with checkpointing; the micro-batch: `samples`."""
     ar, dit, d, i2i = components["ar"], components["dit"], WEIGHT_BYTES, mode == "i2i"
     text, batch, config = ar.config.text_config, batch or samples, dit.config
     counts = {name: numel(module) for name, module in components.items()}
@@ -2713,72 +2707,69 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
     # i2i: write_source_caches' K and V per layer and prompt, alive while the DiT samples and through its backward
     source_kv = prompts * config.num_layers * 2 * patches * hidden * d if i2i else 0
     decode = vae_decode_bytes(components["vae"], height, width, 1)
-    kv_cache = (prompt_len + generated) * text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim(text) * d
-    # the DiT's rollout: each sample's `latents_kept` fp32 latents [C, H / 8, W / 8] (K steps: K + 1), through its update
+    kv_cache = (prompt_len + generated) * text.num_hidden_layers * 2 * text.num_key_value_heads * text.hidden_size \
+        // text.num_attention_heads * d
+    # the DiT's rollout: a sample's `latents_kept` fp32 latents [C, H / 8, W / 8] (K steps: K + 1), through its update
     states = latents_kept * config.in_channels * (height // 8) * (width // 8) * 4
     terms, in_turn = {"tokens": (prompt_len, generated), "decode": decode, "source_kv": source_kv}, ("glyph_t5", "vae")
 
-    def on_gpu(k, checkpointing):     # one GPU of k: its batch / k samples, in micro-batches
+    def ar_half(mode, k, checkpointing, micro, sampling):
+        if mode == "fsdp":      # the micro-batch's activations (no whole gradients) beside the shards
+            update = ar_update_bytes(text, micro, prompt_len, generated, 0, checkpointing, head_trainable=head)
+            return fsdp_shard_bytes(ar, sum(trainable_tensors(ar, 0)), k, update["peak"], sampling, beta > 0)
+        rank = int(mode[5:]) if mode != "full" else 0
+        tensors = trainable_tensors(ar, rank)
+        u = ar_update_bytes(text, micro, prompt_len, generated, rank, checkpointing, tensors, 0 if rank else head,
+                            counts["ar"])
+        return {"trainable": sum(tensors), "weights": u["weights"], "grads": u["grads"], "adam": u["adam"],
+                "reference": d * counts["ar"] if beta > 0 and not rank else 0,     # full: a KL reference copy
+                "activations": u["activations"], "backward": u["peak"] - u["grads"], "sampling": sampling}
+
+    def dit_half(mode, k, activations, source_kv):
+        if mode == "fsdp":
+            return fsdp_shard_bytes(dit, counts["dit"], k, activations, source_kv, beta > 0)
+        lora = mode != "full"
+        trainable = sum(trainable_tensors(dit, 64, DIT_LORA_TARGETS)) if lora else counts["dit"]
+        state = ADAPTER_BYTES if lora else d
+        # backward: the largest frozen part in its turn, beside a piece's activations or AdamW's temporary
+        return {"trainable": trainable, "weights": frozen["dit"] + lora * state * trainable, "reference": 0,
+                "grads": state * trainable, "adam": 2 * state * trainable, "activations": activations, "sampling": 0,
+                "backward": max(frozen[p] for p in in_turn) + max(activations, state * trainable)}
+
+    def row(half, mode, k, checkpointing):       # one GPU of k: its batch / k samples, in micro-batches
         micro, working = min(samples, batch // k), {"vae": decode, "dit": source_kv // k, "glyph_t5": 0}
-        # the DiT's micro-batch: ~30 x hidden per block and token (x2 CFG, 64 text tokens), not measured
-        block_input = (patches + 64) * micro * (2 if cfg else 1) * hidden * d
-        blocks = config.num_layers + 30 if checkpointing else config.num_layers * 30
+
+        def turn(parts):        # frozen parts take turns on the GPU, each with its working set
+            return max(frozen[p] + working[p] for p in parts)
         # the AR samples: generate's KV cache of the GPU's samples, or pi_old's pass over a micro-batch (bf16
         # logits, their fp32 copy / T, log_softmax: 10 bytes each)
         sampling = max(batch // k * kv_cache, micro * generated * text.vision_vocab_size * 10)
-        return SimpleNamespace(micro=micro, working=working, sampling=sampling,
-                               dit=blocks * block_input + working["dit"] + batch // k * states,
-                               turn=lambda parts: max(frozen[p] + working[p] for p in parts))   # frozen parts in turn
-
-    def ar_half(mode, k, checkpointing):
-        gpu = on_gpu(k, checkpointing)
-        if mode == "fsdp":      # the micro-batch's activations (no whole gradients) beside the shards
-            update = ar_update_bytes(text, gpu.micro, prompt_len, generated, 0, checkpointing, head_trainable=head)
-            trainable = sum(trainable_tensors(ar, 0))
-            return {"trainable": trainable, **fsdp_shard_bytes(ar, trainable, k, update["peak"], gpu.sampling, beta > 0)}
-        rank = int(mode[5:]) if mode != "full" else 0
-        tensors = trainable_tensors(ar, rank)
-        u = ar_update_bytes(text, gpu.micro, prompt_len, generated, rank, checkpointing, tensors,
-                            0 if rank else head, counts["ar"])
-        return {"trainable": sum(tensors), "weights": u["weights"], "grads": u["grads"], "adam": u["adam"],
-                "reference": d * counts["ar"] if beta > 0 and not rank else 0,     # full: a KL reference copy
-                "activations": u["activations"], "backward": u["peak"] - u["grads"], "sampling": gpu.sampling}
-
-    def dit_half(mode, k, checkpointing):
-        gpu = on_gpu(k, checkpointing)
-        if mode == "fsdp":
-            return {"trainable": counts["dit"],
-                    **fsdp_shard_bytes(dit, counts["dit"], k, gpu.dit, gpu.working["dit"], beta > 0)}
-        trainable = sum(trainable_tensors(dit, 64, DIT_LORA_TARGETS)) if mode != "full" else counts["dit"]
-        state = ADAPTER_BYTES if mode != "full" else d
-        # backward: the largest frozen part in its turn, beside a piece's activations or AdamW's temporary
-        return {"trainable": trainable, "weights": frozen["dit"] + (ADAPTER_BYTES * trainable if mode != "full" else 0),
-                "grads": state * trainable, "adam": 2 * state * trainable, "reference": 0, "activations": gpu.dit,
-                "backward": max(frozen[p] for p in in_turn) + max(gpu.dit, state * trainable), "sampling": 0}
-
-    def row(half, mode, k, checkpointing):
-        gpu, h = on_gpu(k, checkpointing), (ar_half if half == "AR" else dit_half)(mode, k, checkpointing)
+        # the DiT's micro-batch: ~30 x hidden per block and token (x2 CFG, 64 text tokens), not measured
+        blocks = config.num_layers + 30 if checkpointing else config.num_layers * 30
+        activations = blocks * (patches + 64) * micro * (2 if cfg else 1) * hidden * d + working["dit"] \
+            + batch // k * states
+        h = ar_half(mode, k, checkpointing, micro, sampling) if half == "AR" else \
+            dit_half(mode, k, activations, working["dit"])
         columns = {"mode" if half == "AR" else "DiT mode": mode, "grad ckpt": checkpointing, "GPUs": k,
-                   "micro-batch": gpu.micro, "trainable": h["trainable"], f"{half} weights": h["weights"] + h["reference"],
-                   "grads": h["grads"], "AdamW": h["adam"], "activations": h["activations"], "half": h}
+                   "micro-batch": micro, "trainable": h["trainable"], "half": h,
+                   f"{half} weights": h["weights"] + h["reference"], "grads": h["grads"], "AdamW": h["adam"],
+                   "activations": h["activations"]}
         if half == "AR":
             return {**columns, **{key: peaks([h])[key] for key in ("update peak", "sampling peak")},
-                    "peak, offload": peaks([h], offloaded=gpu.turn(frozen))["peak"],
-                    "peak, no offload": peaks([h], sum(frozen.values()), max(gpu.working.values()))["peak"]}
+                    "peak, offload": peaks([h], offloaded=turn(frozen))["peak"],
+                    "peak, no offload": peaks([h], sum(frozen.values()), max(working.values()))["peak"]}
         # 'dit' beside the frozen AR whole; 'both' beside the AR's shards under fsdp, else its first mode's state
         if mode == "fsdp":
-            both = peaks([ar_half("fsdp", k, checkpointing), h], offloaded=gpu.turn(in_turn))
+            both = peaks([ar_half(mode, k, checkpointing, micro, sampling), h], offloaded=turn(in_turn))
         else:
-            a = ar_half(ar_modes[1 if ranks else 0], k, True)
-            both = peaks([h], a["weights"] + a["reference"] + a["grads"] + a["adam"], gpu.turn(in_turn))
-        return {**columns, "peak, dit": peaks([h], d * counts["ar"], gpu.turn(in_turn))["peak"],
+            a = ar_half(f"lora-{ranks[0]}" if ranks else "full", k, True, micro, sampling)
+            both = peaks([h], a["weights"] + a["reference"] + a["grads"] + a["adam"], turn(in_turn))
+        return {**columns, "peak, dit": peaks([h], d * counts["ar"], turn(in_turn))["peak"],
                 "peak, both": both["peak"]}
 
-    ar_modes = ["full", *(f"lora-{rank}" for rank in ranks), "fsdp"]
-    return {"ar": [row("AR", m, k, c) for k in (1, *gpus) for m in ar_modes[:None if k > 1 else -1]
-                   for c in (False, True)],
-            "dit": [row("DiT", m, k, c) for k in (1, *gpus) for m in ("full", "lora-64", "fsdp")[:3 if k > 1 else 2]
-                    for c in (False, True)]}, counts, terms
+    modes = {"AR": ["full", *(f"lora-{rank}" for rank in ranks), "fsdp"], "DiT": ["full", "lora-64", "fsdp"]}
+    return {half.lower(): [row(half, mode, k, c) for k in (1, *gpus) for mode in modes[half][:None if k > 1 else -1]
+                           for c in (False, True)] for half in modes}, counts, terms
 
 
 def print_memory_plan(args):
@@ -2819,15 +2810,13 @@ def print_memory_plan(args):
           + f"; counted: the VAE's decode, one image at a time ({terms['decode'] / unit:.1f} {unit_name})"
           + (f", the DiT's {prompts} source KV caches, one per prompt ({terms['source_kv'] / unit:.1f} {unit_name})"
              if i2i else "") + ", the AR's KV cache while it samples")
-    fsdp = ("; fsdp: full fine-tuning sharded (--fsdp), 16 bytes per trained parameter / K, the bf16 root + 2 layers "
-            "gathered, frozen parts offloaded" if gpus else "")
-    print_table(fsdp[2:], rows["ar"])
+    print_table("fsdp: --fsdp's full fine-tuning, 16 bytes per trained parameter / K, the bf16 root + 2 layers "
+                "gathered, frozen parts offloaded" if gpus else "(--plan-gpus K adds the rows on K GPUs, and --fsdp's)",
+                rows["ar"])
     print_table(f"\nDiT (Flow-GRPO, --policy dit|both): a micro-batch of each denoising step, CFG "
                 f"{'on' if args.guidance_scale > 1 else 'off'}; 'both' adds the AR's lora-{ranks[0]} state (fsdp: its "
-                "shards); activations incl." + (" the source KV caches," if i2i else "") + " the trajectories" + fsdp,
+                "shards); activations incl." + (" the source KV caches," if i2i else "") + " the trajectories",
                 rows["dit"])
-    if not gpus:
-        print("\n(--plan-gpus K adds the rows per GPU on K GPUs, and those of --fsdp: full fine-tuning sharded)")
 
 
 # =============================================================================================
