@@ -848,7 +848,7 @@ def dit_velocity(dit, latents, t, cond, caches):
 
     velocities, start = [], 0
     for p, cache in enumerate(caches):
-        rows = slice(start, start + len(cond.prompt_embeds[p]))     # the prompt's samples, in order
+        rows = slice(start, start + len(cond.prompt_embeds[p]))
         start = rows.stop
         v = branch(rows, cond.prompt_embeds[p], False, cache)
         if cond.guidance_scale > 1:     # the unconditional branch skips the source too (the pipeline's "skip")
@@ -927,12 +927,11 @@ def dit_kl(mean, ref_mean, std):
 
 
 def condition_rows(cond, rows):
-    """The DitCondition of samples `rows` (a slice): the prompts they touch, each one's embeddings cut to its share."""
+    """The DitCondition of samples `rows` (a slice): the prompts they touch, embeddings cut to their share."""
     G = len(cond.prompt_embeds[0])
-    touched = range(rows.start // G, (rows.stop - 1) // G + 1)
-    shares = [(p, min(rows.stop, p * G + G) - max(rows.start, p * G)) for p in touched]
+    shares = [(p, n) for p, n in enumerate(np.bincount(np.arange(rows.start, rows.stop) // G)) if n]
 
-    def pick(per_prompt, cut=False):       # None (no CFG, t2i) stays None
+    def pick(per_prompt, cut=False):       # None stays None
         return per_prompt and [per_prompt[p][:n] if cut else per_prompt[p] for p, n in shares]
     return replace(cond, prompt_embeds=pick(cond.prompt_embeds, True), negative_embeds=pick(cond.negative_embeds, True),
                    prior=cond.prior[rows], target_size=cond.target_size[rows], crop_coords=cond.crop_coords[rows],
@@ -940,14 +939,13 @@ def condition_rows(cond, rows):
 
 
 def dit_half(trainer, run, advantages, args):
-    """The DiT's entry (prefix, params, terms) in grpo_update: grpo_loss per trained step's column and
-    --micro-batch-size rows, weight rows / (N T) (adding up to grpo_loss over [N, T], one piece's activations
-    alive; flow_grpo: a step's), + beta x dit_kl. Under DDP the last piece's backward all-reduces."""
+    """The DiT's entry (prefix, params, terms) in grpo_update: grpo_loss per trained step's column and micro-batch
+    of rows, weight rows / (N T), adding up to grpo_loss over [N, T] (flow_grpo: a step at a time), + beta x dit_kl."""
     policy, reference, cond, rollout = trainer.dit_policy, trainer.dit_reference, run.cond, run.trajectories
     N, steps = rollout.old_logp.shape
     advantages = advantages.to(rollout.old_logp.device)
-    parts = [(rows, condition_rows(cond, rows), replace(rollout, states=rollout.states[rows],
-                                                        old_logp=rollout.old_logp[rows]))
+    parts = [(rows, condition_rows(cond, rows),
+              replace(rollout, states=rollout.states[rows], old_logp=rollout.old_logp[rows]))
              for rows in row_slices(N, args.micro_batch_size)]
 
     def terms(epoch):
@@ -2540,22 +2538,20 @@ def load_training_state(model, optimizer, weights, optimizer_state):
 # =============================================================================================
 # 23. Memory plan for the real GLM-Image (arithmetic on the real configs, meta device)
 # =============================================================================================
-# --plan prints the bytes one GPU holds, from the configs alone (components built on the meta device: no
-# memory, no download). Weights in the model dtype (bf16 on CUDA); LoRA adapters, their gradients and AdamW
-# moments in fp32; full fine-tuning's in the weights' dtype (torch's AdamW allocates state like the parameter).
+# --plan prints the bytes one GPU holds, from the configs alone (components built on the meta device: no memory,
+# no download); full fine-tuning's state in the weights' dtype (torch's AdamW allocates it like the parameter).
 # Checked against the CPU allocator (README, Measurements); the DiT's terms are estimates.
 
 WEIGHT_BYTES = 2         # the model dtype on CUDA, bf16: weights, activations, KV caches
 ADAPTER_BYTES = 4        # LoRA adapters train in fp32 (prepare_policy): weights, grads, AdamW moments
 FSDP_MASTER_BYTES = 4    # --fsdp's trained shards, their gradients and AdamW moments: fp32
 # The real checkpoint's image-processor settings (its public config; the tiny model differs in min_pixels).
-REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, min_pixels=512 * 512,
-                            max_pixels=2048 * 2048)
+REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, min_pixels=512**2, max_pixels=2048**2)
 
 
 def plan_components(model, seed=0):
-    """(components, image processor) of --model: the tiny model; on meta, a saved pipeline's (its configs
-    and processor, None if absent) or the real GLM-Image's (its AR GlmImageConfig(), the rest as read)."""
+    """(components, image processor) of --model: the tiny model, or on meta a saved pipeline's (processor None
+    if absent) or the real GLM-Image's (its AR GlmImageConfig(), the rest as read)."""
     from diffusers import AutoencoderKL, GlmImageTransformer2DModel
     from transformers import AutoConfig, GlmImageConfig, GlmImageForConditionalGeneration, T5Config, T5EncoderModel
     from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
@@ -2603,7 +2599,7 @@ def ar_sequence(mode, height, width, prompt_tokens=64, image_processor=None):
 def layer_activation_bytes(text_config, lora_rank=0, bytes_per=WEIGHT_BYTES):
     """Bytes one decoder layer keeps per token for its backward (SDPA, flash on CUDA and CPU: no T^2 matrix)."""
     h, i, heads = text_config.hidden_size, text_config.intermediate_size, text_config.num_attention_heads
-    kv, d, a = text_config.num_key_value_heads * h // heads, bytes_per, ADAPTER_BYTES     # h // heads: head_dim
+    kv, d, a = text_config.num_key_value_heads * h // heads, bytes_per, ADAPTER_BYTES
     kept = (d * (2 * h + 2 * kv + 3 * i)        # q, k, v after RoPE, SDPA's output; gate_up's output, SiLU's
             + 4 * heads + 4 * (4 * h + 4))      # SDPA's log-sum-exp; the 4 RMSNorms' fp32 inputs and 1 / rms
     if not lora_rank:                           # the norms' normalised values; inputs of q/k/v, o, gate_up, down
@@ -2658,15 +2654,15 @@ def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
     """Peak of one no-grad vae.decode: up block i runs at H W / 4^(last - i), its first resnet holds its input (block
     i - 1's channels, upsampled), norm1's and SiLU's outputs: 3 x channels x pixels (3 GiB an image at 1024^2)."""
     channels, last = vae.config.block_out_channels[::-1], len(vae.config.block_out_channels) - 1
-    return 3 * bytes_per * images * max(channels[max(i - 1, 0)] * height * width // 4 ** (last - i)
-                                        for i in range(last + 1))
+    widest = max(channels[max(i - 1, 0)] * height * width // 4 ** (last - i) for i in range(last + 1))
+    return 3 * bytes_per * images * widest
 
 
 # Per GPU of K, a trained half holds (data parallel) all weights and batch / K samples, or (--fsdp, section 22)
-# fp32 master shards, grads and 2 moments (16 bytes / parameter / K), frozen bf16 / K, and gathered in bf16: the
-# root (embeddings, heads, norms, vision encoder, VQ) from its forward to its backward's end, 2 decoder layers
-# (prefetch), the whole model to sample; a layer's reduce, 2 + 4 bytes each. Not counted: all-gather buffers doubled
-# during a copy-out, the reference's no-grad pass, the allocator's slack.
+# its trained state / K, frozen bf16 / K, and gathered in bf16: the root (embeddings, heads, norms, vision encoder,
+# VQ) from its forward to its backward's end, 2 decoder layers (prefetch), the whole model to sample; a layer's
+# reduce, 2 + 4 bytes each. Not counted: all-gather buffers doubled during a copy-out, the reference's no-grad
+# pass, the allocator's slack, the DiT rollout's N (K + 1) fp32 latents (1 MiB each at 1024^2).
 
 def fsdp_shard_bytes(model, trainable, gpus, working, sampling=0, reference=False, bytes_per=WEIGHT_BYTES):
     """Per-GPU bytes of `model` sharded on `gpus` GPUs, `working`: its activations, `sampling`: its working set
@@ -2681,8 +2677,8 @@ def fsdp_shard_bytes(model, trainable, gpus, working, sampling=0, reference=Fals
 
 
 def peaks(halves, beside=0, offloaded=0):
-    """Every row's peaks: the resident bytes (weights, AdamW, KL reference, `beside`) + the largest phase beside the
-    gradients (zero_grad comes at the next update) of `halves` trained in grpo_update's order, `offloaded` a turn."""
+    """A row's peaks: resident bytes (weights, AdamW, KL reference, `beside`) + the largest phase beside the grads
+    (zero_grad comes at the next update) of `halves` trained in grpo_update's order, `offloaded` a frozen turn."""
     resident = beside + sum(h["weights"] + h["adam"] + h["reference"] for h in halves)
     grads = sum(h["grads"] for h in halves)
     # AdamW's step, or half i's backward beside its and the earlier halves' gradients
@@ -2693,10 +2689,9 @@ def peaks(halves, beside=0, offloaded=0):
 
 
 def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=False, gpus=(), ranks=(64, 16),
-                mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0, latents_kept=0):
-    """--plan's tables "ar" and "dit", rows keyed by their printed columns (+ "half": its bytes) per GPU of 1 and
-    each K in `gpus` (a rank holds `batch` / K samples, `prompts` / K prompts), per mode (full, LoRA: the AR's
-    `ranks`, the DiT's 64; on K GPUs fsdp), without and with checkpointing; the micro-batch: `samples`."""
+                mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0):
+    """--plan's rows ("ar", "dit") keyed by their columns (+ "half": its bytes), per GPU of 1 and each K in `gpus`
+    (`batch` / K samples each), per mode (full, LoRA, fsdp), with and without checkpointing."""
     ar, dit, d, i2i = components["ar"], components["dit"], WEIGHT_BYTES, mode == "i2i"
     text, batch, config = ar.config.text_config, batch or samples, dit.config
     counts = {name: numel(module) for name, module in components.items()}
@@ -2709,8 +2704,6 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
     decode = vae_decode_bytes(components["vae"], height, width, 1)
     kv_cache = (prompt_len + generated) * text.num_hidden_layers * 2 * text.num_key_value_heads * text.hidden_size \
         // text.num_attention_heads * d
-    # the DiT's rollout: a sample's `latents_kept` fp32 latents [C, H / 8, W / 8] (K steps: K + 1), through its update
-    states = latents_kept * config.in_channels * (height // 8) * (width // 8) * 4
     terms, in_turn = {"tokens": (prompt_len, generated), "decode": decode, "source_kv": source_kv}, ("glyph_t5", "vae")
 
     def ar_half(mode, k, checkpointing, micro, sampling):
@@ -2721,9 +2714,8 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         tensors = trainable_tensors(ar, rank)
         u = ar_update_bytes(text, micro, prompt_len, generated, rank, checkpointing, tensors, 0 if rank else head,
                             counts["ar"])
-        return {"trainable": sum(tensors), "weights": u["weights"], "grads": u["grads"], "adam": u["adam"],
-                "reference": d * counts["ar"] if beta > 0 and not rank else 0,     # full: a KL reference copy
-                "activations": u["activations"], "backward": u["peak"] - u["grads"], "sampling": sampling}
+        return {**u, "trainable": sum(tensors), "reference": d * counts["ar"] if beta > 0 and not rank else 0,
+                "backward": u["peak"] - u["grads"], "sampling": sampling}     # full: a KL reference copy
 
     def dit_half(mode, k, activations, source_kv):
         if mode == "fsdp":
@@ -2736,7 +2728,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
                 "grads": state * trainable, "adam": 2 * state * trainable, "activations": activations, "sampling": 0,
                 "backward": max(frozen[p] for p in in_turn) + max(activations, state * trainable)}
 
-    def row(half, mode, k, checkpointing):       # one GPU of k: its batch / k samples, in micro-batches
+    def row(half, mode, k, checkpointing):       # one GPU of k
         micro, working = min(samples, batch // k), {"vae": decode, "dit": source_kv // k, "glyph_t5": 0}
 
         def turn(parts):        # frozen parts take turns on the GPU, each with its working set
@@ -2746,8 +2738,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         sampling = max(batch // k * kv_cache, micro * generated * text.vision_vocab_size * 10)
         # the DiT's micro-batch: ~30 x hidden per block and token (x2 CFG, 64 text tokens), not measured
         blocks = config.num_layers + 30 if checkpointing else config.num_layers * 30
-        activations = blocks * (patches + 64) * micro * (2 if cfg else 1) * hidden * d + working["dit"] \
-            + batch // k * states
+        activations = blocks * (patches + 64) * micro * (2 if cfg else 1) * hidden * d + working["dit"]
         h = ar_half(mode, k, checkpointing, micro, sampling) if half == "AR" else \
             dit_half(mode, k, activations, working["dit"])
         columns = {"mode" if half == "AR" else "DiT mode": mode, "grad ckpt": checkpointing, "GPUs": k,
@@ -2758,14 +2749,11 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
             return {**columns, **{key: peaks([h])[key] for key in ("update peak", "sampling peak")},
                     "peak, offload": peaks([h], offloaded=turn(frozen))["peak"],
                     "peak, no offload": peaks([h], sum(frozen.values()), max(working.values()))["peak"]}
-        # 'dit' beside the frozen AR whole; 'both' beside the AR's shards under fsdp, else its first mode's state
-        if mode == "fsdp":
-            both = peaks([ar_half(mode, k, checkpointing, micro, sampling), h], offloaded=turn(in_turn))
-        else:
-            a = ar_half(f"lora-{ranks[0]}" if ranks else "full", k, True, micro, sampling)
-            both = peaks([h], a["weights"] + a["reference"] + a["grads"] + a["adam"], turn(in_turn))
+        # 'dit' beside the frozen AR whole; 'both' trains the AR (sharded, or its first mode) too
+        a = ar_half(mode if mode == "fsdp" else f"lora-{ranks[0]}" if ranks else "full", k,
+                    checkpointing or mode != "fsdp", micro, sampling)
         return {**columns, "peak, dit": peaks([h], d * counts["ar"], turn(in_turn))["peak"],
-                "peak, both": both["peak"]}
+                "peak, both": peaks([a, h], offloaded=turn(in_turn))["peak"]}
 
     modes = {"AR": ["full", *(f"lora-{rank}" for rank in ranks), "fsdp"], "DiT": ["full", "lora-64", "fsdp"]}
     return {half.lower(): [row(half, mode, k, c) for k in (1, *gpus) for mode in modes[half][:None if k > 1 else -1]
@@ -2780,11 +2768,11 @@ def print_memory_plan(args):
                              "whole groups")
     components, image_processor = plan_components(args.model, args.seed)
     ranks, i2i = (args.lora_rank,) if args.lora_rank else (64, 16), args.mode == "i2i"
-    rows, counts, terms = memory_plan(components, args.height, args.width, samples, args.group_size * prompts, prompts,
-                                      args.guidance_scale > 1, gpus, ranks, args.mode, image_processor=image_processor,
-                                      beta=args.beta, latents_kept=args.num_inference_steps + 1)
+    rows, counts, terms = memory_plan(
+        components, args.height, args.width, samples, args.group_size * prompts, prompts, args.guidance_scale > 1, gpus,
+        ranks, args.mode, image_processor=image_processor, beta=args.beta)
     prompt_len, generated = terms["tokens"]
-    # the tiny model's bytes would all print as 0.0 GiB: small models get MiB and thousands
+    # the tiny model's bytes: MiB, its counts: thousands
     big = max(r["peak, no offload"] for r in rows["ar"]) >= 1024 ** 3
     (unit, unit_name), (count_div, count_name) = (1024 ** (3 if big else 2), "GiB" if big else "MiB"), \
         (1e6, "M") if max(counts.values()) >= 1e8 else (1e3, "k")
@@ -2800,23 +2788,22 @@ def print_memory_plan(args):
         for row in rows:
             print("| " + " | ".join(cell(key, row[key]) for key in columns) + " |")
 
-    print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count_div:,.1f} {count_name}"
-                                                       for k, v in counts.items()))
+    print(f"parameters of {args.model}: "
+          + ", ".join(f"{k} {v / count_div:,.1f} {count_name}" for k, v in counts.items()))
     source = f" incl. the source's {prompt_len - 66} VQ tokens" if i2i else ""      # 64 text, image start and end
     print(f"--mode {args.mode}, teacher-forced pass: {samples} samples x {prompt_len + generated} tokens ({prompt_len}"
-          f" prompt{source} + {generated} generated, {args.height}x{args.width}); estimates in {unit_name} per GPU, on"
-          f" K GPUs each holding {prompts} / K groups of {args.group_size}; bf16 weights, torch's AdamW (foreach)"
+          f" prompt{source} + {generated} generated, {args.height}x{args.width}); estimates in {unit_name} per GPU"
+          f" (of K: {prompts} / K groups of {args.group_size}), bf16 weights, torch's AdamW (foreach)"
           + (", KL reference copy for full fine-tuning" if args.beta > 0 else "")
           + f"; counted: the VAE's decode, one image at a time ({terms['decode'] / unit:.1f} {unit_name})"
           + (f", the DiT's {prompts} source KV caches, one per prompt ({terms['source_kv'] / unit:.1f} {unit_name})"
-             if i2i else "") + ", the AR's KV cache while it samples")
+             if i2i else ""))
     print_table("fsdp: --fsdp's full fine-tuning, 16 bytes per trained parameter / K, the bf16 root + 2 layers "
                 "gathered, frozen parts offloaded" if gpus else "(--plan-gpus K adds the rows on K GPUs, and --fsdp's)",
                 rows["ar"])
     print_table(f"\nDiT (Flow-GRPO, --policy dit|both): a micro-batch of each denoising step, CFG "
-                f"{'on' if args.guidance_scale > 1 else 'off'}; 'both' adds the AR's lora-{ranks[0]} state (fsdp: its "
-                "shards); activations incl." + (" the source KV caches," if i2i else "") + " the trajectories",
-                rows["dit"])
+                f"{'on' if args.guidance_scale > 1 else 'off'}; 'both' trains the AR's lora-{ranks[0]} too (fsdp: "
+                "sharded)" + ("; activations incl. the source KV caches" if i2i else ""), rows["dit"])
 
 
 # =============================================================================================
