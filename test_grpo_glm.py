@@ -1220,6 +1220,64 @@ def test_fsdp_plan_matches_a_hand_count_on_the_tiny_model(tmp_path):
     assert two["ar"]["gathered"] == four["ar"]["gathered"]
 
 
+def test_data_parallel_plan_matches_a_hand_count_on_the_tiny_model(capsys):
+    """issue 34: --plan-gpus K prints per-GPU rows for every data-parallel mode, each GPU holding all weights and
+    batch / K samples of prompts / K prompts: 4 i2i prompts x G 2, micro-batches of 2, CFG, on 1, 2 and 4 GPUs."""
+    components = g.plan_components("tiny")[0]
+    tables, counts, terms = g.memory_plan(components, 64, 64, samples=2, batch=8, prompts=4, cfg=True, gpus=[2, 4],
+                                          ranks=(4,), mode="i2i", prompt_tokens=10)
+    tc, (prompt_len, generated) = components["ar"].config.text_config, terms["tokens"]
+    frozen = {part: 2 * counts[part] for part in ("dit", "glyph_t5", "vae")}
+    decode = 3 * 8 * 64 * 64 * 2                           # the VAE's decode of one image (vae_decode_bytes)
+    source_kv = 4 * 2 * 2 * 4 * 4 * 32 * 2                 # per prompt: 2 blocks x K, V x 4 x 4 patches x 32, bf16
+    assert [(r["GPUs"], r["mode"]) for r in tables["ar"]][::2] == [(1, "full"), (1, "lora-4"), (2, "full"),
+                                                                 (2, "lora-4"), (2, "fsdp"), (4, "full"),
+                                                                 (4, "lora-4"), (4, "fsdp")]
+    one = {(r["mode"], r["grad ckpt"]): r for r in tables["ar"] if r["GPUs"] == 1}
+    for r in tables["ar"]:
+        k, resident = r["GPUs"], r["AR weights"] + r["AdamW"]
+        if r["mode"] == "fsdp":
+            continue                                        # test_fsdp_plan_matches_a_hand_count_on_the_tiny_model
+        # every GPU holds all weights, gradients and moments, and updates a micro-batch of 2 as one GPU does
+        for key in ("AR weights", "grads", "AdamW", "activations", "update peak", "micro-batch"):
+            assert r[key] == one[r["mode"], r["grad ckpt"]][key], (k, key)
+        # it samples its 8 / k: generate's KV cache (2 layers x K, V x 2 heads x 16, bf16 per token), or pi_old's
+        # pass over a micro-batch (bf16 logits, fp32 copy, log_softmax: 10 bytes each)
+        sampling = max(8 // k * (prompt_len + generated) * 2 * 2 * 32 * 2, 2 * generated * tc.vision_vocab_size * 10)
+        assert r["sampling peak"] == resident + r["grads"] + sampling
+        # the frozen parts in turn (offload), the VAE's with its decode, the DiT's with its GPU's source caches
+        turn = max(frozen["dit"] + source_kv // k, frozen["glyph_t5"], frozen["vae"] + decode)
+        assert r["peak, offload"] == max(r["update peak"], r["sampling peak"], resident + r["grads"] + turn)
+        assert r["peak, no offload"] == sum(frozen.values()) + max(
+            r["update peak"], r["sampling peak"], resident + r["grads"] + max(decode, source_kv // k))
+    lora = {(r["GPUs"], r["grad ckpt"]): r for r in tables["ar"] if r["mode"] == "lora-4"}
+    for r in tables["dit"]:
+        k, trainable = r["GPUs"], r["trainable"]
+        if r["DiT mode"] == "fsdp":
+            continue
+        state = 4 if r["DiT mode"] == "lora-64" else 2                     # fp32 adapters, or bf16 weights
+        assert (r["grads"], r["AdamW"], r["micro-batch"]) == (state * trainable, 2 * state * trainable, 2)
+        # a micro-batch of 2 per denoising step, CFG: (4 x 4 patches + 64 text tokens) x 32 x 2 passes, bf16, per
+        # block input; 30 x that inside a block (2 blocks, or 1 recomputed), beside the GPU's 4 / k source caches
+        block_input = (4 * 4 + 64) * 2 * 32 * 2 * 2
+        assert r["activations"] == (2 + 30 if r["grad ckpt"] else 2 * 30) * block_input + source_kv // k
+        # the backward: a frozen part in its turn beside the activations (or AdamW's temporary), the gradients, and
+        # 'dit' the frozen AR whole; 'both' the AR's lora-4 (checkpointing), its phases too
+        resident = r["DiT weights"] + r["AdamW"]
+        backward = max(frozen["glyph_t5"], frozen["vae"]) + max(r["activations"], r["grads"])
+        turn = max(frozen["glyph_t5"], frozen["vae"] + decode)
+        assert r["peak, dit"] == 2 * counts["ar"] + resident + r["grads"] + max(backward, turn)
+        a = lora[k, True]
+        a_resident, grads = a["AR weights"] + a["AdamW"], a["grads"] + r["grads"]
+        assert r["peak, both"] == a_resident + resident + max(
+            a["update peak"] - a_resident, a["sampling peak"] - a_resident + r["grads"], grads + backward, grads + turn)
+    # and printed: each mode's rows on 1, 2 and 4 GPUs
+    g.main(["--plan", "--lora-rank", "8", "--plan-gpus", "2"])
+    printed = capsys.readouterr().out
+    for mode, gpus in [("full", ["1", "2"] * 2), ("lora-8", ["1", "2"]), ("lora-64", ["1", "2"]), ("fsdp", ["2"] * 2)]:
+        assert [line.split(" | ")[2] for line in printed.splitlines() if line.startswith(f"| {mode} | yes")] == gpus
+
+
 def test_plan_gpus_prints_the_fsdp_rows_of_the_real_model(capsys):
     g.main(["--plan", "--model", "zai-org/GLM-Image", "--height", "1024", "--width", "1024", "--group-size", "16",
             "--micro-batch-size", "2", "--prompts-per-step", "8", "--plan-gpus", "4", "8"])
