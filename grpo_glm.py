@@ -2714,8 +2714,8 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         tensors = trainable_tensors(ar, rank)
         u = ar_update_bytes(text, micro, prompt_len, generated, rank, checkpointing, tensors, 0 if rank else head,
                             counts["ar"])
-        return {**u, "trainable": sum(tensors), "reference": d * counts["ar"] if beta > 0 and not rank else 0,
-                "backward": u["peak"] - u["grads"], "sampling": sampling}     # full: a KL reference copy
+        return {**u, "trainable": sum(tensors), "backward": u["peak"] - u["grads"], "sampling": sampling,
+                "reference": d * counts["ar"] if beta > 0 and not rank else 0}     # full: a KL reference copy
 
     def dit_half(mode, k, activations, source_kv):
         if mode == "fsdp":
@@ -2731,7 +2731,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
     def row(half, mode, k, checkpointing):       # one GPU of k
         micro, working = min(samples, batch // k), {"vae": decode, "dit": source_kv // k, "glyph_t5": 0}
 
-        def turn(parts):        # frozen parts take turns on the GPU, each with its working set
+        def turn(parts):        # frozen parts take turns, each with its working set
             return max(frozen[p] + working[p] for p in parts)
         # the AR samples: generate's KV cache of the GPU's samples, or pi_old's pass over a micro-batch (bf16
         # logits, their fp32 copy / T, log_softmax: 10 bytes each)
@@ -2749,9 +2749,9 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
             return {**columns, **{key: peaks([h])[key] for key in ("update peak", "sampling peak")},
                     "peak, offload": peaks([h], offloaded=turn(frozen))["peak"],
                     "peak, no offload": peaks([h], sum(frozen.values()), max(working.values()))["peak"]}
-        # 'dit' beside the frozen AR whole; 'both' trains the AR (sharded, or its first mode) too
-        a = ar_half(mode if mode == "fsdp" else f"lora-{ranks[0]}" if ranks else "full", k,
-                    checkpointing or mode != "fsdp", micro, sampling)
+        # 'dit' beside the frozen AR whole; 'both' trains it too: sharded, or its first mode checkpointed
+        a = ar_half("fsdp", k, checkpointing, micro, sampling) if mode == "fsdp" else \
+            ar_half(f"lora-{ranks[0]}" if ranks else "full", k, True, micro, sampling)
         return {**columns, "peak, dit": peaks([h], d * counts["ar"], turn(in_turn))["peak"],
                 "peak, both": peaks([a, h], offloaded=turn(in_turn))["peak"]}
 
