@@ -839,20 +839,19 @@ def dit_velocity(dit, latents, t, cond, caches):
     """The guided velocity v [N, C, h, w] (fp32) at t as the pipeline computes it (the DiT gets t - 1; CFG
     v = v_u + g (v_c - v_u), v_u without prior tokens, in training too). One call per prompt: a batch would
     pad shorter glyph embeddings with zeros the DiT attends to (no mask helps, diffusers issue 13587)."""
-    n = latents.shape[0] // len(cond.prompt_embeds)
-    timestep = t.expand(n) - 1
     dtype = unwrap(dit).dtype
 
     def branch(rows, embeds, drop, cache):
         prior = cond.prior[rows]
         return dit(hidden_states=latents[rows].to(dtype), encoder_hidden_states=embeds, prior_token_id=prior,
-                   prior_token_drop=torch.full_like(prior, drop, dtype=torch.bool), timestep=timestep,
+                   prior_token_drop=torch.full_like(prior, drop, dtype=torch.bool), timestep=t.expand(len(prior)) - 1,
                    target_size=cond.target_size[rows], crop_coords=cond.crop_coords[rows], return_dict=False,
                    kv_caches=cache)[0].to(torch.promote_types(dtype, torch.float32))
 
-    velocities = []
+    velocities, start = [], 0
     for p, cache in enumerate(caches):
-        rows = slice(p * n, (p + 1) * n)
+        rows = slice(start, start + len(cond.prompt_embeds[p]))
+        start = rows.stop
         v = branch(rows, cond.prompt_embeds[p], False, cache)
         if cond.guidance_scale > 1:     # the unconditional branch skips the source too (the pipeline's "skip")
             v_uncond = branch(rows, cond.negative_embeds[p], True, None)
@@ -930,28 +929,43 @@ def dit_kl(mean, ref_mean, std):
     return ((mean - ref_mean) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * std ** 2)
 
 
+def condition_rows(cond, rows):
+    """The DitCondition of samples `rows` (a slice): the prompts they touch, embeddings cut to their share."""
+    G = len(cond.prompt_embeds[0])
+    shares = [(p, n) for p, n in enumerate(np.bincount(np.arange(rows.start, rows.stop) // G)) if n]
+
+    def pick(per_prompt, cut=False):       # None stays None
+        return per_prompt and [per_prompt[p][:n] if cut else per_prompt[p] for p, n in shares]
+    return replace(cond, prompt_embeds=pick(cond.prompt_embeds, True), negative_embeds=pick(cond.negative_embeds, True),
+                   prior=cond.prior[rows], target_size=cond.target_size[rows], crop_coords=cond.crop_coords[rows],
+                   source_latents=pick(cond.source_latents), source_prior=pick(cond.source_prior))
+
+
 def dit_half(trainer, run, advantages, args):
-    """The DiT's entry (prefix, params, terms) in grpo_update: grpo_loss per trained step's column, weight
-    1/T (adding up to grpo_loss over [N, T], one step's activations alive, as flow_grpo), + beta x dit_kl."""
+    """The DiT's entry (prefix, params, terms) in grpo_update: grpo_loss per trained step's column and micro-batch
+    of rows, weight rows / (N T), adding up to grpo_loss over [N, T] (flow_grpo: a step at a time), + beta x dit_kl."""
     policy, reference, cond, rollout = trainer.dit_policy, trainer.dit_reference, run.cond, run.trajectories
-    steps = rollout.old_logp.shape[1]
-    ones = torch.ones_like(rollout.old_logp[:, :1])
+    N, steps = rollout.old_logp.shape
     advantages = advantages.to(rollout.old_logp.device)
+    parts = [(rows, condition_rows(cond, rows),
+              replace(rollout, states=rollout.states[rows], old_logp=rollout.old_logp[rows]))
+             for rows in row_slices(N, args.micro_batch_size)]
 
     def terms(epoch):
-        for i in sync_on_last(policy, range(steps)):
-            logp, mean = dit_step_logprob(policy, cond, rollout, i, args.dit_noise_level)
-            loss, metrics = grpo_loss(logp[:, None], rollout.old_logp[:, i:i + 1], advantages, ones,
+        for i, (rows, condition, part) in sync_on_last(policy, [(i, part) for i in range(steps) for part in parts]):
+            logp, mean = dit_step_logprob(policy, condition, part, i, args.dit_noise_level)
+            old_logp = part.old_logp[:, i:i + 1]
+            loss, metrics = grpo_loss(logp[:, None], old_logp, advantages[rows], torch.ones_like(old_logp),
                                       args.dit_clip_eps)
             if args.beta > 0:
                 with torch.no_grad(), reference_weights(unwrap(policy), reference) as ref:
-                    ref_mean = dit_step_logprob(ref, cond, rollout, i, args.dit_noise_level)[1]
+                    ref_mean = dit_step_logprob(ref, condition, part, i, args.dit_noise_level)[1]
                 kl = dit_kl(mean, ref_mean, sde_std(rollout.sigmas, i, args.dit_noise_level)[1]).mean()
                 loss = loss + args.beta * kl
                 metrics["kl"] = kl.item()
             if epoch == 0:
-                metrics["logp_diff_max"] = (logp.detach() - rollout.old_logp[:, i]).abs().max().item()
-            yield loss, {**metrics, "loss": loss.item()}, 1 / steps
+                metrics["logp_diff_max"] = (logp.detach() - old_logp[:, 0]).abs().max().item()
+            yield loss, {**metrics, "loss": loss.item()}, len(old_logp) / (N * steps)
     return "dit/", trainer.dit_params, terms
 
 
@@ -2540,23 +2554,20 @@ def load_training_state(model, optimizer, weights, optimizer_state):
 # =============================================================================================
 # 23. Memory plan for the real GLM-Image (arithmetic on the real configs, meta device)
 # =============================================================================================
-# --plan prints the bytes one GPU holds, from the configs alone (components built on the meta device: no
-# memory, no download). Weights in the model dtype (bf16 on CUDA); LoRA adapters, their gradients and AdamW
-# moments in fp32; full fine-tuning's in the weights' dtype (torch's AdamW allocates state like the parameter).
+# --plan prints the bytes one GPU holds, from the configs alone (components built on the meta device: no memory,
+# no download); full fine-tuning's state in the weights' dtype (torch's AdamW allocates it like the parameter).
 # Checked against the CPU allocator (README, Measurements); the DiT's terms are estimates.
 
-GiB = 1024 ** 3
 WEIGHT_BYTES = 2         # the model dtype on CUDA, bf16: weights, activations, KV caches
 ADAPTER_BYTES = 4        # LoRA adapters train in fp32 (prepare_policy): weights, grads, AdamW moments
 FSDP_MASTER_BYTES = 4    # --fsdp's trained shards, their gradients and AdamW moments: fp32
 # The real checkpoint's image-processor settings (its public config; the tiny model differs in min_pixels).
-REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, min_pixels=512 * 512,
-                            max_pixels=2048 * 2048)
+REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, min_pixels=512**2, max_pixels=2048**2)
 
 
 def plan_components(model, seed=0):
-    """(components, image processor) of --model: the tiny model; on meta, a saved pipeline's (its configs
-    and processor, None if absent) or the real GLM-Image's (its AR GlmImageConfig(), the rest as read)."""
+    """(components, image processor) of --model: the tiny model, or on meta a saved pipeline's (processor None
+    if absent) or the real GLM-Image's (its AR GlmImageConfig(), the rest as read)."""
     from diffusers import AutoencoderKL, GlmImageTransformer2DModel
     from transformers import AutoConfig, GlmImageConfig, GlmImageForConditionalGeneration, T5Config, T5EncoderModel
     from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
@@ -2601,14 +2612,10 @@ def ar_sequence(mode, height, width, prompt_tokens=64, image_processor=None):
     return prompt_tokens + 2 + source, grid
 
 
-def head_dim(text_config):
-    return getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-
-
 def layer_activation_bytes(text_config, lora_rank=0, bytes_per=WEIGHT_BYTES):
     """Bytes one decoder layer keeps per token for its backward (SDPA, flash on CUDA and CPU: no T^2 matrix)."""
     h, i, heads = text_config.hidden_size, text_config.intermediate_size, text_config.num_attention_heads
-    kv, d, a = text_config.num_key_value_heads * head_dim(text_config), bytes_per, ADAPTER_BYTES
+    kv, d, a = text_config.num_key_value_heads * h // heads, bytes_per, ADAPTER_BYTES
     kept = (d * (2 * h + 2 * kv + 3 * i)        # q, k, v after RoPE, SDPA's output; gate_up's output, SiLU's
             + 4 * heads + 4 * (4 * h + 4))      # SDPA's log-sum-exp; the 4 RMSNorms' fp32 inputs and 1 / rms
     if not lora_rank:                           # the norms' normalised values; inputs of q/k/v, o, gate_up, down
@@ -2627,7 +2634,7 @@ def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, c
     layer = layer_activation_bytes(text_config, lora_rank, d) * tokens
     # checkpointing: each layer's input (d h per token), and one layer recomputed in full in backward
     kept = text_config.num_hidden_layers * (d * h * tokens if checkpointing else layer)
-    rotary = int(head_dim(text_config) * text_config.rope_parameters.get("partial_rotary_factor", 1.0))
+    rotary = int(h // text_config.num_attention_heads * text_config.rope_parameters.get("partial_rotary_factor", 1))
     # per token: the final norm's fp32 input, M-RoPE's cos and sin; full: the norm's output, lm_head's input
     outside = tokens * (4 * h + (0 if lora_rank else 2 * d * h) + 2 * rotary * d)
     state = ADAPTER_BYTES if lora_rank else d                 # gradients and moments: the parameters' dtype
@@ -2662,18 +2669,16 @@ def trainable_tensors(model, lora_rank, targets=LORA_TARGETS):
 def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
     """Peak of one no-grad vae.decode: up block i runs at H W / 4^(last - i), its first resnet holds its input (block
     i - 1's channels, upsampled), norm1's and SiLU's outputs: 3 x channels x pixels (3 GiB an image at 1024^2)."""
-    channels = list(reversed(vae.config.block_out_channels))
-    last = len(channels) - 1
-    return 3 * bytes_per * images * max(channels[max(i - 1, 0)] * height * width // 4 ** (last - i)
-                                        for i in range(last + 1))
+    channels, last = vae.config.block_out_channels[::-1], len(vae.config.block_out_channels) - 1
+    widest = max(channels[max(i - 1, 0)] * height * width // 4 ** (last - i) for i in range(last + 1))
+    return 3 * bytes_per * images * widest
 
 
-# --fsdp, per GPU on K GPUs (section 22):
-#   shards: trained weights as fp32 masters + fp32 grads + 2 fp32 moments (16 bytes / parameter / K), frozen bf16 / K
-#   gathered, bf16: the root (embeddings, heads, norms, vision encoder, VQ) from its forward to its backward's end
-#     (FSDP2 keeps a root); 2 decoder layers (prefetch); the whole model to sample; a layer's reduce: 2 + 4 bytes each
-#   peak: shards + max(sampling, a half's backward beside its and earlier halves' grads, AdamW's step, a frozen turn)
-#   not counted: all-gather buffers doubled during a copy-out, the reference's no-grad pass, the allocator's slack
+# Per GPU of K, a trained half holds (data parallel) all weights and batch / K samples, or (--fsdp, section 22)
+# its trained state / K, frozen bf16 / K, and gathered in bf16: the root (embeddings, heads, norms, vision encoder,
+# VQ) from its forward to its backward's end, 2 decoder layers (prefetch), the whole model to sample; a layer's
+# reduce, 2 + 4 bytes each. Not counted: all-gather buffers doubled during a copy-out, the reference's no-grad
+# pass, the allocator's slack, the DiT rollout's N (K + 1) fp32 latents (1 MiB each at 1024^2).
 
 def fsdp_shard_bytes(model, trainable, gpus, working, sampling=0, reference=False, bytes_per=WEIGHT_BYTES):
     """Per-GPU bytes of `model` sharded on `gpus` GPUs, `working`: its activations, `sampling`: its working set
@@ -2681,15 +2686,15 @@ def fsdp_shard_bytes(model, trainable, gpus, working, sampling=0, reference=Fals
     layers = [numel(layer) for layer in sharded_layers(model)]
     total, m, d = numel(model), FSDP_MASTER_BYTES, bytes_per
     gathered = d * (total - sum(layers) + 2 * max(layers))
-    return {"weights": (m * trainable + d * (total - trainable)) / gpus,
-            "grads": m * trainable / gpus, "adam": 2 * m * trainable / gpus,
-            "reference": d * total / gpus if reference else 0,
-            "gathered": gathered, "activations": working, "sampling": d * total + sampling,
+    return {"trainable": trainable, "weights": (m * trainable + d * (total - trainable)) / gpus,
+            "grads": m * trainable / gpus, "adam": 2 * m * trainable / gpus, "gathered": gathered,
+            "reference": d * total / gpus if reference else 0, "activations": working, "sampling": d * total + sampling,
             "backward": max(gathered + working + (d + m) * max(layers), (d + m) * (trainable - sum(layers)))}
 
 
-def fsdp_peaks(halves, beside=0, offloaded=0):
-    """Per-GPU peaks of `halves` trained in grpo_update's order, `beside` always held, `offloaded` a frozen turn."""
+def peaks(halves, beside=0, offloaded=0):
+    """A row's peaks: resident bytes (weights, AdamW, KL reference, `beside`) + the largest phase beside the grads
+    (zero_grad comes at the next update) of `halves` trained in grpo_update's order, `offloaded` a frozen turn."""
     resident = beside + sum(h["weights"] + h["adam"] + h["reference"] for h in halves)
     grads = sum(h["grads"] for h in halves)
     # AdamW's step, or half i's backward beside its and the earlier halves' gradients
@@ -2701,132 +2706,120 @@ def fsdp_peaks(halves, beside=0, offloaded=0):
 
 def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=False, gpus=(), ranks=(64, 16),
                 mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0):
-    """--plan's rows keyed by their printed columns, without and with checkpointing: "ar" per LoRA rank (0: full),
-    "dit" full and lora-64, "fsdp" per K in `gpus`; the AR's micro-batch: `samples`; the DiT's step: `batch`."""
+    """--plan's rows ("ar", "dit") keyed by their columns (+ "half": its bytes), per GPU of 1 and each K in `gpus`
+    (`batch` / K samples each), per mode (full, LoRA, fsdp), with and without checkpointing."""
     ar, dit, d, i2i = components["ar"], components["dit"], WEIGHT_BYTES, mode == "i2i"
-    text, batch = ar.config.text_config, batch or samples
+    text, batch, config = ar.config.text_config, batch or samples, dit.config
     counts = {name: numel(module) for name, module in components.items()}
     frozen = {name: d * counts[name] for name in ("dit", "glyph_t5", "vae")}
     prompt_len, generated = ar_sequence(mode, height, width, prompt_tokens, image_processor)
     head = numel(ar.model.language_model.norm) + numel(ar.lm_head)
-    hidden = dit.config.num_attention_heads * dit.config.attention_head_dim
+    hidden, patches = config.num_attention_heads * config.attention_head_dim, (height // 16) * (width // 16)
     # i2i: write_source_caches' K and V per layer and prompt, alive while the DiT samples and through its backward
-    source_kv = prompts * dit.config.num_layers * 2 * (height // 16) * (width // 16) * hidden * d if i2i else 0
-    working = {"vae": vae_decode_bytes(components["vae"], height, width, 1), "dit": source_kv, "glyph_t5": 0}
-    terms = {"tokens": (prompt_len, generated), "decode": working["vae"], "source_kv": source_kv}
+    source_kv = prompts * config.num_layers * 2 * patches * hidden * d if i2i else 0
+    decode = vae_decode_bytes(components["vae"], height, width, 1)
+    kv_cache = (prompt_len + generated) * text.num_hidden_layers * 2 * text.num_key_value_heads * text.hidden_size \
+        // text.num_attention_heads * d
+    terms, in_turn = {"tokens": (prompt_len, generated), "decode": decode, "source_kv": source_kv}, ("glyph_t5", "vae")
 
-    def dit_step(samples, checkpointing):   # ~30 x hidden per block and token (x2 CFG, 64 text tokens), not measured
-        block_input = ((height // 16) * (width // 16) + 64) * samples * (2 if cfg else 1) * hidden * 2
-        return (dit.config.num_layers + 30 if checkpointing else dit.config.num_layers * 30) * block_input
-
-    def turn(parts, k=1):      # frozen parts take turns on the GPU, each with its working set (source caches / K)
-        return max(frozen[p] + (working[p] // k if p == "dit" else working[p]) for p in parts)
-
-    def ar_row(rank, checkpointing):
+    def ar_half(mode, k, checkpointing, micro, sampling):
+        if mode == "fsdp":      # the micro-batch's activations (no whole gradients) beside the shards
+            update = ar_update_bytes(text, micro, prompt_len, generated, 0, checkpointing, head_trainable=head)
+            return fsdp_shard_bytes(ar, sum(trainable_tensors(ar, 0)), k, update["peak"], sampling, beta > 0)
+        rank = int(mode[5:]) if mode != "full" else 0
         tensors = trainable_tensors(ar, rank)
-        u = ar_update_bytes(text, samples, prompt_len, generated, rank, checkpointing, tensors, 0 if rank else head,
+        u = ar_update_bytes(text, micro, prompt_len, generated, rank, checkpointing, tensors, 0 if rank else head,
                             counts["ar"])
-        weights = u["weights"] + (d * counts["ar"] if beta > 0 and not rank else 0)   # full: a KL reference copy
-        resident = weights + u["adam"]
-        # the gradients stay between updates (zero_grad comes at the next) while the frozen parts run
-        return {"mode": f"lora-{rank}" if rank else "full", "grad ckpt": checkpointing, "micro-batch": samples,
-                "trainable": sum(tensors), "AR weights": weights, "grads": u["grads"], "AdamW": u["adam"],
-                "activations": u["activations"], "update peak": resident + u["peak"],
-                "peak, offload": resident + max(u["peak"], u["grads"] + turn(frozen)),
-                "peak, no offload": resident + max(u["peak"], u["grads"] + max(working.values()))
-                + sum(frozen.values())}
+        return {**u, "trainable": sum(tensors), "backward": u["peak"] - u["grads"], "sampling": sampling,
+                "reference": d * counts["ar"] if beta > 0 and not rank else 0}     # full: a KL reference copy
 
-    both, in_turn = ar_row((ranks or (0,))[0], True), ("glyph_t5", "vae")    # 'both' trains the AR's first rank
-
-    def dit_row(lora, checkpointing):
-        # grads accumulate over the steps beside one step's activations; 'both' adds the AR's state, 'dit' its weights
+    def dit_half(mode, k, activations, source_kv):
+        if mode == "fsdp":
+            return fsdp_shard_bytes(dit, counts["dit"], k, activations, source_kv, beta > 0)
+        lora = mode != "full"
         trainable = sum(trainable_tensors(dit, 64, DIT_LORA_TARGETS)) if lora else counts["dit"]
         state = ADAPTER_BYTES if lora else d
-        weights = frozen["dit"] + (ADAPTER_BYTES * trainable if lora else 0)
-        activations = dit_step(batch, checkpointing) + source_kv
-        peak = weights + 3 * state * trainable + max(
-            max(frozen[p] for p in in_turn) + max(activations, state * trainable), turn(in_turn))
-        return {"DiT mode": "lora-64" if lora else "full", "grad ckpt": checkpointing, "trainable": trainable,
-                "DiT weights": weights, "grads": state * trainable, "AdamW": 2 * state * trainable,
-                "activations": activations, "peak, dit": peak + d * counts["ar"],
-                "peak, both": peak + both["AR weights"] + both["grads"] + both["AdamW"]}
+        # backward: the largest frozen part in its turn, beside a piece's activations or AdamW's temporary
+        return {"trainable": trainable, "weights": frozen["dit"] + lora * state * trainable, "reference": 0,
+                "grads": state * trainable, "adam": 2 * state * trainable, "activations": activations, "sampling": 0,
+                "backward": max(frozen[p] for p in in_turn) + max(activations, state * trainable)}
 
-    def fsdp_row(k, checkpointing):
-        # the AR: ar_update_bytes' micro-batch (no whole gradients); sampling: generate's KV cache of the
-        # GPU's batch / K samples, or pi_old's pass (bf16 logits, fp32 copy / T, log_softmax: 10 bytes each)
-        update = ar_update_bytes(text, samples, prompt_len, generated, 0, checkpointing, head_trainable=head)
-        kv_cache = (prompt_len + generated) * text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim(text)
-        sampling = max(batch // k * kv_cache * d, samples * generated * text.vision_vocab_size * (2 + 8))
-        a = fsdp_shard_bytes(ar, sum(trainable_tensors(ar, 0)), k, update["peak"], sampling, beta > 0)
-        activations = dit_step(batch // k, checkpointing) + source_kv // k
-        t = fsdp_shard_bytes(dit, counts["dit"], k, activations, source_kv // k, beta > 0)
-        return {"GPUs": k, "grad ckpt": checkpointing, "ar": a, "dit": t, **fsdp_peaks([a], offloaded=turn(frozen, k)),
-                "peak, dit": fsdp_peaks([t], beside=d * counts["ar"], offloaded=turn(in_turn, k))["peak"],
-                "peak, both": fsdp_peaks([a, t], offloaded=turn(in_turn, k))["peak"]}
+    def row(half, mode, k, checkpointing):       # one GPU of k
+        micro, working = min(samples, batch // k), {"vae": decode, "dit": source_kv // k, "glyph_t5": 0}
 
-    rows = {"ar": [ar_row(rank, c) for rank in (0, *ranks) for c in (False, True)],
-            "dit": [dit_row(lora, c) for lora in (False, True) for c in (False, True)],
-            "fsdp": [fsdp_row(k, c) for k in gpus for c in (False, True)]}
-    return rows, counts, terms
+        def turn(parts):        # frozen parts take turns, each with its working set
+            return max(frozen[p] + working[p] for p in parts)
+        # the AR samples: generate's KV cache of the GPU's samples, or pi_old's pass over a micro-batch (bf16
+        # logits, their fp32 copy / T, log_softmax: 10 bytes each)
+        sampling = max(batch // k * kv_cache, micro * generated * text.vision_vocab_size * 10)
+        # the DiT's micro-batch: ~30 x hidden per block and token (x2 CFG, 64 text tokens), not measured
+        blocks = config.num_layers + 30 if checkpointing else config.num_layers * 30
+        activations = blocks * (patches + 64) * micro * (2 if cfg else 1) * hidden * d + working["dit"]
+        h = ar_half(mode, k, checkpointing, micro, sampling) if half == "AR" else \
+            dit_half(mode, k, activations, working["dit"])
+        columns = {"mode" if half == "AR" else "DiT mode": mode, "grad ckpt": checkpointing, "GPUs": k,
+                   "micro-batch": micro, "trainable": h["trainable"], "half": h,
+                   f"{half} weights": h["weights"] + h["reference"], "grads": h["grads"], "AdamW": h["adam"],
+                   "activations": h["activations"]}
+        if half == "AR":
+            return {**columns, **{key: peaks([h])[key] for key in ("update peak", "sampling peak")},
+                    "peak, offload": peaks([h], offloaded=turn(frozen))["peak"],
+                    "peak, no offload": peaks([h], sum(frozen.values()), max(working.values()))["peak"]}
+        # 'dit' beside the frozen AR whole; 'both' trains it too: sharded, or its first mode checkpointed
+        a = ar_half("fsdp", k, checkpointing, micro, sampling) if mode == "fsdp" else \
+            ar_half(f"lora-{ranks[0]}" if ranks else "full", k, True, micro, sampling)
+        return {**columns, "peak, dit": peaks([h], d * counts["ar"], turn(in_turn))["peak"],
+                "peak, both": peaks([a, h], offloaded=turn(in_turn))["peak"]}
+
+    modes = {"AR": ["full", *(f"lora-{rank}" for rank in ranks), "fsdp"], "DiT": ["full", "lora-64", "fsdp"]}
+    return {half.lower(): [row(half, mode, k, c) for k in (1, *gpus) for mode in modes[half][:None if k > 1 else -1]
+                           for c in (False, True)] for half in modes}, counts, terms
 
 
 def print_memory_plan(args):
-    for k in args.plan_gpus or ():
-        if args.prompts_per_step % k:
-            raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by --plan-gpus {k}: "
-                             "each rank trains whole groups")
+    gpus, prompts, samples = args.plan_gpus or (), args.prompts_per_step, args.micro_batch_size or args.group_size
+    for k in gpus:
+        if prompts % k:
+            raise UsageError(f"--prompts-per-step {prompts} must be divisible by --plan-gpus {k}: each rank trains "
+                             "whole groups")
     components, image_processor = plan_components(args.model, args.seed)
-    # AR activations: one micro-batch (--micro-batch-size, default G); the DiT: one step over the whole batch
-    samples, prompts = args.micro_batch_size or args.group_size, args.prompts_per_step
-    batch, cfg, i2i = args.group_size * prompts, args.guidance_scale > 1, args.mode == "i2i"
-    ranks = (args.lora_rank,) if args.lora_rank else (64, 16)
-    rows, counts, terms = memory_plan(components, args.height, args.width, samples, batch, prompts, cfg,
-                                      args.plan_gpus or (), ranks, args.mode, image_processor=image_processor,
-                                      beta=args.beta)
+    ranks, i2i = (args.lora_rank,) if args.lora_rank else (64, 16), args.mode == "i2i"
+    rows, counts, terms = memory_plan(
+        components, args.height, args.width, samples, args.group_size * prompts, prompts, args.guidance_scale > 1, gpus,
+        ranks, args.mode, image_processor=image_processor, beta=args.beta)
     prompt_len, generated = terms["tokens"]
-    # the tiny model's bytes would all print as 0.0 GiB: small models get MiB and thousands
-    unit, unit_name = (GiB, "GiB") if max(r["peak, no offload"] for r in rows["ar"]) >= GiB else (1024 ** 2, "MiB")
-    count_div, count_name = (1e6, "M") if max(counts.values()) >= 1e8 else (1e3, "k")
+    # the tiny model's bytes: MiB, its counts: thousands
+    big = max(r["peak, no offload"] for r in rows["ar"]) >= 1024 ** 3
+    (unit, unit_name), (count_div, count_name) = (1024 ** (3 if big else 2), "GiB" if big else "MiB"), \
+        (1e6, "M") if max(counts.values()) >= 1e8 else (1e3, "k")
 
     def cell(key, value):
-        if key == "grad ckpt":
-            return "yes" if value else "no"
-        if key == "trainable":
-            return f"{value / count_div:.1f} {count_name}"
+        if key in ("grad ckpt", "trainable"):
+            return f"{value / count_div:.1f} {count_name}" if key == "trainable" else "yes" if value else "no"
         return str(value) if key in ("mode", "DiT mode", "micro-batch", "GPUs") else f"{value / unit:.1f}"
 
     def print_table(title, rows):               # a markdown table: the rows' keys are its columns
-        print(title + "\n| " + " | ".join(rows[0]) + " |\n|" + "---|" * len(rows[0]))
+        columns = [key for key in rows[0] if key != "half"]
+        print(title + "\n| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
         for row in rows:
-            print("| " + " | ".join(cell(key, value) for key, value in row.items()) + " |")
+            print("| " + " | ".join(cell(key, row[key]) for key in columns) + " |")
 
     print(f"parameters of {args.model}: "
           + ", ".join(f"{k} {v / count_div:,.1f} {count_name}" for k, v in counts.items()))
     source = f" incl. the source's {prompt_len - 66} VQ tokens" if i2i else ""      # 64 text, image start and end
     print(f"--mode {args.mode}, teacher-forced pass: {samples} samples x {prompt_len + generated} tokens ({prompt_len}"
-          f" prompt{source} + {generated} generated, {args.height}x{args.width}); estimates in {unit_name}, bf16"
-          " weights, torch's AdamW (foreach)" + (", KL reference copy for full fine-tuning" if args.beta > 0 else "")
+          f" prompt{source} + {generated} generated, {args.height}x{args.width}); estimates in {unit_name} per GPU"
+          f" (of K: {prompts} / K groups of {args.group_size}), bf16 weights, torch's AdamW (foreach)"
+          + (", KL reference copy for full fine-tuning" if args.beta > 0 else "")
           + f"; counted: the VAE's decode, one image at a time ({terms['decode'] / unit:.1f} {unit_name})"
           + (f", the DiT's {prompts} source KV caches, one per prompt ({terms['source_kv'] / unit:.1f} {unit_name})"
              if i2i else ""))
-    print_table("", rows["ar"])
-    print_table(f"\nDiT (Flow-GRPO, --policy dit|both): one denoising step over {batch} samples, CFG "
-                f"{'on' if cfg else 'off'}; 'both' adds the AR's lora-{ranks[0]} state"
-                + ("; activations incl. the source KV caches" if i2i else ""), rows["dit"])
-    if not args.plan_gpus:
-        print("\n(--plan-gpus K adds the per-GPU rows of --fsdp, full fine-tuning sharded over K GPUs)")
-        return
-    for title, half, peaks in [
-            (f"--fsdp, full fine-tuning, per GPU on K GPUs: 16 bytes per trained parameter / K, the bf16 root + 2 "
-             f"layers gathered, a micro-batch of {samples}; frozen parts offloaded", "AR",
-             ("update peak", "sampling peak", "peak")),
-            (f"DiT under --fsdp, per GPU: one step over {batch} / K samples; 'dit' keeps the frozen AR whole, 'both' "
-             "its shards (fewer bytes from about K = 8)", "DiT", ("peak, dit", "peak, both"))]:
-        # one half's shards (+ its KL reference's) and what it gathers
-        print_table("\n" + title, [
-            {"GPUs": r["GPUs"], "grad ckpt": r["grad ckpt"], f"{half} weights": h["weights"] + h["reference"],
-             "grads": h["grads"], "AdamW": h["adam"], "gathered": h["gathered"], "activations": h["activations"],
-             **{k: r[k] for k in peaks}} for r in rows["fsdp"] for h in [r[half.lower()]]])
+    print_table("fsdp: --fsdp's full fine-tuning, 16 bytes per trained parameter / K, the bf16 root + 2 layers "
+                "gathered, frozen parts offloaded" if gpus else "(--plan-gpus K adds the rows on K GPUs, and --fsdp's)",
+                rows["ar"])
+    print_table(f"\nDiT (Flow-GRPO, --policy dit|both): a micro-batch of each denoising step, CFG "
+                f"{'on' if args.guidance_scale > 1 else 'off'}; 'both' trains the AR's lora-{ranks[0]} too (fsdp: "
+                "sharded)" + ("; activations incl. the source KV caches" if i2i else ""), rows["dit"])
 
 
 # =============================================================================================

@@ -1212,6 +1212,12 @@ def test_plan_of_i2i_counts_the_source_tokens_and_no_preview(capsys):
         assert g.ar_sequence("t2i", height, width)[1] == g.generation_inputs(pipe, ["x"], None, 1, height, width)[3][0]
 
 
+def _fsdp_rows(tables):
+    """The plan's --fsdp rows per (K, checkpointing): both halves' bytes ("ar", "dit") and both tables' peaks."""
+    ar, dit = ([r for r in tables[name] if r["mode" if name == "ar" else "DiT mode"] == "fsdp"] for name in tables)
+    return [{**a, **d, "ar": a["half"], "dit": d["half"], "peak": a["peak, offload"]} for a, d in zip(ar, dit)]
+
+
 def test_fsdp_plan_matches_a_hand_count_on_the_tiny_model(tmp_path):
     # the tiny model with 5 decoder layers and 3 DiT blocks (its 2 and 2 would make root + 2 layers the whole)
     pipe = g.build_tiny_pipeline(seed=0)
@@ -1225,7 +1231,7 @@ def test_fsdp_plan_matches_a_hand_count_on_the_tiny_model(tmp_path):
     components = g.plan_components(str(tmp_path / "tiny"))[0]
     tables = g.memory_plan(components, 64, 64, samples=2, batch=8, cfg=True, gpus=[2, 4], ranks=(), prompt_tokens=10,
                            beta=0.1)[0]
-    rows = tables["fsdp"]
+    rows = _fsdp_rows(tables)
     ar, dit = pipe.vision_language_encoder, pipe.transformer
     tc = ar.config.text_config
     # a decoder layer (hidden 64, kv 2 heads x 16, intermediate 128): q, k, v with biases, o, gate_up, down, 4 norms
@@ -1242,7 +1248,7 @@ def test_fsdp_plan_matches_a_hand_count_on_the_tiny_model(tmp_path):
     assert block == sum(p.numel() for p in dit.transformer_blocks[0].parameters())
     dit_root = sum(p.numel() for p in dit.parameters()) - 2 * block
     dit_total = dit_root + 3 * block
-    full = {r["grad ckpt"]: r for r in tables["ar"]}
+    full = {r["grad ckpt"]: r for r in tables["ar"] if r["mode"] == "full"}
     for r in rows:
         k, a, d = r["GPUs"], r["ar"], r["dit"]
         # fp32 master shards, gradients and two moments of the trained weights, bf16 frozen ones and the KL copy
@@ -1256,9 +1262,9 @@ def test_fsdp_plan_matches_a_hand_count_on_the_tiny_model(tmp_path):
         # the micro-batch's activations as the unsharded plan's, plus at most the head's bf16 gradient
         head = 2 * (64 + tc.vision_vocab_size * 64)
         assert full[r["grad ckpt"]]["activations"] <= a["activations"] <= full[r["grad ckpt"]]["activations"] + head
-        # one denoising step over this GPU's 8 / k samples, CFG: (4 x 4 latent patches + 64 text tokens) x 32
-        # values x 2 passes, bf16, per block input; 30 x that inside a block (3 blocks, or 1 recomputed)
-        block_input = (4 * 4 + 64) * 8 // k * 32 * 2 * 2
+        # one denoising step over a micro-batch of 2 (of this GPU's 8 / k samples), CFG: (4 x 4 latent patches + 64
+        # text tokens) x 32 values x 2 passes, bf16, per block input; 30 x that inside a block (3 blocks, or 1 recomputed)
+        block_input = (4 * 4 + 64) * 2 * 32 * 2 * 2
         assert d["activations"] == ((3 + 30) * block_input if r["grad ckpt"] else 3 * 30 * block_input)
         # sampling: the whole bf16 model and the KV cache of this GPU's 8 / k samples (5 layers x k, v of 32)
         # or pi_old's pass over a micro-batch of 2 (bf16 logits, fp32 copy, log_softmax)
@@ -1286,18 +1292,76 @@ def test_fsdp_plan_matches_a_hand_count_on_the_tiny_model(tmp_path):
     assert two["ar"]["gathered"] == four["ar"]["gathered"]
 
 
+def test_data_parallel_plan_matches_a_hand_count_on_the_tiny_model(capsys):
+    """issue 34: --plan-gpus K prints per-GPU rows for every data-parallel mode, each GPU holding all weights and
+    batch / K samples of prompts / K prompts: 4 i2i prompts x G 2, micro-batches of 2, CFG, on 1, 2 and 4 GPUs."""
+    components = g.plan_components("tiny")[0]
+    tables, counts, terms = g.memory_plan(components, 64, 64, samples=2, batch=8, prompts=4, cfg=True, gpus=[2, 4],
+                                          ranks=(4,), mode="i2i", prompt_tokens=10)
+    tc, (prompt_len, generated) = components["ar"].config.text_config, terms["tokens"]
+    frozen = {part: 2 * counts[part] for part in ("dit", "glyph_t5", "vae")}
+    decode = 3 * 8 * 64 * 64 * 2                           # the VAE's decode of one image (vae_decode_bytes)
+    source_kv = 4 * 2 * 2 * 4 * 4 * 32 * 2                 # per prompt: 2 blocks x K, V x 4 x 4 patches x 32, bf16
+    assert [(r["GPUs"], r["mode"]) for r in tables["ar"]][::2] == [(1, "full"), (1, "lora-4"), (2, "full"),
+                                                                 (2, "lora-4"), (2, "fsdp"), (4, "full"),
+                                                                 (4, "lora-4"), (4, "fsdp")]
+    one = {(r["mode"], r["grad ckpt"]): r for r in tables["ar"] if r["GPUs"] == 1}
+    for r in tables["ar"]:
+        k, resident = r["GPUs"], r["AR weights"] + r["AdamW"]
+        if r["mode"] == "fsdp":
+            continue                                        # test_fsdp_plan_matches_a_hand_count_on_the_tiny_model
+        # every GPU holds all weights, gradients and moments, and updates a micro-batch of 2 as one GPU does
+        for key in ("AR weights", "grads", "AdamW", "activations", "update peak", "micro-batch"):
+            assert r[key] == one[r["mode"], r["grad ckpt"]][key], (k, key)
+        # it samples its 8 / k: generate's KV cache (2 layers x K, V x 2 heads x 16, bf16 per token), or pi_old's
+        # pass over a micro-batch (bf16 logits, fp32 copy, log_softmax: 10 bytes each)
+        sampling = max(8 // k * (prompt_len + generated) * 2 * 2 * 32 * 2, 2 * generated * tc.vision_vocab_size * 10)
+        assert r["sampling peak"] == resident + r["grads"] + sampling
+        # the frozen parts in turn (offload), the VAE's with its decode, the DiT's with its GPU's source caches
+        turn = max(frozen["dit"] + source_kv // k, frozen["glyph_t5"], frozen["vae"] + decode)
+        assert r["peak, offload"] == max(r["update peak"], r["sampling peak"], resident + r["grads"] + turn)
+        assert r["peak, no offload"] == sum(frozen.values()) + max(
+            r["update peak"], r["sampling peak"], resident + r["grads"] + max(decode, source_kv // k))
+    lora = {(r["GPUs"], r["grad ckpt"]): r for r in tables["ar"] if r["mode"] == "lora-4"}
+    for r in tables["dit"]:
+        k, trainable = r["GPUs"], r["trainable"]
+        if r["DiT mode"] == "fsdp":
+            continue
+        state = 4 if r["DiT mode"] == "lora-64" else 2                     # fp32 adapters, or bf16 weights
+        assert (r["grads"], r["AdamW"], r["micro-batch"]) == (state * trainable, 2 * state * trainable, 2)
+        # a micro-batch of 2 per denoising step, CFG: (4 x 4 patches + 64 text tokens) x 32 x 2 passes, bf16, per
+        # block input; 30 x that inside a block (2 blocks, or 1 recomputed), beside the GPU's 4 / k source caches
+        block_input = (4 * 4 + 64) * 2 * 32 * 2 * 2
+        assert r["activations"] == (2 + 30 if r["grad ckpt"] else 2 * 30) * block_input + source_kv // k
+        # the backward: a frozen part in its turn beside the activations (or AdamW's temporary), the gradients, and
+        # 'dit' the frozen AR whole; 'both' the AR's lora-4 (checkpointing), its phases too
+        resident = r["DiT weights"] + r["AdamW"]
+        backward = max(frozen["glyph_t5"], frozen["vae"]) + max(r["activations"], r["grads"])
+        turn = max(frozen["glyph_t5"], frozen["vae"] + decode)
+        assert r["peak, dit"] == 2 * counts["ar"] + resident + r["grads"] + max(backward, turn)
+        a = lora[k, True]
+        a_resident, grads = a["AR weights"] + a["AdamW"], a["grads"] + r["grads"]
+        assert r["peak, both"] == a_resident + resident + max(
+            a["update peak"] - a_resident, a["sampling peak"] - a_resident + r["grads"], grads + backward, grads + turn)
+    # and printed: each mode's rows on 1, 2 and 4 GPUs
+    g.main(["--plan", "--lora-rank", "8", "--plan-gpus", "2"])
+    printed = capsys.readouterr().out
+    for mode, gpus in [("full", ["1", "2"] * 2), ("lora-8", ["1", "2"]), ("lora-64", ["1", "2"]), ("fsdp", ["2"] * 2)]:
+        assert [line.split(" | ")[2] for line in printed.splitlines() if line.startswith(f"| {mode} | yes")] == gpus
+
+
 def test_plan_gpus_prints_the_fsdp_rows_of_the_real_model(capsys):
     g.main(["--plan", "--model", "zai-org/GLM-Image", "--height", "1024", "--width", "1024", "--group-size", "16",
             "--micro-batch-size", "2", "--prompts-per-step", "8", "--plan-gpus", "4", "8"])
     printed = capsys.readouterr().out
-    fsdp = printed.split("--fsdp, full fine-tuning")[1]
-    assert [line.split(" | ")[:2] for line in fsdp.splitlines() if line.startswith("| 4") or line.startswith("| 8")] \
-        == [["| 4", "no"], ["| 4", "yes"], ["| 8", "no"], ["| 8", "yes"]] * 2
+    assert [line.split(" | ")[:3] for line in printed.splitlines() if line.startswith("| fsdp |")] \
+        == [["| fsdp", "no", "4"], ["| fsdp", "yes", "4"], ["| fsdp", "no", "8"], ["| fsdp", "yes", "8"]] * 2
     # issue 27 item 12, 'both' below 'dit' on 8 GPUs: both peak in the DiT's backward, where 'dit' keeps the
     # frozen AR whole (bf16, not sharded nor offloaded) and 'both' holds the AR's shards, AdamW and gradients
-    # instead: 16 bytes / K per trained parameter, more than the whole AR on 4 GPUs, less on 8
+    # instead: 16 bytes / K per trained parameter, more than the whole AR on 4 GPUs, less on 8. (The DiT's
+    # micro-batch of 2, issue 34: with checkpointing its backward is no longer the peak, the AR's phases are.)
     components = g.plan_components("zai-org/GLM-Image")[0]
-    for r in g.memory_plan(components, 1024, 1024, samples=2, batch=128, gpus=[2, 4, 8])[0]["fsdp"]:
+    for r in _fsdp_rows(g.memory_plan(components, 1024, 1024, samples=2, batch=128, gpus=[2, 4, 8])[0])[::2]:
         ar = r["ar"]
         swap = ar["weights"] + ar["adam"] + ar["grads"] - 2 * g.numel(components["ar"])
         assert r["peak, both"] == pytest.approx(r["peak, dit"] + swap, rel=1e-12)
@@ -1355,14 +1419,15 @@ def test_plan_counts_the_vae_decode_and_source_caches(capsys):
         assert r["update peak"] < resident + tiny_decode
         assert (r["peak, offload"], r["peak, no offload"]) == (resident + vae + tiny_decode,
                                                                resident + tiny_decode + frozen)
-    fsdp = rows[0]["fsdp"][0]
+    fsdp = _fsdp_rows(rows[0])[0]
     assert fsdp["peak"] == sum(fsdp["ar"][key] for key in ("weights", "adam", "grads")) + vae + tiny_decode
     # the source caches beside the DiT's activations: the rows grow by exactly their bytes (/ K under --fsdp)
-    for before, after in zip(t2i[0]["dit"], i2i[0]["dit"]):
-        assert after["activations"] - before["activations"] == source_kv
-        if not before["grad ckpt"]:                       # where the activations make the peak
-            assert after["peak, dit"] - before["peak, dit"] == after["peak, both"] - before["peak, both"] == source_kv
-    before, after = t2i[0]["fsdp"][0]["dit"], i2i[0]["fsdp"][0]["dit"]
+    for before, after in zip(t2i[0]["dit"], i2i[0]["dit"]):         # per GPU of K: its prompts' caches
+        assert after["activations"] - before["activations"] == source_kv // after["GPUs"]
+        if not before["grad ckpt"] and before["DiT mode"] != "fsdp":  # where the activations make the peak
+            assert after["peak, dit"] - before["peak, dit"] == after["peak, both"] - before["peak, both"] \
+                == source_kv // after["GPUs"]
+    before, after = _fsdp_rows(t2i[0])[0]["dit"], _fsdp_rows(i2i[0])[0]["dit"]
     assert after["activations"] - before["activations"] == after["sampling"] - before["sampling"] == source_kv // 2
     # and the header says so
     g.main(["--plan", "--model", "zai-org/GLM-Image", "--mode", "i2i", "--height", "1024", "--width", "1024"])
@@ -2271,6 +2336,53 @@ def test_micro_batches_give_the_full_batch_gradient():
             assert update[key] == pytest.approx(full_update[key], rel=1e-9, abs=1e-9), (size, key)
 
 
+def test_dit_micro_batches_give_the_full_batch_update(monkeypatch):
+    """The DiT's loss in --micro-batch-size pieces (i2i, CFG, 2 prompts of different glyph lengths, KL, clipped
+    ratios): pieces that split groups and the batch unevenly add up to the whole batch's gradients and metrics.
+    float64 (float64_throughout, as --dtype float64): the split only reorders sums of ~1e4 terms per gradient
+    entry, within ~1e4 x 1.1e-16 ~ 1e-12 relative; 1e-9 leaves room and still catches a mis-weighted piece (O(1))."""
+    g.float64_throughout()
+    pipe = g.build_tiny_pipeline(seed=0, ar_init_range=0.2)
+    pipe.processor.tokenizer.padding_side = "left"
+    args = g.resolve_runtime(g.parse_args(["--policy", "dit", "--beta", "0.1", "--inner-epochs", "1", "--max-grad-norm",
+                                           "1e9", "--group-size", "3", "--prompts-per-step", "2", "--mode", "i2i"]))
+    dit = pipe.transformer.double()
+    params = g.prepare_dit_policy(dit, args)
+    reference = __import__("copy").deepcopy(dit).requires_grad_(False)
+    torch.manual_seed(0)
+    for p in reference.parameters():                   # a reference other than the policy: KL > 0
+        p += 1e-3 * torch.randn_like(p)
+    prompts = ["make the red circle blue", 'make the green square say "GRPO"']
+    sources = [g.draw_shape("circle", "red", "white", 64, 64), g.draw_shape("square", "green", "black", 64, 64)]
+    rollout = g.sample_group(pipe, prompts, 3, policy(pipe), 64, 64, "target", sources=sources)
+    pipe.to(torch.float64)
+    cond = g.dit_condition(pipe, prompts, 3, rollout.target_tokens, rollout.grid_hw, 2.5, sources,
+                           rollout.source_prior[::3])
+    assert cond.prompt_embeds[0].shape[1] != cond.prompt_embeds[1].shape[1]       # different glyph lengths
+    noise = g.group_noise(pipe, [0, 1], 3, 64, 64, 0, 1, "per-prompt").double()
+    trajectories = g.sample_dit(dit, cond, noise, g.dit_schedule(pipe, 64, 64, 4), 0.7, 3,
+                                g.sde_generators(0, 1, [0, 1]))
+    # pi_old a little off the policy: ratios of 1 +- 3e-4 (some clipped at --dit-clip-eps 1e-4)
+    trajectories.old_logp += 3e-4 * torch.linspace(-1, 1, 18, dtype=torch.float64).view(6, 3)
+    advantages = torch.tensor([1.0, -0.5, -0.5, 0.3, 0.7, -1.0], dtype=torch.float64)
+    trainer = SimpleNamespace(dit_policy=dit, dit_reference=reference, dit_params=params)
+    sizes, results, scored = [], {}, g.dit_step_logprob
+    monkeypatch.setattr(g, "dit_step_logprob", lambda m, c, part, *a: sizes.append(len(part.states)) or scored(m, c, part, *a))
+    for size in (6, 4, 1):
+        args.micro_batch_size, sizes[:] = size, []
+        half = g.dit_half(trainer, SimpleNamespace(cond=cond, trajectories=trajectories), advantages, args)
+        update = g.grpo_update(torch.optim.SGD(params, lr=0.0), [half], args)      # lr 0: keeps the weights
+        assert max(sizes) == size and sum(sizes) == 2 * 3 * 6        # policy and reference, 3 steps, 6 samples
+        results[size] = (update, torch.cat([p.grad.flatten() for p in params]))
+    full_update, full_grad = results[6]
+    assert full_grad.norm() > 0 and 0 < full_update["dit/clip_ratio"] < 1 and full_update["dit/kl"] > 0
+    for size in (4, 1):
+        update, grad = results[size]
+        assert (grad - full_grad).norm() <= 1e-9 * full_grad.norm(), size
+        for key in ("loss", "ratio_mean", "clip_ratio", "kl", "grad_norm", "logp_diff_max"):
+            assert update["dit/" + key] == pytest.approx(full_update["dit/" + key], rel=1e-9, abs=1e-12), (size, key)
+
+
 def test_policy_both_honours_micro_batch_size(monkeypatch):
     """--policy both runs the AR's training forward in --micro-batch-size pieces (the memory plan's
     micro-batch column assumes it), and the accumulated gradient is still the full-batch one.
@@ -2667,7 +2779,7 @@ def test_fsdp_plan_counts_the_bytes_two_processes_hold(tmp_path):
     torch.multiprocessing.spawn(_shard_bytes_worker, args=(2, free_port(), argv, str(tmp_path)), nprocs=2)
     held = [torch.load(tmp_path / f"held{r}.pt") for r in range(2)]
     components = g.plan_components(g.tiny_pipeline_dir(0))[0]
-    row = g.memory_plan(components, 64, 64, samples=2, batch=4, prompts=2, gpus=[2], mode="i2i", beta=0.01)[0]["fsdp"][0]
+    row = _fsdp_rows(g.memory_plan(components, 64, 64, samples=2, batch=4, prompts=2, gpus=[2], mode="i2i", beta=0.01)[0])[0]
     for half in ("ar", "dit"):
         for key in ("weights", "reference", "grads", "adam"):
             per_rank = [h[half][key] for h in held]
