@@ -55,6 +55,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
+if __name__ == "__main__":     # Ctrl+C outside the training loop's handler (section 19), as in torch's import: one line
+    sys.excepthook = lambda kind, *rest: (print("\ninterrupted: no training step was under way", file=sys.stderr)
+                                          if kind is KeyboardInterrupt else sys.__excepthook__(kind, *rest))
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -413,14 +417,15 @@ def compute_rewards(rewards, images, prompts, targets):
 
 def group_advantages(rewards, group_size, eps=1e-4):
     """A_i = (r_i - mean_group(r)) / (std_group(r) + eps), rewards [N] in groups of G -> [N], unbiased std
-    (as TRL). Equal rewards get exactly 0 (an fp32 mean an ulp off, / (std + eps), would give ~3e-4).
+    (as TRL). Equal rewards get exactly 0 (an fp32 mean an ulp off, / (std + eps), would give ~3e-4), and
+    so does a group holding a NaN or inf reward: left out of the update, the other groups still train.
     eps is not tiny on purpose: MSE rewards within a group can differ by 1e-4."""
     if rewards.ndim != 1 or rewards.numel() % group_size:
         raise ValueError(f"got {rewards.numel()} rewards, not a multiple of group_size={group_size}")
     groups = rewards.view(-1, group_size)
     centred = groups - groups.mean(dim=1, keepdim=True)
     advantages = centred / (groups.std(dim=1, keepdim=True) + eps)
-    return torch.where(constant_groups(groups), 0.0, advantages).view(-1)
+    return torch.where(constant_groups(groups) | ~torch.isfinite(groups).all(1, keepdim=True), 0.0, advantages).view(-1)
 
 
 def constant_groups(groups):
@@ -429,11 +434,14 @@ def constant_groups(groups):
 
 
 def reward_metrics(rewards, per_reward, group_size):
+    """Over the groups that train (NaN if none); a reward's own column: its plain mean (NaN names a culprit)."""
     groups = rewards.view(-1, group_size)                                             # [P, G]
-    return {"reward_mean": rewards.mean().item(),
+    kept = torch.isfinite(groups).all(dim=1)                                          # [P]: no NaN, no inf
+    return {"reward_mean": groups[kept].mean().item(),
             # the MEAN WITHIN-GROUP std (what the advantages divide by); TRL now logs the batch std by this name
-            "reward_std": groups.std(dim=1).mean().item(),
-            "frac_reward_zero_std": constant_groups(groups).float().mean().item(),   # groups with no signal
+            "reward_std": groups.std(dim=1)[kept].mean().item(),
+            "frac_reward_zero_std": (constant_groups(groups)[:, 0] & kept).float().mean().item(),   # no signal
+            "frac_reward_nonfinite": 1 - kept.float().mean().item(),                  # groups left out
             **{f"rewards/{name}": value.mean().item() for name, value in per_reward.items()}}
 
 
@@ -596,12 +604,13 @@ def ar_half(trainer, rollout, advantages, args):
 FIRST_PASS_ONLY = ("logp_diff_max", "entropy")   # measured while the policy still equals pi_old
 
 
-def grpo_update(optimizer, halves, args):
+def grpo_update(optimizer, halves, args, learns=True):
     """mu = --inner-epochs AdamW steps on one batch. halves: [(prefix, params, terms)], '' the AR, 'dit/'
     the DiT; terms(epoch) yields (loss, metrics, weight) pieces, weights adding up to 1, each
     backpropagated as built (one piece's activations alive). Gradients clip per half (different loss
     scales). Pass 1 runs at pi_old: ratio 1, no clipping (with mu = 1 it never clips). A non-finite pass
-    is skipped. Returns the updating passes' mean metrics (FIRST_PASS_ONLY: pass 1's), skip counts."""
+    is skipped, as are all if no rank `learns` (every group left out: a NaN reward). Returns the updating
+    passes' mean metrics (FIRST_PASS_ONLY: pass 1's), skip counts."""
     done, first, skipped, bad_loss = [], {}, 0, 0
     for epoch in range(args.inner_epochs):
         optimizer.zero_grad(set_to_none=True)
@@ -619,7 +628,8 @@ def grpo_update(optimizer, halves, args):
             metrics[prefix + "grad_norm"] = norm.item()
         if epoch == 0:
             first = {k: v for k, v in metrics.items() if k.endswith(FIRST_PASS_ONLY)}
-        if not all_ranks_agree(finite):      # under DDP the loss is this rank's, the gradient everyone's
+        # one vote (DDP: the loss is this rank's, the gradient everyone's): no rank non-finite (2), one learns (1)
+        if max_over_ranks(2 * (not finite) + learns) != 1:
             skipped += 1
             bad_loss += not loss_finite
             optimizer.zero_grad(set_to_none=True)
@@ -731,7 +741,8 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
     trainer.before_update()          # a stop signal before this point drops the step (section 19)
     halves = [ar_half(trainer, rollout, advantages, args)] if train_ar else []
     halves += [dit_half(trainer, dit_run, dit_advantages, args)] if train_dit else []
-    update = grpo_update(trainer.optimizer, halves, args)
+    learns = min(row["frac_reward_nonfinite"], row.get("dit/frac_reward_nonfinite", 1)) < 1     # a finite group
+    update = grpo_update(trainer.optimizer, halves, args, learns)
     row.update(update)
     ode = None
     if train_dit:
@@ -767,7 +778,7 @@ def train(args):
             # ---- LOG -------------------------------------------------------------------------
             if lead:
                 warned = log_step(row, step, args, trainer, out, tracker, warned)
-            bad_steps = non_finite_streak(bad_steps, row, step, out, args)
+            bad_steps = non_finite_streak(bad_steps, row, out, args, start)
             if lead and args.sample_every and step % args.sample_every == 0:     # rank 0's groups
                 save_sample_grid(out / "samples" / f"step_{step:06d}.png", [items[i].text for i in indices],
                                  targets, images, rewards, args.group_size, sources, ode, tracker, step)
@@ -1190,11 +1201,12 @@ def sync_on_last(policy, pieces):
             yield piece
 
 
-def non_finite_streak(bad_steps, row, step, out, args):
-    """The metrics rows of the steps in a row, up to this one, whose every update was skipped: 5 stop the run."""
+def non_finite_streak(bad_steps, row, out, args, start):
+    """The metrics rows of the steps in a row, up to this one, whose every update was skipped: 5 stop the
+    run, as does a shorter run's last step if it trained nothing (so the run ends in an error)."""
     bad_steps = bad_steps + [row] if row["skipped_updates"] == args.inner_epochs else []
-    if len(bad_steps) >= 5:
-        raise UsageError(non_finite_stop(bad_steps, step, out))
+    if len(bad_steps) >= min(5, args.steps - start):
+        raise UsageError(non_finite_stop(bad_steps, out))
     return bad_steps
 
 
@@ -1330,6 +1342,8 @@ def validate_args(args):
         (args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline), "--fsdp shards full "
          "fine-tuning; LoRA adapters are small enough to replicate (drop --fsdp), and --save-pipeline needs whole "
          "weights (resume the last checkpoint in one process)"),
+        (args.fsdp and world == 1, "--fsdp shards across torchrun's processes; one process has nothing to shard "
+         "(drop --fsdp, or start it with torchrun --nproc_per_node K)"),
         (args.plan_gpus and not args.plan, "--plan-gpus sets the GPU counts of --plan's rows: add --plan"),
         ((args.dit_train_steps or 0) > args.num_inference_steps, f"--dit-train-steps must be between 1 and "
          f"--num-inference-steps ({args.num_inference_steps}), got {args.dit_train_steps}"),
@@ -1412,7 +1426,6 @@ def open_run(args):
     init_distributed(args)
     lead = rank() == 0
     out = Path(args.out)
-    made = [p for p in [out / ".lock", out.absolute(), *out.absolute().parents] if not p.exists()]   # by the lock
     lock = lock_out_dir(out) if lead else None
     started = None
     try:
@@ -1423,10 +1436,7 @@ def open_run(args):
         started = start_training(args, out, lead)
     finally:
         if lead and started is None:
-            lock.close()
-            with contextlib.suppress(OSError):
-                for path in made:       # the lock file, then directories innermost first; stops at one not empty
-                    (path.unlink if path.is_file() else path.rmdir)()
+            unlock_out_dir(lock, wrote=False)
     return None if started is None else (*started, out, lead, lock)
 
 
@@ -1500,14 +1510,26 @@ def check_source_size(processor, height, width):
 
 
 def lock_out_dir(out):
-    """An exclusive fcntl.flock on <out>/.lock while the returned file is open (released even on kill -9)."""
+    """An exclusive fcntl.flock on <out>/.lock while the returned file is open (released even on kill -9).
+    Returns (that file, what it made: the lock file, then directories innermost first)."""
+    made = [p for p in [out / ".lock", out.absolute(), *out.absolute().parents] if not p.exists()]
     out.mkdir(parents=True, exist_ok=True)
     handle = open(out / ".lock", "a")      # stays empty
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise UsageError(f"--out {out} is in use by another run; wait for it to finish or pick another --out")
-    return handle
+    return handle, made
+
+
+def unlock_out_dir(lock, wrote):
+    """Releases --out. A run that wrote nothing there (failed or stopped before its first metrics row)
+    removes what lock_out_dir made, stopping at a directory not empty: --out is left as it was found."""
+    handle, made = lock
+    handle.close()
+    with contextlib.suppress(OSError):
+        for path in [] if wrote else made:
+            (path.unlink if path.is_file() else path.rmdir)()
 
 
 def close_run(args, items, out, tracker, lock):
@@ -1515,9 +1537,9 @@ def close_run(args, items, out, tracker, lock):
     if tracker:
         tracker.finish()
     if lock:
-        save_reward_curve(out / "reward_curve.png", read_metrics(out / "metrics.jsonl"),
-                          window=min(20, math.ceil(len(items) / args.prompts_per_step)))
-        lock.close()
+        rows = read_metrics(out / "metrics.jsonl")
+        save_reward_curve(out / "reward_curve.png", rows, window=min(20, math.ceil(len(items) / args.prompts_per_step)))
+        unlock_out_dir(lock, wrote=bool(rows))
 
 
 # =============================================================================================
@@ -1711,7 +1733,7 @@ def load_rewards(specs):
 
 def call_reward(reward, images, prompts, targets):
     """One --reward on its own copy of the batch (in-place edits must not reach the next one) -> [N] in the
-    images' dtype. Raising or a wrong shape stops the run; non-finite values: grpo_update skips the step."""
+    images' dtype. Raising or a wrong shape stops the run; a non-finite value leaves its group out (section 7)."""
     n, name = len(prompts), reward.name
     try:
         value = reward.fn(images.clone(), list(prompts), None if targets is None else targets.clone())
@@ -1726,8 +1748,8 @@ def call_reward(reward, images, prompts, targets):
                          local=True)
     bad = (~torch.isfinite(value)).sum().item()
     if bad:
-        print(f"warning: reward {name} returned {bad} non-finite values of {n}; this step's update is skipped",
-              file=sys.stderr)
+        print(f"warning: reward {name} returned {bad} non-finite values of {n}; their groups are left out of this "
+              "step's update and reward mean ± std", file=sys.stderr)
     return value
 
 
@@ -1825,8 +1847,8 @@ def warn_if_collapsed(row, warned, max_entropy=None):
     return True
 
 
-def non_finite_stop(rows, step, out):
-    """Why the steps of `rows` (5 in a row) updated nothing, and the last checkpoint if any."""
+def non_finite_stop(rows, out):
+    """Why the steps of `rows` (in a row) updated nothing, and the last checkpoint if any."""
     advice = {"loss": "the policy's log-probs overflowed: try a lower --lr",
               "gradient": "try a lower --lr or --max-grad-norm"}
     causes = []
@@ -1838,7 +1860,8 @@ def non_finite_stop(rows, step, out):
                      for c in dict.fromkeys(causes))
     found = saved_checkpoints(out)
     saved = f"the last checkpoint is {found[-1]}" if found else "no checkpoint was written yet"
-    return f"stopping: steps {step - len(rows) + 1}-{step} updated nothing: {what}; {saved}"
+    steps = f"steps {rows[0]['step']}-{rows[-1]['step']}" if len(rows) > 1 else f"step {rows[0]['step']}"
+    return f"stopping: {steps} updated nothing: {what}; {saved}"
 
 
 def read_metrics(path, drop_after=math.inf):
@@ -2452,7 +2475,7 @@ def fsdp_units(model):      # the modules fully_shard made FSDPModules: [] if no
 def shard_for_training(model, params, args, reference=None):
     """--fsdp: shards `model` and its KL `reference` in place; returns AdamW's parameters (new DTensors
     if sharded). bf16: shards in fp32 (AdamW's steps on bf16 round away), gathered in bf16, reduced in fp32."""
-    if not (args.fsdp and is_ddp()):
+    if not args.fsdp:
         return params
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -101,6 +101,12 @@ def test_token_entropy_uniform_peaked_and_suppressed():
     assert g.token_entropy(logits, g.SamplingParams(100.0))[0, 1] > h[0, 1] + 1
 
 
+def test_group_advantages_leave_out_a_group_with_a_non_finite_reward():
+    rewards = torch.tensor([0.1, float("nan"), 0.3, 0.4, float("inf"), 0.6, 0.3, 0.1, 0.2])
+    adv = g.group_advantages(rewards, 3)
+    assert torch.equal(adv[:6], torch.zeros(6)) and torch.equal(adv[6:], g.group_advantages(rewards[6:], 3))
+
+
 def test_group_advantages_rejects_ragged_length():
     with pytest.raises(ValueError):
         g.group_advantages(torch.zeros(5), 2)
@@ -476,7 +482,7 @@ def test_two_runs_cannot_share_an_out_dir(tmp_path, capsys):
     import fcntl
 
     out = tmp_path / "run"
-    holder = g.lock_out_dir(out)                   # as a running process holds it
+    holder, _ = g.lock_out_dir(out)                # as a running process holds it
     with pytest.raises(SystemExit):
         g.main(["--steps", "1", "--out", str(out), *SMALL])
     assert "in use by another run" in capsys.readouterr().err
@@ -601,6 +607,7 @@ def _bad_cases(tmp, run):
         "out not writable": (["--out", "/proc/grpo_glm_run"], "cannot write"),
         "lr negative with exponent": (["--lr", "-1e-3", "--out", fresh], "--lr must be > 0, got -0.001"),
         "fsdp with LoRA": (["--fsdp", "--lora-rank", "4", "--out", fresh], "--fsdp shards full fine-tuning"),
+        "fsdp in one process": (["--fsdp", "--out", fresh], "one process has nothing to shard (drop --fsdp, or start"),
         "plan-gpus without --plan": (["--plan-gpus", "2", "--out", fresh], "add --plan"),
         "plan-gpus 1": (["--plan", "--plan-gpus", "1", "--out", fresh], "--plan-gpus must be at least 2"),
         "plan-gpus not dividing the prompts": (["--plan", "--plan-gpus", "2", "4", "--out", fresh],
@@ -625,7 +632,7 @@ CASE_NAMES = ["prompts missing", "prompts empty", "prompts only comments", "targ
               "resume into a LoRA model", "model path missing", "model dir not a pipeline", "out is a file",
               "out holds a run", "prompts UTF-16", "prompts Latin-1", "save-pipeline is a file",
               "save-pipeline holds files", "out under a file", "out not writable", "lr negative with exponent",
-              "fsdp with LoRA", "plan-gpus without --plan", "plan-gpus 1", "plan-gpus not dividing the prompts",
+              "fsdp with LoRA", "fsdp in one process", "plan-gpus without --plan", "plan-gpus 1", "plan-gpus not dividing the prompts",
               "head with LoRA", "max-grad-norm 0", "max-grad-norm negative", "lr inf", "beta nan", "seed too large",
               "seed negative", "prompts is a directory", "steps not a number"]
 
@@ -848,8 +855,8 @@ def test_non_finite_stop_names_the_cause_and_no_missing_checkpoint(tmp_path, mon
     assert stop.value.code == 2 and len(err) == 1, err
     assert "non-finite gradient (try a lower --lr or --max-grad-norm)" in err[0] and "reward" not in err[0]
     assert "no checkpoint was written yet" in err[0] and not (out / "checkpoints").exists()
-    row = {"rewards/mse": -0.2, "skipped_nonfinite_loss": 1}             # a NaN loss with a finite reward
-    assert "non-finite loss (the policy's log-probs overflowed" in g.non_finite_stop([row] * 5, 9, out)
+    rows = [{"step": s, "rewards/mse": -0.2, "skipped_nonfinite_loss": 1} for s in range(5, 10)]  # a NaN loss
+    assert "steps 5-9 updated nothing: non-finite loss (the policy's log-probs overflowed" in g.non_finite_stop(rows, out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1725,18 +1732,64 @@ def test_targets_are_required_only_by_rewards_that_read_them(plugins, capsys):
     assert [it.image("target") for it in items] == [None, None]
 
 
-def test_nan_reward_is_named_and_never_reaches_the_weights(plugins, capsys, recwarn):
+def test_nan_reward_is_named_and_a_run_that_trained_no_step_ends_in_one_line(plugins, capsys, recwarn):
+    """Every group holds a NaN (the only prompt's): nothing to learn from, the update is skipped, and a run
+    that trained no step ends in an error, not exit 0 (test_non_finite_loss_skips_the_update: the weights)."""
     out = plugins / "nan"
-    g.main(["--steps", "1", "--out", str(out), "--reward", f"{plugins}/plug.py:half_nan", "--reward", "mse", *SMALL])
-    err = capsys.readouterr().err
-    assert "reward half_nan returned 2 non-finite values of 4" in err and "mse" not in err
+    with pytest.raises(SystemExit) as stop:
+        g.main(["--steps", "1", "--out", str(out), "--reward", f"{plugins}/plug.py:half_nan", "--reward", "mse",
+                *SMALL])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "reward half_nan returned 2 non-finite values of 4" in err[0] and "mse" not in err[0]
+    assert stop.value.code == 2 and err[1:] == ["error: stopping: step 1 updated nothing: non-finite reward half_nan "
+                                                "(fix the reward: it returned NaN or inf); no checkpoint was written yet"]
     row = read_metrics(out)[0]
-    assert row["skipped_updates"] == 4 and row["rewards/half_nan"] is None and math.isfinite(row["rewards/mse"])
+    assert row["skipped_updates"] == 4 and row["frac_reward_nonfinite"] == 1 and row["reward_mean"] is None
+    assert row["rewards/half_nan"] is None and math.isfinite(row["rewards/mse"])
     assert row["loss"] is None and "NaN" not in (out / "metrics.jsonl").read_text()    # null: JSON has no NaN
     assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]       # no optimizer.step() is fine
-    initial = tiny_model().vision_language_encoder.state_dict()
-    weights = g.read_checkpoint(out / "checkpoints" / "step_000001.pt")["trainable"]
-    assert all(torch.equal(w, initial[name]) for name, w in weights.items())
+
+
+LEFT_OUT = """import torch, grpo_glm
+def circle(prompts):
+    return torch.tensor(["circle" in p for p in prompts])
+def one_nan(images, prompts, targets):              # one NaN among the circle's samples
+    r = grpo_glm.mse_reward(images, targets)
+    r[circle(prompts).nonzero()[0]] = float("nan")
+    return r
+def tied(images, prompts, targets):                 # the circle's samples all tied
+    r = grpo_glm.mse_reward(images, targets)
+    r[circle(prompts)] = 0.0
+    return r
+one_nan.uses_targets = tied.uses_targets = True
+"""
+
+
+def test_a_group_with_a_non_finite_reward_is_left_out_and_the_others_train(tmp_path, capsys):
+    """One NaN among a step's 8 rewards leaves its group out exactly as a tied group is (advantages 0): the
+    square's group trains, the weights equal a run's whose reward ties the circle's group, and the log and
+    the curve show the square's rewards."""
+    (tmp_path / "left_out.py").write_text(LEFT_OUT)
+    flags = ["--steps", "2", "--prompts-per-step", "2", *SMALL[:2], *SMALL[6:], "--sample-every", "0"]
+    for name in ("one_nan", "tied"):
+        g.main([*flags, "--reward", f"{tmp_path}/left_out.py:{name}", "--out", str(tmp_path / name)])
+        if name == "one_nan":
+            printed = capsys.readouterr()
+    assert "reward one_nan returned 1 non-finite values of 8; their groups are left out" in printed.err
+    assert "nan" not in "".join(line for line in printed.out.splitlines() if line.startswith("step"))
+    assert (tmp_path / "one_nan" / "reward_curve.png").is_file()
+    nan, tied = read_metrics(tmp_path / "one_nan"), read_metrics(tmp_path / "tied")
+    assert [(r["frac_reward_nonfinite"], r["frac_reward_zero_std"], r["skipped_updates"]) for r in nan] == [(0.5, 0, 0)] * 2
+    assert [(r["frac_reward_nonfinite"], r["frac_reward_zero_std"]) for r in tied] == [(0, 0.5)] * 2
+    for a, b in zip(nan, tied):
+        assert a["loss"] == b["loss"] and a["ratio_mean"] == b["ratio_mean"]
+        # the square's 4 rewards are the same in both runs; the tied run's means take 4 zeros too (fp32 sums of
+        # 4 and 8 same-sign terms: a few ulp apart)
+        assert a["reward_mean"] == pytest.approx(2 * b["reward_mean"], rel=1e-6)
+        assert a["reward_std"] == pytest.approx(2 * b["reward_std"], rel=1e-6)
+    weights = [g.read_checkpoint(tmp_path / name / "checkpoints" / "step_000002.pt")["trainable"]
+               for name in ("one_nan", "tied")]
+    assert all(torch.equal(w, weights[1][name]) for name, w in weights[0].items())
 
 
 @pytest.fixture()
