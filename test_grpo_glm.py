@@ -496,6 +496,19 @@ def test_two_runs_cannot_share_an_out_dir(tmp_path, capsys):
         fcntl.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
+def test_a_run_that_fails_in_its_first_step_leaves_out_as_it_found_it(tmp_path, capsys):
+    """A reward that raises, or returns the wrong shape, once the model is loaded: no lock file, no directory
+    left behind; an --out that existed (empty) stays, empty."""
+    (tmp_path / "broken.py").write_text("def raises(images, prompts, targets):\n    raise ConnectionError('down')\n"
+                                        "def short(images, prompts, targets):\n    return [0.0]\n")
+    (tmp_path / "existing").mkdir()
+    for name, out in (("raises", tmp_path / "new" / "run"), ("short", tmp_path / "existing")):
+        with pytest.raises(SystemExit) as stop:
+            g.main(["--steps", "1", "--out", str(out), "--reward", f"{tmp_path}/broken.py:{name}", *SMALL])
+        assert stop.value.code == 2 and f"reward {name} r" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists() and list((tmp_path / "existing").iterdir()) == []
+
+
 def test_slow_default_run_learns(tmp_path, monkeypatch, capsys):
     """The demo's bar: with the defaults, the mean reward of the last 5 of 40 steps beats the first
     5 by at least 3x the first 5 steps' mean within-group std, with no collapse warning; each
@@ -1422,6 +1435,22 @@ def test_ctrl_c_saves_a_checkpoint_and_says_where(tmp_path):
     step = g.read_checkpoint(saved[0])["step"]
     assert step >= 2 and [r["step"] for r in read_metrics(out)][-1] == step
     assert (out / "reward_curve.png").is_file()
+
+
+def test_ctrl_c_while_starting_is_one_line_and_leaves_out_as_it_found_it(tmp_path):
+    """Before the loop's handler: at 1 s (importing torch, or later on a fast machine) and once --out is
+    locked (loading the model). Python's own exit by SIGINT (a shell's 130) and no traceback."""
+    out = tmp_path / "run"
+    for ready in (lambda: time.sleep(1) or True, lambda: (out / ".lock").exists()):
+        proc = subprocess.Popen([sys.executable, str(HERE / "grpo_glm.py"), "--out", str(out), *SMALL], cwd=HERE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        while not ready() and time.time() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGINT and stderr.strip() == "interrupted: no training step was under way"
+        assert not out.exists()
 
 
 def test_offload_hooks_only_the_frozen_parts_and_keep_training_exact():
