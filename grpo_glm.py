@@ -55,8 +55,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
-if __name__ == "__main__":     # Ctrl+C outside the training loop's handler (section 19), as in torch's import: one line
-    sys.excepthook = lambda kind, *rest: (print("\ninterrupted: no training step was under way", file=sys.stderr)
+if __name__ == "__main__":     # Ctrl+C outside section 19's handler: one line
+    sys.excepthook = lambda kind, *rest: (print("\ninterrupted: every checkpoint written is complete", file=sys.stderr)
                                           if kind is KeyboardInterrupt else sys.__excepthook__(kind, *rest))
 
 import numpy as np
@@ -416,10 +416,9 @@ def compute_rewards(rewards, images, prompts, targets):
 # =============================================================================================
 
 def group_advantages(rewards, group_size, eps=1e-4):
-    """A_i = (r_i - mean_group(r)) / (std_group(r) + eps), rewards [N] in groups of G -> [N], unbiased std
-    (as TRL). Equal rewards get exactly 0 (an fp32 mean an ulp off, / (std + eps), would give ~3e-4), and
-    so does a group holding a NaN or inf reward: left out of the update, the other groups still train.
-    eps is not tiny on purpose: MSE rewards within a group can differ by 1e-4."""
+    """A_i = (r_i - mean_group(r)) / (std_group(r) + eps), rewards [N] in groups of G -> [N], unbiased std (as TRL).
+    Equal rewards get exactly 0 (an fp32 mean an ulp off, / (std + eps), would give ~3e-4), as does a group with a
+    NaN or inf (left out: the others train). eps is not tiny on purpose: MSE rewards in a group can differ by 1e-4."""
     if rewards.ndim != 1 or rewards.numel() % group_size:
         raise ValueError(f"got {rewards.numel()} rewards, not a multiple of group_size={group_size}")
     groups = rewards.view(-1, group_size)
@@ -434,14 +433,13 @@ def constant_groups(groups):
 
 
 def reward_metrics(rewards, per_reward, group_size):
-    """Over the groups that train (NaN if none); a reward's own column: its plain mean (NaN names a culprit)."""
     groups = rewards.view(-1, group_size)                                             # [P, G]
-    kept = torch.isfinite(groups).all(dim=1)                                          # [P]: no NaN, no inf
+    kept = torch.isfinite(groups).all(dim=1)        # [P]: the groups that train
     return {"reward_mean": groups[kept].mean().item(),
             # the MEAN WITHIN-GROUP std (what the advantages divide by); TRL now logs the batch std by this name
             "reward_std": groups.std(dim=1)[kept].mean().item(),
-            "frac_reward_zero_std": (constant_groups(groups)[:, 0] & kept).float().mean().item(),   # no signal
-            "frac_reward_nonfinite": 1 - kept.float().mean().item(),                  # groups left out
+            "frac_reward_zero_std": constant_groups(groups).float().mean().item(),   # groups with no signal
+            "frac_reward_nonfinite": 1 - kept.float().mean().item(),   # groups left out
             **{f"rewards/{name}": value.mean().item() for name, value in per_reward.items()}}
 
 
@@ -605,12 +603,11 @@ FIRST_PASS_ONLY = ("logp_diff_max", "entropy")   # measured while the policy sti
 
 
 def grpo_update(optimizer, halves, args, learns=True):
-    """mu = --inner-epochs AdamW steps on one batch. halves: [(prefix, params, terms)], '' the AR, 'dit/'
-    the DiT; terms(epoch) yields (loss, metrics, weight) pieces, weights adding up to 1, each
-    backpropagated as built (one piece's activations alive). Gradients clip per half (different loss
-    scales). Pass 1 runs at pi_old: ratio 1, no clipping (with mu = 1 it never clips). A non-finite pass
-    is skipped, as are all if no rank `learns` (every group left out: a NaN reward). Returns the updating
-    passes' mean metrics (FIRST_PASS_ONLY: pass 1's), skip counts."""
+    """mu = --inner-epochs AdamW steps on one batch. halves: [(prefix, params, terms)], '' the AR, 'dit/' the DiT;
+    terms(epoch) yields (loss, metrics, weight) pieces, weights adding up to 1, each backpropagated as built (one
+    piece's activations alive). Gradients clip per half (different loss scales). Pass 1 runs at pi_old: ratio 1,
+    no clipping (with mu = 1 it never clips). A pass is skipped if non-finite, or if no rank `learns` (has a group
+    not left out). Returns the updating passes' mean metrics (FIRST_PASS_ONLY: pass 1's), skip counts."""
     done, first, skipped, bad_loss = [], {}, 0, 0
     for epoch in range(args.inner_epochs):
         optimizer.zero_grad(set_to_none=True)
@@ -628,8 +625,7 @@ def grpo_update(optimizer, halves, args, learns=True):
             metrics[prefix + "grad_norm"] = norm.item()
         if epoch == 0:
             first = {k: v for k, v in metrics.items() if k.endswith(FIRST_PASS_ONLY)}
-        # one vote (DDP: the loss is this rank's, the gradient everyone's): no rank non-finite (2), one learns (1)
-        if max_over_ranks(2 * (not finite) + learns) != 1:
+        if not all_ranks_agree(finite) or not max_over_ranks(learns):   # DDP: a rank's loss, everyone's gradient
             skipped += 1
             bad_loss += not loss_finite
             optimizer.zero_grad(set_to_none=True)
@@ -741,7 +737,7 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
     trainer.before_update()          # a stop signal before this point drops the step (section 19)
     halves = [ar_half(trainer, rollout, advantages, args)] if train_ar else []
     halves += [dit_half(trainer, dit_run, dit_advantages, args)] if train_dit else []
-    learns = min(row["frac_reward_nonfinite"], row.get("dit/frac_reward_nonfinite", 1)) < 1     # a finite group
+    learns = min(row["frac_reward_nonfinite"], row.get("dit/frac_reward_nonfinite", 1)) < 1
     update = grpo_update(trainer.optimizer, halves, args, learns)
     row.update(update)
     ode = None
@@ -757,7 +753,7 @@ def train(args):
     run = open_run(args)                      # checks, --out lock, prompts, rewards, model, resume point
     if run is None:
         return None
-    items, trainer, start, out, lead, lock = run
+    items, trainer, start, out, lead, release = run
     tracker = start_logging(args, trainer, out, start) if lead else None
     stop = StopAfterStep()                    # Ctrl+C / SIGTERM: finish or drop the step, checkpoint, exit
     trainer.before_update = stop.before_update
@@ -788,12 +784,9 @@ def train(args):
                 last_saved = step
             if stopping:
                 stop.exit(f"interrupted: saved step {step} to {path}", out)
-    except KeyboardInterrupt:   # the second Ctrl+C: leave now, the last checkpoint is complete
-        print(f"\ninterrupted: last checkpoint is step {last_saved} in {out / 'checkpoints'}", file=sys.stderr)
-        sys.exit(130)
     finally:
         stop.restore()
-        close_run(args, items, out, tracker, lock)
+        close_run(args, items, out, tracker, release)
     if args.save_pipeline and lead:
         save_trained_pipeline(trainer.pipe, args)
     return trainer.pipe
@@ -1202,12 +1195,21 @@ def sync_on_last(policy, pieces):
 
 
 def non_finite_streak(bad_steps, row, out, args, start):
-    """The metrics rows of the steps in a row, up to this one, whose every update was skipped: 5 stop the
-    run, as does a shorter run's last step if it trained nothing (so the run ends in an error)."""
+    """The rows of the steps in a row, up to this one, that updated nothing: 5 (or every step of a shorter run)
+    stop the run in one line naming the cause and the last checkpoint."""
     bad_steps = bad_steps + [row] if row["skipped_updates"] == args.inner_epochs else []
-    if len(bad_steps) >= min(5, args.steps - start):
-        raise UsageError(non_finite_stop(bad_steps, out))
-    return bad_steps
+    if len(bad_steps) < min(5, args.steps - start):
+        return bad_steps
+    causes = []
+    for r in bad_steps:      # a non-finite reward (named), else the loss, else the gradient
+        bad = [k[len("rewards/"):] for k, v in r.items() if k.startswith("rewards/") and not math.isfinite(v)]
+        causes.append(f"reward {', '.join(bad)} (fix the reward)" if bad else
+                      "loss (the policy's log-probs overflowed: try a lower --lr)" if r["skipped_nonfinite_loss"]
+                      else "gradient (try a lower --lr or --max-grad-norm)")
+    found = saved_checkpoints(out)
+    saved = f"the last checkpoint is {found[-1]}" if found else "no checkpoint was written yet"
+    what = "; ".join(f"non-finite {cause}" for cause in dict.fromkeys(causes))
+    raise UsageError(f"stopping: no update since step {bad_steps[0]['step']}: {what}; {saved}")
 
 
 # ---- For Part II: the DiT's inputs as the pipeline builds them, the i2i source cache, the VAE ----
@@ -1301,10 +1303,8 @@ class Parser(argparse.ArgumentParser):
         # what looks like a number is an option's value, not an option: '--lr -1e-3' too, as from Python 3.14
         self._negative_number_matcher = re.compile(r"-[\d.]+(e[-+]?\d+)?$", re.I)
 
-    def error(self, message):      # a bad flag: one line as for a UsageError, exit code 2, no usage block
-        if os.environ.get("RANK", "0") == "0":
-            print("error: " + re.sub(r"^argument (\S+): ", r"\1 ", message), file=sys.stderr)
-        sys.exit(2)
+    def error(self, message):      # a bad flag: a UsageError (one line, exit code 2), no usage block
+        raise UsageError(re.sub(r"^argument (\S+): ", r"\1 ", message))
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -1342,8 +1342,7 @@ def validate_args(args):
         (args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline), "--fsdp shards full "
          "fine-tuning; LoRA adapters are small enough to replicate (drop --fsdp), and --save-pipeline needs whole "
          "weights (resume the last checkpoint in one process)"),
-        (args.fsdp and world == 1, "--fsdp shards across torchrun's processes; one process has nothing to shard "
-         "(drop --fsdp, or start it with torchrun --nproc_per_node K)"),
+        (args.fsdp and world == 1, "--fsdp shards over torchrun's processes: one has nothing to shard"),
         (args.plan_gpus and not args.plan, "--plan-gpus sets the GPU counts of --plan's rows: add --plan"),
         ((args.dit_train_steps or 0) > args.num_inference_steps, f"--dit-train-steps must be between 1 and "
          f"--num-inference-steps ({args.num_inference_steps}), got {args.dit_train_steps}"),
@@ -1426,7 +1425,7 @@ def open_run(args):
     init_distributed(args)
     lead = rank() == 0
     out = Path(args.out)
-    lock = lock_out_dir(out) if lead else None
+    release = lock_out_dir(out) if lead else None
     started = None
     try:
         # under the lock, so no other run starts here meanwhile; only --resume continues a run
@@ -1436,8 +1435,8 @@ def open_run(args):
         started = start_training(args, out, lead)
     finally:
         if lead and started is None:
-            unlock_out_dir(lock, wrote=False)
-    return None if started is None else (*started, out, lead, lock)
+            release(wrote=False)
+    return None if started is None else (*started, out, lead, release)
 
 
 def start_training(args, out, lead):
@@ -1510,8 +1509,8 @@ def check_source_size(processor, height, width):
 
 
 def lock_out_dir(out):
-    """An exclusive fcntl.flock on <out>/.lock while the returned file is open (released even on kill -9).
-    Returns (that file, what it made: the lock file, then directories innermost first)."""
+    """An exclusive fcntl.flock on <out>/.lock (released even on kill -9) until release(wrote): a run that
+    wrote nothing (no metrics row) removes what this made."""
     made = [p for p in [out / ".lock", out.absolute(), *out.absolute().parents] if not p.exists()]
     out.mkdir(parents=True, exist_ok=True)
     handle = open(out / ".lock", "a")      # stays empty
@@ -1519,27 +1518,23 @@ def lock_out_dir(out):
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise UsageError(f"--out {out} is in use by another run; wait for it to finish or pick another --out")
-    return handle, made
+
+    def release(wrote):
+        handle.close()
+        with contextlib.suppress(OSError):
+            for path in [] if wrote else made:        # up to a directory not empty
+                (path.unlink if path.is_file() else path.rmdir)()
+    return release
 
 
-def unlock_out_dir(lock, wrote):
-    """Releases --out. A run that wrote nothing there (failed or stopped before its first metrics row)
-    removes what lock_out_dir made, stopping at a directory not empty: --out is left as it was found."""
-    handle, made = lock
-    handle.close()
-    with contextlib.suppress(OSError):
-        for path in [] if wrote else made:
-            (path.unlink if path.is_file() else path.rmdir)()
-
-
-def close_run(args, items, out, tracker, lock):
+def close_run(args, items, out, tracker, release):
     """On any exit: the tracker; rank 0: the reward curve (averaged over a pass over the prompts), the lock."""
     if tracker:
         tracker.finish()
-    if lock:
+    if release:
         rows = read_metrics(out / "metrics.jsonl")
         save_reward_curve(out / "reward_curve.png", rows, window=min(20, math.ceil(len(items) / args.prompts_per_step)))
-        unlock_out_dir(lock, wrote=bool(rows))
+        release(wrote=bool(rows))
 
 
 # =============================================================================================
@@ -1749,7 +1744,7 @@ def call_reward(reward, images, prompts, targets):
     bad = (~torch.isfinite(value)).sum().item()
     if bad:
         print(f"warning: reward {name} returned {bad} non-finite values of {n}; their groups are left out of this "
-              "step's update and reward mean ± std", file=sys.stderr)
+              "step", file=sys.stderr)
     return value
 
 
@@ -1810,10 +1805,9 @@ def finish_row(row, trainer, args, t0):
     """Adds the step's learning rates, moves the schedule on one step, averages the row over ranks."""
     names = {"ar": ["lr"], "dit": ["dit/lr"], "both": ["lr", "dit/lr"]}[args.policy]   # a param group per half
     row.update(zip(names, trainer.lr_scheduler.get_last_lr()))
-    with warnings.catch_warnings():
-        # a step whose updates were all skipped (non-finite) never called optimizer.step()
-        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-        trainer.lr_scheduler.step()
+    # a step whose updates were all skipped (non-finite) never called optimizer.step(): no warning for that
+    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+    trainer.lr_scheduler.step()
     row = reduce_metrics(row)
     row["seconds"] = round(time.time() - t0, 3)
     return row
@@ -1845,23 +1839,6 @@ def warn_if_collapsed(row, warned, max_entropy=None):
     print(f"warning: step {row['step']}: {row['frac_reward_zero_std']:.0%} of groups have identical rewards: "
           f"no learning signal: {why}", file=sys.stderr, flush=True)
     return True
-
-
-def non_finite_stop(rows, out):
-    """Why the steps of `rows` (in a row) updated nothing, and the last checkpoint if any."""
-    advice = {"loss": "the policy's log-probs overflowed: try a lower --lr",
-              "gradient": "try a lower --lr or --max-grad-norm"}
-    causes = []
-    for row in rows:      # a non-finite reward (named), else the loss, else the gradient
-        bad = [k[len("rewards/"):] for k, v in row.items() if k.startswith("rewards/") and not math.isfinite(v)]
-        causes.append(f"reward {', '.join(bad)}" if bad else
-                      "loss" if row.get("skipped_nonfinite_loss") else "gradient")
-    what = "; ".join(f"non-finite {c} ({advice.get(c, 'fix the reward: it returned NaN or inf')})"
-                     for c in dict.fromkeys(causes))
-    found = saved_checkpoints(out)
-    saved = f"the last checkpoint is {found[-1]}" if found else "no checkpoint was written yet"
-    steps = f"steps {rows[0]['step']}-{rows[-1]['step']}" if len(rows) > 1 else f"step {rows[0]['step']}"
-    return f"stopping: {steps} updated nothing: {what}; {saved}"
 
 
 def read_metrics(path, drop_after=math.inf):
@@ -1931,7 +1908,7 @@ def round_ticks(low, high, count=5, least=0):
 
 def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
     """Mean reward per step +- the within-group std, and its moving average over `window` steps (a prompt pass)."""
-    rows = [r for r in rows if r["reward_mean"] is not None and r["reward_std"] is not None]   # null: non-finite
+    rows = [r for r in rows if None not in (r["reward_mean"], r["reward_std"])]      # null: non-finite
     if not rows:
         return
     steps, means, stds = (np.array([r[k] for r in rows]) for k in ("step", "reward_mean", "reward_std"))
@@ -1965,10 +1942,10 @@ def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
 # =============================================================================================
 # 19. Interruptions: Ctrl+C and SIGTERM
 # =============================================================================================
-# Ctrl+C or SIGTERM (Slurm's, torchrun's) stops the run at a step's end, saved, exit code 128 + signal.
-# A step whose update has not begun is dropped (AbandonStep unwinds it from wherever the signal came: the
-# weights are still step - 1's); one whose update has begun is finished. A second Ctrl+C quits at once.
-# Under torchrun the ranks vote (agree) before each update and after each step: all stop at the same point.
+# Ctrl+C or SIGTERM (Slurm's, torchrun's) stops the run at a step's end, saved, exit code 128 + signal. A step
+# whose update has not begun is dropped (AbandonStep unwinds it from wherever the signal came: the weights are still
+# step - 1's); one whose update has begun is finished. A second Ctrl+C, or one before the loop, quits at once
+# (the excepthook at the top). Under torchrun the ranks vote (agree) before each update and after each step.
 
 class AbandonStep(BaseException):
     """BaseException: no `except Exception` (a reward plug-in's, say) swallows it."""
@@ -2905,14 +2882,12 @@ def generate_images(pipe, prompts, sources=None, height=64, width=64, num_infere
 # =============================================================================================
 
 def main(argv=None):
-    args = parse_args(argv)
     try:
+        args = parse_args(argv)
         return print_memory_plan(args) if args.plan else train(args)
     except UsageError as e:     # a bad flag or input: one line, by rank 0 (by its rank, if seen there alone)
-        if e.local and world_size() > 1:
-            print(f"error: rank {rank()}: {e}", file=sys.stderr)
-        elif rank() == 0:
-            print(f"error: {e}", file=sys.stderr)
+        if rank() == 0 or e.local:
+            print(f"error: {f'rank {rank()}: ' if e.local and world_size() > 1 else ''}{e}", file=sys.stderr)
         sys.exit(2)
     except Exception as e:
         # CUDA raises torch.OutOfMemoryError; the CPU allocator a plain RuntimeError

@@ -482,7 +482,7 @@ def test_two_runs_cannot_share_an_out_dir(tmp_path, capsys):
     import fcntl
 
     out = tmp_path / "run"
-    holder, _ = g.lock_out_dir(out)                # as a running process holds it
+    release = g.lock_out_dir(out)                  # as a running process holds it
     with pytest.raises(SystemExit):
         g.main(["--steps", "1", "--out", str(out), *SMALL])
     assert "in use by another run" in capsys.readouterr().err
@@ -491,7 +491,7 @@ def test_two_runs_cannot_share_an_out_dir(tmp_path, capsys):
         g.main(["--steps", "1", "--out", str(out), "--resume", "latest", *SMALL])
     printed = capsys.readouterr()
     assert "in use by another run" in printed.err and "starting from step 0" not in printed.out
-    holder.close()
+    release(wrote=True)
     with open(out / ".lock") as again:             # released: anyone may take it
         fcntl.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
@@ -620,7 +620,7 @@ def _bad_cases(tmp, run):
         "out not writable": (["--out", "/proc/grpo_glm_run"], "cannot write"),
         "lr negative with exponent": (["--lr", "-1e-3", "--out", fresh], "--lr must be > 0, got -0.001"),
         "fsdp with LoRA": (["--fsdp", "--lora-rank", "4", "--out", fresh], "--fsdp shards full fine-tuning"),
-        "fsdp in one process": (["--fsdp", "--out", fresh], "one process has nothing to shard (drop --fsdp, or start"),
+        "fsdp in one process": (["--fsdp", "--out", fresh], "--fsdp shards over torchrun's processes: one has nothing"),
         "plan-gpus without --plan": (["--plan-gpus", "2", "--out", fresh], "add --plan"),
         "plan-gpus 1": (["--plan", "--plan-gpus", "1", "--out", fresh], "--plan-gpus must be at least 2"),
         "plan-gpus not dividing the prompts": (["--plan", "--plan-gpus", "2", "4", "--out", fresh],
@@ -848,7 +848,7 @@ def test_non_finite_loss_skips_the_update(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as stop:
         g.main(["--steps", "8", "--out", str(out), "--save-every", "2", *SMALL])
     err = capsys.readouterr().err
-    assert stop.value.code == 2 and "steps 1-5 updated nothing: non-finite reward mse (fix the reward" in err
+    assert stop.value.code == 2 and "no update since step 1: non-finite reward mse (fix the reward)" in err
     assert f"the last checkpoint is {out / 'checkpoints' / 'step_000004.pt'}" in err and "--lr" not in err
     rows = read_metrics(out)
     assert len(rows) == 5 and all(r["skipped_updates"] == 4 for r in rows)
@@ -868,8 +868,9 @@ def test_non_finite_stop_names_the_cause_and_no_missing_checkpoint(tmp_path, mon
     assert stop.value.code == 2 and len(err) == 1, err
     assert "non-finite gradient (try a lower --lr or --max-grad-norm)" in err[0] and "reward" not in err[0]
     assert "no checkpoint was written yet" in err[0] and not (out / "checkpoints").exists()
-    rows = [{"step": s, "rewards/mse": -0.2, "skipped_nonfinite_loss": 1} for s in range(5, 10)]  # a NaN loss
-    assert "steps 5-9 updated nothing: non-finite loss (the policy's log-probs overflowed" in g.non_finite_stop(rows, out)
+    rows = [{"step": s, "rewards/mse": -0.2, "skipped_updates": 1, "skipped_nonfinite_loss": 1} for s in range(5, 10)]
+    with pytest.raises(g.UsageError, match=r"since step 5: non-finite loss \(the policy's log-probs overflowed"):
+        g.non_finite_streak(rows[:4], rows[4], out, SimpleNamespace(inner_epochs=1, steps=20), start=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1449,7 +1450,7 @@ def test_ctrl_c_while_starting_is_one_line_and_leaves_out_as_it_found_it(tmp_pat
             time.sleep(0.01)
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=60)
-        assert proc.returncode == -signal.SIGINT and stderr.strip() == "interrupted: no training step was under way"
+        assert proc.returncode == -signal.SIGINT and stderr.strip() == "interrupted: every checkpoint written is complete"
         assert not out.exists()
 
 
@@ -1770,8 +1771,8 @@ def test_nan_reward_is_named_and_a_run_that_trained_no_step_ends_in_one_line(plu
                 *SMALL])
     err = capsys.readouterr().err.strip().splitlines()
     assert "reward half_nan returned 2 non-finite values of 4" in err[0] and "mse" not in err[0]
-    assert stop.value.code == 2 and err[1:] == ["error: stopping: step 1 updated nothing: non-finite reward half_nan "
-                                                "(fix the reward: it returned NaN or inf); no checkpoint was written yet"]
+    assert stop.value.code == 2 and err[1:] == ["error: stopping: no update since step 1: non-finite reward half_nan "
+                                                "(fix the reward); no checkpoint was written yet"]
     row = read_metrics(out)[0]
     assert row["skipped_updates"] == 4 and row["frac_reward_nonfinite"] == 1 and row["reward_mean"] is None
     assert row["rewards/half_nan"] is None and math.isfinite(row["rewards/mse"])
