@@ -56,8 +56,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 if __name__ == "__main__":     # Ctrl+C outside section 19's handler: one line
-    sys.excepthook = lambda kind, *rest: (print("\ninterrupted: every checkpoint written is complete", file=sys.stderr)
-                                          if kind is KeyboardInterrupt else sys.__excepthook__(kind, *rest))
+    sys.excepthook = lambda kind, *rest: sys.__excepthook__(kind, *rest) if kind is not KeyboardInterrupt else print(
+        "\ninterrupted: every checkpoint written is complete", file=sys.stderr)
 
 import numpy as np
 import torch
@@ -424,7 +424,7 @@ def group_advantages(rewards, group_size, eps=1e-4):
     groups = rewards.view(-1, group_size)
     centred = groups - groups.mean(dim=1, keepdim=True)
     advantages = centred / (groups.std(dim=1, keepdim=True) + eps)
-    return torch.where(constant_groups(groups) | ~torch.isfinite(groups).all(1, keepdim=True), 0.0, advantages).view(-1)
+    return torch.where(constant_groups(groups) | ~groups.isfinite().all(1, keepdim=True), 0.0, advantages).view(-1)
 
 
 def constant_groups(groups):
@@ -434,12 +434,12 @@ def constant_groups(groups):
 
 def reward_metrics(rewards, per_reward, group_size):
     groups = rewards.view(-1, group_size)                                             # [P, G]
-    kept = torch.isfinite(groups).all(dim=1)        # [P]: the groups that train
+    kept = groups.isfinite().all(dim=1)   # [P]
     return {"reward_mean": groups[kept].mean().item(),
             # the MEAN WITHIN-GROUP std (what the advantages divide by); TRL now logs the batch std by this name
             "reward_std": groups.std(dim=1)[kept].mean().item(),
             "frac_reward_zero_std": constant_groups(groups).float().mean().item(),   # groups with no signal
-            "frac_reward_nonfinite": 1 - kept.float().mean().item(),   # groups left out
+            "frac_reward_nonfinite": 1 - kept.float().mean().item(),   # left out
             **{f"rewards/{name}": value.mean().item() for name, value in per_reward.items()}}
 
 
@@ -606,8 +606,8 @@ def grpo_update(optimizer, halves, args, learns=True):
     """mu = --inner-epochs AdamW steps on one batch. halves: [(prefix, params, terms)], '' the AR, 'dit/' the DiT;
     terms(epoch) yields (loss, metrics, weight) pieces, weights adding up to 1, each backpropagated as built (one
     piece's activations alive). Gradients clip per half (different loss scales). Pass 1 runs at pi_old: ratio 1,
-    no clipping (with mu = 1 it never clips). A pass is skipped if non-finite, or if no rank `learns` (has a group
-    not left out). Returns the updating passes' mean metrics (FIRST_PASS_ONLY: pass 1's), skip counts."""
+    no clipping (with mu = 1 it never clips). A non-finite pass is skipped, as is every pass if no rank `learns`.
+    Returns the updating passes' mean metrics (FIRST_PASS_ONLY: pass 1's), skip counts."""
     done, first, skipped, bad_loss = [], {}, 0, 0
     for epoch in range(args.inner_epochs):
         optimizer.zero_grad(set_to_none=True)
@@ -1195,21 +1195,19 @@ def sync_on_last(policy, pieces):
 
 
 def non_finite_streak(bad_steps, row, out, args, start):
-    """The rows of the steps in a row, up to this one, that updated nothing: 5 (or every step of a shorter run)
-    stop the run in one line naming the cause and the last checkpoint."""
+    """The rows of the last steps in a row that updated nothing: 5, or all of a shorter run, stop the run."""
     bad_steps = bad_steps + [row] if row["skipped_updates"] == args.inner_epochs else []
     if len(bad_steps) < min(5, args.steps - start):
         return bad_steps
-    causes = []
-    for r in bad_steps:      # a non-finite reward (named), else the loss, else the gradient
+    causes = {}   # a non-finite reward (named), else the loss, else the gradient
+    for r in bad_steps:
         bad = [k[len("rewards/"):] for k, v in r.items() if k.startswith("rewards/") and not math.isfinite(v)]
-        causes.append(f"reward {', '.join(bad)} (fix the reward)" if bad else
-                      "loss (the policy's log-probs overflowed: try a lower --lr)" if r["skipped_nonfinite_loss"]
-                      else "gradient (try a lower --lr or --max-grad-norm)")
+        causes[f"reward {', '.join(bad)} (fix the reward)" if bad else "loss (the policy's log-probs overflowed: try "
+               "a lower --lr)" if r["skipped_nonfinite_loss"] else "gradient (try a lower --lr or --max-grad-norm)"] = 1
     found = saved_checkpoints(out)
     saved = f"the last checkpoint is {found[-1]}" if found else "no checkpoint was written yet"
-    what = "; ".join(f"non-finite {cause}" for cause in dict.fromkeys(causes))
-    raise UsageError(f"stopping: no update since step {bad_steps[0]['step']}: {what}; {saved}")
+    raise UsageError(f"stopping: no update since step {bad_steps[0]['step']}: non-finite "
+                     f"{'; non-finite '.join(causes)}; {saved}")
 
 
 # ---- For Part II: the DiT's inputs as the pipeline builds them, the i2i source cache, the VAE ----
@@ -1342,7 +1340,7 @@ def validate_args(args):
         (args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline), "--fsdp shards full "
          "fine-tuning; LoRA adapters are small enough to replicate (drop --fsdp), and --save-pipeline needs whole "
          "weights (resume the last checkpoint in one process)"),
-        (args.fsdp and world == 1, "--fsdp shards over torchrun's processes: one has nothing to shard"),
+        (args.fsdp and world == 1, "--fsdp needs torchrun: one process has nothing to shard"),
         (args.plan_gpus and not args.plan, "--plan-gpus sets the GPU counts of --plan's rows: add --plan"),
         ((args.dit_train_steps or 0) > args.num_inference_steps, f"--dit-train-steps must be between 1 and "
          f"--num-inference-steps ({args.num_inference_steps}), got {args.dit_train_steps}"),
@@ -1419,7 +1417,7 @@ def resolve_runtime(args):
 
 
 def open_run(args):
-    """Flags, --out's lock (rank 0), prompts, rewards, model; a failed start removes what it made."""
+    """Flags, --out's lock (rank 0), prompts, rewards, model."""
     resolve_runtime(args)
     validate_args(args)
     init_distributed(args)
@@ -1435,7 +1433,7 @@ def open_run(args):
         started = start_training(args, out, lead)
     finally:
         if lead and started is None:
-            release(wrote=False)
+            release(wrote=[])
     return None if started is None else (*started, out, lead, release)
 
 
@@ -1509,8 +1507,7 @@ def check_source_size(processor, height, width):
 
 
 def lock_out_dir(out):
-    """An exclusive fcntl.flock on <out>/.lock (released even on kill -9) until release(wrote): a run that
-    wrote nothing (no metrics row) removes what this made."""
+    """An exclusive flock on <out>/.lock (freed even on kill -9) until release(wrote); False: removes what it made."""
     made = [p for p in [out / ".lock", out.absolute(), *out.absolute().parents] if not p.exists()]
     out.mkdir(parents=True, exist_ok=True)
     handle = open(out / ".lock", "a")      # stays empty
@@ -1522,7 +1519,7 @@ def lock_out_dir(out):
     def release(wrote):
         handle.close()
         with contextlib.suppress(OSError):
-            for path in [] if wrote else made:        # up to a directory not empty
+            for path in [] if wrote else made:   # up to a directory not empty
                 (path.unlink if path.is_file() else path.rmdir)()
     return release
 
@@ -1534,7 +1531,7 @@ def close_run(args, items, out, tracker, release):
     if release:
         rows = read_metrics(out / "metrics.jsonl")
         save_reward_curve(out / "reward_curve.png", rows, window=min(20, math.ceil(len(items) / args.prompts_per_step)))
-        release(wrote=bool(rows))
+        release(wrote=rows)
 
 
 # =============================================================================================
@@ -1805,7 +1802,7 @@ def finish_row(row, trainer, args, t0):
     """Adds the step's learning rates, moves the schedule on one step, averages the row over ranks."""
     names = {"ar": ["lr"], "dit": ["dit/lr"], "both": ["lr", "dit/lr"]}[args.policy]   # a param group per half
     row.update(zip(names, trainer.lr_scheduler.get_last_lr()))
-    # a step whose updates were all skipped (non-finite) never called optimizer.step(): no warning for that
+    # a step whose updates were all skipped never called optimizer.step()
     warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
     trainer.lr_scheduler.step()
     row = reduce_metrics(row)
@@ -1848,9 +1845,9 @@ def read_metrics(path, drop_after=math.inf):
     dropped = [row for row in rows if row["step"] > drop_after]
     if dropped:
         aside = path.with_name(f"metrics.dropped_after_step_{drop_after:06d}.jsonl")
-        atomic_write_bytes(aside, "".join(json.dumps(row) + "\n" for row in dropped).encode())
         rows = [row for row in rows if row["step"] <= drop_after]
-        atomic_write_bytes(path, "".join(json.dumps(row) + "\n" for row in rows).encode())
+        for file, kept in ((aside, dropped), (path, rows)):
+            atomic_write_bytes(file, "".join(json.dumps(row) + "\n" for row in kept).encode())
         print(f"note: resuming at step {drop_after} drops metrics rows of steps {dropped[0]['step']}.."
               f"{dropped[-1]['step']} (no checkpoint after step {drop_after}); kept in {aside}")
     return rows
@@ -1908,7 +1905,7 @@ def round_ticks(low, high, count=5, least=0):
 
 def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
     """Mean reward per step +- the within-group std, and its moving average over `window` steps (a prompt pass)."""
-    rows = [r for r in rows if None not in (r["reward_mean"], r["reward_std"])]      # null: non-finite
+    rows = [r for r in rows if None not in (r["reward_mean"], r["reward_std"])]   # null: non-finite
     if not rows:
         return
     steps, means, stds = (np.array([r[k] for r in rows]) for k in ("step", "reward_mean", "reward_std"))
@@ -1942,10 +1939,10 @@ def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
 # =============================================================================================
 # 19. Interruptions: Ctrl+C and SIGTERM
 # =============================================================================================
-# Ctrl+C or SIGTERM (Slurm's, torchrun's) stops the run at a step's end, saved, exit code 128 + signal. A step
-# whose update has not begun is dropped (AbandonStep unwinds it from wherever the signal came: the weights are still
-# step - 1's); one whose update has begun is finished. A second Ctrl+C, or one before the loop, quits at once
-# (the excepthook at the top). Under torchrun the ranks vote (agree) before each update and after each step.
+# Ctrl+C or SIGTERM (Slurm's, torchrun's) stops the run at a step's end, saved, exit code 128 + signal.
+# A step whose update has not begun is dropped (AbandonStep unwinds it from wherever the signal came: the
+# weights are still step - 1's); one whose update has begun is finished. A second Ctrl+C quits at once.
+# Under torchrun the ranks vote (agree) before each update and after each step: all stop at the same point.
 
 class AbandonStep(BaseException):
     """BaseException: no `except Exception` (a reward plug-in's, say) swallows it."""

@@ -620,7 +620,7 @@ def _bad_cases(tmp, run):
         "out not writable": (["--out", "/proc/grpo_glm_run"], "cannot write"),
         "lr negative with exponent": (["--lr", "-1e-3", "--out", fresh], "--lr must be > 0, got -0.001"),
         "fsdp with LoRA": (["--fsdp", "--lora-rank", "4", "--out", fresh], "--fsdp shards full fine-tuning"),
-        "fsdp in one process": (["--fsdp", "--out", fresh], "--fsdp shards over torchrun's processes: one has nothing"),
+        "fsdp in one process": (["--fsdp", "--out", fresh], "--fsdp needs torchrun: one process has nothing to shard"),
         "plan-gpus without --plan": (["--plan-gpus", "2", "--out", fresh], "add --plan"),
         "plan-gpus 1": (["--plan", "--plan-gpus", "1", "--out", fresh], "--plan-gpus must be at least 2"),
         "plan-gpus not dividing the prompts": (["--plan", "--plan-gpus", "2", "4", "--out", fresh],
