@@ -625,7 +625,7 @@ def grpo_update(optimizer, halves, args, learns=True):
             metrics[prefix + "grad_norm"] = norm.item()
         if epoch == 0:
             first = {k: v for k, v in metrics.items() if k.endswith(FIRST_PASS_ONLY)}
-        if not all_ranks_agree(finite) or not max_over_ranks(learns):   # DDP: a rank's loss, everyone's gradient
+        if max_over_ranks(2 * (not finite) + learns) != 1:   # one vote: no rank non-finite (2), one learns (1)
             skipped += 1
             bad_loss += not loss_finite
             optimizer.zero_grad(set_to_none=True)

@@ -1785,7 +1785,7 @@ def circle(prompts):
     return torch.tensor(["circle" in p for p in prompts])
 def one_nan(images, prompts, targets):              # one NaN among the circle's samples
     r = grpo_glm.mse_reward(images, targets)
-    r[circle(prompts).nonzero()[0]] = float("nan")
+    r[circle(prompts).nonzero()[:1, 0]] = float("nan")
     return r
 def tied(images, prompts, targets):                 # the circle's samples all tied
     r = grpo_glm.mse_reward(images, targets)
@@ -2515,6 +2515,23 @@ def test_slow_two_processes_train_like_one_and_resume_exactly(tmp_path):
     resumed1 = one_process_reference(flags + ["--out", str(tmp_path / "resumed1"), "--resume", "latest"])
     assert_vectors_close(resumed1, rank0)
     assert_rows_close(read_metrics(tmp_path / "resumed1"), two_rows)
+
+
+def test_slow_a_group_left_out_on_one_rank_trains_like_one_process(tmp_path):
+    """One NaN among the circle's rewards: the rank holding the circle has no group to learn from, the other
+    has, and their vote trains the square's group exactly as one process does (float64, ACROSS_PROCESSES)."""
+    (tmp_path / "left_out.py").write_text(LEFT_OUT)
+    flags = ["--steps", "2", "--sample-every", "0", "--group-size", "4", "--inner-epochs", "2", "--height", "64",
+             "--width", "64", "--ar-trainable", "all", "--reward", f"{tmp_path}/left_out.py:one_nan", *FLOAT64]
+    one = one_process_reference(flags + ["--out", str(tmp_path / "one")])
+    rank0, rank1 = run_two_ranks(flags + ["--out", str(tmp_path / "two")], tmp_path)
+    assert all(torch.equal(rank0[n], rank1[n]) for n in rank0)
+    assert_vectors_close(rank0, one)
+    rows, expected = read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")
+    assert [r["frac_reward_nonfinite"] for r in rows] == [r["frac_reward_nonfinite"] for r in expected] == [0.5] * 2
+    assert [r["skipped_updates"] for r in rows] == [0, 0]
+    for row, want in zip(rows, expected):      # a rank's loss is 0 on the circle's tokens, as in one process
+        assert row["loss"] == pytest.approx(want["loss"], **ACROSS_PROCESSES)
 
 
 def test_slow_lora_with_kl_under_ddp_trains_like_one_process(tmp_path):
