@@ -55,6 +55,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
+if __name__ == "__main__":     # Ctrl+C outside section 19's handler: one line
+    sys.excepthook = lambda kind, *rest: sys.__excepthook__(kind, *rest) if kind is not KeyboardInterrupt else print(
+        "\ninterrupted: every checkpoint written is complete", file=sys.stderr)
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -419,24 +423,27 @@ def compute_rewards(rewards, images, prompts, targets):
 # =============================================================================================
 
 def group_advantages(rewards, group_size, eps=1e-4):
-    """A_i = (r_i - mean_group(r)) / (std_group(r) + eps), rewards [N] in groups of G -> [N], unbiased std
-    (as TRL). Equal rewards get exactly 0 (an fp32 mean an ulp off, / (std + eps), would give ~3e-4).
-    eps is not tiny on purpose: MSE rewards within a group can differ by 1e-4."""
+    """A_i = (r_i - mean_group(r)) / (std_group(r) + eps), rewards [N] in groups of G -> [N], unbiased std (as TRL).
+    Equal rewards get exactly 0 (an fp32 mean an ulp off, / (std + eps), would give ~3e-4), as does a group with a
+    NaN or inf (left out: the others train). eps is not tiny on purpose: MSE rewards in a group can differ by 1e-4."""
     if rewards.ndim != 1 or rewards.numel() % group_size:
         raise ValueError(f"got {rewards.numel()} rewards, not a multiple of group_size={group_size}")
     groups = rewards.view(-1, group_size)
     centred = groups - groups.mean(dim=1, keepdim=True)
     advantages = centred / (groups.std(dim=1, keepdim=True) + eps)
-    tied = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)      # [P, 1]: no learning signal
-    return torch.where(tied, 0.0, advantages).view(-1)
+    # [P, 1]: groups with no learning signal (all rewards tied) or a non-finite reward (left out of the step)
+    dropped = (groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)) | ~groups.isfinite().all(1, True)
+    return torch.where(dropped, 0.0, advantages).view(-1)
 
 
 def reward_metrics(rewards, per_reward, group_size):
     groups = rewards.view(-1, group_size)                                             # [P, G]
-    return {"reward_mean": rewards.mean().item(),
+    kept = groups.isfinite().all(dim=1)   # [P]
+    return {"reward_mean": groups[kept].mean().item(),
             # the MEAN WITHIN-GROUP std (what the advantages divide by); TRL now logs the batch std by this name
-            "reward_std": groups.std(dim=1).mean().item(),
+            "reward_std": groups.std(dim=1)[kept].mean().item(),
             "frac_reward_zero_std": (groups.amax(dim=1) == groups.amin(dim=1)).float().mean().item(),  # tied
+            "frac_reward_nonfinite": 1 - kept.float().mean().item(),   # left out
             **{f"rewards/{name}": value.mean().item() for name, value in per_reward.items()}}
 
 
@@ -598,12 +605,12 @@ def ar_half(trainer, rollout, advantages, args):
 FIRST_PASS_ONLY = ("logp_diff_max", "entropy")   # measured while the policy still equals pi_old
 
 
-def grpo_update(optimizer, halves, args):
-    """mu = --inner-epochs AdamW steps on one batch. halves: [(prefix, params, terms)], '' the AR, 'dit/'
-    the DiT; terms(epoch) yields (loss, metrics, weight) pieces, weights adding up to 1, each
-    backpropagated as built (one piece's activations alive). Gradients clip per half (different loss
-    scales). Pass 1 runs at pi_old: ratio 1, no clipping (with mu = 1 it never clips). A non-finite pass
-    is skipped. Returns the updating passes' mean metrics (FIRST_PASS_ONLY: pass 1's), skip counts."""
+def grpo_update(optimizer, halves, args, learns=True):
+    """mu = --inner-epochs AdamW steps on one batch. halves: [(prefix, params, terms)], '' the AR, 'dit/' the DiT;
+    terms(epoch) yields (loss, metrics, weight) pieces, weights adding up to 1, each backpropagated as built (one
+    piece's activations alive). Gradients clip per half (different loss scales). Pass 1 runs at pi_old: ratio 1,
+    no clipping (with mu = 1 it never clips). A non-finite pass is skipped, as is every pass if no rank `learns`.
+    Returns the updating passes' mean metrics (FIRST_PASS_ONLY: pass 1's), skip counts."""
     done, first, skipped, bad_loss = [], {}, 0, 0
     for epoch in range(args.inner_epochs):
         optimizer.zero_grad(set_to_none=True)
@@ -621,7 +628,7 @@ def grpo_update(optimizer, halves, args):
             metrics[prefix + "grad_norm"] = norm.item()
         if epoch == 0:
             first = {k: v for k, v in metrics.items() if k.endswith(FIRST_PASS_ONLY)}
-        if not all_ranks_agree(finite):      # under DDP the loss is this rank's, the gradient everyone's
+        if max_over_ranks(2 * (not finite) + learns) != 1:   # one vote: no rank non-finite (2), one learns (1)
             skipped += 1
             bad_loss += not loss_finite
             optimizer.zero_grad(set_to_none=True)
@@ -733,7 +740,8 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
     trainer.before_update()          # a stop signal before this point drops the step (section 19)
     halves = [ar_half(trainer, rollout, advantages, args)] if train_ar else []
     halves += [dit_half(trainer, dit_run, dit_advantages, args)] if train_dit else []
-    update = grpo_update(trainer.optimizer, halves, args)
+    learns = min(row["frac_reward_nonfinite"], row.get("dit/frac_reward_nonfinite", 1)) < 1
+    update = grpo_update(trainer.optimizer, halves, args, learns)
     row.update(update)
     ode = None
     if train_dit:
@@ -748,7 +756,7 @@ def train(args):
     run = open_run(args)                      # checks, --out lock, prompts, rewards, model, resume point
     if run is None:
         return None
-    items, trainer, start, out, lead, lock = run
+    items, trainer, start, out, lead, release = run
     tracker = start_logging(args, trainer, out, start) if lead else None
     stop = StopAfterStep()                    # Ctrl+C / SIGTERM: finish or drop the step, checkpoint, exit
     trainer.before_update = stop.before_update
@@ -769,7 +777,7 @@ def train(args):
             # ---- LOG -------------------------------------------------------------------------
             if lead:
                 warned = log_step(row, step, args, trainer, out, tracker, warned)
-            bad_steps = non_finite_streak(bad_steps, row, step, out, args)
+            bad_steps = non_finite_streak(bad_steps, row, out, args, start)
             if lead and args.sample_every and step % args.sample_every == 0:     # rank 0's groups
                 save_sample_grid(out / "samples" / f"step_{step:06d}.png", [items[i].text for i in indices],
                                  targets, images, rewards, args.group_size, sources, ode, tracker, step)
@@ -779,12 +787,9 @@ def train(args):
                 last_saved = step
             if stopping:
                 stop.exit(f"interrupted: saved step {step} to {path}", out)
-    except KeyboardInterrupt:   # the second Ctrl+C: leave now, the last checkpoint is complete
-        print(f"\ninterrupted: last checkpoint is step {last_saved} in {out / 'checkpoints'}", file=sys.stderr)
-        sys.exit(130)
     finally:
         stop.restore()
-        close_run(args, items, out, tracker, lock)
+        close_run(args, items, out, tracker, release)
     if args.save_pipeline and lead:
         save_trained_pipeline(trainer.pipe, args)
     return trainer.pipe
@@ -1209,12 +1214,20 @@ def sync_on_last(policy, pieces):
             yield piece
 
 
-def non_finite_streak(bad_steps, row, step, out, args):
-    """The metrics rows of the steps in a row, up to this one, whose every update was skipped: 5 stop the run."""
+def non_finite_streak(bad_steps, row, out, args, start):
+    """The rows of the last steps in a row that updated nothing: 5, or all of a shorter run, stop the run."""
     bad_steps = bad_steps + [row] if row["skipped_updates"] == args.inner_epochs else []
-    if len(bad_steps) >= 5:
-        raise UsageError(non_finite_stop(bad_steps, step, out))
-    return bad_steps
+    if len(bad_steps) < min(5, args.steps - start):
+        return bad_steps
+    causes = {}   # a non-finite reward (named), else the loss, else the gradient
+    for r in bad_steps:
+        bad = [k[len("rewards/"):] for k, v in r.items() if k.startswith("rewards/") and not math.isfinite(v)]
+        causes[f"reward {', '.join(bad)} (fix the reward)" if bad else "loss (the policy's log-probs overflowed: try "
+               "a lower --lr)" if r["skipped_nonfinite_loss"] else "gradient (try a lower --lr or --max-grad-norm)"] = 1
+    found = saved_checkpoints(out)
+    saved = f"the last checkpoint is {found[-1]}" if found else "no checkpoint was written yet"
+    raise UsageError(f"stopping: no update since step {bad_steps[0]['step']}: non-finite "
+                     f"{'; non-finite '.join(causes)}; {saved}")
 
 
 # ---- For Part II: the DiT's inputs as the pipeline builds them, the i2i source cache, the VAE ----
@@ -1308,10 +1321,8 @@ class Parser(argparse.ArgumentParser):
         # what looks like a number is an option's value, not an option: '--lr -1e-3' too, as from Python 3.14
         self._negative_number_matcher = re.compile(r"-[\d.]+(e[-+]?\d+)?$", re.I)
 
-    def error(self, message):      # a bad flag: one line as for a UsageError, exit code 2, no usage block
-        if os.environ.get("RANK", "0") == "0":
-            print("error: " + re.sub(r"^argument (\S+): ", r"\1 ", message), file=sys.stderr)
-        sys.exit(2)
+    def error(self, message):      # a bad flag: a UsageError (one line, exit code 2), no usage block
+        raise UsageError(re.sub(r"^argument (\S+): ", r"\1 ", message))
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -1363,6 +1374,7 @@ def validate_args(args):
         (args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline), "--fsdp shards full "
          "fine-tuning; LoRA adapters are small enough to replicate (drop --fsdp), and --save-pipeline needs whole "
          "weights (resume the last checkpoint in one process)"),
+        (args.fsdp and world == 1, "--fsdp needs torchrun: one process has nothing to shard"),
         (args.plan_gpus and not args.plan, "--plan-gpus sets the GPU counts of --plan's rows: add --plan"),
         ((args.dit_train_steps or 0) > args.num_inference_steps, f"--dit-train-steps must be between 1 and "
          f"--num-inference-steps ({args.num_inference_steps}), got {args.dit_train_steps}"),
@@ -1439,14 +1451,13 @@ def resolve_runtime(args):
 
 
 def open_run(args):
-    """Flags, --out's lock (rank 0), prompts, rewards, model; a failed start removes what it made."""
+    """Flags, --out's lock (rank 0), prompts, rewards, model."""
     resolve_runtime(args)
     validate_args(args)
     init_distributed(args)
     lead = rank() == 0
     out = Path(args.out)
-    made = [p for p in [out / ".lock", out.absolute(), *out.absolute().parents] if not p.exists()]   # by the lock
-    lock = lock_out_dir(out) if lead else None
+    release = lock_out_dir(out) if lead else None
     started = None
     try:
         # under the lock, so no other run starts here meanwhile; only --resume continues a run
@@ -1456,11 +1467,8 @@ def open_run(args):
         started = start_training(args, out, lead)
     finally:
         if lead and started is None:
-            lock.close()
-            with contextlib.suppress(OSError):
-                for path in made:       # the lock file, then directories innermost first; stops at one not empty
-                    (path.unlink if path.is_file() else path.rmdir)()
-    return None if started is None else (*started, out, lead, lock)
+            release(wrote=[])
+    return None if started is None else (*started, out, lead, release)
 
 
 def start_training(args, out, lead):
@@ -1533,24 +1541,31 @@ def check_source_size(processor, height, width):
 
 
 def lock_out_dir(out):
-    """An exclusive fcntl.flock on <out>/.lock while the returned file is open (released even on kill -9)."""
+    """An exclusive flock on <out>/.lock (freed even on kill -9) until release(wrote); False: removes what it made."""
+    made = [p for p in [out / ".lock", out.absolute(), *out.absolute().parents] if not p.exists()]
     out.mkdir(parents=True, exist_ok=True)
     handle = open(out / ".lock", "a")      # stays empty
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise UsageError(f"--out {out} is in use by another run; wait for it to finish or pick another --out")
-    return handle
+
+    def release(wrote):
+        handle.close()
+        with contextlib.suppress(OSError):
+            for path in [] if wrote else made:   # up to a directory not empty
+                (path.unlink if path.is_file() else path.rmdir)()
+    return release
 
 
-def close_run(args, items, out, tracker, lock):
+def close_run(args, items, out, tracker, release):
     """On any exit: the tracker; rank 0: the reward curve (averaged over a pass over the prompts), the lock."""
     if tracker:
         tracker.finish()
-    if lock:
-        save_reward_curve(out / "reward_curve.png", read_metrics(out / "metrics.jsonl"),
-                          window=min(20, math.ceil(len(items) / args.prompts_per_step)))
-        lock.close()
+    if release:
+        rows = read_metrics(out / "metrics.jsonl")
+        save_reward_curve(out / "reward_curve.png", rows, window=min(20, math.ceil(len(items) / args.prompts_per_step)))
+        release(wrote=rows)
 
 
 # =============================================================================================
@@ -1744,7 +1759,7 @@ def load_rewards(specs):
 
 def call_reward(reward, images, prompts, targets):
     """One --reward on its own copy of the batch (in-place edits must not reach the next one) -> [N] in the
-    images' dtype. Raising or a wrong shape stops the run; non-finite values: grpo_update skips the step."""
+    images' dtype. Raising or a wrong shape stops the run; a non-finite value leaves its group out (section 7)."""
     n, name = len(prompts), reward.name
     try:
         value = reward.fn(images.clone(), list(prompts), None if targets is None else targets.clone())
@@ -1759,8 +1774,8 @@ def call_reward(reward, images, prompts, targets):
                          local=True)
     bad = (~torch.isfinite(value)).sum().item()
     if bad:
-        print(f"warning: reward {name} returned {bad} non-finite values of {n}; this step's update is skipped",
-              file=sys.stderr)
+        print(f"warning: reward {name} returned {bad} non-finite values of {n}; their groups are left out of this "
+              "step", file=sys.stderr)
     return value
 
 
@@ -1821,10 +1836,9 @@ def finish_row(row, trainer, args, t0):
     """Adds the step's learning rates, moves the schedule on one step, averages the row over ranks."""
     names = {"ar": ["lr"], "dit": ["dit/lr"], "both": ["lr", "dit/lr"]}[args.policy]   # a param group per half
     row.update(zip(names, trainer.lr_scheduler.get_last_lr()))
-    with warnings.catch_warnings():
-        # a step whose updates were all skipped (non-finite) never called optimizer.step()
-        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-        trainer.lr_scheduler.step()
+    # a step whose updates were all skipped never called optimizer.step()
+    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+    trainer.lr_scheduler.step()
     row = reduce_metrics(row)
     row["seconds"] = round(time.time() - t0, 3)
     return row
@@ -1863,22 +1877,6 @@ def warn_if_collapsed(row, warned, max_entropy=None):
     return True
 
 
-def non_finite_stop(rows, step, out):
-    """Why the steps of `rows` (5 in a row) updated nothing, and the last checkpoint if any."""
-    advice = {"loss": "the policy's log-probs overflowed: try a lower --lr",
-              "gradient": "try a lower --lr or --max-grad-norm"}
-    causes = []
-    for row in rows:      # a non-finite reward (named), else the loss, else the gradient
-        bad = [k[len("rewards/"):] for k, v in row.items() if k.startswith("rewards/") and not math.isfinite(v)]
-        causes.append(f"reward {', '.join(bad)}" if bad else
-                      "loss" if row.get("skipped_nonfinite_loss") else "gradient")
-    what = "; ".join(f"non-finite {c} ({advice.get(c, 'fix the reward: it returned NaN or inf')})"
-                     for c in dict.fromkeys(causes))
-    found = saved_checkpoints(out)
-    saved = f"the last checkpoint is {found[-1]}" if found else "no checkpoint was written yet"
-    return f"stopping: steps {step - len(rows) + 1}-{step} updated nothing: {what}; {saved}"
-
-
 def read_metrics(path, drop_after=math.inf):
     """metrics.jsonl's rows; drop_after (a resume's step): later rows, a killed run's, move to a file beside it."""
     lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
@@ -1886,9 +1884,9 @@ def read_metrics(path, drop_after=math.inf):
     dropped = [row for row in rows if row["step"] > drop_after]
     if dropped:
         aside = path.with_name(f"metrics.dropped_after_step_{drop_after:06d}.jsonl")
-        atomic_write_bytes(aside, "".join(json.dumps(row) + "\n" for row in dropped).encode())
         rows = [row for row in rows if row["step"] <= drop_after]
-        atomic_write_bytes(path, "".join(json.dumps(row) + "\n" for row in rows).encode())
+        for file, kept in ((aside, dropped), (path, rows)):
+            atomic_write_bytes(file, "".join(json.dumps(row) + "\n" for row in kept).encode())
         print(f"note: resuming at step {drop_after} drops metrics rows of steps {dropped[0]['step']}.."
               f"{dropped[-1]['step']} (no checkpoint after step {drop_after}); kept in {aside}")
     return rows
@@ -1946,7 +1944,7 @@ def round_ticks(low, high, count=5, least=0):
 
 def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
     """Mean reward per step +- the within-group std, and its moving average over `window` steps (a prompt pass)."""
-    rows = [r for r in rows if r["reward_mean"] is not None and r["reward_std"] is not None]   # null: non-finite
+    rows = [r for r in rows if None not in (r["reward_mean"], r["reward_std"])]   # null: non-finite
     if not rows:
         return
     steps, means, stds = (np.array([r[k] for r in rows]) for k in ("step", "reward_mean", "reward_std"))
@@ -2487,7 +2485,7 @@ def fsdp_units(model):      # the modules fully_shard made FSDPModules: [] if no
 def shard_for_training(model, params, args, reference=None):
     """--fsdp: shards `model` and its KL `reference` in place; returns AdamW's parameters (new DTensors
     if sharded). bf16: shards in fp32 (AdamW's steps on bf16 round away), gathered in bf16, reduced in fp32."""
-    if not (args.fsdp and is_ddp()):
+    if not args.fsdp:
         return params
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -2888,14 +2886,12 @@ def generate_images(pipe, prompts, sources=None, height=64, width=64, num_infere
 # =============================================================================================
 
 def main(argv=None):
-    args = parse_args(argv)
     try:
+        args = parse_args(argv)
         return print_memory_plan(args) if args.plan else train(args)
     except UsageError as e:     # a bad flag or input: one line, by rank 0 (by its rank, if seen there alone)
-        if e.local and world_size() > 1:
-            print(f"error: rank {rank()}: {e}", file=sys.stderr)
-        elif rank() == 0:
-            print(f"error: {e}", file=sys.stderr)
+        if rank() == 0 or e.local:
+            print(f"error: {f'rank {rank()}: ' if e.local and world_size() > 1 else ''}{e}", file=sys.stderr)
         sys.exit(2)
     except Exception as e:
         # CUDA raises torch.OutOfMemoryError; the CPU allocator a plain RuntimeError

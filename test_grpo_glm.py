@@ -130,6 +130,12 @@ def test_token_entropy_uniform_peaked_and_suppressed():
     assert g.token_entropy(logits, g.SamplingParams(100.0))[0, 1] > h[0, 1] + 1
 
 
+def test_group_advantages_leave_out_a_group_with_a_non_finite_reward():
+    rewards = torch.tensor([0.1, float("nan"), 0.3, 0.4, float("inf"), 0.6, 0.3, 0.1, 0.2])
+    adv = g.group_advantages(rewards, 3)
+    assert torch.equal(adv[:6], torch.zeros(6)) and torch.equal(adv[6:], g.group_advantages(rewards[6:], 3))
+
+
 def test_group_advantages_rejects_ragged_length():
     with pytest.raises(ValueError):
         g.group_advantages(torch.zeros(5), 2)
@@ -534,7 +540,7 @@ def test_two_runs_cannot_share_an_out_dir(tmp_path, capsys):
     import fcntl
 
     out = tmp_path / "run"
-    holder = g.lock_out_dir(out)                   # as a running process holds it
+    release = g.lock_out_dir(out)                  # as a running process holds it
     with pytest.raises(SystemExit):
         g.main(["--steps", "1", "--out", str(out), *SMALL])
     assert "in use by another run" in capsys.readouterr().err
@@ -543,9 +549,22 @@ def test_two_runs_cannot_share_an_out_dir(tmp_path, capsys):
         g.main(["--steps", "1", "--out", str(out), "--resume", "latest", *SMALL])
     printed = capsys.readouterr()
     assert "in use by another run" in printed.err and "starting from step 0" not in printed.out
-    holder.close()
+    release(wrote=True)
     with open(out / ".lock") as again:             # released: anyone may take it
         fcntl.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_a_run_that_fails_in_its_first_step_leaves_out_as_it_found_it(tmp_path, capsys):
+    """A reward that raises, or returns the wrong shape, once the model is loaded: no lock file, no directory
+    left behind; an --out that existed (empty) stays, empty."""
+    (tmp_path / "broken.py").write_text("def raises(images, prompts, targets):\n    raise ConnectionError('down')\n"
+                                        "def short(images, prompts, targets):\n    return [0.0]\n")
+    (tmp_path / "existing").mkdir()
+    for name, out in (("raises", tmp_path / "new" / "run"), ("short", tmp_path / "existing")):
+        with pytest.raises(SystemExit) as stop:
+            g.main(["--steps", "1", "--out", str(out), "--reward", f"{tmp_path}/broken.py:{name}", *SMALL])
+        assert stop.value.code == 2 and f"reward {name} r" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists() and list((tmp_path / "existing").iterdir()) == []
 
 
 def test_slow_default_run_learns(tmp_path, monkeypatch, capsys):
@@ -659,6 +678,7 @@ def _bad_cases(tmp, run):
         "out not writable": (["--out", "/proc/grpo_glm_run"], "cannot write"),
         "lr negative with exponent": (["--lr", "-1e-3", "--out", fresh], "--lr must be > 0, got -0.001"),
         "fsdp with LoRA": (["--fsdp", "--lora-rank", "4", "--out", fresh], "--fsdp shards full fine-tuning"),
+        "fsdp in one process": (["--fsdp", "--out", fresh], "--fsdp needs torchrun: one process has nothing to shard"),
         "plan-gpus without --plan": (["--plan-gpus", "2", "--out", fresh], "add --plan"),
         "plan-gpus 1": (["--plan", "--plan-gpus", "1", "--out", fresh], "--plan-gpus must be at least 2"),
         "plan-gpus not dividing the prompts": (["--plan", "--plan-gpus", "2", "4", "--out", fresh],
@@ -683,7 +703,7 @@ CASE_NAMES = ["prompts missing", "prompts empty", "prompts only comments", "targ
               "resume into a LoRA model", "model path missing", "model dir not a pipeline", "out is a file",
               "out holds a run", "prompts UTF-16", "prompts Latin-1", "save-pipeline is a file",
               "save-pipeline holds files", "out under a file", "out not writable", "lr negative with exponent",
-              "fsdp with LoRA", "plan-gpus without --plan", "plan-gpus 1", "plan-gpus not dividing the prompts",
+              "fsdp with LoRA", "fsdp in one process", "plan-gpus without --plan", "plan-gpus 1", "plan-gpus not dividing the prompts",
               "head with LoRA", "max-grad-norm 0", "max-grad-norm negative", "lr inf", "beta nan", "seed too large",
               "seed negative", "prompts is a directory", "steps not a number"]
 
@@ -900,7 +920,7 @@ def test_non_finite_loss_skips_the_update(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as stop:
         g.main(["--steps", "8", "--out", str(out), "--save-every", "2", *SMALL])
     err = capsys.readouterr().err
-    assert stop.value.code == 2 and "steps 1-5 updated nothing: non-finite reward mse (fix the reward" in err
+    assert stop.value.code == 2 and "no update since step 1: non-finite reward mse (fix the reward)" in err
     assert f"the last checkpoint is {out / 'checkpoints' / 'step_000004.pt'}" in err and "--lr" not in err
     rows = read_metrics(out)
     assert len(rows) == 5 and all(r["skipped_updates"] == 4 for r in rows)
@@ -920,8 +940,9 @@ def test_non_finite_stop_names_the_cause_and_no_missing_checkpoint(tmp_path, mon
     assert stop.value.code == 2 and len(err) == 1, err
     assert "non-finite gradient (try a lower --lr or --max-grad-norm)" in err[0] and "reward" not in err[0]
     assert "no checkpoint was written yet" in err[0] and not (out / "checkpoints").exists()
-    row = {"rewards/mse": -0.2, "skipped_nonfinite_loss": 1}             # a NaN loss with a finite reward
-    assert "non-finite loss (the policy's log-probs overflowed" in g.non_finite_stop([row] * 5, 9, out)
+    rows = [{"step": s, "rewards/mse": -0.2, "skipped_updates": 1, "skipped_nonfinite_loss": 1} for s in range(5, 10)]
+    with pytest.raises(g.UsageError, match=r"since step 5: non-finite loss \(the policy's log-probs overflowed"):
+        g.non_finite_streak(rows[:4], rows[4], out, SimpleNamespace(inner_epochs=1, steps=20), start=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1554,6 +1575,22 @@ def test_ctrl_c_saves_a_checkpoint_and_says_where(tmp_path):
     assert (out / "reward_curve.png").is_file()
 
 
+def test_ctrl_c_while_starting_is_one_line_and_leaves_out_as_it_found_it(tmp_path):
+    """Before the loop's handler: at 1 s (importing torch, or later on a fast machine) and once --out is
+    locked (loading the model). Python's own exit by SIGINT (a shell's 130) and no traceback."""
+    out = tmp_path / "run"
+    for ready in (lambda: time.sleep(1) or True, lambda: (out / ".lock").exists()):
+        proc = subprocess.Popen([sys.executable, str(HERE / "grpo_glm.py"), "--out", str(out), *SMALL], cwd=HERE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 120
+        while not ready() and time.time() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == -signal.SIGINT and stderr.strip() == "interrupted: every checkpoint written is complete"
+        assert not out.exists()
+
+
 def test_offload_hooks_only_the_frozen_parts_and_keep_training_exact():
     """diffusers' model offload runs here on the CPU as its own execution device: that exercises
     the hook placement and the order of work in a step (generate -> DiT decode -> AR
@@ -1862,18 +1899,64 @@ def test_targets_are_required_only_by_rewards_that_read_them(plugins, capsys):
     assert [it.image("target") for it in items] == [None, None]
 
 
-def test_nan_reward_is_named_and_never_reaches_the_weights(plugins, capsys, recwarn):
+def test_nan_reward_is_named_and_a_run_that_trained_no_step_ends_in_one_line(plugins, capsys, recwarn):
+    """Every group holds a NaN (the only prompt's): nothing to learn from, the update is skipped, and a run
+    that trained no step ends in an error, not exit 0 (test_non_finite_loss_skips_the_update: the weights)."""
     out = plugins / "nan"
-    g.main(["--steps", "1", "--out", str(out), "--reward", f"{plugins}/plug.py:half_nan", "--reward", "mse", *SMALL])
-    err = capsys.readouterr().err
-    assert "reward half_nan returned 2 non-finite values of 4" in err and "mse" not in err
+    with pytest.raises(SystemExit) as stop:
+        g.main(["--steps", "1", "--out", str(out), "--reward", f"{plugins}/plug.py:half_nan", "--reward", "mse",
+                *SMALL])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "reward half_nan returned 2 non-finite values of 4" in err[0] and "mse" not in err[0]
+    assert stop.value.code == 2 and err[1:] == ["error: stopping: no update since step 1: non-finite reward half_nan "
+                                                "(fix the reward); no checkpoint was written yet"]
     row = read_metrics(out)[0]
-    assert row["skipped_updates"] == 4 and row["rewards/half_nan"] is None and math.isfinite(row["rewards/mse"])
+    assert row["skipped_updates"] == 4 and row["frac_reward_nonfinite"] == 1 and row["reward_mean"] is None
+    assert row["rewards/half_nan"] is None and math.isfinite(row["rewards/mse"])
     assert row["loss"] is None and "NaN" not in (out / "metrics.jsonl").read_text()    # null: JSON has no NaN
     assert not [w for w in recwarn if "lr_scheduler.step()" in str(w.message)]       # no optimizer.step() is fine
-    initial = tiny_model().vision_language_encoder.state_dict()
-    weights = g.read_checkpoint(out / "checkpoints" / "step_000001.pt")["trainable"]
-    assert all(torch.equal(w, initial[name]) for name, w in weights.items())
+
+
+LEFT_OUT = """import torch, grpo_glm
+def circle(prompts):
+    return torch.tensor(["circle" in p for p in prompts])
+def one_nan(images, prompts, targets):              # one NaN among the circle's samples
+    r = grpo_glm.mse_reward(images, targets)
+    r[circle(prompts).nonzero()[:1, 0]] = float("nan")
+    return r
+def tied(images, prompts, targets):                 # the circle's samples all tied
+    r = grpo_glm.mse_reward(images, targets)
+    r[circle(prompts)] = 0.0
+    return r
+one_nan.uses_targets = tied.uses_targets = True
+"""
+
+
+def test_a_group_with_a_non_finite_reward_is_left_out_and_the_others_train(tmp_path, capsys):
+    """One NaN among a step's 8 rewards leaves its group out exactly as a tied group is (advantages 0): the
+    square's group trains, the weights equal a run's whose reward ties the circle's group, and the log and
+    the curve show the square's rewards."""
+    (tmp_path / "left_out.py").write_text(LEFT_OUT)
+    flags = ["--steps", "2", "--prompts-per-step", "2", *SMALL[:2], *SMALL[6:], "--sample-every", "0"]
+    for name in ("one_nan", "tied"):
+        g.main([*flags, "--reward", f"{tmp_path}/left_out.py:{name}", "--out", str(tmp_path / name)])
+        if name == "one_nan":
+            printed = capsys.readouterr()
+    assert "reward one_nan returned 1 non-finite values of 8; their groups are left out" in printed.err
+    assert "nan" not in "".join(line for line in printed.out.splitlines() if line.startswith("step"))
+    assert (tmp_path / "one_nan" / "reward_curve.png").is_file()
+    nan, tied = read_metrics(tmp_path / "one_nan"), read_metrics(tmp_path / "tied")
+    assert [(r["frac_reward_nonfinite"], r["frac_reward_zero_std"], r["skipped_updates"]) for r in nan] == [(0.5, 0, 0)] * 2
+    assert [(r["frac_reward_nonfinite"], r["frac_reward_zero_std"]) for r in tied] == [(0, 0.5)] * 2
+    for a, b in zip(nan, tied):
+        assert a["loss"] == b["loss"] and a["ratio_mean"] == b["ratio_mean"]
+        # the square's 4 rewards are the same in both runs; the tied run's means take 4 zeros too (fp32 sums of
+        # 4 and 8 same-sign terms: a few ulp apart)
+        assert a["reward_mean"] == pytest.approx(2 * b["reward_mean"], rel=1e-6)
+        assert a["reward_std"] == pytest.approx(2 * b["reward_std"], rel=1e-6)
+    weights = [g.read_checkpoint(tmp_path / name / "checkpoints" / "step_000002.pt")["trainable"]
+               for name in ("one_nan", "tied")]
+    assert all(torch.equal(w, weights[1][name]) for name, w in weights[0].items())
 
 
 @pytest.fixture()
@@ -2621,6 +2704,23 @@ def test_slow_two_processes_train_like_one_and_resume_exactly(tmp_path):
     resumed1 = one_process_reference(flags + ["--out", str(tmp_path / "resumed1"), "--resume", "latest"])
     assert_vectors_close(resumed1, rank0)
     assert_rows_close(read_metrics(tmp_path / "resumed1"), two_rows)
+
+
+def test_slow_a_group_left_out_on_one_rank_trains_like_one_process(tmp_path):
+    """One NaN among the circle's rewards: the rank holding the circle has no group to learn from, the other
+    has, and their vote trains the square's group exactly as one process does (float64, ACROSS_PROCESSES)."""
+    (tmp_path / "left_out.py").write_text(LEFT_OUT)
+    flags = ["--steps", "2", "--sample-every", "0", "--group-size", "4", "--inner-epochs", "2", "--height", "64",
+             "--width", "64", "--ar-trainable", "all", "--reward", f"{tmp_path}/left_out.py:one_nan", *FLOAT64]
+    one = one_process_reference(flags + ["--out", str(tmp_path / "one")])
+    rank0, rank1 = run_two_ranks(flags + ["--out", str(tmp_path / "two")], tmp_path)
+    assert all(torch.equal(rank0[n], rank1[n]) for n in rank0)
+    assert_vectors_close(rank0, one)
+    rows, expected = read_metrics(tmp_path / "two"), read_metrics(tmp_path / "one")
+    assert [r["frac_reward_nonfinite"] for r in rows] == [r["frac_reward_nonfinite"] for r in expected] == [0.5] * 2
+    assert [r["skipped_updates"] for r in rows] == [0, 0]
+    for row, want in zip(rows, expected):      # a rank's loss is 0 on the circle's tokens, as in one process
+        assert row["loss"] == pytest.approx(want["loss"], **ACROSS_PROCESSES)
 
 
 def test_slow_lora_with_kl_under_ddp_trains_like_one_process(tmp_path):
