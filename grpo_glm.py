@@ -263,13 +263,17 @@ def repeat_each(items, group_size):
 #     h*w preview tokens (a ~16x16 sketch) | H*W target-grid tokens | 1 end slot
 # i2i: the prompt holds the source image's VQ tokens, `<start><image tokens><end>text<sop>H W<eop><bos>`,
 #     and the AR generates H*W target-grid tokens | 1 end slot (no preview).
-# (H x W = image side / 32.) Only the target grid reaches the DiT.
+# (H x W = image side / 32.) Only the target grid reaches the DiT. The sampler is a plain loop: a pass over the
+# prompt fills a static KV cache (P + L - 1 long), then each step feeds the last token at its M-RoPE position
+# and draws the next from pi. GLM-Image places a grid's tokens by (row, column), not by index: the positions
+# are computed once, up front (rollout_positions), and the loss reuses them. No step reads a value back to
+# the host, so on a GPU a step compiles into one CUDA graph: one launch, not ~4,000 small kernels.
 
 @dataclass
 class Rollout:
     sequences: torch.Tensor      # [N, P+L] prompt (left-padded; i2i: with the source's VQ ids) + generated ids
     attention_mask: torch.Tensor  # [N, P+L-1] mask of the teacher-forced input (sequences[:, :-1])
-    position_ids: torch.Tensor   # [3, N, P+L-1] M-RoPE positions of that input, as generate used them
+    position_ids: torch.Tensor   # [3, N, P+L-1] M-RoPE positions of that input, as the sampler used them
     old_logp: torch.Tensor       # [N, L] log pi_old(token) at sampling time
     loss_mask: torch.Tensor      # [N, L] 1 for tokens the loss covers
     target_tokens: torch.Tensor  # [N, H*W] the target grid, row-major
@@ -293,67 +297,67 @@ def image_token_suppression(ar, codebook_size):
     return tuple(range(codebook_size, ar.config.text_config.vision_vocab_size))
 
 
-class GumbelMax:
-    """Makes generate's greedy argmax draw from pi: argmax_v (z_v + g_v), g_v standard Gumbel, is
-    distributed as softmax(z) over the ids where z is finite. Group k's noise [G, V] comes from
-    generators[k] alone, where generate(do_sample=True)'s draws for a row depend on the rows before it."""
+def gumbel_max(logits, uniform, sampling):
+    """A draw from pi per row and its log-prob: argmax_v (z_v - log(-log u_v)), u ~ U(0, 1), is distributed as
+    softmax(z) over the ids where z is finite (Gumbel-max). logits, u [N, V] -> ids [N], log pi(id) [N] fp64."""
+    kept = torch.isfinite(policy_scores(logits, sampling))           # the loss's kept set, decided as it does
+    z = (at_least_fp32(logits).double() / sampling.temperature).masked_fill(~kept, float("-inf"))
+    token = (z - torch.log(-torch.log(uniform))).argmax(-1)          # u = 0: -inf, never drawn
+    return token, z.log_softmax(-1).gather(-1, token[:, None])[:, 0]
 
-    def __init__(self, generators, group_size, sampling):
-        self.generators, self.group_size, self.sampling = generators, group_size, sampling
 
-    def __call__(self, input_ids, scores):                    # scores [N, V] fp32, N = groups x G
-        kept = torch.isfinite(policy_scores(scores, self.sampling))      # the loss's kept set: decided in fp32
-        u = torch.cat([torch.rand(self.group_size, scores.shape[-1], generator=gen, device=gen.device,
-                                  dtype=torch.float64) for gen in self.generators])   # [N, V]
-        z = (scores.double() / self.sampling.temperature).masked_fill(~kept, float("-inf"))
-        return z - torch.log(-torch.log(u))        # u = 0: -inf, never drawn
+def next_tokens(ar, ids, uniform, positions, mask, cache, sampling, source=None):
+    """ids [N, q] (the prompt, then the last draw) in at their M-RoPE positions, read at the cache's device
+    step counter (no .item(): no host sync) -> gumbel_max's next token [N] and its log-prob."""
+    at = cache.get_seq_length() + torch.arange(ids.shape[1], device=ids.device)
+    logits = ar(input_ids=ids, attention_mask=mask, position_ids=positions.index_select(2, at), cache=cache,
+                logits_to_keep=1, mm_encoder_outputs=source).logits[:, -1]
+    return gumbel_max(logits, uniform, sampling)
 
 
 @torch.no_grad()
-def sample_group(pipe, prompts, group_size, sampling, height, width, loss_tokens, sources=None,
-                 record_logp=True, generators=None, prompt_len=None):
-    """G samples per prompt in one generate() call (i2i when `sources` is given) -> Rollout. Group k
-    draws from generators[k] (default: seeded off the global RNG). record_logp: old_logp holds the sampler's
-    own log-probs (token_logprobs of generate's raw fp32 logits, never the Gumbel-noised scores), which the
-    tests hold the loss's teacher-forced pass against; training takes pi_old from that pass (sample_tokens)."""
-    from transformers import GenerationConfig
+def sample_group(pipe, prompts, group_size, sampling, height, width, loss_tokens, sources=None, generators=None,
+                 prompt_len=None):
+    """G samples per prompt (i2i when `sources` is given) -> Rollout. Group k draws from generators[k]
+    (default: seeded off the global RNG). old_logp holds the sampler's own log-probs, which the tests hold
+    the loss's teacher-forced pass against; training takes pi_old from that pass (sample_tokens)."""
+    from transformers import StaticCache
 
     ar = pipe.vision_language_encoder
-    batch, vq_ids, source_prior, (num_generated, offset, (H, W)) = generation_inputs(
-        pipe, prompts, sources, group_size, height, width, prompt_len)          # N = P x G rows
+    batch, vq_ids, source_prior, grids = generation_inputs(pipe, prompts, sources, group_size, height, width,
+                                                           prompt_len)          # N = P x G rows
     if generators is None:
         generators = [torch.Generator(ar.device).manual_seed(int(torch.randint(2**62, ()))) for _ in prompts]
-    # do_sample=False: generate takes GumbelMax's argmax, no sampler of its own; top_k/top_p/temperature are
-    # greedy's defaults, set so the checkpoint's are not filled in (the policy's act inside GumbelMax)
-    config = GenerationConfig(
-        do_sample=False, top_k=50, top_p=1.0, temperature=1.0, max_new_tokens=num_generated,
-        min_new_tokens=num_generated, suppress_tokens=list(sampling.suppressed),
-        pad_token_id=ar.config.text_config.pad_token_id, eos_token_id=None, return_dict_in_generate=True,
-        output_logits=record_logp)
-    gumbel = GumbelMax(generators, group_size, sampling)
-    out = ar.generate(**batch, generation_config=config, logits_processor=[gumbel])
-    sequences = out.sequences                                                 # [N, P + L]
+    (H, W), L, prompt_len = grids[-1], sum(h * w for h, w in grids) + 1, batch["input_ids"].shape[1]
+    positions = rollout_positions(ar, batch, grids)[:, :, :-1]                          # [3, N, P + L - 1]
+    mask = torch.nn.functional.pad(batch["attention_mask"], (0, L - 1), value=1)          # [N, P + L - 1]
+    cache = StaticCache(ar.config, max_cache_len=prompt_len + L - 1)
+    # CPU: eager (inductor takes 24-50 s to compile, longer than the tiny demo samples)
+    step = torch.compile(next_tokens, fullgraph=True, mode="reduce-overhead", disable=ar.device.type != "cuda")
+    ids, source, drawn = batch["input_ids"], batch.get("mm_encoder_outputs"), []
+    for t in range(L):                 # t = 0: the prompt's prefill, eager; then one token per row
+        # u [N, V]: group k's rows from generators[k] alone (multinomial's would hang on the rows before them)
+        uniform = torch.cat([torch.rand(group_size, ar.config.text_config.vision_vocab_size, generator=gen,
+                                        device=gen.device, dtype=torch.float64) for gen in generators])
+        token, logp = (step if t else next_tokens)(ar, ids, uniform, positions, mask, cache, sampling, source)
+        drawn.append((token.clone(), logp.clone()))     # a CUDA graph's outputs are overwritten by its next replay
+        ids, source = drawn[-1][0][:, None], None
+    generated, old_logp = (torch.stack(column, 1) for column in zip(*drawn))                # [N, L] each
+    sequences = torch.cat([batch["input_ids"], generated], 1)                                # [N, P + L]
     if vq_ids is not None:       # i2i: the source's VQ ids in its placeholders; later passes skip the vision encoder
         sequences = sequences.masked_scatter(sequences == ar.config.image_token_id, vq_ids.to(sequences.device))
-    prompt_len = batch["input_ids"].shape[1]
-    generated = sequences[:, prompt_len:]                                     # [N, L]
-    old_logp = None
-    if record_logp:      # one decode step at a time: no [N, L, V] copy of the logits
-        old_logp = torch.cat([token_logprobs(logits[:, None], generated[:, t, None], sampling)
-                              for t, logits in enumerate(out.logits)], dim=1)  # [N, L]
+    offset = L - 1 - H * W                                           # the target grid: last before the end slot
     loss_mask = torch.zeros_like(generated, dtype=torch.float32)
     loss_mask[:, (offset if loss_tokens == "target" else 0): offset + H * W] = 1.0    # never the end slot
-    return Rollout(
-        sequences=sequences, attention_mask=torch.cat([batch["attention_mask"], torch.ones_like(generated[:, :-1])], 1),
-        position_ids=decode_position_ids(ar, batch, num_generated), old_logp=old_logp, loss_mask=loss_mask,
-        target_tokens=generated[:, offset: offset + H * W], grid_hw=(H, W), prompt_len=prompt_len,
-        source_prior=source_prior)
+    return Rollout(sequences=sequences, attention_mask=mask, position_ids=positions, old_logp=old_logp,
+                   loss_mask=loss_mask, target_tokens=generated[:, offset: offset + H * W], grid_hw=(H, W),
+                   prompt_len=prompt_len, source_prior=source_prior)
 
 
 def sample_tokens(trainer, prompts, sources, slots, step, args):
     """SAMPLE with the AR in eval mode -> Rollout. pi_old's log-probs must equal the loss's first pass
     bit for bit (ratio 1), so sample_groups takes them from the loss's own teacher-forced pass, micro-batch
-    for micro-batch, not from generate's cached decode: its logits are ~1e-2 off a full pass in bf16, fp32
+    for micro-batch, not from the sampler's cached decode: its logits are ~1e-2 off a full pass in bf16, fp32
     in fp64, and in fp32 they move by ~1e-6 with what else the batch holds (transformers 5.24)."""
     ar = trainer.pipe.vision_language_encoder
     ar.eval()
@@ -492,7 +496,7 @@ def token_entropy(logits, sampling):
 
 
 def policy_logits(ar, rollout):
-    """One teacher-forced forward at generate's M-RoPE positions -> logits [N, L, V] of the L generated tokens."""
+    """One teacher-forced forward at the sampler's M-RoPE positions -> logits [N, L, V] of the L generated tokens."""
     num_generated = rollout.sequences.shape[1] - rollout.prompt_len
     return ar(input_ids=rollout.sequences[:, :-1], attention_mask=rollout.attention_mask,
               position_ids=rollout.position_ids, logits_to_keep=num_generated, use_cache=False).logits
@@ -985,7 +989,7 @@ def shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, cac
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
             torch.manual_seed(seed)                               # leaves the run's RNG stream untouched
             return sample_group(pipe, [prompts[i]], 1, sampling_of(pipe.vision_language_encoder), args.height,
-                                args.width, args.loss_tokens, sources and [sources[i]], record_logp=False)
+                                args.width, args.loss_tokens, sources and [sources[i]])
 
     if args.dit_prior == "per-step":
         draws = [draw(i, sampling_seed(args.seed, step, slot)) for i, slot in enumerate(slots)]
@@ -1089,13 +1093,13 @@ def batch_targets(batch):
     return torch.stack([torch.from_numpy(np.asarray(t, dtype=np.float32) / 255.0).permute(2, 0, 1) for t in targets])
 
 
-# ---- For section 4 (SAMPLE): seeds, the prompts as generate() takes them, rows of a rollout ---
+# ---- For section 4 (SAMPLE): seeds, the prompts as the AR takes them, M-RoPE positions, rows of a rollout ---
 def sampling_seed(seed, step, slot):
     return seed * 1_000_000_007 + step * 100_003 + slot    # the group at `slot` of the step's prompts, on any rank
 
 
 def sample_groups(pipe, prompts, sources, slots, step, args, prompt_len=None):
-    """This rank's groups in one generate() call, the group at `slot` seeded by sampling_seed: the same
+    """This rank's groups in one sample_group call, the group at `slot` seeded by sampling_seed: the same
     samples on any number of processes (section 22)."""
     if prompt_len is None:      # one column past the step's longest prompt (on all ranks): SDPA's masked
         # fp32 sums change with the padding before a row, and an unpadded batch takes its causal kernel
@@ -1104,7 +1108,7 @@ def sample_groups(pipe, prompts, sources, slots, step, args, prompt_len=None):
     ar = pipe.vision_language_encoder
     generators = [torch.Generator(ar.device).manual_seed(sampling_seed(args.seed, step, slot)) for slot in slots]
     rollout = sample_group(pipe, prompts, args.group_size, sampling_of(ar), args.height, args.width,
-                           args.loss_tokens, sources, False, generators, prompt_len)
+                           args.loss_tokens, sources, generators, prompt_len)
     rollout.old_logp = logprobs_by_micro_batch(ar, rollout, sampling_of(ar), args.micro_batch_size)   # sample_tokens
     return rollout
 
@@ -1119,8 +1123,8 @@ def processor_inputs(pipe, prompts, sources, height, width, device):
 
 
 def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_len=None):
-    """generate()'s kwargs for P x G rows (left-padded to `prompt_len`), i2i: the sources' VQ ids and per-sample
-    DiT condition (else None, None), the layout (tokens to generate, target grid's offset, (H, W))."""
+    """The AR's inputs for P x G rows (left-padded to `prompt_len`), i2i: the sources' VQ ids and per-sample
+    DiT condition (else None, None), the grids (h, w) to generate in their order (t2i: preview, target)."""
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
     ar = pipe.vision_language_encoder
@@ -1128,8 +1132,7 @@ def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_
     extra = (prompt_len or inputs["input_ids"].shape[1]) - inputs["input_ids"].shape[1]
     ids = torch.nn.functional.pad(inputs["input_ids"], (extra, 0), value=ar.config.text_config.pad_token_id)
     mask = torch.nn.functional.pad(inputs["attention_mask"], (extra, 0), value=0)
-    # [p0, p1] -> [p0 x G, p1 x G], image_grid_thw by blocks of images_per_sample rows.
-    # (generate(num_return_sequences=G) repeat_interleaves the grid rows one by one: wrong grids, wrong M-RoPE.)
+    # [p0, p1] -> [p0 x G, p1 x G], image_grid_thw by blocks of images_per_sample rows (get_rope_index's split).
     per_sample = inputs["images_per_sample"]
     grids = torch.split(inputs["image_grid_thw"], per_sample.tolist())
     batch = {"input_ids": ids.repeat_interleave(group_size, 0),
@@ -1138,7 +1141,7 @@ def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_
              "images_per_sample": per_sample.repeat_interleave(group_size)}
     vq_ids = source_prior = None
     if sources is not None:
-        # i2i: vision encoder + VQ once per prompt, then G times each: the features for generate's
+        # i2i: vision encoder + VQ once per prompt, then G times each: the features for the prefill's
         # mm_encoder_outputs (a list: generate_prior_tokens torch.cat's it, which get_image_tokens fails on
         # in diffusers 0.42.1), the VQ ids, and the DiT's condition (the ids upsampled 2x, their grid).
         source_grids = ar.model.get_image_grids_for_generation(per_sample, inputs["image_grid_thw"])
@@ -1149,16 +1152,21 @@ def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_
         features = repeat_each(features, group_size)
         batch["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=features)}
         vq_ids, source_prior = torch.cat(repeat_each(tokens, group_size)), repeat_each(prior, group_size)
-    num_generated, offset, H, W = pipe._compute_generation_params(grids[0], is_text_to_image=sources is None)
-    return batch, vq_ids, source_prior, (num_generated, offset, (H, W))
+    generated = grids[0][-1:] if sources is not None else grids[0].flip(0)    # a t2i prompt lists (target, preview)
+    return batch, vq_ids, source_prior, [(h, w) for _, h, w in generated.tolist()]
 
 
-def decode_position_ids(ar, inputs, num_generated):
-    """M-RoPE positions [3, N, P + L - 1] (temporal, row, column) of prompt + generated[:-1]: the prompt's from
-    get_rope_index, the generated grids' from the model's private cache (transformers keeps them nowhere else)."""
-    prompt_positions, _ = ar.model.get_rope_index(**inputs)             # its **kwargs take mm_encoder_outputs
-    decode = ar.model._cached_decode_position_ids                        # [N, 3, L]: one per generated token
-    return torch.cat([prompt_positions, decode[:, :, : num_generated - 1].permute(1, 0, 2)], dim=-1)
+def rollout_positions(ar, batch, grids):
+    """M-RoPE positions [3, N, P + L] (temporal, row, column) of prompt + generated tokens, the sampler's and the
+    loss's, laid out as GLM-Image's get_rope_index does: the prompt's from it (on the 2-D mask: padding is not
+    text); then from s = the prompt's last + 1, each grid (h, w) at (s, s + i, s + j), s += max(h, w)."""
+    prompt, _ = ar.model.get_rope_index(**batch)                         # its **kwargs take mm_encoder_outputs
+    offsets, s = [], 0
+    for h, w in grids + [(1, 1)]:                                        # the end slot: a 1 x 1 grid
+        i, j = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        offsets.append(torch.stack([torch.zeros_like(i), i, j]).flatten(1) + s)
+        s += max(h, w)
+    return torch.cat([prompt, prompt[:, :, -1:] + 1 + torch.cat(offsets, 1)[:, None].to(prompt.device)], -1)
 
 
 def row_slices(num_samples, size):
@@ -2876,7 +2884,7 @@ def sampling_of(ar):
 def generate_images(pipe, prompts, sources=None, height=64, width=64, num_inference_steps=4, guidance_scale=1.0,
                     temperature=None, seed=0):
     """One PIL image per prompt (an edit of its PIL source, if given), sampling the saved policy (at
-    `temperature` if given). Seeds the global torch RNG (generate takes no generator)."""
+    `temperature` if given). Seeds the global torch RNG (sample_group seeds its generators off it)."""
     if height % 32 or width % 32:
         raise ValueError(f"height and width must be multiples of 32, got {height}x{width}")
     if sources is not None and len(sources) != len(prompts):
@@ -2892,7 +2900,7 @@ def generate_images(pipe, prompts, sources=None, height=64, width=64, num_infere
         torch.manual_seed(seed * 1_000_003 + k)
         source = sources and sources[k: k + 1]
         # sample_group and decode_images: pipe(prompt, image=[source]) fails (diffusers 0.42.1, transformers 5)
-        rollout = sample_group(pipe, [prompt], 1, sampling, height, width, "target", source, record_logp=False)
+        rollout = sample_group(pipe, [prompt], 1, sampling, height, width, "target", source)
         images.append(decode_images(pipe, [prompt], source, rollout, latents, num_inference_steps, guidance_scale))
     return pipe.image_processor.numpy_to_pil(torch.cat(images).clamp(0, 1).permute(0, 2, 3, 1).numpy())
 

@@ -1142,7 +1142,7 @@ def test_plan_of_i2i_counts_the_source_tokens_and_no_preview(capsys):
     from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
     real = GlmImageImageProcessorPil(**g.REAL_IMAGE_PROCESSOR)
     assert real(images=[Image.new("RGB", (1024, 1024))])["image_grid_thw"].tolist() == [[1, 32, 32]]
-    # and on the tiny model the counts are what the processor and generate lay out
+    # and on the tiny model the counts are what the processor and the sampler lay out
     pipe = g.build_tiny_pipeline()
     image_token = pipe.vision_language_encoder.config.image_token_id
     for height, width in [(64, 64), (96, 64)]:
@@ -1151,8 +1151,10 @@ def test_plan_of_i2i_counts_the_source_tokens_and_no_preview(capsys):
         prompt_len, generated = g.ar_sequence("i2i", height, width, prompt_tokens=0,
                                               image_processor=pipe.processor.image_processor)
         assert prompt_len - 2 == int((inputs["input_ids"] == image_token).sum())
-        assert generated == g.generation_inputs(pipe, ["x"], source, 1, height, width)[3][0]
-        assert g.ar_sequence("t2i", height, width)[1] == g.generation_inputs(pipe, ["x"], None, 1, height, width)[3][0]
+        for mode, image in (("i2i", source), ("t2i", None)):        # the grids the AR writes + the end slot
+            grids = g.generation_inputs(pipe, ["x"], image, 1, height, width)[3]
+            assert g.ar_sequence(mode, height, width, image_processor=pipe.processor.image_processor)[1] == \
+                sum(h * w for h, w in grids) + 1
 
 
 def test_fsdp_plan_matches_a_hand_count_on_the_tiny_model(tmp_path):
@@ -1566,7 +1568,9 @@ def test_gumbel_max_draws_from_softmax_over_the_allowed_ids():
     """argmax(logits / T + Gumbel noise) is a draw from softmax(logits / T); -inf ids never win."""
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 3.0, float("-inf")])      # the last id is suppressed
     n, T = 200_000, 2.0
-    draws = g.GumbelMax([torch.Generator().manual_seed(0)], n, g.SamplingParams(T))(None, logits.expand(n, -1)).argmax(-1)
+    uniform = torch.rand(n, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    draws, logp = g.gumbel_max(logits.expand(n, -1), uniform, g.SamplingParams(T))
+    assert torch.allclose(logp, torch.log_softmax(logits.double() / T, -1)[draws])      # the draw's own log-prob
     counts = torch.bincount(draws, minlength=6).double()
     assert counts[5] == 0
     assert not chi_square_too_large(*chi_square(counts, torch.softmax(logits / T, -1).double()))
@@ -1575,8 +1579,8 @@ def test_gumbel_max_draws_from_softmax_over_the_allowed_ids():
 
 @pytest.mark.parametrize("truncation", [{}, {"top_k": 40, "top_p": 0.6}])
 def test_sampler_draws_the_first_token_from_the_policy(sharp_pipe, truncation):
-    """Through generate: 4 groups x 300 samples of one prompt (one generator each) give first tokens
-    distributed as pi = softmax(logits / T) over the 64 codebook ids, all drawn (generate's own top-k
+    """Through the sampler: 4 groups x 300 samples of one prompt (one generator each) give first tokens
+    distributed as pi = softmax(logits / T) over the 64 codebook ids, all drawn (generate's default top-k
     50 would show at most 50); truncated, as pi renormalised over the kept ids, none drawn outside
     them (the untruncated softmax then fails). i2i, whose AR writes only 7 tokens, keeps it quick."""
     ar, T = sharp_pipe.vision_language_encoder, 2.0
@@ -1633,6 +1637,109 @@ def test_truncated_sampling_has_ratio_one(sharp_pipe):
     tokens = rollout.sequences[:, rollout.prompt_len:]
     assert kept.gather(-1, tokens[..., None]).all() and (kept.sum(-1) < g.TINY_CODEBOOK).float().mean() > 0.5
     assert (recomputed - rollout.old_logp).abs().max() <= 1e-5
+
+def generate_reference(pipe, prompts, group_size, sampling, height, width, sources, generators):
+    """The sampler before issue 32, kept here to hold the new one against: generate()'s greedy argmax over
+    Gumbel-noised scores (a logits processor), the positions from the model's private decode cache."""
+    from transformers import GenerationConfig
+
+    ar = pipe.vision_language_encoder
+    batch, vq_ids, _, grids = g.generation_inputs(pipe, prompts, sources, group_size, height, width)
+    L = sum(h * w for h, w in grids) + 1
+
+    def gumbel(input_ids, scores):
+        kept = torch.isfinite(g.policy_scores(scores, sampling))
+        u = torch.cat([torch.rand(group_size, scores.shape[-1], generator=gen, dtype=torch.float64) for gen in generators])
+        return (scores.double() / sampling.temperature).masked_fill(~kept, float("-inf")) - torch.log(-torch.log(u))
+
+    config = GenerationConfig(do_sample=False, top_k=50, top_p=1.0, temperature=1.0, max_new_tokens=L, min_new_tokens=L,
+                              suppress_tokens=list(sampling.suppressed), eos_token_id=None,
+                              pad_token_id=ar.config.text_config.pad_token_id)
+    sequences = ar.generate(**batch, generation_config=config, logits_processor=[gumbel])
+    if vq_ids is not None:
+        sequences = sequences.masked_scatter(sequences == ar.config.image_token_id, vq_ids)
+    prompt_positions, _ = ar.model.get_rope_index(**batch)
+    decode = ar.model._cached_decode_position_ids[:, :, : L - 1].permute(1, 0, 2)
+    return sequences, torch.cat([prompt_positions, decode], -1)
+
+
+def _two_groups(mode):
+    """Two prompts of two lengths (one to be left-padded) -> (prompts, sources: i2i's, else None)."""
+    sources = [g.draw_shape("circle", "red", "white", 64, 64), g.draw_shape("square", "green", "black", 64, 64)]
+    return ["red", "a much longer prompt about a blue square"], sources if mode == "i2i" else None
+
+
+@pytest.mark.parametrize("mode", ["t2i", "i2i"])
+def test_the_sampler_draws_what_generate_drew(sharp_pipe, mode):
+    """The decode loop against generate() + Gumbel-max processor: the same tokens and M-RoPE positions for
+    2 groups x 3 samples, one prompt left-padded, truncated (top-k, top-p), t2i and i2i."""
+    prompts, sources = _two_groups(mode)
+    sampling = policy(sharp_pipe, 0.9, top_k=20, top_p=0.75)
+    generators = lambda: [torch.Generator().manual_seed(k) for k in range(2)]
+    rollout = g.sample_group(sharp_pipe, prompts, 3, sampling, 96, 64, "all", sources, generators())
+    sequences, positions = generate_reference(sharp_pipe, prompts, 3, sampling, 96, 64, sources, generators())
+    assert (rollout.attention_mask[:, 0] == 0).any()
+    assert torch.equal(rollout.sequences, sequences) and torch.equal(rollout.position_ids, positions)
+
+
+class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops run, and the ones that read a value back to the host (a GPU sync)."""
+    SYNCS = ("_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "unique", "_unique2")
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        self.syncs += func.overloadpacket.__name__ in self.SYNCS
+        return func(*args, **(kwargs or {}))
+
+
+def per_decode_step(ar, sample):
+    """(ops, syncs) between consecutive AR forwards after the prefill: one decode step each, all of it."""
+    counter, marks = OpCounter(), []
+    hook = ar.register_forward_pre_hook(lambda module, args: marks.append((counter.ops, counter.syncs)))
+    with counter:
+        sample()
+    hook.remove()
+    steps = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks[1:], marks[2:])]
+    assert len(steps) >= 4 and len(set(steps)) == 1        # every decode step the same work
+    return steps[0]
+
+
+def test_a_decode_step_reads_nothing_back_to_the_host(sharp_pipe):
+    """No .item(), .tolist(), nonzero or data-dependent branch in a decode step: on a GPU the host queues
+    step after step without waiting, which a CUDA graph needs."""
+    with OpCounter() as control:
+        torch.ones(2).sum().item()
+    assert control.syncs == 1
+    prompts, sources = _two_groups("i2i")
+    sampling = policy(sharp_pipe, 0.9, top_k=20, top_p=0.75)
+    ops, syncs = per_decode_step(sharp_pipe.vision_language_encoder, lambda: g.sample_group(
+        sharp_pipe, prompts, 3, sampling, 96, 64, "all", sources))
+    assert syncs == 0 and ops > 50
+
+
+def test_the_decode_step_compiles_to_one_graph(monkeypatch):
+    """torch.compile(fullgraph=True) of the decode step, LoRA adapters included: no graph break (it would
+    raise), one graph for all steps (a recompile would compile a second), and the eager loop's tokens.
+    backend="eager" traces as on a GPU but skips inductor's code generation (24-50 s on this CPU)."""
+    pipe, _, _ = _policy(lora_rank=4)
+    prompts, sources = _two_groups("i2i")
+    sample = lambda: g.sample_group(pipe, prompts, 2, policy(pipe, 0.9, top_p=0.75), 96, 64, "all", sources,
+                                    [torch.Generator().manual_seed(k) for k in range(2)])
+    eager, graphs, compile = sample(), [], torch.compile
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", lambda fn, fullgraph, **cuda_only: compile(
+        fn, fullgraph=fullgraph, backend=lambda gm, inputs: graphs.append(gm) or gm.forward))
+    compiled = sample()
+    assert len(graphs) == 1 and compiled.sequences.shape[1] - compiled.prompt_len == 7       # 6 compiled steps
+    assert torch.equal(compiled.sequences, eager.sequences)
+    # the traced mask and attention sum in another order: the sampler's fp32 log-probs move by ~1e-6
+    # (training's pi_old comes from the teacher-forced pass, so its ratio stays exactly 1)
+    torch.testing.assert_close(compiled.old_logp, eager.old_logp, rtol=0, atol=1e-5)
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2239,7 +2346,7 @@ def test_policy_both_honours_micro_batch_size(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["t2i", "i2i"])
 def test_a_group_samples_the_same_whatever_else_its_rank_holds(sharp_pipe, mode, one_thread):
-    """One generate() for all of a rank's groups; group k's noise comes from its own generator,
+    """One sample_group for all of a rank's groups; group k's noise comes from its own generator,
     seeded by (seed, step, slot), and every rank pads to one column past the step's longest prompt.
     So the group at slot 0 (short prompt) and the one at slot 1 (long prompt) draw bit-identical
     tokens and old log-probs when one process samples both, when each of two ranks samples one,
@@ -2453,7 +2560,7 @@ def test_slow_two_processes_train_like_one_and_resume_exactly(tmp_path):
 
 
 def test_slow_lora_with_kl_under_ddp_trains_like_one_process(tmp_path):
-    """Also 2 groups per rank: each rank batches prompts of two lengths in its one generate() call
+    """Also 2 groups per rank: each rank batches prompts of two lengths in its one sample_group call
     (the 2-prompt file shuffled twice into the step's 4), and still matches the 1-process run
     (float64, adapters included, ACROSS_PROCESSES)."""
     flags = ["--steps", "1", "--sample-every", "0", "--group-size", "4", "--inner-epochs", "2", "--lora-rank", "4",
