@@ -1152,7 +1152,7 @@ def test_plan_of_i2i_counts_the_source_tokens_and_no_preview(capsys):
                                               image_processor=pipe.processor.image_processor)
         assert prompt_len - 2 == int((inputs["input_ids"] == image_token).sum())
         for mode, image in (("i2i", source), ("t2i", None)):        # the grids the AR writes + the end slot
-            grids = g.generation_inputs(pipe, ["x"], image, 1, height, width)[3]
+            grids = g.generation_inputs(pipe, ["x"], image, 1, height, width)[2]
             assert g.ar_sequence(mode, height, width, image_processor=pipe.processor.image_processor)[1] == \
                 sum(h * w for h, w in grids) + 1
 
@@ -1644,7 +1644,7 @@ def generate_reference(pipe, prompts, group_size, sampling, height, width, sourc
     from transformers import GenerationConfig
 
     ar = pipe.vision_language_encoder
-    batch, vq_ids, _, grids = g.generation_inputs(pipe, prompts, sources, group_size, height, width)
+    batch, _, grids = g.generation_inputs(pipe, prompts, sources, group_size, height, width)
     L = sum(h * w for h, w in grids) + 1
 
     def gumbel(input_ids, scores):
@@ -1656,8 +1656,6 @@ def generate_reference(pipe, prompts, group_size, sampling, height, width, sourc
                               suppress_tokens=list(sampling.suppressed), eos_token_id=None,
                               pad_token_id=ar.config.text_config.pad_token_id)
     sequences = ar.generate(**batch, generation_config=config, logits_processor=[gumbel])
-    if vq_ids is not None:
-        sequences = sequences.masked_scatter(sequences == ar.config.image_token_id, vq_ids)
     prompt_positions, _ = ar.model.get_rope_index(**batch)
     decode = ar.model._cached_decode_position_ids[:, :, : L - 1].permute(1, 0, 2)
     return sequences, torch.cat([prompt_positions, decode], -1)
@@ -2298,7 +2296,7 @@ def test_micro_batches_give_the_full_batch_gradient():
     ar = pipe.vision_language_encoder
     suppressed = policy(pipe)
     prompts = ["a red circle", "a blue square on a green background"]
-    rollout = g.sample_groups(pipe, prompts, None, range(2), 1, args)
+    rollout = g.sample_tokens(pipe, prompts, None, range(2), 1, args)
     assert rollout.attention_mask[0, 0] == 0                          # the short prompt is padded
     ar.double()                                                       # same Parameter objects, fp64 data
     rollout.old_logp, rollout.loss_mask = rollout.old_logp.double(), rollout.loss_mask.double()
@@ -2355,7 +2353,7 @@ def test_a_group_samples_the_same_whatever_else_its_rank_holds(sharp_pipe, mode,
     short, long = "red", "a blue square on a green background"
     red, green = g.draw_shape("circle", "red", "white", 64, 64), g.draw_shape("square", "green", "black", 64, 64)
     sources = (lambda *s: list(s)) if mode == "i2i" else (lambda *s: None)
-    sample = lambda prompts, srcs, slots, **kw: g.sample_groups(sharp_pipe, prompts, srcs, slots, 5, args, **kw)
+    sample = lambda prompts, srcs, slots, **kw: g.sample_tokens(sharp_pipe, prompts, srcs, slots, 5, args, **kw)
     both = sample([short, long], sources(red, green), range(2))
     rank1 = sample([long], sources(green), range(1, 2))
     # rank 0 pads as far, the length the MAX all-reduce gives it under torchrun
@@ -2374,7 +2372,7 @@ def test_a_group_samples_the_same_whatever_else_its_rank_holds(sharp_pipe, mode,
     assert not (bare.attention_mask == 0).any() and torch.equal(padded.sequences, rank0.sequences)
     assert torch.equal(bare.sequences[:, bare.prompt_len:], rank0.sequences[:, rank0.prompt_len:])
     assert 0 < (bare.old_logp - padded.old_logp).abs().max() < 1e-4
-    other_step = g.sample_groups(sharp_pipe, [long], sources(green), range(1, 2), 6, args)
+    other_step = g.sample_tokens(sharp_pipe, [long], sources(green), range(1, 2), 6, args)
     assert not torch.equal(other_step.sequences, rank1.sequences)
 
 
