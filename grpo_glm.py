@@ -158,7 +158,7 @@ def parse_args(argv=None):
     a("--micro-batch-size", type=count, default=None, help="Samples per forward and backward; default: --group-size.")
     a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in the backward pass.")
     a("--offload", action=argparse.BooleanOptionalAction, default=None, help="Offload the frozen DiT, VAE and "
-      "text encoder to CPU between uses (default: on with CUDA where --plan's peak exceeds the free memory).")
+      "text encoder to CPU between uses (default: where --plan's peak exceeds the GPU's free memory).")
     a("--save-every", type=count, default=10, help="Write a checkpoint every N steps (and always at the end).")
     a("--checkpoints-total-limit", type=count, default=None, help="Keep only the newest K step "
       "checkpoints (all by default).")
@@ -265,7 +265,7 @@ def repeat_each(items, group_size):
 #     and the AR generates H*W target-grid tokens | 1 end slot (no preview).
 # (H x W = image side / 32.) Only the target grid reaches the DiT. Sampling: a pass over the prompt fills a static
 # KV cache, then each step feeds the last token at its M-RoPE position (the loss's: rollout_positions) and draws
-# the next from pi. No step waits on the host, so on a GPU it runs as one CUDA graph, not ~4,000 kernel launches.
+# the next from pi. No step waits on the host: on a GPU it runs as one CUDA graph, not ~4,000 kernel launches.
 
 @dataclass
 class Rollout:
@@ -298,15 +298,14 @@ def image_token_suppression(ar, codebook_size):
 def gumbel_max(logits, uniform, sampling):
     """Gumbel-max: argmax_v (z_v - log(-log u_v)), u ~ U(0, 1), is a draw from softmax(z) over the ids where z is
     finite. logits, u [N, V] -> (ids [N], their log pi [N] in fp64)."""
-    kept = torch.isfinite(policy_scores(logits, sampling))           # the loss's kept set, decided as it does
+    kept = torch.isfinite(policy_scores(logits, sampling))  # the loss's kept set
     z = (at_least_fp32(logits).double() / sampling.temperature).masked_fill(~kept, float("-inf"))
-    token = (z - torch.log(-torch.log(uniform))).argmax(-1)          # u = 0: -inf, never drawn
+    token = (z - torch.log(-torch.log(uniform))).argmax(-1)  # u = 0: -inf, never drawn
     return token, z.log_softmax(-1).gather(-1, token[:, None])[:, 0]
 
 
 def next_tokens(ar, ids, uniform, positions, mask, cache, sampling):
-    """ids [N, q] (the prompt, then the last draw) in at their M-RoPE positions, read at the cache's device
-    step counter (no .item(): no host sync) -> gumbel_max's draw."""
+    """ids [N, q] in at their M-RoPE positions, read at the cache's device counter (no host sync) -> a draw."""
     at = cache.get_seq_length() + torch.arange(ids.shape[1], device=ids.device)
     logits = ar(input_ids=ids, attention_mask=mask, position_ids=positions.index_select(2, at), cache=cache,
                 logits_to_keep=1).logits[:, -1]
@@ -316,40 +315,37 @@ def next_tokens(ar, ids, uniform, positions, mask, cache, sampling):
 @torch.no_grad()
 def sample_group(pipe, prompts, group_size, sampling, height, width, loss_tokens, sources=None, generators=None,
                  prompt_len=None):
-    """G samples per prompt (i2i when `sources` is given) -> Rollout; group k draws from generators[k] (default:
-    seeded off the global RNG). old_logp: the sampler's own log-probs (training's are the loss's: sample_tokens)."""
+    """G samples per prompt (i2i when `sources` is given) -> Rollout, old_logp the sampler's own. Group k's noise
+    comes from generators[k] alone (default: seeded off the global RNG), whatever rows precede it."""
     from transformers import StaticCache
 
     ar = pipe.vision_language_encoder
     batch, source_prior, grids = generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_len)
     generators = generators or [torch.Generator(ar.device).manual_seed(int(torch.randint(2**62, ()))) for _ in prompts]
     (H, W), L, prompt_len = grids[-1], sum(h * w for h, w in grids) + 1, batch["input_ids"].shape[1]
-    positions = rollout_positions(ar, batch, grids)                                     # [3, N, P + L - 1]
-    mask = torch.nn.functional.pad(batch["attention_mask"], (0, L - 1), value=1)          # [N, P + L - 1]
+    positions = rollout_positions(ar, batch, grids)                              # [3, N, P + L - 1]
+    mask = torch.nn.functional.pad(batch["attention_mask"], (0, L - 1), value=1)  # [N, P + L - 1]
     cache = StaticCache(ar.config, max_cache_len=mask.shape[1])
     step = torch.compile(next_tokens, fullgraph=True, mode="reduce-overhead", disable=ar.device.type != "cuda")
-    ids, drawn = batch["input_ids"], []                                                    # N = P x G rows
-    for t in range(L):                 # t = 0: the prompt's prefill, eager; then one token per row
-        # u [N, V]: group k's rows from generators[k] alone (multinomial's would hang on the rows before them)
+    ids, drawn = batch["input_ids"], []  # N = P x G rows
+    for t in range(L):  # t = 0: the prompt's prefill, eager; then one token per row
         uniform = torch.cat([torch.rand(group_size, ar.config.text_config.vision_vocab_size, generator=gen,
                                         device=gen.device, dtype=torch.float64) for gen in generators])
         token, logp = (step if t else next_tokens)(ar, ids, uniform, positions, mask, cache, sampling)
-        drawn.append((token.clone(), logp.clone()))     # a CUDA graph's outputs are overwritten by its next replay
+        drawn.append((token.clone(), logp.clone()))  # a CUDA graph's next replay overwrites its outputs
         ids = drawn[-1][0][:, None]
-    generated, old_logp = (torch.stack(column, 1) for column in zip(*drawn))                # [N, L] each
-    sequences = torch.cat([batch["input_ids"], generated], 1)                                # [N, P + L]
-    offset = L - 1 - H * W                                           # the target grid: last before the end slot
+    generated, old_logp = (torch.stack(column, 1) for column in zip(*drawn))  # [N, L] each
+    offset = L - 1 - H * W  # the target grid: last before the end slot
     loss_mask = torch.zeros_like(generated, dtype=torch.float32)
     loss_mask[:, (offset if loss_tokens == "target" else 0): offset + H * W] = 1.0    # never the end slot
-    return Rollout(sequences=sequences, attention_mask=mask, position_ids=positions, old_logp=old_logp,
-                   loss_mask=loss_mask, target_tokens=generated[:, offset: offset + H * W], grid_hw=(H, W),
-                   prompt_len=prompt_len, source_prior=source_prior)
+    return Rollout(torch.cat([batch["input_ids"], generated], 1), mask, positions, old_logp, loss_mask,
+                   generated[:, offset: offset + H * W], (H, W), prompt_len, source_prior)
 
 
 def sample_tokens(pipe, prompts, sources, slots, step, args, prompt_len=None):
     """SAMPLE this rank's groups, the AR in eval mode, the group at `slot` seeded by sampling_seed (the same on any
-    number of processes) -> Rollout. pi_old = the loss's own pass, micro-batch for micro-batch: ratio 1 bit for bit
-    (the sampler's cached decode runs other kernels: ~1e-2 off a full pass in bf16, ~1e-6 in fp32)."""
+    number of processes) -> Rollout. pi_old: the loss's own pass, micro-batch for micro-batch, for ratio 1 bit
+    for bit (the sampler's kernels differ: ~1e-2 off a full pass in bf16, ~1e-6 in fp32)."""
     ar = pipe.vision_language_encoder
     if prompt_len is None:      # one column past the step's longest prompt (on all ranks): SDPA's masked
         # fp32 sums change with the padding before a row, and an unpadded batch takes its causal kernel
@@ -495,7 +491,7 @@ def token_entropy(logits, sampling):
 
 
 def policy_logits(ar, rollout):
-    """One teacher-forced forward at the sampler's M-RoPE positions -> logits [N, L, V] of the L generated tokens."""
+    """One teacher-forced forward at the rollout's M-RoPE positions -> logits [N, L, V] of the L generated tokens."""
     num_generated = rollout.sequences.shape[1] - rollout.prompt_len
     return ar(input_ids=rollout.sequences[:, :-1], attention_mask=rollout.attention_mask,
               position_ids=rollout.position_ids, logits_to_keep=num_generated, use_cache=False).logits
@@ -984,7 +980,7 @@ def prepare_dit_policy(dit, args):
 def shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, cache):
     """--policy dit: one token grid per prompt, shared by its G samples (target_tokens [N, H*W]). --dit-prior
     per-prompt draws it once (kept in `cache`): a fixed input the DiT can learn to paint; per-step anew."""
-    def draw(i, seed):      # its own generator: the run's RNG stream untouched
+    def draw(i, seed):      # its own generator: the run's RNG untouched
         ar = pipe.vision_language_encoder
         return sample_group(pipe, [prompts[i]], 1, sampling_of(ar), args.height, args.width, args.loss_tokens,
                             sources and [sources[i]], [torch.Generator(ar.device).manual_seed(seed)])
@@ -1071,13 +1067,13 @@ def place_pipeline(pipe, args):
 
 
 def offload_by_plan(args):
-    """--offload's default -> (on?, a note for the header): on with CUDA where the run's peak without it, by --plan
-    (section 23), exceeds the GPU's free memory (--policy dit|both: the DiT's row + glyph encoder and VAE)."""
+    """--offload's default -> (on?, the header's note): on where the run's peak without it (--plan's arithmetic)
+    exceeds the GPU's free memory; --policy dit|both: the DiT's row + glyph encoder and VAE."""
     if not (args.device == "cuda" and torch.cuda.is_available()):
-        return False, ""
+        return False, False
     components, processor = plan_components(args.model, args.seed)
-    rows, counts, _ = memory_plan(components, args.height, args.width, args.micro_batch_size or args.group_size,
-                                  args.group_size * args.prompts_per_step, args.prompts_per_step,
+    prompts, samples = args.prompts_per_step, args.micro_batch_size or args.group_size
+    rows, counts, _ = memory_plan(components, args.height, args.width, samples, args.group_size * prompts, prompts,
                                   args.guidance_scale > 1, ranks=(args.lora_rank or 64,), mode=args.mode,
                                   image_processor=processor, beta=args.beta)
     table, key, lora = ("ar", "mode", args.lora_rank and f"lora-{args.lora_rank}") if args.policy == "ar" else (
@@ -1086,7 +1082,7 @@ def offload_by_plan(args):
     peak = row["peak, no offload"] if table == "ar" else row[f"peak, {args.policy}"] + WEIGHT_BYTES * (
         counts["glyph_t5"] + counts["vae"])
     free = torch.cuda.mem_get_info(args.device)[0]
-    return peak > free, f" (auto: plan {peak / GiB:.1f} GiB, free {free / GiB:.1f} GiB)"
+    return peak > free, f"{peak > free} (auto: plan {peak / GiB:.1f} GiB, free {free / GiB:.1f} GiB)"
 
 
 def prompts_for_step(num_prompts, step, args):
@@ -1110,7 +1106,7 @@ def batch_targets(batch):
     return torch.stack([torch.from_numpy(np.asarray(t, dtype=np.float32) / 255.0).permute(2, 0, 1) for t in targets])
 
 
-# ---- For section 4 (SAMPLE): seeds, the AR's inputs and M-RoPE positions, rows of a rollout ----------
+# ---- For section 4 (SAMPLE): seeds, the AR's inputs and M-RoPE positions, rows of a rollout ---
 def sampling_seed(seed, step, slot):
     return seed * 1_000_000_007 + step * 100_003 + slot    # the group at `slot` of the step's prompts, on any rank
 
@@ -1125,42 +1121,41 @@ def processor_inputs(pipe, prompts, sources, height, width, device):
 
 
 def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_len=None):
-    """The AR's inputs for P x G rows (left-padded to `prompt_len`; i2i: the source's VQ ids in its placeholders),
-    i2i's per-sample DiT condition (t2i: None), the grids (h, w) to generate in their order (t2i: preview, target)."""
+    """The AR's inputs for P x G rows (left-padded to `prompt_len`; i2i: VQ ids in the image placeholders), i2i's
+    per-sample DiT condition, the grids (h, w) to generate in their order (t2i: preview, target)."""
     ar = pipe.vision_language_encoder
     inputs = processor_inputs(pipe, prompts, sources, height, width, ar.device)
     ids, per_sample, source_prior = inputs["input_ids"], inputs["images_per_sample"], None
     if sources is not None:
         # i2i: vision encoder + VQ once per prompt: the VQ ids where the model's forward would put them (no pass
-        # needs the vision encoder again); the DiT's condition (the ids upsampled 2x, their grid), G times
+        # needs the vision encoder again), the DiT's condition (ids upsampled 2x, their grid), G times
         source_grids = ar.model.get_image_grids_for_generation(per_sample, inputs["image_grid_thw"])
         features = list(ar.get_image_features(inputs["pixel_values"], source_grids).pooler_output)
         tokens = torch.split(ar.get_image_tokens(features), source_grids.prod(-1).tolist())
         prior = [(pipe._upsample_token_ids(t, h, w).squeeze(0), torch.tensor([[1, 2 * h, 2 * w]]))
                  for t, (_, h, w) in zip(tokens, source_grids.tolist())]
-        ids, source_prior = ids.masked_scatter(ids == ar.config.image_token_id, torch.cat(tokens)), repeat_each(
-            prior, group_size)
+        ids = ids.masked_scatter(ids == ar.config.image_token_id, torch.cat(tokens))
+        source_prior = repeat_each(prior, group_size)
     extra = (prompt_len or ids.shape[1]) - ids.shape[1]
     ids = torch.nn.functional.pad(ids, (extra, 0), value=ar.config.text_config.pad_token_id)
     mask = torch.nn.functional.pad(inputs["attention_mask"], (extra, 0), value=0)
-    # [p0, p1] -> [p0 x G, p1 x G], image_grid_thw by blocks of images_per_sample rows (get_rope_index's split).
+    # [p0, p1] -> [p0 x G, p1 x G], image_grid_thw by blocks of images_per_sample rows.
     grids = torch.split(inputs["image_grid_thw"], per_sample.tolist())
     batch = {"input_ids": ids.repeat_interleave(group_size, 0),
              "attention_mask": mask.repeat_interleave(group_size, 0),
              "image_grid_thw": torch.cat([g.repeat(group_size, 1) for g in grids]),
              "images_per_sample": per_sample.repeat_interleave(group_size)}
-    generated = grids[0][-1:] if sources is not None else grids[0].flip(0)    # a t2i prompt lists (target, preview)
+    generated = grids[0][-1:] if sources is not None else grids[0].flip(0)   # t2i prompts list (target, preview)
     return batch, source_prior, [(h, w) for _, h, w in generated.tolist()]
 
 
 def rollout_positions(ar, batch, grids):
-    """M-RoPE positions [3, N, P + L - 1] (temporal, row, column) of prompt + generated[:-1], as get_rope_index lays
-    them out: the prompt's from it (on the 2-D mask: padding is not text); then from s = the prompt's last + 1,
-    each grid (h, w) at (s, s + i, s + j), s += max(h, w)."""
+    """M-RoPE positions [3, N, P + L - 1] of prompt + generated[:-1] as get_rope_index lays them out: the prompt's
+    by it (2-D mask: padding is not text), then from s = its last + 1 each grid (h, w) at (s, s + i, s + j)."""
     prompt, _ = ar.model.get_rope_index(**batch)
     offsets, s = [], 0
-    for h, w in grids:                                          # the end slot, written last, is never read back
-        offsets.append(ar.model.get_vision_position_ids(s, torch.tensor([1, h, w])))          # [3, h*w]
+    for h, w in grids:  # the end slot, written last, is never read back
+        offsets.append(ar.model.get_vision_position_ids(s, torch.tensor([1, h, w])))  # [3, h*w]
         s += max(h, w)
     return torch.cat([prompt, prompt[:, :, -1:] + 1 + torch.cat(offsets, 1)[:, None].to(prompt.device)], -1)
 
@@ -1426,7 +1421,7 @@ def resolve_runtime(args):
         args.ar_trainable = "head" if args.model == TINY and not (args.lora_rank or args.fsdp) else "all"
     if args.dit_train_steps is None and args.policy != "ar":
         args.dit_train_steps = max(args.num_inference_steps - 1, 1)
-    args.offload, args.offload_plan = offload_by_plan(args) if args.offload is None else (args.offload, "")
+    args.offload, args.offload_note = offload_by_plan(args) if args.offload is None else (args.offload, args.offload)
     args.lora_alpha = float(args.lora_rank) if args.lora_alpha is None else args.lora_alpha
     args.micro_batch_size = args.micro_batch_size or args.group_size      # a count: None or >= 1
     return args
@@ -1778,9 +1773,8 @@ def start_logging(args, trainer, out, start):
     dit = f"LoRA r={args.dit_lora_rank}" if args.dit_lora_rank else "full"
     how = {"ar": ar, "dit": f"DiT {dit}", "both": f"AR {ar}, DiT {dit}"}[args.policy]
     print(f"running with: mode={args.mode} model={args.model} device={args.device} dtype={args.dtype} "
-          f"offload={args.offload}{args.offload_plan} batch={args.prompts_per_step}x{args.group_size} "
-          f"mu={args.inner_epochs} " + (f"lr={args.lr} " if args.policy != "dit" else "")
-          + f"trainable={count_text(trainable)} ({how}) "
+          f"offload={args.offload_note} batch={args.prompts_per_step}x{args.group_size} mu={args.inner_epochs} "
+          + (f"lr={args.lr} " if args.policy != "dit" else "") + f"trainable={count_text(trainable)} ({how}) "
           f"image={args.height}x{args.width} sampler=T {args.temperature}, top-k {args.top_k}, top-p {args.top_p} "
           f"decode={args.num_inference_steps} steps, guidance {args.guidance_scale} "
           f"loss_tokens={args.loss_tokens} dit_noise={args.dit_noise} out={out} "
@@ -2881,7 +2875,7 @@ def sampling_of(ar):
 def generate_images(pipe, prompts, sources=None, height=64, width=64, num_inference_steps=4, guidance_scale=1.0,
                     temperature=None, seed=0):
     """One PIL image per prompt (an edit of its PIL source, if given), sampling the saved policy (at
-    `temperature` if given), prompt k's tokens drawn with seed * 1_000_003 + k."""
+    `temperature` if given). Seeds the global torch RNG (sample_group seeds its generators off it)."""
     if height % 32 or width % 32:
         raise ValueError(f"height and width must be multiples of 32, got {height}x{width}")
     if sources is not None and len(sources) != len(prompts):
@@ -2894,10 +2888,10 @@ def generate_images(pipe, prompts, sources=None, height=64, width=64, num_infere
     noise = group_noise(pipe, range(len(prompts)), 1, height, width, seed, 0, "per-prompt")
     images = []
     for k, (prompt, latents) in enumerate(zip(prompts, noise.split(1))):
-        source, generator = sources and sources[k: k + 1], torch.Generator(pipe.vision_language_encoder.device)
+        torch.manual_seed(seed * 1_000_003 + k)
+        source = sources and sources[k: k + 1]
         # sample_group and decode_images: pipe(prompt, image=[source]) fails (diffusers 0.42.1, transformers 5)
-        rollout = sample_group(pipe, [prompt], 1, sampling, height, width, "target", source,
-                               [generator.manual_seed(seed * 1_000_003 + k)])
+        rollout = sample_group(pipe, [prompt], 1, sampling, height, width, "target", source)
         images.append(decode_images(pipe, [prompt], source, rollout, latents, num_inference_steps, guidance_scale))
     return pipe.image_processor.numpy_to_pil(torch.cat(images).clamp(0, 1).permute(0, 2, 3, 1).numpy())
 

@@ -1728,15 +1728,110 @@ def test_the_decode_step_compiles_to_one_graph(monkeypatch):
     sample = lambda: g.sample_group(pipe, prompts, 2, policy(pipe, 0.9, top_p=0.75), 96, 64, "all", sources,
                                     [torch.Generator().manual_seed(k) for k in range(2)])
     eager, graphs, compile = sample(), [], torch.compile
+    backend = lambda gm, inputs: graphs.append(gm) or gm.forward              # counts the graphs compiled
     torch._dynamo.reset()
-    monkeypatch.setattr(torch, "compile", lambda fn, fullgraph, **cuda_only: compile(
-        fn, fullgraph=fullgraph, backend=lambda gm, inputs: graphs.append(gm) or gm.forward))
+    monkeypatch.setattr(torch, "compile", lambda fn, fullgraph, **cuda_only: compile(fn, fullgraph=fullgraph,
+                                                                                     backend=backend))
     compiled = sample()
     assert len(graphs) == 1 and compiled.sequences.shape[1] - compiled.prompt_len == 7       # 6 compiled steps
     assert torch.equal(compiled.sequences, eager.sequences)
     # the traced mask and attention sum in another order: the sampler's fp32 log-probs move by ~1e-6
     # (training's pi_old comes from the teacher-forced pass, so its ratio stays exactly 1)
     torch.testing.assert_close(compiled.old_logp, eager.old_logp, rtol=0, atol=1e-5)
+
+
+def test_offload_follows_the_memory_plan(monkeypatch):
+    """--offload's default: off where --plan's peak without it fits the GPU's free memory, on where it does
+    not (the header says which, and by what numbers); off without CUDA; a flag given wins."""
+    resolve = lambda *flags: g.resolve_runtime(g.parse_args(["--lora-rank", "4", *flags]))
+    assert resolve().offload is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for free, on in ((2 ** 40, False), (2 ** 10, True)):        # the tiny model's plan: ~0.1 GiB
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 2 ** 41))
+        args = resolve("--device", "cuda")
+        assert args.offload is on and re.fullmatch(rf"{on} \(auto: plan [\d.]+ GiB, free [\d.]+ GiB\)", args.offload_note)
+        assert resolve("--device", "cuda", "--offload" if not on else "--no-offload").offload is not on
+
+
+def real_glm_image(widths=None):
+    """GLM-Image's real configs (`widths` overrides, for a CPU dry run) with random bf16 weights, built on the
+    device: a tokenizer with the real special ids, the AR, DiT, glyph T5 and VAE (no download). After
+    ../shared/gpu/real_size.py."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, GlmImagePipeline, GlmImageTransformer2DModel
+    from tokenizers import Tokenizer, models
+    from transformers import (ByT5Tokenizer, GlmImageConfig, GlmImageForConditionalGeneration, GlmImageProcessor,
+                              PreTrainedTokenizerFast, T5Config, T5EncoderModel)
+    from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
+
+    words = [f"<|dit_token_{i}|>" for i in range(16512)] + [chr(c) for c in range(32, 127)] + ["<sop>", "<eop>"]
+    vocab, special = {w: i for i, w in enumerate(words + ["<unk>"])}, {167841: "<pad>", 167855: "<|image|>"}
+    vocab.update({special.get(i, f"<|unused_{i}|>"): i for i in range(len(vocab), 168064)})
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.BPE(vocab, merges=[], unk_token="<unk>")), bos_token="<|dit_token_16384|>",
+        eos_token="<|dit_token_16385|>", pad_token="<pad>", unk_token="<unk>", padding_side="left",
+        extra_special_tokens={"image_token": "<|image|>", "grid_bos_token": "<sop>", "grid_eos_token": "<eop>"})
+    w = widths or {}
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12], "partial_rotary_factor": 0.5}
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            ar = GlmImageForConditionalGeneration(GlmImageConfig(
+                text_config={"rope_parameters": rope, **w.get("text", {})}, vision_config=w.get("vision", {}),
+                vq_config=w.get("vq", {})))
+            glyph_t5 = T5EncoderModel(T5Config(**{**dict(vocab_size=384, d_model=1472, d_kv=64, d_ff=3584, num_layers=12,
+                                                     num_heads=6, feed_forward_proj="gated-gelu"), **w.get("t5", {})}))
+            dit = GlmImageTransformer2DModel(**{"attention_head_dim": 128, "num_attention_heads": 32, **w.get("dit", {})})
+            vae = AutoencoderKL(down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+                                latents_mean=[0.0] * 16, latents_std=[1.0] * 16, **{**dict(
+                                    latent_channels=16, block_out_channels=(128, 512, 1024, 1024), layers_per_block=3),
+                                    **w.get("vae", {})})
+    finally:
+        torch.set_default_dtype(torch.float32)
+    for model in (ar, glyph_t5, dit, vae):
+        model.eval()
+        for p in model.parameters():
+            p.data.nan_to_num_(0.0, 0.0, 0.0)           # random bf16 init can overflow
+    image_processor = GlmImageImageProcessorPil(**g.REAL_IMAGE_PROCESSOR, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    return GlmImagePipeline(
+        tokenizer=ByT5Tokenizer(), text_encoder=glyph_t5, vision_language_encoder=ar, vae=vae, transformer=dit,
+        processor=GlmImageProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                    chat_template=g.TINY_CHAT_TEMPLATE),
+        scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, time_shift_type="linear",
+                                                  base_shift=0.25, max_shift=0.75))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (real GLM-Image size, random weights)")
+def test_gpu_real_size_lora_step_fits_the_plan(tmp_path, monkeypatch, widths=None):
+    """One LoRA-64 step of the real architecture (random weights) at 512^2, G 4 on one GPU: peak memory within
+    10 % of --plan's, pi_old the loss's first pass; prints the compiled decode step's time. (`widths`: toy
+    sizes, for a dry run of this code on the CPU.)"""
+    pipe = real_glm_image(widths)
+    monkeypatch.setattr(g, "pipeline_from_pretrained", lambda args, dtype: pipe)
+    (tmp_path / "p.txt").write_text("a red circle on a white background\n")
+    flags = ["--model", "zai-org/GLM-Image", "--lora-rank", "64", "--gradient-checkpointing", "--height", "512",
+             "--width", "512", "--group-size", "4", "--prompts-per-step", "1", "--steps", "1", "--sample-every", "0",
+             "--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "run")]
+    args = g.resolve_runtime(g.parse_args(flags))
+    components, processor = g.plan_components(args.model)
+    rows, _, _ = g.memory_plan(components, 512, 512, 4, 4, 1, args.guidance_scale > 1, ranks=(64,),
+                               image_processor=processor)
+    plan = next(r for r in rows["ar"] if r["mode"] == "lora-64" and r["grad ckpt"])
+    plan = plan["peak, offload" if args.offload else "peak, no offload"]
+    torch.cuda.reset_peak_memory_stats()
+    g.main(flags)
+    peak = torch.cuda.max_memory_allocated()
+    print(f"peak {peak / 2 ** 30:.1f} GiB, plan {plan / 2 ** 30:.1f} GiB ({args.offload_note})")
+    assert abs(peak - plan) <= 0.1 * plan
+    assert read_metrics(tmp_path / "run")[0]["logp_diff_max"] <= 1e-5
+    sampling, ar = g.sampling_of(pipe.vision_language_encoder), pipe.vision_language_encoder
+    for _ in range(2):          # the first call compiles
+        torch.cuda.synchronize()
+        start = time.time()
+        rollout = g.sample_group(pipe, ["a red circle"], 4, sampling, 512, 512, "target")
+        torch.cuda.synchronize()
+    steps = rollout.sequences.shape[1] - rollout.prompt_len
+    print(f"decode: {1000 * (time.time() - start) / steps:.1f} ms per step ({steps} tokens x 4, {ar.dtype}, "
+          f"{torch.cuda.get_device_name()})")
 
 
 
