@@ -307,8 +307,8 @@ def gumbel_max(logits, uniform, sampling):
 def next_tokens(ar, ids, uniform, positions, mask, cache, sampling):
     """ids [N, q] in at their M-RoPE positions, read at the cache's device counter (no host sync) -> a draw."""
     at = cache.get_seq_length() + torch.arange(ids.shape[1], device=ids.device)
-    logits = ar(input_ids=ids, attention_mask=mask, position_ids=positions.index_select(2, at), cache=cache,
-                logits_to_keep=1).logits[:, -1]
+    # (input_ids, attention_mask, position_ids, cache) by position: the cache's keyword changed in transformers 5.24
+    logits = ar(ids, mask, positions.index_select(2, at), cache, logits_to_keep=1).logits[:, -1]
     return gumbel_max(logits, uniform, sampling)
 
 
@@ -323,11 +323,12 @@ def sample_group(pipe, prompts, group_size, sampling, height, width, loss_tokens
     batch, source_prior, grids = generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_len)
     generators = generators or [torch.Generator(ar.device).manual_seed(int(torch.randint(2**62, ()))) for _ in prompts]
     (H, W), L, prompt_len = grids[-1], sum(h * w for h, w in grids) + 1, batch["input_ids"].shape[1]
-    positions = rollout_positions(ar, batch, grids)                              # [3, N, P + L - 1]
+    positions = rollout_positions(ar, batch, grids)  # [3, N, P + L - 1]
     mask = torch.nn.functional.pad(batch["attention_mask"], (0, L - 1), value=1)  # [N, P + L - 1]
     cache = StaticCache(ar.config, max_cache_len=mask.shape[1])
-    step = torch.compile(next_tokens, fullgraph=True, mode="reduce-overhead", disable=ar.device.type != "cuda")
-    ids, drawn = batch["input_ids"], []  # N = P x G rows
+    step = torch.compile(next_tokens, fullgraph=True, mode="reduce-overhead",       # --fsdp: eager (its hooks)
+                         disable=ar.device.type != "cuda" or bool(fsdp_units(ar)))
+    ids, drawn = batch["input_ids"], []
     for t in range(L):  # t = 0: the prompt's prefill, eager; then one token per row
         uniform = torch.cat([torch.rand(group_size, ar.config.text_config.vision_vocab_size, generator=gen,
                                         device=gen.device, dtype=torch.float64) for gen in generators])
@@ -343,8 +344,8 @@ def sample_group(pipe, prompts, group_size, sampling, height, width, loss_tokens
 
 
 def sample_tokens(pipe, prompts, sources, slots, step, args, prompt_len=None):
-    """SAMPLE this rank's groups, the AR in eval mode, the group at `slot` seeded by sampling_seed (the same on any
-    number of processes) -> Rollout. pi_old: the loss's own pass, micro-batch for micro-batch, for ratio 1 bit
+    """SAMPLE this rank's groups, the group at `slot` seeded by sampling_seed (the same on any number of
+    processes) -> Rollout. pi_old: the loss's own pass, micro-batch for micro-batch, for ratio 1 bit
     for bit (the sampler's kernels differ: ~1e-2 off a full pass in bf16, ~1e-6 in fp32)."""
     ar = pipe.vision_language_encoder
     if prompt_len is None:      # one column past the step's longest prompt (on all ranks): SDPA's masked
@@ -1067,7 +1068,7 @@ def place_pipeline(pipe, args):
 
 
 def offload_by_plan(args):
-    """--offload's default -> (on?, the header's note): on where the run's peak without it (--plan's arithmetic)
+    """--offload's default -> (on?, the header's note): on where the run's peak without it (by --plan)
     exceeds the GPU's free memory; --policy dit|both: the DiT's row + glyph encoder and VAE."""
     if not (args.device == "cuda" and torch.cuda.is_available()):
         return False, False
@@ -1127,8 +1128,7 @@ def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_
     inputs = processor_inputs(pipe, prompts, sources, height, width, ar.device)
     ids, per_sample, source_prior = inputs["input_ids"], inputs["images_per_sample"], None
     if sources is not None:
-        # i2i: vision encoder + VQ once per prompt: the VQ ids where the model's forward would put them (no pass
-        # needs the vision encoder again), the DiT's condition (ids upsampled 2x, their grid), G times
+        # i2i: vision encoder + VQ once per prompt; its VQ ids into the placeholders: no pass reruns the encoder
         source_grids = ar.model.get_image_grids_for_generation(per_sample, inputs["image_grid_thw"])
         features = list(ar.get_image_features(inputs["pixel_values"], source_grids).pooler_output)
         tokens = torch.split(ar.get_image_tokens(features), source_grids.prod(-1).tolist())

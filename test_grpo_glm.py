@@ -1649,7 +1649,8 @@ def generate_reference(pipe, prompts, group_size, sampling, height, width, sourc
 
     def gumbel(input_ids, scores):
         kept = torch.isfinite(g.policy_scores(scores, sampling))
-        u = torch.cat([torch.rand(group_size, scores.shape[-1], generator=gen, dtype=torch.float64) for gen in generators])
+        u = torch.cat([torch.rand(group_size, scores.shape[-1], generator=gen, dtype=torch.float64)
+                       for gen in generators])
         return (scores.double() / sampling.temperature).masked_fill(~kept, float("-inf")) - torch.log(-torch.log(u))
 
     config = GenerationConfig(do_sample=False, top_k=50, top_p=1.0, temperature=1.0, max_new_tokens=L, min_new_tokens=L,
@@ -1721,8 +1722,8 @@ def test_a_decode_step_reads_nothing_back_to_the_host(sharp_pipe):
 
 def test_the_decode_step_compiles_to_one_graph(monkeypatch):
     """torch.compile(fullgraph=True) of the decode step, LoRA adapters included: no graph break (it would
-    raise), one graph for all steps (a recompile would compile a second), and the eager loop's tokens.
-    backend="eager" traces as on a GPU but skips inductor's code generation (24-50 s on this CPU)."""
+    raise), one graph for all steps (a recompile would compile a second), and the eager loop's tokens. The
+    backend runs the traced graph as is (as backend="eager"): inductor's code generation takes 24-50 s here."""
     pipe, _, _ = _policy(lora_rank=4)
     prompts, sources = _two_groups("i2i")
     sample = lambda: g.sample_group(pipe, prompts, 2, policy(pipe, 0.9, top_p=0.75), 96, 64, "all", sources,
@@ -1749,7 +1750,8 @@ def test_offload_follows_the_memory_plan(monkeypatch):
     for free, on in ((2 ** 40, False), (2 ** 10, True)):        # the tiny model's plan: ~0.1 GiB
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 2 ** 41))
         args = resolve("--device", "cuda")
-        assert args.offload is on and re.fullmatch(rf"{on} \(auto: plan [\d.]+ GiB, free [\d.]+ GiB\)", args.offload_note)
+        assert args.offload is on
+        assert re.fullmatch(rf"{on} \(auto: plan [\d.]+ GiB, free [\d.]+ GiB\)", args.offload_note)
         assert resolve("--device", "cuda", "--offload" if not on else "--no-offload").offload is not on
 
 
@@ -1778,9 +1780,11 @@ def real_glm_image(widths=None):
             ar = GlmImageForConditionalGeneration(GlmImageConfig(
                 text_config={"rope_parameters": rope, **w.get("text", {})}, vision_config=w.get("vision", {}),
                 vq_config=w.get("vq", {})))
-            glyph_t5 = T5EncoderModel(T5Config(**{**dict(vocab_size=384, d_model=1472, d_kv=64, d_ff=3584, num_layers=12,
-                                                     num_heads=6, feed_forward_proj="gated-gelu"), **w.get("t5", {})}))
-            dit = GlmImageTransformer2DModel(**{"attention_head_dim": 128, "num_attention_heads": 32, **w.get("dit", {})})
+            glyph_t5 = T5EncoderModel(T5Config(**{**dict(vocab_size=384, d_model=1472, d_kv=64, d_ff=3584,
+                                                         num_layers=12, num_heads=6, feed_forward_proj="gated-gelu"),
+                                                  **w.get("t5", {})}))
+            dit = GlmImageTransformer2DModel(**{"attention_head_dim": 128, "num_attention_heads": 32,
+                                                **w.get("dit", {})})
             vae = AutoencoderKL(down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
                                 latents_mean=[0.0] * 16, latents_std=[1.0] * 16, **{**dict(
                                     latent_channels=16, block_out_channels=(128, 512, 1024, 1024), layers_per_block=3),
