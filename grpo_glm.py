@@ -158,7 +158,7 @@ def parse_args(argv=None):
     a("--micro-batch-size", type=count, default=None, help="Samples per forward and backward; default: --group-size.")
     a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in the backward pass.")
     a("--offload", action=argparse.BooleanOptionalAction, default=None, help="Offload the frozen DiT, VAE and "
-      "text encoder to CPU between uses (default: where --plan's peak exceeds the GPU's free memory).")
+      "text encoder to CPU between uses (default: if --plan's peak exceeds the GPU's free memory).")
     a("--save-every", type=count, default=10, help="Write a checkpoint every N steps (and always at the end).")
     a("--checkpoints-total-limit", type=count, default=None, help="Keep only the newest K step "
       "checkpoints (all by default).")
@@ -265,7 +265,7 @@ def repeat_each(items, group_size):
 #     and the AR generates H*W target-grid tokens | 1 end slot (no preview).
 # (H x W = image side / 32.) Only the target grid reaches the DiT. Sampling: a pass over the prompt fills a static
 # KV cache, then each step feeds the last token at its M-RoPE position (the loss's: rollout_positions) and draws
-# the next from pi. No step waits on the host: on a GPU it runs as one CUDA graph, not ~4,000 kernel launches.
+# the next from pi. No step waits on the host: on a GPU, one CUDA graph, not ~4,000 kernel launches.
 
 @dataclass
 class Rollout:
@@ -297,7 +297,7 @@ def image_token_suppression(ar, codebook_size):
 
 def gumbel_max(logits, uniform, sampling):
     """Gumbel-max: argmax_v (z_v - log(-log u_v)), u ~ U(0, 1), is a draw from softmax(z) over the ids where z is
-    finite. logits, u [N, V] -> (ids [N], their log pi [N] in fp64)."""
+    finite. logits, u [N, V] -> (ids [N], log pi(ids) [N] fp64)."""
     kept = torch.isfinite(policy_scores(logits, sampling))  # the loss's kept set
     z = (at_least_fp32(logits).double() / sampling.temperature).masked_fill(~kept, float("-inf"))
     token = (z - torch.log(-torch.log(uniform))).argmax(-1)  # u = 0: -inf, never drawn
@@ -307,7 +307,7 @@ def gumbel_max(logits, uniform, sampling):
 def next_tokens(ar, ids, uniform, positions, mask, cache, sampling):
     """ids [N, q] in at their M-RoPE positions, read at the cache's device counter (no host sync) -> a draw."""
     at = cache.get_seq_length() + torch.arange(ids.shape[1], device=ids.device)
-    # (input_ids, attention_mask, position_ids, cache) by position: the cache's keyword changed in transformers 5.24
+    # by position: the cache's keyword is past_key_values before transformers 5.24
     logits = ar(ids, mask, positions.index_select(2, at), cache, logits_to_keep=1).logits[:, -1]
     return gumbel_max(logits, uniform, sampling)
 
@@ -315,8 +315,8 @@ def next_tokens(ar, ids, uniform, positions, mask, cache, sampling):
 @torch.no_grad()
 def sample_group(pipe, prompts, group_size, sampling, height, width, loss_tokens, sources=None, generators=None,
                  prompt_len=None):
-    """G samples per prompt (i2i when `sources` is given) -> Rollout, old_logp the sampler's own. Group k's noise
-    comes from generators[k] alone (default: seeded off the global RNG), whatever rows precede it."""
+    """G samples per prompt (i2i with `sources`) -> Rollout, old_logp the sampler's own. Group k's noise
+    comes from generators[k] alone (default: seeded off the global RNG), whatever precedes it."""
     from transformers import StaticCache
 
     ar = pipe.vision_language_encoder
@@ -326,10 +326,10 @@ def sample_group(pipe, prompts, group_size, sampling, height, width, loss_tokens
     positions = rollout_positions(ar, batch, grids)  # [3, N, P + L - 1]
     mask = torch.nn.functional.pad(batch["attention_mask"], (0, L - 1), value=1)  # [N, P + L - 1]
     cache = StaticCache(ar.config, max_cache_len=mask.shape[1])
-    step = torch.compile(next_tokens, fullgraph=True, mode="reduce-overhead",       # --fsdp: eager (its hooks)
+    step = torch.compile(next_tokens, fullgraph=True, mode="reduce-overhead",  # --fsdp: eager (its hooks)
                          disable=ar.device.type != "cuda" or bool(fsdp_units(ar)))
     ids, drawn = batch["input_ids"], []
-    for t in range(L):  # t = 0: the prompt's prefill, eager; then one token per row
+    for t in range(L):  # t = 0: the prompt's prefill, eager; then a token per row
         uniform = torch.cat([torch.rand(group_size, ar.config.text_config.vision_vocab_size, generator=gen,
                                         device=gen.device, dtype=torch.float64) for gen in generators])
         token, logp = (step if t else next_tokens)(ar, ids, uniform, positions, mask, cache, sampling)
@@ -981,10 +981,11 @@ def prepare_dit_policy(dit, args):
 def shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, cache):
     """--policy dit: one token grid per prompt, shared by its G samples (target_tokens [N, H*W]). --dit-prior
     per-prompt draws it once (kept in `cache`): a fixed input the DiT can learn to paint; per-step anew."""
-    def draw(i, seed):      # its own generator: the run's RNG untouched
-        ar = pipe.vision_language_encoder
-        return sample_group(pipe, [prompts[i]], 1, sampling_of(ar), args.height, args.width, args.loss_tokens,
-                            sources and [sources[i]], [torch.Generator(ar.device).manual_seed(seed)])
+    def draw(i, seed):
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            torch.manual_seed(seed)                               # leaves the run's RNG stream untouched
+            return sample_group(pipe, [prompts[i]], 1, sampling_of(pipe.vision_language_encoder), args.height,
+                                args.width, args.loss_tokens, sources and [sources[i]])
 
     if args.dit_prior == "per-step":
         draws = [draw(i, sampling_seed(args.seed, step, slot)) for i, slot in enumerate(slots)]
@@ -1069,7 +1070,7 @@ def place_pipeline(pipe, args):
 
 def offload_by_plan(args):
     """--offload's default -> (on?, the header's note): on where the run's peak without it (by --plan)
-    exceeds the GPU's free memory; --policy dit|both: the DiT's row + glyph encoder and VAE."""
+    exceeds the GPU's free memory; dit|both: the DiT's row + glyph encoder and VAE."""
     if not (args.device == "cuda" and torch.cuda.is_available()):
         return False, False
     components, processor = plan_components(args.model, args.seed)
@@ -1145,18 +1146,17 @@ def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_
              "attention_mask": mask.repeat_interleave(group_size, 0),
              "image_grid_thw": torch.cat([g.repeat(group_size, 1) for g in grids]),
              "images_per_sample": per_sample.repeat_interleave(group_size)}
-    generated = grids[0][-1:] if sources is not None else grids[0].flip(0)   # t2i prompts list (target, preview)
+    generated = grids[0][-1:] if sources is not None else grids[0].flip(0)  # t2i prompts list (target, preview)
     return batch, source_prior, [(h, w) for _, h, w in generated.tolist()]
 
 
 def rollout_positions(ar, batch, grids):
     """M-RoPE positions [3, N, P + L - 1] of prompt + generated[:-1] as get_rope_index lays them out: the prompt's
-    by it (2-D mask: padding is not text), then from s = its last + 1 each grid (h, w) at (s, s + i, s + j)."""
+    by it (2-D mask: padding is not text), then from s = its last + 1 each grid (h, w) at (s, s + i, s + j),
+    s += max(h, w)."""
     prompt, _ = ar.model.get_rope_index(**batch)
-    offsets, s = [], 0
-    for h, w in grids:  # the end slot, written last, is never read back
-        offsets.append(ar.model.get_vision_position_ids(s, torch.tensor([1, h, w])))  # [3, h*w]
-        s += max(h, w)
+    offsets = [ar.model.get_vision_position_ids(sum(max(*hw) for hw in grids[:k]), torch.tensor([1, h, w]))
+               for k, (h, w) in enumerate(grids)]  # [3, h*w] each; the end slot's is never read
     return torch.cat([prompt, prompt[:, :, -1:] + 1 + torch.cat(offsets, 1)[:, None].to(prompt.device)], -1)
 
 
