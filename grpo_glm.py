@@ -162,7 +162,7 @@ def parse_args(argv=None):
     a("--micro-batch-size", type=count, default=None, help="Samples per forward and backward; default: --group-size.")
     a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in the backward pass.")
     a("--offload", action=argparse.BooleanOptionalAction, default=None, help="Offload the frozen DiT, VAE and "
-      "text encoder to CPU between uses (default: on with CUDA; needs an accelerator).")
+      "text encoder to CPU between uses (default: if --plan's peak exceeds the GPU's free memory).")
     a("--save-every", type=count, default=10, help="Write a checkpoint every N steps (and always at the end).")
     a("--checkpoints-total-limit", type=count, default=None, help="Keep only the newest K step "
       "checkpoints (all by default).")
@@ -267,13 +267,15 @@ def repeat_each(items, group_size):
 #     h*w preview tokens (a ~16x16 sketch) | H*W target-grid tokens | 1 end slot
 # i2i: the prompt holds the source image's VQ tokens, `<start><image tokens><end>text<sop>H W<eop><bos>`,
 #     and the AR generates H*W target-grid tokens | 1 end slot (no preview).
-# (H x W = image side / 32.) Only the target grid reaches the DiT.
+# (H x W = image side / 32.) Only the target grid reaches the DiT. Sampling: a pass over the prompt fills a static
+# KV cache, then each step feeds the last token at its M-RoPE position (the loss's: rollout_positions) and draws
+# the next from pi. No step waits on the host: on a GPU, one CUDA graph, not ~4,000 kernel launches.
 
 @dataclass
 class Rollout:
     sequences: torch.Tensor      # [N, P+L] prompt (left-padded; i2i: with the source's VQ ids) + generated ids
     attention_mask: torch.Tensor  # [N, P+L-1] mask of the teacher-forced input (sequences[:, :-1])
-    position_ids: torch.Tensor   # [3, N, P+L-1] M-RoPE positions of that input, as generate used them
+    position_ids: torch.Tensor   # [3, N, P+L-1] M-RoPE positions of that input, as the sampler used them
     old_logp: torch.Tensor       # [N, L] log pi_old(token) at sampling time
     loss_mask: torch.Tensor      # [N, L] 1 for tokens the loss covers
     target_tokens: torch.Tensor  # [N, H*W] the target grid, row-major
@@ -297,72 +299,70 @@ def image_token_suppression(ar, codebook_size):
     return tuple(range(codebook_size, ar.config.text_config.vision_vocab_size))
 
 
-class GumbelMax:
-    """Makes generate's greedy argmax draw from pi: argmax_v (z_v + g_v), g_v standard Gumbel, is
-    distributed as softmax(z) over the ids where z is finite. Group k's noise [G, V] comes from
-    generators[k] alone, where generate(do_sample=True)'s draws for a row depend on the rows before it."""
+def gumbel_max(logits, uniform, sampling):
+    """Gumbel-max: argmax_v (z_v - log(-log u_v)), u ~ U(0, 1), is a draw from softmax(z) over the ids where z is
+    finite. logits, u [N, V] -> (ids [N], log pi(ids) [N] fp64)."""
+    kept = torch.isfinite(policy_scores(logits, sampling))  # the loss's kept set
+    z = (at_least_fp32(logits).double() / sampling.temperature).masked_fill(~kept, float("-inf"))
+    token = (z - torch.log(-torch.log(uniform))).argmax(-1)  # u = 0: -inf, never drawn
+    return token, z.log_softmax(-1).gather(-1, token[:, None])[:, 0]
 
-    def __init__(self, generators, group_size, sampling):
-        self.generators, self.group_size, self.sampling = generators, group_size, sampling
 
-    def __call__(self, input_ids, scores):                    # scores [N, V] fp32, N = groups x G
-        kept = torch.isfinite(policy_scores(scores, self.sampling))      # the loss's kept set: decided in fp32
-        u = torch.cat([torch.rand(self.group_size, scores.shape[-1], generator=gen, device=gen.device,
-                                  dtype=torch.float64) for gen in self.generators])   # [N, V]
-        z = (scores.double() / self.sampling.temperature).masked_fill(~kept, float("-inf"))
-        return z - torch.log(-torch.log(u))        # u = 0: -inf, never drawn
+def next_tokens(ar, ids, uniform, positions, mask, cache, sampling):
+    """ids [N, q] in at their M-RoPE positions, read at the cache's device counter (no host sync) -> a draw."""
+    at = cache.get_seq_length() + torch.arange(ids.shape[1], device=ids.device)
+    # by position: the cache's keyword is past_key_values before transformers 5.24
+    logits = ar(ids, mask, positions.index_select(2, at), cache, logits_to_keep=1).logits[:, -1]
+    return gumbel_max(logits, uniform, sampling)
 
 
 @torch.no_grad()
-def sample_group(pipe, prompts, group_size, sampling, height, width, loss_tokens, sources=None,
-                 record_logp=True, generators=None, prompt_len=None):
-    """G samples per prompt in one generate() call (i2i when `sources` is given) -> Rollout. Group k
-    draws from generators[k] (default: seeded off the global RNG). record_logp: old_logp holds the sampler's
-    own log-probs (token_logprobs of generate's raw fp32 logits, never the Gumbel-noised scores), which the
-    tests hold the loss's teacher-forced pass against; training takes pi_old from that pass (sample_tokens)."""
-    from transformers import GenerationConfig
+def sample_group(pipe, prompts, group_size, sampling, height, width, loss_tokens, sources=None, generators=None,
+                 prompt_len=None):
+    """G samples per prompt (i2i with `sources`) -> Rollout, old_logp the sampler's own. Group k's noise
+    comes from generators[k] alone (default: seeded off the global RNG), whatever precedes it."""
+    from transformers import StaticCache
 
     ar = pipe.vision_language_encoder
-    batch, vq_ids, source_prior, (num_generated, offset, (H, W)) = generation_inputs(
-        pipe, prompts, sources, group_size, height, width, prompt_len)          # N = P x G rows
-    if generators is None:
-        generators = [torch.Generator(ar.device).manual_seed(int(torch.randint(2**62, ()))) for _ in prompts]
-    # do_sample=False: generate takes GumbelMax's argmax, no sampler of its own; top_k/top_p/temperature are
-    # greedy's defaults, set so the checkpoint's are not filled in (the policy's act inside GumbelMax)
-    config = GenerationConfig(
-        do_sample=False, top_k=50, top_p=1.0, temperature=1.0, max_new_tokens=num_generated,
-        min_new_tokens=num_generated, suppress_tokens=list(sampling.suppressed),
-        pad_token_id=ar.config.text_config.pad_token_id, eos_token_id=None, return_dict_in_generate=True,
-        output_logits=record_logp)
-    gumbel = GumbelMax(generators, group_size, sampling)
-    out = ar.generate(**batch, generation_config=config, logits_processor=[gumbel])
-    sequences = out.sequences                                                 # [N, P + L]
-    if vq_ids is not None:       # i2i: the source's VQ ids in its placeholders; later passes skip the vision encoder
-        sequences = sequences.masked_scatter(sequences == ar.config.image_token_id, vq_ids.to(sequences.device))
-    prompt_len = batch["input_ids"].shape[1]
-    generated = sequences[:, prompt_len:]                                     # [N, L]
-    old_logp = None
-    if record_logp:      # one decode step at a time: no [N, L, V] copy of the logits
-        old_logp = torch.cat([token_logprobs(logits[:, None], generated[:, t, None], sampling)
-                              for t, logits in enumerate(out.logits)], dim=1)  # [N, L]
+    batch, source_prior, grids = generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_len)
+    generators = generators or [torch.Generator(ar.device).manual_seed(int(torch.randint(2**62, ()))) for _ in prompts]
+    (H, W), L, prompt_len = grids[-1], sum(h * w for h, w in grids) + 1, batch["input_ids"].shape[1]
+    positions = rollout_positions(ar, batch, grids)  # [3, N, P + L - 1]
+    mask = torch.nn.functional.pad(batch["attention_mask"], (0, L - 1), value=1)  # [N, P + L - 1]
+    cache = StaticCache(ar.config, max_cache_len=mask.shape[1])
+    step = torch.compile(next_tokens, fullgraph=True, mode="reduce-overhead",  # --fsdp: eager (its hooks)
+                         disable=ar.device.type != "cuda" or bool(fsdp_units(ar)))
+    ids, drawn = batch["input_ids"], []
+    for t in range(L):  # t = 0: the prompt's prefill, eager; then a token per row
+        uniform = torch.cat([torch.rand(group_size, ar.config.text_config.vision_vocab_size, generator=gen,
+                                        device=gen.device, dtype=torch.float64) for gen in generators])
+        token, logp = (step if t else next_tokens)(ar, ids, uniform, positions, mask, cache, sampling)
+        drawn.append((token.clone(), logp.clone()))  # a CUDA graph's next replay overwrites its outputs
+        ids = drawn[-1][0][:, None]
+    generated, old_logp = (torch.stack(column, 1) for column in zip(*drawn))  # [N, L] each
+    offset = L - 1 - H * W  # the target grid: last before the end slot
     loss_mask = torch.zeros_like(generated, dtype=torch.float32)
     loss_mask[:, (offset if loss_tokens == "target" else 0): offset + H * W] = 1.0    # never the end slot
-    return Rollout(
-        sequences=sequences, attention_mask=torch.cat([batch["attention_mask"], torch.ones_like(generated[:, :-1])], 1),
-        position_ids=decode_position_ids(ar, batch, num_generated), old_logp=old_logp, loss_mask=loss_mask,
-        target_tokens=generated[:, offset: offset + H * W], grid_hw=(H, W), prompt_len=prompt_len,
-        source_prior=source_prior)
+    return Rollout(torch.cat([batch["input_ids"], generated], 1), mask, positions, old_logp, loss_mask,
+                   generated[:, offset: offset + H * W], (H, W), prompt_len, source_prior)
 
 
-def sample_tokens(trainer, prompts, sources, slots, step, args):
-    """SAMPLE with the AR in eval mode -> Rollout. pi_old's log-probs must equal the loss's first pass
-    bit for bit (ratio 1), so sample_groups takes them from the loss's own teacher-forced pass, micro-batch
-    for micro-batch, not from generate's cached decode: its logits are ~1e-2 off a full pass in bf16, fp32
-    in fp64, and in fp32 they move by ~1e-6 with what else the batch holds (transformers 5.24)."""
-    ar = trainer.pipe.vision_language_encoder
+def sample_tokens(pipe, prompts, sources, slots, step, args, prompt_len=None):
+    """SAMPLE this rank's groups, the group at `slot` seeded by sampling_seed (the same on any number of
+    processes) -> Rollout. pi_old: the loss's own pass, micro-batch for micro-batch, for ratio 1 bit
+    for bit (the sampler's kernels differ: ~1e-2 off a full pass in bf16, ~1e-6 in fp32)."""
+    ar = pipe.vision_language_encoder
+    if prompt_len is None:      # one column past the step's longest prompt (on all ranks): SDPA's masked
+        # fp32 sums change with the padding before a row, and an unpadded batch takes its causal kernel
+        longest = processor_inputs(pipe, prompts, sources, args.height, args.width, "cpu")["input_ids"].shape[1]
+        prompt_len = max_over_ranks(longest) + 1
+    generators = [torch.Generator(ar.device).manual_seed(sampling_seed(args.seed, step, slot)) for slot in slots]
     ar.eval()
     with whole_weights(ar):
-        return sample_groups(trainer.pipe, prompts, sources, slots, step, args)
+        rollout = sample_group(pipe, prompts, args.group_size, sampling_of(ar), args.height, args.width,
+                               args.loss_tokens, sources, generators, prompt_len)
+        rollout.old_logp = logprobs_by_micro_batch(ar, rollout, sampling_of(ar), args.micro_batch_size)
+    return rollout
 
 
 # =============================================================================================
@@ -494,7 +494,7 @@ def token_entropy(logits, sampling):
 
 
 def policy_logits(ar, rollout):
-    """One teacher-forced forward at generate's M-RoPE positions -> logits [N, L, V] of the L generated tokens."""
+    """One teacher-forced forward at the rollout's M-RoPE positions -> logits [N, L, V] of the L generated tokens."""
     num_generated = rollout.sequences.shape[1] - rollout.prompt_len
     return ar(input_ids=rollout.sequences[:, :-1], attention_mask=rollout.attention_mask,
               position_ids=rollout.position_ids, logits_to_keep=num_generated, use_cache=False).logits
@@ -715,7 +715,7 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
     slots = range(len(indices)) if slots is None else slots
     pipe, G, train_ar, train_dit = trainer.pipe, args.group_size, args.policy != "dit", args.policy != "ar"
     # ---- SAMPLE: G token grids per prompt (--policy dit: one per prompt, its group shares it) ----
-    rollout = (sample_tokens(trainer, prompts, sources, slots, step, args) if train_ar else
+    rollout = (sample_tokens(pipe, prompts, sources, slots, step, args) if train_ar else
                shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, trainer.prompt_tokens))
     noise = group_noise(pipe, indices, G, args.height, args.width, args.seed, step, args.dit_noise)  # [N, C, h, w]
     # ---- DECODE: images [N, 3, H, W] (--policy dit|both: the DiT samples G SDE trajectories, Part II) ----
@@ -1000,7 +1000,7 @@ def shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, cac
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
             torch.manual_seed(seed)                               # leaves the run's RNG stream untouched
             return sample_group(pipe, [prompts[i]], 1, sampling_of(pipe.vision_language_encoder), args.height,
-                                args.width, args.loss_tokens, sources and [sources[i]], record_logp=False)
+                                args.width, args.loss_tokens, sources and [sources[i]])
 
     if args.dit_prior == "per-step":
         draws = [draw(i, sampling_seed(args.seed, step, slot)) for i, slot in enumerate(slots)]
@@ -1083,6 +1083,25 @@ def place_pipeline(pipe, args):
     pipe.enable_model_cpu_offload(device=args.device)
 
 
+def offload_by_plan(args):
+    """--offload's default -> (on?, the header's note): on where the run's peak without it (by --plan)
+    exceeds the GPU's free memory; dit|both: the DiT's row + glyph encoder and VAE."""
+    if not (args.device == "cuda" and torch.cuda.is_available()):
+        return False, False
+    components, processor = plan_components(args.model, args.seed)
+    prompts, samples = args.prompts_per_step, args.micro_batch_size or args.group_size
+    rows, counts, _ = memory_plan(components, args.height, args.width, samples, args.group_size * prompts, prompts,
+                                  args.guidance_scale > 1, ranks=(args.lora_rank or 64,), mode=args.mode,
+                                  image_processor=processor, beta=args.beta)
+    table, key, lora = ("ar", "mode", args.lora_rank and f"lora-{args.lora_rank}") if args.policy == "ar" else (
+        "dit", "DiT mode", args.dit_lora_rank and "lora-64")
+    row = next(r for r in rows[table] if r[key] == (lora or "full") and r["grad ckpt"] == args.gradient_checkpointing)
+    peak = row["peak, no offload"] if table == "ar" else row[f"peak, {args.policy}"] + WEIGHT_BYTES * (
+        counts["glyph_t5"] + counts["vae"])
+    free = torch.cuda.mem_get_info(args.device)[0]
+    return peak > free, f"{peak > free} (auto: plan {peak / GiB:.1f} GiB, free {free / GiB:.1f} GiB)"
+
+
 def prompts_for_step(num_prompts, step, args):
     """(slots, indices) of this rank's block of step `step`'s prompts: a seeded shuffle per pass over the file."""
     per_rank = args.prompts_per_step // world_size()
@@ -1104,24 +1123,9 @@ def batch_targets(batch):
     return torch.stack([torch.from_numpy(np.asarray(t, dtype=np.float32) / 255.0).permute(2, 0, 1) for t in targets])
 
 
-# ---- For section 4 (SAMPLE): seeds, the prompts as generate() takes them, rows of a rollout ---
+# ---- For section 4 (SAMPLE): seeds, the AR's inputs and M-RoPE positions, rows of a rollout ---
 def sampling_seed(seed, step, slot):
     return seed * 1_000_000_007 + step * 100_003 + slot    # the group at `slot` of the step's prompts, on any rank
-
-
-def sample_groups(pipe, prompts, sources, slots, step, args, prompt_len=None):
-    """This rank's groups in one generate() call, the group at `slot` seeded by sampling_seed: the same
-    samples on any number of processes (section 22)."""
-    if prompt_len is None:      # one column past the step's longest prompt (on all ranks): SDPA's masked
-        # fp32 sums change with the padding before a row, and an unpadded batch takes its causal kernel
-        longest = processor_inputs(pipe, prompts, sources, args.height, args.width, "cpu")["input_ids"].shape[1]
-        prompt_len = max_over_ranks(longest) + 1
-    ar = pipe.vision_language_encoder
-    generators = [torch.Generator(ar.device).manual_seed(sampling_seed(args.seed, step, slot)) for slot in slots]
-    rollout = sample_group(pipe, prompts, args.group_size, sampling_of(ar), args.height, args.width,
-                           args.loss_tokens, sources, False, generators, prompt_len)
-    rollout.old_logp = logprobs_by_micro_batch(ar, rollout, sampling_of(ar), args.micro_batch_size)   # sample_tokens
-    return rollout
 
 
 def processor_inputs(pipe, prompts, sources, height, width, device):
@@ -1134,46 +1138,41 @@ def processor_inputs(pipe, prompts, sources, height, width, device):
 
 
 def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_len=None):
-    """generate()'s kwargs for P x G rows (left-padded to `prompt_len`), i2i: the sources' VQ ids and per-sample
-    DiT condition (else None, None), the layout (tokens to generate, target grid's offset, (H, W))."""
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-
+    """The AR's inputs for P x G rows (left-padded to `prompt_len`; i2i: VQ ids in the image placeholders), i2i's
+    per-sample DiT condition, the grids (h, w) to generate in their order (t2i: preview, target)."""
     ar = pipe.vision_language_encoder
     inputs = processor_inputs(pipe, prompts, sources, height, width, ar.device)
-    extra = (prompt_len or inputs["input_ids"].shape[1]) - inputs["input_ids"].shape[1]
-    ids = torch.nn.functional.pad(inputs["input_ids"], (extra, 0), value=ar.config.text_config.pad_token_id)
-    mask = torch.nn.functional.pad(inputs["attention_mask"], (extra, 0), value=0)
-    # [p0, p1] -> [p0 x G, p1 x G], image_grid_thw by blocks of images_per_sample rows.
-    # (generate(num_return_sequences=G) repeat_interleaves the grid rows one by one: wrong grids, wrong M-RoPE.)
-    per_sample = inputs["images_per_sample"]
-    grids = torch.split(inputs["image_grid_thw"], per_sample.tolist())
-    batch = {"input_ids": ids.repeat_interleave(group_size, 0),
-             "attention_mask": mask.repeat_interleave(group_size, 0),
-             "image_grid_thw": torch.cat([g.repeat(group_size, 1) for g in grids]),
-             "images_per_sample": per_sample.repeat_interleave(group_size)}
-    vq_ids = source_prior = None
+    ids, per_sample, source_prior = inputs["input_ids"], inputs["images_per_sample"], None
     if sources is not None:
-        # i2i: vision encoder + VQ once per prompt, then G times each: the features for generate's
-        # mm_encoder_outputs (a list: generate_prior_tokens torch.cat's it, which get_image_tokens fails on
-        # in diffusers 0.42.1), the VQ ids, and the DiT's condition (the ids upsampled 2x, their grid).
+        # i2i: vision encoder + VQ once per prompt; its VQ ids into the placeholders: no pass reruns the encoder
         source_grids = ar.model.get_image_grids_for_generation(per_sample, inputs["image_grid_thw"])
         features = list(ar.get_image_features(inputs["pixel_values"], source_grids).pooler_output)
         tokens = torch.split(ar.get_image_tokens(features), source_grids.prod(-1).tolist())
         prior = [(pipe._upsample_token_ids(t, h, w).squeeze(0), torch.tensor([[1, 2 * h, 2 * w]]))
                  for t, (_, h, w) in zip(tokens, source_grids.tolist())]
-        features = repeat_each(features, group_size)
-        batch["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=features)}
-        vq_ids, source_prior = torch.cat(repeat_each(tokens, group_size)), repeat_each(prior, group_size)
-    num_generated, offset, H, W = pipe._compute_generation_params(grids[0], is_text_to_image=sources is None)
-    return batch, vq_ids, source_prior, (num_generated, offset, (H, W))
+        ids = ids.masked_scatter(ids == ar.config.image_token_id, torch.cat(tokens))
+        source_prior = repeat_each(prior, group_size)
+    extra = (prompt_len or ids.shape[1]) - ids.shape[1]
+    ids = torch.nn.functional.pad(ids, (extra, 0), value=ar.config.text_config.pad_token_id)
+    mask = torch.nn.functional.pad(inputs["attention_mask"], (extra, 0), value=0)
+    # [p0, p1] -> [p0 x G, p1 x G], image_grid_thw by blocks of images_per_sample rows.
+    grids = torch.split(inputs["image_grid_thw"], per_sample.tolist())
+    batch = {"input_ids": ids.repeat_interleave(group_size, 0),
+             "attention_mask": mask.repeat_interleave(group_size, 0),
+             "image_grid_thw": torch.cat([g.repeat(group_size, 1) for g in grids]),
+             "images_per_sample": per_sample.repeat_interleave(group_size)}
+    generated = grids[0][-1:] if sources is not None else grids[0].flip(0)  # t2i prompts list (target, preview)
+    return batch, source_prior, [(h, w) for _, h, w in generated.tolist()]
 
 
-def decode_position_ids(ar, inputs, num_generated):
-    """M-RoPE positions [3, N, P + L - 1] (temporal, row, column) of prompt + generated[:-1]: the prompt's from
-    get_rope_index, the generated grids' from the model's private cache (transformers keeps them nowhere else)."""
-    prompt_positions, _ = ar.model.get_rope_index(**inputs)             # its **kwargs take mm_encoder_outputs
-    decode = ar.model._cached_decode_position_ids                        # [N, 3, L]: one per generated token
-    return torch.cat([prompt_positions, decode[:, :, : num_generated - 1].permute(1, 0, 2)], dim=-1)
+def rollout_positions(ar, batch, grids):
+    """M-RoPE positions [3, N, P + L - 1] of prompt + generated[:-1] as get_rope_index lays them out: the prompt's
+    by it (2-D mask: padding is not text), then from s = its last + 1 each grid (h, w) at (s, s + i, s + j),
+    s += max(h, w)."""
+    prompt, _ = ar.model.get_rope_index(**batch)
+    offsets = [ar.model.get_vision_position_ids(sum(max(*hw) for hw in grids[:k]), torch.tensor([1, h, w]))
+               for k, (h, w) in enumerate(grids)]  # [3, h*w] each; the end slot's is never read
+    return torch.cat([prompt, prompt[:, :, -1:] + 1 + torch.cat(offsets, 1)[:, None].to(prompt.device)], -1)
 
 
 def row_slices(num_samples, size):
@@ -1444,7 +1443,7 @@ def resolve_runtime(args):
         args.ar_trainable = "head" if args.model == TINY and not (args.lora_rank or args.fsdp) else "all"
     if args.dit_train_steps is None and args.policy != "ar":
         args.dit_train_steps = max(args.num_inference_steps - 1, 1)
-    args.offload = args.device == "cuda" if args.offload is None else args.offload
+    args.offload, args.offload_note = offload_by_plan(args) if args.offload is None else (args.offload, args.offload)
     args.lora_alpha = float(args.lora_rank) if args.lora_alpha is None else args.lora_alpha
     args.micro_batch_size = args.micro_batch_size or args.group_size      # a count: None or >= 1
     return args
@@ -1799,7 +1798,7 @@ def start_logging(args, trainer, out, start):
     dit = f"LoRA r={args.dit_lora_rank}" if args.dit_lora_rank else "full"
     how = {"ar": ar, "dit": f"DiT {dit}", "both": f"AR {ar}, DiT {dit}"}[args.policy]
     print(f"running with: mode={args.mode} model={args.model} device={args.device} dtype={args.dtype} "
-          f"offload={args.offload} batch={args.prompts_per_step}x{args.group_size} mu={args.inner_epochs} "
+          f"offload={args.offload_note} batch={args.prompts_per_step}x{args.group_size} mu={args.inner_epochs} "
           + (f"lr={args.lr} " if args.policy != "dit" else "") + f"trainable={count_text(trainable)} ({how}) "
           f"image={args.height}x{args.width} sampler=T {args.temperature}, top-k {args.top_k}, top-p {args.top_p} "
           f"decode={args.num_inference_steps} steps, guidance {args.guidance_scale} "
@@ -2860,7 +2859,7 @@ def sampling_of(ar):
 def generate_images(pipe, prompts, sources=None, height=64, width=64, num_inference_steps=4, guidance_scale=1.0,
                     temperature=None, seed=0):
     """One PIL image per prompt (an edit of its PIL source, if given), sampling the saved policy (at
-    `temperature` if given). Seeds the global torch RNG (generate takes no generator)."""
+    `temperature` if given). Seeds the global torch RNG (sample_group seeds its generators off it)."""
     if height % 32 or width % 32:
         raise ValueError(f"height and width must be multiples of 32, got {height}x{width}")
     if sources is not None and len(sources) != len(prompts):
@@ -2876,7 +2875,7 @@ def generate_images(pipe, prompts, sources=None, height=64, width=64, num_infere
         torch.manual_seed(seed * 1_000_003 + k)
         source = sources and sources[k: k + 1]
         # sample_group and decode_images: pipe(prompt, image=[source]) fails (diffusers 0.42.1, transformers 5)
-        rollout = sample_group(pipe, [prompt], 1, sampling, height, width, "target", source, record_logp=False)
+        rollout = sample_group(pipe, [prompt], 1, sampling, height, width, "target", source)
         images.append(decode_images(pipe, [prompt], source, rollout, latents, num_inference_steps, guidance_scale))
     return pipe.image_processor.numpy_to_pil(torch.cat(images).clamp(0, 1).permute(0, 2, 3, 1).numpy())
 

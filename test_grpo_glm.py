@@ -1220,7 +1220,7 @@ def test_plan_of_i2i_counts_the_source_tokens_and_no_preview(capsys):
     from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
     real = GlmImageImageProcessorPil(**g.REAL_IMAGE_PROCESSOR)
     assert real(images=[Image.new("RGB", (1024, 1024))])["image_grid_thw"].tolist() == [[1, 32, 32]]
-    # and on the tiny model the counts are what the processor and generate lay out
+    # and on the tiny model the counts are what the processor and the sampler lay out
     pipe = g.build_tiny_pipeline()
     image_token = pipe.vision_language_encoder.config.image_token_id
     for height, width in [(64, 64), (96, 64)]:
@@ -1229,8 +1229,10 @@ def test_plan_of_i2i_counts_the_source_tokens_and_no_preview(capsys):
         prompt_len, generated = g.ar_sequence("i2i", height, width, prompt_tokens=0,
                                               image_processor=pipe.processor.image_processor)
         assert prompt_len - 2 == int((inputs["input_ids"] == image_token).sum())
-        assert generated == g.generation_inputs(pipe, ["x"], source, 1, height, width)[3][0]
-        assert g.ar_sequence("t2i", height, width)[1] == g.generation_inputs(pipe, ["x"], None, 1, height, width)[3][0]
+        for mode, image in (("i2i", source), ("t2i", None)):        # the grids the AR writes + the end slot
+            grids = g.generation_inputs(pipe, ["x"], image, 1, height, width)[2]
+            assert g.ar_sequence(mode, height, width, image_processor=pipe.processor.image_processor)[1] == \
+                sum(h * w for h, w in grids) + 1
 
 
 def _fsdp_rows(tables):
@@ -1725,7 +1727,9 @@ def test_gumbel_max_draws_from_softmax_over_the_allowed_ids():
     """argmax(logits / T + Gumbel noise) is a draw from softmax(logits / T); -inf ids never win."""
     logits = torch.tensor([2.0, 1.0, 0.0, -1.0, 3.0, float("-inf")])      # the last id is suppressed
     n, T = 200_000, 2.0
-    draws = g.GumbelMax([torch.Generator().manual_seed(0)], n, g.SamplingParams(T))(None, logits.expand(n, -1)).argmax(-1)
+    uniform = torch.rand(n, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    draws, logp = g.gumbel_max(logits.expand(n, -1), uniform, g.SamplingParams(T))
+    assert torch.allclose(logp, torch.log_softmax(logits.double() / T, -1)[draws])      # the draw's own log-prob
     counts = torch.bincount(draws, minlength=6).double()
     assert counts[5] == 0
     assert not chi_square_too_large(*chi_square(counts, torch.softmax(logits / T, -1).double()))
@@ -1734,8 +1738,8 @@ def test_gumbel_max_draws_from_softmax_over_the_allowed_ids():
 
 @pytest.mark.parametrize("truncation", [{}, {"top_k": 40, "top_p": 0.6}])
 def test_sampler_draws_the_first_token_from_the_policy(sharp_pipe, truncation):
-    """Through generate: 4 groups x 300 samples of one prompt (one generator each) give first tokens
-    distributed as pi = softmax(logits / T) over the 64 codebook ids, all drawn (generate's own top-k
+    """Through the sampler: 4 groups x 300 samples of one prompt (one generator each) give first tokens
+    distributed as pi = softmax(logits / T) over the 64 codebook ids, all drawn (generate's default top-k
     50 would show at most 50); truncated, as pi renormalised over the kept ids, none drawn outside
     them (the untruncated softmax then fails). i2i, whose AR writes only 7 tokens, keeps it quick."""
     ar, T = sharp_pipe.vision_language_encoder, 2.0
@@ -1792,6 +1796,206 @@ def test_truncated_sampling_has_ratio_one(sharp_pipe):
     tokens = rollout.sequences[:, rollout.prompt_len:]
     assert kept.gather(-1, tokens[..., None]).all() and (kept.sum(-1) < g.TINY_CODEBOOK).float().mean() > 0.5
     assert (recomputed - rollout.old_logp).abs().max() <= 1e-5
+
+def generate_reference(pipe, prompts, group_size, sampling, height, width, sources, generators):
+    """The sampler before issue 32, kept here to hold the new one against: generate()'s greedy argmax over
+    Gumbel-noised scores (a logits processor), the positions from the model's private decode cache."""
+    from transformers import GenerationConfig
+
+    ar = pipe.vision_language_encoder
+    batch, _, grids = g.generation_inputs(pipe, prompts, sources, group_size, height, width)
+    L = sum(h * w for h, w in grids) + 1
+
+    def gumbel(input_ids, scores):
+        kept = torch.isfinite(g.policy_scores(scores, sampling))
+        u = torch.cat([torch.rand(group_size, scores.shape[-1], generator=gen, dtype=torch.float64)
+                       for gen in generators])
+        return (scores.double() / sampling.temperature).masked_fill(~kept, float("-inf")) - torch.log(-torch.log(u))
+
+    config = GenerationConfig(do_sample=False, top_k=50, top_p=1.0, temperature=1.0, max_new_tokens=L, min_new_tokens=L,
+                              suppress_tokens=list(sampling.suppressed), eos_token_id=None,
+                              pad_token_id=ar.config.text_config.pad_token_id)
+    sequences = ar.generate(**batch, generation_config=config, logits_processor=[gumbel])
+    prompt_positions, _ = ar.model.get_rope_index(**batch)
+    decode = ar.model._cached_decode_position_ids[:, :, : L - 1].permute(1, 0, 2)
+    return sequences, torch.cat([prompt_positions, decode], -1)
+
+
+def _two_groups(mode):
+    """Two prompts of two lengths (one to be left-padded) -> (prompts, sources: i2i's, else None)."""
+    sources = [g.draw_shape("circle", "red", "white", 64, 64), g.draw_shape("square", "green", "black", 64, 64)]
+    return ["red", "a much longer prompt about a blue square"], sources if mode == "i2i" else None
+
+
+@pytest.mark.parametrize("mode", ["t2i", "i2i"])
+def test_the_sampler_draws_what_generate_drew(sharp_pipe, mode):
+    """The decode loop against generate() + Gumbel-max processor: the same tokens and M-RoPE positions for
+    2 groups x 3 samples, one prompt left-padded, truncated (top-k, top-p), t2i and i2i."""
+    prompts, sources = _two_groups(mode)
+    sampling = policy(sharp_pipe, 0.9, top_k=20, top_p=0.75)
+    generators = lambda: [torch.Generator().manual_seed(k) for k in range(2)]
+    rollout = g.sample_group(sharp_pipe, prompts, 3, sampling, 96, 64, "all", sources, generators())
+    sequences, positions = generate_reference(sharp_pipe, prompts, 3, sampling, 96, 64, sources, generators())
+    assert (rollout.attention_mask[:, 0] == 0).any()
+    assert torch.equal(rollout.sequences, sequences) and torch.equal(rollout.position_ids, positions)
+
+
+class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops run, and the ones that read a value back to the host (a GPU sync)."""
+    SYNCS = ("_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "unique", "_unique2")
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        self.syncs += func.overloadpacket.__name__ in self.SYNCS
+        return func(*args, **(kwargs or {}))
+
+
+def per_decode_step(ar, sample):
+    """(ops, syncs) between consecutive AR forwards after the prefill: one decode step each, all of it."""
+    counter, marks = OpCounter(), []
+    hook = ar.register_forward_pre_hook(lambda module, args: marks.append((counter.ops, counter.syncs)))
+    with counter:
+        sample()
+    hook.remove()
+    steps = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks[1:], marks[2:])]
+    assert len(steps) >= 4 and len(set(steps)) == 1        # every decode step the same work
+    return steps[0]
+
+
+def test_a_decode_step_reads_nothing_back_to_the_host(sharp_pipe):
+    """No .item(), .tolist(), nonzero or data-dependent branch in a decode step: on a GPU the host queues
+    step after step without waiting, which a CUDA graph needs."""
+    with OpCounter() as control:
+        torch.ones(2).sum().item()
+    assert control.syncs == 1
+    prompts, sources = _two_groups("i2i")
+    sampling = policy(sharp_pipe, 0.9, top_k=20, top_p=0.75)
+    ops, syncs = per_decode_step(sharp_pipe.vision_language_encoder, lambda: g.sample_group(
+        sharp_pipe, prompts, 3, sampling, 96, 64, "all", sources))
+    assert syncs == 0 and ops > 50
+
+
+def test_the_decode_step_compiles_to_one_graph(monkeypatch):
+    """torch.compile(fullgraph=True) of the decode step, LoRA adapters included: no graph break (it would
+    raise), one graph for all steps (a recompile would compile a second), and the eager loop's tokens. The
+    backend runs the traced graph as is (as backend="eager"): inductor's code generation takes 24-50 s here."""
+    pipe, _, _ = _policy(lora_rank=4)
+    prompts, sources = _two_groups("i2i")
+    sample = lambda: g.sample_group(pipe, prompts, 2, policy(pipe, 0.9, top_p=0.75), 96, 64, "all", sources,
+                                    [torch.Generator().manual_seed(k) for k in range(2)])
+    eager, graphs, compile = sample(), [], torch.compile
+    backend = lambda gm, inputs: graphs.append(gm) or gm.forward              # counts the graphs compiled
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", lambda fn, fullgraph, **cuda_only: compile(fn, fullgraph=fullgraph,
+                                                                                     backend=backend))
+    compiled = sample()
+    assert len(graphs) == 1 and compiled.sequences.shape[1] - compiled.prompt_len == 7       # 6 compiled steps
+    assert torch.equal(compiled.sequences, eager.sequences)
+    # the traced mask and attention sum in another order: the sampler's fp32 log-probs move by ~1e-6
+    # (training's pi_old comes from the teacher-forced pass, so its ratio stays exactly 1)
+    torch.testing.assert_close(compiled.old_logp, eager.old_logp, rtol=0, atol=1e-5)
+
+
+def test_offload_follows_the_memory_plan(monkeypatch):
+    """--offload's default: off where --plan's peak without it fits the GPU's free memory, on where it does
+    not (the header says which, and by what numbers); off without CUDA; a flag given wins."""
+    resolve = lambda *flags: g.resolve_runtime(g.parse_args(["--lora-rank", "4", *flags]))
+    assert resolve().offload is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for free, on in ((2 ** 40, False), (2 ** 10, True)):        # the tiny model's plan: ~0.1 GiB
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 2 ** 41))
+        args = resolve("--device", "cuda")
+        assert args.offload is on
+        assert re.fullmatch(rf"{on} \(auto: plan [\d.]+ GiB, free [\d.]+ GiB\)", args.offload_note)
+        assert resolve("--device", "cuda", "--offload" if not on else "--no-offload").offload is not on
+
+
+def real_glm_image(widths=None):
+    """GLM-Image's real configs (`widths` overrides, for a CPU dry run) with random bf16 weights, built on the
+    device: a tokenizer with the real special ids, the AR, DiT, glyph T5 and VAE (no download). After
+    ../shared/gpu/real_size.py."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, GlmImagePipeline, GlmImageTransformer2DModel
+    from tokenizers import Tokenizer, models
+    from transformers import (ByT5Tokenizer, GlmImageConfig, GlmImageForConditionalGeneration, GlmImageProcessor,
+                              PreTrainedTokenizerFast, T5Config, T5EncoderModel)
+    from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
+
+    words = [f"<|dit_token_{i}|>" for i in range(16512)] + [chr(c) for c in range(32, 127)] + ["<sop>", "<eop>"]
+    vocab, special = {w: i for i, w in enumerate(words + ["<unk>"])}, {167841: "<pad>", 167855: "<|image|>"}
+    vocab.update({special.get(i, f"<|unused_{i}|>"): i for i in range(len(vocab), 168064)})
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.BPE(vocab, merges=[], unk_token="<unk>")), bos_token="<|dit_token_16384|>",
+        eos_token="<|dit_token_16385|>", pad_token="<pad>", unk_token="<unk>", padding_side="left",
+        extra_special_tokens={"image_token": "<|image|>", "grid_bos_token": "<sop>", "grid_eos_token": "<eop>"})
+    w = widths or {}
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12], "partial_rotary_factor": 0.5}
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            ar = GlmImageForConditionalGeneration(GlmImageConfig(
+                text_config={"rope_parameters": rope, **w.get("text", {})}, vision_config=w.get("vision", {}),
+                vq_config=w.get("vq", {})))
+            glyph_t5 = T5EncoderModel(T5Config(**{**dict(vocab_size=384, d_model=1472, d_kv=64, d_ff=3584,
+                                                         num_layers=12, num_heads=6, feed_forward_proj="gated-gelu"),
+                                                  **w.get("t5", {})}))
+            dit = GlmImageTransformer2DModel(**{"attention_head_dim": 128, "num_attention_heads": 32,
+                                                **w.get("dit", {})})
+            vae = AutoencoderKL(down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+                                latents_mean=[0.0] * 16, latents_std=[1.0] * 16, **{**dict(
+                                    latent_channels=16, block_out_channels=(128, 512, 1024, 1024), layers_per_block=3),
+                                    **w.get("vae", {})})
+    finally:
+        torch.set_default_dtype(torch.float32)
+    for model in (ar, glyph_t5, dit, vae):
+        model.eval()
+        for p in model.parameters():
+            p.data.nan_to_num_(0.0, 0.0, 0.0)           # random bf16 init can overflow
+    image_processor = GlmImageImageProcessorPil(**g.REAL_IMAGE_PROCESSOR, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    return GlmImagePipeline(
+        tokenizer=ByT5Tokenizer(), text_encoder=glyph_t5, vision_language_encoder=ar, vae=vae, transformer=dit,
+        processor=GlmImageProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                    chat_template=g.TINY_CHAT_TEMPLATE),
+        scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, time_shift_type="linear",
+                                                  base_shift=0.25, max_shift=0.75))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (real GLM-Image size, random weights)")
+def test_gpu_real_size_lora_step_fits_the_plan(tmp_path, monkeypatch, widths=None):
+    """One LoRA-64 step of the real architecture (random weights) at 512^2, G 4 on one GPU: peak memory within
+    10 % of --plan's, pi_old the loss's first pass; prints the compiled decode step's time. (`widths`: toy
+    sizes, for a dry run of this code on the CPU.)"""
+    pipe = real_glm_image(widths)
+    monkeypatch.setattr(g, "pipeline_from_pretrained", lambda args, dtype: pipe)
+    (tmp_path / "p.txt").write_text("a red circle on a white background\n")
+    flags = ["--model", "zai-org/GLM-Image", "--lora-rank", "64", "--gradient-checkpointing", "--height", "512",
+             "--width", "512", "--group-size", "4", "--prompts-per-step", "1", "--steps", "1", "--sample-every", "0",
+             "--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "run")]
+    args = g.resolve_runtime(g.parse_args(flags))
+    components, processor = g.plan_components(args.model)
+    rows, _, _ = g.memory_plan(components, 512, 512, 4, 4, 1, args.guidance_scale > 1, ranks=(64,),
+                               image_processor=processor)
+    plan = next(r for r in rows["ar"] if r["mode"] == "lora-64" and r["grad ckpt"])
+    plan = plan["peak, offload" if args.offload else "peak, no offload"]
+    torch.cuda.reset_peak_memory_stats()
+    g.main(flags)
+    peak = torch.cuda.max_memory_allocated()
+    print(f"peak {peak / 2 ** 30:.1f} GiB, plan {plan / 2 ** 30:.1f} GiB ({args.offload_note})")
+    assert abs(peak - plan) <= 0.1 * plan
+    assert read_metrics(tmp_path / "run")[0]["logp_diff_max"] <= 1e-5
+    sampling, ar = g.sampling_of(pipe.vision_language_encoder), pipe.vision_language_encoder
+    for _ in range(2):          # the first call compiles
+        torch.cuda.synchronize()
+        start = time.time()
+        rollout = g.sample_group(pipe, ["a red circle"], 4, sampling, 512, 512, "target")
+        torch.cuda.synchronize()
+    steps = rollout.sequences.shape[1] - rollout.prompt_len
+    print(f"decode: {1000 * (time.time() - start) / steps:.1f} ms per step ({steps} tokens x 4, {ar.dtype}, "
+          f"{torch.cuda.get_device_name()})")
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2396,7 +2600,7 @@ def test_micro_batches_give_the_full_batch_gradient():
     ar = pipe.vision_language_encoder
     suppressed = policy(pipe)
     prompts = ["a red circle", "a blue square on a green background"]
-    rollout = g.sample_groups(pipe, prompts, None, range(2), 1, args)
+    rollout = g.sample_tokens(pipe, prompts, None, range(2), 1, args)
     assert rollout.attention_mask[0, 0] == 0                          # the short prompt is padded
     ar.double()                                                       # same Parameter objects, fp64 data
     rollout.old_logp, rollout.loss_mask = rollout.old_logp.double(), rollout.loss_mask.double()
@@ -2493,7 +2697,7 @@ def test_policy_both_honours_micro_batch_size(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["t2i", "i2i"])
 def test_a_group_samples_the_same_whatever_else_its_rank_holds(sharp_pipe, mode, one_thread):
-    """One generate() for all of a rank's groups; group k's noise comes from its own generator,
+    """One sample_group for all of a rank's groups; group k's noise comes from its own generator,
     seeded by (seed, step, slot), and every rank pads to one column past the step's longest prompt.
     So the group at slot 0 (short prompt) and the one at slot 1 (long prompt) draw bit-identical
     tokens and old log-probs when one process samples both, when each of two ranks samples one,
@@ -2502,7 +2706,7 @@ def test_a_group_samples_the_same_whatever_else_its_rank_holds(sharp_pipe, mode,
     short, long = "red", "a blue square on a green background"
     red, green = g.draw_shape("circle", "red", "white", 64, 64), g.draw_shape("square", "green", "black", 64, 64)
     sources = (lambda *s: list(s)) if mode == "i2i" else (lambda *s: None)
-    sample = lambda prompts, srcs, slots, **kw: g.sample_groups(sharp_pipe, prompts, srcs, slots, 5, args, **kw)
+    sample = lambda prompts, srcs, slots, **kw: g.sample_tokens(sharp_pipe, prompts, srcs, slots, 5, args, **kw)
     both = sample([short, long], sources(red, green), range(2))
     rank1 = sample([long], sources(green), range(1, 2))
     # rank 0 pads as far, the length the MAX all-reduce gives it under torchrun
@@ -2521,7 +2725,7 @@ def test_a_group_samples_the_same_whatever_else_its_rank_holds(sharp_pipe, mode,
     assert not (bare.attention_mask == 0).any() and torch.equal(padded.sequences, rank0.sequences)
     assert torch.equal(bare.sequences[:, bare.prompt_len:], rank0.sequences[:, rank0.prompt_len:])
     assert 0 < (bare.old_logp - padded.old_logp).abs().max() < 1e-4
-    other_step = g.sample_groups(sharp_pipe, [long], sources(green), range(1, 2), 6, args)
+    other_step = g.sample_tokens(sharp_pipe, [long], sources(green), range(1, 2), 6, args)
     assert not torch.equal(other_step.sequences, rank1.sequences)
 
 
@@ -2724,7 +2928,7 @@ def test_slow_a_group_left_out_on_one_rank_trains_like_one_process(tmp_path):
 
 
 def test_slow_lora_with_kl_under_ddp_trains_like_one_process(tmp_path):
-    """Also 2 groups per rank: each rank batches prompts of two lengths in its one generate() call
+    """Also 2 groups per rank: each rank batches prompts of two lengths in its one sample_group call
     (the 2-prompt file shuffled twice into the step's 4), and still matches the 1-process run
     (float64, adapters included, ACROSS_PROCESSES)."""
     flags = ["--steps", "1", "--sample-every", "0", "--group-size", "4", "--inner-epochs", "2", "--lora-rank", "4",
