@@ -1099,7 +1099,7 @@ def offload_by_plan(args):
     peak = row["peak, no offload"] if table == "ar" else row[f"peak, {args.policy}"] + WEIGHT_BYTES * (
         counts["glyph_t5"] + counts["vae"])
     free = torch.cuda.mem_get_info(args.device)[0]
-    return peak > free, f"{peak > free} (auto: plan {peak / GiB:.1f} GiB, free {free / GiB:.1f} GiB)"
+    return peak > free, f"{peak > free} (auto: plan {peak / 2**30:.1f} GiB, free {free / 2**30:.1f} GiB)"
 
 
 def prompts_for_step(num_prompts, step, args):
