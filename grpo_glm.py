@@ -24,6 +24,8 @@ too (Part II, Flow-GRPO). `--model tiny`, the default, is GLM-Image at toy size 
 Reading map: Part I (sections 1-11) is GRPO on the AR in the order a step runs; Part II (12-13)
 Flow-GRPO on the DiT; Part III (14-25) is plumbing. The pure functions (mse_reward, group_advantages,
 token_logprobs, grpo_loss, sde_step, dit_kl) need only torch and math: copy them out freely (tested).
+Symbols: N samples a batch (= P x G), P prompts, G group size, L generated tokens, H x W target grid in
+tokens (image side / 32), V vocabulary, K denoising steps, T of them trained.
 """
 
 import argparse
@@ -108,7 +110,7 @@ def parse_args(argv=None):
     a("--group-size", type=number(int, least=2), default=32, help="G: samples per prompt, compared within their group.")
     a("--prompts-per-step", type=count, default=2, help="Prompts per step; a step's batch is prompts x G samples.")
     a("--inner-epochs", type=count, default=4, help="mu: optimisation passes over each batch.")
-    a("--lr", type=positive, default=2e-2, help="AdamW learning rate (a pretrained model: 1e-5).")
+    a("--lr", type=positive, default=2e-2, help="AdamW learning rate.")
     a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="Learning-rate "
       "schedule over --steps GRPO steps (diffusers' get_scheduler); resuming with another --steps reshapes "
       "the rest of a cosine or linear one.")
@@ -119,21 +121,19 @@ def parse_args(argv=None):
     a("--beta", type=non_negative, default=0.0, help="Weight of the KL penalty towards the initial model (0 = "
       "none, TRL's default): k3 on the AR's tokens; on the DiT the exact Gaussian KL ||dmu||^2 / (2 std_t^2 "
       "|dt|). flow_grpo's code omits |dt|, so a beta taken from flow_grpo is 10-1000x stronger here.")
-    a("--temperature", type=positive, default=1.0, help="Sampling temperature T; log-probs use logits / T "
-      "(a pretrained model: 0.9, its model card's).")
+    a("--temperature", type=positive, default=1.0, help="Sampling temperature; log-probs use logits / "
+      "temperature.")
     a("--top-k", type=non_negative_int, default=0, help="Sample among the k most likely image tokens (0 = all); "
       "part of the policy: the loss scores tokens by the same truncated softmax.")
     a("--top-p", type=number(float, above=0, most=1), default=1.0, help="Nucleus sampling: among the fewest "
-      "tokens whose probability adds up to p (1 = all); part of the policy, as --top-k (a pretrained model: 0.75).")
+      "tokens whose probability adds up to p (1 = all); part of the policy, as --top-k.")
     a("--height", type=pixels, default=128, help="Image height in pixels, a multiple of GLM-Image's 32-pixel "
-      "tokens (a pretrained model: 1024).")
-    a("--width", type=pixels, default=128, help="Image width in pixels, a multiple of 32 (a pretrained model: 1024).")
-    a("--num-inference-steps", type=count, default=4, help="DiT denoising steps when decoding samples (a pretrained "
-      "model: 30).")
+      "tokens.")
+    a("--width", type=pixels, default=128, help="Image width in pixels, a multiple of 32.")
+    a("--num-inference-steps", type=count, default=4, help="DiT denoising steps when decoding samples.")
     a("--dit-noise", choices=["per-prompt", "per-step"], default="per-prompt", help="Initial DiT noise: one "
       "draw per prompt for the whole run, or a fresh one per step (always shared within a group).")
-    a("--guidance-scale", type=number(float), default=1.0, help="DiT classifier-free guidance scale (1 = off; "
-      "a pretrained model: 1.5).")
+    a("--guidance-scale", type=number(float), default=1.0, help="DiT classifier-free guidance scale (1 = off).")
     a("--loss-tokens", choices=["target", "all"], default="target", help="Which generated tokens the loss "
       "covers: the target grid the DiT decodes, or the preview grid too (section 9).")
     a("--lora-rank", type=non_negative_int, default=0, help="LoRA rank on the AR's projections (0 = full fine-tuning).")
@@ -142,8 +142,7 @@ def parse_args(argv=None):
       "all its weights, or its output layer (head) on a frozen body; auto = head for --model tiny (section 2).")
     a("--policy", choices=["ar", "dit", "both"], default="ar", help="What GRPO trains: the AR token model "
       "(the DiT renders, frozen), the DiT with Flow-GRPO (tokens shared per prompt), or both from one reward.")
-    a("--dit-lr", type=positive, default=3e-3, help="AdamW learning rate of the DiT (a pretrained model: 1e-5; "
-      "3e-4 with --dit-lora-rank).")
+    a("--dit-lr", type=positive, default=3e-3, help="AdamW learning rate of the DiT.")
     a("--dit-clip-eps", type=positive, default=1e-4, help="PPO clip epsilon of the DiT's per-step ratio "
       "(flow_grpo's; step log-probs are means over latent dims, so ratios stay within ~1e-3 of 1).")
     a("--dit-noise-level", type=positive, default=0.7, help="a in Flow-GRPO's SDE, std_t = a sqrt(sigma / "
@@ -215,7 +214,7 @@ def load_pipeline(args):
     return pipe
 
 
-def add_lora(model, rank, alpha, targets, **config):
+def add_lora(model, r, alpha, targets, **config):
     """PEFT LoRA adapters on `targets` (the AR's and the DiT's alike), the base frozen. They train in fp32
     on a bf16 base (diffusers' cast_training_params): bf16 would round AdamW's small updates away."""
     from diffusers.training_utils import cast_training_params
@@ -223,7 +222,7 @@ def add_lora(model, rank, alpha, targets, **config):
 
     model.requires_grad_(False)
     # peft's own injection, not the models' add_adapter: transformers 5.24's refuses every peft released
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, **config)
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, **config)
     inject_adapter_in_model(config, model)
     cast_training_params(model, dtype=torch.promote_types(model.dtype, torch.float32))
 
@@ -566,13 +565,13 @@ def reference_weights(model, reference):
             layer.enable_adapters(True)
 
 
-def ar_loss_terms(policy, rollout, advantages, ref_logp, args, sampling):
+def ar_micro_batches(policy, rollout, advantages, ref_logp, args, sampling):
     """The AR's loss for grpo_update by micro-batches, each weighted by its share of the loss tokens: the
-    gradients add up to the full batch's. `policy`: the AR or its DDP wrapper. Returns terms(epoch)."""
+    gradients add up to the full batch's. `policy`: the AR or its DDP wrapper. Returns micro_batches(epoch)."""
     advantages = advantages.to(rollout.old_logp.device)
     tokens = rollout.loss_mask.sum()
 
-    def terms(epoch):
+    def micro_batches(epoch):
         for rows in sync_on_last(policy, row_slices(advantages.shape[0], args.micro_batch_size)):
             part = slice_rollout(rollout, rows)
             logits = policy_logits(policy, part)                                   # [n, L, V]
@@ -588,59 +587,40 @@ def ar_loss_terms(policy, rollout, advantages, ref_logp, args, sampling):
                     entropy = token_entropy(logits, sampling) * part.loss_mask
                 metrics["entropy"] = (entropy.sum() / part.loss_mask.sum()).item()
             yield loss, {**metrics, "loss": loss.item()}, (part.loss_mask.sum() / tokens).item()
-    return terms
+    return micro_batches
 
 
 def ar_half(trainer, rollout, advantages, args):
-    """The AR's entry (prefix, params, terms) in grpo_update, with pi_ref's log-probs when beta > 0."""
+    """The AR's half (prefix, params, micro_batches) for grpo_update, with pi_ref's log-probs when beta > 0."""
     ar, ref_logp = trainer.pipe.vision_language_encoder, None
     sampling = sampling_of(ar)        # the policy, as its generation config says (load_pipeline)
     if args.beta > 0:
         with reference_weights(ar, trainer.reference) as reference:
             ref_logp = logprobs_by_micro_batch(reference, rollout, sampling, args.micro_batch_size)  # [N, L]
     ar.train()   # switches gradient checkpointing on; the AR has no dropout, so pass 1 still gives pi_old
-    return "", trainer.params, ar_loss_terms(trainer.policy, rollout, advantages, ref_logp, args, sampling)
-
-
-FIRST_PASS_ONLY = ("logp_diff_max", "entropy")   # measured while the policy still equals pi_old
+    return "", trainer.params, ar_micro_batches(trainer.policy, rollout, advantages, ref_logp, args, sampling)
 
 
 def grpo_update(optimizer, halves, args, learns=True):
-    """mu = --inner-epochs AdamW steps on one batch. halves: [(prefix, params, terms)], '' the AR, 'dit/' the DiT;
-    terms(epoch) yields (loss, metrics, weight) pieces, weights adding up to 1, each backpropagated as built (one
-    piece's activations alive). Gradients clip per half (different loss scales). Pass 1 runs at pi_old: ratio 1,
-    no clipping (with mu = 1 it never clips). A non-finite pass is skipped, as is every pass if no rank `learns`.
-    Returns the updating passes' mean metrics (FIRST_PASS_ONLY: pass 1's), skip counts."""
-    done, first, skipped, bad_loss = [], {}, 0, 0
+    """mu = --inner-epochs AdamW steps on one batch. halves: [(prefix, params, micro_batches)], '' the AR, 'dit/'
+    the DiT; micro_batches(epoch) yields (loss, metrics, weight), weights adding up to 1, each backpropagated as
+    built (one micro-batch's activations alive). Gradients clip per half (different loss scales). Pass 1 runs at
+    pi_old: ratio 1, no clipping (with mu = 1 it never clips). UpdateGuard (section 14) skips a non-finite pass,
+    or every pass if no rank `learns`, and returns the metrics row."""
+    guard = UpdateGuard(halves, learns)
     for epoch in range(args.inner_epochs):
         optimizer.zero_grad(set_to_none=True)
-        metrics, loss_finite, finite = {}, True, True
-        for prefix, params, terms in halves:
-            for loss, piece, weight in terms(epoch):
+        for prefix, params, micro_batches in halves:
+            for loss, metrics, weight in micro_batches(epoch):
                 (loss * weight).backward()
-                loss_finite &= math.isfinite(piece["loss"])
-                for key, value in piece.items():
-                    key = prefix + key
-                    metrics[key] = (max(metrics.get(key, value), value) if key.endswith("logp_diff_max")
-                                    else metrics.get(key, 0.0) + value * weight)
-            norm = clip_gradients(params, args.max_grad_norm)
-            finite &= loss_finite and bool(torch.isfinite(norm))
-            metrics[prefix + "grad_norm"] = norm.item()
-        if epoch == 0:
-            first = {k: v for k, v in metrics.items() if k.endswith(FIRST_PASS_ONLY)}
-        if max_over_ranks(2 * (not finite) + learns) != 1:   # one vote: no rank non-finite (2), one learns (1)
-            skipped += 1
-            bad_loss += not loss_finite
+                guard.add(prefix, metrics, weight)
+            guard.add_grad_norm(prefix, clip_gradients(params, args.max_grad_norm))
+        if guard.vote(epoch):           # every rank: all finite, and some rank has something to learn
+            optimizer.step()
+            guard.check_weights()
+        else:
             optimizer.zero_grad(set_to_none=True)
-            continue
-        optimizer.step()
-        if not all_ranks_agree(weights_finite([p for _, params, _ in halves for p in params])):
-            raise UsageError("the update made the weights non-finite (is --lr too large?); nothing of this step "
-                             "is saved, the last checkpoint is intact")
-        done.append({k: v for k, v in metrics.items() if not k.endswith(FIRST_PASS_ONLY)})
-    keys = [k for k in metrics if not k.endswith(FIRST_PASS_ONLY)]
-    averaged = {k: sum(m[k] for m in done) / len(done) if done else float("nan") for k in keys}
-    return {**averaged, **first, "skipped_updates": skipped, "skipped_nonfinite_loss": bad_loss}
+    return guard.row()
 
 
 # =============================================================================================
@@ -741,13 +721,10 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
     halves = [ar_half(trainer, rollout, advantages, args)] if train_ar else []
     halves += [dit_half(trainer, dit_run, dit_advantages, args)] if train_dit else []
     learns = min(row["frac_reward_nonfinite"], row.get("dit/frac_reward_nonfinite", 1)) < 1
-    update = grpo_update(trainer.optimizer, halves, args, learns)
-    row.update(update)
+    row.update(grpo_update(trainer.optimizer, halves, args, learns))      # 'loss' the AR's, 'dit/loss' the DiT's
     ode = None
-    if train_dit:
-        row["loss"] = update.get("loss", 0.0) + update["dit/loss"]                          # AR + DiT
-        if args.sample_every and step % args.sample_every == 0:
-            ode = ode_sheet(pipe, prompts, sources, rollout, noise, args)
+    if train_dit and args.sample_every and step % args.sample_every == 0:
+        ode = ode_images(pipe, prompts, sources, rollout, noise, args)
     return row, rewards, images, targets, sources, ode
 
 
@@ -947,8 +924,9 @@ def condition_rows(cond, rows):
 
 
 def dit_half(trainer, run, advantages, args):
-    """The DiT's entry (prefix, params, terms) in grpo_update: grpo_loss per trained step's column and micro-batch
-    of rows, weight rows / (N T), adding up to grpo_loss over [N, T] (flow_grpo: a step at a time), + beta x dit_kl."""
+    """The DiT's half (prefix, params, micro_batches) for grpo_update: a micro-batch is a trained step's column of a
+    block of rows, weight rows / (N T), adding up to grpo_loss over [N, T] (flow_grpo: a step at a time) + beta x
+    dit_kl."""
     policy, reference, cond, rollout = trainer.dit_policy, trainer.dit_reference, run.cond, run.trajectories
     N, steps = rollout.old_logp.shape
     advantages = advantages.to(rollout.old_logp.device)
@@ -956,7 +934,7 @@ def dit_half(trainer, run, advantages, args):
               replace(rollout, states=rollout.states[rows], old_logp=rollout.old_logp[rows]))
              for rows in row_slices(N, args.micro_batch_size)]
 
-    def terms(epoch):
+    def micro_batches(epoch):
         for i, (rows, condition, part) in sync_on_last(policy, [(i, part) for i in range(steps) for part in parts]):
             logp, mean = dit_step_logprob(policy, condition, part, i, args.dit_noise_level)
             old_logp = part.old_logp[:, i:i + 1]
@@ -971,7 +949,7 @@ def dit_half(trainer, run, advantages, args):
             if epoch == 0:
                 metrics["logp_diff_max"] = (logp.detach() - old_logp[:, 0]).abs().max().item()
             yield loss, {**metrics, "loss": loss.item()}, len(old_logp) / (N * steps)
-    return "dit/", trainer.dit_params, terms
+    return "dit/", trainer.dit_params, micro_batches
 
 
 # =============================================================================================
@@ -1028,7 +1006,7 @@ def sample_dit_trajectories(pipe, prompts, sources, rollout, noise, indices, ste
     return SimpleNamespace(cond=cond, trajectories=trajectories, images=images)
 
 
-def ode_sheet(pipe, prompts, sources, rollout, noise, args):
+def ode_images(pipe, prompts, sources, rollout, noise, args):
     """The updated DiT's a = 0 decode of each prompt's first sample [P, 3, H, W], for the sample sheet."""
     G = args.group_size
     firsts = SimpleNamespace(target_tokens=rollout.target_tokens[::G], grid_hw=rollout.grid_hw,
@@ -1191,7 +1169,55 @@ def slice_rollout(rollout, rows):
                    **{name: None if value is None else value[rows] for name, value in per_row.items()})
 
 
-# ---- For sections 8-11: dtypes, micro-batches under DDP, a run of non-finite steps --------------
+# ---- For sections 8-11: dtypes, micro-batches under DDP, the update's guards, non-finite steps -------
+class UpdateGuard:
+    """grpo_update's guards and bookkeeping. A pass's metrics (a half's under its prefix: weighted sums, maxima
+    of logp_diff_max), and whether each loss and gradient norm was finite; vote: the ranks' one vote to step or
+    skip the pass; check_weights after a step; row: the stepping passes' mean metrics, FIRST_PASS_ONLY's from
+    pass 1 (measured while the policy still equals pi_old), skip counts."""
+    FIRST_PASS_ONLY = ("logp_diff_max", "entropy")
+
+    def __init__(self, halves, learns):
+        self.params = [p for _, params, _ in halves for p in params]
+        self.learns, self.passes, self.first, self.skipped, self.bad_loss = learns, [], {}, 0, 0
+        self.metrics, self.loss_finite, self.finite = {}, True, True
+
+    def add(self, prefix, metrics, weight):
+        self.loss_finite &= math.isfinite(metrics["loss"])
+        for key, value in metrics.items():
+            key = prefix + key
+            self.metrics[key] = (max(self.metrics.get(key, value), value) if key.endswith("logp_diff_max")
+                                 else self.metrics.get(key, 0.0) + value * weight)
+
+    def add_grad_norm(self, prefix, norm):
+        self.finite &= self.loss_finite and bool(torch.isfinite(norm))
+        self.metrics[prefix + "grad_norm"] = norm.item()
+
+    def vote(self, epoch):
+        """True: step. One vote of all ranks: none saw a non-finite loss or gradient norm (2), one learns (1)."""
+        metrics, finite, loss_finite = self.metrics, self.finite, self.loss_finite
+        self.metrics, self.loss_finite, self.finite = {}, True, True
+        if epoch == 0:
+            self.first = {k: v for k, v in metrics.items() if k.endswith(self.FIRST_PASS_ONLY)}
+        self.kept = {k: v for k, v in metrics.items() if not k.endswith(self.FIRST_PASS_ONLY)}
+        if max_over_ranks(2 * (not finite) + self.learns) != 1:
+            self.skipped += 1
+            self.bad_loss += not loss_finite
+            return False
+        self.passes.append(self.kept)
+        return True
+
+    def check_weights(self):
+        if not all_ranks_agree(weights_finite(self.params)):
+            raise UsageError("the update made the weights non-finite (is --lr too large?); nothing of this step "
+                             "is saved, the last checkpoint is intact")
+
+    def row(self):
+        done = self.passes
+        averaged = {k: sum(m[k] for m in done) / len(done) if done else float("nan") for k in self.kept}
+        return {**averaged, **self.first, "skipped_updates": self.skipped, "skipped_nonfinite_loss": self.bad_loss}
+
+
 def weights_finite(params):
     """One sum per tensor (no tensor-sized temporary; a non-finite entry makes its sum non-finite), this
     rank's shards under --fsdp: the step after an update that overflowed must not sample or save."""
@@ -1205,13 +1231,13 @@ def at_least_fp32(x):
     return x.to(torch.promote_types(x.dtype, torch.float32))    # bf16/fp16 -> fp32; fp32, fp64 unchanged
 
 
-def sync_on_last(policy, pieces):
-    """Yields `pieces`, each backpropagated before the next; under DDP all but the last in no_sync(): the
+def sync_on_last(policy, batches):
+    """Yields the micro-`batches`, each backpropagated before the next; under DDP all but the last in no_sync(): the
     last backward all-reduces the sum once. Every rank runs as many (a missing one would hang the others)."""
-    pieces = list(pieces)
-    for k, piece in enumerate(pieces):
-        with policy.no_sync() if hasattr(policy, "no_sync") and k < len(pieces) - 1 else contextlib.nullcontext():
-            yield piece
+    batches = list(batches)
+    for k, batch in enumerate(batches):
+        with policy.no_sync() if hasattr(policy, "no_sync") and k < len(batches) - 1 else contextlib.nullcontext():
+            yield batch
 
 
 def non_finite_streak(bad_steps, row, out, args, start):
@@ -1327,7 +1353,12 @@ class Parser(argparse.ArgumentParser):
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action):     # no '(default: None)': such a help says what happens without
-        return action.help if action.default is None else super()._get_help_string(action)
+        if action.default is None:
+            return action.help
+        plain, lora = (pretrained_defaults(SimpleNamespace(dit_lora_rank=r)).get(action.dest) for r in (0, 1))
+        also = "" if plain is None else f"; a pretrained model's: {plain:g}" + (
+            f", {lora:g} with --dit-lora-rank" if lora != plain else "")
+        return super()._get_help_string(action)[:-1] + also + ")"
 
 
 def number(kind, least=None, above=None, most=None, multiple=None):
@@ -1428,7 +1459,7 @@ def check_writable(flag, path):
 
 def pretrained_defaults(args):
     """Defaults for any --model but the tiny demo (the flags' own, which train a random toy quickly): GLM-Image's
-    model card's sampler (T 0.9, top-p 0.75) and decode (30 DiT steps at guidance 1.5, 1024^2); learning
+    model card's sampler (temperature 0.9, top-p 0.75) and decode (30 DiT steps at guidance 1.5, 1024^2); learning
     rates for a pretrained model, 1e-5 (DanceGRPO's for a whole DiT) or flow_grpo's 3e-4 for LoRA."""
     return dict(lr=1e-5, dit_lr=3e-4 if args.dit_lora_rank else 1e-5, temperature=0.9, top_p=0.75,
                 num_inference_steps=30, guidance_scale=1.5, height=1024, width=1024)
@@ -1783,8 +1814,8 @@ def call_reward(reward, images, prompts, targets):
 # 18. LOG: the console, metrics.jsonl, sample sheets, the reward curve, TensorBoard / W&B
 # =============================================================================================
 # A step's console line: the fields whose metrics the row holds (section 10's names, 'dit/' the DiT half's;
-# ar_loss: the AR's part of 'loss', the sum of both halves' under --policy both; the DiT's is ~1e-5: step means).
-CONSOLE_FIELDS = ("loss {ar_loss:+.4f}", "dit loss {dit/loss:+.3e}", "reward {reward_mean:.5f} ± {reward_std:.5f}",
+# the DiT's loss is ~1e-5: its log-probs are means over latent dims).
+CONSOLE_FIELDS = ("loss {loss:+.4f}", "dit loss {dit/loss:+.3e}", "reward {reward_mean:.5f} ± {reward_std:.5f}",
                   "ratio {ratio_mean:.4f}", "clip {clip_ratio:.3f}", "kl {kl:.2e}", "dit/ratio {dit/ratio_mean:.4f}",
                   "dit/clip {dit/clip_ratio:.3f}", "dit/kl {dit/kl:.2e}", "entropy {entropy:.3f}",
                   "zero_std {frac_reward_zero_std:.2f}", "{seconds:.2f}s")
@@ -1851,8 +1882,7 @@ def log_step(row, step, args, trainer, out, tracker, warned):
         f.write(json.dumps(finite, allow_nan=False) + "\n")
     if tracker:
         tracker.log({k: v for k, v in row.items() if k != "step"}, step)
-    shown = {**row, "ar_loss": row["loss"] - row.get("dit/loss", 0.0)} if args.policy != "dit" else row
-    fields = [f.format_map(shown) for f in CONSOLE_FIELDS if all(k in shown for k in re.findall(r"{([^:]+):", f))]
+    fields = [f.format_map(row) for f in CONSOLE_FIELDS if all(k in row for k in re.findall(r"{([^:]+):", f))]
     print(f"step {step:4d}/{args.steps} | " + " | ".join(fields), flush=True)
     # entropy's yardstick: log(kept ids), its most; top-p keeps no fixed number: step 1's entropy (if > 0)
     scale = math.log(min(args.top_k or math.inf, trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size))
@@ -2637,7 +2667,7 @@ def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, c
     outside = tokens * (4 * h + (0 if lora_rank else 2 * d * h) + 2 * rotary * d)
     state = ADAPTER_BYTES if lora_rank else d                 # gradients and moments: the parameters' dtype
     grads = state * sum(tensors)
-    logits = rows * d * V                                     # held by ar_loss_terms till the next micro-batch
+    logits = rows * d * V                                     # held by ar_micro_batches till the next one
     # a frozen lm_head (LoRA): the CPU's bmm copies it per sample (CUDA may not: the plan is high)
     head_copy = 0 if head_trainable else samples * V * h * d
     held = kept + outside + logits

@@ -989,7 +989,7 @@ def test_lora_trains_only_adapters_and_reference_is_the_base_model():
     with g.reference_weights(ar, None) as reference:
         ref_logp = g.logprobs_by_micro_batch(reference, rollout, suppressed)
     torch.testing.assert_close(ref_logp, base_logp, atol=1e-5, rtol=0)
-    g.grpo_update(optimizer, [("", params, g.ar_loss_terms(ar, rollout, advantages, ref_logp, args, suppressed))],
+    g.grpo_update(optimizer, [("", params, g.ar_micro_batches(ar, rollout, advantages, ref_logp, args, suppressed))],
                                args)
     changed = {n for n, p in ar.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all("lora_" in n for n in changed)
@@ -2406,8 +2406,8 @@ def test_micro_batches_give_the_full_batch_gradient():
     for size in (6, 4, 1):
         args.micro_batch_size = size
         optimizer = torch.optim.SGD(params, lr=0.0)                    # keeps the weights, leaves .grad
-        terms = g.ar_loss_terms(ar, rollout, advantages, ref_logp, args, suppressed)
-        update = g.grpo_update(optimizer, [("", params, terms)], args)
+        micro_batches = g.ar_micro_batches(ar, rollout, advantages, ref_logp, args, suppressed)
+        update = g.grpo_update(optimizer, [("", params, micro_batches)], args)
         results[size] = (update, torch.cat([p.grad.flatten() for p in params]))
     full_update, full_grad = results[6]
     assert full_grad.norm() > 0
@@ -2541,7 +2541,8 @@ def test_help_gives_each_default_once(capsys):
         g.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "Default: mse." in text and "(default: None)" not in text
-    assert f"(default: {g.parse_args([]).lr})" in text                         # the others keep argparse's
+    assert f"(default: {g.parse_args([]).lr}; a pretrained model's: 1e-05)" in text   # others: argparse's
+    assert "(default: 0.003; a pretrained model's: 1e-05, 0.0003 with --dit-lora-rank)" in text
 
 
 def test_prompts_per_step_must_divide_by_the_world_size(tmp_path, monkeypatch, capsys):
@@ -3033,7 +3034,7 @@ def measure_update(lora_rank, checkpointing, layout=None):
     rss_before = _status_bytes("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")                         # restart VmHWM from here
     start = time.time()
-    terms = g.ar_loss_terms(ar, rollout, torch.tensor([1.0, -1.0]), None, args, suppressed)
+    terms = g.ar_micro_batches(ar, rollout, torch.tensor([1.0, -1.0]), None, args, suppressed)
     with ZeroBf16Matmuls():
         metrics, measured = _live_peaks(lambda: g.grpo_update(optimizer, [("", params, terms)], args))
     assert metrics["skipped_updates"] == 0
