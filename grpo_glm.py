@@ -614,7 +614,7 @@ def grpo_update(optimizer, halves, args, learns=True):
             for loss, metrics, weight in micro_batches(epoch):
                 (loss * weight).backward()
                 guard.add(prefix, metrics, weight)
-            guard.add_grad_norm(prefix, clip_gradients(params, args.max_grad_norm))
+            guard.add(prefix, {"grad_norm": clip_gradients(params, args.max_grad_norm).item()})
         if guard.vote(epoch):           # every rank: all finite, and some rank has something to learn
             optimizer.step()
             guard.check_weights()
@@ -647,8 +647,8 @@ class Trainer:
     before_update: object = lambda: None  # the stop handler's last chance to drop the step (section 19)
 
 
-def setup_training(args, ckpt=None, rewards=None, dit_rewards=None):
-    """Loads the model, marks what trains, one AdamW (a param group per half), restores `ckpt`."""
+def setup_training(args, resume=None, rewards=None, dit_rewards=None):
+    """Loads the model, marks what trains, one AdamW (a param group per half), restores a `resume`'s checkpoint."""
     from diffusers.optimization import get_scheduler
     from diffusers.training_utils import set_seed
 
@@ -675,15 +675,12 @@ def setup_training(args, ckpt=None, rewards=None, dit_rewards=None):
     warmup = args.lr_scheduler == "constant" and args.lr_warmup_steps
     trainer.lr_scheduler = get_scheduler("constant_with_warmup" if warmup else args.lr_scheduler, trainer.optimizer,
                                          num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.steps)
-    if ckpt is not None:
-        restore_checkpoint(ckpt, trainer, args)
-        if rank() == 0:
-            print(f"Resuming from step {ckpt['step']} ({ckpt['path']})")
+    start = resume.restore(trainer, args) if resume else 0     # section 20
     trainer.rewards = load_rewards(args.reward) if rewards is None else rewards
     trainer.dit_rewards = load_rewards(args.dit_reward or []) if dit_rewards is None else dit_rewards
     trainer.policy = wrap_for_training(ar, args.device) if args.policy != "dit" else None
     trainer.dit_policy = wrap_for_training(dit, args.device) if args.policy != "ar" else None
-    return trainer, ckpt["step"] if ckpt else 0
+    return trainer, start
 
 
 def grpo_step(trainer, items, indices, step, args, slots=None):
@@ -1171,41 +1168,35 @@ def slice_rollout(rollout, rows):
 
 # ---- For sections 8-11: dtypes, micro-batches under DDP, the update's guards, non-finite steps -------
 class UpdateGuard:
-    """grpo_update's guards and bookkeeping. A pass's metrics (a half's under its prefix: weighted sums, maxima
-    of logp_diff_max), and whether each loss and gradient norm was finite; vote: the ranks' one vote to step or
-    skip the pass; check_weights after a step; row: the stepping passes' mean metrics, FIRST_PASS_ONLY's from
-    pass 1 (measured while the policy still equals pi_old), skip counts."""
+    """grpo_update's guards and bookkeeping: a pass's metrics (a half's under its prefix: weighted sums, maxima of
+    logp_diff_max); vote: the ranks' one vote to step or skip the pass; check_weights after a step; row: the
+    stepping passes' mean metrics, FIRST_PASS_ONLY's from pass 1 (while the policy equals pi_old), skip counts."""
     FIRST_PASS_ONLY = ("logp_diff_max", "entropy")
 
     def __init__(self, halves, learns):
         self.params = [p for _, params, _ in halves for p in params]
-        self.learns, self.passes, self.first, self.skipped, self.bad_loss = learns, [], {}, 0, 0
-        self.metrics, self.loss_finite, self.finite = {}, True, True
+        self.learns, self.metrics, self.passes, self.first, self.skipped, self.bad_loss = learns, {}, [], {}, 0, 0
 
-    def add(self, prefix, metrics, weight):
-        self.loss_finite &= math.isfinite(metrics["loss"])
+    def add(self, prefix, metrics, weight=1.0):
         for key, value in metrics.items():
             key = prefix + key
             self.metrics[key] = (max(self.metrics.get(key, value), value) if key.endswith("logp_diff_max")
                                  else self.metrics.get(key, 0.0) + value * weight)
 
-    def add_grad_norm(self, prefix, norm):
-        self.finite &= self.loss_finite and bool(torch.isfinite(norm))
-        self.metrics[prefix + "grad_norm"] = norm.item()
-
     def vote(self, epoch):
-        """True: step. One vote of all ranks: none saw a non-finite loss or gradient norm (2), one learns (1)."""
-        metrics, finite, loss_finite = self.metrics, self.finite, self.loss_finite
-        self.metrics, self.loss_finite, self.finite = {}, True, True
+        """True: step. One vote of all ranks: none has a non-finite loss or gradient norm (2), one learns (1)."""
+        metrics, self.metrics = self.metrics, {}
+        finite_loss = all(math.isfinite(v) for k, v in metrics.items() if k.endswith("loss"))   # a weighted sum
+        finite = finite_loss and all(math.isfinite(v) for k, v in metrics.items() if k.endswith("grad_norm"))
         if epoch == 0:
             self.first = {k: v for k, v in metrics.items() if k.endswith(self.FIRST_PASS_ONLY)}
         self.kept = {k: v for k, v in metrics.items() if not k.endswith(self.FIRST_PASS_ONLY)}
-        if max_over_ranks(2 * (not finite) + self.learns) != 1:
-            self.skipped += 1
-            self.bad_loss += not loss_finite
-            return False
-        self.passes.append(self.kept)
-        return True
+        if max_over_ranks(2 * (not finite) + self.learns) == 1:
+            self.passes.append(self.kept)
+            return True
+        self.skipped += 1
+        self.bad_loss += not finite_loss
+        return False
 
     def check_weights(self):
         if not all_ranks_agree(weights_finite(self.params)):
@@ -1398,8 +1389,6 @@ def validate_args(args):
     full = (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
     refusals = [      # (refused?, why): the first refused one is the error
         (outdated, f"installed libraries too old for grpo_glm.py: {outdated}; run: pip install -r requirements.txt"),
-        (args.prompts_per_step % world, f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
-         f"number of processes ({world}): each rank trains whole groups"),
         (args.ar_trainable == "head" and (args.lora_rank or args.fsdp), "--ar-trainable head trains the AR's "
          "output layer alone: it takes neither --lora-rank nor --fsdp (a layer this small is not worth sharding)"),
         (args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline), "--fsdp shards full "
@@ -1434,9 +1423,15 @@ def validate_args(args):
     for refused, why in refusals:
         if refused:
             raise UsageError(why)
+    check_whole_groups(args.prompts_per_step, world, f"the number of processes ({world})")
     check_writable("--out", args.out)
     if args.save_pipeline:
         check_writable("--save-pipeline", save)
+
+
+def check_whole_groups(prompts, ranks, name):
+    if prompts % ranks:      # a block of whole groups per rank (torchrun's, or each of --plan's --plan-gpus K)
+        raise UsageError(f"--prompts-per-step {prompts} must be divisible by {name}: each rank trains whole groups")
 
 
 def looks_like_hub_id(name):
@@ -1491,11 +1486,7 @@ def open_run(args):
     release = lock_out_dir(out) if lead else None
     started = None
     try:
-        # under the lock, so no other run starts here meanwhile; only --resume continues a run
-        if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
-            raise UsageError(f"--out {out} already holds a run; pass --resume latest to continue it or pick "
-                             "another --out")
-        started = start_training(args, out, lead)
+        started = start_training(args, out, lead)       # under the lock: no other run starts here meanwhile
     finally:
         if lead and started is None:
             release(wrote=[])
@@ -1513,29 +1504,15 @@ def start_training(args, out, lead):
     rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [])
     require_targets(items, [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)])
     args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
-    ckpt = read_checkpoint(args.resume, out) if args.resume else None
-    step, ckpt_path = (ckpt["step"], ckpt["path"]) if ckpt else (0, None)
-    differences = check_resume_flags(ckpt["args"], args) if ckpt else []
-    if differences and not args.resume_force:
-        raise UsageError(f"--resume {ckpt_path}: flags differ from the checkpoint's: {'; '.join(differences)} "
-                         "(add --resume-force to accept)")
-    if step >= args.steps:
-        print(f"nothing to do: {ckpt_path} is at step {step} and --steps is {args.steps} "
-              f"(pass --steps {step + args.steps} to train {args.steps} more)")
+    resume = Resume(args, out)                 # section 20: its refusals, before any model loads
+    if resume.finished:
         return None
-    # Resuming from step k of a run that went further would replace its history after k (a new run: k = 0).
-    later = [p for p in saved_checkpoints(out) if int(p.stem[5:]) > step]
-    if later and not args.resume_force:
-        raise UsageError(f"--resume {ckpt_path}: {out} has later checkpoints ({later[-1].name}); resuming from "
-                         f"step {step} would drop them and the metrics after step {step} (add "
-                         "--resume-force to do so; they are then kept as *.dropped)")
-    trainer, start = setup_training(args, ckpt, rewards, dit_rewards)
+    trainer, start = setup_training(args, resume, rewards, dit_rewards)
     check_prompt_lengths(trainer.pipe, items, args)
     if args.mode == "i2i":
         check_source_size(trainer.pipe.processor.image_processor, args.height, args.width)
-    for path in later if lead else []:
-        path.rename(path.with_name(path.name + ".dropped"))      # out of --resume latest's way
-        print(f"note: kept {path.name} of the dropped history as {path.name}.dropped")
+    if lead:
+        resume.set_aside(out)
     return items, trainer, start
 
 
@@ -1822,9 +1799,8 @@ CONSOLE_FIELDS = ("loss {loss:+.4f}", "dit loss {dit/loss:+.3e}", "reward {rewar
 
 
 def start_logging(args, trainer, out, start):
-    """Drops a killed run's metrics rows after `start`, prints the run's settings, opens accelerate's tracker
-    (None for --report-to none), which logs the metrics rows, the sample sheets and the flags."""
-    read_metrics(out / "metrics.jsonl", drop_after=start)
+    """Prints the run's settings, opens accelerate's tracker (None for --report-to none), which logs the
+    metrics rows, the sample sheets and the flags."""
     trainable = sum(p.numel() for p in trainer.trained.parameters() if p.requires_grad)
     ar = f"LoRA r={args.lora_rank}" if args.lora_rank else "head" if args.ar_trainable == "head" else "full"
     dit = f"LoRA r={args.dit_lora_rank}" if args.dit_lora_rank else "full"
@@ -1848,7 +1824,7 @@ def start_logging(args, trainer, out, start):
 
     if args.report_to == "wandb":      # WANDB_MODE=offline: under <out>/wandb, for a later `wandb sync`
         tracker = WandBTracker("grpo_glm", name=out.name, dir=str(out), config=vars(args))
-    else:      # purge_step: on resume, TensorBoard drops the events a killed run wrote after its checkpoint
+    else:      # purge_step: TensorBoard drops a killed run's events after the resumed step (section 20)
         tracker = TensorBoardTracker("logs", out, purge_step=start + 1 if start else None)
     tracker.start()
     if args.report_to == "tensorboard":
@@ -1907,19 +1883,9 @@ def warn_if_collapsed(row, warned, max_entropy=None):
     return True
 
 
-def read_metrics(path, drop_after=math.inf):
-    """metrics.jsonl's rows; drop_after (a resume's step): later rows, a killed run's, move to a file beside it."""
+def read_metrics(path):
     lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
-    rows = [json.loads(line) for line in lines if line.strip()]
-    dropped = [row for row in rows if row["step"] > drop_after]
-    if dropped:
-        aside = path.with_name(f"metrics.dropped_after_step_{drop_after:06d}.jsonl")
-        rows = [row for row in rows if row["step"] <= drop_after]
-        for file, kept in ((aside, dropped), (path, rows)):
-            atomic_write_bytes(file, "".join(json.dumps(row) + "\n" for row in kept).encode())
-        print(f"note: resuming at step {drop_after} drops metrics rows of steps {dropped[0]['step']}.."
-              f"{dropped[-1]['step']} (no checkpoint after step {drop_after}); kept in {aside}")
-    return rows
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 # The PNGs' text: Pillow's built-in font at 12 px (draw.text's font_size; at its own 10 px some spaces vanish).
@@ -2168,23 +2134,72 @@ def check_resume_flags(saved, args):
             else f"--{k.replace('_', '-')} {saved.get(k)} -> {getattr(args, k)}" for k in differ]
 
 
-def restore_checkpoint(ckpt, trainer, args):
-    weight_flags = ("--policy", "--model", "--lora-rank", "--dit-lora-rank", "--ar-trainable")   # what is trained
-    try:
-        if set(ckpt["trainable"]) != {name for name, p in trainer.trained.named_parameters() if p.requires_grad}:
-            raise ValueError(f"other parameter names ({', '.join(weight_flags)})")
-        load_training_state(trainer.trained, trainer.optimizer, ckpt["trainable"], ckpt["optimizer"])
-        trainer.lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
-    except (RuntimeError, ValueError, KeyError) as e:     # name the flags that changed what is trained
-        changed = [d for d in check_resume_flags(ckpt["args"], args) if d.split()[0] in weight_flags]
-        raise UsageError(f"--resume {ckpt['path']}: its weights do not fit this model: "
-                         + ("; ".join(changed) or str(e).splitlines()[0][:120]))
-    name, keys, *rest = ckpt["rng"]["numpy"]        # rng_state's, in reverse
-    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-    random.setstate(ckpt["rng"]["python"])
-    torch.set_rng_state(ckpt["rng"]["torch"])
-    if torch.cuda.is_available():      # a CPU run's checkpoint holds [] (a no-op)
-        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+class Resume:
+    """--resume, whole: a resumed run writes the rows an unstopped one would, bit for bit. Resume(args, out), before
+    any model loads, refuses (without --resume-force) a run in --out without --resume, changed algorithm flags, and
+    a history past the checkpoint; `finished`: it is at --steps already. restore: weights, AdamW, schedule, RNG
+    states -> the step (0: a new run). set_aside: the killed run's checkpoints and metrics rows after it, kept
+    beside as *.dropped (TensorBoard drops its own events: start_logging's purge_step)."""
+
+    def __init__(self, args, out):
+        if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
+            raise UsageError(f"--out {out} already holds a run; pass --resume latest to continue it or pick "
+                             "another --out")
+        ckpt = self.ckpt = read_checkpoint(args.resume, out) if args.resume else None
+        step = self.step = ckpt["step"] if ckpt else 0
+        path = ckpt and ckpt["path"]
+        differences = check_resume_flags(ckpt["args"], args) if ckpt else []
+        if differences and not args.resume_force:
+            raise UsageError(f"--resume {path}: flags differ from the checkpoint's: {'; '.join(differences)} "
+                             "(add --resume-force to accept)")
+        self.finished = step >= args.steps
+        if self.finished:
+            print(f"nothing to do: {path} is at step {step} and --steps is {args.steps} "
+                  f"(pass --steps {step + args.steps} to train {args.steps} more)")
+        # Resuming from step k of a run that went further would replace its history after k (a new run: k = 0).
+        self.later = [p for p in saved_checkpoints(out) if int(p.stem[5:]) > step]
+        if self.later and not (args.resume_force or self.finished):
+            raise UsageError(f"--resume {path}: {out} has later checkpoints ({self.later[-1].name}); resuming from "
+                             f"step {step} would drop them and the metrics after step {step} (add "
+                             "--resume-force to do so; they are then kept as *.dropped)")
+
+    def restore(self, trainer, args):
+        ckpt = self.ckpt
+        if ckpt is None:
+            return 0
+        weight_flags = ("--policy", "--model", "--lora-rank", "--dit-lora-rank", "--ar-trainable")  # what trains
+        try:
+            if set(ckpt["trainable"]) != {name for name, p in trainer.trained.named_parameters() if p.requires_grad}:
+                raise ValueError(f"other parameter names ({', '.join(weight_flags)})")
+            load_training_state(trainer.trained, trainer.optimizer, ckpt["trainable"], ckpt["optimizer"])
+            trainer.lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
+        except (RuntimeError, ValueError, KeyError) as e:     # name the flags that changed what is trained
+            changed = [d for d in check_resume_flags(ckpt["args"], args) if d.split()[0] in weight_flags]
+            raise UsageError(f"--resume {ckpt['path']}: its weights do not fit this model: "
+                             + ("; ".join(changed) or str(e).splitlines()[0][:120]))
+        name, keys, *rest = ckpt["rng"]["numpy"]        # rng_state's, in reverse
+        np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+        random.setstate(ckpt["rng"]["python"])
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        if torch.cuda.is_available():      # a CPU run's checkpoint holds [] (a no-op)
+            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+        if rank() == 0:
+            print(f"Resuming from step {self.step} ({ckpt['path']})")
+        return self.step
+
+    def set_aside(self, out):
+        for path in self.later:
+            path.rename(path.with_name(path.name + ".dropped"))      # out of --resume latest's way
+            print(f"note: kept {path.name} of the dropped history as {path.name}.dropped")
+        path, step = out / "metrics.jsonl", self.step
+        rows = read_metrics(path)
+        dropped = [row for row in rows if row["step"] > step]
+        if dropped:
+            aside = path.with_name(f"metrics.dropped_after_step_{step:06d}.jsonl")
+            for file, kept in ((aside, dropped), (path, [row for row in rows if row["step"] <= step])):
+                atomic_write_bytes(file, "".join(json.dumps(row) + "\n" for row in kept).encode())
+            print(f"note: resuming at step {step} drops metrics rows of steps {dropped[0]['step']}.."
+                  f"{dropped[-1]['step']} (no checkpoint after step {step}); kept in {aside}")
 
 
 # =============================================================================================
@@ -2807,9 +2822,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
 def print_memory_plan(args):
     gpus, prompts, samples = args.plan_gpus or (), args.prompts_per_step, args.micro_batch_size or args.group_size
     for k in gpus:
-        if prompts % k:
-            raise UsageError(f"--prompts-per-step {prompts} must be divisible by --plan-gpus {k}: each rank trains "
-                             "whole groups")
+        check_whole_groups(prompts, k, f"--plan-gpus {k}")
     components, image_processor = plan_components(args.model, args.seed)
     ranks, i2i = (args.lora_rank,) if args.lora_rank else (64, 16), args.mode == "i2i"
     rows, counts, terms = memory_plan(

@@ -3034,9 +3034,9 @@ def measure_update(lora_rank, checkpointing, layout=None):
     rss_before = _status_bytes("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")                         # restart VmHWM from here
     start = time.time()
-    terms = g.ar_micro_batches(ar, rollout, torch.tensor([1.0, -1.0]), None, args, suppressed)
+    micro_batches = g.ar_micro_batches(ar, rollout, torch.tensor([1.0, -1.0]), None, args, suppressed)
     with ZeroBf16Matmuls():
-        metrics, measured = _live_peaks(lambda: g.grpo_update(optimizer, [("", params, terms)], args))
+        metrics, measured = _live_peaks(lambda: g.grpo_update(optimizer, [("", params, micro_batches)], args))
     assert metrics["skipped_updates"] == 0
     head = 0 if lora_rank else g.numel(ar.model.language_model.norm) + g.numel(ar.lm_head)
     total = sum(p.numel() for name, p in ar.named_parameters() if "lora_" not in name)
