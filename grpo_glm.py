@@ -121,14 +121,12 @@ def parse_args(argv=None):
     a("--beta", type=non_negative, default=0.0, help="Weight of the KL penalty towards the initial model (0 = "
       "none, TRL's default): k3 on the AR's tokens; on the DiT the exact Gaussian KL ||dmu||^2 / (2 std_t^2 "
       "|dt|). flow_grpo's code omits |dt|, so a beta taken from flow_grpo is 10-1000x stronger here.")
-    a("--temperature", type=positive, default=1.0, help="Sampling temperature; log-probs use logits / "
-      "temperature.")
+    a("--temperature", type=positive, default=1.0, help="Sampling temperature; log-probs use logits / temperature.")
     a("--top-k", type=non_negative_int, default=0, help="Sample among the k most likely image tokens (0 = all); "
       "part of the policy: the loss scores tokens by the same truncated softmax.")
     a("--top-p", type=number(float, above=0, most=1), default=1.0, help="Nucleus sampling: among the fewest "
       "tokens whose probability adds up to p (1 = all); part of the policy, as --top-k.")
-    a("--height", type=pixels, default=128, help="Image height in pixels, a multiple of GLM-Image's 32-pixel "
-      "tokens.")
+    a("--height", type=pixels, default=128, help="Image height in pixels, a multiple of GLM-Image's 32-pixel tokens.")
     a("--width", type=pixels, default=128, help="Image width in pixels, a multiple of 32.")
     a("--num-inference-steps", type=count, default=4, help="DiT denoising steps when decoding samples.")
     a("--dit-noise", choices=["per-prompt", "per-step"], default="per-prompt", help="Initial DiT noise: one "
@@ -615,7 +613,7 @@ def grpo_update(optimizer, halves, args, learns=True):
                 (loss * weight).backward()
                 guard.add(prefix, metrics, weight)
             guard.add(prefix, {"grad_norm": clip_gradients(params, args.max_grad_norm).item()})
-        if guard.vote(epoch):           # every rank: all finite, and some rank has something to learn
+        if guard.vote():           # every rank: all finite, and some rank has something to learn
             optimizer.step()
             guard.check_weights()
         else:
@@ -921,9 +919,8 @@ def condition_rows(cond, rows):
 
 
 def dit_half(trainer, run, advantages, args):
-    """The DiT's half (prefix, params, micro_batches) for grpo_update: a micro-batch is a trained step's column of a
-    block of rows, weight rows / (N T), adding up to grpo_loss over [N, T] (flow_grpo: a step at a time) + beta x
-    dit_kl."""
+    """The DiT's half (prefix, params, micro_batches) in grpo_update: grpo_loss per trained step and micro-batch of
+    rows, weight rows / (N T), adding up to grpo_loss over [N, T] (flow_grpo: a step at a time), + beta x dit_kl."""
     policy, reference, cond, rollout = trainer.dit_policy, trainer.dit_reference, run.cond, run.trajectories
     N, steps = rollout.old_logp.shape
     advantages = advantages.to(rollout.old_logp.device)
@@ -1175,7 +1172,7 @@ class UpdateGuard:
 
     def __init__(self, halves, learns):
         self.params = [p for _, params, _ in halves for p in params]
-        self.learns, self.metrics, self.passes, self.first, self.skipped, self.bad_loss = learns, {}, [], {}, 0, 0
+        self.learns, self.metrics, self.passes = learns, {}, []      # passes: (metrics, stepped, loss finite)
 
     def add(self, prefix, metrics, weight=1.0):
         for key, value in metrics.items():
@@ -1183,20 +1180,14 @@ class UpdateGuard:
             self.metrics[key] = (max(self.metrics.get(key, value), value) if key.endswith("logp_diff_max")
                                  else self.metrics.get(key, 0.0) + value * weight)
 
-    def vote(self, epoch):
+    def vote(self):
         """True: step. One vote of all ranks: none has a non-finite loss or gradient norm (2), one learns (1)."""
         metrics, self.metrics = self.metrics, {}
-        finite_loss = all(math.isfinite(v) for k, v in metrics.items() if k.endswith("loss"))   # a weighted sum
+        finite_loss = all(math.isfinite(v) for k, v in metrics.items() if k.endswith("loss"))   # weighted sums
         finite = finite_loss and all(math.isfinite(v) for k, v in metrics.items() if k.endswith("grad_norm"))
-        if epoch == 0:
-            self.first = {k: v for k, v in metrics.items() if k.endswith(self.FIRST_PASS_ONLY)}
-        self.kept = {k: v for k, v in metrics.items() if not k.endswith(self.FIRST_PASS_ONLY)}
-        if max_over_ranks(2 * (not finite) + self.learns) == 1:
-            self.passes.append(self.kept)
-            return True
-        self.skipped += 1
-        self.bad_loss += not finite_loss
-        return False
+        stepped = max_over_ranks(2 * (not finite) + self.learns) == 1
+        self.passes.append((metrics, stepped, finite_loss))
+        return stepped
 
     def check_weights(self):
         if not all_ranks_agree(weights_finite(self.params)):
@@ -1204,9 +1195,12 @@ class UpdateGuard:
                              "is saved, the last checkpoint is intact")
 
     def row(self):
-        done = self.passes
-        averaged = {k: sum(m[k] for m in done) / len(done) if done else float("nan") for k in self.kept}
-        return {**averaged, **self.first, "skipped_updates": self.skipped, "skipped_nonfinite_loss": self.bad_loss}
+        done = [metrics for metrics, stepped, _ in self.passes if stepped]
+        keys = [k for k in self.passes[-1][0] if not k.endswith(self.FIRST_PASS_ONLY)]
+        averaged = {k: sum(m[k] for m in done) / len(done) if done else float("nan") for k in keys}
+        first = {k: v for k, v in self.passes[0][0].items() if k.endswith(self.FIRST_PASS_ONLY)}
+        return {**averaged, **first, "skipped_updates": len(self.passes) - len(done),
+                "skipped_nonfinite_loss": sum(not (stepped or finite) for _, stepped, finite in self.passes)}
 
 
 def weights_finite(params):
@@ -2135,11 +2129,10 @@ def check_resume_flags(saved, args):
 
 
 class Resume:
-    """--resume, whole: a resumed run writes the rows an unstopped one would, bit for bit. Resume(args, out), before
-    any model loads, refuses (without --resume-force) a run in --out without --resume, changed algorithm flags, and
-    a history past the checkpoint; `finished`: it is at --steps already. restore: weights, AdamW, schedule, RNG
-    states -> the step (0: a new run). set_aside: the killed run's checkpoints and metrics rows after it, kept
-    beside as *.dropped (TensorBoard drops its own events: start_logging's purge_step)."""
+    """--resume, whole (a resumed run writes an unstopped one's rows, bit for bit). Before any model loads: refusals
+    (a run in --out without --resume; without --resume-force, changed flags and a later history), `finished`. restore:
+    weights, AdamW, schedule, RNG -> the step (0: a new run). set_aside: the killed run's checkpoints and metrics
+    rows after it, kept as *.dropped (TensorBoard drops its events itself: start_logging's purge_step)."""
 
     def __init__(self, args, out):
         if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
