@@ -450,7 +450,7 @@ def reward_metrics(rewards, per_reward, group_size):
 
 def token_logprobs(logits, tokens, sampling, scores=False):
     """log pi(token): logits [N, L, V], tokens [N, L] -> [N, L] (scores=True: z [N, L, V]). pi = softmax(z),
-    z = logits / T in at least fp32 (a bf16 log-softmax loses ~1e-2), -inf where suppressed or where
+    z = logits / temperature in at least fp32 (a bf16 log-softmax loses ~1e-2), -inf where suppressed or where
     transformers' warpers drop an id (a saved generation config samples the same policy): top-k keeps z >=
     the k-th largest; top-p sorts ascending (the warper's tie order), drops ids while the mass up to them is
     <= 1 - p, never the largest. `tokens` stay kept: after an update one may leave, and log 0 has no gradient."""
@@ -698,8 +698,7 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
         dit_run = sample_dit_trajectories(pipe, prompts, sources, rollout, noise, indices, step, args)
         images = dit_run.images
     else:
-        images = decode_images(pipe, prompts, sources, rollout, noise, args.num_inference_steps,
-                               args.guidance_scale)
+        images = decode_images(pipe, prompts, sources, rollout, noise, args.num_inference_steps, args.guidance_scale)
     # ---- REWARD: r [N], one per image ------------------------------------------------------------
     targets = batch_targets(batch)                                                           # [P, 3, H, W]
     scored = (repeat_each(prompts, G), None if targets is None else targets.repeat_interleave(G, 0))
@@ -1417,15 +1416,9 @@ def validate_args(args):
     for refused, why in refusals:
         if refused:
             raise UsageError(why)
-    check_whole_groups(args.prompts_per_step, world, f"the number of processes ({world})")
     check_writable("--out", args.out)
     if args.save_pipeline:
         check_writable("--save-pipeline", save)
-
-
-def check_whole_groups(prompts, ranks, name):
-    if prompts % ranks:      # a block of whole groups per rank (torchrun's, or each of --plan's --plan-gpus K)
-        raise UsageError(f"--prompts-per-step {prompts} must be divisible by {name}: each rank trains whole groups")
 
 
 def looks_like_hub_id(name):
@@ -1471,43 +1464,36 @@ def resolve_runtime(args):
 
 
 def open_run(args):
-    """Flags, --out's lock (rank 0), prompts, rewards, model."""
+    """Flags, --out's lock (rank 0), prompts, rewards, resume point, model, and their checks -> (items, trainer,
+    start, out, lead, release), or None: nothing to do."""
     resolve_runtime(args)
     validate_args(args)
     init_distributed(args)
-    lead = rank() == 0
-    out = Path(args.out)
+    lead, out = rank() == 0, Path(args.out)
     release = lock_out_dir(out) if lead else None
-    started = None
-    try:
-        started = start_training(args, out, lead)       # under the lock: no other run starts here meanwhile
-    finally:
-        if lead and started is None:
-            release(wrote=[])
-    return None if started is None else (*started, out, lead, release)
-
-
-def start_training(args, out, lead):
-    """Prompts, rewards, checkpoint, model and their checks. Returns (items, trainer, start) or None."""
-    # The built-in mse's targets are checked before any plug-in loads (a CLIP model takes a while).
-    builtin = ["mse"] if "mse" in [s.partition("=")[0] for s in args.reward + (args.dit_reward or [])] else []
-    items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
-    if args.prompts_per_step > len(items) and lead:
-        print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} prompt(s) of {args.prompts}: "
-              "each step's prompts repeat lines of the file")
-    rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [])
-    require_targets(items, [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)])
-    args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
-    resume = Resume(args, out)                 # section 20: its refusals, before any model loads
-    if resume.finished:
-        return None
-    trainer, start = setup_training(args, resume, rewards, dit_rewards)
-    check_prompt_lengths(trainer.pipe, items, args)
-    if args.mode == "i2i":
-        check_source_size(trainer.pipe.processor.image_processor, args.height, args.width)
-    if lead:
-        resume.set_aside(out)
-    return items, trainer, start
+    with contextlib.ExitStack() as unstarted:      # an error or nothing to do: --out unlocked, as found
+        if lead:
+            unstarted.callback(release, wrote=[])
+        # The built-in mse's targets are checked before any plug-in loads (a CLIP model takes a while).
+        builtin = ["mse"] if "mse" in [s.partition("=")[0] for s in args.reward + (args.dit_reward or [])] else []
+        items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
+        if args.prompts_per_step > len(items) and lead:
+            print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} prompt(s) of {args.prompts}"
+                  ": each step's prompts repeat lines of the file")
+        rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [])
+        require_targets(items, [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)])
+        args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
+        resume = Resume(args, out)          # section 20: its refusals, under the lock, before any model loads
+        if resume.finished:
+            return None
+        trainer, start = setup_training(args, resume, rewards, dit_rewards)
+        check_prompt_lengths(trainer.pipe, items, args)
+        if args.mode == "i2i":
+            check_source_size(trainer.pipe.processor.image_processor, args.height, args.width)
+        if lead:
+            resume.set_aside(out)
+        unstarted.pop_all()
+    return items, trainer, start, out, lead, release
 
 
 def check_prompt_lengths(pipe, items, args):
@@ -2045,10 +2031,11 @@ class StopAfterStep:
 
 
 # =============================================================================================
-# 20. CHECKPOINT
+# 20. CHECKPOINT and --resume
 # =============================================================================================
 # An exact resume needs the trained weights, AdamW's state, the schedule, step, RNG states and flags, in
 # one format at every world size; written atomically, loaded with weights_only=True (no pickled code).
+# Everything --resume does is class Resume's, at the end of this section.
 
 def atomic_write_bytes(path, data):
     """Writes `data` (bytes, or a function that writes to the open file) to path.tmp, then renames."""
@@ -2110,8 +2097,7 @@ def read_checkpoint(spec, out=None):
     return {**ckpt, "path": path}
 
 
-# Flags that change what the algorithm computes. Resuming with different values would splice
-# two different runs into one log, so --resume refuses them (unless --resume-force).
+# Flags that change what the algorithm computes: resuming with others would splice two runs into one log.
 
 ALGORITHM_FLAGS = (
     "mode", "model", "prompts_sha256", "seed", "group_size", "prompts_per_step", "inner_epochs", "lr",
@@ -2129,36 +2115,33 @@ def check_resume_flags(saved, args):
 
 
 class Resume:
-    """--resume, whole (a resumed run writes an unstopped one's rows, bit for bit). Before any model loads: refusals
-    (a run in --out without --resume; without --resume-force, changed flags and a later history), `finished`. restore:
-    weights, AdamW, schedule, RNG -> the step (0: a new run). set_aside: the killed run's checkpoints and metrics
-    rows after it, kept as *.dropped (TensorBoard drops its events itself: start_logging's purge_step)."""
+    """A resumed run writes an unstopped one's rows, bit for bit. Before any model loads: refusals (a run in --out
+    without --resume; without --resume-force, changed flags or a later history), `finished`. restore: weights, AdamW,
+    schedule, RNG -> the step (0: a new run). set_aside: the killed run's checkpoints and metrics rows after it,
+    kept as *.dropped (TensorBoard drops its events itself: start_logging's purge_step)."""
 
     def __init__(self, args, out):
         if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
             raise UsageError(f"--out {out} already holds a run; pass --resume latest to continue it or pick "
                              "another --out")
-        ckpt = self.ckpt = read_checkpoint(args.resume, out) if args.resume else None
+        ckpt = self.ckpt = read_checkpoint(args.resume, out) if args.resume else None   # None: from step 0
         step = self.step = ckpt["step"] if ckpt else 0
-        path = ckpt and ckpt["path"]
         differences = check_resume_flags(ckpt["args"], args) if ckpt else []
         if differences and not args.resume_force:
-            raise UsageError(f"--resume {path}: flags differ from the checkpoint's: {'; '.join(differences)} "
-                             "(add --resume-force to accept)")
+            raise UsageError(f"--resume {ckpt['path']}: flags differ from the checkpoint's: {'; '.join(differences)}"
+                             " (add --resume-force to accept)")
         self.finished = step >= args.steps
         if self.finished:
-            print(f"nothing to do: {path} is at step {step} and --steps is {args.steps} "
+            print(f"nothing to do: {ckpt['path']} is at step {step} and --steps is {args.steps} "
                   f"(pass --steps {step + args.steps} to train {args.steps} more)")
-        # Resuming from step k of a run that went further would replace its history after k (a new run: k = 0).
         self.later = [p for p in saved_checkpoints(out) if int(p.stem[5:]) > step]
         if self.later and not (args.resume_force or self.finished):
-            raise UsageError(f"--resume {path}: {out} has later checkpoints ({self.later[-1].name}); resuming from "
-                             f"step {step} would drop them and the metrics after step {step} (add "
+            raise UsageError(f"--resume {ckpt['path']}: {out} has later checkpoints ({self.later[-1].name}); "
+                             f"resuming from step {step} would drop them and the metrics after step {step} (add "
                              "--resume-force to do so; they are then kept as *.dropped)")
 
     def restore(self, trainer, args):
-        ckpt = self.ckpt
-        if ckpt is None:
+        if (ckpt := self.ckpt) is None:
             return 0
         weight_flags = ("--policy", "--model", "--lora-rank", "--dit-lora-rank", "--ar-trainable")  # what trains
         try:
@@ -2635,8 +2618,8 @@ def numel(module):
 
 
 def ar_sequence(mode, height, width, prompt_tokens=64, image_processor=None):
-    """(P, L): prompt and generated tokens of one AR sample (section 4). i2i: P adds image start, end and the
-    source's VQ tokens (`image_processor`'s rule, None: the real one's); L is the grid + end slot (no preview)."""
+    """(prompt, L) tokens of one AR sample (section 4). i2i: the prompt adds image start, end and the source's
+    VQ tokens (`image_processor`'s rule, None: the real one's); L is the grid + end slot (no preview)."""
     from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
 
     grid = (height // 32) * (width // 32) + 1          # the (H/32) x (W/32) target grid + 1 end slot
@@ -2649,7 +2632,7 @@ def ar_sequence(mode, height, width, prompt_tokens=64, image_processor=None):
 
 
 def layer_activation_bytes(text_config, lora_rank=0, bytes_per=WEIGHT_BYTES):
-    """Bytes one decoder layer keeps per token for its backward (SDPA, flash on CUDA and CPU: no T^2 matrix)."""
+    """Bytes one decoder layer keeps per token for its backward (SDPA, flash on CUDA and CPU: no length^2 matrix)."""
     h, i, heads = text_config.hidden_size, text_config.intermediate_size, text_config.num_attention_heads
     kv, d, a = text_config.num_key_value_heads * h // heads, bytes_per, ADAPTER_BYTES
     kept = (d * (2 * h + 2 * kv + 3 * i)        # q, k, v after RoPE, SDPA's output; gate_up's output, SiLU's
@@ -2679,7 +2662,7 @@ def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, c
     # a frozen lm_head (LoRA): the CPU's bmm copies it per sample (CUDA may not: the plan is high)
     head_copy = 0 if head_trainable else samples * V * h * d
     held = kept + outside + logits
-    forward_model = held + max(head_copy, rows * 8 * V)      # token_logprobs' fp32 copy and its division by T
+    forward_model = held + max(head_copy, rows * 8 * V)      # token_logprobs' fp32 copy / temperature
     forward_logits = held + rows * 24 * V                     # log_softmax (4 V) + the entropy monitor (5 x 4 V)
     backward_activations = max(held + rows * 12 * V,          # the fp32 gradient chain of gather and log_softmax
                                held + logits + head_copy, kept + logits + layer if checkpointing else 0)
@@ -2786,7 +2769,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         def turn(parts):        # frozen parts take turns, each with its working set
             return max(frozen[p] + working[p] for p in parts)
         # the AR samples: generate's KV cache of the GPU's samples, or pi_old's pass over a micro-batch (bf16
-        # logits, their fp32 copy / T, log_softmax: 10 bytes each)
+        # logits, their fp32 copy / temperature, log_softmax: 10 bytes each)
         sampling = max(batch // k * kv_cache, micro * generated * text.vision_vocab_size * 10)
         # the DiT's micro-batch: ~30 x hidden per block and token (x2 CFG, 64 text tokens), not measured
         blocks = config.num_layers + 30 if checkpointing else config.num_layers * 30
@@ -2814,8 +2797,6 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
 
 def print_memory_plan(args):
     gpus, prompts, samples = args.plan_gpus or (), args.prompts_per_step, args.micro_batch_size or args.group_size
-    for k in gpus:
-        check_whole_groups(prompts, k, f"--plan-gpus {k}")
     components, image_processor = plan_components(args.model, args.seed)
     ranks, i2i = (args.lora_rank,) if args.lora_rank else (64, 16), args.mode == "i2i"
     rows, counts, terms = memory_plan(
@@ -2924,6 +2905,11 @@ def generate_images(pipe, prompts, sources=None, height=64, width=64, num_infere
 def main(argv=None):
     try:
         args = parse_args(argv)
+        for k in args.plan_gpus or () if args.plan else [world_size()]:    # processes, or --plan's GPU counts
+            if args.prompts_per_step % k:
+                raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by " + (
+                    f"--plan-gpus {k}" if args.plan else f"the number of processes ({k})") + ": each rank trains "
+                    "whole groups")
         return print_memory_plan(args) if args.plan else train(args)
     except UsageError as e:     # a bad flag or input: one line, by rank 0 (by its rank, if seen there alone)
         if rank() == 0 or e.local:
