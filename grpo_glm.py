@@ -600,11 +600,10 @@ def ar_half(trainer, rollout, advantages, args):
 
 
 def grpo_update(optimizer, halves, args, learns=True):
-    """mu = --inner-epochs AdamW steps on one batch. halves: [(prefix, params, micro_batches)], '' the AR, 'dit/'
-    the DiT; micro_batches(epoch) yields (loss, metrics, weight), weights adding up to 1, each backpropagated as
-    built (one micro-batch's activations alive). Gradients clip per half (different loss scales). Pass 1 runs at
-    pi_old: ratio 1, no clipping (with mu = 1 it never clips). UpdateGuard (section 14) skips a non-finite pass,
-    or every pass if no rank `learns`, and returns the metrics row."""
+    """mu = --inner-epochs AdamW steps on one batch. halves: [(prefix, params, micro_batches)], '' the AR, 'dit/' the
+    DiT; micro_batches(epoch) yields (loss, metrics, weight), weights adding up to 1, each backpropagated as built
+    (one alive at a time). Gradients clip per half (different loss scales). Pass 1 runs at pi_old: ratio 1, no
+    clipping. UpdateGuard (section 14) skips a non-finite pass, or all if no rank `learns`; its row is the metrics."""
     guard = UpdateGuard(halves, learns)
     for epoch in range(args.inner_epochs):
         optimizer.zero_grad(set_to_none=True)
@@ -616,8 +615,6 @@ def grpo_update(optimizer, halves, args, learns=True):
         if guard.vote():           # every rank: all finite, and some rank has something to learn
             optimizer.step()
             guard.check_weights()
-        else:
-            optimizer.zero_grad(set_to_none=True)
     return guard.row()
 
 
@@ -782,8 +779,8 @@ def train(args):
 #     std_t = a * sqrt(sigma / (1 - sigma))
 #     mean  = x * (1 + std_t^2 / (2 sigma) * dt) + v * (1 + std_t^2 (1 - sigma) / (2 sigma)) * dt
 #     x'    = mean + std_t * sqrt(-dt) * eps,          dt = sigma' - sigma < 0
-# a Gaussian policy pi_theta(x' | x_t), a = --dit-noise-level (a = 0: Euler's step). K steps are a
-# "sequence" of K actions: logp [N, K], mask all ones. A step's log-prob is the MEAN over latent dims
+# a Gaussian policy pi_theta(x' | x_t), a = --dit-noise-level (a = 0: Euler's step). T trained steps are a
+# "sequence" of T actions: logp [N, T], mask all ones. A step's log-prob is the MEAN over latent dims
 # (as flow_grpo; a sum over 65536 dims at 1024^2 would dwarf a token's), so ratios stay within ~1e-3 of
 # 1: hence --dit-clip-eps 1e-4. --dit-train-steps T (default K - 1): the first T steps run the SDE and
 # enter the loss, the rest the ODE (untrained SDE noise is reward noise nobody is credited for). The
@@ -900,8 +897,7 @@ def dit_step_logprob(dit, cond, rollout, i, noise_level):
 
 def dit_kl(mean, ref_mean, std):
     """The exact KL between the step Gaussians of policy and reference (same std), averaged over latent
-    dims like the log-prob: ||mean - ref_mean||^2 / (2 std^2), [N, C, h, w] -> [N]."""
-    # std = std_t sqrt(|dt|); flow_grpo's code omits |dt|, so a beta taken from it is 10-1000x stronger here
+    dims like the log-prob: ||mean - ref_mean||^2 / (2 std^2), [N, C, h, w] -> [N]; std = std_t sqrt(|dt|) (--beta)."""
     return ((mean - ref_mean) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * std ** 2)
 
 
@@ -1164,9 +1160,8 @@ def slice_rollout(rollout, rows):
 
 # ---- For sections 8-11: dtypes, micro-batches under DDP, the update's guards, non-finite steps -------
 class UpdateGuard:
-    """grpo_update's guards and bookkeeping: a pass's metrics (a half's under its prefix: weighted sums, maxima of
-    logp_diff_max); vote: the ranks' one vote to step or skip the pass; check_weights after a step; row: the
-    stepping passes' mean metrics, FIRST_PASS_ONLY's from pass 1 (while the policy equals pi_old), skip counts."""
+    """grpo_update's guards and bookkeeping: a pass's metrics; vote: the ranks' one vote to step or skip it; the
+    weights checked after a step; row: the stepped passes' mean metrics (FIRST_PASS_ONLY's: pass 1's), skip counts."""
     FIRST_PASS_ONLY = ("logp_diff_max", "entropy")
 
     def __init__(self, halves, learns):
@@ -1189,7 +1184,12 @@ class UpdateGuard:
         return stepped
 
     def check_weights(self):
-        if not all_ranks_agree(weights_finite(self.params)):
+        """One sum per tensor (no tensor-sized temporary; a non-finite entry makes its sum non-finite), this
+        rank's shards under --fsdp: the step after an update that overflowed must not sample or save."""
+        from torch.distributed.tensor import DTensor
+
+        sums = [(p.to_local() if isinstance(p, DTensor) else p).detach().sum().float() for p in self.params]
+        if not all_ranks_agree(bool(torch.isfinite(torch.stack(sums)).all())):
             raise UsageError("the update made the weights non-finite (is --lr too large?); nothing of this step "
                              "is saved, the last checkpoint is intact")
 
@@ -1200,15 +1200,6 @@ class UpdateGuard:
         first = {k: v for k, v in self.passes[0][0].items() if k.endswith(self.FIRST_PASS_ONLY)}
         return {**averaged, **first, "skipped_updates": len(self.passes) - len(done),
                 "skipped_nonfinite_loss": sum(not (stepped or finite) for _, stepped, finite in self.passes)}
-
-
-def weights_finite(params):
-    """One sum per tensor (no tensor-sized temporary; a non-finite entry makes its sum non-finite), this
-    rank's shards under --fsdp: the step after an update that overflowed must not sample or save."""
-    from torch.distributed.tensor import DTensor
-
-    sums = [(p.to_local() if isinstance(p, DTensor) else p).detach().sum().float() for p in params]
-    return bool(torch.isfinite(torch.stack(sums)).all())
 
 
 def at_least_fp32(x):
@@ -1337,12 +1328,10 @@ class Parser(argparse.ArgumentParser):
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action):     # no '(default: None)': such a help says what happens without
-        if action.default is None:
-            return action.help
         plain, lora = (pretrained_defaults(SimpleNamespace(dit_lora_rank=r)).get(action.dest) for r in (0, 1))
-        also = "" if plain is None else f"; a pretrained model's: {plain:g}" + (
-            f", {lora:g} with --dit-lora-rank" if lora != plain else "")
-        return super()._get_help_string(action)[:-1] + also + ")"
+        also = f"; a pretrained model's: {plain:g}" if plain else ""
+        also += f", {lora:g} with LoRA" if lora != plain else ""
+        return action.help if action.default is None else super()._get_help_string(action)[:-1] + also + ")"
 
 
 def number(kind, least=None, above=None, most=None, multiple=None):
@@ -1440,9 +1429,8 @@ def check_writable(flag, path):
 
 
 def pretrained_defaults(args):
-    """Defaults for any --model but the tiny demo (the flags' own, which train a random toy quickly): GLM-Image's
-    model card's sampler (temperature 0.9, top-p 0.75) and decode (30 DiT steps at guidance 1.5, 1024^2); learning
-    rates for a pretrained model, 1e-5 (DanceGRPO's for a whole DiT) or flow_grpo's 3e-4 for LoRA."""
+    """Defaults for any --model but the tiny demo (the flags' own train a random toy quickly): the model card's
+    sampler and decode; learning rates DanceGRPO's (a whole model) or flow_grpo's (LoRA). --help shows them."""
     return dict(lr=1e-5, dit_lr=3e-4 if args.dit_lora_rank else 1e-5, temperature=0.9, top_p=0.75,
                 num_inference_steps=30, guidance_scale=1.5, height=1024, width=1024)
 
@@ -1464,8 +1452,7 @@ def resolve_runtime(args):
 
 
 def open_run(args):
-    """Flags, --out's lock (rank 0), prompts, rewards, resume point, model, and their checks -> (items, trainer,
-    start, out, lead, release), or None: nothing to do."""
+    """Flags, --out's lock (rank 0), prompts, rewards, resume point, model, checks -> train's state (None: no steps)."""
     resolve_runtime(args)
     validate_args(args)
     init_distributed(args)
@@ -1509,10 +1496,9 @@ def check_prompt_lengths(pipe, items, args):
 
 
 def check_source_size(processor, height, width):
-    """i2i: the AR reads a source's VQ grid at the size the processor's own rule (transformers'
-    smart_resize: the short side raised to sqrt(min_pixels), the long one lowered to sqrt(max_pixels),
-    aspect <= 4, then halved) makes of --height x --width; the DiT reads its VAE latent at that size
-    itself. Elsewhere the grids disagree and the DiT fails deep inside (zai-org/GLM-Image issue 14)."""
+    """i2i: the AR reads a source's VQ grid at the size the processor's rule (transformers' smart_resize: the short
+    side raised to sqrt(min_pixels), the long one lowered to sqrt(max_pixels), aspect <= 4, then halved) makes of
+    --height x --width, the DiT its VAE latent at that size: elsewhere they disagree (zai-org/GLM-Image issue 14)."""
     from transformers.models.glm_image.image_processing_pil_glm_image import smart_resize
 
     side = lambda key: math.isqrt(processor.size[key])
@@ -1770,8 +1756,7 @@ def call_reward(reward, images, prompts, targets):
 # =============================================================================================
 # 18. LOG: the console, metrics.jsonl, sample sheets, the reward curve, TensorBoard / W&B
 # =============================================================================================
-# A step's console line: the fields whose metrics the row holds (section 10's names, 'dit/' the DiT half's;
-# the DiT's loss is ~1e-5: its log-probs are means over latent dims).
+# A step's console line: the fields the row holds ('dit/': the DiT's, its loss ~1e-5: means over latent dims).
 CONSOLE_FIELDS = ("loss {loss:+.4f}", "dit loss {dit/loss:+.3e}", "reward {reward_mean:.5f} ± {reward_std:.5f}",
                   "ratio {ratio_mean:.4f}", "clip {clip_ratio:.3f}", "kl {kl:.2e}", "dit/ratio {dit/ratio_mean:.4f}",
                   "dit/clip {dit/clip_ratio:.3f}", "dit/kl {dit/kl:.2e}", "entropy {entropy:.3f}",
@@ -1779,8 +1764,7 @@ CONSOLE_FIELDS = ("loss {loss:+.4f}", "dit loss {dit/loss:+.3e}", "reward {rewar
 
 
 def start_logging(args, trainer, out, start):
-    """Prints the run's settings, opens accelerate's tracker (None for --report-to none), which logs the
-    metrics rows, the sample sheets and the flags."""
+    """Prints the run's settings; opens accelerate's tracker (--report-to none: None) for metrics, sheets, flags."""
     trainable = sum(p.numel() for p in trainer.trained.parameters() if p.requires_grad)
     ar = f"LoRA r={args.lora_rank}" if args.lora_rank else "head" if args.ar_trainable == "head" else "full"
     dit = f"LoRA r={args.dit_lora_rank}" if args.dit_lora_rank else "full"
@@ -2035,7 +2019,6 @@ class StopAfterStep:
 # =============================================================================================
 # An exact resume needs the trained weights, AdamW's state, the schedule, step, RNG states and flags, in
 # one format at every world size; written atomically, loaded with weights_only=True (no pickled code).
-# Everything --resume does is class Resume's, at the end of this section.
 
 def atomic_write_bytes(path, data):
     """Writes `data` (bytes, or a function that writes to the open file) to path.tmp, then renames."""
@@ -2077,8 +2060,7 @@ def saved_checkpoints(out):
 
 
 def read_checkpoint(spec, out=None):
-    """A checkpoint's checked contents, its path under "path"; spec 'latest': the newest in <out>/checkpoints
-    (None: there is none yet, start over)."""
+    """A checkpoint's checked contents (+ "path"); spec 'latest': the newest in <out>/checkpoints (None: none yet)."""
     path = max(saved_checkpoints(out), default=None) if spec == "latest" else Path(spec)
     if path is None:
         print(f"--resume latest: no checkpoint in {out / 'checkpoints'} yet; starting from step 0")
@@ -2107,18 +2089,10 @@ ALGORITHM_FLAGS = (
     "dit_noise_level", "dit_train_steps", "dit_lora_rank", "dit_prior", "dit_reward")
 
 
-def check_resume_flags(saved, args):
-    """Algorithm flags that differ from the checkpoint's (the prompt file by its contents' hash)."""
-    differ = [k for k in ALGORITHM_FLAGS if saved.get(k) != getattr(args, k)]
-    return [f"--prompts {saved.get('prompts')} -> {args.prompts}: contents differ" if k == "prompts_sha256"
-            else f"--{k.replace('_', '-')} {saved.get(k)} -> {getattr(args, k)}" for k in differ]
-
-
 class Resume:
-    """A resumed run writes an unstopped one's rows, bit for bit. Before any model loads: refusals (a run in --out
-    without --resume; without --resume-force, changed flags or a later history), `finished`. restore: weights, AdamW,
-    schedule, RNG -> the step (0: a new run). set_aside: the killed run's checkpoints and metrics rows after it,
-    kept as *.dropped (TensorBoard drops its events itself: start_logging's purge_step)."""
+    """A resumed run writes an unstopped one's rows, bit for bit. First the refusals, before any model loads; restore:
+    weights, AdamW, schedule, RNG -> the step (0: a new run); set_aside: the killed run's checkpoints and metrics
+    rows after it, kept as *.dropped (TensorBoard drops its own events: start_logging's purge_step)."""
 
     def __init__(self, args, out):
         if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
@@ -2126,7 +2100,11 @@ class Resume:
                              "another --out")
         ckpt = self.ckpt = read_checkpoint(args.resume, out) if args.resume else None   # None: from step 0
         step = self.step = ckpt["step"] if ckpt else 0
-        differences = check_resume_flags(ckpt["args"], args) if ckpt else []
+        saved = ckpt["args"] if ckpt else vars(args)      # algorithm flags that differ (the prompts: by their hash)
+        differences = self.differences = [
+            f"--prompts {saved.get('prompts')} -> {args.prompts}: contents differ" if k == "prompts_sha256"
+            else f"--{k.replace('_', '-')} {saved.get(k)} -> {getattr(args, k)}"
+            for k in ALGORITHM_FLAGS if saved.get(k) != getattr(args, k)]
         if differences and not args.resume_force:
             raise UsageError(f"--resume {ckpt['path']}: flags differ from the checkpoint's: {'; '.join(differences)}"
                              " (add --resume-force to accept)")
@@ -2150,7 +2128,7 @@ class Resume:
             load_training_state(trainer.trained, trainer.optimizer, ckpt["trainable"], ckpt["optimizer"])
             trainer.lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
         except (RuntimeError, ValueError, KeyError) as e:     # name the flags that changed what is trained
-            changed = [d for d in check_resume_flags(ckpt["args"], args) if d.split()[0] in weight_flags]
+            changed = [d for d in self.differences if d.split()[0] in weight_flags]
             raise UsageError(f"--resume {ckpt['path']}: its weights do not fit this model: "
                              + ("; ".join(changed) or str(e).splitlines()[0][:120]))
         name, keys, *rest = ckpt["rng"]["numpy"]        # rng_state's, in reverse
@@ -2758,7 +2736,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         lora = mode != "full"
         trainable = sum(trainable_tensors(dit, 64, DIT_LORA_TARGETS)) if lora else counts["dit"]
         state = ADAPTER_BYTES if lora else d
-        # backward: the largest frozen part in its turn, beside a piece's activations or AdamW's temporary
+        # backward: the largest frozen part in its turn, beside a micro-batch's activations or AdamW's temporary
         return {"trainable": trainable, "weights": frozen["dit"] + lora * state * trainable, "reference": 0,
                 "grads": state * trainable, "adam": 2 * state * trainable, "activations": activations, "sampling": 0,
                 "backward": max(frozen[p] for p in in_turn) + max(activations, state * trainable)}

@@ -2542,7 +2542,7 @@ def test_help_gives_each_default_once(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "Default: mse." in text and "(default: None)" not in text
     assert f"(default: {g.parse_args([]).lr}; a pretrained model's: 1e-05)" in text   # others: argparse's
-    assert "(default: 0.003; a pretrained model's: 1e-05, 0.0003 with --dit-lora" in text   # argparse wraps at '-' 
+    assert "(default: 0.003; a pretrained model's: 1e-05, 0.0003 with LoRA)" in text
 
 
 def test_prompts_per_step_must_divide_by_the_world_size(tmp_path, monkeypatch, capsys):
