@@ -379,12 +379,11 @@ def group_noise(pipe, prompt_indices, group_size, height, width, seed, step, mod
 
 @torch.no_grad()
 def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps, guidance_scale):
-    """DECODE: images [N, 3, H, W] from the target grids, denoised by the pipeline's own schedule,
-    conditioning and Euler step, one prompt's group per DiT call, in the loop Part II trains (its SDE
-    step at a = 0; equal to the pipeline's output, tested). Not `pipe(prior_token_ids=...)`: that call
-    batches prompts, whose glyph padding the DiT attends to (diffusers issue 13587), writes an i2i
-    source's KV cache per sample, and ends by re-hooking the CPU offload of every component: the
-    trained AR would leave the GPU and come back at each decode."""
+    """DECODE: images [N, 3, H, W] from the target grids, denoised by the pipeline's own schedule, conditioning
+    and Euler step, one prompt's group per DiT call (dit_velocity), in the loop Part II trains (its SDE step at
+    a = 0; equal to the pipeline's output, tested). Not `pipe(prior_token_ids=...)`: that call batches prompts,
+    writes an i2i source's KV cache per sample, and re-hooks every component's CPU offload at its end (the
+    trained AR would leave the GPU and come back at each decode)."""
     G = rollout.target_tokens.shape[0] // len(prompts)
     cond = dit_condition(pipe, prompts, G, rollout.target_tokens, rollout.grid_hw, guidance_scale, sources,
                          rollout.source_prior and rollout.source_prior[::G])              # i2i: per prompt
@@ -612,7 +611,7 @@ def grpo_update(optimizer, halves, args, learns=True):
                 (loss * weight).backward()
                 guard.add(prefix, metrics, weight)
             guard.add(prefix, {"grad_norm": clip_gradients(params, args.max_grad_norm).item()})
-        if guard.vote():           # every rank: all finite, and some rank has something to learn
+        if guard.vote():           # all ranks: everything finite, something to learn
             optimizer.step()
             guard.check_weights()
     return guard.row()
@@ -627,8 +626,8 @@ class Trainer:
     """What the loop carries. Per trained half (the AR; `dit_` the DiT): its trainable params, the
     `policy` its training forward runs through (itself or its DDP wrapper), its frozen KL `reference`."""
     pipe: object                          # GlmImagePipeline
-    optimizer: torch.optim.Optimizer = None   # one AdamW, a param group per trained half
-    lr_scheduler: object = None           # one step per GRPO step
+    optimizer: torch.optim.Optimizer = None
+    lr_scheduler: object = None
     trained: torch.nn.Module = None       # what checkpoints hold: the AR, or {AR, DiT}
     rewards: list = None                  # the --reward plug-ins (section 6)
     dit_rewards: list = None              # the --dit-reward ones (none: the DiT trains on `rewards`)
@@ -703,7 +702,7 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
     # ---- ADVANTAGE: A [N], each reward standardised within its group ------------------------------
     advantages = dit_advantages = group_advantages(rewards, G)
     row = {"step": step, **reward_metrics(rewards, per_reward, G)}
-    if trainer.dit_rewards:     # --dit-reward: the DiT's own (GLM-Image's decoupled RL: detail to the DiT)
+    if trainer.dit_rewards:     # --dit-reward: the DiT's own (decoupled RL, section 12)
         dit_rewards, dit_per_reward = compute_rewards(trainer.dit_rewards, images, *scored)
         dit_advantages = group_advantages(dit_rewards, G)
         row.update({"dit/" + k: v for k, v in reward_metrics(dit_rewards, dit_per_reward, G).items()})
@@ -944,10 +943,9 @@ def dit_half(trainer, run, advantages, args):
 # =============================================================================================
 # 13. The DiT's training step
 # =============================================================================================
-# grpo_step runs it. --policy dit: a prompt's G samples share its AR tokens and initial noise, so
-# they differ by their SDE noise alone and the advantage credits the DiT alone. --policy both: tokens
-# and SDE noise both vary, and each sample's one advantage trains both halves, each half's signal
-# carrying the other's luck as noise (the README compares the AR's progress under ar and both).
+# grpo_step runs it. --policy dit: a prompt's G samples share its AR tokens and initial noise, so they
+# differ by their SDE noise alone and the advantage credits the DiT alone. --policy both: tokens and SDE
+# noise both vary; each sample's one advantage trains both halves, each carrying the other's luck as noise.
 
 def prepare_dit_policy(dit, args):
     """Marks what of the DiT trains, and returns it: LoRA on its attention, or all its weights."""
@@ -1158,7 +1156,7 @@ def slice_rollout(rollout, rows):
                    **{name: None if value is None else value[rows] for name, value in per_row.items()})
 
 
-# ---- For sections 8-11: dtypes, micro-batches under DDP, the update's guards, non-finite steps -------
+# ---- For sections 8-11: dtypes, micro-batches under DDP, the update's guards, non-finite steps ----
 class UpdateGuard:
     """grpo_update's guards and bookkeeping: a pass's metrics; vote: the ranks' one vote to step or skip it; the
     weights checked after a step; row: the stepped passes' mean metrics (FIRST_PASS_ONLY's: pass 1's), skip counts."""
@@ -1183,9 +1181,7 @@ class UpdateGuard:
         self.passes.append((metrics, stepped, finite_loss))
         return stepped
 
-    def check_weights(self):
-        """One sum per tensor (no tensor-sized temporary; a non-finite entry makes its sum non-finite), this
-        rank's shards under --fsdp: the step after an update that overflowed must not sample or save."""
+    def check_weights(self):      # a sum per tensor (no tensor-sized temporary), of this rank's --fsdp shards
         from torch.distributed.tensor import DTensor
 
         sums = [(p.to_local() if isinstance(p, DTensor) else p).detach().sum().float() for p in self.params]
@@ -1194,7 +1190,7 @@ class UpdateGuard:
                              "is saved, the last checkpoint is intact")
 
     def row(self):
-        done = [metrics for metrics, stepped, _ in self.passes if stepped]
+        done = [m for m, stepped, _ in self.passes if stepped]
         keys = [k for k in self.passes[-1][0] if not k.endswith(self.FIRST_PASS_ONLY)]
         averaged = {k: sum(m[k] for m in done) / len(done) if done else float("nan") for k in keys}
         first = {k: v for k, v in self.passes[0][0].items() if k.endswith(self.FIRST_PASS_ONLY)}
@@ -1367,7 +1363,6 @@ def outdated_libraries():
 def validate_args(args):
     """What the flags' types cannot check: flags together, files, the machine. Before any model loads."""
     world, model, save, outdated = world_size(), Path(args.model), Path(args.save_pipeline or "."), outdated_libraries()
-    # full fine-tuning: a trained half updates its own weights, not LoRA adapters
     full = (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
     refusals = [      # (refused?, why): the first refused one is the error
         (outdated, f"installed libraries too old for grpo_glm.py: {outdated}; run: pip install -r requirements.txt"),
@@ -1386,7 +1381,6 @@ def validate_args(args):
          "under --policy both (under --policy dit, --reward is the DiT's)"),
         (args.policy == "dit" and args.lora_rank, "--lora-rank adapts the AR, which --policy dit does not "
          "train (use --dit-lora-rank)"),
-        # AdamW moves a weight by ~lr a step: 1e-5 is below half a bf16 ulp (2^-16) of any |w| >= 2^-8
         (args.dtype == "bfloat16" and not args.fsdp and full, "--dtype bfloat16 full fine-tuning would round "
          "AdamW's updates away (a step of ~lr is below half a bf16 ulp of most weights): train LoRA adapters "
          "(--lora-rank / --dit-lora-rank, fp32), shard fp32 weights with --fsdp, or use --dtype float32"),
@@ -1756,7 +1750,7 @@ def call_reward(reward, images, prompts, targets):
 # =============================================================================================
 # 18. LOG: the console, metrics.jsonl, sample sheets, the reward curve, TensorBoard / W&B
 # =============================================================================================
-# A step's console line: the fields the row holds ('dit/': the DiT's, its loss ~1e-5: means over latent dims).
+# A step's console line: the fields the row holds ('dit/': the DiT's).
 CONSOLE_FIELDS = ("loss {loss:+.4f}", "dit loss {dit/loss:+.3e}", "reward {reward_mean:.5f} ± {reward_std:.5f}",
                   "ratio {ratio_mean:.4f}", "clip {clip_ratio:.3f}", "kl {kl:.2e}", "dit/ratio {dit/ratio_mean:.4f}",
                   "dit/clip {dit/clip_ratio:.3f}", "dit/kl {dit/kl:.2e}", "entropy {entropy:.3f}",
@@ -1788,7 +1782,7 @@ def start_logging(args, trainer, out, start):
 
     if args.report_to == "wandb":      # WANDB_MODE=offline: under <out>/wandb, for a later `wandb sync`
         tracker = WandBTracker("grpo_glm", name=out.name, dir=str(out), config=vars(args))
-    else:      # purge_step: TensorBoard drops a killed run's events after the resumed step (section 20)
+    else:      # purge_step: a resumed run's (section 20)
         tracker = TensorBoardTracker("logs", out, purge_step=start + 1 if start else None)
     tracker.start()
     if args.report_to == "tensorboard":
@@ -2098,7 +2092,7 @@ class Resume:
         if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
             raise UsageError(f"--out {out} already holds a run; pass --resume latest to continue it or pick "
                              "another --out")
-        ckpt = self.ckpt = read_checkpoint(args.resume, out) if args.resume else None   # None: from step 0
+        ckpt = self.ckpt = read_checkpoint(args.resume, out) if args.resume else None
         step = self.step = ckpt["step"] if ckpt else 0
         saved = ckpt["args"] if ckpt else vars(args)      # algorithm flags that differ (the prompts: by their hash)
         differences = self.differences = [
