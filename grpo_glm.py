@@ -1932,10 +1932,9 @@ def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
 # =============================================================================================
 # 19. Interruptions: Ctrl+C and SIGTERM
 # =============================================================================================
-# Ctrl+C or SIGTERM (Slurm's, torchrun's) stops the run at a step's end, saved, exit code 128 + signal.
-# A step whose update has not begun is dropped (AbandonStep unwinds it from wherever the signal came: the
-# weights are still step - 1's); one whose update has begun is finished. A second Ctrl+C quits at once.
-# Under torchrun the ranks vote (agree) before each update and after each step: all stop at the same point.
+# Ctrl+C or SIGTERM (Slurm's, torchrun's) stops the run at a step's end, saved, exit code 128 + signal: a step
+# whose update has not begun is dropped (AbandonStep unwinds it from wherever the signal came), one whose update
+# has begun finished. Under torchrun the ranks vote (agree) before each update and after each step.
 
 class AbandonStep(BaseException):
     """BaseException: no `except Exception` (a reward plug-in's, say) swallows it."""
