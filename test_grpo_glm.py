@@ -989,8 +989,8 @@ def test_lora_trains_only_adapters_and_reference_is_the_base_model():
     with g.reference_weights(ar, None) as reference:
         ref_logp = g.logprobs_by_micro_batch(reference, rollout, suppressed)
     torch.testing.assert_close(ref_logp, base_logp, atol=1e-5, rtol=0)
-    g.grpo_update(optimizer, [("", params, g.ar_micro_batches(ar, rollout, advantages, ref_logp, args, suppressed))],
-                               args)
+    micro_batches = g.ar_micro_batches(ar, rollout, advantages, ref_logp, args, suppressed)
+    g.grpo_update(optimizer, [("", params, micro_batches)], args)
     changed = {n for n, p in ar.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all("lora_" in n for n in changed)
     # after the update the adapters change the policy, the reference still equals the base model
@@ -2541,8 +2541,9 @@ def test_help_gives_each_default_once(capsys):
         g.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "Default: mse." in text and "(default: None)" not in text
-    assert f"(default: {g.parse_args([]).lr}; a pretrained model's: 1e-05)" in text   # others: argparse's
-    assert "(default: 0.003; a pretrained model's: 1e-05, 0.0003 with LoRA)" in text
+    tiny, (plain, lora) = g.parse_args([]), (g.pretrained_defaults(SimpleNamespace(dit_lora_rank=r)) for r in (0, 4))
+    assert f"(default: {tiny.lr}; a pretrained model's: {plain['lr']:g})" in text      # argparse's, then the dict's
+    assert f"(default: {tiny.dit_lr}; a pretrained model's: {plain['dit_lr']:g}, {lora['dit_lr']:g} with LoRA)" in text
 
 
 def test_prompts_per_step_must_divide_by_the_world_size(tmp_path, monkeypatch, capsys):
