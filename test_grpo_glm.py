@@ -2841,8 +2841,8 @@ def _shard_bytes_worker(rank, world, port, argv, dump):
     trainers, held = [], {}
     setup, update = g.setup_training, g.grpo_update
 
-    def update_and_count(optimizer, halves, args):
-        row = update(optimizer, halves, args)
+    def update_and_count(optimizer, halves, args, learns=True):
+        row = update(optimizer, halves, args, learns)
         trainer = trainers[0][0]
         for half, model, reference, group in [("ar", trainer.pipe.vision_language_encoder, trainer.reference, 0),
                                               ("dit", trainer.pipe.transformer, trainer.dit_reference, 1)]:
