@@ -2420,10 +2420,10 @@ def test_micro_batches_give_the_full_batch_gradient():
 
 
 def test_dit_micro_batches_give_the_full_batch_update(monkeypatch):
-    """The DiT's loss in --micro-batch-size pieces (i2i, CFG, 2 prompts of different glyph lengths, KL, clipped
-    ratios): pieces that split groups and the batch unevenly add up to the whole batch's gradients and metrics.
+    """The DiT's loss in --micro-batch-size micro-batches (i2i, CFG, 2 prompts of different glyph lengths, KL, clipped
+    ratios): micro-batches that split groups and the batch unevenly add up to the whole batch's gradients and metrics.
     float64 (float64_throughout, as --dtype float64): the split only reorders sums of ~1e4 terms per gradient
-    entry, within ~1e4 x 1.1e-16 ~ 1e-12 relative; 1e-9 leaves room and still catches a mis-weighted piece (O(1))."""
+    entry, within ~1e4 x 1.1e-16 ~ 1e-12 relative; 1e-9 leaves room and still catches a mis-weighted micro-batch (O(1))."""
     g.float64_throughout()
     pipe = g.build_tiny_pipeline(seed=0, ar_init_range=0.2)
     pipe.processor.tokenizer.padding_side = "left"
@@ -2467,10 +2467,10 @@ def test_dit_micro_batches_give_the_full_batch_update(monkeypatch):
 
 
 def test_policy_both_honours_micro_batch_size(monkeypatch):
-    """--policy both runs the AR's training forward in --micro-batch-size pieces (the memory plan's
+    """--policy both runs the AR's training forward in --micro-batch-size micro-batches (the memory plan's
     micro-batch column assumes it), and the accumulated gradient is still the full-batch one.
     fp32 here: each gradient entry sums n ~ 5e3 terms (4 samples x 17 loss tokens x 80 logits), whose
-    worst-case rounding bound is n * 6e-8 ~ 3e-4 relative; a mis-weighted piece is off by O(1)."""
+    worst-case rounding bound is n * 6e-8 ~ 3e-4 relative; a mis-weighted micro-batch is off by O(1)."""
     sizes, grads = [], {}
     original = g.policy_logits
     # the training forwards: those with gradients (pi_old's pass has none)
