@@ -24,6 +24,8 @@ too (Part II, Flow-GRPO). `--model tiny`, the default, is GLM-Image at toy size 
 Reading map: Part I (sections 1-11) is GRPO on the AR in the order a step runs; Part II (12-13)
 Flow-GRPO on the DiT; Part III (14-25) is plumbing. The pure functions (mse_reward, group_advantages,
 token_logprobs, grpo_loss, sde_step, dit_kl) need only torch and math: copy them out freely (tested).
+Symbols: N samples a batch (= P x G), P prompts, G group size, L generated tokens, H x W target grid in
+tokens (image side / 32), V vocabulary, K denoising steps, T of them trained.
 """
 
 import argparse
@@ -108,7 +110,7 @@ def parse_args(argv=None):
     a("--group-size", type=number(int, least=2), default=32, help="G: samples per prompt, compared within their group.")
     a("--prompts-per-step", type=count, default=2, help="Prompts per step; a step's batch is prompts x G samples.")
     a("--inner-epochs", type=count, default=4, help="mu: optimisation passes over each batch.")
-    a("--lr", type=positive, default=2e-2, help="AdamW learning rate (a pretrained model: 1e-5).")
+    a("--lr", type=positive, default=2e-2, help="AdamW learning rate.")
     a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="Learning-rate "
       "schedule over --steps GRPO steps (diffusers' get_scheduler); resuming with another --steps reshapes "
       "the rest of a cosine or linear one.")
@@ -119,21 +121,17 @@ def parse_args(argv=None):
     a("--beta", type=non_negative, default=0.0, help="Weight of the KL penalty towards the initial model (0 = "
       "none, TRL's default): k3 on the AR's tokens; on the DiT the exact Gaussian KL ||dmu||^2 / (2 std_t^2 "
       "|dt|). flow_grpo's code omits |dt|, so a beta taken from flow_grpo is 10-1000x stronger here.")
-    a("--temperature", type=positive, default=1.0, help="Sampling temperature T; log-probs use logits / T "
-      "(a pretrained model: 0.9, its model card's).")
+    a("--temperature", type=positive, default=1.0, help="Sampling temperature; log-probs use logits / temperature.")
     a("--top-k", type=non_negative_int, default=0, help="Sample among the k most likely image tokens (0 = all); "
       "part of the policy: the loss scores tokens by the same truncated softmax.")
     a("--top-p", type=number(float, above=0, most=1), default=1.0, help="Nucleus sampling: among the fewest "
-      "tokens whose probability adds up to p (1 = all); part of the policy, as --top-k (a pretrained model: 0.75).")
-    a("--height", type=pixels, default=128, help="Image height in pixels, a multiple of GLM-Image's 32-pixel "
-      "tokens (a pretrained model: 1024).")
-    a("--width", type=pixels, default=128, help="Image width in pixels, a multiple of 32 (a pretrained model: 1024).")
-    a("--num-inference-steps", type=count, default=4, help="DiT denoising steps when decoding samples (a pretrained "
-      "model: 30).")
+      "tokens whose probability adds up to p (1 = all); part of the policy, as --top-k.")
+    a("--height", type=pixels, default=128, help="Image height in pixels, a multiple of GLM-Image's 32-pixel tokens.")
+    a("--width", type=pixels, default=128, help="Image width in pixels, a multiple of 32.")
+    a("--num-inference-steps", type=count, default=4, help="DiT denoising steps when decoding samples.")
     a("--dit-noise", choices=["per-prompt", "per-step"], default="per-prompt", help="Initial DiT noise: one "
       "draw per prompt for the whole run, or a fresh one per step (always shared within a group).")
-    a("--guidance-scale", type=number(float), default=1.0, help="DiT classifier-free guidance scale (1 = off; "
-      "a pretrained model: 1.5).")
+    a("--guidance-scale", type=number(float), default=1.0, help="DiT classifier-free guidance scale (1 = off).")
     a("--loss-tokens", choices=["target", "all"], default="target", help="Which generated tokens the loss "
       "covers: the target grid the DiT decodes, or the preview grid too (section 9).")
     a("--lora-rank", type=non_negative_int, default=0, help="LoRA rank on the AR's projections (0 = full fine-tuning).")
@@ -142,8 +140,7 @@ def parse_args(argv=None):
       "all its weights, or its output layer (head) on a frozen body; auto = head for --model tiny (section 2).")
     a("--policy", choices=["ar", "dit", "both"], default="ar", help="What GRPO trains: the AR token model "
       "(the DiT renders, frozen), the DiT with Flow-GRPO (tokens shared per prompt), or both from one reward.")
-    a("--dit-lr", type=positive, default=3e-3, help="AdamW learning rate of the DiT (a pretrained model: 1e-5; "
-      "3e-4 with --dit-lora-rank).")
+    a("--dit-lr", type=positive, default=3e-3, help="AdamW learning rate of the DiT.")
     a("--dit-clip-eps", type=positive, default=1e-4, help="PPO clip epsilon of the DiT's per-step ratio "
       "(flow_grpo's; step log-probs are means over latent dims, so ratios stay within ~1e-3 of 1).")
     a("--dit-noise-level", type=positive, default=0.7, help="a in Flow-GRPO's SDE, std_t = a sqrt(sigma / "
@@ -215,7 +212,7 @@ def load_pipeline(args):
     return pipe
 
 
-def add_lora(model, rank, alpha, targets, **config):
+def add_lora(model, r, alpha, targets, **config):
     """PEFT LoRA adapters on `targets` (the AR's and the DiT's alike), the base frozen. They train in fp32
     on a bf16 base (diffusers' cast_training_params): bf16 would round AdamW's small updates away."""
     from diffusers.training_utils import cast_training_params
@@ -223,7 +220,7 @@ def add_lora(model, rank, alpha, targets, **config):
 
     model.requires_grad_(False)
     # peft's own injection, not the models' add_adapter: transformers 5.24's refuses every peft released
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, **config)
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, **config)
     inject_adapter_in_model(config, model)
     cast_training_params(model, dtype=torch.promote_types(model.dtype, torch.float32))
 
@@ -382,12 +379,11 @@ def group_noise(pipe, prompt_indices, group_size, height, width, seed, step, mod
 
 @torch.no_grad()
 def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps, guidance_scale):
-    """DECODE: images [N, 3, H, W] from the target grids, denoised by the pipeline's own schedule,
-    conditioning and Euler step, one prompt's group per DiT call, in the loop Part II trains (its SDE
-    step at a = 0; equal to the pipeline's output, tested). Not `pipe(prior_token_ids=...)`: that call
-    batches prompts, whose glyph padding the DiT attends to (diffusers issue 13587), writes an i2i
-    source's KV cache per sample, and ends by re-hooking the CPU offload of every component: the
-    trained AR would leave the GPU and come back at each decode."""
+    """DECODE: images [N, 3, H, W] from the target grids, denoised by the pipeline's own schedule, conditioning
+    and Euler step, one prompt's group per DiT call (dit_velocity), in the loop Part II trains (its SDE step at
+    a = 0; equal to the pipeline's output, tested). Not `pipe(prior_token_ids=...)`: that call batches prompts,
+    writes an i2i source's KV cache per sample, and re-hooks every component's CPU offload at its end (the
+    trained AR would leave the GPU and come back at each decode)."""
     G = rollout.target_tokens.shape[0] // len(prompts)
     cond = dit_condition(pipe, prompts, G, rollout.target_tokens, rollout.grid_hw, guidance_scale, sources,
                          rollout.source_prior and rollout.source_prior[::G])              # i2i: per prompt
@@ -453,7 +449,7 @@ def reward_metrics(rewards, per_reward, group_size):
 
 def token_logprobs(logits, tokens, sampling, scores=False):
     """log pi(token): logits [N, L, V], tokens [N, L] -> [N, L] (scores=True: z [N, L, V]). pi = softmax(z),
-    z = logits / T in at least fp32 (a bf16 log-softmax loses ~1e-2), -inf where suppressed or where
+    z = logits / temperature in at least fp32 (a bf16 log-softmax loses ~1e-2), -inf where suppressed or where
     transformers' warpers drop an id (a saved generation config samples the same policy): top-k keeps z >=
     the k-th largest; top-p sorts ascending (the warper's tie order), drops ids while the mass up to them is
     <= 1 - p, never the largest. `tokens` stay kept: after an update one may leave, and log 0 has no gradient."""
@@ -566,13 +562,13 @@ def reference_weights(model, reference):
             layer.enable_adapters(True)
 
 
-def ar_loss_terms(policy, rollout, advantages, ref_logp, args, sampling):
+def ar_micro_batches(policy, rollout, advantages, ref_logp, args, sampling):
     """The AR's loss for grpo_update by micro-batches, each weighted by its share of the loss tokens: the
-    gradients add up to the full batch's. `policy`: the AR or its DDP wrapper. Returns terms(epoch)."""
+    gradients add up to the full batch's. `policy`: the AR or its DDP wrapper. Returns micro_batches(epoch)."""
     advantages = advantages.to(rollout.old_logp.device)
     tokens = rollout.loss_mask.sum()
 
-    def terms(epoch):
+    def micro_batches(epoch):
         for rows in sync_on_last(policy, row_slices(advantages.shape[0], args.micro_batch_size)):
             part = slice_rollout(rollout, rows)
             logits = policy_logits(policy, part)                                   # [n, L, V]
@@ -588,59 +584,37 @@ def ar_loss_terms(policy, rollout, advantages, ref_logp, args, sampling):
                     entropy = token_entropy(logits, sampling) * part.loss_mask
                 metrics["entropy"] = (entropy.sum() / part.loss_mask.sum()).item()
             yield loss, {**metrics, "loss": loss.item()}, (part.loss_mask.sum() / tokens).item()
-    return terms
+    return micro_batches
 
 
 def ar_half(trainer, rollout, advantages, args):
-    """The AR's entry (prefix, params, terms) in grpo_update, with pi_ref's log-probs when beta > 0."""
+    """The AR's half (prefix, params, micro_batches) for grpo_update, with pi_ref's log-probs when beta > 0."""
     ar, ref_logp = trainer.pipe.vision_language_encoder, None
     sampling = sampling_of(ar)        # the policy, as its generation config says (load_pipeline)
     if args.beta > 0:
         with reference_weights(ar, trainer.reference) as reference:
             ref_logp = logprobs_by_micro_batch(reference, rollout, sampling, args.micro_batch_size)  # [N, L]
     ar.train()   # switches gradient checkpointing on; the AR has no dropout, so pass 1 still gives pi_old
-    return "", trainer.params, ar_loss_terms(trainer.policy, rollout, advantages, ref_logp, args, sampling)
-
-
-FIRST_PASS_ONLY = ("logp_diff_max", "entropy")   # measured while the policy still equals pi_old
+    return "", trainer.params, ar_micro_batches(trainer.policy, rollout, advantages, ref_logp, args, sampling)
 
 
 def grpo_update(optimizer, halves, args, learns=True):
-    """mu = --inner-epochs AdamW steps on one batch. halves: [(prefix, params, terms)], '' the AR, 'dit/' the DiT;
-    terms(epoch) yields (loss, metrics, weight) pieces, weights adding up to 1, each backpropagated as built (one
-    piece's activations alive). Gradients clip per half (different loss scales). Pass 1 runs at pi_old: ratio 1,
-    no clipping (with mu = 1 it never clips). A non-finite pass is skipped, as is every pass if no rank `learns`.
-    Returns the updating passes' mean metrics (FIRST_PASS_ONLY: pass 1's), skip counts."""
-    done, first, skipped, bad_loss = [], {}, 0, 0
+    """mu = --inner-epochs AdamW steps on one batch. halves: [(prefix, params, micro_batches)], '' the AR, 'dit/' the
+    DiT; micro_batches(epoch) yields (loss, metrics, weight), weights adding up to 1, each backpropagated as built
+    (one alive at a time). Gradients clip per half (different loss scales). Pass 1 runs at pi_old: ratio 1, no
+    clipping. UpdateGuard (section 14) skips a non-finite pass, or all if no rank `learns`; its row is the metrics."""
+    guard = UpdateGuard(halves, learns)
     for epoch in range(args.inner_epochs):
         optimizer.zero_grad(set_to_none=True)
-        metrics, loss_finite, finite = {}, True, True
-        for prefix, params, terms in halves:
-            for loss, piece, weight in terms(epoch):
+        for prefix, params, micro_batches in halves:
+            for loss, metrics, weight in micro_batches(epoch):
                 (loss * weight).backward()
-                loss_finite &= math.isfinite(piece["loss"])
-                for key, value in piece.items():
-                    key = prefix + key
-                    metrics[key] = (max(metrics.get(key, value), value) if key.endswith("logp_diff_max")
-                                    else metrics.get(key, 0.0) + value * weight)
-            norm = clip_gradients(params, args.max_grad_norm)
-            finite &= loss_finite and bool(torch.isfinite(norm))
-            metrics[prefix + "grad_norm"] = norm.item()
-        if epoch == 0:
-            first = {k: v for k, v in metrics.items() if k.endswith(FIRST_PASS_ONLY)}
-        if max_over_ranks(2 * (not finite) + learns) != 1:   # one vote: no rank non-finite (2), one learns (1)
-            skipped += 1
-            bad_loss += not loss_finite
-            optimizer.zero_grad(set_to_none=True)
-            continue
-        optimizer.step()
-        if not all_ranks_agree(weights_finite([p for _, params, _ in halves for p in params])):
-            raise UsageError("the update made the weights non-finite (is --lr too large?); nothing of this step "
-                             "is saved, the last checkpoint is intact")
-        done.append({k: v for k, v in metrics.items() if not k.endswith(FIRST_PASS_ONLY)})
-    keys = [k for k in metrics if not k.endswith(FIRST_PASS_ONLY)]
-    averaged = {k: sum(m[k] for m in done) / len(done) if done else float("nan") for k in keys}
-    return {**averaged, **first, "skipped_updates": skipped, "skipped_nonfinite_loss": bad_loss}
+                guard.add(prefix, metrics, weight)
+            guard.add(prefix, {"grad_norm": clip_gradients(params, args.max_grad_norm).item()})
+        if guard.vote():           # all ranks: everything finite, something to learn
+            optimizer.step()
+            guard.check_weights()
+    return guard.row()
 
 
 # =============================================================================================
@@ -652,8 +626,8 @@ class Trainer:
     """What the loop carries. Per trained half (the AR; `dit_` the DiT): its trainable params, the
     `policy` its training forward runs through (itself or its DDP wrapper), its frozen KL `reference`."""
     pipe: object                          # GlmImagePipeline
-    optimizer: torch.optim.Optimizer = None   # one AdamW, a param group per trained half
-    lr_scheduler: object = None           # one step per GRPO step
+    optimizer: torch.optim.Optimizer = None
+    lr_scheduler: object = None
     trained: torch.nn.Module = None       # what checkpoints hold: the AR, or {AR, DiT}
     rewards: list = None                  # the --reward plug-ins (section 6)
     dit_rewards: list = None              # the --dit-reward ones (none: the DiT trains on `rewards`)
@@ -667,8 +641,8 @@ class Trainer:
     before_update: object = lambda: None  # the stop handler's last chance to drop the step (section 19)
 
 
-def setup_training(args, ckpt=None, rewards=None, dit_rewards=None):
-    """Loads the model, marks what trains, one AdamW (a param group per half), restores `ckpt`."""
+def setup_training(args, resume=None, rewards=None, dit_rewards=None):
+    """Loads the model, marks what trains, one AdamW (a param group per half), restores a `resume`'s checkpoint."""
     from diffusers.optimization import get_scheduler
     from diffusers.training_utils import set_seed
 
@@ -695,15 +669,12 @@ def setup_training(args, ckpt=None, rewards=None, dit_rewards=None):
     warmup = args.lr_scheduler == "constant" and args.lr_warmup_steps
     trainer.lr_scheduler = get_scheduler("constant_with_warmup" if warmup else args.lr_scheduler, trainer.optimizer,
                                          num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.steps)
-    if ckpt is not None:
-        restore_checkpoint(ckpt, trainer, args)
-        if rank() == 0:
-            print(f"Resuming from step {ckpt['step']} ({ckpt['path']})")
+    start = resume.restore(trainer, args) if resume else 0     # section 20
     trainer.rewards = load_rewards(args.reward) if rewards is None else rewards
     trainer.dit_rewards = load_rewards(args.dit_reward or []) if dit_rewards is None else dit_rewards
     trainer.policy = wrap_for_training(ar, args.device) if args.policy != "dit" else None
     trainer.dit_policy = wrap_for_training(dit, args.device) if args.policy != "ar" else None
-    return trainer, ckpt["step"] if ckpt else 0
+    return trainer, start
 
 
 def grpo_step(trainer, items, indices, step, args, slots=None):
@@ -723,8 +694,7 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
         dit_run = sample_dit_trajectories(pipe, prompts, sources, rollout, noise, indices, step, args)
         images = dit_run.images
     else:
-        images = decode_images(pipe, prompts, sources, rollout, noise, args.num_inference_steps,
-                               args.guidance_scale)
+        images = decode_images(pipe, prompts, sources, rollout, noise, args.num_inference_steps, args.guidance_scale)
     # ---- REWARD: r [N], one per image ------------------------------------------------------------
     targets = batch_targets(batch)                                                           # [P, 3, H, W]
     scored = (repeat_each(prompts, G), None if targets is None else targets.repeat_interleave(G, 0))
@@ -732,7 +702,7 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
     # ---- ADVANTAGE: A [N], each reward standardised within its group ------------------------------
     advantages = dit_advantages = group_advantages(rewards, G)
     row = {"step": step, **reward_metrics(rewards, per_reward, G)}
-    if trainer.dit_rewards:     # --dit-reward: the DiT's own (GLM-Image's decoupled RL: detail to the DiT)
+    if trainer.dit_rewards:     # --dit-reward: the DiT's own (decoupled RL, section 12)
         dit_rewards, dit_per_reward = compute_rewards(trainer.dit_rewards, images, *scored)
         dit_advantages = group_advantages(dit_rewards, G)
         row.update({"dit/" + k: v for k, v in reward_metrics(dit_rewards, dit_per_reward, G).items()})
@@ -741,13 +711,10 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
     halves = [ar_half(trainer, rollout, advantages, args)] if train_ar else []
     halves += [dit_half(trainer, dit_run, dit_advantages, args)] if train_dit else []
     learns = min(row["frac_reward_nonfinite"], row.get("dit/frac_reward_nonfinite", 1)) < 1
-    update = grpo_update(trainer.optimizer, halves, args, learns)
-    row.update(update)
+    row.update(grpo_update(trainer.optimizer, halves, args, learns))      # 'loss' the AR's, 'dit/loss' the DiT's
     ode = None
-    if train_dit:
-        row["loss"] = update.get("loss", 0.0) + update["dit/loss"]                          # AR + DiT
-        if args.sample_every and step % args.sample_every == 0:
-            ode = ode_sheet(pipe, prompts, sources, rollout, noise, args)
+    if train_dit and args.sample_every and step % args.sample_every == 0:
+        ode = ode_images(pipe, prompts, sources, rollout, noise, args)
     return row, rewards, images, targets, sources, ode
 
 
@@ -811,8 +778,8 @@ def train(args):
 #     std_t = a * sqrt(sigma / (1 - sigma))
 #     mean  = x * (1 + std_t^2 / (2 sigma) * dt) + v * (1 + std_t^2 (1 - sigma) / (2 sigma)) * dt
 #     x'    = mean + std_t * sqrt(-dt) * eps,          dt = sigma' - sigma < 0
-# a Gaussian policy pi_theta(x' | x_t), a = --dit-noise-level (a = 0: Euler's step). K steps are a
-# "sequence" of K actions: logp [N, K], mask all ones. A step's log-prob is the MEAN over latent dims
+# a Gaussian policy pi_theta(x' | x_t), a = --dit-noise-level (a = 0: Euler's step). T trained steps are a
+# "sequence" of T actions: logp [N, T], mask all ones. A step's log-prob is the MEAN over latent dims
 # (as flow_grpo; a sum over 65536 dims at 1024^2 would dwarf a token's), so ratios stay within ~1e-3 of
 # 1: hence --dit-clip-eps 1e-4. --dit-train-steps T (default K - 1): the first T steps run the SDE and
 # enter the loss, the rest the ODE (untrained SDE noise is reward noise nobody is credited for). The
@@ -929,8 +896,7 @@ def dit_step_logprob(dit, cond, rollout, i, noise_level):
 
 def dit_kl(mean, ref_mean, std):
     """The exact KL between the step Gaussians of policy and reference (same std), averaged over latent
-    dims like the log-prob: ||mean - ref_mean||^2 / (2 std^2), [N, C, h, w] -> [N]."""
-    # std = std_t sqrt(|dt|); flow_grpo's code omits |dt|, so a beta taken from it is 10-1000x stronger here
+    dims like the log-prob: ||mean - ref_mean||^2 / (2 std^2), [N, C, h, w] -> [N]; std = std_t sqrt(|dt|) (--beta)."""
     return ((mean - ref_mean) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * std ** 2)
 
 
@@ -947,8 +913,8 @@ def condition_rows(cond, rows):
 
 
 def dit_half(trainer, run, advantages, args):
-    """The DiT's entry (prefix, params, terms) in grpo_update: grpo_loss per trained step's column and micro-batch
-    of rows, weight rows / (N T), adding up to grpo_loss over [N, T] (flow_grpo: a step at a time), + beta x dit_kl."""
+    """The DiT's half (prefix, params, micro_batches) in grpo_update: grpo_loss per trained step and micro-batch of
+    rows, weight rows / (N T), adding up to grpo_loss over [N, T] (flow_grpo: a step at a time), + beta x dit_kl."""
     policy, reference, cond, rollout = trainer.dit_policy, trainer.dit_reference, run.cond, run.trajectories
     N, steps = rollout.old_logp.shape
     advantages = advantages.to(rollout.old_logp.device)
@@ -956,7 +922,7 @@ def dit_half(trainer, run, advantages, args):
               replace(rollout, states=rollout.states[rows], old_logp=rollout.old_logp[rows]))
              for rows in row_slices(N, args.micro_batch_size)]
 
-    def terms(epoch):
+    def micro_batches(epoch):
         for i, (rows, condition, part) in sync_on_last(policy, [(i, part) for i in range(steps) for part in parts]):
             logp, mean = dit_step_logprob(policy, condition, part, i, args.dit_noise_level)
             old_logp = part.old_logp[:, i:i + 1]
@@ -971,16 +937,15 @@ def dit_half(trainer, run, advantages, args):
             if epoch == 0:
                 metrics["logp_diff_max"] = (logp.detach() - old_logp[:, 0]).abs().max().item()
             yield loss, {**metrics, "loss": loss.item()}, len(old_logp) / (N * steps)
-    return "dit/", trainer.dit_params, terms
+    return "dit/", trainer.dit_params, micro_batches
 
 
 # =============================================================================================
 # 13. The DiT's training step
 # =============================================================================================
-# grpo_step runs it. --policy dit: a prompt's G samples share its AR tokens and initial noise, so
-# they differ by their SDE noise alone and the advantage credits the DiT alone. --policy both: tokens
-# and SDE noise both vary, and each sample's one advantage trains both halves, each half's signal
-# carrying the other's luck as noise (the README compares the AR's progress under ar and both).
+# grpo_step runs it. --policy dit: a prompt's G samples share its AR tokens and initial noise, so they
+# differ by their SDE noise alone and the advantage credits the DiT alone. --policy both: tokens and SDE
+# noise both vary; each sample's one advantage trains both halves, each carrying the other's luck as noise.
 
 def prepare_dit_policy(dit, args):
     """Marks what of the DiT trains, and returns it: LoRA on its attention, or all its weights."""
@@ -1028,7 +993,7 @@ def sample_dit_trajectories(pipe, prompts, sources, rollout, noise, indices, ste
     return SimpleNamespace(cond=cond, trajectories=trajectories, images=images)
 
 
-def ode_sheet(pipe, prompts, sources, rollout, noise, args):
+def ode_images(pipe, prompts, sources, rollout, noise, args):
     """The updated DiT's a = 0 decode of each prompt's first sample [P, 3, H, W], for the sample sheet."""
     G = args.group_size
     firsts = SimpleNamespace(target_tokens=rollout.target_tokens[::G], grid_hw=rollout.grid_hw,
@@ -1190,27 +1155,59 @@ def slice_rollout(rollout, rows):
                    **{name: None if value is None else value[rows] for name, value in per_row.items()})
 
 
-# ---- For sections 8-11: dtypes, micro-batches under DDP, a run of non-finite steps --------------
-def weights_finite(params):
-    """One sum per tensor (no tensor-sized temporary; a non-finite entry makes its sum non-finite), this
-    rank's shards under --fsdp: the step after an update that overflowed must not sample or save."""
-    from torch.distributed.tensor import DTensor
+# ---- For sections 8-11: dtypes, micro-batches under DDP, the update's guards, non-finite steps ----
+class UpdateGuard:
+    """grpo_update's guards and bookkeeping: a pass's metrics; vote: the ranks' one vote to step or skip it; the
+    weights checked after a step; row: the stepped passes' mean metrics (FIRST_PASS_ONLY's: pass 1's), skip counts."""
+    FIRST_PASS_ONLY = ("logp_diff_max", "entropy")
 
-    sums = [(p.to_local() if isinstance(p, DTensor) else p).detach().sum().float() for p in params]
-    return bool(torch.isfinite(torch.stack(sums)).all())
+    def __init__(self, halves, learns):
+        self.params = [p for _, params, _ in halves for p in params]
+        self.learns, self.metrics, self.passes = learns, {}, []      # passes: (metrics, stepped, loss finite)
+
+    def add(self, prefix, metrics, weight=1.0):
+        for key, value in metrics.items():
+            key = prefix + key
+            self.metrics[key] = (max(self.metrics.get(key, value), value) if key.endswith("logp_diff_max")
+                                 else self.metrics.get(key, 0.0) + value * weight)
+
+    def vote(self):
+        """True: step. One vote of all ranks: none has a non-finite loss or gradient norm (2), one learns (1)."""
+        metrics, self.metrics = self.metrics, {}
+        finite_loss = all(math.isfinite(v) for k, v in metrics.items() if k.endswith("loss"))   # weighted sums
+        finite = finite_loss and all(math.isfinite(v) for k, v in metrics.items() if k.endswith("grad_norm"))
+        stepped = max_over_ranks(2 * (not finite) + self.learns) == 1
+        self.passes.append((metrics, stepped, finite_loss))
+        return stepped
+
+    def check_weights(self):      # a sum per tensor (no tensor-sized temporary), of this rank's --fsdp shards
+        from torch.distributed.tensor import DTensor
+
+        sums = [(p.to_local() if isinstance(p, DTensor) else p).detach().sum().float() for p in self.params]
+        if not all_ranks_agree(bool(torch.isfinite(torch.stack(sums)).all())):
+            raise UsageError("the update made the weights non-finite (is --lr too large?); nothing of this step "
+                             "is saved, the last checkpoint is intact")
+
+    def row(self):
+        done = [m for m, stepped, _ in self.passes if stepped]
+        keys = [k for k in self.passes[-1][0] if not k.endswith(self.FIRST_PASS_ONLY)]
+        averaged = {k: sum(m[k] for m in done) / len(done) if done else float("nan") for k in keys}
+        first = {k: v for k, v in self.passes[0][0].items() if k.endswith(self.FIRST_PASS_ONLY)}
+        return {**averaged, **first, "skipped_updates": len(self.passes) - len(done),
+                "skipped_nonfinite_loss": sum(not (stepped or finite) for _, stepped, finite in self.passes)}
 
 
 def at_least_fp32(x):
     return x.to(torch.promote_types(x.dtype, torch.float32))    # bf16/fp16 -> fp32; fp32, fp64 unchanged
 
 
-def sync_on_last(policy, pieces):
-    """Yields `pieces`, each backpropagated before the next; under DDP all but the last in no_sync(): the
+def sync_on_last(policy, batches):
+    """Yields the micro-`batches`, each backpropagated before the next; under DDP all but the last in no_sync(): the
     last backward all-reduces the sum once. Every rank runs as many (a missing one would hang the others)."""
-    pieces = list(pieces)
-    for k, piece in enumerate(pieces):
-        with policy.no_sync() if hasattr(policy, "no_sync") and k < len(pieces) - 1 else contextlib.nullcontext():
-            yield piece
+    batches = list(batches)
+    for k, batch in enumerate(batches):
+        with policy.no_sync() if hasattr(policy, "no_sync") and k < len(batches) - 1 else contextlib.nullcontext():
+            yield batch
 
 
 def non_finite_streak(bad_steps, row, out, args, start):
@@ -1326,7 +1323,10 @@ class Parser(argparse.ArgumentParser):
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action):     # no '(default: None)': such a help says what happens without
-        return action.help if action.default is None else super()._get_help_string(action)
+        plain, lora = (pretrained_defaults(SimpleNamespace(dit_lora_rank=r)).get(action.dest) for r in (0, 1))
+        also = f"; a pretrained model's: {plain:g}" if plain else ""
+        also += f", {lora:g} with LoRA" if lora != plain else ""
+        return action.help if action.default is None else super()._get_help_string(action)[:-1] + also + ")"
 
 
 def number(kind, least=None, above=None, most=None, multiple=None):
@@ -1362,12 +1362,9 @@ def outdated_libraries():
 def validate_args(args):
     """What the flags' types cannot check: flags together, files, the machine. Before any model loads."""
     world, model, save, outdated = world_size(), Path(args.model), Path(args.save_pipeline or "."), outdated_libraries()
-    # full fine-tuning: a trained half updates its own weights, not LoRA adapters
     full = (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
     refusals = [      # (refused?, why): the first refused one is the error
         (outdated, f"installed libraries too old for grpo_glm.py: {outdated}; run: pip install -r requirements.txt"),
-        (args.prompts_per_step % world, f"--prompts-per-step {args.prompts_per_step} must be divisible by the "
-         f"number of processes ({world}): each rank trains whole groups"),
         (args.ar_trainable == "head" and (args.lora_rank or args.fsdp), "--ar-trainable head trains the AR's "
          "output layer alone: it takes neither --lora-rank nor --fsdp (a layer this small is not worth sharding)"),
         (args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline), "--fsdp shards full "
@@ -1383,7 +1380,6 @@ def validate_args(args):
          "under --policy both (under --policy dit, --reward is the DiT's)"),
         (args.policy == "dit" and args.lora_rank, "--lora-rank adapts the AR, which --policy dit does not "
          "train (use --dit-lora-rank)"),
-        # AdamW moves a weight by ~lr a step: 1e-5 is below half a bf16 ulp (2^-16) of any |w| >= 2^-8
         (args.dtype == "bfloat16" and not args.fsdp and full, "--dtype bfloat16 full fine-tuning would round "
          "AdamW's updates away (a step of ~lr is below half a bf16 ulp of most weights): train LoRA adapters "
          "(--lora-rank / --dit-lora-rank, fp32), shard fp32 weights with --fsdp, or use --dtype float32"),
@@ -1426,9 +1422,8 @@ def check_writable(flag, path):
 
 
 def pretrained_defaults(args):
-    """Defaults for any --model but the tiny demo (the flags' own, which train a random toy quickly): GLM-Image's
-    model card's sampler (T 0.9, top-p 0.75) and decode (30 DiT steps at guidance 1.5, 1024^2); learning
-    rates for a pretrained model, 1e-5 (DanceGRPO's for a whole DiT) or flow_grpo's 3e-4 for LoRA."""
+    """Defaults for any --model but the tiny demo (the flags' own train a random toy quickly): the model card's
+    sampler and decode; learning rates DanceGRPO's (a whole model) or flow_grpo's (LoRA). --help shows them."""
     return dict(lr=1e-5, dit_lr=3e-4 if args.dit_lora_rank else 1e-5, temperature=0.9, top_p=0.75,
                 num_inference_steps=30, guidance_scale=1.5, height=1024, width=1024)
 
@@ -1450,61 +1445,35 @@ def resolve_runtime(args):
 
 
 def open_run(args):
-    """Flags, --out's lock (rank 0), prompts, rewards, model."""
+    """Flags, --out's lock (rank 0), prompts, rewards, resume point, model, checks -> train's state (None: no steps)."""
     resolve_runtime(args)
     validate_args(args)
     init_distributed(args)
-    lead = rank() == 0
-    out = Path(args.out)
+    lead, out = rank() == 0, Path(args.out)
     release = lock_out_dir(out) if lead else None
-    started = None
-    try:
-        # under the lock, so no other run starts here meanwhile; only --resume continues a run
-        if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
-            raise UsageError(f"--out {out} already holds a run; pass --resume latest to continue it or pick "
-                             "another --out")
-        started = start_training(args, out, lead)
-    finally:
-        if lead and started is None:
-            release(wrote=[])
-    return None if started is None else (*started, out, lead, release)
-
-
-def start_training(args, out, lead):
-    """Prompts, rewards, checkpoint, model and their checks. Returns (items, trainer, start) or None."""
-    # The built-in mse's targets are checked before any plug-in loads (a CLIP model takes a while).
-    builtin = ["mse"] if "mse" in [s.partition("=")[0] for s in args.reward + (args.dit_reward or [])] else []
-    items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
-    if args.prompts_per_step > len(items) and lead:
-        print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} prompt(s) of {args.prompts}: "
-              "each step's prompts repeat lines of the file")
-    rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [])
-    require_targets(items, [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)])
-    args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
-    ckpt = read_checkpoint(args.resume, out) if args.resume else None
-    step, ckpt_path = (ckpt["step"], ckpt["path"]) if ckpt else (0, None)
-    differences = check_resume_flags(ckpt["args"], args) if ckpt else []
-    if differences and not args.resume_force:
-        raise UsageError(f"--resume {ckpt_path}: flags differ from the checkpoint's: {'; '.join(differences)} "
-                         "(add --resume-force to accept)")
-    if step >= args.steps:
-        print(f"nothing to do: {ckpt_path} is at step {step} and --steps is {args.steps} "
-              f"(pass --steps {step + args.steps} to train {args.steps} more)")
-        return None
-    # Resuming from step k of a run that went further would replace its history after k (a new run: k = 0).
-    later = [p for p in saved_checkpoints(out) if int(p.stem[5:]) > step]
-    if later and not args.resume_force:
-        raise UsageError(f"--resume {ckpt_path}: {out} has later checkpoints ({later[-1].name}); resuming from "
-                         f"step {step} would drop them and the metrics after step {step} (add "
-                         "--resume-force to do so; they are then kept as *.dropped)")
-    trainer, start = setup_training(args, ckpt, rewards, dit_rewards)
-    check_prompt_lengths(trainer.pipe, items, args)
-    if args.mode == "i2i":
-        check_source_size(trainer.pipe.processor.image_processor, args.height, args.width)
-    for path in later if lead else []:
-        path.rename(path.with_name(path.name + ".dropped"))      # out of --resume latest's way
-        print(f"note: kept {path.name} of the dropped history as {path.name}.dropped")
-    return items, trainer, start
+    with contextlib.ExitStack() as unstarted:      # an error or nothing to do: --out unlocked, as found
+        if lead:
+            unstarted.callback(release, wrote=[])
+        # The built-in mse's targets are checked before any plug-in loads (a CLIP model takes a while).
+        builtin = ["mse"] if "mse" in [s.partition("=")[0] for s in args.reward + (args.dit_reward or [])] else []
+        items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
+        if args.prompts_per_step > len(items) and lead:
+            print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} prompt(s) of {args.prompts}"
+                  ": each step's prompts repeat lines of the file")
+        rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [])
+        require_targets(items, [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)])
+        args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
+        resume = Resume(args, out)          # section 20: its refusals, under the lock, before any model loads
+        if resume.finished:
+            return None
+        trainer, start = setup_training(args, resume, rewards, dit_rewards)
+        check_prompt_lengths(trainer.pipe, items, args)
+        if args.mode == "i2i":
+            check_source_size(trainer.pipe.processor.image_processor, args.height, args.width)
+        if lead:
+            resume.set_aside(out)
+        unstarted.pop_all()
+    return items, trainer, start, out, lead, release
 
 
 def check_prompt_lengths(pipe, items, args):
@@ -1520,10 +1489,9 @@ def check_prompt_lengths(pipe, items, args):
 
 
 def check_source_size(processor, height, width):
-    """i2i: the AR reads a source's VQ grid at the size the processor's own rule (transformers'
-    smart_resize: the short side raised to sqrt(min_pixels), the long one lowered to sqrt(max_pixels),
-    aspect <= 4, then halved) makes of --height x --width; the DiT reads its VAE latent at that size
-    itself. Elsewhere the grids disagree and the DiT fails deep inside (zai-org/GLM-Image issue 14)."""
+    """i2i: the AR reads a source's VQ grid at the size the processor's rule (transformers' smart_resize: the short
+    side raised to sqrt(min_pixels), the long one lowered to sqrt(max_pixels), aspect <= 4, then halved) makes of
+    --height x --width, the DiT its VAE latent at that size: elsewhere they disagree (zai-org/GLM-Image issue 14)."""
     from transformers.models.glm_image.image_processing_pil_glm_image import smart_resize
 
     side = lambda key: math.isqrt(processor.size[key])
@@ -1781,18 +1749,15 @@ def call_reward(reward, images, prompts, targets):
 # =============================================================================================
 # 18. LOG: the console, metrics.jsonl, sample sheets, the reward curve, TensorBoard / W&B
 # =============================================================================================
-# A step's console line: the fields whose metrics the row holds (section 10's names, 'dit/' the DiT half's;
-# ar_loss: the AR's part of 'loss', the sum of both halves' under --policy both; the DiT's is ~1e-5: step means).
-CONSOLE_FIELDS = ("loss {ar_loss:+.4f}", "dit loss {dit/loss:+.3e}", "reward {reward_mean:.5f} ± {reward_std:.5f}",
+# A step's console line: the fields the row holds ('dit/': the DiT's).
+CONSOLE_FIELDS = ("loss {loss:+.4f}", "dit loss {dit/loss:+.3e}", "reward {reward_mean:.5f} ± {reward_std:.5f}",
                   "ratio {ratio_mean:.4f}", "clip {clip_ratio:.3f}", "kl {kl:.2e}", "dit/ratio {dit/ratio_mean:.4f}",
                   "dit/clip {dit/clip_ratio:.3f}", "dit/kl {dit/kl:.2e}", "entropy {entropy:.3f}",
                   "zero_std {frac_reward_zero_std:.2f}", "{seconds:.2f}s")
 
 
 def start_logging(args, trainer, out, start):
-    """Drops a killed run's metrics rows after `start`, prints the run's settings, opens accelerate's tracker
-    (None for --report-to none), which logs the metrics rows, the sample sheets and the flags."""
-    read_metrics(out / "metrics.jsonl", drop_after=start)
+    """Prints the run's settings; opens accelerate's tracker (--report-to none: None) for metrics, sheets, flags."""
     trainable = sum(p.numel() for p in trainer.trained.parameters() if p.requires_grad)
     ar = f"LoRA r={args.lora_rank}" if args.lora_rank else "head" if args.ar_trainable == "head" else "full"
     dit = f"LoRA r={args.dit_lora_rank}" if args.dit_lora_rank else "full"
@@ -1816,7 +1781,7 @@ def start_logging(args, trainer, out, start):
 
     if args.report_to == "wandb":      # WANDB_MODE=offline: under <out>/wandb, for a later `wandb sync`
         tracker = WandBTracker("grpo_glm", name=out.name, dir=str(out), config=vars(args))
-    else:      # purge_step: on resume, TensorBoard drops the events a killed run wrote after its checkpoint
+    else:      # purge_step: a resumed run's (section 20)
         tracker = TensorBoardTracker("logs", out, purge_step=start + 1 if start else None)
     tracker.start()
     if args.report_to == "tensorboard":
@@ -1850,8 +1815,7 @@ def log_step(row, step, args, trainer, out, tracker, warned):
         f.write(json.dumps(finite, allow_nan=False) + "\n")
     if tracker:
         tracker.log({k: v for k, v in row.items() if k != "step"}, step)
-    shown = {**row, "ar_loss": row["loss"] - row.get("dit/loss", 0.0)} if args.policy != "dit" else row
-    fields = [f.format_map(shown) for f in CONSOLE_FIELDS if all(k in shown for k in re.findall(r"{([^:]+):", f))]
+    fields = [f.format_map(row) for f in CONSOLE_FIELDS if all(k in row for k in re.findall(r"{([^:]+):", f))]
     print(f"step {step:4d}/{args.steps} | " + " | ".join(fields), flush=True)
     # entropy's yardstick: log(kept ids), its most; top-p keeps no fixed number: step 1's entropy (if > 0)
     scale = math.log(min(args.top_k or math.inf, trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size))
@@ -1876,19 +1840,9 @@ def warn_if_collapsed(row, warned, max_entropy=None):
     return True
 
 
-def read_metrics(path, drop_after=math.inf):
-    """metrics.jsonl's rows; drop_after (a resume's step): later rows, a killed run's, move to a file beside it."""
+def read_metrics(path):
     lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
-    rows = [json.loads(line) for line in lines if line.strip()]
-    dropped = [row for row in rows if row["step"] > drop_after]
-    if dropped:
-        aside = path.with_name(f"metrics.dropped_after_step_{drop_after:06d}.jsonl")
-        rows = [row for row in rows if row["step"] <= drop_after]
-        for file, kept in ((aside, dropped), (path, rows)):
-            atomic_write_bytes(file, "".join(json.dumps(row) + "\n" for row in kept).encode())
-        print(f"note: resuming at step {drop_after} drops metrics rows of steps {dropped[0]['step']}.."
-              f"{dropped[-1]['step']} (no checkpoint after step {drop_after}); kept in {aside}")
-    return rows
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 # The PNGs' text: Pillow's built-in font at 12 px (draw.text's font_size; at its own 10 px some spaces vanish).
@@ -1977,10 +1931,9 @@ def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
 # =============================================================================================
 # 19. Interruptions: Ctrl+C and SIGTERM
 # =============================================================================================
-# Ctrl+C or SIGTERM (Slurm's, torchrun's) stops the run at a step's end, saved, exit code 128 + signal.
-# A step whose update has not begun is dropped (AbandonStep unwinds it from wherever the signal came: the
-# weights are still step - 1's); one whose update has begun is finished. A second Ctrl+C quits at once.
-# Under torchrun the ranks vote (agree) before each update and after each step: all stop at the same point.
+# Ctrl+C or SIGTERM (Slurm's, torchrun's) stops the run at a step's end, saved, exit code 128 + signal: a step
+# whose update has not begun is dropped (AbandonStep unwinds it from wherever the signal came), one whose update
+# has begun finished. Under torchrun the ranks vote (agree) before each update and after each step.
 
 class AbandonStep(BaseException):
     """BaseException: no `except Exception` (a reward plug-in's, say) swallows it."""
@@ -2054,7 +2007,7 @@ class StopAfterStep:
 
 
 # =============================================================================================
-# 20. CHECKPOINT
+# 20. CHECKPOINT and --resume
 # =============================================================================================
 # An exact resume needs the trained weights, AdamW's state, the schedule, step, RNG states and flags, in
 # one format at every world size; written atomically, loaded with weights_only=True (no pickled code).
@@ -2099,8 +2052,7 @@ def saved_checkpoints(out):
 
 
 def read_checkpoint(spec, out=None):
-    """A checkpoint's checked contents, its path under "path"; spec 'latest': the newest in <out>/checkpoints
-    (None: there is none yet, start over)."""
+    """A checkpoint's checked contents (+ "path"); spec 'latest': the newest in <out>/checkpoints (None: none yet)."""
     path = max(saved_checkpoints(out), default=None) if spec == "latest" else Path(spec)
     if path is None:
         print(f"--resume latest: no checkpoint in {out / 'checkpoints'} yet; starting from step 0")
@@ -2119,8 +2071,7 @@ def read_checkpoint(spec, out=None):
     return {**ckpt, "path": path}
 
 
-# Flags that change what the algorithm computes. Resuming with different values would splice
-# two different runs into one log, so --resume refuses them (unless --resume-force).
+# Flags that change what the algorithm computes: resuming with others would splice two runs into one log.
 
 ALGORITHM_FLAGS = (
     "mode", "model", "prompts_sha256", "seed", "group_size", "prompts_per_step", "inner_epochs", "lr",
@@ -2130,30 +2081,71 @@ ALGORITHM_FLAGS = (
     "dit_noise_level", "dit_train_steps", "dit_lora_rank", "dit_prior", "dit_reward")
 
 
-def check_resume_flags(saved, args):
-    """Algorithm flags that differ from the checkpoint's (the prompt file by its contents' hash)."""
-    differ = [k for k in ALGORITHM_FLAGS if saved.get(k) != getattr(args, k)]
-    return [f"--prompts {saved.get('prompts')} -> {args.prompts}: contents differ" if k == "prompts_sha256"
-            else f"--{k.replace('_', '-')} {saved.get(k)} -> {getattr(args, k)}" for k in differ]
+class Resume:
+    """A resumed run writes an unstopped one's rows, bit for bit. First the refusals, before any model loads; restore:
+    weights, AdamW, schedule, RNG -> the step (0: a new run); set_aside: the killed run's checkpoints and metrics
+    rows after it, kept as *.dropped (TensorBoard drops its own events: start_logging's purge_step)."""
 
+    def __init__(self, args, out):
+        if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
+            raise UsageError(f"--out {out} already holds a run; pass --resume latest to continue it or pick "
+                             "another --out")
+        ckpt = self.ckpt = read_checkpoint(args.resume, out) if args.resume else None
+        step = self.step = ckpt["step"] if ckpt else 0
+        saved = ckpt["args"] if ckpt else vars(args)      # algorithm flags that differ (the prompts: by their hash)
+        differences = self.differences = [
+            f"--prompts {saved.get('prompts')} -> {args.prompts}: contents differ" if k == "prompts_sha256"
+            else f"--{k.replace('_', '-')} {saved.get(k)} -> {getattr(args, k)}"
+            for k in ALGORITHM_FLAGS if saved.get(k) != getattr(args, k)]
+        if differences and not args.resume_force:
+            raise UsageError(f"--resume {ckpt['path']}: flags differ from the checkpoint's: {'; '.join(differences)}"
+                             " (add --resume-force to accept)")
+        self.finished = step >= args.steps
+        if self.finished:
+            print(f"nothing to do: {ckpt['path']} is at step {step} and --steps is {args.steps} "
+                  f"(pass --steps {step + args.steps} to train {args.steps} more)")
+        self.later = [p for p in saved_checkpoints(out) if int(p.stem[5:]) > step]
+        if self.later and not (args.resume_force or self.finished):
+            raise UsageError(f"--resume {ckpt['path']}: {out} has later checkpoints ({self.later[-1].name}); "
+                             f"resuming from step {step} would drop them and the metrics after step {step} (add "
+                             "--resume-force to do so; they are then kept as *.dropped)")
 
-def restore_checkpoint(ckpt, trainer, args):
-    weight_flags = ("--policy", "--model", "--lora-rank", "--dit-lora-rank", "--ar-trainable")   # what is trained
-    try:
-        if set(ckpt["trainable"]) != {name for name, p in trainer.trained.named_parameters() if p.requires_grad}:
-            raise ValueError(f"other parameter names ({', '.join(weight_flags)})")
-        load_training_state(trainer.trained, trainer.optimizer, ckpt["trainable"], ckpt["optimizer"])
-        trainer.lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
-    except (RuntimeError, ValueError, KeyError) as e:     # name the flags that changed what is trained
-        changed = [d for d in check_resume_flags(ckpt["args"], args) if d.split()[0] in weight_flags]
-        raise UsageError(f"--resume {ckpt['path']}: its weights do not fit this model: "
-                         + ("; ".join(changed) or str(e).splitlines()[0][:120]))
-    name, keys, *rest = ckpt["rng"]["numpy"]        # rng_state's, in reverse
-    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-    random.setstate(ckpt["rng"]["python"])
-    torch.set_rng_state(ckpt["rng"]["torch"])
-    if torch.cuda.is_available():      # a CPU run's checkpoint holds [] (a no-op)
-        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+    def restore(self, trainer, args):
+        if (ckpt := self.ckpt) is None:
+            return 0
+        weight_flags = ("--policy", "--model", "--lora-rank", "--dit-lora-rank", "--ar-trainable")  # what trains
+        try:
+            if set(ckpt["trainable"]) != {name for name, p in trainer.trained.named_parameters() if p.requires_grad}:
+                raise ValueError(f"other parameter names ({', '.join(weight_flags)})")
+            load_training_state(trainer.trained, trainer.optimizer, ckpt["trainable"], ckpt["optimizer"])
+            trainer.lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
+        except (RuntimeError, ValueError, KeyError) as e:     # name the flags that changed what is trained
+            changed = [d for d in self.differences if d.split()[0] in weight_flags]
+            raise UsageError(f"--resume {ckpt['path']}: its weights do not fit this model: "
+                             + ("; ".join(changed) or str(e).splitlines()[0][:120]))
+        name, keys, *rest = ckpt["rng"]["numpy"]        # rng_state's, in reverse
+        np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+        random.setstate(ckpt["rng"]["python"])
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        if torch.cuda.is_available():      # a CPU run's checkpoint holds [] (a no-op)
+            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+        if rank() == 0:
+            print(f"Resuming from step {self.step} ({ckpt['path']})")
+        return self.step
+
+    def set_aside(self, out):
+        for path in self.later:
+            path.rename(path.with_name(path.name + ".dropped"))      # out of --resume latest's way
+            print(f"note: kept {path.name} of the dropped history as {path.name}.dropped")
+        path, step = out / "metrics.jsonl", self.step
+        rows = read_metrics(path)
+        dropped = [row for row in rows if row["step"] > step]
+        if dropped:
+            aside = path.with_name(f"metrics.dropped_after_step_{step:06d}.jsonl")
+            for file, kept in ((aside, dropped), (path, [row for row in rows if row["step"] <= step])):
+                atomic_write_bytes(file, "".join(json.dumps(row) + "\n" for row in kept).encode())
+            print(f"note: resuming at step {step} drops metrics rows of steps {dropped[0]['step']}.."
+                  f"{dropped[-1]['step']} (no checkpoint after step {step}); kept in {aside}")
 
 
 # =============================================================================================
@@ -2596,8 +2588,8 @@ def numel(module):
 
 
 def ar_sequence(mode, height, width, prompt_tokens=64, image_processor=None):
-    """(P, L): prompt and generated tokens of one AR sample (section 4). i2i: P adds image start, end and the
-    source's VQ tokens (`image_processor`'s rule, None: the real one's); L is the grid + end slot (no preview)."""
+    """(prompt, L) tokens of one AR sample (section 4). i2i: the prompt adds image start, end and the source's
+    VQ tokens (`image_processor`'s rule, None: the real one's); L is the grid + end slot (no preview)."""
     from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
 
     grid = (height // 32) * (width // 32) + 1          # the (H/32) x (W/32) target grid + 1 end slot
@@ -2610,7 +2602,7 @@ def ar_sequence(mode, height, width, prompt_tokens=64, image_processor=None):
 
 
 def layer_activation_bytes(text_config, lora_rank=0, bytes_per=WEIGHT_BYTES):
-    """Bytes one decoder layer keeps per token for its backward (SDPA, flash on CUDA and CPU: no T^2 matrix)."""
+    """Bytes one decoder layer keeps per token for its backward (SDPA, flash on CUDA and CPU: no length^2 matrix)."""
     h, i, heads = text_config.hidden_size, text_config.intermediate_size, text_config.num_attention_heads
     kv, d, a = text_config.num_key_value_heads * h // heads, bytes_per, ADAPTER_BYTES
     kept = (d * (2 * h + 2 * kv + 3 * i)        # q, k, v after RoPE, SDPA's output; gate_up's output, SiLU's
@@ -2636,11 +2628,11 @@ def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, c
     outside = tokens * (4 * h + (0 if lora_rank else 2 * d * h) + 2 * rotary * d)
     state = ADAPTER_BYTES if lora_rank else d                 # gradients and moments: the parameters' dtype
     grads = state * sum(tensors)
-    logits = rows * d * V                                     # held by ar_loss_terms till the next micro-batch
+    logits = rows * d * V                                     # held by ar_micro_batches till the next one
     # a frozen lm_head (LoRA): the CPU's bmm copies it per sample (CUDA may not: the plan is high)
     head_copy = 0 if head_trainable else samples * V * h * d
     held = kept + outside + logits
-    forward_model = held + max(head_copy, rows * 8 * V)      # token_logprobs' fp32 copy and its division by T
+    forward_model = held + max(head_copy, rows * 8 * V)      # token_logprobs' fp32 copy / temperature
     forward_logits = held + rows * 24 * V                     # log_softmax (4 V) + the entropy monitor (5 x 4 V)
     backward_activations = max(held + rows * 12 * V,          # the fp32 gradient chain of gather and log_softmax
                                held + logits + head_copy, kept + logits + layer if checkpointing else 0)
@@ -2736,7 +2728,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         lora = mode != "full"
         trainable = sum(trainable_tensors(dit, 64, DIT_LORA_TARGETS)) if lora else counts["dit"]
         state = ADAPTER_BYTES if lora else d
-        # backward: the largest frozen part in its turn, beside a piece's activations or AdamW's temporary
+        # backward: the largest frozen part in its turn, beside a micro-batch's activations or AdamW's temporary
         return {"trainable": trainable, "weights": frozen["dit"] + lora * state * trainable, "reference": 0,
                 "grads": state * trainable, "adam": 2 * state * trainable, "activations": activations, "sampling": 0,
                 "backward": max(frozen[p] for p in in_turn) + max(activations, state * trainable)}
@@ -2747,7 +2739,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         def turn(parts):        # frozen parts take turns, each with its working set
             return max(frozen[p] + working[p] for p in parts)
         # the AR samples: generate's KV cache of the GPU's samples, or pi_old's pass over a micro-batch (bf16
-        # logits, their fp32 copy / T, log_softmax: 10 bytes each)
+        # logits, their fp32 copy / temperature, log_softmax: 10 bytes each)
         sampling = max(batch // k * kv_cache, micro * generated * text.vision_vocab_size * 10)
         # the DiT's micro-batch: ~30 x hidden per block and token (x2 CFG, 64 text tokens), not measured
         blocks = config.num_layers + 30 if checkpointing else config.num_layers * 30
@@ -2775,10 +2767,6 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
 
 def print_memory_plan(args):
     gpus, prompts, samples = args.plan_gpus or (), args.prompts_per_step, args.micro_batch_size or args.group_size
-    for k in gpus:
-        if prompts % k:
-            raise UsageError(f"--prompts-per-step {prompts} must be divisible by --plan-gpus {k}: each rank trains "
-                             "whole groups")
     components, image_processor = plan_components(args.model, args.seed)
     ranks, i2i = (args.lora_rank,) if args.lora_rank else (64, 16), args.mode == "i2i"
     rows, counts, terms = memory_plan(
@@ -2887,6 +2875,11 @@ def generate_images(pipe, prompts, sources=None, height=64, width=64, num_infere
 def main(argv=None):
     try:
         args = parse_args(argv)
+        for k in args.plan_gpus or () if args.plan else [world_size()]:    # processes, or --plan's GPU counts
+            if args.prompts_per_step % k:
+                raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by " + (
+                    f"--plan-gpus {k}" if args.plan else f"the number of processes ({k})") + ": each rank trains "
+                    "whole groups")
         return print_memory_plan(args) if args.plan else train(args)
     except UsageError as e:     # a bad flag or input: one line, by rank 0 (by its rank, if seen there alone)
         if rank() == 0 or e.local:

@@ -989,8 +989,8 @@ def test_lora_trains_only_adapters_and_reference_is_the_base_model():
     with g.reference_weights(ar, None) as reference:
         ref_logp = g.logprobs_by_micro_batch(reference, rollout, suppressed)
     torch.testing.assert_close(ref_logp, base_logp, atol=1e-5, rtol=0)
-    g.grpo_update(optimizer, [("", params, g.ar_loss_terms(ar, rollout, advantages, ref_logp, args, suppressed))],
-                               args)
+    micro_batches = g.ar_micro_batches(ar, rollout, advantages, ref_logp, args, suppressed)
+    g.grpo_update(optimizer, [("", params, micro_batches)], args)
     changed = {n for n, p in ar.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all("lora_" in n for n in changed)
     # after the update the adapters change the policy, the reference still equals the base model
@@ -2610,8 +2610,8 @@ def test_micro_batches_give_the_full_batch_gradient():
     for size in (6, 4, 1):
         args.micro_batch_size = size
         optimizer = torch.optim.SGD(params, lr=0.0)                    # keeps the weights, leaves .grad
-        terms = g.ar_loss_terms(ar, rollout, advantages, ref_logp, args, suppressed)
-        update = g.grpo_update(optimizer, [("", params, terms)], args)
+        micro_batches = g.ar_micro_batches(ar, rollout, advantages, ref_logp, args, suppressed)
+        update = g.grpo_update(optimizer, [("", params, micro_batches)], args)
         results[size] = (update, torch.cat([p.grad.flatten() for p in params]))
     full_update, full_grad = results[6]
     assert full_grad.norm() > 0
@@ -2624,10 +2624,10 @@ def test_micro_batches_give_the_full_batch_gradient():
 
 
 def test_dit_micro_batches_give_the_full_batch_update(monkeypatch):
-    """The DiT's loss in --micro-batch-size pieces (i2i, CFG, 2 prompts of different glyph lengths, KL, clipped
-    ratios): pieces that split groups and the batch unevenly add up to the whole batch's gradients and metrics.
+    """The DiT's loss in --micro-batch-size micro-batches (i2i, CFG, 2 prompts of different glyph lengths, KL, clipped
+    ratios): micro-batches that split groups and the batch unevenly add up to the whole batch's gradients and metrics.
     float64 (float64_throughout, as --dtype float64): the split only reorders sums of ~1e4 terms per gradient
-    entry, within ~1e4 x 1.1e-16 ~ 1e-12 relative; 1e-9 leaves room and still catches a mis-weighted piece (O(1))."""
+    entry, within ~1e4 x 1.1e-16 ~ 1e-12 relative; 1e-9 leaves room and still catches a mis-weighted micro-batch (O(1))."""
     g.float64_throughout()
     pipe = g.build_tiny_pipeline(seed=0, ar_init_range=0.2)
     pipe.processor.tokenizer.padding_side = "left"
@@ -2671,10 +2671,10 @@ def test_dit_micro_batches_give_the_full_batch_update(monkeypatch):
 
 
 def test_policy_both_honours_micro_batch_size(monkeypatch):
-    """--policy both runs the AR's training forward in --micro-batch-size pieces (the memory plan's
+    """--policy both runs the AR's training forward in --micro-batch-size micro-batches (the memory plan's
     micro-batch column assumes it), and the accumulated gradient is still the full-batch one.
     fp32 here: each gradient entry sums n ~ 5e3 terms (4 samples x 17 loss tokens x 80 logits), whose
-    worst-case rounding bound is n * 6e-8 ~ 3e-4 relative; a mis-weighted piece is off by O(1)."""
+    worst-case rounding bound is n * 6e-8 ~ 3e-4 relative; a mis-weighted micro-batch is off by O(1)."""
     sizes, grads = [], {}
     original = g.policy_logits
     # the training forwards: those with gradients (pi_old's pass has none)
@@ -2745,7 +2745,9 @@ def test_help_gives_each_default_once(capsys):
         g.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "Default: mse." in text and "(default: None)" not in text
-    assert f"(default: {g.parse_args([]).lr})" in text                         # the others keep argparse's
+    tiny, (plain, lora) = g.parse_args([]), (g.pretrained_defaults(SimpleNamespace(dit_lora_rank=r)) for r in (0, 4))
+    assert f"(default: {tiny.lr}; a pretrained model's: {plain['lr']:g})" in text      # argparse's, then the dict's
+    assert f"(default: {tiny.dit_lr}; a pretrained model's: {plain['dit_lr']:g}, {lora['dit_lr']:g} with LoRA)" in text
 
 
 def test_prompts_per_step_must_divide_by_the_world_size(tmp_path, monkeypatch, capsys):
@@ -3043,8 +3045,8 @@ def _shard_bytes_worker(rank, world, port, argv, dump):
     trainers, held = [], {}
     setup, update = g.setup_training, g.grpo_update
 
-    def update_and_count(optimizer, halves, args):
-        row = update(optimizer, halves, args)
+    def update_and_count(optimizer, halves, args, learns=True):
+        row = update(optimizer, halves, args, learns)
         trainer = trainers[0][0]
         for half, model, reference, group in [("ar", trainer.pipe.vision_language_encoder, trainer.reference, 0),
                                               ("dit", trainer.pipe.transformer, trainer.dit_reference, 1)]:
@@ -3237,9 +3239,9 @@ def measure_update(lora_rank, checkpointing, layout=None):
     rss_before = _status_bytes("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")                         # restart VmHWM from here
     start = time.time()
-    terms = g.ar_loss_terms(ar, rollout, torch.tensor([1.0, -1.0]), None, args, suppressed)
+    micro_batches = g.ar_micro_batches(ar, rollout, torch.tensor([1.0, -1.0]), None, args, suppressed)
     with ZeroBf16Matmuls():
-        metrics, measured = _live_peaks(lambda: g.grpo_update(optimizer, [("", params, terms)], args))
+        metrics, measured = _live_peaks(lambda: g.grpo_update(optimizer, [("", params, micro_batches)], args))
     assert metrics["skipped_updates"] == 0
     head = 0 if lora_rank else g.numel(ar.model.language_model.norm) + g.numel(ar.lm_head)
     total = sum(p.numel() for name, p in ar.named_parameters() if "lora_" not in name)
