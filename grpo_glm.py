@@ -24,8 +24,8 @@ too (Part II, Flow-GRPO). `--model tiny`, the default, is GLM-Image at toy size 
 Reading map: Part I (sections 1-11) is GRPO on the AR in the order a step runs; Part II (12-13)
 Flow-GRPO on the DiT; Part III (14-25) is plumbing. The pure functions (mse_reward, group_advantages,
 token_logprobs, grpo_loss, sde_step, dit_kl) need only torch and math: copy them out freely (tested).
-Symbols: N samples a batch (= P x G), P prompts, G group size, L generated tokens, H x W target grid in
-tokens (image side / 32), V vocabulary, K denoising steps, T of them trained.
+Symbols: N samples a batch (= P x G), P prompts, G group size, S prompt tokens (padded), L generated tokens,
+H x W target grid in tokens (image side / 32), V vocabulary, K denoising steps, T of them trained.
 """
 
 import argparse
@@ -257,6 +257,14 @@ def repeat_each(items, group_size):
     return [x for x in items for _ in range(group_size)]        # [a, b] -> [a x G, b x G], as the batch rows
 
 
+def seeded(seed, purpose, step=0, index=0, device="cpu"):
+    """The one rule for every random stream a run derives (prompt order, tokens, DiT noise): a generator of its
+    own for (--seed, purpose, step, index), alike on any rank and in any batch. Hashed: no two streams share a
+    seed, as sums like seed * 7919 + index can."""
+    digest = hashlib.sha256(f"{seed}/{purpose}/{step}/{index}".encode()).digest()
+    return torch.Generator(device).manual_seed(int.from_bytes(digest[:8], "little"))
+
+
 # =============================================================================================
 # 4. SAMPLE: a group of G token grids per prompt, with the log-prob of every sampled token
 # =============================================================================================
@@ -270,20 +278,20 @@ def repeat_each(items, group_size):
 
 @dataclass
 class Rollout:
-    sequences: torch.Tensor      # [N, P+L] prompt (left-padded; i2i: with the source's VQ ids) + generated ids
-    attention_mask: torch.Tensor  # [N, P+L-1] mask of the teacher-forced input (sequences[:, :-1])
-    position_ids: torch.Tensor   # [3, N, P+L-1] M-RoPE positions of that input, as the sampler used them
+    sequences: torch.Tensor      # [N, S+L] prompt (left-padded; i2i: with the source's VQ ids) + generated ids
+    attention_mask: torch.Tensor  # [N, S+L-1] mask of the teacher-forced input (sequences[:, :-1])
+    position_ids: torch.Tensor   # [3, N, S+L-1] M-RoPE positions of that input, as the sampler used them
     old_logp: torch.Tensor       # [N, L] log pi_old(token) at sampling time
     loss_mask: torch.Tensor      # [N, L] 1 for tokens the loss covers
     target_tokens: torch.Tensor  # [N, H*W] the target grid, row-major
     grid_hw: tuple               # (H, W) of the target grid in tokens
-    prompt_len: int              # P
+    prompt_len: int              # S
     source_prior: list = None    # i2i, per sample: (source VQ ids upsampled 2x, their grid [1, 3]) for the DiT
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """The AR policy: pi(token) = softmax(logits / T) renormalised over the kept ids (vLLM's name for
+    """The AR policy: pi(token) = softmax(logits / temperature) renormalised over the kept ids (vLLM's name for
     these settings). Sampling and the loss both read it: the policy trained is the one sampled."""
     temperature: float = 1.0
     top_k: int = 0               # keep the k most likely ids (0: all)
@@ -324,8 +332,8 @@ def sample_group(pipe, prompts, group_size, sampling, height, width, loss_tokens
     batch, source_prior, grids = generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_len)
     generators = generators or [torch.Generator(ar.device).manual_seed(int(torch.randint(2**62, ()))) for _ in prompts]
     (H, W), L, prompt_len = grids[-1], sum(h * w for h, w in grids) + 1, batch["input_ids"].shape[1]
-    positions = rollout_positions(ar, batch, grids)  # [3, N, P + L - 1]
-    mask = torch.nn.functional.pad(batch["attention_mask"], (0, L - 1), value=1)  # [N, P + L - 1]
+    positions = rollout_positions(ar, batch, grids)  # [3, N, S + L - 1]
+    mask = torch.nn.functional.pad(batch["attention_mask"], (0, L - 1), value=1)  # [N, S + L - 1]
     cache = StaticCache(ar.config, max_cache_len=mask.shape[1])
     step = torch.compile(next_tokens, fullgraph=True, mode="reduce-overhead",  # --fsdp: eager (its hooks)
                          disable=ar.device.type != "cuda" or bool(fsdp_units(ar)))
@@ -345,7 +353,7 @@ def sample_group(pipe, prompts, group_size, sampling, height, width, loss_tokens
 
 
 def sample_tokens(pipe, prompts, sources, slots, step, args, prompt_len=None):
-    """SAMPLE this rank's groups, the group at `slot` seeded by sampling_seed (the same on any number of
+    """SAMPLE this rank's groups, the group at `slot` seeded by (step, slot) (the same on any number of
     processes) -> Rollout. pi_old: the loss's own pass, micro-batch for micro-batch, for ratio 1 bit
     for bit (the sampler's kernels differ: ~1e-2 off a full pass in bf16, ~1e-6 in fp32)."""
     ar = pipe.vision_language_encoder
@@ -353,7 +361,7 @@ def sample_tokens(pipe, prompts, sources, slots, step, args, prompt_len=None):
         # fp32 sums change with the padding before a row, and an unpadded batch takes its causal kernel
         longest = processor_inputs(pipe, prompts, sources, args.height, args.width, "cpu")["input_ids"].shape[1]
         prompt_len = max_over_ranks(longest) + 1
-    generators = [torch.Generator(ar.device).manual_seed(sampling_seed(args.seed, step, slot)) for slot in slots]
+    generators = [seeded(args.seed, "tokens", step, slot, ar.device) for slot in slots]
     ar.eval()
     with whole_weights(ar):
         rollout = sample_group(pipe, prompts, args.group_size, sampling_of(ar), args.height, args.width,
@@ -371,9 +379,8 @@ def group_noise(pipe, prompt_indices, group_size, height, width, seed, step, mod
     the tokens differ. --dit-noise per-prompt keeps a prompt's draw all run (the renderer is a fixed
     function tokens -> image: the reward rises only if the policy does); per-step draws anew."""
     shape = (pipe.transformer.config.in_channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
-    stream = 0 if mode == "per-prompt" else 1_000_003 * step              # seeded by (seed, prompt[, step])
-    draws = [torch.randn(shape, generator=torch.Generator().manual_seed(seed * 7_919 + index + stream))
-             for index in prompt_indices]
+    step = 0 if mode == "per-prompt" else step
+    draws = [torch.randn(shape, generator=seeded(seed, "dit noise", step, index)) for index in prompt_indices]
     return torch.stack(draws).repeat_interleave(group_size, 0)
 
 
@@ -858,7 +865,7 @@ def sde_step(v, x, sigmas, i, noise_level, eps=None, x_next=None):
 
 def sde_generators(seed, step, prompt_indices):
     """One generator per prompt for its SDE noise, seeded by (seed, step, prompt), whatever its batch."""
-    return [torch.Generator().manual_seed(seed * 7_919 + 2_000_003 * step + 17 * index + 1) for index in prompt_indices]
+    return [seeded(seed, "sde noise", step, index) for index in prompt_indices]
 
 
 @torch.no_grad()
@@ -961,18 +968,17 @@ def prepare_dit_policy(dit, args):
 def shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, cache):
     """--policy dit: one token grid per prompt, shared by its G samples (target_tokens [N, H*W]). --dit-prior
     per-prompt draws it once (kept in `cache`): a fixed input the DiT can learn to paint; per-step anew."""
-    def draw(i, seed):
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-            torch.manual_seed(seed)                               # leaves the run's RNG stream untouched
-            return sample_group(pipe, [prompts[i]], 1, sampling_of(pipe.vision_language_encoder), args.height,
-                                args.width, args.loss_tokens, sources and [sources[i]])
+    def draw(i, step, index):
+        ar = pipe.vision_language_encoder
+        return sample_group(pipe, [prompts[i]], 1, sampling_of(ar), args.height, args.width, args.loss_tokens,
+                            sources and [sources[i]], [seeded(args.seed, "dit prior", step, index, ar.device)])
 
     if args.dit_prior == "per-step":
-        draws = [draw(i, sampling_seed(args.seed, step, slot)) for i, slot in enumerate(slots)]
+        draws = [draw(i, step, slot) for i, slot in enumerate(slots)]
     else:
         for i, index in enumerate(indices):
             if index not in cache:
-                cache[index] = draw(i, args.seed * 7_919 + index)
+                cache[index] = draw(i, 0, index)
         draws = [cache[index] for index in indices]
     G = args.group_size
     source_prior = sources and repeat_each([d.source_prior[0] for d in draws], G)          # per sample
@@ -1074,9 +1080,8 @@ def prompts_for_step(num_prompts, step, args):
     indices = []
     for slot in slots:
         epoch, offset = divmod((step - 1) * args.prompts_per_step + slot, num_prompts)
-        order = list(range(num_prompts))
-        random.Random(args.seed * 100003 + epoch).shuffle(order)
-        indices.append(order[offset])
+        order = torch.randperm(num_prompts, generator=seeded(args.seed, "prompt order", epoch))
+        indices.append(int(order[offset]))
     return slots, indices
 
 
@@ -1088,10 +1093,7 @@ def batch_targets(batch):
     return torch.stack([torch.from_numpy(np.asarray(t, dtype=np.float32) / 255.0).permute(2, 0, 1) for t in targets])
 
 
-# ---- For section 4 (SAMPLE): seeds, the AR's inputs and M-RoPE positions, rows of a rollout ---
-def sampling_seed(seed, step, slot):
-    return seed * 1_000_000_007 + step * 100_003 + slot    # the group at `slot` of the step's prompts, on any rank
-
+# ---- For section 4 (SAMPLE): the AR's inputs and M-RoPE positions, rows of a rollout -----------
 
 def processor_inputs(pipe, prompts, sources, height, width, device):
     """Prompts (and i2i source images) tokenised as GlmImagePipeline.generate_prior_tokens does."""
@@ -1131,7 +1133,7 @@ def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_
 
 
 def rollout_positions(ar, batch, grids):
-    """M-RoPE positions [3, N, P + L - 1] of prompt + generated[:-1] as get_rope_index lays them out: the prompt's
+    """M-RoPE positions [3, N, S + L - 1] of prompt + generated[:-1] as get_rope_index lays them out: the prompt's
     by it (2-D mask: padding is not text), then from s = its last + 1 each grid (h, w) at (s, s + i, s + j),
     s += max(h, w)."""
     prompt, _ = ar.model.get_rope_index(**batch)
@@ -2847,7 +2849,7 @@ def sampling_of(ar):
 def generate_images(pipe, prompts, sources=None, height=64, width=64, num_inference_steps=4, guidance_scale=1.0,
                     temperature=None, seed=0):
     """One PIL image per prompt (an edit of its PIL source, if given), sampling the saved policy (at
-    `temperature` if given). Seeds the global torch RNG (sample_group seeds its generators off it)."""
+    `temperature` if given); prompt k's tokens and noise drawn from seeded(seed, ..., k)."""
     if height % 32 or width % 32:
         raise ValueError(f"height and width must be multiples of 32, got {height}x{width}")
     if sources is not None and len(sources) != len(prompts):
@@ -2860,10 +2862,10 @@ def generate_images(pipe, prompts, sources=None, height=64, width=64, num_infere
     noise = group_noise(pipe, range(len(prompts)), 1, height, width, seed, 0, "per-prompt")
     images = []
     for k, (prompt, latents) in enumerate(zip(prompts, noise.split(1))):
-        torch.manual_seed(seed * 1_000_003 + k)
         source = sources and sources[k: k + 1]
         # sample_group and decode_images: pipe(prompt, image=[source]) fails (diffusers 0.42.1, transformers 5)
-        rollout = sample_group(pipe, [prompt], 1, sampling, height, width, "target", source)
+        rollout = sample_group(pipe, [prompt], 1, sampling, height, width, "target", source,
+                               [seeded(seed, "generate", 0, k, pipe.vision_language_encoder.device)])
         images.append(decode_images(pipe, [prompt], source, rollout, latents, num_inference_steps, guidance_scale))
     return pipe.image_processor.numpy_to_pil(torch.cat(images).clamp(0, 1).permute(0, 2, 3, 1).numpy())
 

@@ -2720,7 +2720,7 @@ def test_a_group_samples_the_same_whatever_else_its_rank_holds(sharp_pipe, mode,
     longest = g.processor_inputs(sharp_pipe, [short], [red if mode == "i2i" else None], 96, 64, "cpu")
     sampler = lambda prompt_len: g.sample_group(
         sharp_pipe, [short], 4, g.sampling_of(sharp_pipe.vision_language_encoder), 96, 64, "target", sources(red),
-        generators=[torch.Generator().manual_seed(g.sampling_seed(args.seed, 5, 0))], prompt_len=prompt_len)
+        generators=[g.seeded(args.seed, "tokens", 5, 0)], prompt_len=prompt_len)
     bare, padded = sampler(longest["input_ids"].shape[1]), sampler(both.prompt_len)
     assert not (bare.attention_mask == 0).any() and torch.equal(padded.sequences, rank0.sequences)
     assert torch.equal(bare.sequences[:, bare.prompt_len:], rank0.sequences[:, rank0.prompt_len:])
