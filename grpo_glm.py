@@ -90,97 +90,14 @@ class UsageError(Exception):
 # =============================================================================================
 # 1. Settings
 # =============================================================================================
-
-def parse_args(argv=None):
-    p = Parser(description="GRPO fine-tuning of GLM-Image against image rewards.", formatter_class=HelpFormatter)
-    a = p.add_argument
-    count, non_negative_int = number(int, least=1), number(int, least=0)
-    positive, non_negative = number(float, above=0), number(float, least=0)
-    pixels = number(int, least=32, multiple=32)
-    a("--mode", choices=["t2i", "i2i"], default="t2i", help="t2i: text to image; i2i: edit each prompt's source image.")
-    a("--model", default=TINY, help="'tiny' (a toy GLM-Image, section 21), a hub id or a save_pretrained directory.")
-    a("--prompts", default="prompts.txt", help="Prompt file: a prompt per line, optionally '| target.png' (i2i: "
-      "'| target.png | source.png'); without them the demo images are drawn from its colour/shape words.")
-    a("--reward", action="append", metavar="SPEC", help="A reward: 'mse', 'module:function' or 'file.py:function', "
-      "optionally '=WEIGHT'; repeat it for a weighted sum (section 6). Default: mse.")
-    a("--out", default="runs/grpo_glm", help="Directory for metrics.jsonl, samples/ and checkpoints/.")
-    a("--steps", type=count, default=10, help="Number of GRPO steps to run (in total, counting resumed ones).")
-    a("--seed", type=number(int, least=0, most=2**32 - 1), default=0, help="Seed of the tiny model, the prompt "
-      "order, sampling and DiT noise (numpy's range: 0 to 2**32 - 1).")
-    a("--group-size", type=number(int, least=2), default=32, help="G: samples per prompt, compared within their group.")
-    a("--prompts-per-step", type=count, default=2, help="Prompts per step; a step's batch is prompts x G samples.")
-    a("--inner-epochs", type=count, default=4, help="mu: optimisation passes over each batch.")
-    a("--lr", type=positive, default=2e-2, help="AdamW learning rate.")
-    a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="Learning-rate "
-      "schedule over --steps GRPO steps (diffusers' get_scheduler); resuming with another --steps reshapes "
-      "the rest of a cosine or linear one.")
-    a("--lr-warmup-steps", type=non_negative_int, default=0, help="GRPO steps of linear warm-up from 0 to --lr.")
-    a("--weight-decay", type=non_negative, default=0.0, help="AdamW's decoupled weight decay.")
-    a("--max-grad-norm", type=positive, default=1.0, help="Clip the global gradient norm to this value.")
-    a("--clip-eps", type=positive, default=0.2, help="epsilon of the PPO clip: ratio is kept within [1-eps, 1+eps].")
-    a("--beta", type=non_negative, default=0.0, help="Weight of the KL penalty towards the initial model (0 = "
-      "none, TRL's default): k3 on the AR's tokens; on the DiT the exact Gaussian KL ||dmu||^2 / (2 std_t^2 "
-      "|dt|). flow_grpo's code omits |dt|, so a beta taken from flow_grpo is 10-1000x stronger here.")
-    a("--temperature", type=positive, default=1.0, help="Sampling temperature; log-probs use logits / temperature.")
-    a("--top-k", type=non_negative_int, default=0, help="Sample among the k most likely image tokens (0 = all); "
-      "part of the policy: the loss scores tokens by the same truncated softmax.")
-    a("--top-p", type=number(float, above=0, most=1), default=1.0, help="Nucleus sampling: among the fewest "
-      "tokens whose probability adds up to p (1 = all); part of the policy, as --top-k.")
-    a("--height", type=pixels, default=128, help="Image height in pixels, a multiple of GLM-Image's 32-pixel tokens.")
-    a("--width", type=pixels, default=128, help="Image width in pixels, a multiple of 32.")
-    a("--num-inference-steps", type=count, default=4, help="DiT denoising steps when decoding samples.")
-    a("--dit-noise", choices=["per-prompt", "per-step"], default="per-prompt", help="Initial DiT noise: one "
-      "draw per prompt for the whole run, or a fresh one per step (always shared within a group).")
-    a("--guidance-scale", type=number(float), default=1.0, help="DiT classifier-free guidance scale (1 = off).")
-    a("--loss-tokens", choices=["target", "all"], default="target", help="Which generated tokens the loss "
-      "covers: the target grid the DiT decodes, or the preview grid too (section 9).")
-    a("--lora-rank", type=non_negative_int, default=0, help="LoRA rank on the AR's projections (0 = full fine-tuning).")
-    a("--lora-alpha", type=number(float), default=None, help="LoRA alpha (default: equal to --lora-rank).")
-    a("--ar-trainable", choices=["auto", "all", "head"], default="auto", help="Without LoRA, what of the AR trains: "
-      "all its weights, or its output layer (head) on a frozen body; auto = head for --model tiny (section 2).")
-    a("--policy", choices=["ar", "dit", "both"], default="ar", help="What GRPO trains: the AR token model "
-      "(the DiT renders, frozen), the DiT with Flow-GRPO (tokens shared per prompt), or both from one reward.")
-    a("--dit-lr", type=positive, default=3e-3, help="AdamW learning rate of the DiT.")
-    a("--dit-clip-eps", type=positive, default=1e-4, help="PPO clip epsilon of the DiT's per-step ratio "
-      "(flow_grpo's; step log-probs are means over latent dims, so ratios stay within ~1e-3 of 1).")
-    a("--dit-noise-level", type=positive, default=0.7, help="a in Flow-GRPO's SDE, std_t = a sqrt(sigma / "
-      "(1 - sigma)); 0 would be the deterministic ODE, which has no log-prob.")
-    a("--dit-train-steps", type=count, default=None, help="How many denoising steps, from the first, run as "
-      "SDE steps and enter the DiT loss; the rest run the ODE (default: all but the last).")
-    a("--dit-prior", choices=["per-prompt", "per-step"], default="per-prompt", help="--policy dit: the AR "
-      "token grid a group shares is drawn once per prompt for the whole run, or afresh each step.")
-    a("--dit-reward", action="append", metavar="SPEC", help="--policy both: the DiT's own reward (--reward's "
-      "syntax, repeatable); the AR's advantages then come from --reward alone (GLM-Image's decoupled RL: "
-      "layout and meaning to the AR, detail and text to the DiT).")
-    a("--dit-lora-rank", type=non_negative_int, default=0, help="LoRA rank on the DiT (0 = full fine-tuning).")
-    a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto", help="Weights dtype: "
-      "auto = bfloat16 for a pretrained model on CUDA, else float32; float64 is for checks, e.g. that K "
-      "processes train as one.")
-    a("--micro-batch-size", type=count, default=None, help="Samples per forward and backward; default: --group-size.")
-    a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in the backward pass.")
-    a("--offload", action=argparse.BooleanOptionalAction, default=None, help="Offload the frozen DiT, VAE and "
-      "text encoder to CPU between uses (default: if --plan's peak exceeds the GPU's free memory).")
-    a("--save-every", type=count, default=10, help="Write a checkpoint every N steps (and always at the end).")
-    a("--checkpoints-total-limit", type=count, default=None, help="Keep only the newest K step "
-      "checkpoints (all by default).")
-    a("--sample-every", type=non_negative_int, default=5, help="Save a PNG of the samples every N steps (0 = never).")
-    a("--report-to", choices=["none", "tensorboard", "wandb"], default="none", help="Also log metrics, sample "
-      "sheets and flags to TensorBoard (<out>/logs) or Weights & Biases (WANDB_MODE=offline works).")
-    a("--resume", default=None, help="Checkpoint file to continue from, or 'latest' for the newest in --out.")
-    a("--resume-force", action="store_true", help="Resume even if algorithm flags differ from the checkpoint's.")
-    a("--save-pipeline", default=None, help="After training, write the whole pipeline (LoRA merged) to this directory.")
-    a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
-    a("--fsdp", action="store_true", help="Under torchrun: shard the trained weights and their AdamW state (FSDP2).")
-    a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others before it stops.")
-    a("--plan", action="store_true", help="Print the memory plan of --model at --height x --width, and exit.")
-    a("--plan-gpus", type=number(int, least=2), nargs="+", metavar="K", help="With --plan: also print the "
-      "per-GPU bytes of --fsdp over K GPUs for each K given; --prompts-per-step is then the global count.")
-    known = p.parse_known_args(argv)[0]
-    if known.model != TINY:
-        p.set_defaults(**pretrained_defaults(known))      # the defaults above are the tiny demo's
-    args = p.parse_args(argv)
-    args.reward = args.reward or ["mse"]
-    return args
+# parse_args (section 15) reads every flag; `--help` lists them with their defaults. GRPO's own:
+#     --group-size G (32)             samples per prompt, compared within their group (sections 4, 7)
+#     --prompts-per-step P (2)        a step's batch is N = P x G samples
+#     --temperature, --top-k, --top-p the sampling policy, which the loss scores alike (sections 4, 8)
+#     --loss-tokens (target)          which generated tokens the loss covers (section 9)
+#     --clip-eps (0.2), --beta (0)    PPO's clip range and the KL penalty's weight (section 9)
+#     --inner-epochs mu (4), --lr     AdamW passes over each batch, their step size (section 10)
+#     --policy (ar)                   what trains: the AR, the DiT (Part II), or both
 
 
 # =============================================================================================
@@ -251,10 +168,18 @@ def prepare_policy(ar, args):
 # =============================================================================================
 # 3. Prompts and targets
 # =============================================================================================
-# prompts_for_step (a seeded shuffle per pass: a resumed run sees the same prompts), batch_targets: section 14.
+# prompts_for_step (section 14): a seeded shuffle per pass over the file, so a resumed run sees the same prompts.
 
 def repeat_each(items, group_size):
     return [x for x in items for _ in range(group_size)]        # [a, b] -> [a x G, b x G], as the batch rows
+
+
+def batch_targets(batch):
+    """The step's target images [P, 3, H, W] in [0, 1], or None if any is missing."""
+    targets = [it.image("target") for it in batch]
+    if any(t is None for t in targets):
+        return None
+    return torch.stack([torch.from_numpy(np.asarray(t, dtype=np.float32) / 255.0).permute(2, 0, 1) for t in targets])
 
 
 def seeded(seed, purpose, step=0, index=0, device="cpu"):
@@ -304,6 +229,16 @@ def image_token_suppression(ar, codebook_size):
     return tuple(range(codebook_size, ar.config.text_config.vision_vocab_size))
 
 
+def sampling_of(ar):
+    """The AR's policy, read back from its generation config (policy_generation_config's inverse)."""
+    config = ar.generation_config
+    return SamplingParams(config.temperature, config.top_k, config.top_p, tuple(config.suppress_tokens))
+
+
+def at_least_fp32(x):
+    return x.to(torch.promote_types(x.dtype, torch.float32))    # bf16/fp16 -> fp32; fp32, fp64 unchanged
+
+
 def gumbel_max(logits, uniform, sampling):
     """Gumbel-max: argmax_v (z_v - log(-log u_v)), u ~ U(0, 1), is a draw from softmax(z) over the ids where z is
     finite. logits, u [N, V] -> (ids [N], log pi(ids) [N] fp64)."""
@@ -319,6 +254,53 @@ def next_tokens(ar, ids, uniform, positions, mask, cache, sampling):
     # by position: the cache's keyword is past_key_values before transformers 5.24
     logits = ar(ids, mask, positions.index_select(2, at), cache, logits_to_keep=1).logits[:, -1]
     return gumbel_max(logits, uniform, sampling)
+
+
+def processor_inputs(pipe, prompts, sources, height, width, device):
+    """Prompts (and i2i source images) tokenised as GlmImagePipeline.generate_prior_tokens does."""
+    images = [[] if s is None else [{"type": "image", "image": s}] for s in sources or [None] * len(prompts)]
+    messages = [[{"role": "user", "content": im + [{"type": "text", "text": p}]}] for p, im in zip(prompts, images)]
+    return pipe.processor.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_tensors="pt",
+        processor_kwargs={"padding": True, "target_h": height, "target_w": width}).to(device)
+
+
+def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_len=None):
+    """The AR's inputs for P x G rows (left-padded to `prompt_len`; i2i: VQ ids in the image placeholders), i2i's
+    per-sample DiT condition, the grids (h, w) to generate in their order (t2i: preview, target)."""
+    ar = pipe.vision_language_encoder
+    inputs = processor_inputs(pipe, prompts, sources, height, width, ar.device)
+    ids, per_sample, source_prior = inputs["input_ids"], inputs["images_per_sample"], None
+    if sources is not None:
+        # i2i: vision encoder + VQ once per prompt; its VQ ids into the placeholders: no pass reruns the encoder
+        source_grids = ar.model.get_image_grids_for_generation(per_sample, inputs["image_grid_thw"])
+        features = list(ar.get_image_features(inputs["pixel_values"], source_grids).pooler_output)
+        tokens = torch.split(ar.get_image_tokens(features), source_grids.prod(-1).tolist())
+        prior = [(pipe._upsample_token_ids(t, h, w).squeeze(0), torch.tensor([[1, 2 * h, 2 * w]]))
+                 for t, (_, h, w) in zip(tokens, source_grids.tolist())]
+        ids = ids.masked_scatter(ids == ar.config.image_token_id, torch.cat(tokens))
+        source_prior = repeat_each(prior, group_size)
+    extra = (prompt_len or ids.shape[1]) - ids.shape[1]
+    ids = torch.nn.functional.pad(ids, (extra, 0), value=ar.config.text_config.pad_token_id)
+    mask = torch.nn.functional.pad(inputs["attention_mask"], (extra, 0), value=0)
+    # [p0, p1] -> [p0 x G, p1 x G], image_grid_thw by blocks of images_per_sample rows.
+    grids = torch.split(inputs["image_grid_thw"], per_sample.tolist())
+    batch = {"input_ids": ids.repeat_interleave(group_size, 0),
+             "attention_mask": mask.repeat_interleave(group_size, 0),
+             "image_grid_thw": torch.cat([g.repeat(group_size, 1) for g in grids]),
+             "images_per_sample": per_sample.repeat_interleave(group_size)}
+    generated = grids[0][-1:] if sources is not None else grids[0].flip(0)  # t2i prompts list (target, preview)
+    return batch, source_prior, [(h, w) for _, h, w in generated.tolist()]
+
+
+def rollout_positions(ar, batch, grids):
+    """M-RoPE positions [3, N, S + L - 1] of prompt + generated[:-1] as get_rope_index lays them out: the prompt's
+    by it (2-D mask: padding is not text), then from s = its last + 1 each grid (h, w) at (s, s + i, s + j),
+    s += max(h, w)."""
+    prompt, _ = ar.model.get_rope_index(**batch)
+    offsets = [ar.model.get_vision_position_ids(sum(max(*hw) for hw in grids[:k]), torch.tensor([1, h, w]))
+               for k, (h, w) in enumerate(grids)]  # [3, h*w] each; the end slot's is never read
+    return torch.cat([prompt, prompt[:, :, -1:] + 1 + torch.cat(offsets, 1)[:, None].to(prompt.device)], -1)
 
 
 @torch.no_grad()
@@ -384,6 +366,57 @@ def group_noise(pipe, prompt_indices, group_size, height, width, seed, step, mod
     return torch.stack(draws).repeat_interleave(group_size, 0)
 
 
+@dataclass
+class DitCondition:
+    """The DiT's inputs as GlmImagePipeline.__call__ builds them, per prompt (its G samples at rows p*G..)."""
+    prompt_embeds: list              # per prompt: [G, S_p, D] glyph embeddings (encode_prompt of it alone)
+    negative_embeds: list            # per prompt: [G, S', D] glyph embeddings of "" (CFG's other branch), or None
+    prior: torch.Tensor              # [N, 4*H*W] target-grid tokens upsampled 2x (the DiT's 16-px grid)
+    target_size: torch.Tensor        # [N, 2] (height, width) in pixels
+    crop_coords: torch.Tensor        # [N, 2] zeros, the pipeline's default crops_coords_top_left
+    guidance_scale: float
+    source_latents: list = None      # i2i, per prompt: normalised VAE latent [1, C, h, w] of the source
+    source_prior: list = None        # i2i, per prompt: its VQ ids upsampled 2x [4*h*w]
+
+
+def dit_schedule(pipe, height, width, num_inference_steps):
+    """(timesteps [K], sigmas [K+1]) exactly as GlmImagePipeline.__call__ sets them up; sigma is read
+    back from scheduler.sigmas, which is shifted (t / 1000 is not the sigma the DiT runs at)."""
+    from diffusers.pipelines.glm_image.pipeline_glm_image import calculate_shift, retrieve_timesteps
+
+    scheduler, device = pipe.scheduler, pipe._execution_device
+    seq_len = height * width // (pipe.vae_scale_factor * pipe.transformer.config.patch_size) ** 2   # latent patches
+    train_steps = scheduler.config.num_train_timesteps
+    timesteps = np.linspace(train_steps, 1.0, num_inference_steps + 1)[:-1].astype(np.int64).astype(np.float32)
+    mu = calculate_shift(seq_len, scheduler.config.get("base_image_seq_len", 256),
+                         scheduler.config.get("base_shift", 0.25), scheduler.config.get("max_shift", 0.75))
+    timesteps, _ = retrieve_timesteps(scheduler, num_inference_steps, device, timesteps, timesteps / train_steps, mu=mu)
+    return timesteps, scheduler.sigmas.to(device, torch.promote_types(pipe.transformer.dtype, torch.float32))
+
+
+@torch.no_grad()
+def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_scale, sources=None, source_prior=None):
+    """The DiT's inputs for P prompts x G samples; target_tokens [N, H*W]; i2i: per prompt its source
+    (PIL) and (upsampled VQ ids, grid). The frozen glyph encoder and VAE run here, once per step."""
+    from diffusers.pipelines.glm_image.pipeline_glm_image import retrieve_latents
+
+    H, W = grid_hw
+    height, width = 32 * H, 32 * W
+    device, dtype = pipe._execution_device, pipe.dtype
+    encoded = [pipe.encode_prompt([p], guidance_scale > 1, num_images_per_prompt=group_size, device=device,
+                                  dtype=dtype) for p in prompts]
+    embeds, negative = [e for e, _ in encoded], [u for _, u in encoded] if guidance_scale > 1 else None
+    prior = torch.cat([pipe._upsample_token_ids(t, H, W) for t in target_tokens]).to(device)
+    latents = None
+    if sources is not None:      # the pipeline's i2i path: preprocess, VAE mode (argmax), normalise
+        mean, std = latent_stats(pipe.vae, device, dtype)
+        pixels = [pipe.image_processor.preprocess(s, height=height, width=width).to(device, dtype) for s in sources]
+        latents = [(retrieve_latents(pipe.vae.encode(p), sample_mode="argmax") - mean) / std for p in pixels]
+    size = torch.tensor([[height, width]], dtype=dtype, device=device).repeat(target_tokens.shape[0], 1)
+    return DitCondition(embeds, negative, prior, size, torch.zeros_like(size), guidance_scale, latents,
+                        [ids.to(device) for ids, _ in source_prior] if sources is not None else None)
+
+
 @torch.no_grad()
 def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps, guidance_scale):
     """DECODE: images [N, 3, H, W] from the target grids, denoised by the pipeline's own schedule, conditioning
@@ -397,6 +430,19 @@ def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps, g
     H, W = rollout.grid_hw
     schedule = dit_schedule(pipe, 32 * H, 32 * W, num_inference_steps)
     return latents_to_images(pipe, sample_dit(pipe.transformer, cond, noise, schedule).states[:, -1])  # a = 0
+
+
+def latent_stats(vae, device, dtype):
+    stats = (vae.config.latents_mean, vae.config.latents_std)     # DiT latent = (VAE latent - mean) / std
+    return (torch.tensor(v).view(1, -1, 1, 1).to(device, dtype) for v in stats)
+
+
+def latents_to_images(pipe, latents):
+    """The pipeline's decode (un-normalise, vae.decode, postprocess) -> [N, 3, H, W] in [0, 1], fp32, CPU."""
+    latents = latents.to(pipe.vae.dtype)
+    mean, std = latent_stats(pipe.vae, latents.device, latents.dtype)
+    image = pipe.vae.decode(latents * std + mean, return_dict=False)[0]      # one image at a time (load_pipeline)
+    return at_least_fp32(pipe.image_processor.postprocess(image, output_type="pt")).cpu()
 
 
 # =============================================================================================
@@ -505,6 +551,21 @@ def policy_logits(ar, rollout):
 
 def policy_logprobs(ar, rollout, sampling):
     return token_logprobs(policy_logits(ar, rollout), rollout.sequences[:, rollout.prompt_len:], sampling)
+
+
+def row_slices(num_samples, size):
+    return [slice(start, min(start + size, num_samples)) for start in range(0, num_samples, size)]
+
+
+def slice_rollout(rollout, rows):
+    """Rows `rows` (a slice) of a Rollout, without the left-padding columns none of them needs,
+    so a group's forward is the same tensors whatever else shares its rank's batch."""
+    mask = rollout.attention_mask[rows]
+    first = int(mask.any(dim=0).nonzero()[0])          # only prompt columns can be all padding
+    per_row = {name: getattr(rollout, name) for name in ("old_logp", "loss_mask", "target_tokens", "source_prior")}
+    return replace(rollout, sequences=rollout.sequences[rows, first:], attention_mask=mask[:, first:],
+                   position_ids=rollout.position_ids[:, rows, first:], prompt_len=rollout.prompt_len - first,
+                   **{name: None if value is None else value[rows] for name, value in per_row.items()})
 
 
 @torch.no_grad()
@@ -793,18 +854,6 @@ def train(args):
 # last step, onto sigma' = 0, is not trained (as flow_grpo): its Gaussian is the sharpest, its
 # log-ratios large, its gradients noisy.
 
-@dataclass
-class DitCondition:
-    """The DiT's inputs as GlmImagePipeline.__call__ builds them, per prompt (its G samples at rows p*G..)."""
-    prompt_embeds: list              # per prompt: [G, S_p, D] glyph embeddings (encode_prompt of it alone)
-    negative_embeds: list            # per prompt: [G, S', D] glyph embeddings of "" (CFG's other branch), or None
-    prior: torch.Tensor              # [N, 4*H*W] target-grid tokens upsampled 2x (the DiT's 16-px grid)
-    target_size: torch.Tensor        # [N, 2] (height, width) in pixels
-    crop_coords: torch.Tensor        # [N, 2] zeros, the pipeline's default crops_coords_top_left
-    guidance_scale: float
-    source_latents: list = None      # i2i, per prompt: normalised VAE latent [1, C, h, w] of the source
-    source_prior: list = None        # i2i, per prompt: its VQ ids upsampled 2x [4*h*w]
-
 
 @dataclass
 class DitRollout:
@@ -1014,10 +1063,10 @@ def ode_images(pipe, prompts, sources, rollout, noise, args):
 
 
 # =============================================================================================
-# 14. The GRPO step's plumbing: loading, inputs, padding, micro-batches, the DiT's inputs
+# 14. The GRPO step's plumbing: loading, each step's prompts, the update's guards, micro-batches under DDP
 # =============================================================================================
 
-# ---- For sections 2 and 3: the model, each step's prompts and targets ----------------------------
+# ---- For sections 2 and 3: the model, each step's prompts ----------------------------------------
 def pipeline_from_pretrained(args, dtype):
     """GlmImagePipeline.from_pretrained of --model ('tiny': built and cached on first use, section 21)."""
     from diffusers import GlmImagePipeline
@@ -1085,78 +1134,6 @@ def prompts_for_step(num_prompts, step, args):
     return slots, indices
 
 
-def batch_targets(batch):
-    """The step's target images [P, 3, H, W] in [0, 1], or None if any is missing."""
-    targets = [it.image("target") for it in batch]
-    if any(t is None for t in targets):
-        return None
-    return torch.stack([torch.from_numpy(np.asarray(t, dtype=np.float32) / 255.0).permute(2, 0, 1) for t in targets])
-
-
-# ---- For section 4 (SAMPLE): the AR's inputs and M-RoPE positions, rows of a rollout -----------
-
-def processor_inputs(pipe, prompts, sources, height, width, device):
-    """Prompts (and i2i source images) tokenised as GlmImagePipeline.generate_prior_tokens does."""
-    images = [[] if s is None else [{"type": "image", "image": s}] for s in sources or [None] * len(prompts)]
-    messages = [[{"role": "user", "content": im + [{"type": "text", "text": p}]}] for p, im in zip(prompts, images)]
-    return pipe.processor.apply_chat_template(
-        messages, tokenize=True, return_dict=True, return_tensors="pt",
-        processor_kwargs={"padding": True, "target_h": height, "target_w": width}).to(device)
-
-
-def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_len=None):
-    """The AR's inputs for P x G rows (left-padded to `prompt_len`; i2i: VQ ids in the image placeholders), i2i's
-    per-sample DiT condition, the grids (h, w) to generate in their order (t2i: preview, target)."""
-    ar = pipe.vision_language_encoder
-    inputs = processor_inputs(pipe, prompts, sources, height, width, ar.device)
-    ids, per_sample, source_prior = inputs["input_ids"], inputs["images_per_sample"], None
-    if sources is not None:
-        # i2i: vision encoder + VQ once per prompt; its VQ ids into the placeholders: no pass reruns the encoder
-        source_grids = ar.model.get_image_grids_for_generation(per_sample, inputs["image_grid_thw"])
-        features = list(ar.get_image_features(inputs["pixel_values"], source_grids).pooler_output)
-        tokens = torch.split(ar.get_image_tokens(features), source_grids.prod(-1).tolist())
-        prior = [(pipe._upsample_token_ids(t, h, w).squeeze(0), torch.tensor([[1, 2 * h, 2 * w]]))
-                 for t, (_, h, w) in zip(tokens, source_grids.tolist())]
-        ids = ids.masked_scatter(ids == ar.config.image_token_id, torch.cat(tokens))
-        source_prior = repeat_each(prior, group_size)
-    extra = (prompt_len or ids.shape[1]) - ids.shape[1]
-    ids = torch.nn.functional.pad(ids, (extra, 0), value=ar.config.text_config.pad_token_id)
-    mask = torch.nn.functional.pad(inputs["attention_mask"], (extra, 0), value=0)
-    # [p0, p1] -> [p0 x G, p1 x G], image_grid_thw by blocks of images_per_sample rows.
-    grids = torch.split(inputs["image_grid_thw"], per_sample.tolist())
-    batch = {"input_ids": ids.repeat_interleave(group_size, 0),
-             "attention_mask": mask.repeat_interleave(group_size, 0),
-             "image_grid_thw": torch.cat([g.repeat(group_size, 1) for g in grids]),
-             "images_per_sample": per_sample.repeat_interleave(group_size)}
-    generated = grids[0][-1:] if sources is not None else grids[0].flip(0)  # t2i prompts list (target, preview)
-    return batch, source_prior, [(h, w) for _, h, w in generated.tolist()]
-
-
-def rollout_positions(ar, batch, grids):
-    """M-RoPE positions [3, N, S + L - 1] of prompt + generated[:-1] as get_rope_index lays them out: the prompt's
-    by it (2-D mask: padding is not text), then from s = its last + 1 each grid (h, w) at (s, s + i, s + j),
-    s += max(h, w)."""
-    prompt, _ = ar.model.get_rope_index(**batch)
-    offsets = [ar.model.get_vision_position_ids(sum(max(*hw) for hw in grids[:k]), torch.tensor([1, h, w]))
-               for k, (h, w) in enumerate(grids)]  # [3, h*w] each; the end slot's is never read
-    return torch.cat([prompt, prompt[:, :, -1:] + 1 + torch.cat(offsets, 1)[:, None].to(prompt.device)], -1)
-
-
-def row_slices(num_samples, size):
-    return [slice(start, min(start + size, num_samples)) for start in range(0, num_samples, size)]
-
-
-def slice_rollout(rollout, rows):
-    """Rows `rows` (a slice) of a Rollout, without the left-padding columns none of them needs,
-    so a group's forward is the same tensors whatever else shares its rank's batch."""
-    mask = rollout.attention_mask[rows]
-    first = int(mask.any(dim=0).nonzero()[0])          # only prompt columns can be all padding
-    per_row = {name: getattr(rollout, name) for name in ("old_logp", "loss_mask", "target_tokens", "source_prior")}
-    return replace(rollout, sequences=rollout.sequences[rows, first:], attention_mask=mask[:, first:],
-                   position_ids=rollout.position_ids[:, rows, first:], prompt_len=rollout.prompt_len - first,
-                   **{name: None if value is None else value[rows] for name, value in per_row.items()})
-
-
 # ---- For sections 8-11: dtypes, micro-batches under DDP, the update's guards, non-finite steps ----
 class UpdateGuard:
     """grpo_update's guards and bookkeeping: a pass's metrics; vote: the ranks' one vote to step or skip it; the
@@ -1199,10 +1176,6 @@ class UpdateGuard:
                 "skipped_nonfinite_loss": sum(not (stepped or finite) for _, stepped, finite in self.passes)}
 
 
-def at_least_fp32(x):
-    return x.to(torch.promote_types(x.dtype, torch.float32))    # bf16/fp16 -> fp32; fp32, fp64 unchanged
-
-
 def sync_on_last(policy, batches):
     """Yields the micro-`batches`, each backpropagated before the next; under DDP all but the last in no_sync(): the
     last backward all-reduces the sum once. Every rank runs as many (a missing one would hang the others)."""
@@ -1228,45 +1201,7 @@ def non_finite_streak(bad_steps, row, out, args, start):
                      f"{'; non-finite '.join(causes)}; {saved}")
 
 
-# ---- For Part II: the DiT's inputs as the pipeline builds them, the i2i source cache, the VAE ----
-def dit_schedule(pipe, height, width, num_inference_steps):
-    """(timesteps [K], sigmas [K+1]) exactly as GlmImagePipeline.__call__ sets them up; sigma is read
-    back from scheduler.sigmas, which is shifted (t / 1000 is not the sigma the DiT runs at)."""
-    from diffusers.pipelines.glm_image.pipeline_glm_image import calculate_shift, retrieve_timesteps
-
-    scheduler, device = pipe.scheduler, pipe._execution_device
-    seq_len = height * width // (pipe.vae_scale_factor * pipe.transformer.config.patch_size) ** 2   # latent patches
-    train_steps = scheduler.config.num_train_timesteps
-    timesteps = np.linspace(train_steps, 1.0, num_inference_steps + 1)[:-1].astype(np.int64).astype(np.float32)
-    mu = calculate_shift(seq_len, scheduler.config.get("base_image_seq_len", 256),
-                         scheduler.config.get("base_shift", 0.25), scheduler.config.get("max_shift", 0.75))
-    timesteps, _ = retrieve_timesteps(scheduler, num_inference_steps, device, timesteps, timesteps / train_steps, mu=mu)
-    return timesteps, scheduler.sigmas.to(device, torch.promote_types(pipe.transformer.dtype, torch.float32))
-
-
-@torch.no_grad()
-def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_scale, sources=None, source_prior=None):
-    """The DiT's inputs for P prompts x G samples; target_tokens [N, H*W]; i2i: per prompt its source
-    (PIL) and (upsampled VQ ids, grid). The frozen glyph encoder and VAE run here, once per step."""
-    from diffusers.pipelines.glm_image.pipeline_glm_image import retrieve_latents
-
-    H, W = grid_hw
-    height, width = 32 * H, 32 * W
-    device, dtype = pipe._execution_device, pipe.dtype
-    encoded = [pipe.encode_prompt([p], guidance_scale > 1, num_images_per_prompt=group_size, device=device,
-                                  dtype=dtype) for p in prompts]
-    embeds, negative = [e for e, _ in encoded], [u for _, u in encoded] if guidance_scale > 1 else None
-    prior = torch.cat([pipe._upsample_token_ids(t, H, W) for t in target_tokens]).to(device)
-    latents = None
-    if sources is not None:      # the pipeline's i2i path: preprocess, VAE mode (argmax), normalise
-        mean, std = latent_stats(pipe.vae, device, dtype)
-        pixels = [pipe.image_processor.preprocess(s, height=height, width=width).to(device, dtype) for s in sources]
-        latents = [(retrieve_latents(pipe.vae.encode(p), sample_mode="argmax") - mean) / std for p in pixels]
-    size = torch.tensor([[height, width]], dtype=dtype, device=device).repeat(target_tokens.shape[0], 1)
-    return DitCondition(embeds, negative, prior, size, torch.zeros_like(size), guidance_scale, latents,
-                        [ids.to(device) for ids, _ in source_prior] if sources is not None else None)
-
-
+# ---- For Part II: the i2i source's KV cache --------------------------------------------------------
 def write_source_caches(dit, cond):
     """Per prompt, the KV cache its G samples' DiT passes read (t2i: None): i2i, a pass over the source
     latent at timestep 0 writes it, as the pipeline does, part of the training graph."""
@@ -1296,22 +1231,101 @@ def write_source_caches(dit, cond):
     return caches
 
 
-def latent_stats(vae, device, dtype):
-    stats = (vae.config.latents_mean, vae.config.latents_std)     # DiT latent = (VAE latent - mean) / std
-    return (torch.tensor(v).view(1, -1, 1, 1).to(device, dtype) for v in stats)
-
-
-def latents_to_images(pipe, latents):
-    """The pipeline's decode (un-normalise, vae.decode, postprocess) -> [N, 3, H, W] in [0, 1], fp32, CPU."""
-    latents = latents.to(pipe.vae.dtype)
-    mean, std = latent_stats(pipe.vae, latents.device, latents.dtype)
-    image = pipe.vae.decode(latents * std + mean, return_dict=False)[0]      # one image at a time (load_pipeline)
-    return at_least_fp32(pipe.image_processor.postprocess(image, output_type="pt")).cpu()
-
-
 # =============================================================================================
 # 15. Starting a run: flag checks (one-line errors before anything loads), --out, resume point
 # =============================================================================================
+
+def parse_args(argv=None):
+    p = Parser(description="GRPO fine-tuning of GLM-Image against image rewards.", formatter_class=HelpFormatter)
+    a = p.add_argument
+    count, non_negative_int = number(int, least=1), number(int, least=0)
+    positive, non_negative = number(float, above=0), number(float, least=0)
+    pixels = number(int, least=32, multiple=32)
+    a("--mode", choices=["t2i", "i2i"], default="t2i", help="t2i: text to image; i2i: edit each prompt's source image.")
+    a("--model", default=TINY, help="'tiny' (a toy GLM-Image, section 21), a hub id or a save_pretrained directory.")
+    a("--prompts", default="prompts.txt", help="Prompt file: a prompt per line, optionally '| target.png' (i2i: "
+      "'| target.png | source.png'); without them the demo images are drawn from its colour/shape words.")
+    a("--reward", action="append", metavar="SPEC", help="A reward: 'mse', 'module:function' or 'file.py:function', "
+      "optionally '=WEIGHT'; repeat it for a weighted sum (section 6). Default: mse.")
+    a("--out", default="runs/grpo_glm", help="Directory for metrics.jsonl, samples/ and checkpoints/.")
+    a("--steps", type=count, default=10, help="Number of GRPO steps to run (in total, counting resumed ones).")
+    a("--seed", type=number(int, least=0, most=2**32 - 1), default=0, help="Seed of the tiny model, the prompt "
+      "order, sampling and DiT noise (numpy's range: 0 to 2**32 - 1).")
+    a("--group-size", type=number(int, least=2), default=32, help="G: samples per prompt, compared within their group.")
+    a("--prompts-per-step", type=count, default=2, help="Prompts per step; a step's batch is prompts x G samples.")
+    a("--inner-epochs", type=count, default=4, help="mu: optimisation passes over each batch.")
+    a("--lr", type=positive, default=2e-2, help="AdamW learning rate.")
+    a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="Learning-rate "
+      "schedule over --steps GRPO steps (diffusers' get_scheduler); resuming with another --steps reshapes "
+      "the rest of a cosine or linear one.")
+    a("--lr-warmup-steps", type=non_negative_int, default=0, help="GRPO steps of linear warm-up from 0 to --lr.")
+    a("--weight-decay", type=non_negative, default=0.0, help="AdamW's decoupled weight decay.")
+    a("--max-grad-norm", type=positive, default=1.0, help="Clip the global gradient norm to this value.")
+    a("--clip-eps", type=positive, default=0.2, help="epsilon of the PPO clip: ratio is kept within [1-eps, 1+eps].")
+    a("--beta", type=non_negative, default=0.0, help="Weight of the KL penalty towards the initial model (0 = "
+      "none, TRL's default): k3 on the AR's tokens; on the DiT the exact Gaussian KL ||dmu||^2 / (2 std_t^2 "
+      "|dt|). flow_grpo's code omits |dt|, so a beta taken from flow_grpo is 10-1000x stronger here.")
+    a("--temperature", type=positive, default=1.0, help="Sampling temperature; log-probs use logits / temperature.")
+    a("--top-k", type=non_negative_int, default=0, help="Sample among the k most likely image tokens (0 = all); "
+      "part of the policy: the loss scores tokens by the same truncated softmax.")
+    a("--top-p", type=number(float, above=0, most=1), default=1.0, help="Nucleus sampling: among the fewest "
+      "tokens whose probability adds up to p (1 = all); part of the policy, as --top-k.")
+    a("--height", type=pixels, default=128, help="Image height in pixels, a multiple of GLM-Image's 32-pixel tokens.")
+    a("--width", type=pixels, default=128, help="Image width in pixels, a multiple of 32.")
+    a("--num-inference-steps", type=count, default=4, help="DiT denoising steps when decoding samples.")
+    a("--dit-noise", choices=["per-prompt", "per-step"], default="per-prompt", help="Initial DiT noise: one "
+      "draw per prompt for the whole run, or a fresh one per step (always shared within a group).")
+    a("--guidance-scale", type=number(float), default=1.0, help="DiT classifier-free guidance scale (1 = off).")
+    a("--loss-tokens", choices=["target", "all"], default="target", help="Which generated tokens the loss "
+      "covers: the target grid the DiT decodes, or the preview grid too (section 9).")
+    a("--lora-rank", type=non_negative_int, default=0, help="LoRA rank on the AR's projections (0 = full fine-tuning).")
+    a("--lora-alpha", type=number(float), default=None, help="LoRA alpha (default: equal to --lora-rank).")
+    a("--ar-trainable", choices=["auto", "all", "head"], default="auto", help="Without LoRA, what of the AR trains: "
+      "all its weights, or its output layer (head) on a frozen body; auto = head for --model tiny (section 2).")
+    a("--policy", choices=["ar", "dit", "both"], default="ar", help="What GRPO trains: the AR token model "
+      "(the DiT renders, frozen), the DiT with Flow-GRPO (tokens shared per prompt), or both from one reward.")
+    a("--dit-lr", type=positive, default=3e-3, help="AdamW learning rate of the DiT.")
+    a("--dit-clip-eps", type=positive, default=1e-4, help="PPO clip epsilon of the DiT's per-step ratio "
+      "(flow_grpo's; step log-probs are means over latent dims, so ratios stay within ~1e-3 of 1).")
+    a("--dit-noise-level", type=positive, default=0.7, help="a in Flow-GRPO's SDE, std_t = a sqrt(sigma / "
+      "(1 - sigma)); 0 would be the deterministic ODE, which has no log-prob.")
+    a("--dit-train-steps", type=count, default=None, help="How many denoising steps, from the first, run as "
+      "SDE steps and enter the DiT loss; the rest run the ODE (default: all but the last).")
+    a("--dit-prior", choices=["per-prompt", "per-step"], default="per-prompt", help="--policy dit: the AR "
+      "token grid a group shares is drawn once per prompt for the whole run, or afresh each step.")
+    a("--dit-reward", action="append", metavar="SPEC", help="--policy both: the DiT's own reward (--reward's "
+      "syntax, repeatable); the AR's advantages then come from --reward alone (GLM-Image's decoupled RL: "
+      "layout and meaning to the AR, detail and text to the DiT).")
+    a("--dit-lora-rank", type=non_negative_int, default=0, help="LoRA rank on the DiT (0 = full fine-tuning).")
+    a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto", help="Weights dtype: "
+      "auto = bfloat16 for a pretrained model on CUDA, else float32; float64 is for checks, e.g. that K "
+      "processes train as one.")
+    a("--micro-batch-size", type=count, default=None, help="Samples per forward and backward; default: --group-size.")
+    a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in the backward pass.")
+    a("--offload", action=argparse.BooleanOptionalAction, default=None, help="Offload the frozen DiT, VAE and "
+      "text encoder to CPU between uses (default: if --plan's peak exceeds the GPU's free memory).")
+    a("--save-every", type=count, default=10, help="Write a checkpoint every N steps (and always at the end).")
+    a("--checkpoints-total-limit", type=count, default=None, help="Keep only the newest K step "
+      "checkpoints (all by default).")
+    a("--sample-every", type=non_negative_int, default=5, help="Save a PNG of the samples every N steps (0 = never).")
+    a("--report-to", choices=["none", "tensorboard", "wandb"], default="none", help="Also log metrics, sample "
+      "sheets and flags to TensorBoard (<out>/logs) or Weights & Biases (WANDB_MODE=offline works).")
+    a("--resume", default=None, help="Checkpoint file to continue from, or 'latest' for the newest in --out.")
+    a("--resume-force", action="store_true", help="Resume even if algorithm flags differ from the checkpoint's.")
+    a("--save-pipeline", default=None, help="After training, write the whole pipeline (LoRA merged) to this directory.")
+    a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
+    a("--fsdp", action="store_true", help="Under torchrun: shard the trained weights and their AdamW state (FSDP2).")
+    a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others before it stops.")
+    a("--plan", action="store_true", help="Print the memory plan of --model at --height x --width, and exit.")
+    a("--plan-gpus", type=number(int, least=2), nargs="+", metavar="K", help="With --plan: also print the "
+      "per-GPU bytes of --fsdp over K GPUs for each K given; --prompts-per-step is then the global count.")
+    known = p.parse_known_args(argv)[0]
+    if known.model != TINY:
+        p.set_defaults(**pretrained_defaults(known))      # the defaults above are the tiny demo's
+    args = p.parse_args(argv)
+    args.reward = args.reward or ["mse"]
+    return args
+
 
 class Parser(argparse.ArgumentParser):
     def __init__(self, **kwargs):
@@ -2837,12 +2851,6 @@ def policy_generation_config(ar, sampling):
         do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
         suppress_tokens=list(sampling.suppressed), bos_token_id=ar.generation_config.bos_token_id,
         pad_token_id=ar.config.text_config.pad_token_id, eos_token_id=ar.config.text_config.eos_token_id)
-
-
-def sampling_of(ar):
-    """The AR's policy, read back from its generation config (policy_generation_config's inverse)."""
-    config = ar.generation_config
-    return SamplingParams(config.temperature, config.top_k, config.top_p, tuple(config.suppress_tokens))
 
 
 @torch.no_grad()
