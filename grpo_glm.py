@@ -197,7 +197,7 @@ def seeded(seed, purpose, step=0, index=0, device="cpu"):
 #     h*w preview tokens (a ~16x16 sketch) | H*W target-grid tokens | 1 end slot
 # i2i: the prompt holds the source image's VQ tokens, `<start><image tokens><end>text<sop>H W<eop><bos>`,
 #     and the AR generates H*W target-grid tokens | 1 end slot (no preview).
-# (H x W = image side / 32.) Only the target grid reaches the DiT. Sampling: a pass over the prompt fills a static
+# Only the target grid reaches the DiT. Sampling: a pass over the prompt fills a static
 # KV cache, then each step feeds the last token at its M-RoPE position (the loss's: rollout_positions) and draws
 # the next from pi. No step waits on the host: on a GPU, one CUDA graph, not ~4,000 kernel launches.
 
@@ -419,11 +419,10 @@ def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_sc
 
 @torch.no_grad()
 def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps, guidance_scale):
-    """DECODE: images [N, 3, H, W] from the target grids, denoised by the pipeline's own schedule, conditioning
-    and Euler step, one prompt's group per DiT call (dit_velocity), in the loop Part II trains (its SDE step at
-    a = 0; equal to the pipeline's output, tested). Not `pipe(prior_token_ids=...)`: that call batches prompts,
-    writes an i2i source's KV cache per sample, and re-hooks every component's CPU offload at its end (the
-    trained AR would leave the GPU and come back at each decode)."""
+    """DECODE: images [N, 3, H, W] from the target grids by the pipeline's own schedule, conditioning and Euler
+    step, in the loop Part II trains (its SDE step at a = 0; equal to the pipeline's output, tested). Not
+    `pipe(prior_token_ids=...)`: it batches prompts, writes an i2i source's KV cache per sample, and re-hooks
+    every component's CPU offload at its end (the trained AR would leave the GPU at each decode)."""
     G = rollout.target_tokens.shape[0] // len(prompts)
     cond = dit_condition(pipe, prompts, G, rollout.target_tokens, rollout.grid_hw, guidance_scale, sources,
                          rollout.source_prior and rollout.source_prior[::G])              # i2i: per prompt
@@ -441,7 +440,7 @@ def latents_to_images(pipe, latents):
     """The pipeline's decode (un-normalise, vae.decode, postprocess) -> [N, 3, H, W] in [0, 1], fp32, CPU."""
     latents = latents.to(pipe.vae.dtype)
     mean, std = latent_stats(pipe.vae, latents.device, latents.dtype)
-    image = pipe.vae.decode(latents * std + mean, return_dict=False)[0]      # one image at a time (load_pipeline)
+    image = pipe.vae.decode(latents * std + mean, return_dict=False)[0]
     return at_least_fp32(pipe.image_processor.postprocess(image, output_type="pt")).cpu()
 
 
@@ -763,18 +762,18 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
         images = dit_run.images
     else:
         images = decode_images(pipe, prompts, sources, rollout, noise, args.num_inference_steps, args.guidance_scale)
-    # ---- REWARD: r [N], one per image ------------------------------------------------------------
+    # ---- REWARD: r [N], one per image ----
     targets = batch_targets(batch)                                                           # [P, 3, H, W]
     scored = (repeat_each(prompts, G), None if targets is None else targets.repeat_interleave(G, 0))
     rewards, per_reward = compute_rewards(trainer.rewards, images, *scored)
-    # ---- ADVANTAGE: A [N], each reward standardised within its group ------------------------------
+    # ---- ADVANTAGE: A [N], each reward standardised within its group ----
     advantages = dit_advantages = group_advantages(rewards, G)
     row = {"step": step, **reward_metrics(rewards, per_reward, G)}
     if trainer.dit_rewards:     # --dit-reward: the DiT's own (decoupled RL, section 12)
         dit_rewards, dit_per_reward = compute_rewards(trainer.dit_rewards, images, *scored)
         dit_advantages = group_advantages(dit_rewards, G)
         row.update({"dit/" + k: v for k, v in reward_metrics(dit_rewards, dit_per_reward, G).items()})
-    # ---- UPDATE: mu passes over the batch, each trained half adding its loss -----------------------
+    # ---- UPDATE: mu passes over the batch, each trained half adding its loss ----
     trainer.before_update()          # a stop signal before this point drops the step (section 19)
     halves = [ar_half(trainer, rollout, advantages, args)] if train_ar else []
     halves += [dit_half(trainer, dit_run, dit_advantages, args)] if train_dit else []
@@ -803,20 +802,17 @@ def train(args):
             step_rng = rng_state()
             try:
                 stop.begin_step()
-                # ---- SAMPLE, DECODE, REWARD, ADVANTAGE, UPDATE ---------------------------------
                 row, rewards, images, targets, sources, ode = grpo_step(trainer, items, indices, step, args, slots)
             except AbandonStep:               # a stop signal before the update: the weights are still step - 1's
                 stop.drop_step(trainer, args, out, step, last_saved, step_rng)
             row = finish_row(row, trainer, args, t0)
             stopping = stop.agree()                              # a stop signal seen by any rank stops all
-            # ---- LOG -------------------------------------------------------------------------
             if lead:
                 warned = log_step(row, step, args, trainer, out, tracker, warned)
             bad_steps = non_finite_streak(bad_steps, row, out, args, start)
             if lead and args.sample_every and step % args.sample_every == 0:     # rank 0's groups
                 save_sample_grid(out / "samples" / f"step_{step:06d}.png", [items[i].text for i in indices],
                                  targets, images, rewards, args.group_size, sources, ode, tracker, step)
-            # ---- CHECKPOINT ------------------------------------------------------------------
             if step % args.save_every == 0 or step == args.steps or stopping:
                 path = save_checkpoint(out, step, trainer, args, lead)
                 last_saved = step
@@ -1044,7 +1040,7 @@ def sample_dit_trajectories(pipe, prompts, sources, rollout, noise, indices, ste
     schedule = dit_schedule(pipe, args.height, args.width, args.num_inference_steps)
     trajectories = sample_dit(pipe.transformer, cond, noise, schedule, args.dit_noise_level, args.dit_train_steps,
                               sde_generators(args.seed, step, indices))
-    images = latents_to_images(pipe, trajectories.states[:, -1])      # [N, 3, H, W]; VAE frozen: no graph
+    images = latents_to_images(pipe, trajectories.states[:, -1])      # VAE frozen: no graph
     return SimpleNamespace(cond=cond, trajectories=trajectories, images=images)
 
 
@@ -1066,7 +1062,7 @@ def ode_images(pipe, prompts, sources, rollout, noise, args):
 # 14. The GRPO step's plumbing: loading, each step's prompts, the update's guards, micro-batches under DDP
 # =============================================================================================
 
-# ---- For sections 2 and 3: the model, each step's prompts ----------------------------------------
+# ---- For sections 2 and 3: the model, each step's prompts ----
 def pipeline_from_pretrained(args, dtype):
     """GlmImagePipeline.from_pretrained of --model ('tiny': built and cached on first use, section 21)."""
     from diffusers import GlmImagePipeline
@@ -1201,7 +1197,7 @@ def non_finite_streak(bad_steps, row, out, args, start):
                      f"{'; non-finite '.join(causes)}; {saved}")
 
 
-# ---- For Part II: the i2i source's KV cache --------------------------------------------------------
+# ---- For Part II: the i2i source's KV cache ----
 def write_source_caches(dit, cond):
     """Per prompt, the KV cache its G samples' DiT passes read (t2i: None): i2i, a pass over the source
     latent at timestep 0 writes it, as the pipeline does, part of the training graph."""
