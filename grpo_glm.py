@@ -479,7 +479,6 @@ def group_advantages(rewards, group_size, eps=1e-4):
     groups = rewards.view(-1, group_size)
     centred = groups - groups.mean(dim=1, keepdim=True)
     advantages = centred / (groups.std(dim=1, keepdim=True) + eps)
-    # [P, 1]: groups with no learning signal (all rewards tied) or a non-finite reward (left out of the step)
     dropped = (groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)) | ~groups.isfinite().all(1, True)
     return torch.where(dropped, 0.0, advantages).view(-1)
 
@@ -657,7 +656,7 @@ def ar_micro_batches(policy, rollout, advantages, ref_logp, args, sampling):
 def ar_half(trainer, rollout, advantages, args):
     """The AR's half (prefix, params, micro_batches) for grpo_update, with pi_ref's log-probs when beta > 0."""
     ar, ref_logp = trainer.pipe.vision_language_encoder, None
-    sampling = sampling_of(ar)        # the policy, as its generation config says (load_pipeline)
+    sampling = sampling_of(ar)
     if args.beta > 0:
         with reference_weights(ar, trainer.reference) as reference:
             ref_logp = logprobs_by_micro_batch(reference, rollout, sampling, args.micro_batch_size)  # [N, L]
@@ -705,7 +704,7 @@ class Trainer:
     dit_policy: object = None
     dit_reference: object = None
     prompt_tokens: dict = None            # --policy dit: prompt index -> its token grid (shared_prompt_tokens)
-    before_update: object = lambda: None  # the stop handler's last chance to drop the step (section 19)
+    before_update: object = lambda: None
 
 
 def setup_training(args, resume=None, rewards=None, dit_rewards=None):
@@ -909,7 +908,6 @@ def sde_step(v, x, sigmas, i, noise_level, eps=None, x_next=None):
 
 
 def sde_generators(seed, step, prompt_indices):
-    """One generator per prompt for its SDE noise, seeded by (seed, step, prompt), whatever its batch."""
     return [seeded(seed, "sde noise", step, index) for index in prompt_indices]
 
 
@@ -1119,7 +1117,7 @@ def offload_by_plan(args):
 
 
 def prompts_for_step(num_prompts, step, args):
-    """(slots, indices) of this rank's block of step `step`'s prompts: a seeded shuffle per pass over the file."""
+    """(slots, indices) of this rank's block of step `step`'s prompts (section 3)."""
     per_rank = args.prompts_per_step // world_size()
     slots = range(rank() * per_rank, (rank() + 1) * per_rank)
     indices = []
@@ -1329,7 +1327,7 @@ class Parser(argparse.ArgumentParser):
         # what looks like a number is an option's value, not an option: '--lr -1e-3' too, as from Python 3.14
         self._negative_number_matcher = re.compile(r"-[\d.]+(e[-+]?\d+)?$", re.I)
 
-    def error(self, message):      # a bad flag: a UsageError (one line, exit code 2), no usage block
+    def error(self, message):      # a bad flag: a UsageError, no usage block
         raise UsageError(re.sub(r"^argument (\S+): ", r"\1 ", message))
 
 
@@ -1986,7 +1984,7 @@ class StopAfterStep:
                 print(f"{signal.Signals(seen).name} on another rank: stopping", file=sys.stderr, flush=True)
         return self.signum is not None
 
-    def before_update(self):      # the step's last moment to be dropped
+    def before_update(self):
         if self.agree():
             raise AbandonStep
 
@@ -2084,7 +2082,6 @@ def read_checkpoint(spec, out=None):
 
 
 # Flags that change what the algorithm computes: resuming with others would splice two runs into one log.
-
 ALGORITHM_FLAGS = (
     "mode", "model", "prompts_sha256", "seed", "group_size", "prompts_per_step", "inner_epochs", "lr",
     "max_grad_norm", "clip_eps", "beta", "temperature", "top_k", "top_p", "height", "width", "num_inference_steps",
@@ -2837,12 +2834,11 @@ def save_trained_pipeline(pipe, args):
 
 
 def policy_generation_config(ar, sampling):
-    """The policy as the config the pipeline's AR stage samples with (set at load, saved with the pipeline)."""
+    """The policy as the config the pipeline's AR stage samples with."""
     from transformers import GenerationConfig
 
     # Only these fields: generate() fills every unset one from the checkpoint's (penalties, n-gram bans), which
-    # the loss would not know of. The real one suppresses nothing: a briefly trained AR then writes image
-    # start/end ids mid-grid and the pipeline crashes.
+    # the loss would not know of.
     return GenerationConfig(
         do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
         suppress_tokens=list(sampling.suppressed), bos_token_id=ar.generation_config.bos_token_id,
@@ -2887,7 +2883,7 @@ def main(argv=None):
                     f"--plan-gpus {k}" if args.plan else f"the number of processes ({k})") + ": each rank trains "
                     "whole groups")
         return print_memory_plan(args) if args.plan else train(args)
-    except UsageError as e:     # a bad flag or input: one line, by rank 0 (by its rank, if seen there alone)
+    except UsageError as e:
         if rank() == 0 or e.local:
             print(f"error: {f'rank {rank()}: ' if e.local and world_size() > 1 else ''}{e}", file=sys.stderr)
         sys.exit(2)
