@@ -123,7 +123,7 @@ def load_pipeline(args):
     ar.generation_config = policy_generation_config(ar, SamplingParams(args.temperature, args.top_k, args.top_p,
                                                                        suppressed))
     pipe.processor.tokenizer.padding_side = "left"  # sampling code assumes prompts end at one column
-    pipe.set_progress_bar_config(disable=True)      # the run prints its own progress, one line a step
+    pipe.set_progress_bar_config(disable=True)      # the run prints a line a step
     pipe.vae.enable_slicing()     # decode a batch one image at a time: at 1024^2 each holds ~3 GiB (section 23)
     place_pipeline(pipe, args)                      # on the device, or --offload's frozen parts taking turns
     return pipe
@@ -197,9 +197,8 @@ def seeded(seed, purpose, step=0, index=0, device="cpu"):
 #     h*w preview tokens (a ~16x16 sketch) | H*W target-grid tokens | 1 end slot
 # i2i: the prompt holds the source image's VQ tokens, `<start><image tokens><end>text<sop>H W<eop><bos>`,
 #     and the AR generates H*W target-grid tokens | 1 end slot (no preview).
-# Only the target grid reaches the DiT. Sampling: a pass over the prompt fills a static
-# KV cache, then each step feeds the last token at its M-RoPE position (the loss's: rollout_positions) and draws
-# the next from pi. No step waits on the host: on a GPU, one CUDA graph, not ~4,000 kernel launches.
+# Only the target grid reaches the DiT. Sampling: a prompt pass fills a static KV cache; each step feeds the last
+# token at its M-RoPE position (rollout_positions) and draws the next. On a GPU: one CUDA graph, no host sync.
 
 @dataclass
 class Rollout:
@@ -1130,8 +1129,8 @@ def prompts_for_step(num_prompts, step, args):
 
 # ---- For sections 8-11: dtypes, micro-batches under DDP, the update's guards, non-finite steps ----
 class UpdateGuard:
-    """grpo_update's guards and bookkeeping: a pass's metrics; vote: the ranks' one vote to step or skip it; the
-    weights checked after a step; row: the stepped passes' mean metrics (FIRST_PASS_ONLY's: pass 1's), skip counts."""
+    """grpo_update's guards (vote, check_weights) and bookkeeping; row: the stepped passes' mean metrics
+    (FIRST_PASS_ONLY's: pass 1's), skip counts."""
     FIRST_PASS_ONLY = ("logp_diff_max", "entropy")
 
     def __init__(self, halves, learns):
@@ -2371,11 +2370,10 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
 # =============================================================================================
 # 22. More GPUs: torchrun data parallel (DDP) and sharding (--fsdp)
 # =============================================================================================
-# `torchrun --nproc_per_node K grpo_glm.py ...` starts K copies (RANK, LOCAL_RANK, WORLD_SIZE in their
-# environment). Each rank samples, decodes, rewards and standardises whole groups, a contiguous block of
-# the step's prompts (DanceGRPO's layout), so advantages need no communication: only the gradient average
-# (DDP's all-reduce, FSDP's reduce-scatter) and a few scalars cross ranks; rank 0 alone writes files. 1
-# and K processes sample the same (seeds of (seed, step, slot)); weights agree up to the order of sums.
+# `torchrun --nproc_per_node K grpo_glm.py ...` starts K ranks. Each samples, decodes, rewards and standardises
+# whole groups, a contiguous block of the step's prompts (DanceGRPO's layout), so advantages need no communication:
+# only the gradient average (DDP's all-reduce, FSDP's reduce-scatter) and a few scalars cross ranks; rank 0 alone
+# writes files. 1 and K processes sample alike (sample_tokens); weights agree up to the order of sums.
 
 @functools.cache     # swapped once a process
 def float64_throughout():
