@@ -715,7 +715,7 @@ def setup_training(args, resume=None, rewards=None, dit_rewards=None):
     set_seed(args.seed)             # after loading: the same sampling stream however the model was made
     ar, dit = pipe.vision_language_encoder, pipe.transformer
     trainer = Trainer(pipe, prompt_tokens={})
-    # Full fine-tuning with beta > 0 keeps a frozen copy as the KL reference (at 9B use LoRA instead).
+    # beta > 0, full fine-tuning: a frozen copy is the KL reference (at 9B use LoRA instead)
     frozen_copy = lambda model, lora: copy.deepcopy(model).requires_grad_(False) if args.beta > 0 and not lora else None
     groups, trained = [], {}
     if args.policy != "dit":
@@ -777,9 +777,8 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
     halves += [dit_half(trainer, dit_run, dit_advantages, args)] if train_dit else []
     learns = min(row["frac_reward_nonfinite"], row.get("dit/frac_reward_nonfinite", 1)) < 1
     row.update(grpo_update(trainer.optimizer, halves, args, learns))      # 'loss' the AR's, 'dit/loss' the DiT's
-    ode = None
-    if train_dit and args.sample_every and step % args.sample_every == 0:
-        ode = ode_images(pipe, prompts, sources, rollout, noise, args)
+    ode = (ode_images(pipe, prompts, sources, rollout, noise, args)
+           if train_dit and args.sample_every and step % args.sample_every == 0 else None)
     return row, rewards, images, targets, sources, ode
 
 
@@ -1685,7 +1684,7 @@ def demo_scene(prompt, where, mode, role="target", why=""):
 @dataclass
 class Reward:
     name: str                    # logged as rewards/<name>
-    fn: object                   # fn.uses_targets = True: it reads the targets
+    fn: object
     weight: float
 
 
@@ -1697,7 +1696,7 @@ mse.uses_targets = True
 
 
 def load_reward(spec):
-    """'mse' | 'module:fn' | 'path/file.py:fn', each optionally followed by '=WEIGHT' -> Reward."""
+    """A --reward spec (section 6) -> Reward."""
     where, _, text = spec.rpartition("=") if "=" in spec else (spec, "", "1")
     try:
         weight = number(float)(text)      # the flags' own check: float() and finite
