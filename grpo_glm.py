@@ -1569,8 +1569,7 @@ class PromptItem:
 
 
 def read_prompts(path, height, width, mode="t2i", need_targets=("mse",)):
-    """Lines `prompt[ | target.png[ | source.png (i2i)]]`, paths relative to the file; `\\|` is a '|'.
-    need_targets: the names of the rewards that read targets (require_targets), or none."""
+    """Lines `prompt[ | target.png[ | source.png (i2i)]]`, paths relative to the file; `\\|` is a '|'."""
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"--prompts {path}: " + ("is a directory, not a file" if path.is_dir() else "file not found"))
@@ -2126,7 +2125,7 @@ class Resume:
                 raise ValueError(f"other parameter names ({', '.join(weight_flags)})")
             load_training_state(trainer.trained, trainer.optimizer, ckpt["trainable"], ckpt["optimizer"])
             trainer.lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
-        except (RuntimeError, ValueError, KeyError) as e:     # name the flags that changed what is trained
+        except (RuntimeError, ValueError, KeyError) as e:
             changed = [d for d in self.differences if d.split()[0] in weight_flags]
             raise UsageError(f"--resume {ckpt['path']}: its weights do not fit this model: "
                              + ("; ".join(changed) or str(e).splitlines()[0][:120]))
