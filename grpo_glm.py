@@ -842,10 +842,9 @@ def train(args):
 # a Gaussian policy pi_theta(x' | x_t), a = --dit-noise-level (a = 0: Euler's step). T trained steps are a
 # "sequence" of T actions: logp [N, T], mask all ones. A step's log-prob is the MEAN over latent dims
 # (as flow_grpo; a sum over 65536 dims at 1024^2 would dwarf a token's), so ratios stay within ~1e-3 of
-# 1: hence --dit-clip-eps 1e-4. --dit-train-steps T (default K - 1): the first T steps run the SDE and
-# enter the loss, the rest the ODE (untrained SDE noise is reward noise nobody is credited for). The
-# last step, onto sigma' = 0, is not trained (as flow_grpo): its Gaussian is the sharpest, its
-# log-ratios large, its gradients noisy.
+# 1: hence --dit-clip-eps 1e-4. --dit-train-steps T: the first T steps run the SDE and enter the loss, the
+# rest the ODE (untrained SDE noise is reward noise nobody is credited for). The last step, onto sigma' = 0,
+# is not trained (as flow_grpo): its Gaussian is the sharpest, its log-ratios large, its gradients noisy.
 
 
 @dataclass
@@ -1055,7 +1054,7 @@ def ode_images(pipe, prompts, sources, rollout, noise, args):
 
 
 # =============================================================================================
-# 14. The GRPO step's plumbing: loading, each step's prompts, the update's guards, micro-batches under DDP
+# 14. The GRPO step's plumbing
 # =============================================================================================
 
 # ---- For sections 2 and 3: the model, each step's prompts ----
@@ -1126,7 +1125,7 @@ def prompts_for_step(num_prompts, step, args):
     return slots, indices
 
 
-# ---- For sections 8-11: dtypes, micro-batches under DDP, the update's guards, non-finite steps ----
+# ---- For sections 8-11: micro-batches under DDP, the update's guards, non-finite steps ----
 class UpdateGuard:
     """grpo_update's guards (vote, check_weights) and bookkeeping; row: the stepped passes' mean metrics
     (FIRST_PASS_ONLY's: pass 1's), skip counts."""
