@@ -1452,7 +1452,7 @@ def resolve_runtime(args):
 
 
 def open_run(args):
-    """Flags, --out's lock (rank 0), prompts, rewards, resume point, model, checks -> train's state (None: no steps)."""
+    """Starts a run -> train's state (None: no steps to run)."""
     resolve_runtime(args)
     validate_args(args)
     init_distributed(args)
@@ -2087,9 +2087,8 @@ ALGORITHM_FLAGS = (
 
 
 class Resume:
-    """A resumed run writes an unstopped one's rows, bit for bit. First the refusals, before any model loads; restore:
-    weights, AdamW, schedule, RNG -> the step (0: a new run); set_aside: the killed run's checkpoints and metrics
-    rows after it, kept as *.dropped (TensorBoard drops its own events: start_logging's purge_step)."""
+    """A resumed run writes an unstopped one's rows, bit for bit. restore -> the step (0: a new run); set_aside: the
+    killed run's checkpoints and metrics rows after it, kept as *.dropped (TensorBoard: start_logging's purge_step)."""
 
     def __init__(self, args, out):
         if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
