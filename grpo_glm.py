@@ -282,7 +282,7 @@ def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_
     extra = (prompt_len or ids.shape[1]) - ids.shape[1]
     ids = torch.nn.functional.pad(ids, (extra, 0), value=ar.config.text_config.pad_token_id)
     mask = torch.nn.functional.pad(inputs["attention_mask"], (extra, 0), value=0)
-    # [p0, p1] -> [p0 x G, p1 x G], image_grid_thw by blocks of images_per_sample rows.
+    # as repeat_each, image_grid_thw by blocks of images_per_sample rows
     grids = torch.split(inputs["image_grid_thw"], per_sample.tolist())
     batch = {"input_ids": ids.repeat_interleave(group_size, 0),
              "attention_mask": mask.repeat_interleave(group_size, 0),
@@ -356,9 +356,8 @@ def sample_tokens(pipe, prompts, sources, slots, step, args, prompt_len=None):
 # =============================================================================================
 
 def group_noise(pipe, prompt_indices, group_size, height, width, seed, step, mode):
-    """Initial DiT latents [N, C, h, w], one draw per prompt shared by its G samples: within a group only
-    the tokens differ. --dit-noise per-prompt keeps a prompt's draw all run (the renderer is a fixed
-    function tokens -> image: the reward rises only if the policy does); per-step draws anew."""
+    """Initial DiT latents [N, C, h, w], a draw per prompt shared by its G samples: only the tokens differ.
+    --dit-noise per-prompt: the renderer is a fixed function tokens -> image: only the policy can raise the reward."""
     shape = (pipe.transformer.config.in_channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
     step = 0 if mode == "per-prompt" else step
     draws = [torch.randn(shape, generator=seeded(seed, "dit noise", step, index)) for index in prompt_indices]
