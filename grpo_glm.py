@@ -198,7 +198,7 @@ def seeded(seed, purpose, step=0, index=0, device="cpu"):
 # i2i: the prompt holds the source image's VQ tokens, `<start><image tokens><end>text<sop>H W<eop><bos>`,
 #     and the AR generates H*W target-grid tokens | 1 end slot (no preview).
 # Only the target grid reaches the DiT. Sampling: a prompt pass fills a static KV cache; each step feeds the last
-# token at its M-RoPE position (rollout_positions) and draws the next. On a GPU: one CUDA graph, no host sync.
+# token at its M-RoPE position (rollout_positions) and draws the next. On a GPU: one CUDA graph, not ~4,000 launches.
 
 @dataclass
 class Rollout:
