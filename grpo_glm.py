@@ -799,7 +799,7 @@ def train(args):
             try:
                 stop.begin_step()
                 row, rewards, images, targets, sources, ode = grpo_step(trainer, items, indices, step, args, slots)
-            except AbandonStep:               # a stop signal before the update: the weights are still step - 1's
+            except AbandonStep:               # the weights are still step - 1's
                 stop.drop_step(trainer, args, out, step, last_saved, step_rng)
             row = finish_row(row, trainer, args, t0)
             stopping = stop.agree()                              # a stop signal seen by any rank stops all
