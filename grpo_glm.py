@@ -1262,7 +1262,9 @@ def parse_args(argv=None):
       "tokens whose probability adds up to p (1 = all); part of the policy, as --top-k.")
     a("--height", type=pixels, default=128, help="Image height in pixels, a multiple of GLM-Image's 32-pixel tokens.")
     a("--width", type=pixels, default=128, help="Image width in pixels, a multiple of 32.")
-    a("--num-inference-steps", type=count, default=4, help="DiT denoising steps when decoding samples.")
+    a("--num-inference-steps", type=count, default=4, help="DiT denoising steps when decoding samples for the "
+      "reward: fewer are faster, but the reward then scores a rougher image than a full decode gives (Flow-GRPO "
+      "samples with 10 and evaluates with 40).")
     a("--dit-noise", choices=["per-prompt", "per-step"], default="per-prompt", help="Initial DiT noise: one "
       "draw per prompt for the whole run, or a fresh one per step (always shared within a group).")
     a("--guidance-scale", type=number(float), default=1.0, help="DiT classifier-free guidance scale (1 = off).")
