@@ -1222,7 +1222,7 @@ def write_source_caches(dit, cond):
 
 
 # =============================================================================================
-# 15. Starting a run: flag checks (one-line errors before anything loads), --out, resume point
+# 15. Starting a run: the flags, their checks (one-line errors before anything loads), --out
 # =============================================================================================
 
 def parse_args(argv=None):
