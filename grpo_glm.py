@@ -303,7 +303,7 @@ def rollout_positions(ar, batch, grids):
 
 
 @torch.no_grad()
-def sample_group(pipe, prompts, group_size, sampling, height, width, loss_tokens, sources=None, generators=None,
+def sample_groups(pipe, prompts, group_size, sampling, height, width, loss_tokens, sources=None, generators=None,
                  prompt_len=None):
     """G samples per prompt (i2i with `sources`) -> Rollout, old_logp the sampler's own. Group k's noise
     comes from generators[k] alone (default: seeded off the global RNG), whatever precedes it."""
@@ -345,7 +345,7 @@ def sample_tokens(pipe, prompts, sources, slots, step, args, prompt_len=None):
     generators = [seeded(args.seed, "tokens", step, slot, ar.device) for slot in slots]
     ar.eval()
     with whole_weights(ar):
-        rollout = sample_group(pipe, prompts, args.group_size, sampling_of(ar), args.height, args.width,
+        rollout = sample_groups(pipe, prompts, args.group_size, sampling_of(ar), args.height, args.width,
                                args.loss_tokens, sources, generators, prompt_len)
         rollout.old_logp = logprobs_by_micro_batch(ar, rollout, sampling_of(ar), args.micro_batch_size)
     return rollout
@@ -1009,7 +1009,7 @@ def shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, cac
     per-prompt draws it once (kept in `cache`): a fixed input the DiT can learn to paint; per-step anew."""
     def draw(i, step, index):
         ar = pipe.vision_language_encoder
-        return sample_group(pipe, [prompts[i]], 1, sampling_of(ar), args.height, args.width, args.loss_tokens,
+        return sample_groups(pipe, [prompts[i]], 1, sampling_of(ar), args.height, args.width, args.loss_tokens,
                             sources and [sources[i]], [seeded(args.seed, "dit prior", step, index, ar.device)])
 
     if args.dit_prior == "per-step":
@@ -2858,8 +2858,8 @@ def generate_images(pipe, prompts, sources=None, height=64, width=64, num_infere
     images = []
     for k, (prompt, latents) in enumerate(zip(prompts, noise.split(1))):
         source = sources and sources[k: k + 1]
-        # sample_group and decode_images: pipe(prompt, image=[source]) fails (diffusers 0.42.1, transformers 5)
-        rollout = sample_group(pipe, [prompt], 1, sampling, height, width, "target", source,
+        # sample_groups and decode_images: pipe(prompt, image=[source]) fails (diffusers 0.42.1, transformers 5)
+        rollout = sample_groups(pipe, [prompt], 1, sampling, height, width, "target", source,
                                [seeded(seed, "generate", 0, k, pipe.vision_language_encoder.device)])
         images.append(decode_images(pipe, [prompt], source, rollout, latents, num_inference_steps, guidance_scale))
     return pipe.image_processor.numpy_to_pil(torch.cat(images).clamp(0, 1).permute(0, 2, 3, 1).numpy())

@@ -241,7 +241,7 @@ def _logprob_gap(pipe, prompts, group_size):
     torch.manual_seed(0)
     ar = pipe.vision_language_encoder
     sampling = policy(pipe, 0.9)
-    rollout = g.sample_group(pipe, prompts, group_size, sampling, height=64, width=64, loss_tokens="all")
+    rollout = g.sample_groups(pipe, prompts, group_size, sampling, height=64, width=64, loss_tokens="all")
     with torch.no_grad():
         recomputed = g.policy_logprobs(ar, rollout, sampling)
         naive_logits = ar(input_ids=rollout.sequences[:, :-1], attention_mask=rollout.attention_mask,
@@ -266,7 +266,7 @@ def test_recomputed_logprobs_match_with_left_padding(sharp_pipe):
 
 def test_rollout_layout(sharp_pipe):
     torch.manual_seed(0)
-    rollout = g.sample_group(sharp_pipe, ["a", "bb"], 3, policy(sharp_pipe), 96, 64, "target")
+    rollout = g.sample_groups(sharp_pipe, ["a", "bb"], 3, policy(sharp_pipe), 96, 64, "target")
     H, W = rollout.grid_hw
     assert (H, W) == (3, 2)
     L = rollout.sequences.shape[1] - rollout.prompt_len
@@ -981,7 +981,7 @@ def test_lora_trains_only_adapters_and_reference_is_the_base_model():
 
     torch.manual_seed(0)
     suppressed = policy(pipe)
-    rollout = g.sample_group(pipe, ["a red circle"], 4, suppressed, 64, 64, "target")
+    rollout = g.sample_groups(pipe, ["a red circle"], 4, suppressed, 64, 64, "target")
     with torch.no_grad():
         base_logp = g.policy_logprobs(base_pipe.vision_language_encoder, rollout, suppressed)
     optimizer = torch.optim.AdamW(params, lr=1e-2)
@@ -1114,7 +1114,7 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
         if checkpointing:
             ar.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         torch.manual_seed(0)
-        rollout = g.sample_group(pipe, ["a red circle"], 3, policy(pipe), 64, 64, "all")
+        rollout = g.sample_groups(pipe, ["a red circle"], 3, policy(pipe), 64, 64, "all")
         ar.train()
         logp = g.policy_logprobs(ar, rollout, policy(pipe))
         loss, _ = g.grpo_loss(logp, rollout.old_logp, torch.tensor([1.0, -0.5, -0.5]), rollout.loss_mask, 0.2)
@@ -1480,7 +1480,7 @@ def test_i2i_recomputed_logprobs_match_sampling_logprobs(sharp_pipe):
     for prompts, sources, group in [(["make it blue"], [red], 4),
                                     (["blue", "make the green square a yellow triangle"], [red, green], 2)]:
         torch.manual_seed(0)
-        rollout = g.sample_group(sharp_pipe, prompts, group, sampling, 96, 64, "all", sources=sources)
+        rollout = g.sample_groups(sharp_pipe, prompts, group, sampling, 96, 64, "all", sources=sources)
         n_source = 2 * 2                                        # a 64 px source: 2 x 2 tokens of 32 px
         assert rollout.sequences.shape[1] - rollout.prompt_len == 3 * 2 + 1   # target grid + end, no preview
         prompt_ids = rollout.sequences[:, :rollout.prompt_len]
@@ -1702,7 +1702,7 @@ def test_special_ids_are_never_sampled_inside_a_grid(sharp_pipe):
     """At T = 5 the softmax is nearly flat over all 80 output ids, 16 of them past the codebook
     (image start/end, ...): unmasked, ~1000 sampled tokens would hold ~200 of them."""
     torch.manual_seed(0)
-    rollout = g.sample_group(sharp_pipe, ["a red circle"], 4, policy(sharp_pipe, 5.0), 64, 64, "all")
+    rollout = g.sample_groups(sharp_pipe, ["a red circle"], 4, policy(sharp_pipe, 5.0), 64, 64, "all")
     generated = rollout.sequences[:, rollout.prompt_len:]
     assert generated.numel() > 1000 and (generated < g.TINY_CODEBOOK).all()
     assert torch.isfinite(rollout.old_logp).all()
@@ -1746,7 +1746,7 @@ def test_sampler_draws_the_first_token_from_the_policy(sharp_pipe, truncation):
     sampling = policy(sharp_pipe, T, **truncation)
     red = g.draw_shape("circle", "red", "white", 64, 64)
     generators = [torch.Generator().manual_seed(k) for k in range(4)]
-    rollout = g.sample_group(sharp_pipe, ["make it blue"] * 4, 300, sampling, 96, 64, "all", sources=[red] * 4,
+    rollout = g.sample_groups(sharp_pipe, ["make it blue"] * 4, 300, sampling, 96, 64, "all", sources=[red] * 4,
                              generators=generators)
     with torch.no_grad():        # the first position's logits, shared by every row
         logits = g.policy_logits(ar, g.slice_rollout(rollout, slice(0, 1)))[0, 0]
@@ -1787,7 +1787,7 @@ def test_truncated_sampling_has_ratio_one(sharp_pipe):
     kept set of the recomputed logits, without policy_scores' `sampled` rescue)."""
     torch.manual_seed(0)
     ar, sampling = sharp_pipe.vision_language_encoder, policy(sharp_pipe, 0.9, top_k=20, top_p=0.75)
-    rollout = g.sample_group(sharp_pipe, ["red", "a much longer prompt about a blue square"], 3, sampling, 64, 64,
+    rollout = g.sample_groups(sharp_pipe, ["red", "a much longer prompt about a blue square"], 3, sampling, 64, 64,
                              "all")
     with torch.no_grad():
         logits = g.policy_logits(ar, rollout)
@@ -1834,7 +1834,7 @@ def test_the_sampler_draws_what_generate_drew(sharp_pipe, mode):
     prompts, sources = _two_groups(mode)
     sampling = policy(sharp_pipe, 0.9, top_k=20, top_p=0.75)
     generators = lambda: [torch.Generator().manual_seed(k) for k in range(2)]
-    rollout = g.sample_group(sharp_pipe, prompts, 3, sampling, 96, 64, "all", sources, generators())
+    rollout = g.sample_groups(sharp_pipe, prompts, 3, sampling, 96, 64, "all", sources, generators())
     sequences, positions = generate_reference(sharp_pipe, prompts, 3, sampling, 96, 64, sources, generators())
     assert (rollout.attention_mask[:, 0] == 0).any()
     assert torch.equal(rollout.sequences, sequences) and torch.equal(rollout.position_ids, positions)
@@ -1874,7 +1874,7 @@ def test_a_decode_step_reads_nothing_back_to_the_host(sharp_pipe):
     assert control.syncs == 1
     prompts, sources = _two_groups("i2i")
     sampling = policy(sharp_pipe, 0.9, top_k=20, top_p=0.75)
-    ops, syncs = per_decode_step(sharp_pipe.vision_language_encoder, lambda: g.sample_group(
+    ops, syncs = per_decode_step(sharp_pipe.vision_language_encoder, lambda: g.sample_groups(
         sharp_pipe, prompts, 3, sampling, 96, 64, "all", sources))
     assert syncs == 0 and ops > 50
 
@@ -1885,7 +1885,7 @@ def test_the_decode_step_compiles_to_one_graph(monkeypatch):
     backend runs the traced graph as is (as backend="eager"): inductor's code generation takes 24-50 s here."""
     pipe, _, _ = _policy(lora_rank=4)
     prompts, sources = _two_groups("i2i")
-    sample = lambda: g.sample_group(pipe, prompts, 2, policy(pipe, 0.9, top_p=0.75), 96, 64, "all", sources,
+    sample = lambda: g.sample_groups(pipe, prompts, 2, policy(pipe, 0.9, top_p=0.75), 96, 64, "all", sources,
                                     [torch.Generator().manual_seed(k) for k in range(2)])
     eager, graphs, compile = sample(), [], torch.compile
     backend = lambda gm, inputs: graphs.append(gm) or gm.forward              # counts the graphs compiled
@@ -1990,7 +1990,7 @@ def test_gpu_real_size_lora_step_fits_the_plan(tmp_path, monkeypatch, widths=Non
     for _ in range(2):          # the first call compiles
         torch.cuda.synchronize()
         start = time.time()
-        rollout = g.sample_group(pipe, ["a red circle"], 4, sampling, 512, 512, "target")
+        rollout = g.sample_groups(pipe, ["a red circle"], 4, sampling, 512, 512, "target")
         torch.cuda.synchronize()
     steps = rollout.sequences.shape[1] - rollout.prompt_len
     print(f"decode: {1000 * (time.time() - start) / steps:.1f} ms per step ({steps} tokens x 4, {ar.dtype}, "
@@ -2379,7 +2379,7 @@ def _dit_case(pipe, mode, guidance, group=2, steps=4):
     torch.manual_seed(0)
     source = [g.draw_shape("circle", "red", "white", 64, 64)] if mode == "i2i" else None
     prompts = ["make the red circle blue"]
-    rollout = g.sample_group(pipe, prompts, group, policy(pipe), 64, 64, "target", sources=source)
+    rollout = g.sample_groups(pipe, prompts, group, policy(pipe), 64, 64, "target", sources=source)
     cond = g.dit_condition(pipe, prompts, group, rollout.target_tokens, rollout.grid_hw, guidance, source,
                            rollout.source_prior and rollout.source_prior[:1])
     noise = g.group_noise(pipe, [0], group, 64, 64, 0, 1, "per-prompt")
@@ -2641,7 +2641,7 @@ def test_dit_micro_batches_give_the_full_batch_update(monkeypatch):
         p += 1e-3 * torch.randn_like(p)
     prompts = ["make the red circle blue", 'make the green square say "GRPO"']
     sources = [g.draw_shape("circle", "red", "white", 64, 64), g.draw_shape("square", "green", "black", 64, 64)]
-    rollout = g.sample_group(pipe, prompts, 3, policy(pipe), 64, 64, "target", sources=sources)
+    rollout = g.sample_groups(pipe, prompts, 3, policy(pipe), 64, 64, "target", sources=sources)
     pipe.to(torch.float64)
     cond = g.dit_condition(pipe, prompts, 3, rollout.target_tokens, rollout.grid_hw, 2.5, sources,
                            rollout.source_prior[::3])
@@ -2697,7 +2697,7 @@ def test_policy_both_honours_micro_batch_size(monkeypatch):
 
 @pytest.mark.parametrize("mode", ["t2i", "i2i"])
 def test_a_group_samples_the_same_whatever_else_its_rank_holds(sharp_pipe, mode, one_thread):
-    """One sample_group for all of a rank's groups; group k's noise comes from its own generator,
+    """One sample_groups for all of a rank's groups; group k's noise comes from its own generator,
     seeded by (seed, step, slot), and every rank pads to one column past the step's longest prompt.
     So the group at slot 0 (short prompt) and the one at slot 1 (long prompt) draw bit-identical
     tokens and old log-probs when one process samples both, when each of two ranks samples one,
@@ -2718,7 +2718,7 @@ def test_a_group_samples_the_same_whatever_else_its_rank_holds(sharp_pipe, mode,
     # were there no extra column) transformers drops the attention mask and SDPA sums in another
     # order. The tokens agree at this seed, the sampler's own log-probs only to ~1e-6: a near-tie could flip.
     longest = g.processor_inputs(sharp_pipe, [short], [red if mode == "i2i" else None], 96, 64, "cpu")
-    sampler = lambda prompt_len: g.sample_group(
+    sampler = lambda prompt_len: g.sample_groups(
         sharp_pipe, [short], 4, g.sampling_of(sharp_pipe.vision_language_encoder), 96, 64, "target", sources(red),
         generators=[g.seeded(args.seed, "tokens", 5, 0)], prompt_len=prompt_len)
     bare, padded = sampler(longest["input_ids"].shape[1]), sampler(both.prompt_len)
@@ -2930,7 +2930,7 @@ def test_slow_a_group_left_out_on_one_rank_trains_like_one_process(tmp_path):
 
 
 def test_slow_lora_with_kl_under_ddp_trains_like_one_process(tmp_path):
-    """Also 2 groups per rank: each rank batches prompts of two lengths in its one sample_group call
+    """Also 2 groups per rank: each rank batches prompts of two lengths in its one sample_groups call
     (the 2-prompt file shuffled twice into the step's 4), and still matches the 1-process run
     (float64, adapters included, ACROSS_PROCESSES)."""
     flags = ["--steps", "1", "--sample-every", "0", "--group-size", "4", "--inner-epochs", "2", "--lora-rank", "4",
