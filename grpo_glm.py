@@ -2506,7 +2506,7 @@ def sharded_layers(module):     # the units sharded before the root: the AR's de
 
 @contextlib.contextmanager
 def whole_weights(model):
-    """Whole weights while sampling and in no-grad passes (else generate gathers each layer per token)."""
+    """Whole weights while sampling and in no-grad passes (else each decode step gathers every layer)."""
     units = fsdp_units(model)
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
@@ -2742,7 +2742,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
 
         def turn(parts):        # frozen parts take turns, each with its working set
             return max(frozen[p] + working[p] for p in parts)
-        # the AR samples: generate's KV cache of the GPU's samples, or pi_old's pass over a micro-batch (bf16
+        # the AR samples: the decode loop's KV cache of the GPU's samples, or pi_old's pass over a micro-batch (bf16
         # logits, their fp32 copy / temperature, log_softmax: 10 bytes each)
         sampling = max(batch // k * kv_cache, micro * generated * text.vision_vocab_size * 10)
         # the DiT's micro-batch: ~30 x hidden per block and token (x2 CFG, 64 text tokens), not measured
