@@ -162,6 +162,9 @@ def prepare_policy(ar, args):
             ar.model.requires_grad_(False)
     if args.gradient_checkpointing:
         ar.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        # Its hook calls requires_grad_ in every forward: only reentrant checkpointing needs it, and torch 2.11's
+        # compile cannot trace it
+        ar.disable_input_require_grads()
     return [p for p in ar.parameters() if p.requires_grad]
 
 
@@ -247,12 +250,11 @@ def gumbel_max(logits, uniform, sampling):
     return token, z.log_softmax(-1).gather(-1, token[:, None])[:, 0]
 
 
-def next_tokens(ar, ids, uniform, positions, mask, cache, sampling):
-    """ids [N, q] in at their M-RoPE positions, read at the cache's device counter (no host sync) -> a draw."""
+def next_logits(ar, ids, positions, mask, cache):
+    """ids [N, q] in at their M-RoPE positions, read at the cache's device counter (no host sync) -> logits [N, V]."""
     at = cache.get_seq_length() + torch.arange(ids.shape[1], device=ids.device)
     # by position: the cache's keyword is past_key_values before transformers 5.24
-    logits = ar(ids, mask, positions.index_select(2, at), cache, logits_to_keep=1).logits[:, -1]
-    return gumbel_max(logits, uniform, sampling)
+    return ar(ids, mask, positions.index_select(2, at), cache, logits_to_keep=1).logits[:, -1]
 
 
 def processor_inputs(pipe, prompts, sources, height, width, device):
@@ -316,14 +318,16 @@ def sample_groups(pipe, prompts, group_size, sampling, height, width, loss_token
     positions = rollout_positions(ar, batch, grids)  # [3, N, S + L - 1]
     mask = torch.nn.functional.pad(batch["attention_mask"], (0, L - 1), value=1)  # [N, S + L - 1]
     cache = StaticCache(ar.config, max_cache_len=mask.shape[1])
-    step = torch.compile(next_tokens, fullgraph=True, mode="reduce-overhead",  # --fsdp: eager (its hooks)
-                         disable=ar.device.type != "cuda" or bool(fsdp_units(ar)))
+    # The forward's ~1,000 kernels as one CUDA graph; gumbel_max's ~20 stay eager (torch 2.11's inductor
+    # failed on the top-p cumsum)
+    forward = torch.compile(next_logits, fullgraph=True, mode="reduce-overhead",  # --fsdp: eager (its hooks)
+                            disable=ar.device.type != "cuda" or bool(fsdp_units(ar)))
     ids, drawn = batch["input_ids"], []
     for t in range(L):  # t = 0: the prompt's prefill, eager; then a token per row
         uniform = torch.cat([torch.rand(group_size, ar.config.text_config.vision_vocab_size, generator=gen,
                                         device=gen.device, dtype=torch.float64) for gen in generators])
-        token, logp = (step if t else next_tokens)(ar, ids, uniform, positions, mask, cache, sampling)
-        drawn.append((token.clone(), logp.clone()))  # a CUDA graph's next replay overwrites its outputs
+        logits = (forward if t else next_logits)(ar, ids, positions, mask, cache)  # a replay overwrites the last
+        drawn.append(gumbel_max(logits, uniform, sampling))
         ids = drawn[-1][0][:, None]
     generated, old_logp = (torch.stack(column, 1) for column in zip(*drawn))  # [N, L] each
     offset = L - 1 - H * W  # the target grid: last before the end slot

@@ -952,7 +952,8 @@ def test_non_finite_stop_names_the_cause_and_no_missing_checkpoint(tmp_path, mon
 def _policy(lora_rank=0, **flags):
     """A sharp tiny AR prepared for training: LoRA adapters, or all its weights (not the demo's head alone)."""
     flags = {"ar_trainable": "all", **flags}
-    argv = ["--lora-rank", str(lora_rank)] + [x for k, v in flags.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+    argv = ["--lora-rank", str(lora_rank)] + [x for k, v in flags.items()
+                                              for x in (f"--{k.replace('_', '-')}", str(v))[:1 if v is True else 2]]
     args = g.resolve_runtime(g.parse_args(argv))
     pipe = g.build_tiny_pipeline(seed=0, ar_init_range=0.2)
     pipe.set_progress_bar_config(disable=True)
@@ -1880,10 +1881,10 @@ def test_a_decode_step_reads_nothing_back_to_the_host(sharp_pipe):
 
 
 def test_the_decode_step_compiles_to_one_graph(monkeypatch):
-    """torch.compile(fullgraph=True) of the decode step, LoRA adapters included: no graph break (it would
-    raise), one graph for all steps (a recompile would compile a second), and the eager loop's tokens. The
-    backend runs the traced graph as is (as backend="eager"): inductor's code generation takes 24-50 s here."""
-    pipe, _, _ = _policy(lora_rank=4)
+    """torch.compile(fullgraph=True) of the decode step, LoRA and gradient checkpointing included: no graph
+    break (it would raise), one graph for all steps (a recompile would compile a second), and the eager loop's
+    tokens. The backend runs the traced graph as is (as backend="eager"): inductor's code generation takes 24-50 s."""
+    pipe, _, _ = _policy(lora_rank=4, gradient_checkpointing=True)
     prompts, sources = _two_groups("i2i")
     sample = lambda: g.sample_groups(pipe, prompts, 2, policy(pipe, 0.9, top_p=0.75), 96, 64, "all", sources,
                                     [torch.Generator().manual_seed(k) for k in range(2)])
