@@ -53,7 +53,7 @@ import time
 import traceback
 import unicodedata
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, make_dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -1232,13 +1232,13 @@ def parse_args(argv=None):
     pixels, once_or_each = number(int, least=32, multiple=32), dict(choices=["per-prompt", "per-step"])
     a = p.add_argument_group("GRPO (section 1)").add_argument
     a("--group-size", type=number(int, least=2), default=32, help="G: samples per prompt, compared within their group.")
-    a("--prompts-per-step", type=count, default=2, help="Prompts per step; a step's batch is prompts x G samples.")
-    a("--temperature", type=positive, default=1.0, help="Sampling temperature T; the loss scores logits / T alike.")
+    a("--prompts-per-step", type=count, default=2, help="Prompts per step: a batch of prompts x G samples.")
+    a("--temperature", type=positive, default=1.0, help="Sampling temperature T (the loss scores logits / T).")
     a("--top-k", type=non_negative_int, default=0, help="Sample among the k likeliest tokens (0 = all).")
     a("--top-p", type=number(float, above=0, most=1), default=1.0, help="Sample the top tokens of mass p (1 = all).")
-    a("--loss-tokens", choices=["target", "all"], default="target", help="The target grid, or the preview's too.")
+    a("--loss-tokens", choices=["target", "all"], default="target", help="The target grid's, or the preview's too.")
     a("--clip-eps", type=positive, default=0.2, help="PPO clip: the ratio is kept within [1-eps, 1+eps].")
-    a("--beta", type=non_negative, default=0.0, help="Weight of the KL penalty towards the initial model (0 = none).")
+    a("--beta", type=non_negative, default=0.0, help="Weight of the KL penalty to the initial model (0 = none).")
     a("--inner-epochs", type=count, default=4, help="mu: optimisation passes over each batch.")
     a("--lr", type=positive, default=2e-2, help="AdamW learning rate.")
     a("--policy", choices=["ar", "dit", "both"], default="ar", help="What trains: the AR, the DiT (Part II) or both.")
@@ -1249,23 +1249,22 @@ def parse_args(argv=None):
     a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="Schedule over "
       "--steps (diffusers'); a resume with another --steps reshapes its rest.")
     a("--lr-warmup-steps", type=non_negative_int, default=0, help="Steps of linear warm-up from 0 to --lr.")
-    a("--weight-decay", type=non_negative, default=0.0, help="AdamW's decoupled weight decay.")
-    a("--max-grad-norm", type=positive, default=1.0, help="Clip the global gradient norm to this value.")
+    a("--weight-decay", type=non_negative, default=0.0, help="AdamW's weight decay.")
+    a("--max-grad-norm", type=positive, default=1.0, help="Clip the gradient's global norm to this.")
     a = p.add_argument_group("model and data").add_argument
     a("--model", default=TINY, help="'tiny' (a toy GLM-Image, section 21), a hub id or a save_pretrained directory.")
     a("--mode", choices=["t2i", "i2i"], default="t2i", help="t2i: text to image; i2i: edit each prompt's source image.")
-    a("--prompts", default="prompts.txt", help="A prompt per line, optionally '| target.png' (i2i: '| target.png | "
-      "source.png'); else drawn from its colour and shape words.")
+    a("--prompts", default="prompts.txt", help="Lines 'prompt[ | target.png[ | source.png (i2i)]]' (section 16).")
     a("--height", type=pixels, default=128, help="Image height in pixels, a multiple of 32 (a token).")
     a("--width", type=pixels, default=128, help="Image width in pixels, a multiple of 32.")
     a("--num-inference-steps", type=count, default=4, help="DiT steps of a decode for the reward: fewer are faster, "
       "rougher (Flow-GRPO: 10 to sample, 40 to evaluate).")
     a("--guidance-scale", type=number(float), default=1.0, help="DiT classifier-free guidance scale (1 = off).")
     a("--dit-noise", **once_or_each, default="per-prompt", help="A group's initial DiT noise: drawn once or each step.")
-    a("--lora-rank", type=non_negative_int, default=0, help="LoRA rank on the AR's projections (0 = full fine-tuning).")
+    a("--lora-rank", type=non_negative_int, default=0, help="LoRA rank on the AR (0 = full fine-tuning).")
     a("--lora-alpha", type=number(float), default=None, help="LoRA alpha (default: --lora-rank).")
-    a("--ar-trainable", choices=["auto", "all", "head"], default="auto", help="Without LoRA: all the AR, or its "
-      "output layer (head); auto = head for --model tiny.")
+    a("--ar-trainable", choices=["auto", "all", "head"], default="auto", help="Without LoRA: all, or the output "
+      "layer (head); auto = head for --model tiny.")
     a = p.add_argument_group("the DiT: --policy dit|both (Flow-GRPO, Part II)").add_argument
     a("--dit-lr", type=positive, default=3e-3, help="AdamW learning rate of the DiT.")
     a("--dit-clip-eps", type=positive, default=1e-4, help="PPO clip epsilon of the DiT's per-step ratio.")
@@ -1281,18 +1280,18 @@ def parse_args(argv=None):
     a("--checkpoints-total-limit", type=count, default=None, help="Keep the newest K step checkpoints (default: all).")
     a("--sample-every", type=non_negative_int, default=5, help="Save a sheet of the samples every N steps (0 = never).")
     a("--report-to", choices=["none", "tensorboard", "wandb"], default="none", help="Also log to TensorBoard or W&B.")
-    a("--resume", default=None, help="Checkpoint file to continue from, or 'latest' for the newest in --out.")
+    a("--resume", default=None, help="Checkpoint file to continue from, or 'latest' in --out.")
     a("--resume-force", action="store_true", help="Resume even if algorithm flags differ from the checkpoint's.")
     a("--save-pipeline", default=None, help="After training, write the whole pipeline (LoRA merged) here.")
     a = p.add_argument_group("hardware and memory").add_argument
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
     a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto", help="Weights' dtype; auto = "
       "bfloat16 for a pretrained model on CUDA, else float32 (float64: for checks).")
-    a("--micro-batch-size", type=count, default=None, help="Samples per forward and backward (default: --group-size).")
+    a("--micro-batch-size", type=count, default=None, help="Samples per forward and backward (default: G).")
     a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in the backward pass.")
-    a("--offload", action=argparse.BooleanOptionalAction, default=None, help="Keep the frozen DiT, VAE and text "
-      "encoder on the CPU between uses (default: if --plan's peak exceeds the GPU's free memory).")
-    a("--fsdp", action="store_true", help="Under torchrun: shard the trained weights and their AdamW state (FSDP2).")
+    a("--offload", action=argparse.BooleanOptionalAction, default=None, help="Frozen DiT, VAE and text encoder on "
+      "the CPU between uses (default: if --plan's peak exceeds the GPU's free memory).")
+    a("--fsdp", action="store_true", help="Under torchrun: shard the trained weights and AdamW state (FSDP2).")
     a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others before it stops.")
     a("--plan", action="store_true", help="Print the memory plan of --model at --height x --width, and exit.")
     a("--plan-gpus", type=number(int, least=2), nargs="+", metavar="K", help="With --plan: --fsdp's bytes per GPU "
@@ -1317,10 +1316,11 @@ class Parser(argparse.ArgumentParser):
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action):     # no '(default: None)': such a help says what happens without
+        if action.default in (None, argparse.SUPPRESS):
+            return action.help
         plain, lora = (pretrained_defaults(SimpleNamespace(dit_lora_rank=r)).get(action.dest) for r in (0, 1))
         also = f"; a pretrained model's: {plain:g}" if plain else ""
-        also += f", {lora:g} with LoRA" if lora != plain else ""
-        return action.help if action.default in (None, argparse.SUPPRESS) else super()._get_help_string(action)[:-1] + also + ")"
+        return super()._get_help_string(action)[:-1] + also + (f", {lora:g} with LoRA" if lora != plain else "") + ")"
 
 
 def number(kind, least=None, above=None, most=None, multiple=None):
@@ -1355,12 +1355,12 @@ def validate_args(args):
     full = (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
     refusals = [      # (refused?, why): the first refused one is the error
         (outdated, f"installed libraries too old for grpo_glm.py: {outdated}; run: pip install -r requirements.txt"),
-        (args.ar_trainable == "head" and (args.lora_rank or args.fsdp), "--ar-trainable head trains the AR's "
-         "output layer alone: it takes neither --lora-rank nor --fsdp"),
+        (args.ar_trainable == "head" and (args.lora_rank or args.fsdp), "--ar-trainable head takes neither "
+         "--lora-rank nor --fsdp (it trains one small layer)"),
         (args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline), "--fsdp shards full "
          "fine-tuning: LoRA is small enough to replicate; --save-pipeline needs one process (resume its checkpoint)"),
         (args.fsdp and world_size() == 1, "--fsdp needs torchrun: one process has nothing to shard"),
-        (args.plan_gpus and not args.plan, "--plan-gpus sets the GPU counts of --plan's rows: add --plan"),
+        (args.plan_gpus and not args.plan, "--plan-gpus is for --plan: add --plan"),
         ((args.dit_train_steps or 0) > args.num_inference_steps, f"--dit-train-steps must be between 1 and "
          f"--num-inference-steps ({args.num_inference_steps}), got {args.dit_train_steps}"),
         (args.policy == "ar" and (args.dit_lora_rank or args.dit_train_steps is not None), "--dit-lora-rank and "
@@ -1376,7 +1376,7 @@ def validate_args(args):
         (args.model != TINY and not (model / "model_index.json").is_file() and not looks_like_hub_id(args.model),
          f"--model {args.model}: {'not a directory with model_index.json' if model.exists() else 'no such directory'}"
          " (give 'tiny', a hub id like zai-org/GLM-Image, or a save_pretrained directory)"),
-        (args.device == "cuda" and not cuda, "--device cuda was asked for but no CUDA device is available"),
+        (args.device == "cuda" and not cuda, "--device cuda: no CUDA device is available"),
         (args.offload and not (args.device != "cpu" and cuda), "--offload needs a CUDA device: there is none"),
     ]
     for refused, why in refusals:
@@ -1389,9 +1389,7 @@ def validate_args(args):
 
 def looks_like_hub_id(name):
     """'owner/name' that is no local path: a typo in './runs/x' or 'runs/x' must not go to the hub."""
-    owner = name.split("/", 1)[0]
-    return (re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", name) is not None and not Path(name).exists()
-            and not Path(owner).is_dir())
+    return re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", name) is not None and not Path(name).parent.is_dir()
 
 
 def check_writable(flag, path):
@@ -1473,22 +1471,21 @@ def check_prompt_lengths(pipe, items, args):
 
 
 def check_source_size(processor, height, width):
-    """i2i: the AR reads a source's VQ grid at the size the processor's rule (transformers' smart_resize: the short
-    side raised to sqrt(min_pixels), the long one lowered to sqrt(max_pixels), aspect <= 4, then halved) makes of
-    --height x --width, the DiT its VAE latent at that size: elsewhere they disagree (zai-org/GLM-Image issue 14)."""
+    """i2i: the AR reads a source's VQ grid at the size transformers' smart_resize makes of --height x --width (sides
+    within sqrt(min/max_pixels), aspect <= 4, then halved), the DiT its latent at --height x --width: they must agree
+    (zai-org/GLM-Image issue 14)."""
     from transformers.models.glm_image.image_processing_pil_glm_image import smart_resize
 
-    side = lambda key: math.isqrt(processor.size[key])
+    size = processor.size
     try:
-        resized = smart_resize(height, width, processor.patch_size * processor.merge_size,
-                               processor.size["shortest_edge"], processor.size["longest_edge"])
+        h, w = (2 * side for side in smart_resize(height, width, processor.patch_size * processor.merge_size,
+                                                   size["shortest_edge"], size["longest_edge"]))
     except ValueError as e:
         raise UsageError(f"--mode i2i at {height}x{width}: the image processor refuses it ({e})")
-    if resized != (height // 2, width // 2):
-        raise UsageError(f"--mode i2i at {height}x{width}: the image processor resizes a source to "
-                         f"{2 * resized[0]}x{2 * resized[1]} (sides {side('shortest_edge')} to "
-                         f"{side('longest_edge')} px), so its tokens would not line up with the DiT's; use "
-                         f"--height {2 * resized[0]} --width {2 * resized[1]}")
+    if (h, w) != (height, width):
+        raise UsageError(f"--mode i2i at {height}x{width}: the image processor resizes a source to {h}x{w} (sides "
+                         f"{math.isqrt(size['shortest_edge'])} to {math.isqrt(size['longest_edge'])} px), so its "
+                         f"tokens would not line up with the DiT's; use --height {h} --width {w}")
 
 
 def lock_out_dir(out):
@@ -1546,24 +1543,20 @@ class PromptItem:
 
 def read_prompts(path, height, width, mode="t2i", need_targets=("mse",)):
     """Lines `prompt[ | target.png[ | source.png (i2i)]]`, paths relative to the file; `\\|` is a '|'."""
-    path = Path(path)
+    path, items, resized = Path(path), [], False
     if not path.is_file():
         raise UsageError(f"--prompts {path}: " + ("is a directory, not a file" if path.is_dir() else "file not found"))
-    data = path.read_bytes()
     try:
-        lines = data.decode("utf-8-sig").splitlines()      # -sig: drops the BOM Windows editors put first
-    except UnicodeDecodeError as e:
-        hint = " (it looks like UTF-16)" if data[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
-        raise UsageError(f"--prompts {path}: not UTF-8 text{hint}: byte 0x{data[e.start]:02x} at offset {e.start}; "
-                         "save the file as UTF-8")
-    items, resized = [], False
-    for lineno, raw in enumerate(lines, 1):
-        line = raw.strip()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()      # -sig: drops the BOM Windows editors put first
+    except UnicodeDecodeError as e:     # e.object: the bytes (after a BOM)
+        hint = " (it looks like UTF-16)" if e.object[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+        raise UsageError(f"--prompts {path}: not UTF-8 text{hint}: byte 0x{e.object[e.start]:02x} at offset {e.start}"
+                         "; save the file as UTF-8")
+    for where, line in ((f"{path}:{n}", raw.strip()) for n, raw in enumerate(lines, 1)):
         if not line or line.startswith("#"):
             continue
         text, *paths = (part.strip() for part in re.split(r"(?<!\\)\|", line))
         text = text.replace("\\|", "|").replace("\t", " ")
-        where = f"{path}:{lineno}"
         if not text:
             raise UsageError(f"{where}: empty prompt before '|'")
         if len(paths) > (2 if mode == "i2i" else 1):
@@ -1573,8 +1566,8 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",)):
             w, h = read_image(file, where, kind)
             resized |= (w, h) != (width, height)
             if w * height != h * width:
-                print(f"note: {where}: {kind} {file.name} is {w}x{h}, squashed to {width}x{height} "
-                      "(another aspect ratio; crop it yourself to keep its proportions)")
+                print(f"note: {where}: {kind} {file.name} is {w}x{h}, squashed to {width}x{height} (another aspect "
+                      "ratio; crop it yourself to keep its proportions)")
         if mode == "i2i" and "source" not in image_from:     # drawn from the edit's words, and the target if not given
             image_from["source"] = demo_scene(text, where, mode, "source")
             image_from.setdefault("target", demo_scene(text, where, mode))
@@ -1656,15 +1649,11 @@ def demo_scene(prompt, where, mode, role="target", why=""):
 # 17. Reward plug-ins: --reward module:fn | file.py:fn
 # =============================================================================================
 
-@dataclass
-class Reward:
-    name: str                    # logged as rewards/<name>
-    fn: object
-    weight: float
+Reward = make_dataclass("Reward", ["name", "fn", "weight"])      # name: logged as rewards/<name>
 
 
-def mse(images, prompts, targets):
-    return mse_reward(images, targets)        # the built-in demo reward as a plug-in
+def mse(images, prompts, targets):      # the built-in demo reward as a plug-in
+    return mse_reward(images, targets)
 
 
 mse.uses_targets = True
