@@ -1229,7 +1229,7 @@ def parse_args(argv=None):
     p = Parser(description="GRPO fine-tuning of GLM-Image against image rewards.", formatter_class=HelpFormatter)
     count, non_negative_int = number(int, least=1), number(int, least=0)
     positive, non_negative = number(float, above=0), number(float, least=0)
-    pixels, once_or_each = number(int, least=32, multiple=32), dict(choices=["per-prompt", "per-step"])
+    pixels, draws = number(int, least=32, multiple=32), ["per-prompt", "per-step"]
     a = p.add_argument_group("GRPO (section 1)").add_argument
     a("--group-size", type=number(int, least=2), default=32, help="G: samples per prompt, compared within their group.")
     a("--prompts-per-step", type=count, default=2, help="Prompts per step: a batch of prompts x G samples.")
@@ -1260,7 +1260,7 @@ def parse_args(argv=None):
     a("--num-inference-steps", type=count, default=4, help="DiT steps of a decode for the reward: fewer are faster, "
       "rougher (Flow-GRPO: 10 to sample, 40 to evaluate).")
     a("--guidance-scale", type=number(float), default=1.0, help="DiT classifier-free guidance scale (1 = off).")
-    a("--dit-noise", **once_or_each, default="per-prompt", help="A group's initial DiT noise: drawn once or each step.")
+    a("--dit-noise", choices=draws, default="per-prompt", help="A group's initial DiT noise: drawn once or each step.")
     a("--lora-rank", type=non_negative_int, default=0, help="LoRA rank on the AR (0 = full fine-tuning).")
     a("--lora-alpha", type=number(float), default=None, help="LoRA alpha (default: --lora-rank).")
     a("--ar-trainable", choices=["auto", "all", "head"], default="auto", help="Without LoRA: all, or the output "
@@ -1271,7 +1271,7 @@ def parse_args(argv=None):
     a("--dit-noise-level", type=positive, default=0.7, help="a in the SDE's std_t = a sqrt(sigma / (1 - sigma)).")
     a("--dit-train-steps", type=count, default=None, help="Denoising steps, from the first, run as SDE and trained; "
       "the rest run the ODE (default: all but the last).")
-    a("--dit-prior", **once_or_each, default="per-prompt", help="--policy dit: a group's tokens, once or each step.")
+    a("--dit-prior", choices=draws, default="per-prompt", help="--policy dit: a group's tokens, once or each step.")
     a("--dit-reward", action="append", metavar="SPEC", help="--policy both: the DiT's own reward (as --reward).")
     a("--dit-lora-rank", type=non_negative_int, default=0, help="LoRA rank on the DiT (0 = full fine-tuning).")
     a = p.add_argument_group("logging and checkpoints").add_argument
@@ -1325,7 +1325,6 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def number(kind, least=None, above=None, most=None, multiple=None):
     """An argparse type: a finite `kind` (int or float), least <= value, above < value, value <= most."""
-
     def parse(text):
         value = kind(text)
         rules = {"finite": math.isfinite(value), f"at least {least}": least is None or value >= least,
@@ -1335,7 +1334,6 @@ def number(kind, least=None, above=None, most=None, multiple=None):
         if broken:
             raise argparse.ArgumentTypeError(f"must be {broken[0]}, got {value}")
         return value
-
     parse.__name__ = kind.__name__      # argparse's message for 'abc': invalid float value: 'abc'
     return parse
 
@@ -1353,6 +1351,8 @@ def validate_args(args):
                          if Version(version(name)) < Version(least))
     model, save, cuda = Path(args.model), Path(args.save_pipeline or "."), torch.cuda.is_available()
     full = (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
+    # a hub id: 'owner/name' that is no local path (a typo in './runs/x' or 'runs/x' must not go to the hub)
+    hub_id = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", args.model) and not model.parent.is_dir()
     refusals = [      # (refused?, why): the first refused one is the error
         (outdated, f"installed libraries too old for grpo_glm.py: {outdated}; run: pip install -r requirements.txt"),
         (args.ar_trainable == "head" and (args.lora_rank or args.fsdp), "--ar-trainable head takes neither "
@@ -1373,7 +1373,7 @@ def validate_args(args):
          f"--report-to {args.report_to} needs the '{args.report_to}' package: pip install {args.report_to}"),
         (args.save_pipeline and save.exists() and (not save.is_dir() or any(save.iterdir())), f"--save-pipeline "
          f"{save} already exists; pick a new directory (nothing is overwritten)"),
-        (args.model != TINY and not (model / "model_index.json").is_file() and not looks_like_hub_id(args.model),
+        (args.model != TINY and not (model / "model_index.json").is_file() and not hub_id,
          f"--model {args.model}: {'not a directory with model_index.json' if model.exists() else 'no such directory'}"
          " (give 'tiny', a hub id like zai-org/GLM-Image, or a save_pretrained directory)"),
         (args.device == "cuda" and not cuda, "--device cuda: no CUDA device is available"),
@@ -1385,11 +1385,6 @@ def validate_args(args):
     check_writable("--out", args.out)
     if args.save_pipeline:
         check_writable("--save-pipeline", save)
-
-
-def looks_like_hub_id(name):
-    """'owner/name' that is no local path: a typo in './runs/x' or 'runs/x' must not go to the hub."""
-    return re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", name) is not None and not Path(name).parent.is_dir()
 
 
 def check_writable(flag, path):
@@ -1611,8 +1606,7 @@ def to_rgb(image):
     if image.mode.startswith("I"):
         return image.convert("I").point(lambda v: v / 257 + 0.5).convert("RGB")     # 65535 -> 255, rounded
     if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
-        rgba = image.convert("RGBA")
-        return Image.alpha_composite(Image.new("RGBA", rgba.size, "white"), rgba).convert("RGB")
+        return Image.alpha_composite(Image.new("RGBA", image.size, "white"), image.convert("RGBA")).convert("RGB")
     return image.convert("RGB")
 
 
@@ -1652,10 +1646,8 @@ def demo_scene(prompt, where, mode, role="target", why=""):
 Reward = make_dataclass("Reward", ["name", "fn", "weight"])      # name: logged as rewards/<name>
 
 
-def mse(images, prompts, targets):      # the built-in demo reward as a plug-in
+def mse(images, prompts, targets):      # the built-in demo reward as a plug-in (README's layout)
     return mse_reward(images, targets)
-
-
 mse.uses_targets = True
 
 
