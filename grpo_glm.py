@@ -1701,8 +1701,7 @@ def call_reward(reward, images, prompts, targets):
     except (TypeError, ValueError, RuntimeError):
         raise UsageError(f"reward {name} returned {type(value).__name__}, not a tensor or list of floats", local=True)
     if value.shape != (n,):
-        raise UsageError(f"reward {name} returned shape {list(value.shape)}, expected [{n}] (one value per image)",
-                         local=True)
+        raise UsageError(f"reward {name} returned shape {list(value.shape)}, expected [{n}]", local=True)
     bad = (~torch.isfinite(value)).sum().item()
     if bad:
         print(f"warning: reward {name} returned {bad} non-finite values of {n}; their groups are left out of this "
