@@ -1358,7 +1358,7 @@ def validate_args(args):
         (args.ar_trainable == "head" and (args.lora_rank or args.fsdp), "--ar-trainable head takes neither "
          "--lora-rank nor --fsdp (it trains one small layer)"),
         (args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline), "--fsdp shards full "
-         "fine-tuning: LoRA is small enough to replicate; --save-pipeline needs one process (resume its checkpoint)"),
+         "fine-tuning: LoRA is small enough to replicate; --save-pipeline needs whole weights (resume in one process)"),
         (args.fsdp and world_size() == 1, "--fsdp needs torchrun: one process has nothing to shard"),
         (args.plan_gpus and not args.plan, "--plan-gpus is for --plan: add --plan"),
         ((args.dit_train_steps or 0) > args.num_inference_steps, f"--dit-train-steps must be between 1 and "
@@ -1646,7 +1646,7 @@ def demo_scene(prompt, where, mode, role="target", why=""):
 Reward = make_dataclass("Reward", ["name", "fn", "weight"])      # name: logged as rewards/<name>
 
 
-def mse(images, prompts, targets):      # the built-in demo reward as a plug-in (README's layout)
+def mse(images, prompts, targets):      # the built-in demo reward as a plug-in; it reads targets
     return mse_reward(images, targets)
 mse.uses_targets = True
 
