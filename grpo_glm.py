@@ -53,7 +53,7 @@ import time
 import traceback
 import unicodedata
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, make_dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -1231,90 +1231,75 @@ def write_source_caches(dit, cond):
 
 def parse_args(argv=None):
     p = Parser(description="GRPO fine-tuning of GLM-Image against image rewards.", formatter_class=HelpFormatter)
-    a = p.add_argument
     count, non_negative_int = number(int, least=1), number(int, least=0)
     positive, non_negative = number(float, above=0), number(float, least=0)
-    pixels = number(int, least=32, multiple=32)
-    a("--mode", choices=["t2i", "i2i"], default="t2i", help="t2i: text to image; i2i: edit each prompt's source image.")
-    a("--model", default=TINY, help="'tiny' (a toy GLM-Image, section 21), a hub id or a save_pretrained directory.")
-    a("--prompts", default="prompts.txt", help="Prompt file: a prompt per line, optionally '| target.png' (i2i: "
-      "'| target.png | source.png'); without them the demo images are drawn from its colour/shape words.")
-    a("--reward", action="append", metavar="SPEC", help="A reward: 'mse', 'module:function' or 'file.py:function', "
-      "optionally '=WEIGHT'; repeat it for a weighted sum (section 6). Default: mse.")
-    a("--out", default="runs/grpo_glm", help="Directory for metrics.jsonl, samples/ and checkpoints/.")
-    a("--steps", type=count, default=10, help="Number of GRPO steps to run (in total, counting resumed ones).")
-    a("--seed", type=number(int, least=0, most=2**32 - 1), default=0, help="Seed of the tiny model, the prompt "
-      "order, sampling and DiT noise (numpy's range: 0 to 2**32 - 1).")
+    pixels, draws = number(int, least=32, multiple=32), ["per-prompt", "per-step"]
+    a = p.add_argument_group("GRPO (section 1)").add_argument
     a("--group-size", type=number(int, least=2), default=32, help="G: samples per prompt, compared within their group.")
-    a("--prompts-per-step", type=count, default=2, help="Prompts per step; a step's batch is prompts x G samples.")
+    a("--prompts-per-step", type=count, default=2, help="Prompts per step: a batch of prompts x G samples.")
+    a("--temperature", type=positive, default=1.0, help="Sampling temperature T (the loss scores logits / T).")
+    a("--top-k", type=non_negative_int, default=0, help="Sample among the k likeliest tokens (0 = all).")
+    a("--top-p", type=number(float, above=0, most=1), default=1.0, help="Sample the top tokens of mass p (1 = all).")
+    a("--loss-tokens", choices=["target", "all"], default="target", help="The target grid's, or the preview's too.")
+    a("--clip-eps", type=positive, default=0.2, help="PPO clip: the ratio is kept within [1-eps, 1+eps].")
+    a("--beta", type=non_negative, default=0.0, help="Weight of the KL penalty to the initial model (0 = none).")
     a("--inner-epochs", type=count, default=4, help="mu: optimisation passes over each batch.")
     a("--lr", type=positive, default=2e-2, help="AdamW learning rate.")
-    a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="Learning-rate "
-      "schedule over --steps GRPO steps (diffusers' get_scheduler); resuming with another --steps reshapes "
-      "the rest of a cosine or linear one.")
-    a("--lr-warmup-steps", type=non_negative_int, default=0, help="GRPO steps of linear warm-up from 0 to --lr.")
-    a("--weight-decay", type=non_negative, default=0.0, help="AdamW's decoupled weight decay.")
-    a("--max-grad-norm", type=positive, default=1.0, help="Clip the global gradient norm to this value.")
-    a("--clip-eps", type=positive, default=0.2, help="epsilon of the PPO clip: ratio is kept within [1-eps, 1+eps].")
-    a("--beta", type=non_negative, default=0.0, help="Weight of the KL penalty towards the initial model (0 = "
-      "none, TRL's default): k3 on the AR's tokens; on the DiT the exact Gaussian KL ||dmu||^2 / (2 std_t^2 "
-      "|dt|). flow_grpo's code omits |dt|, so a beta taken from flow_grpo is 10-1000x stronger here.")
-    a("--temperature", type=positive, default=1.0, help="Sampling temperature; log-probs use logits / temperature.")
-    a("--top-k", type=non_negative_int, default=0, help="Sample among the k most likely image tokens (0 = all); "
-      "part of the policy: the loss scores tokens by the same truncated softmax.")
-    a("--top-p", type=number(float, above=0, most=1), default=1.0, help="Nucleus sampling: among the fewest "
-      "tokens whose probability adds up to p (1 = all); part of the policy, as --top-k.")
-    a("--height", type=pixels, default=128, help="Image height in pixels, a multiple of GLM-Image's 32-pixel tokens.")
+    a("--policy", choices=["ar", "dit", "both"], default="ar", help="What trains: the AR, the DiT (Part II) or both.")
+    a("--reward", action="append", metavar="SPEC", help="'mse', 'module:function' or 'file.py:function', optionally "
+      "'=WEIGHT'; repeat it for a weighted sum (section 6). Default: mse.")
+    a("--steps", type=count, default=10, help="GRPO steps in all, resumed ones included.")
+    a("--seed", type=number(int, least=0, most=2**32 - 1), default=0, help="Seed of every random draw.")
+    a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="Schedule over "
+      "--steps (diffusers'); a resume with another --steps reshapes its rest.")
+    a("--lr-warmup-steps", type=non_negative_int, default=0, help="Steps of linear warm-up from 0 to --lr.")
+    a("--weight-decay", type=non_negative, default=0.0, help="AdamW's weight decay.")
+    a("--max-grad-norm", type=positive, default=1.0, help="Clip the gradient's global norm to this.")
+    a = p.add_argument_group("model and data").add_argument
+    a("--model", default=TINY, help="'tiny' (a toy GLM-Image, section 21), a hub id or a save_pretrained directory.")
+    a("--mode", choices=["t2i", "i2i"], default="t2i", help="t2i: text to image; i2i: edit each prompt's source image.")
+    a("--prompts", default="prompts.txt", help="Lines 'prompt[ | target.png[ | source.png (i2i)]]' (section 16).")
+    a("--height", type=pixels, default=128, help="Image height in pixels, a multiple of 32 (a token).")
     a("--width", type=pixels, default=128, help="Image width in pixels, a multiple of 32.")
-    a("--num-inference-steps", type=count, default=4, help="DiT denoising steps when decoding samples for the "
-      "reward: fewer are faster, but the reward then scores a rougher image than a full decode gives (Flow-GRPO "
-      "samples with 10 and evaluates with 40).")
-    a("--dit-noise", choices=["per-prompt", "per-step"], default="per-prompt", help="Initial DiT noise: one "
-      "draw per prompt for the whole run, or a fresh one per step (always shared within a group).")
+    a("--num-inference-steps", type=count, default=4, help="DiT steps of a decode for the reward: fewer are faster, "
+      "rougher (Flow-GRPO: 10 to sample, 40 to evaluate).")
     a("--guidance-scale", type=number(float), default=1.0, help="DiT classifier-free guidance scale (1 = off).")
-    a("--loss-tokens", choices=["target", "all"], default="target", help="Which generated tokens the loss "
-      "covers: the target grid the DiT decodes, or the preview grid too (section 9).")
-    a("--lora-rank", type=non_negative_int, default=0, help="LoRA rank on the AR's projections (0 = full fine-tuning).")
-    a("--lora-alpha", type=number(float), default=None, help="LoRA alpha (default: equal to --lora-rank).")
-    a("--ar-trainable", choices=["auto", "all", "head"], default="auto", help="Without LoRA, what of the AR trains: "
-      "all its weights, or its output layer (head) on a frozen body; auto = head for --model tiny (section 2).")
-    a("--policy", choices=["ar", "dit", "both"], default="ar", help="What GRPO trains: the AR token model "
-      "(the DiT renders, frozen), the DiT with Flow-GRPO (tokens shared per prompt), or both from one reward.")
+    a("--dit-noise", choices=draws, default="per-prompt", help="A group's initial DiT noise: drawn once or each step.")
+    a("--lora-rank", type=non_negative_int, default=0, help="LoRA rank on the AR (0 = full fine-tuning).")
+    a("--lora-alpha", type=number(float), default=None, help="LoRA alpha (default: --lora-rank).")
+    a("--ar-trainable", choices=["auto", "all", "head"], default="auto", help="Without LoRA: all, or the output "
+      "layer (head); auto = head for --model tiny.")
+    a = p.add_argument_group("the DiT: --policy dit|both (Flow-GRPO, Part II)").add_argument
     a("--dit-lr", type=positive, default=3e-3, help="AdamW learning rate of the DiT.")
-    a("--dit-clip-eps", type=positive, default=1e-4, help="PPO clip epsilon of the DiT's per-step ratio "
-      "(flow_grpo's; step log-probs are means over latent dims, so ratios stay within ~1e-3 of 1).")
-    a("--dit-noise-level", type=positive, default=0.7, help="a in Flow-GRPO's SDE, std_t = a sqrt(sigma / "
-      "(1 - sigma)); 0 would be the deterministic ODE, which has no log-prob.")
-    a("--dit-train-steps", type=count, default=None, help="How many denoising steps, from the first, run as "
-      "SDE steps and enter the DiT loss; the rest run the ODE (default: all but the last).")
-    a("--dit-prior", choices=["per-prompt", "per-step"], default="per-prompt", help="--policy dit: the AR "
-      "token grid a group shares is drawn once per prompt for the whole run, or afresh each step.")
-    a("--dit-reward", action="append", metavar="SPEC", help="--policy both: the DiT's own reward (--reward's "
-      "syntax, repeatable); the AR's advantages then come from --reward alone (GLM-Image's decoupled RL: "
-      "layout and meaning to the AR, detail and text to the DiT).")
+    a("--dit-clip-eps", type=positive, default=1e-4, help="PPO clip epsilon of the DiT's per-step ratio.")
+    a("--dit-noise-level", type=positive, default=0.7, help="a in the SDE's std_t = a sqrt(sigma / (1 - sigma)).")
+    a("--dit-train-steps", type=count, default=None, help="Denoising steps, from the first, run as SDE and trained; "
+      "the rest run the ODE (default: all but the last).")
+    a("--dit-prior", choices=draws, default="per-prompt", help="--policy dit: a group's tokens, once or each step.")
+    a("--dit-reward", action="append", metavar="SPEC", help="--policy both: the DiT's own reward (as --reward).")
     a("--dit-lora-rank", type=non_negative_int, default=0, help="LoRA rank on the DiT (0 = full fine-tuning).")
-    a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto", help="Weights dtype: "
-      "auto = bfloat16 for a pretrained model on CUDA, else float32; float64 is for checks, e.g. that K "
-      "processes train as one.")
-    a("--micro-batch-size", type=count, default=None, help="Samples per forward and backward; default: --group-size.")
-    a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in the backward pass.")
-    a("--offload", action=argparse.BooleanOptionalAction, default=None, help="Offload the frozen DiT, VAE and "
-      "text encoder to CPU between uses (default: if --plan's peak exceeds the GPU's free memory).")
-    a("--save-every", type=count, default=10, help="Write a checkpoint every N steps (and always at the end).")
-    a("--checkpoints-total-limit", type=count, default=None, help="Keep only the newest K step "
-      "checkpoints (all by default).")
-    a("--sample-every", type=non_negative_int, default=5, help="Save a PNG of the samples every N steps (0 = never).")
-    a("--report-to", choices=["none", "tensorboard", "wandb"], default="none", help="Also log metrics, sample "
-      "sheets and flags to TensorBoard (<out>/logs) or Weights & Biases (WANDB_MODE=offline works).")
-    a("--resume", default=None, help="Checkpoint file to continue from, or 'latest' for the newest in --out.")
+    a = p.add_argument_group("logging and checkpoints").add_argument
+    a("--out", default="runs/grpo_glm", help="Directory for metrics.jsonl, samples/ and checkpoints/.")
+    a("--save-every", type=count, default=10, help="Write a checkpoint every N steps (and at the end).")
+    a("--checkpoints-total-limit", type=count, default=None, help="Keep the newest K step checkpoints (default: all).")
+    a("--sample-every", type=non_negative_int, default=5, help="Save a sheet of the samples every N steps (0 = never).")
+    a("--report-to", choices=["none", "tensorboard", "wandb"], default="none", help="Also log to TensorBoard or W&B.")
+    a("--resume", default=None, help="Checkpoint file to continue from, or 'latest' in --out.")
     a("--resume-force", action="store_true", help="Resume even if algorithm flags differ from the checkpoint's.")
-    a("--save-pipeline", default=None, help="After training, write the whole pipeline (LoRA merged) to this directory.")
+    a("--save-pipeline", default=None, help="After training, write the whole pipeline (LoRA merged) here.")
+    a = p.add_argument_group("hardware and memory").add_argument
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
-    a("--fsdp", action="store_true", help="Under torchrun: shard the trained weights and their AdamW state (FSDP2).")
+    a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto", help="Weights' dtype; auto = "
+      "bfloat16 for a pretrained model on CUDA, else float32 (float64: for checks).")
+    a("--micro-batch-size", type=count, default=None, help="Samples per forward and backward (default: G).")
+    a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in the backward pass.")
+    a("--offload", action=argparse.BooleanOptionalAction, default=None, help="Frozen DiT, VAE and text encoder on "
+      "the CPU between uses (default: if --plan's peak exceeds the GPU's free memory).")
+    a("--fsdp", action="store_true", help="Under torchrun: shard the trained weights and AdamW state (FSDP2).")
     a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others before it stops.")
     a("--plan", action="store_true", help="Print the memory plan of --model at --height x --width, and exit.")
-    a("--plan-gpus", type=number(int, least=2), nargs="+", metavar="K", help="With --plan: also print the "
-      "per-GPU bytes of --fsdp over K GPUs for each K given; --prompts-per-step is then the global count.")
+    a("--plan-gpus", type=number(int, least=2), nargs="+", metavar="K", help="With --plan: --fsdp's bytes per GPU "
+      "on K GPUs (--prompts-per-step: all K GPUs').")
     known = p.parse_known_args(argv)[0]
     if known.model != TINY:
         p.set_defaults(**pretrained_defaults(known))      # the defaults above are the tiny demo's
@@ -1335,15 +1320,15 @@ class Parser(argparse.ArgumentParser):
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action):     # no '(default: None)': such a help says what happens without
+        if action.default in (None, argparse.SUPPRESS):
+            return action.help
         plain, lora = (pretrained_defaults(SimpleNamespace(dit_lora_rank=r)).get(action.dest) for r in (0, 1))
         also = f"; a pretrained model's: {plain:g}" if plain else ""
-        also += f", {lora:g} with LoRA" if lora != plain else ""
-        return action.help if action.default is None else super()._get_help_string(action)[:-1] + also + ")"
+        return super()._get_help_string(action)[:-1] + also + (f", {lora:g} with LoRA" if lora != plain else "") + ")"
 
 
 def number(kind, least=None, above=None, most=None, multiple=None):
     """An argparse type: a finite `kind` (int or float), least <= value, above < value, value <= most."""
-
     def parse(text):
         value = kind(text)
         rules = {"finite": math.isfinite(value), f"at least {least}": least is None or value >= least,
@@ -1353,7 +1338,6 @@ def number(kind, least=None, above=None, most=None, multiple=None):
         if broken:
             raise argparse.ArgumentTypeError(f"must be {broken[0]}, got {value}")
         return value
-
     parse.__name__ = kind.__name__      # argparse's message for 'abc': invalid float value: 'abc'
     return parse
 
@@ -1362,50 +1346,42 @@ def number(kind, least=None, above=None, most=None, multiple=None):
 LEAST_VERSIONS = {"transformers": "5.23", "diffusers": "0.42.1", "peft": "0.20", "accelerate": "1.10"}
 
 
-def outdated_libraries():
-    """'peft 0.19.0 (needs >= 0.20)' for each installed library older than LEAST_VERSIONS, joined; '' if none."""
+def validate_args(args):
+    """What the flags' types cannot check: flags together, files, the machine. Before any model loads."""
     from importlib.metadata import version
     from packaging.version import Version
 
-    return ", ".join(f"{name} {version(name)} (needs >= {least})" for name, least in LEAST_VERSIONS.items()
-                     if Version(version(name)) < Version(least))
-
-
-def validate_args(args):
-    """What the flags' types cannot check: flags together, files, the machine. Before any model loads."""
-    world, model, save, outdated = world_size(), Path(args.model), Path(args.save_pipeline or "."), outdated_libraries()
+    outdated = ", ".join(f"{name} {version(name)} (needs >= {least})" for name, least in LEAST_VERSIONS.items()
+                         if Version(version(name)) < Version(least))
+    model, save, cuda = Path(args.model), Path(args.save_pipeline or "."), torch.cuda.is_available()
     full = (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
+    # a hub id: 'owner/name' that is no local path (a typo in './runs/x' or 'runs/x' must not go to the hub)
+    hub_id = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", args.model) and not model.parent.is_dir()
     refusals = [      # (refused?, why): the first refused one is the error
         (outdated, f"installed libraries too old for grpo_glm.py: {outdated}; run: pip install -r requirements.txt"),
-        (args.ar_trainable == "head" and (args.lora_rank or args.fsdp), "--ar-trainable head trains the AR's "
-         "output layer alone: it takes neither --lora-rank nor --fsdp (a layer this small is not worth sharding)"),
+        (args.ar_trainable == "head" and (args.lora_rank or args.fsdp), "--ar-trainable head takes neither "
+         "--lora-rank nor --fsdp (it trains one small layer)"),
         (args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline), "--fsdp shards full "
-         "fine-tuning; LoRA adapters are small enough to replicate (drop --fsdp), and --save-pipeline needs whole "
-         "weights (resume the last checkpoint in one process)"),
-        (args.fsdp and world == 1, "--fsdp needs torchrun: one process has nothing to shard"),
-        (args.plan_gpus and not args.plan, "--plan-gpus sets the GPU counts of --plan's rows: add --plan"),
+         "fine-tuning: LoRA is small enough to replicate; --save-pipeline needs whole weights (resume in one process)"),
+        (args.fsdp and world_size() == 1, "--fsdp needs torchrun: one process has nothing to shard"),
+        (args.plan_gpus and not args.plan, "--plan-gpus is for --plan: add --plan"),
         ((args.dit_train_steps or 0) > args.num_inference_steps, f"--dit-train-steps must be between 1 and "
          f"--num-inference-steps ({args.num_inference_steps}), got {args.dit_train_steps}"),
         (args.policy == "ar" and (args.dit_lora_rank or args.dit_train_steps is not None), "--dit-lora-rank and "
          "--dit-train-steps need --policy dit or both"),
-        (args.dit_reward and args.policy != "both", "--dit-reward is the DiT's own reward beside the AR's "
-         "under --policy both (under --policy dit, --reward is the DiT's)"),
-        (args.policy == "dit" and args.lora_rank, "--lora-rank adapts the AR, which --policy dit does not "
-         "train (use --dit-lora-rank)"),
-        (args.dtype == "bfloat16" and not args.fsdp and full, "--dtype bfloat16 full fine-tuning would round "
-         "AdamW's updates away (a step of ~lr is below half a bf16 ulp of most weights): train LoRA adapters "
-         "(--lora-rank / --dit-lora-rank, fp32), shard fp32 weights with --fsdp, or use --dtype float32"),
+        (args.dit_reward and args.policy != "both", "--dit-reward needs --policy both (--policy dit: use --reward)"),
+        (args.policy == "dit" and args.lora_rank, "--lora-rank adapts the AR, which --policy dit does not train"),
+        (args.dtype == "bfloat16" and not args.fsdp and full, "--dtype bfloat16 full fine-tuning would round AdamW's "
+         "updates away (below half a bf16 ulp): use LoRA (fp32), --fsdp of fp32 weights or --dtype float32"),
         (args.report_to != "none" and importlib.util.find_spec(args.report_to) is None,    # package = flag value
          f"--report-to {args.report_to} needs the '{args.report_to}' package: pip install {args.report_to}"),
         (args.save_pipeline and save.exists() and (not save.is_dir() or any(save.iterdir())), f"--save-pipeline "
          f"{save} already exists; pick a new directory (nothing is overwritten)"),
-        (args.model != TINY and not (model / "model_index.json").is_file() and not looks_like_hub_id(args.model),
+        (args.model != TINY and not (model / "model_index.json").is_file() and not hub_id,
          f"--model {args.model}: {'not a directory with model_index.json' if model.exists() else 'no such directory'}"
          " (give 'tiny', a hub id like zai-org/GLM-Image, or a save_pretrained directory)"),
-        (args.device == "cuda" and not torch.cuda.is_available(), "--device cuda was asked for but no CUDA device "
-         "is available"),
-        (args.offload and not (args.device != "cpu" and torch.cuda.is_available()), "--offload moves the frozen "
-         "DiT, VAE and text encoder to a CUDA device: there is none"),
+        (args.device == "cuda" and not cuda, "--device cuda: no CUDA device is available"),
+        (args.offload and not (args.device != "cpu" and cuda), "--offload needs a CUDA device: there is none"),
     ]
     for refused, why in refusals:
         if refused:
@@ -1413,13 +1389,6 @@ def validate_args(args):
     check_writable("--out", args.out)
     if args.save_pipeline:
         check_writable("--save-pipeline", save)
-
-
-def looks_like_hub_id(name):
-    """'owner/name' that is no local path: a typo in './runs/x' or 'runs/x' must not go to the hub."""
-    owner = name.split("/", 1)[0]
-    return (re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", name) is not None and not Path(name).exists()
-            and not Path(owner).is_dir())
 
 
 def check_writable(flag, path):
@@ -1501,22 +1470,21 @@ def check_prompt_lengths(pipe, items, args):
 
 
 def check_source_size(processor, height, width):
-    """i2i: the AR reads a source's VQ grid at the size the processor's rule (transformers' smart_resize: the short
-    side raised to sqrt(min_pixels), the long one lowered to sqrt(max_pixels), aspect <= 4, then halved) makes of
-    --height x --width, the DiT its VAE latent at that size: elsewhere they disagree (zai-org/GLM-Image issue 14)."""
+    """i2i: the AR reads a source's VQ grid at the size transformers' smart_resize makes of --height x --width (sides
+    within sqrt(min/max_pixels), aspect <= 4, then halved), the DiT its latent at --height x --width: they must agree
+    (zai-org/GLM-Image issue 14)."""
     from transformers.models.glm_image.image_processing_pil_glm_image import smart_resize
 
-    side = lambda key: math.isqrt(processor.size[key])
+    size = processor.size
     try:
-        resized = smart_resize(height, width, processor.patch_size * processor.merge_size,
-                               processor.size["shortest_edge"], processor.size["longest_edge"])
+        h, w = (2 * side for side in smart_resize(height, width, processor.patch_size * processor.merge_size,
+                                                   size["shortest_edge"], size["longest_edge"]))
     except ValueError as e:
         raise UsageError(f"--mode i2i at {height}x{width}: the image processor refuses it ({e})")
-    if resized != (height // 2, width // 2):
-        raise UsageError(f"--mode i2i at {height}x{width}: the image processor resizes a source to "
-                         f"{2 * resized[0]}x{2 * resized[1]} (sides {side('shortest_edge')} to "
-                         f"{side('longest_edge')} px), so its tokens would not line up with the DiT's; use "
-                         f"--height {2 * resized[0]} --width {2 * resized[1]}")
+    if (h, w) != (height, width):
+        raise UsageError(f"--mode i2i at {height}x{width}: the image processor resizes a source to {h}x{w} (sides "
+                         f"{math.isqrt(size['shortest_edge'])} to {math.isqrt(size['longest_edge'])} px), so its "
+                         f"tokens would not line up with the DiT's; use --height {h} --width {w}")
 
 
 def lock_out_dir(out):
@@ -1574,24 +1542,20 @@ class PromptItem:
 
 def read_prompts(path, height, width, mode="t2i", need_targets=("mse",)):
     """Lines `prompt[ | target.png[ | source.png (i2i)]]`, paths relative to the file; `\\|` is a '|'."""
-    path = Path(path)
+    path, items, resized = Path(path), [], False
     if not path.is_file():
         raise UsageError(f"--prompts {path}: " + ("is a directory, not a file" if path.is_dir() else "file not found"))
-    data = path.read_bytes()
     try:
-        lines = data.decode("utf-8-sig").splitlines()      # -sig: drops the BOM Windows editors put first
-    except UnicodeDecodeError as e:
-        hint = " (it looks like UTF-16)" if data[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
-        raise UsageError(f"--prompts {path}: not UTF-8 text{hint}: byte 0x{data[e.start]:02x} at offset {e.start}; "
-                         "save the file as UTF-8")
-    items, resized = [], False
-    for lineno, raw in enumerate(lines, 1):
-        line = raw.strip()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()      # -sig: drops the BOM Windows editors put first
+    except UnicodeDecodeError as e:     # e.object: the bytes (after a BOM)
+        hint = " (it looks like UTF-16)" if e.object[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
+        raise UsageError(f"--prompts {path}: not UTF-8 text{hint}: byte 0x{e.object[e.start]:02x} at offset {e.start}"
+                         "; save the file as UTF-8")
+    for where, line in ((f"{path}:{n}", raw.strip()) for n, raw in enumerate(lines, 1)):
         if not line or line.startswith("#"):
             continue
         text, *paths = (part.strip() for part in re.split(r"(?<!\\)\|", line))
         text = text.replace("\\|", "|").replace("\t", " ")
-        where = f"{path}:{lineno}"
         if not text:
             raise UsageError(f"{where}: empty prompt before '|'")
         if len(paths) > (2 if mode == "i2i" else 1):
@@ -1601,8 +1565,8 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",)):
             w, h = read_image(file, where, kind)
             resized |= (w, h) != (width, height)
             if w * height != h * width:
-                print(f"note: {where}: {kind} {file.name} is {w}x{h}, squashed to {width}x{height} "
-                      "(another aspect ratio; crop it yourself to keep its proportions)")
+                print(f"note: {where}: {kind} {file.name} is {w}x{h}, squashed to {width}x{height} (another aspect "
+                      "ratio; crop it yourself to keep its proportions)")
         if mode == "i2i" and "source" not in image_from:     # drawn from the edit's words, and the target if not given
             image_from["source"] = demo_scene(text, where, mode, "source")
             image_from.setdefault("target", demo_scene(text, where, mode))
@@ -1646,8 +1610,7 @@ def to_rgb(image):
     if image.mode.startswith("I"):
         return image.convert("I").point(lambda v: v / 257 + 0.5).convert("RGB")     # 65535 -> 255, rounded
     if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
-        rgba = image.convert("RGBA")
-        return Image.alpha_composite(Image.new("RGBA", rgba.size, "white"), rgba).convert("RGB")
+        return Image.alpha_composite(Image.new("RGBA", image.size, "white"), image.convert("RGBA")).convert("RGB")
     return image.convert("RGB")
 
 
@@ -1684,17 +1647,11 @@ def demo_scene(prompt, where, mode, role="target", why=""):
 # 17. Reward plug-ins: --reward module:fn | file.py:fn
 # =============================================================================================
 
-@dataclass
-class Reward:
-    name: str                    # logged as rewards/<name>
-    fn: object
-    weight: float
+Reward = make_dataclass("Reward", ["name", "fn", "weight"])      # name: logged as rewards/<name>
 
 
-def mse(images, prompts, targets):
-    return mse_reward(images, targets)        # the built-in demo reward as a plug-in
-
-
+def mse(images, prompts, targets):      # the built-in demo reward as a plug-in; it reads targets
+    return mse_reward(images, targets)
 mse.uses_targets = True
 
 
@@ -1748,8 +1705,7 @@ def call_reward(reward, images, prompts, targets):
     except (TypeError, ValueError, RuntimeError):
         raise UsageError(f"reward {name} returned {type(value).__name__}, not a tensor or list of floats", local=True)
     if value.shape != (n,):
-        raise UsageError(f"reward {name} returned shape {list(value.shape)}, expected [{n}] (one value per image)",
-                         local=True)
+        raise UsageError(f"reward {name} returned shape {list(value.shape)}, expected [{n}]", local=True)
     bad = (~torch.isfinite(value)).sum().item()
     if bad:
         print(f"warning: reward {name} returned {bad} non-finite values of {n}; their groups are left out of this "
