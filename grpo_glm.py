@@ -2365,15 +2365,14 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
 # =============================================================================================
 # 22. More GPUs: torchrun data parallel (DDP) and sharding (--fsdp)
 # =============================================================================================
-# `torchrun --nproc_per_node K grpo_glm.py ...` starts K ranks. Each samples, decodes, rewards and standardises
-# whole groups, a contiguous block of the step's prompts (DanceGRPO's layout), so advantages need no communication:
-# only the gradient average (DDP's all-reduce, FSDP's reduce-scatter) and a few scalars cross ranks; rank 0 alone
-# writes files. 1 and K processes sample alike (sample_tokens); weights agree up to the order of sums.
+# `torchrun --nproc_per_node K grpo_glm.py ...`: each of K ranks samples, rewards and standardises whole groups (a
+# block of the step's prompts, as DanceGRPO), so only gradients (averaged) and a few scalars cross ranks; rank 0 alone
+# writes files. 1 and K processes sample alike (sample_tokens) and train alike up to the order of sums.
 
 @functools.cache     # swapped once a process
 def float64_throughout():
-    """--dtype float64: GlmImageRMSNorm (transformers) and apply_rotary_emb (diffusers) round to fp32 (for bf16),
-    and 1 vs 2 processes drifted 1e-9 apart: swapped for their formulas in x's dtype, at least fp32."""
+    """--dtype float64: GlmImageRMSNorm (transformers) and apply_rotary_emb (diffusers) round to fp32, and 1 vs 2
+    processes drifted 1e-9 apart: swapped for their own formulas in at least fp32."""
     import diffusers.models.embeddings as embeddings
     from transformers.models.glm_image.modeling_glm_image import GlmImageRMSNorm
 
@@ -2401,7 +2400,7 @@ def init_distributed(args):
                                 timeout=datetime.timedelta(seconds=args.dist_timeout))
 
 
-def rank():     # torchrun's environment, readable before the group is joined (as nanoGPT reads it)
+def rank():     # torchrun's environment, readable before the group is joined
     return int(os.environ.get("RANK", "0"))
 
 
@@ -2440,8 +2439,7 @@ def reduce_metrics(row):
 
 def collective_failed(error):
     """A peer died or timed out: a DistError, or (gloo, also in backward) a RuntimeError quoting gloo's source."""
-    failed = isinstance(error, dist.DistError) or re.search("gloo|nccl", str(error), re.I)
-    return dist.is_initialized() and bool(failed)
+    return dist.is_initialized() and bool(isinstance(error, dist.DistError) or re.search("gloo|nccl", str(error), re.I))
 
 
 def distribute(model, params, args, reference=None):
@@ -2456,7 +2454,7 @@ def distribute(model, params, args, reference=None):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    # FSDP2 warns: the DiT returns a view (unpatchify), which a caller could change in place (none does)
+    # the DiT returns a view (unpatchify): FSDP2 warns, lest a caller change it in place (none does)
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     compute = getattr(torch, args.dtype)
     master = torch.promote_types(compute, torch.float32)    # bf16: fp32 shards (AdamW's steps on bf16 round away)
@@ -2464,17 +2462,17 @@ def distribute(model, params, args, reference=None):
     mesh = init_device_mesh(torch.device(args.device).type, (world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=master)     # gathered in bf16, reduced in fp32
     for module in [m for m in (model, reference) if m is not None]:
-        # layers, then the root: None lets FSDP2 keep a root gathered after forward (for backward); a reference has none
+        # layers, then the root (None: the policy's stays gathered from forward to backward; a reference has none)
         for unit in [*sharded_layers(module), module]:
             fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True if unit is reference else None)
     return model, [p for p in model.parameters() if p.requires_grad]
 
 
-def sharded_layers(module):     # the units sharded before the root: the AR's decoder layers, the DiT's blocks
+def sharded_layers(module):     # fully_shard's units below the root: the AR's decoder layers, the DiT's blocks
     return module.model.language_model.layers if hasattr(module, "model") else module.transformer_blocks
 
 
-def fsdp_units(model):      # the modules fully_shard made FSDPModules: [] if not sharded
+def fsdp_units(model):      # [] if not sharded
     from torch.distributed.fsdp import FSDPModule
 
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -2496,8 +2494,8 @@ def whole_weights(model):
 
 
 def training_state(model, optimizer, loaded=None):
-    """(trained weights, AdamW state) by name, whole on rank 0's CPU (others: empty), or `loaded` (such a pair,
-    of any world size) loaded into --fsdp's shards too. All ranks call it. The models have no persistent buffers."""
+    """All ranks: (trained weights, AdamW state) by name, whole on rank 0's CPU (others: empty); or `loaded`,
+    such a pair of any world size, loaded (--fsdp: into each rank's shards). The models hold no buffers."""
     from torch.distributed.checkpoint import state_dict as dsd
 
     whole = dsd.StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True, strict=False)
