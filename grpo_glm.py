@@ -2454,8 +2454,7 @@ def distribute(model, params, args, reference=None):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    # the DiT returns a view (unpatchify): FSDP2 warns, lest a caller change it in place (none does)
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # DiT's, never edited
     compute = getattr(torch, args.dtype)
     master = torch.promote_types(compute, torch.float32)    # bf16: fp32 shards (AdamW's steps on bf16 round away)
     cast_training_params(model, dtype=master)
