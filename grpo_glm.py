@@ -2494,7 +2494,7 @@ def whole_weights(model):
 
 def training_state(model, optimizer, loaded=None):
     """All ranks: (trained weights, AdamW state) by name, whole on rank 0's CPU (others: empty); or `loaded`,
-    such a pair of any world size, loaded (--fsdp: into each rank's shards). The models hold no buffers."""
+    such a pair of any world size, loaded (--fsdp: into each rank's shards). Their state dicts hold no buffers."""
     from torch.distributed.checkpoint import state_dict as dsd
 
     whole = dsd.StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True, strict=False)
