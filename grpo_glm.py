@@ -50,7 +50,6 @@ import signal
 import sys
 import tempfile
 import time
-import traceback
 import unicodedata
 import warnings
 from dataclasses import dataclass, make_dataclass, replace
@@ -678,7 +677,7 @@ def grpo_update(optimizer, halves, args, learns=True):
             for loss, metrics, weight in micro_batches(epoch):
                 (loss * weight).backward()
                 guard.add(prefix, metrics, weight)
-            guard.add(prefix, {"grad_norm": clip_gradients(params, args.max_grad_norm).item()})
+            guard.add(prefix, {"grad_norm": torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()})
         if guard.vote():           # all ranks: everything finite, something to learn
             optimizer.step()
             guard.check_weights()
@@ -723,12 +722,13 @@ def setup_training(args, resume=None, rewards=None, dit_rewards=None):
     groups, trained = [], {}
     if args.policy != "dit":
         trainer.reference = frozen_copy(ar, args.lora_rank)
-        trainer.params = shard_for_training(ar, prepare_policy(ar, args), args, trainer.reference)
+        trainer.policy, trainer.params = distribute(ar, prepare_policy(ar, args), args, trainer.reference)
         groups.append({"params": trainer.params, "lr": args.lr})
         trained["vision_language_encoder"] = ar
     if args.policy != "ar":
         trainer.dit_reference = frozen_copy(dit, args.dit_lora_rank)
-        trainer.dit_params = shard_for_training(dit, prepare_dit_policy(dit, args), args, trainer.dit_reference)
+        trainer.dit_policy, trainer.dit_params = distribute(dit, prepare_dit_policy(dit, args), args,
+                                                           trainer.dit_reference)
         groups.append({"params": trainer.dit_params, "lr": args.dit_lr})
         trained["transformer"] = dit
     trainer.trained = ar if args.policy == "ar" else torch.nn.ModuleDict(trained)
@@ -740,8 +740,6 @@ def setup_training(args, resume=None, rewards=None, dit_rewards=None):
     start = resume.restore(trainer, args) if resume else 0     # section 20
     trainer.rewards = load_rewards(args.reward) if rewards is None else rewards
     trainer.dit_rewards = load_rewards(args.dit_reward or []) if dit_rewards is None else dit_rewards
-    trainer.policy = wrap_for_training(ar, args.device) if args.policy != "dit" else None
-    trainer.dit_policy = wrap_for_training(dit, args.device) if args.policy != "ar" else None
     return trainer, start
 
 
@@ -1952,7 +1950,7 @@ class StopAfterStep:
             if not self.voted:         # a rank that left its step early still answers the others' vote
                 self.agree()
         except Exception as e:
-            if not (is_ddp() and collective_failed(e)):
+            if not collective_failed(e):
                 raise
             peers = False
         if step - 1 > last_saved and (peers or rank() == 0):      # step_rng: what step - 1 left
@@ -2001,7 +1999,7 @@ def rng_state():
 def save_checkpoint(out, step, trainer, args, lead=True, rng=None):
     """All ranks gather (--fsdp: a collective); rank 0 streams it, with `rng` (default: the RNG states now),
     to checkpoints/step_NNNNNN.pt (no copy), then keeps the newest --checkpoints-total-limit."""
-    weights, optimizer_state = gather_training_state(trainer.trained, trainer.optimizer)
+    weights, optimizer_state = training_state(trainer.trained, trainer.optimizer)
     if not lead:
         return None
     path = out / "checkpoints" / f"step_{step:06d}.pt"
@@ -2082,7 +2080,7 @@ class Resume:
         try:
             if set(ckpt["trainable"]) != {name for name, p in trainer.trained.named_parameters() if p.requires_grad}:
                 raise ValueError(f"other parameter names ({', '.join(weight_flags)})")
-            load_training_state(trainer.trained, trainer.optimizer, ckpt["trainable"], ckpt["optimizer"])
+            training_state(trainer.trained, trainer.optimizer, (ckpt["trainable"], ckpt["optimizer"]))
             trainer.lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
         except (RuntimeError, ValueError, KeyError) as e:
             changed = [d for d in self.differences if d.split()[0] in weight_flags]
@@ -2327,29 +2325,26 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
 # =============================================================================================
 # 22. More GPUs: torchrun data parallel (DDP) and sharding (--fsdp)
 # =============================================================================================
-# `torchrun --nproc_per_node K grpo_glm.py ...` starts K ranks. Each samples, decodes, rewards and standardises
-# whole groups, a contiguous block of the step's prompts (DanceGRPO's layout), so advantages need no communication:
-# only the gradient average (DDP's all-reduce, FSDP's reduce-scatter) and a few scalars cross ranks; rank 0 alone
-# writes files. 1 and K processes sample alike (sample_tokens); weights agree up to the order of sums.
+# `torchrun --nproc_per_node K grpo_glm.py ...`: each of K ranks samples, rewards and standardises whole groups (a
+# block of the step's prompts, as DanceGRPO), so only gradients (averaged) and a few scalars cross ranks; rank 0 alone
+# writes files. 1 and K processes sample alike (sample_tokens) and train alike up to the order of sums.
 
 @functools.cache     # swapped once a process
 def float64_throughout():
-    """--dtype float64: GlmImageRMSNorm (transformers) and apply_rotary_emb (diffusers) round to fp32 for
-    bf16, and 1 vs 2 processes drifted 1e-9 apart: swapped for their own formula in at least fp32."""
+    """--dtype float64: GlmImageRMSNorm (transformers) and apply_rotary_emb (diffusers) round to fp32, and 1 vs 2
+    processes drifted 1e-9 apart: swapped for their own formulas in at least fp32."""
     import diffusers.models.embeddings as embeddings
     from transformers.models.glm_image.modeling_glm_image import GlmImageRMSNorm
 
     def rms_norm(self, x):
         wide = at_least_fp32(x)
-        inv_rms = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * (wide * inv_rms).to(x.dtype)
+        return self.weight * torch.nn.functional.rms_norm(wide, wide.shape[-1:], eps=self.variance_epsilon).to(x.dtype)
 
-    def rotary(x, freqs_cis, use_real=True, use_real_unbind_dim=-1, sequence_dim=2,
-               library=embeddings.apply_rotary_emb):
-        if x.dtype != torch.float64 or (use_real, use_real_unbind_dim, sequence_dim) != (True, -2, 1):
-            return library(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
-        cos, sin = (f.to(x.device)[None, :, None, :] for f in freqs_cis)     # GLM-Image's DiT: [B, S, heads, D]
-        x_real, x_imag = x.reshape(*x.shape[:-1], 2, -1).unbind(-2)
+    def rotary(x, freqs_cis, *args, library=embeddings.apply_rotary_emb, **kwargs):
+        if x.dtype != torch.float64:
+            return library(x, freqs_cis, *args, **kwargs)
+        cos, sin = (f.to(x.device)[None, :, None, :] for f in freqs_cis)      # the DiT's x: [B, S, heads, D]
+        x_real, x_imag = x.reshape(*x.shape[:-1], 2, -1).unbind(-2)          # its use_real_unbind_dim=-2: halves
         return x * cos + torch.cat([-x_imag, x_real], dim=-1) * sin
 
     embeddings.apply_rotary_emb, GlmImageRMSNorm.forward = rotary, rms_norm
@@ -2357,16 +2352,15 @@ def float64_throughout():
 
 def init_distributed(args):
     """torchrun's process group, gloo or nccl: a dead or hung rank makes the others raise after --dist-timeout."""
-    if world_size() == 1:
-        return
-    if args.device == "cuda":
-        args.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
-        torch.cuda.set_device(args.device)
-    dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo",
-                            timeout=datetime.timedelta(seconds=args.dist_timeout))
+    if world_size() > 1:
+        if args.device == "cuda":
+            args.device = f"cuda:{os.environ['LOCAL_RANK']}"
+            torch.cuda.set_device(args.device)
+        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo",
+                                timeout=datetime.timedelta(seconds=args.dist_timeout))
 
 
-def rank():     # torchrun's environment, readable before the group is joined (as nanoGPT reads it)
+def rank():     # torchrun's environment, readable before the group is joined
     return int(os.environ.get("RANK", "0"))
 
 
@@ -2374,28 +2368,14 @@ def world_size():
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def is_ddp():
-    return dist.is_available() and dist.is_initialized()
-
-
-def wrap_for_training(model, device):
-    """DDP for the training forward (its backward averages gradients; buffers never change): else unwrap."""
-    if not is_ddp() or fsdp_units(model):       # FSDP2 shards in place and averages by itself
-        return model
-    device_ids = [torch.device(device)] if str(device).startswith("cuda") else None
-    return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
-
-
 def unwrap(model):
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
-def from_every_rank(value):
-    """Every rank's `value` (any picklable), in rank order: one all_gather_object ([value] without torchrun)."""
-    if not is_ddp():
-        return [value]
-    values = [None] * world_size()
-    dist.all_gather_object(values, value)
+def from_every_rank(value):      # any picklable, in rank order
+    values = [value] * world_size()
+    if dist.is_initialized():
+        dist.all_gather_object(values, value)
     return values
 
 
@@ -2404,64 +2384,57 @@ def max_over_ranks(value):
 
 
 def all_ranks_agree(flag):
-    """True if `flag` is on every rank: a choice of how many collectives come next (skip an update,
-    stop) is taken together, or a rank waits forever in a collective the others never start."""
+    """True if `flag` is on every rank: a choice of how many collectives come next (skip an update, stop)
+    is taken together, or a rank waits forever in a collective the others never start."""
     return all(from_every_rank(bool(flag)))
 
 
 def reduce_metrics(row):
-    """A metrics row averaged over ranks (logp_diff_max, dit/ too: the maximum): every rank holds as many
-    samples of the same length, so the mean of the per-rank means is the global mean."""
+    """A metrics row averaged over ranks (logp_diff_max: the maximum): every rank holds as many samples
+    of the same length, so the mean of the per-rank means is the global mean."""
     rows = from_every_rank(row)
-    columns = {k: [r[k] for r in rows] for k in row}
-    return {k: type(row[k])(max(c) if k.endswith("logp_diff_max") else sum(map(float, c)) / len(c))
-            for k, c in columns.items()}
+    return {k: type(v)((max if k.endswith("logp_diff_max") else np.mean)([float(r[k]) for r in rows]))
+            for k, v in row.items()}
 
 
 def collective_failed(error):
-    """A peer died or timed out: gloo raises a plain RuntimeError from torch.distributed or DDP, or,
-    in backward (DDP's all-reduce, FSDP's reduce-scatter), from autograd's frame naming the backend."""
-    frames = traceback.extract_tb(error.__traceback__)
-    return isinstance(error, dist.DistError) or bool(frames and (
-        re.search(r"torch[/\\](distributed|nn[/\\]parallel)[/\\]", frames[-1].filename)
-        or re.search(r"torch[/\\]autograd[/\\]", frames[-1].filename) and re.search(r"gloo|nccl", str(error), re.I)))
+    """A peer died or timed out: a DistError, or (gloo, also in backward) a RuntimeError quoting gloo's source."""
+    return dist.is_initialized() and bool(isinstance(error, dist.DistError) or re.search("gloo|nccl", str(error), re.I))
 
 
-# --fsdp: FSDP2 (fully_shard). Each rank keeps 1/K of every trained weight, its gradient and AdamW
-# moments (DTensors on a 1-D mesh). A unit (a decoder layer or DiT block, then the root) is gathered
-# just before its forward and backward and freed after; gradients are reduce-scattered (averaged).
-
-def fsdp_units(model):      # the modules fully_shard made FSDPModules: [] if not sharded
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-def shard_for_training(model, params, args, reference=None):
-    """--fsdp: shards `model` and its KL `reference` in place; returns AdamW's parameters (new DTensors
-    if sharded). bf16: shards in fp32 (AdamW's steps on bf16 round away), gathered in bf16, reduced in fp32."""
+def distribute(model, params, args, reference=None):
+    """-> (what the training forward calls, AdamW's params). DDP wraps `model` (its backward averages gradients).
+    --fsdp (FSDP2) shards `model` and its KL `reference` in place: each rank keeps 1/K of every weight, gradient
+    and AdamW moment (DTensors). A unit (a layer, then the root) is gathered for its forward and backward."""
+    if not dist.is_initialized():
+        return model, params
     if not args.fsdp:
-        return params
+        return torch.nn.parallel.DistributedDataParallel(model, forward_sync_buffers=False), params
+    from diffusers.training_utils import cast_training_params
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    # FSDP2 warns that the DiT returns a view (unpatchify), lest a caller change it in place: none does
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    mesh, policy = init_device_mesh(torch.device(args.device).type, (world_size(),)), MixedPrecisionPolicy()
-    if args.dtype == "bfloat16":
-        from diffusers.training_utils import cast_training_params
-
-        cast_training_params(model, dtype=torch.float32)
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # DiT's, never edited
+    compute = getattr(torch, args.dtype)
+    master = torch.promote_types(compute, torch.float32)    # bf16: fp32 shards (AdamW's steps on bf16 round away)
+    cast_training_params(model, dtype=master)
+    mesh = init_device_mesh(torch.device(args.device).type, (world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=master)     # gathered in bf16, reduced in fp32
     for module in [m for m in (model, reference) if m is not None]:
-        # layers, then the root: None lets FSDP2 keep a root gathered after forward (for backward); a reference has none
+        # layers, then the root (None: the policy's stays gathered from forward to backward; a reference has none)
         for unit in [*sharded_layers(module), module]:
             fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True if unit is reference else None)
-    return [p for p in model.parameters() if p.requires_grad]
+    return model, [p for p in model.parameters() if p.requires_grad]
 
 
-def sharded_layers(module):     # the units sharded before the root: the AR's decoder layers, the DiT's blocks
+def sharded_layers(module):     # fully_shard's units below the root: the AR's decoder layers, the DiT's blocks
     return module.model.language_model.layers if hasattr(module, "model") else module.transformer_blocks
+
+
+def fsdp_units(model):      # [] if not sharded
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 @contextlib.contextmanager
@@ -2479,29 +2452,15 @@ def whole_weights(model):
             unit.reshard()
 
 
-def clip_gradients(params, max_norm):
-    """clip_grad_norm_; under --fsdp the norm is a DTensor (each rank's shards reduced), made whole."""
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-
-def gather_training_state(model, optimizer):
-    """(trained weights, AdamW state) by parameter name, whole on rank 0's CPU at any world size (others:
-    empty): torch.distributed.checkpoint's state_dict API (dsd) gathers --fsdp shards. Every rank calls it."""
+def training_state(model, optimizer, loaded=None):
+    """All ranks: (trained weights, AdamW state) by name, whole on rank 0's CPU (others: empty); or `loaded`,
+    such a pair of any world size, loaded (--fsdp: into each rank's shards). Their state dicts hold no buffers."""
     from torch.distributed.checkpoint import state_dict as dsd
 
-    weights, optimizer_state = dsd.get_state_dict(model, optimizer, options=dsd.StateDictOptions(
-        full_state_dict=True, cpu_offload=True, ignore_frozen_params=True))
-    trained = {name for name, p in model.named_parameters() if p.requires_grad}
-    return {k: v for k, v in weights.items() if k in trained}, optimizer_state      # no buffers
-
-
-def load_training_state(model, optimizer, weights, optimizer_state):
-    """gather_training_state's output, of any world size, loaded (each rank keeps its --fsdp shards)."""
-    from torch.distributed.checkpoint import state_dict as dsd
-
-    dsd.set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optimizer_state,
-                       options=dsd.StateDictOptions(full_state_dict=True, strict=False))
+    whole = dsd.StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True, strict=False)
+    if loaded is None:
+        return dsd.get_state_dict(model, optimizer, options=whole)
+    dsd.set_state_dict(model, optimizer, model_state_dict=loaded[0], optim_state_dict=loaded[1], options=whole)
 
 
 # =============================================================================================
@@ -2849,14 +2808,14 @@ def main(argv=None):
                   f"(micro-batch {args.micro_batch_size}): lower --micro-batch-size, --group-size or "
                   f"--prompts-per-step, or add --gradient-checkpointing; the checkpoints in {args.out} are intact",
                   file=sys.stderr)
-        elif is_ddp() and collective_failed(e):
+        elif collective_failed(e):
             print(f"error: rank {rank()} lost contact with the other processes ({str(e).splitlines()[0][:160]}): "
                   f"one died or hung past --dist-timeout; its own output says why", file=sys.stderr)
         else:
             raise
         sys.exit(1)
     finally:
-        if is_ddp():
+        if dist.is_initialized():
             dist.destroy_process_group()
 
 

@@ -933,7 +933,7 @@ def test_non_finite_loss_skips_the_update(tmp_path, monkeypatch, capsys):
 
 
 def test_non_finite_stop_names_the_cause_and_no_missing_checkpoint(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(g, "clip_gradients", lambda params, max_norm: torch.tensor(float("inf")))
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, max_norm: torch.tensor(float("inf")))
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as stop:
         g.main(["--steps", "8", "--out", str(out), "--inner-epochs", "1", "--sample-every", "0", *SMALL[:4]])
@@ -3078,7 +3078,7 @@ def test_fsdp_plan_counts_the_bytes_two_processes_hold(tmp_path):
     Summed over the ranks, the local shards are exactly K x the plan's per-GPU bytes (which dtype,
     which parameters: a bf16 master or a missed frozen part would show); each rank holds its half up
     to FSDP's rounding of uneven splits. whole_weights gathers 2 bytes per parameter, and after the
-    step nothing is left gathered (a reference's root would be, see shard_for_training)."""
+    step nothing is left gathered (a reference's root would be, see distribute)."""
     (tmp_path / "prompts.txt").write_text("make the red circle blue\nmake the green square yellow\n")
     argv = ["--fsdp", "--policy", "both", "--mode", "i2i", "--dtype", "bfloat16", "--beta", "0.01", "--steps", "1",
             "--inner-epochs", "1", "--group-size", "2", "--prompts-per-step", "2", "--num-inference-steps", "2",
