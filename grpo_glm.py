@@ -2681,9 +2681,9 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
                 mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0):
     """--plan's rows ("ar", "dit") keyed by their columns (+ "half": its bytes), per GPU of 1 and each K in `gpus`
     (`batch` / K samples each), per mode (full, LoRA, fsdp), with and without checkpointing."""
-    ar, dit, d, batch = components["ar"], components["dit"], WEIGHT_BYTES, batch or samples
-    text, config, counts = ar.config.text_config, dit.config, {name: numel(m) for name, m in components.items()}
-    frozen, in_turn = {name: d * counts[name] for name in ("dit", "glyph_t5", "vae")}, ("glyph_t5", "vae")
+    ar, config, d, batch = components["ar"], components["dit"].config, WEIGHT_BYTES, batch or samples
+    text, counts = ar.config.text_config, {name: numel(m) for name, m in components.items()}
+    frozen = {name: d * counts[name] for name in ("dit", "glyph_t5", "vae")}
     prompt_len, generated = ar_sequence(mode, height, width, prompt_tokens, image_processor)
     hidden, patches = config.num_attention_heads * config.attention_head_dim, (height // 16) * (width // 16)
     # i2i: write_source_caches' K and V per layer and prompt, alive while the DiT samples and through its backward
@@ -2691,8 +2691,6 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
     kv_cache = (prompt_len + generated) * text.num_hidden_layers * 2 * text.num_key_value_heads * text.hidden_size \
         // text.num_attention_heads * d
     decode = vae_decode_bytes(components["vae"], height, width, 1)
-    head = numel(ar.model.language_model.norm) + numel(ar.lm_head)       # trained in full fine-tuning
-    terms = {"tokens": (prompt_len, generated), "decode": decode, "source_kv": source_kv}
 
     def half(name, mode, k, checkpointing):
         """A trained half on one GPU of k. Data parallel: all weights, a micro-batch of its batch / K samples. --fsdp
@@ -2700,51 +2698,51 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         its forward to its backward's end, 2 decoder layers (prefetch), the whole model to sample; a layer's reduce,
         2 + 4 bytes each. Not counted: all-gather buffers doubled during a copy-out, the reference's no-grad pass,
         the allocator's slack, the DiT rollout's N (K + 1) fp32 latents (1 MiB each at 1024^2)."""
-        model, micro, lora, fsdp = components[name], min(samples, batch // k), mode[:4] == "lora", mode == "fsdp"
+        micro, lora, fsdp = min(samples, batch // k), mode[:4] == "lora", mode == "fsdp"
         rank, state = int(mode[5:]) if lora else 0, FSDP_MASTER_BYTES if fsdp else ADAPTER_BYTES if lora else d
-        trained = trainable_tensors(model, rank, LORA_TARGETS if name == "ar" else DIT_LORA_TARGETS)
+        trained = trainable_tensors(components[name], rank, LORA_TARGETS if name == "ar" else DIT_LORA_TARGETS)
         reference = beta > 0 and not lora and (fsdp or name == "ar")
-        h = {"trainable": sum(trained), **state_bytes(sum(trained), counts[name], state, k if fsdp else 1, lora,
-                                                      reference)}
+        h = {"trainable": sum(trained), "gathered": 0, **state_bytes(sum(trained), counts[name], state,
+                                                                     k if fsdp else 1, lora, reference)}
         if name == "ar":    # it samples: the decode loop's KV cache of the GPU's samples, or pi_old's pass over a
             # micro-batch (bf16 logits, their fp32 copy / temperature, log_softmax: 10 bytes each)
             sampling = max(batch // k * kv_cache, micro * generated * text.vision_vocab_size * 10)
-            u = ar_update_bytes(text, micro, prompt_len, generated, rank, checkpointing, () if fsdp else trained,
-                                0 if rank else head)
-            working, backward = (u["peak"], 0) if fsdp else (u["activations"], u["peak"] - u["grads"])
+            head = 0 if rank else numel(ar.model.language_model.norm) + numel(ar.lm_head)   # trained in full
+            u = ar_update_bytes(text, micro, prompt_len, generated, rank, checkpointing, () if fsdp else trained, head)
+            activations, backward = (u["peak"], 0) if fsdp else (u["activations"], u["peak"] - u["grads"])
         else:               # a denoising step's micro-batch: ~30 x hidden per block and token (x2 CFG, 64 text
-            sampling = source_kv // k       # tokens), not measured; beside its GPU's source caches
+            sampling = source_kv // k   # tokens), not measured; beside its GPU's source caches
             blocks = config.num_layers + 30 if checkpointing else config.num_layers * 30
-            working = blocks * (patches + 64) * micro * (2 if cfg else 1) * hidden * d + sampling
+            activations = blocks * (patches + 64) * micro * (2 if cfg else 1) * hidden * d + sampling
             # backward: the largest frozen part in its turn, beside a micro-batch's activations or AdamW's temporary
-            backward = max(frozen[p] for p in in_turn) + max(working, h["grads"])
-        h.update(activations=working, sampling=sampling, backward=backward)
+            backward = max(frozen["glyph_t5"], frozen["vae"]) + max(activations, h["grads"])
         if fsdp:
-            layers, reduce = [numel(layer) for layer in sharded_layers(model)], d + FSDP_MASTER_BYTES
-            h.update(sampling=d * counts[name] + sampling, gathered=d * (counts[name] - sum(layers) + 2 * max(layers)))
-            h["backward"] = max(h["gathered"] + working + reduce * max(layers), reduce * (sum(trained) - sum(layers)))
-        return h
+            layers, reduce = [numel(layer) for layer in sharded_layers(components[name])], d + FSDP_MASTER_BYTES
+            h["gathered"], sampling = d * (counts[name] - sum(layers) + 2 * max(layers)), d * counts[name] + sampling
+            backward = max(h["gathered"] + activations + reduce * max(layers), reduce * (sum(trained) - sum(layers)))
+        return {**h, "activations": activations, "sampling": sampling, "backward": backward}
 
     def row(name, mode, k, checkpointing):
         h, working = half(name, mode, k, checkpointing), {"vae": decode, "dit": source_kv // k, "glyph_t5": 0}
         turn = lambda parts: max(frozen[p] + working[p] for p in parts)    # frozen parts take turns, with their work
-        columns = {"mode" if name == "ar" else "DiT mode": mode, "grad ckpt": checkpointing, "GPUs": k,
-                   "micro-batch": min(samples, batch // k), "trainable": h["trainable"], "half": h,
-                   f"{'AR' if name == 'ar' else 'DiT'} weights": h["weights"] + h["reference"], "grads": h["grads"],
-                   "AdamW": h["adam"], "activations": h["activations"]}
+        row = {"mode" if name == "ar" else "DiT mode": mode, "grad ckpt": checkpointing, "GPUs": k,
+               "micro-batch": min(samples, batch // k), "trainable": h["trainable"], "half": h,
+               f"{'AR' if name == 'ar' else 'DiT'} weights": h["weights"] + h["reference"], "grads": h["grads"],
+               "AdamW": h["adam"], "activations": h["activations"]}
         if name == "ar":
             update, sampling, offload = peaks([h], offloaded=turn(frozen))
-            return {**columns, "update peak": update, "sampling peak": sampling, "peak, offload": offload,
+            return {**row, "update peak": update, "sampling peak": sampling, "peak, offload": offload,
                     "peak, no offload": peaks([h], sum(frozen.values()), max(working.values()))[2]}
         # 'dit' beside the frozen AR whole; 'both' trains it too: sharded, or its first mode checkpointed
         a = half("ar", mode, k, checkpointing) if mode == "fsdp" else \
             half("ar", f"lora-{ranks[0]}" if ranks else "full", k, True)
-        return {**columns, "peak, dit": peaks([h], d * counts["ar"], turn(in_turn))[2],
-                "peak, both": peaks([a, h], offloaded=turn(in_turn))[2]}
+        return {**row, "peak, dit": peaks([h], d * counts["ar"], turn(("glyph_t5", "vae")))[2],
+                "peak, both": peaks([a, h], offloaded=turn(("glyph_t5", "vae")))[2]}
 
     modes = {"ar": ["full", *(f"lora-{rank}" for rank in ranks)], "dit": ["full", "lora-64"]}
     return {name: [row(name, mode, k, c) for k in (1, *gpus) for mode in modes[name] + ["fsdp"] * (k > 1)
-                   for c in (False, True)] for name in modes}, counts, terms
+                   for c in (False, True)] for name in modes}, counts, \
+        {"tokens": (prompt_len, generated), "decode": decode, "source_kv": source_kv}
 
 
 def plan_of_run(args, gpus=()):
@@ -2757,17 +2755,15 @@ def plan_of_run(args, gpus=()):
 
 
 def print_memory_plan(args):
-    rows, counts, terms = plan_of_run(args, args.plan_gpus or ())
+    (rows, counts, terms), i2i = plan_of_run(args, args.plan_gpus or ()), args.mode == "i2i"
     (prompt_len, generated), prompts = terms["tokens"], args.prompts_per_step
-    samples = args.micro_batch_size or args.group_size
-    # the tiny model's bytes: MiB, its counts: thousands
-    big = max(r["peak, no offload"] for r in rows["ar"]) >= 1024 ** 3
-    (unit, unit_name), (count_div, count_name) = (1024 ** (3 if big else 2), "GiB" if big else "MiB"), \
-        (1e6, "M") if max(counts.values()) >= 1e8 else (1e3, "k")
+    big = max(r["peak, no offload"] for r in rows["ar"]) >= 1024 ** 3       # the tiny model: MiB, thousands
+    unit, unit_name = (1024 ** 3, "GiB") if big else (1024 ** 2, "MiB")
+    count, count_name = (1e6, "M") if max(counts.values()) >= 1e8 else (1e3, "k")
 
     def cell(key, value):
         if key in ("grad ckpt", "trainable"):
-            return f"{value / count_div:.1f} {count_name}" if key == "trainable" else "yes" if value else "no"
+            return f"{value / count:.1f} {count_name}" if key == "trainable" else "yes" if value else "no"
         return str(value) if key in ("mode", "DiT mode", "micro-batch", "GPUs") else f"{value / unit:.1f}"
 
     def print_table(title, rows):               # a markdown table: the rows' keys are its columns
@@ -2776,23 +2772,21 @@ def print_memory_plan(args):
         for row in rows:
             print("| " + " | ".join(cell(key, row[key]) for key in columns) + " |")
 
-    print(f"parameters of {args.model}: "
-          + ", ".join(f"{k} {v / count_div:,.1f} {count_name}" for k, v in counts.items()))
-    source = f" incl. the source's {prompt_len - 66} VQ tokens" if args.mode == "i2i" else ""    # + image start, end
-    print(f"--mode {args.mode}, teacher-forced pass: {samples} samples x {prompt_len + generated} tokens ({prompt_len}"
-          f" prompt{source} + {generated} generated, {args.height}x{args.width}); estimates in {unit_name} per GPU"
-          f" (of K: {prompts} / K groups of {args.group_size}), bf16 weights, torch's AdamW (foreach)"
-          + (", KL reference copy for full fine-tuning" if args.beta > 0 else "")
+    print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count:,.1f} {count_name}" for k, v in counts.items()))
+    source = f" incl. the source's {prompt_len - 66} VQ tokens" if i2i else ""      # 64 text, image start and end
+    print(f"--mode {args.mode}, teacher-forced pass: {args.micro_batch_size or args.group_size} samples x "
+          f"{prompt_len + generated} tokens ({prompt_len} prompt{source} + {generated} generated, {args.height}x"
+          f"{args.width}); estimates in {unit_name} per GPU (of K: {prompts} / K groups of {args.group_size}), bf16 "
+          "weights, torch's AdamW (foreach)" + (", KL reference copy for full fine-tuning" if args.beta > 0 else "")
           + f"; counted: the VAE's decode, one image at a time ({terms['decode'] / unit:.1f} {unit_name})"
           + (f", the DiT's {prompts} source KV caches, one per prompt ({terms['source_kv'] / unit:.1f} {unit_name})"
-             if args.mode == "i2i" else ""))
+             if i2i else ""))
     print_table("fsdp: --fsdp's full fine-tuning, 16 bytes per trained parameter / K, the bf16 root + 2 layers "
                 "gathered, frozen parts offloaded" if args.plan_gpus else "(--plan-gpus K adds the rows on K GPUs, "
                 "and --fsdp's)", rows["ar"])
     print_table(f"\nDiT (Flow-GRPO, --policy dit|both): a micro-batch of each denoising step, CFG "
                 f"{'on' if args.guidance_scale > 1 else 'off'}; 'both' trains the AR's lora-{args.lora_rank or 64} too"
-                " (fsdp: sharded)" + ("; activations incl. the source KV caches" if args.mode == "i2i" else ""),
-                rows["dit"])
+                " (fsdp: sharded)" + ("; activations incl. the source KV caches" if i2i else ""), rows["dit"])
 
 
 # =============================================================================================
