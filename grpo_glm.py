@@ -2611,9 +2611,8 @@ def trainable_tensors(model, lora_rank, targets=LORA_TARGETS):
 
 
 def state_bytes(trained, total, state, shard=1, adapters=False, reference=False, bytes_per=WEIGHT_BYTES):
-    """What a trained half keeps between updates, per GPU of `shard` (--fsdp): `total` weights in bf16, the `trained`
-    (or LoRA's `adapters`, added) in `state` bytes with their gradients and AdamW's 2 moments (torch allocates them
-    like the parameter: bf16 for full fine-tuning), and a KL `reference` copy."""
+    """A trained half's bytes between updates, per GPU of `shard` (--fsdp): `total` weights, bf16 but the `trained`
+    (or LoRA's `adapters`, added) in `state` bytes, their gradients and AdamW's 2 moments, a KL `reference` copy."""
     d, frozen = bytes_per, total if adapters else total - trained
     return {"weights": (d * frozen + state * trained) / shard, "grads": state * trained / shard,
             "adam": 2 * state * trained / shard, "reference": d * total / shard if reference else 0}
@@ -2725,18 +2724,18 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
     def row(name, mode, k, checkpointing):
         h, working = half(name, mode, k, checkpointing), {"vae": decode, "dit": source_kv // k, "glyph_t5": 0}
         turn = lambda parts: max(frozen[p] + working[p] for p in parts)    # frozen parts take turns, with their work
-        row = {"mode" if name == "ar" else "DiT mode": mode, "grad ckpt": checkpointing, "GPUs": k,
-               "micro-batch": min(samples, batch // k), "trainable": h["trainable"], "half": h,
-               f"{'AR' if name == 'ar' else 'DiT'} weights": h["weights"] + h["reference"], "grads": h["grads"],
-               "AdamW": h["adam"], "activations": h["activations"]}
+        columns = {"mode" if name == "ar" else "DiT mode": mode, "grad ckpt": checkpointing, "GPUs": k,
+                   "micro-batch": min(samples, batch // k), "trainable": h["trainable"], "half": h,
+                   f"{'AR' if name == 'ar' else 'DiT'} weights": h["weights"] + h["reference"], "grads": h["grads"],
+                   "AdamW": h["adam"], "activations": h["activations"]}
         if name == "ar":
             update, sampling, offload = peaks([h], offloaded=turn(frozen))
-            return {**row, "update peak": update, "sampling peak": sampling, "peak, offload": offload,
+            return {**columns, "update peak": update, "sampling peak": sampling, "peak, offload": offload,
                     "peak, no offload": peaks([h], sum(frozen.values()), max(working.values()))[2]}
         # 'dit' beside the frozen AR whole; 'both' trains it too: sharded, or its first mode checkpointed
         a = half("ar", mode, k, checkpointing) if mode == "fsdp" else \
             half("ar", f"lora-{ranks[0]}" if ranks else "full", k, True)
-        return {**row, "peak, dit": peaks([h], d * counts["ar"], turn(("glyph_t5", "vae")))[2],
+        return {**columns, "peak, dit": peaks([h], d * counts["ar"], turn(("glyph_t5", "vae")))[2],
                 "peak, both": peaks([a, h], offloaded=turn(("glyph_t5", "vae")))[2]}
 
     modes = {"ar": ["full", *(f"lora-{rank}" for rank in ranks)], "dit": ["full", "lora-64"]}
