@@ -2700,17 +2700,16 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         micro, lora, fsdp = min(samples, batch // k), mode[:4] == "lora", mode == "fsdp"
         rank, state = int(mode[5:]) if lora else 0, FSDP_MASTER_BYTES if fsdp else ADAPTER_BYTES if lora else d
         trained = trainable_tensors(components[name], rank, LORA_TARGETS if name == "ar" else DIT_LORA_TARGETS)
-        reference = beta > 0 and not lora and (fsdp or name == "ar")
         h = {"trainable": sum(trained), "gathered": 0, **state_bytes(sum(trained), counts[name], state,
-                                                                     k if fsdp else 1, lora, reference)}
-        if name == "ar":    # it samples: the decode loop's KV cache of the GPU's samples, or pi_old's pass over a
+                                                                     k if fsdp else 1, lora, beta > 0 and not lora)}
+        if name == "ar":    # sampling: the decode loop's KV cache of the GPU's samples, or pi_old's pass over a
             # micro-batch (bf16 logits, their fp32 copy / temperature, log_softmax: 10 bytes each)
             sampling = max(batch // k * kv_cache, micro * generated * text.vision_vocab_size * 10)
             head = 0 if rank else numel(ar.model.language_model.norm) + numel(ar.lm_head)   # trained in full
             u = ar_update_bytes(text, micro, prompt_len, generated, rank, checkpointing, () if fsdp else trained, head)
             activations, backward = (u["peak"], 0) if fsdp else (u["activations"], u["peak"] - u["grads"])
         else:               # a denoising step's micro-batch: ~30 x hidden per block and token (x2 CFG, 64 text
-            sampling = source_kv // k   # tokens), not measured; beside its GPU's source caches
+            sampling = source_kv // k   # tokens), not measured, beside its GPU's source caches (also in sampling)
             blocks = config.num_layers + 30 if checkpointing else config.num_layers * 30
             activations = blocks * (patches + 64) * micro * (2 if cfg else 1) * hidden * d + sampling
             # backward: the largest frozen part in its turn, beside a micro-batch's activations or AdamW's temporary
