@@ -2612,7 +2612,8 @@ def trainable_tensors(model, lora_rank, targets=LORA_TARGETS):
 
 def state_bytes(trained, total, state, shard=1, adapters=False, reference=False, bytes_per=WEIGHT_BYTES):
     """A trained half's bytes between updates, per GPU of `shard` (--fsdp): `total` weights, bf16 but the `trained`
-    (or LoRA's `adapters`, added) in `state` bytes, their gradients and AdamW's 2 moments, a KL `reference` copy."""
+    (or LoRA's `adapters`, added) in `state` bytes, as are their gradients and AdamW's 2 moments (torch allocates
+    them like the parameter), and a KL `reference` copy."""
     d, frozen = bytes_per, total if adapters else total - trained
     return {"weights": (d * frozen + state * trained) / shard, "grads": state * trained / shard,
             "adam": 2 * state * trained / shard, "reference": d * total / shard if reference else 0}
@@ -2649,12 +2650,12 @@ def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, c
     s = state_bytes(sum(tensors), total_params, state, adapters=lora_rank > 0, bytes_per=d)
     forward = {"forward_model": held + max(head_copy, rows * 8 * V),    # token_logprobs' fp32 copy / temperature
                "forward_logits": held + rows * 24 * V}       # log_softmax (4 V) + the entropy monitor (5 x 4 V)
-    backward = max(held + rows * 12 * V,                     # the fp32 gradient chain of gather and log_softmax
-                   held + logits + head_copy, kept + logits + layer if checkpointing else 0)
+    backward_activations = max(held + rows * 12 * V,          # the fp32 gradient chain of gather and log_softmax
+                               held + logits + head_copy, kept + logits + layer if checkpointing else 0)
     # AdamW's step: an exp_avg_sq copy of all parameters (foreach, CUDA's default), or of the 2 largest (CPU)
-    phases = {**forward, "backward": max(backward + head_trainable * state, s["grads"] + logits),
+    phases = {**forward, "backward": max(backward_activations + head_trainable * state, s["grads"] + logits),
               "step": s["grads"] + state * (sum(tensors) if foreach else 2 * max(tensors))}
-    return {**s, **phases, "activations": max(*forward.values(), backward), "peak": max(phases.values())}
+    return {**s, **phases, "activations": max(*forward.values(), backward_activations), "peak": max(phases.values())}
 
 
 def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
