@@ -2547,8 +2547,7 @@ def load_training_state(model, optimizer, weights, optimizer_state):
 # no download). Checked against the CPU allocator (README, Measurements); the DiT's terms are estimates.
 
 WEIGHT_BYTES = 2         # the model dtype on CUDA, bf16: weights, activations, KV caches
-ADAPTER_BYTES = 4        # LoRA adapters train in fp32 (prepare_policy): weights, grads, AdamW moments
-FSDP_MASTER_BYTES = 4    # --fsdp's trained shards, their gradients and AdamW moments: fp32
+FP32_BYTES = 4           # LoRA adapters (prepare_policy) and --fsdp's trained shards: fp32, their grads, AdamW moments
 # The real checkpoint's image-processor settings (its public config; the tiny model differs in min_pixels).
 REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, min_pixels=512**2, max_pixels=2048**2)
 
@@ -2622,7 +2621,7 @@ def state_bytes(trained, total, state, shard=1, adapters=False, reference=False,
 def layer_activation_bytes(text_config, lora_rank=0, bytes_per=WEIGHT_BYTES):
     """Bytes one decoder layer keeps per token for its backward (SDPA, flash on CUDA and CPU: no length^2 matrix)."""
     h, i, heads = text_config.hidden_size, text_config.intermediate_size, text_config.num_attention_heads
-    kv, d, a = text_config.num_key_value_heads * h // heads, bytes_per, ADAPTER_BYTES
+    kv, d, a = text_config.num_key_value_heads * h // heads, bytes_per, FP32_BYTES
     kept = (d * (2 * h + 2 * kv + 3 * i)        # q, k, v after RoPE, SDPA's output; gate_up's output, SiLU's
             + 4 * heads + 4 * (4 * h + 4))      # SDPA's log-sum-exp; the 4 RMSNorms' fp32 inputs and 1 / rms
     if not lora_rank:                           # the norms' normalised values; inputs of q/k/v, o, gate_up, down
@@ -2636,7 +2635,7 @@ def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, c
     """The AR's state (state_bytes of the trained `tensors`' numels), each phase of one micro-batch's update, and
     their max "peak". `head_trainable`: final norm + lm_head (0 under LoRA)."""
     d, h, V = bytes_per, text_config.hidden_size, text_config.vision_vocab_size
-    state = ADAPTER_BYTES if lora_rank else d                 # gradients and moments: the parameters' dtype
+    state = FP32_BYTES if lora_rank else d                    # gradients and moments: the parameters' dtype
     tokens = samples * (prompt_tokens + generated - 1)       # teacher-forced input: prompt + generated[:-1]
     rows, layer = samples * generated, layer_activation_bytes(text_config, lora_rank, d) * tokens   # logit rows
     # checkpointing: each layer's input (d h per token), and one layer recomputed in full in backward
@@ -2699,7 +2698,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         2 + 4 bytes each. Not counted: all-gather buffers doubled during a copy-out, the reference's no-grad pass,
         the allocator's slack, the DiT rollout's N (K + 1) fp32 latents (1 MiB each at 1024^2)."""
         micro, lora, fsdp = min(samples, batch // k), mode[:4] == "lora", mode == "fsdp"
-        rank, state = int(mode[5:]) if lora else 0, FSDP_MASTER_BYTES if fsdp else ADAPTER_BYTES if lora else d
+        rank, state = int(mode[5:]) if lora else 0, d if mode == "full" else FP32_BYTES
         trained = trainable_tensors(components[name], rank, LORA_TARGETS if name == "ar" else DIT_LORA_TARGETS)
         h = {"trainable": sum(trained), "gathered": 0, **state_bytes(sum(trained), counts[name], state,
                                                                      k if fsdp else 1, lora, beta > 0 and not lora)}
@@ -2716,7 +2715,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
             # backward: the largest frozen part in its turn, beside a micro-batch's activations or AdamW's temporary
             backward = max(frozen["glyph_t5"], frozen["vae"]) + max(activations, h["grads"])
         if fsdp:
-            layers, reduce = [numel(layer) for layer in sharded_layers(components[name])], d + FSDP_MASTER_BYTES
+            layers, reduce = [numel(layer) for layer in sharded_layers(components[name])], d + FP32_BYTES
             h["gathered"], sampling = d * (counts[name] - sum(layers) + 2 * max(layers)), d * counts[name] + sampling
             backward = max(h["gathered"] + activations + reduce * max(layers), reduce * (sum(trained) - sum(layers)))
         return {**h, "activations": activations, "sampling": sampling, "backward": backward}
