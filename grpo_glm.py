@@ -1100,11 +1100,7 @@ def offload_by_plan(args):
     exceeds the GPU's free memory; dit|both: the DiT's row + glyph encoder and VAE."""
     if not (args.device == "cuda" and torch.cuda.is_available()):
         return False, False
-    components, processor = plan_components(args.model, args.seed)
-    prompts, samples = args.prompts_per_step, args.micro_batch_size or args.group_size
-    rows, counts, _ = memory_plan(components, args.height, args.width, samples, args.group_size * prompts, prompts,
-                                  args.guidance_scale > 1, ranks=(args.lora_rank or 64,), mode=args.mode,
-                                  image_processor=processor, beta=args.beta)
+    rows, counts, _ = plan_of_run(args)
     table, key, lora = ("ar", "mode", args.lora_rank and f"lora-{args.lora_rank}") if args.policy == "ar" else (
         "dit", "DiT mode", args.dit_lora_rank and "lora-64")
     row = next(r for r in rows[table] if r[key] == (lora or "full") and r["grad ckpt"] == args.gradient_checkpointing)
@@ -2467,12 +2463,10 @@ def training_state(model, optimizer, loaded=None):
 # 23. Memory plan for the real GLM-Image (arithmetic on the real configs, meta device)
 # =============================================================================================
 # --plan prints the bytes one GPU holds, from the configs alone (components built on the meta device: no memory,
-# no download); full fine-tuning's state in the weights' dtype (torch's AdamW allocates it like the parameter).
-# Checked against the CPU allocator (README, Measurements); the DiT's terms are estimates.
+# no download). Checked against the CPU allocator (README, Measurements); the DiT's terms are estimates.
 
 WEIGHT_BYTES = 2         # the model dtype on CUDA, bf16: weights, activations, KV caches
-ADAPTER_BYTES = 4        # LoRA adapters train in fp32 (prepare_policy): weights, grads, AdamW moments
-FSDP_MASTER_BYTES = 4    # --fsdp's trained shards, their gradients and AdamW moments: fp32
+FP32_BYTES = 4           # LoRA adapters (prepare_policy) and --fsdp's trained shards: fp32, their grads, AdamW moments
 # The real checkpoint's image-processor settings (its public config; the tiny model differs in min_pixels).
 REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, min_pixels=512**2, max_pixels=2048**2)
 
@@ -2524,10 +2518,29 @@ def ar_sequence(mode, height, width, prompt_tokens=64, image_processor=None):
     return prompt_tokens + 2 + source, grid
 
 
+def trainable_tensors(model, lora_rank, targets=LORA_TARGETS):
+    """Numels add_lora trains: LoRA's A [r, in] and B [out, r] on each Linear named *.target (peft's match; the
+    AR's vision parts have none of LORA_TARGETS); rank 0: all but the AR's vision encoder and VQ (prepare_policy)."""
+    if not lora_rank:
+        return [p.numel() for name, p in model.named_parameters() if not name.startswith(("model.visual.", "model.vq"))]
+    return [n for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and name.endswith(tuple("." + t for t in targets))
+            for n in (lora_rank * m.in_features, m.out_features * lora_rank)]
+
+
+def state_bytes(trained, total, state, shard=1, adapters=False, reference=False, bytes_per=WEIGHT_BYTES):
+    """A trained half's bytes between updates, per GPU of `shard` (--fsdp): `total` weights, bf16 but the `trained`
+    (or LoRA's `adapters`, added) in `state` bytes, as are their gradients and AdamW's 2 moments (torch allocates
+    them like the parameter), and a KL `reference` copy."""
+    d, frozen = bytes_per, total if adapters else total - trained
+    return {"weights": (d * frozen + state * trained) / shard, "grads": state * trained / shard,
+            "adam": 2 * state * trained / shard, "reference": d * total / shard if reference else 0}
+
+
 def layer_activation_bytes(text_config, lora_rank=0, bytes_per=WEIGHT_BYTES):
     """Bytes one decoder layer keeps per token for its backward (SDPA, flash on CUDA and CPU: no length^2 matrix)."""
     h, i, heads = text_config.hidden_size, text_config.intermediate_size, text_config.num_attention_heads
-    kv, d, a = text_config.num_key_value_heads * h // heads, bytes_per, ADAPTER_BYTES
+    kv, d, a = text_config.num_key_value_heads * h // heads, bytes_per, FP32_BYTES
     kept = (d * (2 * h + 2 * kv + 3 * i)        # q, k, v after RoPE, SDPA's output; gate_up's output, SiLU's
             + 4 * heads + 4 * (4 * h + 4))      # SDPA's log-sum-exp; the 4 RMSNorms' fp32 inputs and 1 / rms
     if not lora_rank:                           # the norms' normalised values; inputs of q/k/v, o, gate_up, down
@@ -2538,44 +2551,29 @@ def layer_activation_bytes(text_config, lora_rank=0, bytes_per=WEIGHT_BYTES):
 
 def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, checkpointing, tensors=(),
                     head_trainable=0, total_params=0, bytes_per=WEIGHT_BYTES, foreach=True):
-    """The AR's weights (`total_params` + adapters), grads and moments of the trained `tensors` (numels), each phase
-    of one micro-batch's update, and their max "peak". `head_trainable`: final norm + lm_head (0 under LoRA)."""
+    """The AR's state (state_bytes of the trained `tensors`' numels), each phase of one micro-batch's update, and
+    their max "peak". `head_trainable`: final norm + lm_head (0 under LoRA)."""
     d, h, V = bytes_per, text_config.hidden_size, text_config.vision_vocab_size
+    state = FP32_BYTES if lora_rank else d                    # gradients and moments: the parameters' dtype
     tokens = samples * (prompt_tokens + generated - 1)       # teacher-forced input: prompt + generated[:-1]
-    rows = samples * generated                               # logit rows
-    layer = layer_activation_bytes(text_config, lora_rank, d) * tokens
+    rows, layer = samples * generated, layer_activation_bytes(text_config, lora_rank, d) * tokens   # logit rows
     # checkpointing: each layer's input (d h per token), and one layer recomputed in full in backward
     kept = text_config.num_hidden_layers * (d * h * tokens if checkpointing else layer)
     rotary = int(h // text_config.num_attention_heads * text_config.rope_parameters.get("partial_rotary_factor", 1))
     # per token: the final norm's fp32 input, M-RoPE's cos and sin; full: the norm's output, lm_head's input
     outside = tokens * (4 * h + (0 if lora_rank else 2 * d * h) + 2 * rotary * d)
-    state = ADAPTER_BYTES if lora_rank else d                 # gradients and moments: the parameters' dtype
-    grads = state * sum(tensors)
     logits = rows * d * V                                     # held by ar_micro_batches till the next one
     # a frozen lm_head (LoRA): the CPU's bmm copies it per sample (CUDA may not: the plan is high)
-    head_copy = 0 if head_trainable else samples * V * h * d
-    held = kept + outside + logits
-    forward_model = held + max(head_copy, rows * 8 * V)      # token_logprobs' fp32 copy / temperature
-    forward_logits = held + rows * 24 * V                     # log_softmax (4 V) + the entropy monitor (5 x 4 V)
+    head_copy, held = 0 if head_trainable else samples * V * h * d, kept + outside + logits
+    s = state_bytes(sum(tensors), total_params, state, adapters=lora_rank > 0, bytes_per=d)
+    forward = {"forward_model": held + max(head_copy, rows * 8 * V),    # token_logprobs' fp32 copy / temperature
+               "forward_logits": held + rows * 24 * V}       # log_softmax (4 V) + the entropy monitor (5 x 4 V)
     backward_activations = max(held + rows * 12 * V,          # the fp32 gradient chain of gather and log_softmax
                                held + logits + head_copy, kept + logits + layer if checkpointing else 0)
-    backward = max(backward_activations + head_trainable * state, grads + logits)
     # AdamW's step: an exp_avg_sq copy of all parameters (foreach, CUDA's default), or of the 2 largest (CPU)
-    step = grads + state * (sum(tensors) if foreach else 2 * max(tensors))
-    return {"weights": d * total_params + (ADAPTER_BYTES * sum(tensors) if lora_rank else 0), "grads": grads,
-            "adam": 2 * grads, "activations": max(forward_model, forward_logits, backward_activations),
-            "forward_model": forward_model, "forward_logits": forward_logits, "backward": backward, "step": step,
-            "peak": max(forward_model, forward_logits, backward, step)}
-
-
-def trainable_tensors(model, lora_rank, targets=LORA_TARGETS):
-    """Numels add_lora trains: LoRA's A [r, in] and B [out, r] on each Linear named *.target (peft's match; the
-    AR's vision parts have none of LORA_TARGETS); rank 0, prepare_policy's: the AR's language model and lm_head."""
-    if not lora_rank:
-        return [p.numel() for m in (model.model.language_model, model.lm_head) for p in m.parameters()]
-    return [n for name, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and name.endswith(tuple("." + t for t in targets))
-            for n in (lora_rank * m.in_features, m.out_features * lora_rank)]
+    phases = {**forward, "backward": max(backward_activations + head_trainable * state, s["grads"] + logits),
+              "step": s["grads"] + state * (sum(tensors) if foreach else 2 * max(tensors))}
+    return {**s, **phases, "activations": max(*forward.values(), backward_activations), "peak": max(phases.values())}
 
 
 def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
@@ -2586,124 +2584,103 @@ def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
     return 3 * bytes_per * images * widest
 
 
-# Per GPU of K, a trained half holds (data parallel) all weights and batch / K samples, or (--fsdp, section 22)
-# its trained state / K, frozen bf16 / K, and gathered in bf16: the root (embeddings, heads, norms, vision encoder,
-# VQ) from its forward to its backward's end, 2 decoder layers (prefetch), the whole model to sample; a layer's
-# reduce, 2 + 4 bytes each. Not counted: all-gather buffers doubled during a copy-out, the reference's no-grad
-# pass, the allocator's slack, the DiT rollout's N (K + 1) fp32 latents (1 MiB each at 1024^2).
-
-def fsdp_shard_bytes(model, trainable, gpus, working, sampling=0, reference=False, bytes_per=WEIGHT_BYTES):
-    """Per-GPU bytes of `model` sharded on `gpus` GPUs, `working`: its activations, `sampling`: its working set
-    while it samples. "backward": on top of the gradients, a layer's (gathered, activations, reduce) or the root's."""
-    layers = [numel(layer) for layer in sharded_layers(model)]
-    total, m, d = numel(model), FSDP_MASTER_BYTES, bytes_per
-    gathered = d * (total - sum(layers) + 2 * max(layers))
-    return {"trainable": trainable, "weights": (m * trainable + d * (total - trainable)) / gpus,
-            "grads": m * trainable / gpus, "adam": 2 * m * trainable / gpus, "gathered": gathered,
-            "reference": d * total / gpus if reference else 0, "activations": working, "sampling": d * total + sampling,
-            "backward": max(gathered + working + (d + m) * max(layers), (d + m) * (trainable - sum(layers)))}
-
-
 def peaks(halves, beside=0, offloaded=0):
-    """A row's peaks: resident bytes (weights, AdamW, KL reference, `beside`) + the largest phase beside the grads
-    (zero_grad comes at the next update) of `halves` trained in grpo_update's order, `offloaded` a frozen turn."""
+    """(update, sampling, overall) peak of `halves` trained in grpo_update's order: resident bytes (weights, AdamW,
+    KL reference, `beside`) + the largest phase beside the gradients (zero_grad comes at the next update)."""
     resident = beside + sum(h["weights"] + h["adam"] + h["reference"] for h in halves)
-    grads = sum(h["grads"] for h in halves)
-    # AdamW's step, or half i's backward beside its and the earlier halves' gradients
-    update = max(2 * grads, *(sum(e["grads"] for e in halves[:i + 1]) + h["backward"] for i, h in enumerate(halves)))
-    sampling = grads + max(h["sampling"] for h in halves)
-    return {"update peak": resident + update, "sampling peak": resident + sampling,
-            "peak": resident + max(update, sampling, grads + offloaded)}
+    grads = [h["grads"] for h in halves]
+    # AdamW's step, or half i's backward beside its and the earlier halves' gradients; `offloaded`: a frozen turn
+    update = max(2 * sum(grads), *(sum(grads[:i + 1]) + h["backward"] for i, h in enumerate(halves)))
+    sampling = sum(grads) + max(h["sampling"] for h in halves)
+    return resident + update, resident + sampling, resident + max(update, sampling, sum(grads) + offloaded)
 
 
 def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=False, gpus=(), ranks=(64, 16),
                 mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0):
     """--plan's rows ("ar", "dit") keyed by their columns (+ "half": its bytes), per GPU of 1 and each K in `gpus`
     (`batch` / K samples each), per mode (full, LoRA, fsdp), with and without checkpointing."""
-    ar, dit, d, i2i = components["ar"], components["dit"], WEIGHT_BYTES, mode == "i2i"
-    text, batch, config = ar.config.text_config, batch or samples, dit.config
-    counts = {name: numel(module) for name, module in components.items()}
+    ar, config, d, batch = components["ar"], components["dit"].config, WEIGHT_BYTES, batch or samples
+    text, counts = ar.config.text_config, {name: numel(m) for name, m in components.items()}
     frozen = {name: d * counts[name] for name in ("dit", "glyph_t5", "vae")}
     prompt_len, generated = ar_sequence(mode, height, width, prompt_tokens, image_processor)
-    head = numel(ar.model.language_model.norm) + numel(ar.lm_head)
     hidden, patches = config.num_attention_heads * config.attention_head_dim, (height // 16) * (width // 16)
     # i2i: write_source_caches' K and V per layer and prompt, alive while the DiT samples and through its backward
-    source_kv = prompts * config.num_layers * 2 * patches * hidden * d if i2i else 0
-    decode = vae_decode_bytes(components["vae"], height, width, 1)
+    source_kv = prompts * config.num_layers * 2 * patches * hidden * d if mode == "i2i" else 0
     kv_cache = (prompt_len + generated) * text.num_hidden_layers * 2 * text.num_key_value_heads * text.hidden_size \
         // text.num_attention_heads * d
-    terms, in_turn = {"tokens": (prompt_len, generated), "decode": decode, "source_kv": source_kv}, ("glyph_t5", "vae")
+    decode = vae_decode_bytes(components["vae"], height, width, 1)
 
-    def ar_half(mode, k, checkpointing, micro, sampling):
-        if mode == "fsdp":      # the micro-batch's activations (no whole gradients) beside the shards
-            update = ar_update_bytes(text, micro, prompt_len, generated, 0, checkpointing, head_trainable=head)
-            return fsdp_shard_bytes(ar, sum(trainable_tensors(ar, 0)), k, update["peak"], sampling, beta > 0)
-        rank = int(mode[5:]) if mode != "full" else 0
-        tensors = trainable_tensors(ar, rank)
-        u = ar_update_bytes(text, micro, prompt_len, generated, rank, checkpointing, tensors, 0 if rank else head,
-                            counts["ar"])
-        return {**u, "trainable": sum(tensors), "backward": u["peak"] - u["grads"], "sampling": sampling,
-                "reference": d * counts["ar"] if beta > 0 and not rank else 0}     # full: a KL reference copy
+    def half(name, mode, k, checkpointing):
+        """A trained half on one GPU of k. Data parallel: all weights, a micro-batch of its batch / K samples. --fsdp
+        (section 22): its state / K, gathered in bf16 the root (embeddings, heads, norms, vision encoder, VQ) from
+        its forward to its backward's end, 2 decoder layers (prefetch), the whole model to sample; a layer's reduce,
+        2 + 4 bytes each. Not counted: all-gather buffers doubled during a copy-out, the reference's no-grad pass,
+        the allocator's slack, the DiT rollout's N (K + 1) fp32 latents (1 MiB each at 1024^2)."""
+        micro, lora, fsdp = min(samples, batch // k), mode[:4] == "lora", mode == "fsdp"
+        rank, state = int(mode[5:]) if lora else 0, d if mode == "full" else FP32_BYTES
+        trained = trainable_tensors(components[name], rank, LORA_TARGETS if name == "ar" else DIT_LORA_TARGETS)
+        h = {"trainable": sum(trained), "gathered": 0, **state_bytes(sum(trained), counts[name], state,
+                                                                     k if fsdp else 1, lora, beta > 0 and not lora)}
+        if name == "ar":    # sampling: the decode loop's KV cache of the GPU's samples, or pi_old's pass over a
+            # micro-batch (bf16 logits, their fp32 copy / temperature, log_softmax: 10 bytes each)
+            sampling = max(batch // k * kv_cache, micro * generated * text.vision_vocab_size * 10)
+            head = 0 if rank else numel(ar.model.language_model.norm) + numel(ar.lm_head)   # trained in full
+            u = ar_update_bytes(text, micro, prompt_len, generated, rank, checkpointing, () if fsdp else trained, head)
+            activations, backward = (u["peak"], 0) if fsdp else (u["activations"], u["peak"] - u["grads"])
+        else:               # a denoising step's micro-batch: ~30 x hidden per block and token (x2 CFG, 64 text
+            sampling = source_kv // k   # tokens), not measured, beside its GPU's source caches (also in sampling)
+            blocks = config.num_layers + 30 if checkpointing else config.num_layers * 30
+            activations = blocks * (patches + 64) * micro * (2 if cfg else 1) * hidden * d + sampling
+            # backward: the largest frozen part in its turn, beside a micro-batch's activations or AdamW's temporary
+            backward = max(frozen["glyph_t5"], frozen["vae"]) + max(activations, h["grads"])
+        if fsdp:
+            layers, reduce = [numel(layer) for layer in sharded_layers(components[name])], d + FP32_BYTES
+            h["gathered"], sampling = d * (counts[name] - sum(layers) + 2 * max(layers)), d * counts[name] + sampling
+            backward = max(h["gathered"] + activations + reduce * max(layers), reduce * (sum(trained) - sum(layers)))
+        return {**h, "activations": activations, "sampling": sampling, "backward": backward}
 
-    def dit_half(mode, k, activations, source_kv):
-        if mode == "fsdp":
-            return fsdp_shard_bytes(dit, counts["dit"], k, activations, source_kv, beta > 0)
-        lora = mode != "full"
-        trainable = sum(trainable_tensors(dit, 64, DIT_LORA_TARGETS)) if lora else counts["dit"]
-        state = ADAPTER_BYTES if lora else d
-        # backward: the largest frozen part in its turn, beside a micro-batch's activations or AdamW's temporary
-        return {"trainable": trainable, "weights": frozen["dit"] + lora * state * trainable, "reference": 0,
-                "grads": state * trainable, "adam": 2 * state * trainable, "activations": activations, "sampling": 0,
-                "backward": max(frozen[p] for p in in_turn) + max(activations, state * trainable)}
-
-    def row(half, mode, k, checkpointing):       # one GPU of k
-        micro, working = min(samples, batch // k), {"vae": decode, "dit": source_kv // k, "glyph_t5": 0}
-
-        def turn(parts):        # frozen parts take turns, each with its working set
-            return max(frozen[p] + working[p] for p in parts)
-        # the AR samples: the decode loop's KV cache of the GPU's samples, or pi_old's pass over a micro-batch (bf16
-        # logits, their fp32 copy / temperature, log_softmax: 10 bytes each)
-        sampling = max(batch // k * kv_cache, micro * generated * text.vision_vocab_size * 10)
-        # the DiT's micro-batch: ~30 x hidden per block and token (x2 CFG, 64 text tokens), not measured
-        blocks = config.num_layers + 30 if checkpointing else config.num_layers * 30
-        activations = blocks * (patches + 64) * micro * (2 if cfg else 1) * hidden * d + working["dit"]
-        h = ar_half(mode, k, checkpointing, micro, sampling) if half == "AR" else \
-            dit_half(mode, k, activations, working["dit"])
-        columns = {"mode" if half == "AR" else "DiT mode": mode, "grad ckpt": checkpointing, "GPUs": k,
-                   "micro-batch": micro, "trainable": h["trainable"], "half": h,
-                   f"{half} weights": h["weights"] + h["reference"], "grads": h["grads"], "AdamW": h["adam"],
-                   "activations": h["activations"]}
-        if half == "AR":
-            return {**columns, **{key: peaks([h])[key] for key in ("update peak", "sampling peak")},
-                    "peak, offload": peaks([h], offloaded=turn(frozen))["peak"],
-                    "peak, no offload": peaks([h], sum(frozen.values()), max(working.values()))["peak"]}
+    def row(name, mode, k, checkpointing):
+        h, working = half(name, mode, k, checkpointing), {"vae": decode, "dit": source_kv // k, "glyph_t5": 0}
+        turn = lambda parts: max(frozen[p] + working[p] for p in parts)    # frozen parts take turns, with their work
+        columns = {"mode" if name == "ar" else "DiT mode": mode, "grad ckpt": checkpointing, "GPUs": k,
+                   "micro-batch": min(samples, batch // k), "trainable": h["trainable"], "half": h,
+                   f"{'AR' if name == 'ar' else 'DiT'} weights": h["weights"] + h["reference"], "grads": h["grads"],
+                   "AdamW": h["adam"], "activations": h["activations"]}
+        if name == "ar":
+            update, sampling, offload = peaks([h], offloaded=turn(frozen))
+            return {**columns, "update peak": update, "sampling peak": sampling, "peak, offload": offload,
+                    "peak, no offload": peaks([h], sum(frozen.values()), max(working.values()))[2]}
         # 'dit' beside the frozen AR whole; 'both' trains it too: sharded, or its first mode checkpointed
-        a = ar_half("fsdp", k, checkpointing, micro, sampling) if mode == "fsdp" else \
-            ar_half(f"lora-{ranks[0]}" if ranks else "full", k, True, micro, sampling)
-        return {**columns, "peak, dit": peaks([h], d * counts["ar"], turn(in_turn))["peak"],
-                "peak, both": peaks([a, h], offloaded=turn(in_turn))["peak"]}
+        a = half("ar", mode, k, checkpointing) if mode == "fsdp" else \
+            half("ar", f"lora-{ranks[0]}" if ranks else "full", k, True)
+        return {**columns, "peak, dit": peaks([h], d * counts["ar"], turn(("glyph_t5", "vae")))[2],
+                "peak, both": peaks([a, h], offloaded=turn(("glyph_t5", "vae")))[2]}
 
-    modes = {"AR": ["full", *(f"lora-{rank}" for rank in ranks), "fsdp"], "DiT": ["full", "lora-64", "fsdp"]}
-    return {half.lower(): [row(half, mode, k, c) for k in (1, *gpus) for mode in modes[half][:None if k > 1 else -1]
-                           for c in (False, True)] for half in modes}, counts, terms
+    modes = {"ar": ["full", *(f"lora-{rank}" for rank in ranks)], "dit": ["full", "lora-64"]}
+    return {name: [row(name, mode, k, c) for k in (1, *gpus) for mode in modes[name] + ["fsdp"] * (k > 1)
+                   for c in (False, True)] for name in modes}, counts, \
+        {"tokens": (prompt_len, generated), "decode": decode, "source_kv": source_kv}
+
+
+def plan_of_run(args, gpus=()):
+    """memory_plan of the run `args` describes: its groups of G in micro-batches, on 1 and each of `gpus` GPUs."""
+    components, processor = plan_components(args.model, args.seed)
+    return memory_plan(components, args.height, args.width, args.micro_batch_size or args.group_size,
+                       args.group_size * args.prompts_per_step, args.prompts_per_step, args.guidance_scale > 1, gpus,
+                       (args.lora_rank,) if args.lora_rank else (64, 16), args.mode, image_processor=processor,
+                       beta=args.beta)
 
 
 def print_memory_plan(args):
-    gpus, prompts, samples = args.plan_gpus or (), args.prompts_per_step, args.micro_batch_size or args.group_size
-    components, image_processor = plan_components(args.model, args.seed)
-    ranks, i2i = (args.lora_rank,) if args.lora_rank else (64, 16), args.mode == "i2i"
-    rows, counts, terms = memory_plan(
-        components, args.height, args.width, samples, args.group_size * prompts, prompts, args.guidance_scale > 1, gpus,
-        ranks, args.mode, image_processor=image_processor, beta=args.beta)
-    prompt_len, generated = terms["tokens"]
-    # the tiny model's bytes: MiB, its counts: thousands
-    big = max(r["peak, no offload"] for r in rows["ar"]) >= 1024 ** 3
-    (unit, unit_name), (count_div, count_name) = (1024 ** (3 if big else 2), "GiB" if big else "MiB"), \
-        (1e6, "M") if max(counts.values()) >= 1e8 else (1e3, "k")
+    (rows, counts, terms), i2i = plan_of_run(args, args.plan_gpus or ()), args.mode == "i2i"
+    (prompt_len, generated), prompts = terms["tokens"], args.prompts_per_step
+    big = max(r["peak, no offload"] for r in rows["ar"]) >= 1024 ** 3       # the tiny model: MiB, thousands
+    unit, unit_name = (1024 ** 3, "GiB") if big else (1024 ** 2, "MiB")
+    count, count_name = (1e6, "M") if max(counts.values()) >= 1e8 else (1e3, "k")
 
     def cell(key, value):
         if key in ("grad ckpt", "trainable"):
-            return f"{value / count_div:.1f} {count_name}" if key == "trainable" else "yes" if value else "no"
+            return f"{value / count:.1f} {count_name}" if key == "trainable" else "yes" if value else "no"
         return str(value) if key in ("mode", "DiT mode", "micro-batch", "GPUs") else f"{value / unit:.1f}"
 
     def print_table(title, rows):               # a markdown table: the rows' keys are its columns
@@ -2712,22 +2689,21 @@ def print_memory_plan(args):
         for row in rows:
             print("| " + " | ".join(cell(key, row[key]) for key in columns) + " |")
 
-    print(f"parameters of {args.model}: "
-          + ", ".join(f"{k} {v / count_div:,.1f} {count_name}" for k, v in counts.items()))
+    print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count:,.1f} {count_name}" for k, v in counts.items()))
     source = f" incl. the source's {prompt_len - 66} VQ tokens" if i2i else ""      # 64 text, image start and end
-    print(f"--mode {args.mode}, teacher-forced pass: {samples} samples x {prompt_len + generated} tokens ({prompt_len}"
-          f" prompt{source} + {generated} generated, {args.height}x{args.width}); estimates in {unit_name} per GPU"
-          f" (of K: {prompts} / K groups of {args.group_size}), bf16 weights, torch's AdamW (foreach)"
-          + (", KL reference copy for full fine-tuning" if args.beta > 0 else "")
+    print(f"--mode {args.mode}, teacher-forced pass: {args.micro_batch_size or args.group_size} samples x "
+          f"{prompt_len + generated} tokens ({prompt_len} prompt{source} + {generated} generated, {args.height}x"
+          f"{args.width}); estimates in {unit_name} per GPU (of K: {prompts} / K groups of {args.group_size}), bf16 "
+          "weights, torch's AdamW (foreach)" + (", KL reference copy for full fine-tuning" if args.beta > 0 else "")
           + f"; counted: the VAE's decode, one image at a time ({terms['decode'] / unit:.1f} {unit_name})"
           + (f", the DiT's {prompts} source KV caches, one per prompt ({terms['source_kv'] / unit:.1f} {unit_name})"
              if i2i else ""))
     print_table("fsdp: --fsdp's full fine-tuning, 16 bytes per trained parameter / K, the bf16 root + 2 layers "
-                "gathered, frozen parts offloaded" if gpus else "(--plan-gpus K adds the rows on K GPUs, and --fsdp's)",
-                rows["ar"])
+                "gathered, frozen parts offloaded" if args.plan_gpus else "(--plan-gpus K adds the rows on K GPUs, "
+                "and --fsdp's)", rows["ar"])
     print_table(f"\nDiT (Flow-GRPO, --policy dit|both): a micro-batch of each denoising step, CFG "
-                f"{'on' if args.guidance_scale > 1 else 'off'}; 'both' trains the AR's lora-{ranks[0]} too (fsdp: "
-                "sharded)" + ("; activations incl. the source KV caches" if i2i else ""), rows["dit"])
+                f"{'on' if args.guidance_scale > 1 else 'off'}; 'both' trains the AR's lora-{args.lora_rank or 64} too"
+                " (fsdp: sharded)" + ("; activations incl. the source KV caches" if i2i else ""), rows["dit"])
 
 
 # =============================================================================================

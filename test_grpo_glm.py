@@ -1311,6 +1311,9 @@ def test_fsdp_plan_matches_a_hand_count_on_the_tiny_model(tmp_path):
         grads = a["grads"] + d["grads"]
         assert r["peak, both"] == resident + dit_resident + max(     # the AR's half, then the DiT's
             a["grads"] + a["backward"], grads + d["backward"], 2 * grads, grads + a["sampling"], grads + offloaded)
+    for r in tables["dit"]:     # beta > 0: full fine-tuning keeps a bf16 KL reference copy (setup_training's frozen_copy)
+        assert r["half"]["reference"] == {"full": 2 * dit_total, "lora-64": 0, "fsdp": 2 * dit_total / r["GPUs"]}[
+            r["DiT mode"]]
     # sharded state halves from 2 to 4 GPUs; what is gathered does not
     two, four = rows[1], rows[3]
     assert (two["ar"]["weights"], two["dit"]["grads"]) == (2 * four["ar"]["weights"], 2 * four["dit"]["grads"])
