@@ -2173,29 +2173,28 @@ TINY_RENDERER = dict(        # everything that shapes the training (all of it en
 
 
 def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
-    """GLM-Image at toy size (the library's configs, but for the sizes), seeded, in eval mode, its DiT untrained.
-    mosaic_ar: --model tiny's AR (below); an ar_init_range > 0.02 sharpens the logits (tests: wrong M-RoPE
-    positions then show in log-probs)."""
+    """GLM-Image at toy size (library configs but for the sizes), seeded, eval mode, DiT untrained. mosaic_ar:
+    --model tiny's AR (below); ar_init_range > 0.02 sharpens logits (bad M-RoPE positions show in log-probs)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, GlmImagePipeline, GlmImageTransformer2DModel
     from tokenizers import Tokenizer, models
-    from transformers import (ByT5Tokenizer, GlmImageConfig, GlmImageForConditionalGeneration, GlmImageImageProcessorPil,
-                              GlmImageProcessor, PreTrainedTokenizerFast, T5Config, T5EncoderModel)
+    from transformers import (ByT5Tokenizer, GlmImageConfig, GlmImageForConditionalGeneration, GlmImageProcessor,
+                              GlmImageImageProcessorPil, PreTrainedTokenizerFast, T5Config, T5EncoderModel)
 
     torch.manual_seed(seed)
     # A character-level tokenizer (BPE with no merges): the image tokens first (as in the real one,
     # where the bos '<|dit_token_16384|>' is image_start_token_id), printable ASCII, the processor's specials.
     image_ids = [*range(TINY_CODEBOOK), *range(16384, 16384 + TINY_VISION_VOCAB - TINY_CODEBOOK)]
-    names = [f"<|dit_token_{i}|>" for i in image_ids] + [chr(c) for c in range(32, 127)]
-    names += ["<|image|>", "<sop>", "<eop>", "<pad>", "<unk>"]
+    specials = {"image_token": "<|image|>", "grid_bos_token": "<sop>", "grid_eos_token": "<eop>"}
+    names = [f"<|dit_token_{i}|>" for i in image_ids] + [*map(chr, range(32, 127)), *specials.values()]
+    names += ["<pad>", "<unk>"]
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.BPE({t: i for i, t in enumerate(names)}, merges=[], unk_token="<unk>")),
-        bos_token="<|dit_token_16384|>", eos_token="<|dit_token_16385|>", pad_token="<pad>", unk_token="<unk>",
-        padding_side="left",
-        extra_special_tokens={"image_token": "<|image|>", "grid_bos_token": "<sop>", "grid_eos_token": "<eop>"})
+        bos_token=names[TINY_CODEBOOK], eos_token=names[TINY_CODEBOOK + 1], pad_token="<pad>", padding_side="left",
+        extra_special_tokens=specials)
     # The real min_pixels 512^2 would upscale a small source, while the pipeline VAE-encodes it at its
     # own size (the DiT's source tokens would not line up).
-    pil_processor = GlmImageImageProcessorPil(**dict(REAL_IMAGE_PROCESSOR, min_pixels=32 * 32),
-                                              image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    image_processor = GlmImageImageProcessorPil(**dict(REAL_IMAGE_PROCESSOR, min_pixels=32 * 32),
+                                                image_mean=[0.5] * 3, image_std=[0.5] * 3)
     ar = GlmImageForConditionalGeneration(GlmImageConfig(
         text_config=dict(  # pad_token_id: the default 167841 is outside a tiny vocabulary
             vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -2210,10 +2209,9 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
         image_token_id=tokenizer.convert_tokens_to_ids("<|image|>"), image_start_token_id=TINY_CODEBOOK,
         image_end_token_id=TINY_CODEBOOK + 1)).eval()
     if mosaic_ar:
-        # At the default init the random token before a grid token sets its logits (the input embedding
-        # dominates 2 layers): GRPO would learn one colour for every cell. Equal image-token embeddings
-        # (a cell depends on the prompt and its place) and q/k at 16x the init (attention sharp enough to
-        # tell prompts apart) let lm_head read each (prompt, cell) apart.
+        # At the default init the random token before a grid token sets its logits (its embedding dominates 2
+        # layers): GRPO would learn one colour for every cell. Equal image-token embeddings and q/k at 16x the
+        # init (attention sharp enough to tell prompts apart) let lm_head read each (prompt, cell) apart.
         with torch.no_grad():
             image_embeddings = ar.model.language_model.embed_tokens.weight[:TINY_VISION_VOCAB]
             image_embeddings[:] = image_embeddings.mean(0)
@@ -2227,8 +2225,8 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
                                              num_attention_heads=2, text_embed_dim=32, time_embed_dim=16,
                                              condition_dim=8, prior_vq_quantizer_codebook_size=TINY_CODEBOOK)
     pipe = GlmImagePipeline(
-        tokenizer=ByT5Tokenizer(), text_encoder=text_encoder.eval(), vision_language_encoder=ar, vae=colour_vae(),
-        processor=GlmImageProcessor(image_processor=pil_processor, tokenizer=tokenizer, chat_template=TINY_CHAT_TEMPLATE),
+        processor=GlmImageProcessor(image_processor, tokenizer, chat_template=TINY_CHAT_TEMPLATE), vae=colour_vae(),
+        tokenizer=ByT5Tokenizer(), text_encoder=text_encoder.eval(), vision_language_encoder=ar,
         transformer=transformer.eval(), scheduler=FlowMatchEulerDiscreteScheduler())
     # The policy's sampler as its generation config (section 24), as load_pipeline sets it.
     suppressed = image_token_suppression(ar, TINY_CODEBOOK)
@@ -2240,12 +2238,11 @@ def random_mosaics(batch, grid_hw, generator, cell=32):
     """(grids [batch, H*W], their mosaics [batch, 3, H*cell, W*cell] in [0, 1]), each grid from 1, 2, 4
     or all codebook ids (uniform fields and two-colour shapes as familiar to the renderer as confetti)."""
     H, W = grid_hw
-    rows = []
-    for _ in range(batch):
+
+    def grid():      # k colours drawn from the codebook, then each cell one of them
         k = [1, 2, 4, TINY_CODEBOOK][int(torch.randint(4, (1,), generator=generator))]
-        colours = torch.randperm(TINY_CODEBOOK, generator=generator)[:k]
-        rows.append(colours[torch.randint(k, (H * W,), generator=generator)])
-    tokens = torch.stack(rows)
+        return torch.randperm(TINY_CODEBOOK, generator=generator)[:k][torch.randint(k, (H * W,), generator=generator)]
+    tokens = torch.stack([grid() for _ in range(batch)])
     mosaics = TINY_PALETTE[tokens.view(-1, H, W)].movedim(-1, 1)
     return tokens, mosaics.repeat_interleave(cell, 2).repeat_interleave(cell, 3)
 
@@ -2260,18 +2257,16 @@ def colour_vae(carrier=32.0):
     vae = AutoencoderKL(block_out_channels=(8,) * 4, down_block_types=["DownEncoderBlock2D"] * 4,
                         up_block_types=["UpDecoderBlock2D"] * 4, norm_num_groups=1, use_post_quant_conv=False,
                         latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
-    decoder, rgb = vae.decoder, torch.arange(3)
+    decoder, pair = vae.decoder, torch.cat([torch.eye(3), -torch.eye(3)])       # [6, 3]: channel c -> (c, -c)
     with torch.no_grad():
         for weight in decoder.parameters():
             weight.zero_()
         for upsampler in [m for n, m in decoder.named_modules() if n.endswith("upsamplers.0.conv")]:
             torch.nn.init.dirac_(upsampler.weight)                 # nearest upsample, then the identity
-        decoder.conv_in.weight[rgb, rgb, 1, 1] = 1.0                # channel c -> (c, -c)
-        decoder.conv_in.weight[rgb + 3, rgb, 1, 1] = -1.0
+        decoder.conv_in.weight[:6, :3, 1, 1] = pair
         decoder.conv_in.bias[6:] = torch.tensor([carrier, -carrier])
         decoder.conv_norm_out.weight.fill_(carrier / 2)
-        decoder.conv_out.weight[rgb, rgb, 1, 1] = 1.0               # (c, -c) -> c
-        decoder.conv_out.weight[rgb, rgb + 3, 1, 1] = -1.0
+        decoder.conv_out.weight[:, :6, 1, 1] = pair.T              # (c, -c) -> c
     return vae.eval()
 
 
@@ -2315,8 +2310,8 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
     with FileLock(root / f".{final.name}.lock"):   # a second run waits here (released if the process dies)
         if not final.is_dir():                      # not built before, nor by the run we waited for
             start = time.time()
-            print(f"building --model tiny (seed {seed}): a random AR, and a renderer (DiT) pre-trained on token "
-                  f"mosaics for {settings['dit_steps']} steps, once ...", end=" ", flush=True)
+            print(f"building --model tiny (seed {seed}) once: a random AR, its renderer (DiT) trained on token mosaics "
+                  f"({settings['dit_steps']} steps) ...", end=" ", flush=True)
             pipe, loss = train_tiny_renderer(seed, settings)
             partial = root / f".{final.name}.tmp"   # a killed save's leftover: overwritten, never loaded
             shutil.rmtree(partial, ignore_errors=True)
