@@ -2277,7 +2277,7 @@ def train_tiny_renderer(seed, settings):
         generator, dit, batch = torch.Generator().manual_seed(seed), pipe.transformer.train(), settings["batch"]
         optimizer = torch.optim.Adam(dit.parameters(), lr=settings["dit_lr"])
         for step in range(settings["dit_steps"]):
-            hw = tuple(settings["dit_grids"][step % len(settings["dit_grids"])])
+            hw = settings["dit_grids"][step % len(settings["dit_grids"])]
             timesteps, _ = dit_schedule(pipe, 32 * hw[0], 32 * hw[1], settings["inference_steps"])  # sets the scheduler
             tokens, mosaics = random_mosaics(batch, hw, generator, 32 // pipe.vae_scale_factor)  # [B, 3, h, w]
             x0 = torch.nn.functional.pad(mosaics * 2 - 1, (0, 0, 0, 0, 0, 1))  # [B, 4, h, w]: RGB in [-1, 1], then 0
