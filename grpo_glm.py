@@ -2298,9 +2298,8 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
     code = [inspect.getsource(f) for f in (build_tiny_pipeline, colour_vae, random_mosaics, train_tiny_renderer,
                                             dit_schedule, dit_condition, dit_velocity, write_source_caches,
                                             policy_generation_config, image_token_suppression, SamplingParams)]
-    versions = [importlib.import_module(m).__version__ for m in ("torch", "diffusers", "transformers")]
-    key = [seed, settings, code, versions, TINY_VISION_VOCAB, TINY_PALETTE.tolist(), TINY_CHAT_TEMPLATE,
-           REAL_IMAGE_PROCESSOR]
+    key = [seed, settings, code, TINY_VISION_VOCAB, TINY_PALETTE.tolist(), TINY_CHAT_TEMPLATE, REAL_IMAGE_PROCESSOR,
+           *(importlib.import_module(m).__version__ for m in ("torch", "diffusers", "transformers"))]
     root = Path(os.environ.get("GRPO_GLM_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
                 / "grpo_glm")
     final = root / f"tiny-seed{seed}-{hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:16]}"
