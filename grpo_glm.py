@@ -2261,8 +2261,8 @@ def colour_vae(carrier=32.0):
     with torch.no_grad():
         for weight in decoder.parameters():
             weight.zero_()
-        for upsampler in [m for n, m in decoder.named_modules() if n.endswith("upsamplers.0.conv")]:
-            torch.nn.init.dirac_(upsampler.weight)                 # nearest upsample, then the identity
+        for block in decoder.up_blocks[:-1]:                       # nearest upsample, then the identity
+            torch.nn.init.dirac_(block.upsamplers[0].conv.weight)
         decoder.conv_in.weight[:6, :3, 1, 1] = pair
         decoder.conv_in.bias[6:] = torch.tensor([carrier, -carrier])
         decoder.conv_norm_out.weight.fill_(carrier / 2)
