@@ -348,6 +348,18 @@ def test_tiny_cache_is_reused_and_rebuilt_when_its_key_changes(cheap_cache, caps
     assert not list(cheap_cache.root.glob(".*tmp-*"))          # no temporary directory left behind
 
 
+def test_tiny_loads_without_progress_bars(cheap_cache, capsys):
+    """A toy loads at once: its loading bars would be noise on the console, tiny_pipeline_dir turns them off."""
+    from diffusers import GlmImagePipeline
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.enable_progress_bar()
+    transformers_logging.enable_progress_bar()
+    GlmImagePipeline.from_pretrained(g.tiny_pipeline_dir(0, cheap_cache.settings))
+    assert capsys.readouterr().err == ""
+
+
 def test_a_killed_tiny_builds_leftover_is_rebuilt_not_loaded(cheap_cache):
     path = g.tiny_pipeline_dir(0, cheap_cache.settings)
     os.rename(path, cheap_cache.root / f".{path.name}.tmp")   # a build killed before its rename
