@@ -1071,8 +1071,7 @@ def pipeline_from_pretrained(args, dtype):
     verbosity = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity_error()      # offline it warns "Couldn't connect to the Hub" before our line
     try:
-        with quiet_progress_bars() if args.model == TINY else contextlib.nullcontext():
-            return GlmImagePipeline.from_pretrained(path, dtype=dtype)
+        return GlmImagePipeline.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
         if not Path(path).is_dir():      # a hub id that is not in the local cache, and no network to fetch it
             raise UsageError(f"--model {args.model}: its weights are not in the local Hugging Face cache and could "
@@ -2114,85 +2113,78 @@ class Resume:
 # paint for a prompt is GRPO's to learn. A random renderer paints colour noise whatever the tokens say,
 # so it learns a synthetic task: codebook id k paints the demo's colour k mod 8 (many ids per colour, as
 # in a real VQ codebook: a random policy draws a cell's right colour 1 time in 8), a grid's truth is its
-# "mosaic" (each 32-px cell in its token's colour). The VAE decoder is set by hand to paint latent
-# channels 0-2, the DiT learns tokens -> that latent by flow matching (~15 s of CPU, once), saved and
-# loaded as a user's checkpoint is (tiny_pipeline_dir).
+# "mosaic" (each 32-px cell in its token's colour), learnt by flow matching once (~15 s of CPU).
 
 TINY_CODEBOOK = 64                       # real: 16384
 TINY_VISION_VOCAB = TINY_CODEBOOK + 16   # real: 16512 (codebook + 128 special ids)
 TINY_PALETTE = (torch.tensor(list(COLOURS.values()), dtype=torch.float32) / 255)[torch.arange(TINY_CODEBOOK) % 8]
 # A stand-in chat template. A source image sits between image start and end tokens: get_rope_index
 # finds it by those markers (2-D positions); a bare <|image|> would be numbered like text.
-TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
-                      "<|dit_token_16384|><|image|><|dit_token_16385|>"
-                      "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endfor %}")
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{{ '<|dit_token_16384|><|image|>"
+                      "<|dit_token_16385|>' if c['type'] == 'image' else c['text'] }}{% endfor %}{% endfor %}")
 TINY_RENDERER = dict(        # everything that shapes the training (all of it enters the cache key)
     dit_steps=800, dit_lr=3e-3, batch=8, dit_grids=((2, 2), (3, 3), (4, 4), (3, 2)), inference_steps=4)
 
 
 def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
-    """GLM-Image at toy size, seeded, its DiT untrained. mosaic_ar: --model tiny's AR (below); an
-    ar_init_range > 0.02 sharpens the logits (tests: wrong M-RoPE positions then show in log-probs)."""
+    """GLM-Image at toy size (library configs but for the sizes), seeded, eval mode, DiT untrained. mosaic_ar:
+    --model tiny's AR (below); ar_init_range > 0.02 sharpens logits (bad M-RoPE positions show in log-probs)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, GlmImagePipeline, GlmImageTransformer2DModel
     from tokenizers import Tokenizer, models
     from transformers import (ByT5Tokenizer, GlmImageConfig, GlmImageForConditionalGeneration, GlmImageProcessor,
-                              PreTrainedTokenizerFast, T5Config, T5EncoderModel)
-    from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
+                              GlmImageImageProcessorPil, PreTrainedTokenizerFast, T5Config, T5EncoderModel)
 
     torch.manual_seed(seed)
     # A character-level tokenizer (BPE with no merges): the image tokens first (as in the real one,
     # where the bos '<|dit_token_16384|>' is image_start_token_id), printable ASCII, the processor's specials.
     image_ids = [*range(TINY_CODEBOOK), *range(16384, 16384 + TINY_VISION_VOCAB - TINY_CODEBOOK)]
-    names = [f"<|dit_token_{i}|>" for i in image_ids] + [chr(c) for c in range(32, 127)]
-    names += ["<|image|>", "<sop>", "<eop>", "<pad>", "<unk>"]
+    specials = {"image_token": "<|image|>", "grid_bos_token": "<sop>", "grid_eos_token": "<eop>"}
+    names = [f"<|dit_token_{i}|>" for i in image_ids] + [*map(chr, range(32, 127)), *specials.values()]
+    names += ["<pad>", "<unk>"]
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.BPE({t: i for i, t in enumerate(names)}, merges=[], unk_token="<unk>")),
-        bos_token="<|dit_token_16384|>", eos_token="<|dit_token_16385|>", pad_token="<pad>", unk_token="<unk>",
-        padding_side="left",
-        extra_special_tokens={"image_token": "<|image|>", "grid_bos_token": "<sop>", "grid_eos_token": "<eop>"})
+        bos_token=names[TINY_CODEBOOK], eos_token=names[TINY_CODEBOOK + 1], pad_token="<pad>", padding_side="left",
+        extra_special_tokens=specials)
     # The real min_pixels 512^2 would upscale a small source, while the pipeline VAE-encodes it at its
     # own size (the DiT's source tokens would not line up).
-    pil_processor = GlmImageImageProcessorPil(**dict(REAL_IMAGE_PROCESSOR, min_pixels=32 * 32),
-                                              image_mean=[0.5] * 3, image_std=[0.5] * 3)
-    processor = GlmImageProcessor(image_processor=pil_processor, tokenizer=tokenizer, chat_template=TINY_CHAT_TEMPLATE)
+    image_processor = GlmImageImageProcessorPil(**dict(REAL_IMAGE_PROCESSOR, min_pixels=32 * 32),
+                                                image_mean=[0.5] * 3, image_std=[0.5] * 3)
     ar = GlmImageForConditionalGeneration(GlmImageConfig(
         text_config=dict(  # pad_token_id: the default 167841 is outside a tiny vocabulary
             vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, initializer_range=ar_init_range,
+            num_attention_heads=4, max_position_embeddings=2048, initializer_range=ar_init_range,
             vision_vocab_size=TINY_VISION_VOCAB, eos_token_id=TINY_CODEBOOK + 1, pad_token_id=tokenizer.pad_token_id,
             # the mosaic AR rotates faster: at theta 1e4 with 4 rotary frequencies a grid row turns
             # the angle by 0.01 rad and a column by 0.001, and positions barely register
             rope_parameters={"rope_type": "default", "rope_theta": 4.0 if mosaic_ar else 10000.0,
                              "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5}),
-        vision_config=dict(depth=1, hidden_size=32, num_heads=2, image_size=64, patch_size=16, intermediate_size=32),
+        vision_config=dict(depth=1, hidden_size=32, num_heads=2, image_size=64, intermediate_size=32),
         vq_config=dict(embed_dim=32, num_embeddings=TINY_CODEBOOK, latent_channels=32),
         image_token_id=tokenizer.convert_tokens_to_ids("<|image|>"), image_start_token_id=TINY_CODEBOOK,
-        image_end_token_id=TINY_CODEBOOK + 1))
+        image_end_token_id=TINY_CODEBOOK + 1)).eval()
     if mosaic_ar:
-        # At the default init the random token before a grid token sets its logits (the input embedding
-        # dominates 2 layers): GRPO would learn one colour for every cell. Equal image-token embeddings
-        # (a cell depends on the prompt and its place) and q/k at 16x the init (attention sharp enough to
-        # tell prompts apart) let lm_head read each (prompt, cell) apart.
+        # At the default init the random token before a grid token sets its logits (its embedding dominates 2
+        # layers): GRPO would learn one colour for every cell. Equal image-token embeddings and q/k at 16x the
+        # init (attention sharp enough to tell prompts apart) let lm_head read each (prompt, cell) apart.
         with torch.no_grad():
             image_embeddings = ar.model.language_model.embed_tokens.weight[:TINY_VISION_VOCAB]
-            image_embeddings.copy_(image_embeddings.mean(0).expand_as(image_embeddings))
+            image_embeddings[:] = image_embeddings.mean(0)
             for layer in ar.model.language_model.layers:
                 layer.self_attn.q_proj.weight.mul_(16.0)
                 layer.self_attn.k_proj.weight.mul_(16.0)
+    # T5 built from a config is in train mode: its dropout would embed a prompt differently each call
     text_encoder = T5EncoderModel(T5Config(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2))
     # patch 2 x VAE 8 = 16 pixels per DiT token: the AR's 32-pixel tokens are upsampled 2x (as in the real model)
-    transformer = GlmImageTransformer2DModel(
-        patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
-        text_embed_dim=32, time_embed_dim=16, condition_dim=8, prior_vq_quantizer_codebook_size=TINY_CODEBOOK)
+    transformer = GlmImageTransformer2DModel(in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16,
+                                             num_attention_heads=2, text_embed_dim=32, time_embed_dim=16,
+                                             condition_dim=8, prior_vq_quantizer_codebook_size=TINY_CODEBOOK)
     pipe = GlmImagePipeline(
-        tokenizer=ByT5Tokenizer(), processor=processor, text_encoder=text_encoder, vision_language_encoder=ar,
-        vae=colour_vae(), transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler())
+        processor=GlmImageProcessor(image_processor, tokenizer, chat_template=TINY_CHAT_TEMPLATE), vae=colour_vae(),
+        tokenizer=ByT5Tokenizer(), text_encoder=text_encoder.eval(), vision_language_encoder=ar,
+        transformer=transformer.eval(), scheduler=FlowMatchEulerDiscreteScheduler())
     # The policy's sampler as its generation config (section 24), as load_pipeline sets it.
     suppressed = image_token_suppression(ar, TINY_CODEBOOK)
     ar.generation_config = policy_generation_config(ar, SamplingParams(suppressed=suppressed))
-    # Built from configs, components start in train mode (T5's dropout would embed a prompt differently each call).
-    for module in (ar, text_encoder, transformer):
-        module.eval()
     return pipe
 
 
@@ -2200,121 +2192,85 @@ def random_mosaics(batch, grid_hw, generator, cell=32):
     """(grids [batch, H*W], their mosaics [batch, 3, H*cell, W*cell] in [0, 1]), each grid from 1, 2, 4
     or all codebook ids (uniform fields and two-colour shapes as familiar to the renderer as confetti)."""
     H, W = grid_hw
-    rows = []
-    for _ in range(batch):
+
+    def grid():      # k colours drawn from the codebook, then each cell one of them
         k = [1, 2, 4, TINY_CODEBOOK][int(torch.randint(4, (1,), generator=generator))]
-        colours = torch.randperm(TINY_CODEBOOK, generator=generator)[:k]
-        rows.append(colours[torch.randint(k, (H * W,), generator=generator)])
-    tokens = torch.stack(rows)
-    mosaics = TINY_PALETTE[tokens].view(-1, H, W, 3).permute(0, 3, 1, 2)
+        return torch.randperm(TINY_CODEBOOK, generator=generator)[:k][torch.randint(k, (H * W,), generator=generator)]
+    tokens = torch.stack([grid() for _ in range(batch)])
+    mosaics = TINY_PALETTE[tokens.view(-1, H, W)].movedim(-1, 1)
     return tokens, mosaics.repeat_interleave(cell, 2).repeat_interleave(cell, 3)
 
 
-def colour_vae(latent_channels=4, width=8, carrier=32.0):
+def colour_vae(carrier=32.0):
     """A tiny AutoencoderKL whose decoder paints latent channels 0-2 upsampled 8x, set by hand (GroupNorm
-    erases absolute colour, and gradient descent stalls): residual branches off, upsamplers the identity,
-    conv_in writes (c, -c) beside a constant pair (+carrier, -carrier), so the group's mean is 0 and its
-    std ~ carrier / 2 whatever the colours; conv_out reads SiLU(c) - SiLU(-c) = c."""
+    erases absolute colour, and gradient descent stalls): all weights 0 (residual branches off), upsamplers
+    the identity, conv_in writes (c, -c) beside a constant pair (+carrier, -carrier), so the group's mean
+    is 0 and its std ~ carrier / 2 whatever the colours; conv_out reads SiLU(c) - SiLU(-c) = c."""
     from diffusers import AutoencoderKL
 
-    vae = AutoencoderKL(
-        block_out_channels=(width,) * 4, in_channels=3, out_channels=3, latent_channels=latent_channels,
-        norm_num_groups=1, down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
-        latents_mean=[0.0] * latent_channels, latents_std=[1.0] * latent_channels)
-    decoder, rgb = vae.decoder, torch.arange(3)
-    identities = [m for n, m in decoder.named_modules() if n.endswith("upsamplers.0.conv")] + [vae.post_quant_conv]
-    residual_ends = [m for n, m in decoder.named_modules() if n.endswith((".conv2", ".to_out.0"))]
+    vae = AutoencoderKL(block_out_channels=(8,) * 4, down_block_types=["DownEncoderBlock2D"] * 4,
+                        up_block_types=["UpDecoderBlock2D"] * 4, norm_num_groups=1, use_post_quant_conv=False,
+                        latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+    decoder, pair = vae.decoder, torch.cat([torch.eye(3), -torch.eye(3)])       # [6, 3]: channel c -> (c, -c)
     with torch.no_grad():
-        for module in identities + residual_ends + [decoder.conv_in, decoder.conv_out]:
-            module.weight.zero_()
-            module.bias.zero_()
-        for module in identities:       # nearest upsample (or the 1x1 post-quant conv), then the identity
-            torch.nn.init.dirac_(module.weight)
-        decoder.conv_in.weight[rgb, rgb, 1, 1] = 1.0                # channel c -> (c, -c)
-        decoder.conv_in.weight[rgb + 3, rgb, 1, 1] = -1.0
-        decoder.conv_in.bias[6:] = carrier * torch.tensor([1.0, -1.0]).repeat(width // 2)[: width - 6]
-        decoder.conv_norm_out.weight.fill_(math.sqrt((decoder.conv_in.bias ** 2).mean().item()))
-        decoder.conv_norm_out.bias.zero_()
-        decoder.conv_out.weight[rgb, rgb, 1, 1] = 1.0               # (c, -c) -> c
-        decoder.conv_out.weight[rgb, rgb + 3, 1, 1] = -1.0
-    return vae.eval().requires_grad_(False)
+        for weight in decoder.parameters():
+            weight.zero_()
+        for block in decoder.up_blocks[:-1]:                       # nearest upsample, then the identity
+            torch.nn.init.dirac_(block.upsamplers[0].conv.weight)
+        decoder.conv_in.weight[:6, :3, 1, 1] = pair
+        decoder.conv_in.bias[6:] = torch.tensor([carrier, -carrier])
+        decoder.conv_norm_out.weight.fill_(carrier / 2)
+        decoder.conv_out.weight[:, :6, 1, 1] = pair.T              # (c, -c) -> c
+    return vae.eval()
 
 
 def train_tiny_renderer(seed, settings):
     """(pipe, last loss): flow matching (fp32, CPU), x_t = scale_noise(x0, t, eps), target eps - x0."""
     with torch.random.fork_rng(devices=[]):
         pipe = build_tiny_pipeline(seed, mosaic_ar=True)
-        generator = torch.Generator().manual_seed(seed)
-        torch.manual_seed(seed)
-        dit, batch, grids = pipe.transformer.train().requires_grad_(True), settings["batch"], settings["dit_grids"]
+        generator, dit, batch = torch.Generator().manual_seed(seed), pipe.transformer.train(), settings["batch"]
         optimizer = torch.optim.Adam(dit.parameters(), lr=settings["dit_lr"])
-        # the glyph condition of "" per grid size, once: one prompt of `batch` rows (one DiT call)
-        conds = {hw: dit_condition(pipe, [""], batch, torch.zeros(batch, hw[0] * hw[1], dtype=torch.long), hw, 1.0)
-                 for hw in map(tuple, grids)}
         for step in range(settings["dit_steps"]):
-            hw = tuple(grids[step % len(grids)])
+            hw = settings["dit_grids"][step % len(settings["dit_grids"])]
             timesteps, _ = dit_schedule(pipe, 32 * hw[0], 32 * hw[1], settings["inference_steps"])  # sets the scheduler
             tokens, mosaics = random_mosaics(batch, hw, generator, 32 // pipe.vae_scale_factor)  # [B, 3, h, w]
             x0 = torch.nn.functional.pad(mosaics * 2 - 1, (0, 0, 0, 0, 0, 1))  # [B, 4, h, w]: RGB in [-1, 1], then 0
             t = timesteps[torch.randint(len(timesteps), (batch,), generator=generator)]
             eps = torch.randn(x0.shape, generator=generator)
-            x_t = pipe.scheduler.scale_noise(x0, t, eps)
-            cond = replace(conds[hw], prior=torch.cat([pipe._upsample_token_ids(row, *hw) for row in tokens]))
-            v = dit_velocity(dit, x_t, t, cond, write_source_caches(dit, cond))
+            cond = dit_condition(pipe, [""], batch, tokens, hw, 1.0)        # the glyph condition of "", the grids
+            v = dit_velocity(dit, pipe.scheduler.scale_noise(x0, t, eps), t, cond, write_source_caches(dit, cond))
             loss = ((v - (eps - x0)) ** 2).mean()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()
             loss.backward()
             optimizer.step()
     return pipe, loss.item()
 
 
-@contextlib.contextmanager
-def quiet_progress_bars():
-    """diffusers' and transformers' loading/saving bars, off for the duration."""
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
-
-    with contextlib.ExitStack() as restore:
-        for library in (diffusers_logging, transformers_logging):
-            if library.is_progress_bar_enabled():
-                library.disable_progress_bar()
-                restore.callback(library.enable_progress_bar)
-        yield
-
-
-def tiny_cache_key(seed, settings):
+def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
+    """`--model tiny`'s directory for this seed, keyed by all that shapes it, built on first use and saved
+    as a user's checkpoint is (section 24). Turns the libraries' loading bars off (a toy loads at once)."""
     code = [inspect.getsource(f) for f in (build_tiny_pipeline, colour_vae, random_mosaics, train_tiny_renderer,
                                             dit_schedule, dit_condition, dit_velocity, write_source_caches,
                                             policy_generation_config, image_token_suppression, SamplingParams)]
-    parts = {"format": "grpo_glm-tiny-renderer-v1", "seed": seed, "settings": settings, "code": code,
-             "constants": [TINY_CODEBOOK, TINY_VISION_VOCAB, TINY_PALETTE.tolist(), TINY_CHAT_TEMPLATE,
-                           REAL_IMAGE_PROCESSOR],
-             "versions": [importlib.import_module(m).__version__ for m in ("torch", "diffusers", "transformers")]}
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
-    """`--model tiny`'s directory for this seed, built on first use: in a temporary directory, then
-    renamed into place (os.rename is atomic), so the final directory exists only if a build finished."""
+    key = [seed, settings, code, TINY_VISION_VOCAB, TINY_PALETTE.tolist(), TINY_CHAT_TEMPLATE, REAL_IMAGE_PROCESSOR,
+           *(importlib.import_module(m).__version__ for m in ("torch", "diffusers", "transformers"))]
     root = Path(os.environ.get("GRPO_GLM_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
                 / "grpo_glm")
-    final = root / f"tiny-seed{seed}-{tiny_cache_key(seed, settings)}"
+    final = root / f"tiny-seed{seed}-{hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:16]}"
+    for library in ("diffusers", "transformers"):
+        importlib.import_module(f"{library}.utils.logging").disable_progress_bar()
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(root / f".{final.name}.lock"):   # a second run waits here (released if the process dies)
-        if final.is_dir():                          # built before, or by the run we waited for
-            return final
-        for leftover in root.glob(f".{final.name}.tmp-*"):   # a killed build's, never loaded
-            shutil.rmtree(leftover, ignore_errors=True)
-        start = time.time()
-        print(f"building --model tiny (seed {seed}): a random AR, and a renderer (DiT) pre-trained on token "
-              f"mosaics for {settings['dit_steps']} steps, once ...", end=" ", flush=True)
-        # removed on an error (Ctrl+C included); a kill leaves it for the next build to remove
-        with tempfile.TemporaryDirectory(prefix=f".{final.name}.tmp-", dir=root, ignore_cleanup_errors=True) as tmp:
+        if not final.is_dir():                      # not built before, nor by the run we waited for
+            start = time.time()
+            print(f"building --model tiny (seed {seed}) once: a random AR, its renderer (DiT) trained on token mosaics "
+                  f"({settings['dit_steps']} steps) ...", end=" ", flush=True)
             pipe, loss = train_tiny_renderer(seed, settings)
-            with quiet_progress_bars():
-                pipe.save_pretrained(tmp)
-            os.rename(tmp, final)
-        print(f"done in {time.time() - start:.0f} s (flow-matching loss {loss:.4f}), cached in {final}", flush=True)
+            partial = root / f".{final.name}.tmp"   # a killed save's leftover: overwritten, never loaded
+            shutil.rmtree(partial, ignore_errors=True)
+            pipe.save_pretrained(partial)
+            os.rename(partial, final)               # atomic: the final directory exists only if a build finished
+            print(f"done in {time.time() - start:.0f} s (flow-matching loss {loss:.4f}), cached in {final}", flush=True)
     return final
 
 

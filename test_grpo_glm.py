@@ -41,8 +41,7 @@ def tiny_model(seed=0):
     """`--model tiny` as runs load it: the cached pipeline (built on the first call of the session)."""
     from diffusers import GlmImagePipeline
 
-    with g.quiet_progress_bars():
-        pipe = GlmImagePipeline.from_pretrained(g.tiny_pipeline_dir(seed))
+    pipe = GlmImagePipeline.from_pretrained(g.tiny_pipeline_dir(seed))
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -349,9 +348,21 @@ def test_tiny_cache_is_reused_and_rebuilt_when_its_key_changes(cheap_cache, caps
     assert not list(cheap_cache.root.glob(".*tmp-*"))          # no temporary directory left behind
 
 
+def test_tiny_loads_without_progress_bars(cheap_cache, capsys):
+    """A toy loads at once: its loading bars would be noise on the console, tiny_pipeline_dir turns them off."""
+    from diffusers import GlmImagePipeline
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.enable_progress_bar()
+    transformers_logging.enable_progress_bar()
+    GlmImagePipeline.from_pretrained(g.tiny_pipeline_dir(0, cheap_cache.settings))
+    assert capsys.readouterr().err == ""
+
+
 def test_a_killed_tiny_builds_leftover_is_rebuilt_not_loaded(cheap_cache):
     path = g.tiny_pipeline_dir(0, cheap_cache.settings)
-    os.rename(path, cheap_cache.root / f".{path.name}.tmp-killed")   # a build killed before its rename
+    os.rename(path, cheap_cache.root / f".{path.name}.tmp")   # a build killed before its rename
     assert g.tiny_pipeline_dir(0, cheap_cache.settings) == path and cheap_cache.builds == [0, 0]
     weighted = {p.parent.name for p in path.glob("*/*.safetensors")}     # a whole build: weights for all four models
     assert weighted >= {"vision_language_encoder", "text_encoder", "transformer", "vae"}
