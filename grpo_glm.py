@@ -305,7 +305,7 @@ def rollout_positions(ar, batch, grids):
 
 @torch.no_grad()
 def sample_groups(pipe, prompts, group_size, sampling, height, width, loss_tokens, sources=None, generators=None,
-                 prompt_len=None):
+                 prompt_len=None, compiled=True):
     """G samples per prompt (i2i with `sources`) -> Rollout, old_logp the sampler's own. Group k's noise
     comes from generators[k] alone (default: seeded off the global RNG), whatever precedes it."""
     from transformers import StaticCache
@@ -319,8 +319,8 @@ def sample_groups(pipe, prompts, group_size, sampling, height, width, loss_token
     cache = StaticCache(ar.config, max_cache_len=mask.shape[1])
     # The forward's ~1,000 kernels as one CUDA graph; gumbel_max's ~20 stay eager (torch 2.11's inductor
     # failed on the top-p cumsum)
-    forward = torch.compile(next_logits, fullgraph=True, mode="reduce-overhead",  # --fsdp: eager (its hooks)
-                            disable=ar.device.type != "cuda" or bool(fsdp_units(ar)))
+    forward = torch.compile(next_logits, fullgraph=True, mode="reduce-overhead", disable=ar.device.type != "cuda"
+                            or not compiled)
     ids, drawn = batch["input_ids"], []
     for t in range(L):  # t = 0: the prompt's prefill, eager; then a token per row
         uniform = torch.cat([torch.rand(group_size, ar.config.text_config.vision_vocab_size, generator=gen,
@@ -347,9 +347,9 @@ def sample_tokens(pipe, prompts, sources, slots, step, args, prompt_len=None):
         prompt_len = max_over_ranks(longest) + 1
     generators = [seeded(args.seed, "tokens", step, slot, ar.device) for slot in slots]
     ar.eval()
-    with whole_weights(ar):
+    with whole_weights(ar) as sharded:      # --fsdp: sampled eagerly (its hooks)
         rollout = sample_groups(pipe, prompts, args.group_size, sampling_of(ar), args.height, args.width,
-                               args.loss_tokens, sources, generators, prompt_len)
+                               args.loss_tokens, sources, generators, prompt_len, compiled=not sharded)
         rollout.old_logp = logprobs_by_micro_batch(ar, rollout, sampling_of(ar), args.micro_batch_size)
     return rollout
 
@@ -2391,13 +2391,14 @@ def fsdp_units(model):      # [] if not sharded
 
 @contextlib.contextmanager
 def whole_weights(model):
-    """Whole weights while sampling and in no-grad passes (else each decode step gathers every layer)."""
+    """Whole weights while sampling and in no-grad passes (else each decode step gathers every layer); yields
+    whether `model` is sharded."""
     units = fsdp_units(model)
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
         unit.unshard()
     try:
-        yield
+        yield bool(units)
     finally:
         for unit in units:
             unit.set_reshard_after_forward(unit is not model, recurse=False)   # FSDP2's defaults (root: False)
