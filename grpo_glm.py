@@ -2462,9 +2462,9 @@ def training_state(model, optimizer, loaded=None):
 # =============================================================================================
 # 23. Memory plan for the real GLM-Image (arithmetic on the real configs, meta device)
 # =============================================================================================
-# --plan prints the bytes one GPU holds, from the configs alone (components on the meta device: no memory, no
-# download). Weights bf16 (CUDA); LoRA adapters and --fsdp's trained shards fp32, as their gradients and AdamW's 2
-# moments (torch allocates them like the parameter). Checked in README, Measurements; the DiT's terms are estimates.
+# --plan: the bytes one GPU holds, from the configs alone (meta device: no memory, no download). Weights bf16; LoRA
+# adapters and --fsdp's trained shards fp32, and so their grads and AdamW's 2 moments (torch allocates them like the
+# parameter). Checked against the allocator (README, Measurements); the DiT's activations are estimates.
 WEIGHT_BYTES, FP32_BYTES = 2, 4
 # The real checkpoint's image-processor settings (its public config; the tiny model differs in min_pixels).
 REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, min_pixels=512**2, max_pixels=2048**2)
@@ -2484,7 +2484,8 @@ def plan_components(model, seed=0):
     saved, processor = Path(model), None
     if saved.is_dir():
         ar, glyph_t5 = (AutoConfig.from_pretrained(saved / p) for p in ("vision_language_encoder", "text_encoder"))
-        dit, vae = GlmImageTransformer2DModel.load_config(saved / "transformer"), AutoencoderKL.load_config(saved / "vae")
+        dit, vae = (config(saved / p) for config, p in [(GlmImageTransformer2DModel.load_config, "transformer"),
+                                                        (AutoencoderKL.load_config, "vae")])
         with contextlib.suppress(OSError, ValueError):
             processor = GlmImageImageProcessorPil.from_pretrained(saved / "processor")
     else:
@@ -2526,11 +2527,11 @@ def trainable_tensors(model, lora_rank, targets=LORA_TARGETS):
 
 
 def state_bytes(trained, total, state, shard=1, adapters=False, reference=False, d=WEIGHT_BYTES):
-    """A half's bytes between updates per GPU of `shard` (--fsdp): `total` bf16 weights but the `trained` (or LoRA's
-    `adapters`, added) in `state` bytes, as their gradients and AdamW's 2 moments; a KL `reference` copy."""
-    frozen = total if adapters else total - trained
-    return {"weights": (d * frozen + state * trained) / shard, "grads": state * trained / shard,
-            "adam": 2 * state * trained / shard, "reference": d * total / shard if reference else 0}
+    """Bytes between updates per GPU of `shard` (--fsdp): `total` weights, the `trained` (LoRA: `adapters`, added) in
+    `state` bytes, as their grads and AdamW's 2 moments, the rest d; a KL `reference` copy."""
+    weights = d * (total if adapters else total - trained) + state * trained
+    return {"weights": weights / shard, "grads": state * trained / shard, "adam": 2 * state * trained / shard,
+            "reference": d * total / shard if reference else 0}
 
 
 def layer_activation_bytes(text_config, lora_rank=0, bytes_per=WEIGHT_BYTES):
@@ -2547,8 +2548,8 @@ def layer_activation_bytes(text_config, lora_rank=0, bytes_per=WEIGHT_BYTES):
 
 def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, checkpointing, tensors=(),
                     head_trainable=0, total_params=0, bytes_per=WEIGHT_BYTES, foreach=True):
-    """The AR's state (of the trained `tensors`' numels), each phase of one micro-batch's update and their max "peak".
-    `head_trainable`: final norm + lm_head (0 under LoRA)."""
+    """The AR's state_bytes, each phase of one micro-batch's update, and their max "peak". `tensors`: the trained
+    numels; `head_trainable`: final norm + lm_head (0 under LoRA)."""
     d, h, V, rows = bytes_per, text_config.hidden_size, text_config.vision_vocab_size, samples * generated
     state = FP32_BYTES if lora_rank else d                    # gradients and moments: the parameters' dtype
     tokens = samples * (prompt_tokens + generated - 1)       # teacher-forced input: prompt + generated[:-1]
@@ -2557,7 +2558,7 @@ def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, c
     kept = text_config.num_hidden_layers * (d * h * tokens if checkpointing else layer)
     rotary = int(h // text_config.num_attention_heads * text_config.rope_parameters.get("partial_rotary_factor", 1))
     # per token: the final norm's fp32 input, M-RoPE's cos and sin; full: the norm's output, lm_head's input.
-    # logits: held by ar_micro_batches till the next; a frozen lm_head (LoRA): the CPU's bmm copies it per sample
+    # The logits stay till the next micro-batch; a frozen lm_head (LoRA): the CPU's bmm copies it per sample
     outside, logits = tokens * (4 * h + (0 if lora_rank else 2 * d * h) + 2 * rotary * d), rows * d * V
     head_copy, held = 0 if head_trainable else samples * V * h * d, kept + outside + logits
     s = state_bytes(sum(tensors), total_params, state, adapters=lora_rank > 0, d=d)
@@ -2581,8 +2582,8 @@ def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
 
 def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=False, gpus=(), ranks=(64, 16),
                 mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0):
-    """--plan's rows ("ar", "dit") keyed by their columns (+ "half": its bytes), per GPU of 1 and each K in `gpus`
-    (`batch` / K samples each), per mode (full, LoRA, fsdp), with and without checkpointing; counts; terms."""
+    """--plan's rows ("ar", "dit") keyed by their columns (+ "half": its bytes), on 1 GPU and on each K of `gpus`
+    (`batch` / K samples each), per mode (full, LoRA, fsdp), without and with checkpointing; counts; terms."""
     ar, config, d, batch = components["ar"], components["dit"].config, WEIGHT_BYTES, batch or samples
     text, counts = ar.config.text_config, {name: numel(m) for name, m in components.items()}
     frozen = {name: d * counts[name] for name in ("dit", "glyph_t5", "vae")}
@@ -2595,62 +2596,57 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
     decode = vae_decode_bytes(components["vae"], height, width, 1)
 
     def half(name, mode, k, checkpointing):
-        """A trained half on one GPU of k. Data parallel: all weights, micro-batches of its batch / K samples. --fsdp
-        (section 22): its state / K; gathered in bf16: the root (embeddings, heads, norms, vision encoder, VQ) from
-        forward to backward's end, 2 decoder layers (prefetch), the whole model to sample; a layer's reduce: 2 + 4
-        bytes each. Not counted: all-gather buffers doubled in a copy-out, the reference's no-grad pass, the
-        allocator's slack, the DiT rollout's N (K + 1) fp32 latents (1 MiB each at 1024^2)."""
+        """A trained half on one GPU of k. DDP: all weights, micro-batches of batch / K samples. --fsdp (section 22):
+        state / K; gathered in bf16 the root from forward to backward's end, 2 layers (prefetch), the whole model to
+        sample; a layer's reduce, 2 + 4 bytes each. Not counted: copy-outs, the allocator's slack, DiT latents."""
         micro, fsdp, rank = min(samples, batch // k), mode == "fsdp", int(mode[5:] or 0)
         trained = trainable_tensors(components[name], rank, LORA_TARGETS if name == "ar" else DIT_LORA_TARGETS)
-        h = {"trainable": sum(trained), "gathered": 0, **state_bytes(sum(trained), counts[name], d if mode == "full"
-                                                                     else FP32_BYTES, k if fsdp else 1, rank > 0,
-                                                                     beta > 0 and not rank)}
-        if name == "ar":    # sampling: the decode loop's KV cache of the GPU's samples, or pi_old's pass over a
-            # micro-batch (bf16 logits, their fp32 copy / temperature, log_softmax: 10 bytes each)
-            sampling = max(batch // k * kv_cache, micro * generated * text.vision_vocab_size * 10)
+        state = state_bytes(sum(trained), counts[name], d if mode == "full" else FP32_BYTES, k if fsdp else 1,
+                            rank > 0, beta > 0 and not rank)
+        if name == "ar":    # sampling: generate's KV cache of the GPU's samples, or pi_old's pass over a micro-batch
+            sampling = max(batch // k * kv_cache, micro * generated * text.vision_vocab_size * 10)   # (10 B a logit)
             head = 0 if rank else numel(ar.model.language_model.norm) + numel(ar.lm_head)   # trained in full
             u = ar_update_bytes(text, micro, prompt_len, generated, rank, checkpointing, () if fsdp else trained, head)
             activations, backward = (u["peak"], 0) if fsdp else (u["activations"], u["peak"] - u["grads"])
-        else:               # a denoising step's micro-batch: ~30 x hidden per block and token (x2 CFG, 64 text
-            sampling = source_kv // k   # tokens), not measured, beside its GPU's source caches (also in sampling)
+        else:   # a denoising step's micro-batch: ~30 x hidden per block and token (x2 CFG, 64 text tokens), guessed,
+            sampling = source_kv // k       # + the GPU's source caches; backward: the largest frozen part in its turn
             blocks = config.num_layers + 30 if checkpointing else config.num_layers * 30
             activations = blocks * (patches + 64) * micro * (2 if cfg else 1) * hidden * d + sampling
-            # backward: the largest frozen part in its turn, beside a micro-batch's activations or AdamW's temporary
-            backward = max(frozen["glyph_t5"], frozen["vae"]) + max(activations, h["grads"])
+            backward = max(frozen["glyph_t5"], frozen["vae"]) + max(activations, state["grads"])
+        gathered = 0
         if fsdp:
             layers, reduce = [numel(layer) for layer in sharded_layers(components[name])], d + FP32_BYTES
-            h["gathered"], sampling = d * (counts[name] - sum(layers) + 2 * max(layers)), d * counts[name] + sampling
-            backward = max(h["gathered"] + activations + reduce * max(layers), reduce * (sum(trained) - sum(layers)))
-        return {**h, "activations": activations, "sampling": sampling, "backward": backward}
+            gathered, sampling = d * (counts[name] - sum(layers) + 2 * max(layers)), d * counts[name] + sampling
+            backward = max(gathered + activations + reduce * max(layers), reduce * (sum(trained) - sum(layers)))
+        return {"trainable": sum(trained), **state, "gathered": gathered, "activations": activations,
+                "sampling": sampling, "backward": backward}
 
     def peaks(halves, beside=0, offloaded=0):
-        """(update, sampling, overall) peaks of `halves` trained in grpo_update's order: resident bytes (weights,
-        AdamW, KL reference, `beside`) + the largest phase beside the gradients (zero_grad comes at the next update):
-        AdamW's step, half i's backward beside its and the earlier halves' gradients, sampling, an `offloaded` turn."""
-        resident, grads = beside + sum(h["weights"] + h["adam"] + h["reference"] for h in halves), [0]
-        for h in halves:
-            grads.append(grads[-1] + h["grads"])
-        update = max(2 * grads[-1], *(g + h["backward"] for g, h in zip(grads[1:], halves)))
-        sampling = grads[-1] + max(h["sampling"] for h in halves)
-        return resident + update, resident + sampling, resident + max(update, sampling, grads[-1] + offloaded)
+        """(update, sampling, overall) peaks of `halves` trained in turn: resident (weights, AdamW, reference,
+        `beside`) + the gradients + the largest phase (zero_grad comes at the next update): AdamW's step, half i's
+        backward beside the gradients so far, sampling, an `offloaded` frozen part's turn."""
+        resident = beside + sum(h["weights"] + h["adam"] + h["reference"] for h in halves)
+        grads = [h["grads"] for h in halves]
+        update = max(2 * sum(grads), *(sum(grads[:i + 1]) + h["backward"] for i, h in enumerate(halves)))
+        sampling = sum(grads) + max(h["sampling"] for h in halves)
+        return resident + update, resident + sampling, resident + max(update, sampling, sum(grads) + offloaded)
 
     def row(name, mode, k, checkpointing):
         h, working = half(name, mode, k, checkpointing), {"vae": decode, "dit": source_kv // k, "glyph_t5": 0}
-        turn = lambda parts: max(frozen[p] + working[p] for p in parts)    # frozen parts take turns, with their work
+        turn = lambda *parts: max(frozen[p] + working[p] for p in parts)    # frozen parts take turns with their work
         tag = "AR" if name == "ar" else "DiT"
-        columns = {"mode" if name == "ar" else "DiT mode": mode, "grad ckpt": checkpointing, "GPUs": k,
-                   "micro-batch": min(samples, batch // k), "trainable": h["trainable"], "half": h,
-                   f"{tag} weights": h["weights"] + h["reference"], "grads": h["grads"], "AdamW": h["adam"],
-                   "activations": h["activations"]}
+        r = {"mode" if name == "ar" else "DiT mode": mode, "grad ckpt": checkpointing, "GPUs": k,
+             "micro-batch": min(samples, batch // k), "trainable": h["trainable"], "half": h,
+             f"{tag} weights": h["weights"] + h["reference"], "grads": h["grads"],
+             "AdamW": h["adam"], "activations": h["activations"]}
         if name == "ar":
-            return {**columns, **dict(zip(("update peak", "sampling peak", "peak, offload"),
-                                          peaks([h], offloaded=turn(frozen)))),
+            return {**r, **dict(zip(("update peak", "sampling peak", "peak, offload"), peaks([h], 0, turn(*frozen)))),
                     "peak, no offload": peaks([h], sum(frozen.values()), max(working.values()))[2]}
-        # 'dit' beside the frozen AR whole; 'both' trains it too: sharded, or its first mode checkpointed
+        # 'dit' beside the frozen AR whole; 'both' trains the AR too: sharded, or its first mode checkpointed
         a = half("ar", mode, k, checkpointing) if mode == "fsdp" else \
             half("ar", f"lora-{ranks[0]}" if ranks else "full", k, True)
-        return {**columns, "peak, dit": peaks([h], d * counts["ar"], turn(("glyph_t5", "vae")))[2],
-                "peak, both": peaks([a, h], offloaded=turn(("glyph_t5", "vae")))[2]}
+        return {**r, "peak, dit": peaks([h], d * counts["ar"], turn("glyph_t5", "vae"))[2],
+                "peak, both": peaks([a, h], 0, turn("glyph_t5", "vae"))[2]}
 
     modes = {"ar": ["full", *(f"lora-{rank}" for rank in ranks)], "dit": ["full", "lora-64"]}
     return {name: [row(name, mode, k, c) for k in (1, *gpus) for mode in modes[name] + ["fsdp"] * (k > 1)
@@ -2673,26 +2669,25 @@ def print_memory_plan(args):
     big = max(r["peak, no offload"] for r in rows["ar"]) >= 2 ** 30       # the tiny model: MiB, thousands
     unit, unit_name = (2 ** 30, "GiB") if big else (2 ** 20, "MiB")
     count, count_name = (1e6, "M") if max(counts.values()) >= 1e8 else (1e3, "k")
+    size = lambda n: f"{n / unit:.1f} {unit_name}"
     print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count:,.1f} {count_name}" for k, v in counts.items()))
     source = f" incl. the source's {prompt_len - 66} VQ tokens" if i2i else ""      # 64 text, image start and end
-    print(f"--mode {args.mode}, teacher-forced pass: {args.micro_batch_size or args.group_size} samples x "
-          f"{prompt_len + generated} tokens ({prompt_len} prompt{source} + {generated} generated, {args.height}x"
-          f"{args.width}); estimates in {unit_name} per GPU (of K: {prompts} / K groups of {args.group_size}), bf16 "
-          "weights, torch's AdamW (foreach)" + (", KL reference copy for full fine-tuning" if args.beta > 0 else "")
-          + f"; counted: the VAE's decode, one image at a time ({terms['decode'] / unit:.1f} {unit_name})"
-          + (f", the DiT's {prompts} source KV caches, one per prompt ({terms['source_kv'] / unit:.1f} {unit_name})"
-             if i2i else ""))
-    titles = ["fsdp: --fsdp's full fine-tuning, 16 bytes per trained parameter / K, the bf16 root + 2 layers "
-              "gathered, frozen parts offloaded" if args.plan_gpus else "(--plan-gpus K adds the rows on K GPUs, "
-              "and --fsdp's)", f"\nDiT (Flow-GRPO, --policy dit|both): a micro-batch of each denoising step, CFG "
-              f"{'on' if args.guidance_scale > 1 else 'off'}; 'both' trains the AR's lora-{args.lora_rank or 64} "
-              "too (fsdp: sharded)" + ("; activations incl. the source KV caches" if i2i else "")]
+    print(f"--mode {args.mode}: {args.micro_batch_size or args.group_size} samples x {prompt_len + generated} tokens "
+          f"({prompt_len} prompt{source} + {generated} generated, {args.height}x{args.width}); estimates in "
+          f"{unit_name} per GPU of K ({prompts} / K groups of {args.group_size})" + (", KL reference copies" if
+          args.beta > 0 else "") + f"; counted: the VAE's decode, one image at a time ({size(terms['decode'])})"
+          + (f", the DiT's {prompts} source KV caches, one per prompt ({size(terms['source_kv'])})" if i2i else ""))
+    titles = ["AR (--policy ar)" + ("; fsdp: --fsdp, 16 bytes per trained parameter / K, the bf16 root + 2 layers "
+              "gathered" if args.plan_gpus else "; --plan-gpus K adds the rows on K GPUs, and --fsdp's"),
+              f"\nDiT (Flow-GRPO, --policy dit|both), CFG {'on' if args.guidance_scale > 1 else 'off'}; 'both' trains "
+              f"the AR's lora-{args.lora_rank or 64} too" + ("; activations incl. the source KV caches" if i2i else "")]
     for title, table in zip(titles, rows.values()):     # markdown: 4 labels, the trainable count, then bytes
         columns = [key for key in table[0] if key != "half"]
         print(title + "\n| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
         for r in table:
-            print("| " + " | ".join(("yes" if r[c] else "no") if i == 1 else str(r[c]) if i < 4 else f"{r[c] / count:.1f} "
-                                    f"{count_name}" if i == 4 else f"{r[c] / unit:.1f}" for i, c in enumerate(columns)) + " |")
+            cells = [("yes" if r[c] else "no") if i == 1 else str(r[c]) if i < 4 else
+                     f"{r[c] / count:.1f} {count_name}" if i == 4 else f"{r[c] / unit:.1f}" for i, c in enumerate(columns)]
+            print("| " + " | ".join(cells) + " |")
 
 
 # =============================================================================================
