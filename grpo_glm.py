@@ -2462,17 +2462,15 @@ def training_state(model, optimizer, loaded=None):
 # =============================================================================================
 # 23. Memory plan for the real GLM-Image (arithmetic on the real configs, meta device)
 # =============================================================================================
-# --plan: the bytes one GPU holds, from the configs alone (meta device: no memory, no download). Weights bf16; LoRA
-# adapters and --fsdp's trained shards fp32, and so their grads and AdamW's 2 moments (torch allocates them like the
-# parameter). Checked against the allocator (README, Measurements); the DiT's activations are estimates.
+# --plan: the bytes one GPU holds, from the configs alone (meta device: no download). bf16 weights; fp32 LoRA adapters
+# and --fsdp shards, their grads and AdamW's 2 moments alike. Checked: README, Measurements; the DiT's are estimates.
 WEIGHT_BYTES, FP32_BYTES = 2, 4
 # The real checkpoint's image-processor settings (its public config; the tiny model differs in min_pixels).
 REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, min_pixels=512**2, max_pixels=2048**2)
 
 
 def plan_components(model, seed=0):
-    """(components, image processor) of --model: the tiny model, or on meta a saved pipeline's (processor None
-    if absent) or the real GLM-Image's (its AR GlmImageConfig(), the rest as read)."""
+    """(components, image processor) of --model: the tiny model, or on meta a saved pipeline's or GLM-Image's."""
     from diffusers import AutoencoderKL, GlmImageTransformer2DModel
     from transformers import AutoConfig, GlmImageConfig, GlmImageForConditionalGeneration, T5Config, T5EncoderModel
     from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
@@ -2484,8 +2482,8 @@ def plan_components(model, seed=0):
     saved, processor = Path(model), None
     if saved.is_dir():
         ar, glyph_t5 = (AutoConfig.from_pretrained(saved / p) for p in ("vision_language_encoder", "text_encoder"))
-        dit, vae = (config(saved / p) for config, p in [(GlmImageTransformer2DModel.load_config, "transformer"),
-                                                        (AutoencoderKL.load_config, "vae")])
+        dit = GlmImageTransformer2DModel.load_config(saved / "transformer")
+        vae = AutoencoderKL.load_config(saved / "vae")
         with contextlib.suppress(OSError, ValueError):
             processor = GlmImageImageProcessorPil.from_pretrained(saved / "processor")
     else:
@@ -2596,9 +2594,8 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
     decode = vae_decode_bytes(components["vae"], height, width, 1)
 
     def half(name, mode, k, checkpointing):
-        """A trained half on one GPU of k. DDP: all weights, micro-batches of batch / K samples. --fsdp (section 22):
-        state / K; gathered in bf16 the root from forward to backward's end, 2 layers (prefetch), the whole model to
-        sample; a layer's reduce, 2 + 4 bytes each. Not counted: copy-outs, the allocator's slack, DiT latents."""
+        """A trained half on one GPU of k: DDP, all weights; --fsdp (section 22), state / K, and gathered in bf16 the
+        root through backward, 2 layers (prefetch), the whole to sample; a layer's reduce, 2 + 4 bytes each."""
         micro, fsdp, rank = min(samples, batch // k), mode == "fsdp", int(mode[5:] or 0)
         trained = trainable_tensors(components[name], rank, LORA_TARGETS if name == "ar" else DIT_LORA_TARGETS)
         state = state_bytes(sum(trained), counts[name], d if mode == "full" else FP32_BYTES, k if fsdp else 1,
@@ -2622,9 +2619,8 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
                 "sampling": sampling, "backward": backward}
 
     def peaks(halves, beside=0, offloaded=0):
-        """(update, sampling, overall) peaks of `halves` trained in turn: resident (weights, AdamW, reference,
-        `beside`) + the gradients + the largest phase (zero_grad comes at the next update): AdamW's step, half i's
-        backward beside the gradients so far, sampling, an `offloaded` frozen part's turn."""
+        """(update, sampling, overall) peaks of `halves` trained in turn: resident bytes + `beside` + the largest of
+        AdamW's step, half i's backward beside grads so far, sampling, an `offloaded` part's turn (beside all grads)."""
         resident = beside + sum(h["weights"] + h["adam"] + h["reference"] for h in halves)
         grads = [h["grads"] for h in halves]
         update = max(2 * sum(grads), *(sum(grads[:i + 1]) + h["backward"] for i, h in enumerate(halves)))
@@ -2654,17 +2650,17 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         {"tokens": (prompt_len, generated), "decode": decode, "source_kv": source_kv}
 
 
-def plan_of_run(args, gpus=()):
-    """memory_plan of the run `args` describes: its groups of G in micro-batches, on 1 and each of `gpus` GPUs."""
+def plan_of_run(args):      # memory_plan of the run `args` describes, on 1 GPU and each of --plan-gpus
     components, processor = plan_components(args.model, args.seed)
     return memory_plan(components, args.height, args.width, args.micro_batch_size or args.group_size,
-                       args.group_size * args.prompts_per_step, args.prompts_per_step, args.guidance_scale > 1, gpus,
+                       args.group_size * args.prompts_per_step, args.prompts_per_step, args.guidance_scale > 1,
+                       args.plan_gpus or (),
                        (args.lora_rank,) if args.lora_rank else (64, 16), args.mode, image_processor=processor,
                        beta=args.beta)
 
 
 def print_memory_plan(args):
-    (rows, counts, terms), i2i = plan_of_run(args, args.plan_gpus or ()), args.mode == "i2i"
+    (rows, counts, terms), i2i = plan_of_run(args), args.mode == "i2i"
     (prompt_len, generated), prompts = terms["tokens"], args.prompts_per_step
     big = max(r["peak, no offload"] for r in rows["ar"]) >= 2 ** 30       # the tiny model: MiB, thousands
     unit, unit_name = (2 ** 30, "GiB") if big else (2 ** 20, "MiB")
@@ -2681,13 +2677,13 @@ def print_memory_plan(args):
               "gathered" if args.plan_gpus else "; --plan-gpus K adds the rows on K GPUs, and --fsdp's"),
               f"\nDiT (Flow-GRPO, --policy dit|both), CFG {'on' if args.guidance_scale > 1 else 'off'}; 'both' trains "
               f"the AR's lora-{args.lora_rank or 64} too" + ("; activations incl. the source KV caches" if i2i else "")]
-    for title, table in zip(titles, rows.values()):     # markdown: 4 labels, the trainable count, then bytes
+    for title, table in zip(titles, rows.values()):     # markdown: mode, grad ckpt, GPUs, micro-batch, trainable, bytes
         columns = [key for key in table[0] if key != "half"]
         print(title + "\n| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
         for r in table:
-            cells = [("yes" if r[c] else "no") if i == 1 else str(r[c]) if i < 4 else
-                     f"{r[c] / count:.1f} {count_name}" if i == 4 else f"{r[c] / unit:.1f}" for i, c in enumerate(columns)]
-            print("| " + " | ".join(cells) + " |")
+            cells = [r[columns[0]], "yes" if r["grad ckpt"] else "no", r["GPUs"], r["micro-batch"],
+                     f"{r['trainable'] / count:.1f} {count_name}", *(f"{r[c] / unit:.1f}" for c in columns[5:])]
+            print("| " + " | ".join(map(str, cells)) + " |")
 
 
 # =============================================================================================
