@@ -2524,12 +2524,12 @@ def trainable_tensors(model, lora_rank, targets=LORA_TARGETS):
             for n in (lora_rank * m.in_features, m.out_features * lora_rank)]
 
 
-def state_bytes(trained, total, state, shard=1, adapters=False, reference=False, d=WEIGHT_BYTES):
-    """Bytes between updates per GPU of `shard` (--fsdp): `total` weights, the `trained` (LoRA: `adapters`, added) in
-    `state` bytes, as their grads and AdamW's 2 moments, the rest d; a KL `reference` copy."""
-    weights = d * (total if adapters else total - trained) + state * trained
+def state_bytes(trained, total, state, shard=1, adapters=False, reference=False):
+    """Bytes between updates per GPU of `shard` (--fsdp): `total` bf16 weights but the `trained` (LoRA: `adapters`,
+    added) in `state` bytes, as their grads and AdamW's 2 moments; a KL `reference` copy."""
+    weights = WEIGHT_BYTES * (total if adapters else total - trained) + state * trained
     return {"weights": weights / shard, "grads": state * trained / shard, "adam": 2 * state * trained / shard,
-            "reference": d * total / shard if reference else 0}
+            "reference": WEIGHT_BYTES * total / shard if reference else 0}
 
 
 def layer_activation_bytes(text_config, lora_rank=0, bytes_per=WEIGHT_BYTES):
@@ -2545,10 +2545,10 @@ def layer_activation_bytes(text_config, lora_rank=0, bytes_per=WEIGHT_BYTES):
 
 
 def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, checkpointing, tensors=(),
-                    head_trainable=0, total_params=0, bytes_per=WEIGHT_BYTES, foreach=True):
+                    head_trainable=0, total_params=0, foreach=True):
     """The AR's state_bytes, each phase of one micro-batch's update, and their max "peak". `tensors`: the trained
     numels; `head_trainable`: final norm + lm_head (0 under LoRA)."""
-    d, h, V, rows = bytes_per, text_config.hidden_size, text_config.vision_vocab_size, samples * generated
+    d, h, V, rows = WEIGHT_BYTES, text_config.hidden_size, text_config.vision_vocab_size, samples * generated
     state = FP32_BYTES if lora_rank else d                    # gradients and moments: the parameters' dtype
     tokens = samples * (prompt_tokens + generated - 1)       # teacher-forced input: prompt + generated[:-1]
     layer = layer_activation_bytes(text_config, lora_rank, d) * tokens
@@ -2559,7 +2559,7 @@ def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, c
     # The logits stay till the next micro-batch; a frozen lm_head (LoRA): the CPU's bmm copies it per sample
     outside, logits = tokens * (4 * h + (0 if lora_rank else 2 * d * h) + 2 * rotary * d), rows * d * V
     head_copy, held = 0 if head_trainable else samples * V * h * d, kept + outside + logits
-    s = state_bytes(sum(tensors), total_params, state, adapters=lora_rank > 0, d=d)
+    s = state_bytes(sum(tensors), total_params, state, adapters=lora_rank > 0)
     forward = {"forward_model": held + max(head_copy, rows * 8 * V),    # token_logprobs' fp32 copy / temperature
                "forward_logits": held + rows * 24 * V}       # log_softmax (4 V) + the entropy monitor (5 x 4 V)
     backward = max(held + rows * 12 * V,                      # the fp32 gradient chain of gather and log_softmax
