@@ -2630,10 +2630,9 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
     def row(name, mode, k, checkpointing):
         h, working = half(name, mode, k, checkpointing), {"vae": decode, "dit": source_kv // k, "glyph_t5": 0}
         turn = lambda *parts: max(frozen[p] + working[p] for p in parts)    # frozen parts take turns with their work
-        tag = "AR" if name == "ar" else "DiT"
         r = {"mode" if name == "ar" else "DiT mode": mode, "grad ckpt": checkpointing, "GPUs": k,
              "micro-batch": min(samples, batch // k), "trainable": h["trainable"], "half": h,
-             f"{tag} weights": h["weights"] + h["reference"], "grads": h["grads"],
+             f"{'AR' if name == 'ar' else 'DiT'} weights": h["weights"] + h["reference"], "grads": h["grads"],
              "AdamW": h["adam"], "activations": h["activations"]}
         if name == "ar":
             return {**r, **dict(zip(("update peak", "sampling peak", "peak, offload"), peaks([h], 0, turn(*frozen)))),
@@ -2668,15 +2667,17 @@ def print_memory_plan(args):
     size = lambda n: f"{n / unit:.1f} {unit_name}"
     print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count:,.1f} {count_name}" for k, v in counts.items()))
     source = f" incl. the source's {prompt_len - 66} VQ tokens" if i2i else ""      # 64 text, image start and end
+    kl = ", KL reference copy for full fine-tuning" if args.beta > 0 else ""
     print(f"--mode {args.mode}: {args.micro_batch_size or args.group_size} samples x {prompt_len + generated} tokens "
           f"({prompt_len} prompt{source} + {generated} generated, {args.height}x{args.width}); estimates in "
-          f"{unit_name} per GPU of K ({prompts} / K groups of {args.group_size})" + (", KL reference copies" if
-          args.beta > 0 else "") + f"; counted: the VAE's decode, one image at a time ({size(terms['decode'])})"
-          + (f", the DiT's {prompts} source KV caches, one per prompt ({size(terms['source_kv'])})" if i2i else ""))
+          f"{unit_name} per GPU of K ({prompts} / K groups of {args.group_size}){kl}; counted: the VAE's decode, one "
+          f"image at a time ({size(terms['decode'])})" + (f", the DiT's {prompts} source KV caches, one per prompt "
+                                                          f"({size(terms['source_kv'])})" if i2i else ""))
     titles = ["AR (--policy ar)" + ("; fsdp: --fsdp, 16 bytes per trained parameter / K, the bf16 root + 2 layers "
               "gathered" if args.plan_gpus else "; --plan-gpus K adds the rows on K GPUs, and --fsdp's"),
               f"\nDiT (Flow-GRPO, --policy dit|both), CFG {'on' if args.guidance_scale > 1 else 'off'}; 'both' trains "
-              f"the AR's lora-{args.lora_rank or 64} too" + ("; activations incl. the source KV caches" if i2i else "")]
+              f"the AR's lora-{args.lora_rank or 64} too (fsdp: sharded)" + ("; activations incl. the source KV "
+                                                                          "caches" if i2i else "")]
     for title, table in zip(titles, rows.values()):     # markdown: mode, grad ckpt, GPUs, micro-batch, trainable, bytes
         columns = [key for key in table[0] if key != "half"]
         print(title + "\n| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
