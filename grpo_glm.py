@@ -2595,7 +2595,8 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
 
     def half(name, mode, k, checkpointing):
         """A trained half on one GPU of k: DDP, all weights; --fsdp (section 22), state / K, and gathered in bf16 the
-        root through backward, 2 layers (prefetch), the whole to sample; a layer's reduce, 2 + 4 bytes each."""
+        root through backward, 2 layers (prefetch), the whole to sample; a layer's reduce, 2 + 4 bytes each. Left out:
+        a copy-out's doubled gathers, the reference's pass, allocator slack, the DiT's fp32 latents (1 MiB each)."""
         micro, fsdp, rank = min(samples, batch // k), mode == "fsdp", int(mode[5:] or 0)
         trained = trainable_tensors(components[name], rank, LORA_TARGETS if name == "ar" else DIT_LORA_TARGETS)
         state = state_bytes(sum(trained), counts[name], d if mode == "full" else FP32_BYTES, k if fsdp else 1,
