@@ -2419,18 +2419,15 @@ def training_state(model, optimizer, loaded=None):
 # =============================================================================================
 # 23. Memory plan for the real GLM-Image (arithmetic on the real configs, meta device)
 # =============================================================================================
-# --plan prints the bytes one GPU holds, from the configs alone (components built on the meta device: no memory,
-# no download). Checked against the CPU allocator (README, Measurements); the DiT's terms are estimates.
-
-WEIGHT_BYTES = 2         # the model dtype on CUDA, bf16: weights, activations, KV caches
-FP32_BYTES = 4           # LoRA adapters (prepare_policy) and --fsdp's trained shards: fp32, their grads, AdamW moments
+# --plan: the bytes one GPU holds, from the configs alone (meta device: no download). bf16 weights; fp32 LoRA adapters
+# and --fsdp shards, their grads and AdamW's 2 moments alike. Checked: README, Measurements; the DiT's are estimates.
+WEIGHT_BYTES, FP32_BYTES = 2, 4
 # The real checkpoint's image-processor settings (its public config; the tiny model differs in min_pixels).
 REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, min_pixels=512**2, max_pixels=2048**2)
 
 
 def plan_components(model, seed=0):
-    """(components, image processor) of --model: the tiny model, or on meta a saved pipeline's (processor None
-    if absent) or the real GLM-Image's (its AR GlmImageConfig(), the rest as read)."""
+    """(components, image processor) of --model: the tiny model, or on meta a saved pipeline's or GLM-Image's."""
     from diffusers import AutoencoderKL, GlmImageTransformer2DModel
     from transformers import AutoConfig, GlmImageConfig, GlmImageForConditionalGeneration, T5Config, T5EncoderModel
     from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
@@ -2462,22 +2459,21 @@ def numel(module):
 
 
 def ar_sequence(mode, height, width, prompt_tokens=64, image_processor=None):
-    """(prompt, L) tokens of one AR sample (section 4). i2i: the prompt adds image start, end and the source's
-    VQ tokens (`image_processor`'s rule, None: the real one's); L is the grid + end slot (no preview)."""
+    """(prompt, L) tokens of one AR sample (section 4): the (H/32) x (W/32) grid + 1 end slot; t2i adds a ~16x16
+    preview (GlmImageProcessor._get_target_shape), i2i's prompt the source's VQ tokens + image start and end."""
     from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
 
-    grid = (height // 32) * (width // 32) + 1          # the (H/32) x (W/32) target grid + 1 end slot
-    if mode == "t2i":           # + a ~16x16 preview, as GlmImageProcessor._get_target_shape computes it
+    grid = (height // 32) * (width // 32) + 1
+    if mode == "t2i":
         ratio = (height // 32) / (width // 32)
         return prompt_tokens, int(math.sqrt(ratio) * 16) * int(math.sqrt(1 / ratio) * 16) + grid
     processor = image_processor or GlmImageImageProcessorPil(**REAL_IMAGE_PROCESSOR)
-    source = processor.get_number_of_image_patches(height, width) // processor.merge_size ** 2
-    return prompt_tokens + 2 + source, grid
+    return prompt_tokens + 2 + processor.get_number_of_image_patches(height, width) // processor.merge_size ** 2, grid
 
 
 def trainable_tensors(model, lora_rank, targets=LORA_TARGETS):
-    """Numels add_lora trains: LoRA's A [r, in] and B [out, r] on each Linear named *.target (peft's match; the
-    AR's vision parts have none of LORA_TARGETS); rank 0: all but the AR's vision encoder and VQ (prepare_policy)."""
+    """Numels add_lora trains: A [r, in] and B [out, r] on each Linear named *.target (peft's match; the AR's vision
+    parts have none of LORA_TARGETS); rank 0: all but the AR's vision encoder and VQ (prepare_policy)."""
     if not lora_rank:
         return [p.numel() for name, p in model.named_parameters() if not name.startswith(("model.visual.", "model.vq"))]
     return [n for name, m in model.named_modules()
@@ -2485,13 +2481,12 @@ def trainable_tensors(model, lora_rank, targets=LORA_TARGETS):
             for n in (lora_rank * m.in_features, m.out_features * lora_rank)]
 
 
-def state_bytes(trained, total, state, shard=1, adapters=False, reference=False, bytes_per=WEIGHT_BYTES):
-    """A trained half's bytes between updates, per GPU of `shard` (--fsdp): `total` weights, bf16 but the `trained`
-    (or LoRA's `adapters`, added) in `state` bytes, as are their gradients and AdamW's 2 moments (torch allocates
-    them like the parameter), and a KL `reference` copy."""
-    d, frozen = bytes_per, total if adapters else total - trained
-    return {"weights": (d * frozen + state * trained) / shard, "grads": state * trained / shard,
-            "adam": 2 * state * trained / shard, "reference": d * total / shard if reference else 0}
+def state_bytes(trained, total, state, shard=1, adapters=False, reference=False):
+    """Bytes between updates per GPU of `shard` (--fsdp): `total` bf16 weights but the `trained` (LoRA: `adapters`,
+    added) in `state` bytes, as their grads and AdamW's 2 moments; a KL `reference` copy."""
+    weights = WEIGHT_BYTES * (total if adapters else total - trained) + state * trained
+    return {"weights": weights / shard, "grads": state * trained / shard, "adam": 2 * state * trained / shard,
+            "reference": WEIGHT_BYTES * total / shard if reference else 0}
 
 
 def layer_activation_bytes(text_config, lora_rank=0, bytes_per=WEIGHT_BYTES):
@@ -2507,55 +2502,43 @@ def layer_activation_bytes(text_config, lora_rank=0, bytes_per=WEIGHT_BYTES):
 
 
 def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, checkpointing, tensors=(),
-                    head_trainable=0, total_params=0, bytes_per=WEIGHT_BYTES, foreach=True):
-    """The AR's state (state_bytes of the trained `tensors`' numels), each phase of one micro-batch's update, and
-    their max "peak". `head_trainable`: final norm + lm_head (0 under LoRA)."""
-    d, h, V = bytes_per, text_config.hidden_size, text_config.vision_vocab_size
+                    head_trainable=0, total_params=0, foreach=True):
+    """The AR's state_bytes, each phase of one micro-batch's update, and their max "peak". `tensors`: the trained
+    numels; `head_trainable`: final norm + lm_head (0 under LoRA)."""
+    d, h, V, rows = WEIGHT_BYTES, text_config.hidden_size, text_config.vision_vocab_size, samples * generated
     state = FP32_BYTES if lora_rank else d                    # gradients and moments: the parameters' dtype
     tokens = samples * (prompt_tokens + generated - 1)       # teacher-forced input: prompt + generated[:-1]
-    rows, layer = samples * generated, layer_activation_bytes(text_config, lora_rank, d) * tokens   # logit rows
+    layer = layer_activation_bytes(text_config, lora_rank, d) * tokens
     # checkpointing: each layer's input (d h per token), and one layer recomputed in full in backward
     kept = text_config.num_hidden_layers * (d * h * tokens if checkpointing else layer)
     rotary = int(h // text_config.num_attention_heads * text_config.rope_parameters.get("partial_rotary_factor", 1))
-    # per token: the final norm's fp32 input, M-RoPE's cos and sin; full: the norm's output, lm_head's input
-    outside = tokens * (4 * h + (0 if lora_rank else 2 * d * h) + 2 * rotary * d)
-    logits = rows * d * V                                     # held by ar_micro_batches till the next one
-    # a frozen lm_head (LoRA): the CPU's bmm copies it per sample (CUDA may not: the plan is high)
+    # per token: the final norm's fp32 input, M-RoPE's cos and sin; full: the norm's output, lm_head's input.
+    # The logits stay till the next micro-batch; a frozen lm_head (LoRA): the CPU's bmm copies it per sample
+    outside, logits = tokens * (4 * h + (0 if lora_rank else 2 * d * h) + 2 * rotary * d), rows * d * V
     head_copy, held = 0 if head_trainable else samples * V * h * d, kept + outside + logits
-    s = state_bytes(sum(tensors), total_params, state, adapters=lora_rank > 0, bytes_per=d)
+    s = state_bytes(sum(tensors), total_params, state, adapters=lora_rank > 0)
     forward = {"forward_model": held + max(head_copy, rows * 8 * V),    # token_logprobs' fp32 copy / temperature
                "forward_logits": held + rows * 24 * V}       # log_softmax (4 V) + the entropy monitor (5 x 4 V)
-    backward_activations = max(held + rows * 12 * V,          # the fp32 gradient chain of gather and log_softmax
-                               held + logits + head_copy, kept + logits + layer if checkpointing else 0)
+    backward = max(held + rows * 12 * V,                      # the fp32 gradient chain of gather and log_softmax
+                   held + logits + head_copy, kept + logits + layer if checkpointing else 0)
     # AdamW's step: an exp_avg_sq copy of all parameters (foreach, CUDA's default), or of the 2 largest (CPU)
-    phases = {**forward, "backward": max(backward_activations + head_trainable * state, s["grads"] + logits),
+    phases = {**forward, "backward": max(backward + head_trainable * state, s["grads"] + logits),
               "step": s["grads"] + state * (sum(tensors) if foreach else 2 * max(tensors))}
-    return {**s, **phases, "activations": max(*forward.values(), backward_activations), "peak": max(phases.values())}
+    return {**s, **phases, "activations": max(*forward.values(), backward), "peak": max(phases.values())}
 
 
 def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
-    """Peak of one no-grad vae.decode: up block i runs at H W / 4^(last - i), its first resnet holds its input (block
+    """Peak of a no-grad vae.decode: up block i runs at H W / 4^(last - i); its first resnet holds its input (block
     i - 1's channels, upsampled), norm1's and SiLU's outputs: 3 x channels x pixels (3 GiB an image at 1024^2)."""
     channels, last = vae.config.block_out_channels[::-1], len(vae.config.block_out_channels) - 1
-    widest = max(channels[max(i - 1, 0)] * height * width // 4 ** (last - i) for i in range(last + 1))
-    return 3 * bytes_per * images * widest
-
-
-def peaks(halves, beside=0, offloaded=0):
-    """(update, sampling, overall) peak of `halves` trained in grpo_update's order: resident bytes (weights, AdamW,
-    KL reference, `beside`) + the largest phase beside the gradients (zero_grad comes at the next update)."""
-    resident = beside + sum(h["weights"] + h["adam"] + h["reference"] for h in halves)
-    grads = [h["grads"] for h in halves]
-    # AdamW's step, or half i's backward beside its and the earlier halves' gradients; `offloaded`: a frozen turn
-    update = max(2 * sum(grads), *(sum(grads[:i + 1]) + h["backward"] for i, h in enumerate(halves)))
-    sampling = sum(grads) + max(h["sampling"] for h in halves)
-    return resident + update, resident + sampling, resident + max(update, sampling, sum(grads) + offloaded)
+    return 3 * bytes_per * images * max(channels[max(i - 1, 0)] * height * width // 4 ** (last - i)
+                                        for i in range(last + 1))
 
 
 def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=False, gpus=(), ranks=(64, 16),
                 mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0):
-    """--plan's rows ("ar", "dit") keyed by their columns (+ "half": its bytes), per GPU of 1 and each K in `gpus`
-    (`batch` / K samples each), per mode (full, LoRA, fsdp), with and without checkpointing."""
+    """--plan's rows ("ar", "dit") keyed by their columns (+ "half": its bytes), on 1 GPU and on each K of `gpus`
+    (`batch` / K samples each), per mode (full, LoRA, fsdp), without and with checkpointing; counts; terms."""
     ar, config, d, batch = components["ar"], components["dit"].config, WEIGHT_BYTES, batch or samples
     text, counts = ar.config.text_config, {name: numel(m) for name, m in components.items()}
     frozen = {name: d * counts[name] for name in ("dit", "glyph_t5", "vae")}
@@ -2568,50 +2551,55 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
     decode = vae_decode_bytes(components["vae"], height, width, 1)
 
     def half(name, mode, k, checkpointing):
-        """A trained half on one GPU of k. Data parallel: all weights, a micro-batch of its batch / K samples. --fsdp
-        (section 22): its state / K, gathered in bf16 the root (embeddings, heads, norms, vision encoder, VQ) from
-        its forward to its backward's end, 2 decoder layers (prefetch), the whole model to sample; a layer's reduce,
-        2 + 4 bytes each. Not counted: all-gather buffers doubled during a copy-out, the reference's no-grad pass,
-        the allocator's slack, the DiT rollout's N (K + 1) fp32 latents (1 MiB each at 1024^2)."""
-        micro, lora, fsdp = min(samples, batch // k), mode[:4] == "lora", mode == "fsdp"
-        rank, state = int(mode[5:]) if lora else 0, d if mode == "full" else FP32_BYTES
+        """A trained half on one GPU of k: DDP, all weights; --fsdp (section 22), state / K, and gathered in bf16 the
+        root through backward, 2 layers (prefetch), the whole to sample; a layer's reduce, 2 + 4 bytes each. Left out:
+        a copy-out's doubled gathers, the reference's pass, allocator slack, the DiT's fp32 latents (1 MiB each)."""
+        micro, fsdp, rank = min(samples, batch // k), mode == "fsdp", int(mode[5:] or 0)
         trained = trainable_tensors(components[name], rank, LORA_TARGETS if name == "ar" else DIT_LORA_TARGETS)
-        h = {"trainable": sum(trained), "gathered": 0, **state_bytes(sum(trained), counts[name], state,
-                                                                     k if fsdp else 1, lora, beta > 0 and not lora)}
-        if name == "ar":    # sampling: the decode loop's KV cache of the GPU's samples, or pi_old's pass over a
-            # micro-batch (bf16 logits, their fp32 copy / temperature, log_softmax: 10 bytes each)
-            sampling = max(batch // k * kv_cache, micro * generated * text.vision_vocab_size * 10)
+        state = state_bytes(sum(trained), counts[name], d if mode == "full" else FP32_BYTES, k if fsdp else 1,
+                            rank > 0, beta > 0 and not rank)
+        if name == "ar":    # sampling: generate's KV cache of the GPU's samples, or pi_old's pass over a micro-batch
+            sampling = max(batch // k * kv_cache, micro * generated * text.vision_vocab_size * 10)   # (10 B a logit)
             head = 0 if rank else numel(ar.model.language_model.norm) + numel(ar.lm_head)   # trained in full
             u = ar_update_bytes(text, micro, prompt_len, generated, rank, checkpointing, () if fsdp else trained, head)
             activations, backward = (u["peak"], 0) if fsdp else (u["activations"], u["peak"] - u["grads"])
-        else:               # a denoising step's micro-batch: ~30 x hidden per block and token (x2 CFG, 64 text
-            sampling = source_kv // k   # tokens), not measured, beside its GPU's source caches (also in sampling)
+        else:   # a denoising step's micro-batch: ~30 x hidden per block and token (x2 CFG, 64 text tokens), guessed,
+            sampling = source_kv // k       # + the GPU's source caches; backward: the largest frozen part in its turn
             blocks = config.num_layers + 30 if checkpointing else config.num_layers * 30
             activations = blocks * (patches + 64) * micro * (2 if cfg else 1) * hidden * d + sampling
-            # backward: the largest frozen part in its turn, beside a micro-batch's activations or AdamW's temporary
-            backward = max(frozen["glyph_t5"], frozen["vae"]) + max(activations, h["grads"])
+            backward = max(frozen["glyph_t5"], frozen["vae"]) + max(activations, state["grads"])
+        gathered = 0
         if fsdp:
             layers, reduce = [numel(layer) for layer in sharded_layers(components[name])], d + FP32_BYTES
-            h["gathered"], sampling = d * (counts[name] - sum(layers) + 2 * max(layers)), d * counts[name] + sampling
-            backward = max(h["gathered"] + activations + reduce * max(layers), reduce * (sum(trained) - sum(layers)))
-        return {**h, "activations": activations, "sampling": sampling, "backward": backward}
+            gathered, sampling = d * (counts[name] - sum(layers) + 2 * max(layers)), d * counts[name] + sampling
+            backward = max(gathered + activations + reduce * max(layers), reduce * (sum(trained) - sum(layers)))
+        return {"trainable": sum(trained), **state, "gathered": gathered, "activations": activations,
+                "sampling": sampling, "backward": backward}
+
+    def peaks(halves, beside=0, offloaded=0):
+        """(update, sampling, overall) peaks of `halves` trained in turn: resident bytes + `beside` + the largest of
+        AdamW's step, half i's backward beside grads so far, sampling, an `offloaded` part's turn (beside all grads)."""
+        resident = beside + sum(h["weights"] + h["adam"] + h["reference"] for h in halves)
+        grads = [h["grads"] for h in halves]
+        update = max(2 * sum(grads), *(sum(grads[:i + 1]) + h["backward"] for i, h in enumerate(halves)))
+        sampling = sum(grads) + max(h["sampling"] for h in halves)
+        return resident + update, resident + sampling, resident + max(update, sampling, sum(grads) + offloaded)
 
     def row(name, mode, k, checkpointing):
         h, working = half(name, mode, k, checkpointing), {"vae": decode, "dit": source_kv // k, "glyph_t5": 0}
-        turn = lambda parts: max(frozen[p] + working[p] for p in parts)    # frozen parts take turns, with their work
-        columns = {"mode" if name == "ar" else "DiT mode": mode, "grad ckpt": checkpointing, "GPUs": k,
-                   "micro-batch": min(samples, batch // k), "trainable": h["trainable"], "half": h,
-                   f"{'AR' if name == 'ar' else 'DiT'} weights": h["weights"] + h["reference"], "grads": h["grads"],
-                   "AdamW": h["adam"], "activations": h["activations"]}
+        turn = lambda *parts: max(frozen[p] + working[p] for p in parts)    # frozen parts take turns with their work
+        r = {"mode" if name == "ar" else "DiT mode": mode, "grad ckpt": checkpointing, "GPUs": k,
+             "micro-batch": min(samples, batch // k), "trainable": h["trainable"], "half": h,
+             f"{'AR' if name == 'ar' else 'DiT'} weights": h["weights"] + h["reference"], "grads": h["grads"],
+             "AdamW": h["adam"], "activations": h["activations"]}
         if name == "ar":
-            update, sampling, offload = peaks([h], offloaded=turn(frozen))
-            return {**columns, "update peak": update, "sampling peak": sampling, "peak, offload": offload,
+            return {**r, **dict(zip(("update peak", "sampling peak", "peak, offload"), peaks([h], 0, turn(*frozen)))),
                     "peak, no offload": peaks([h], sum(frozen.values()), max(working.values()))[2]}
-        # 'dit' beside the frozen AR whole; 'both' trains it too: sharded, or its first mode checkpointed
+        # 'dit' beside the frozen AR whole; 'both' trains the AR too: sharded, or its first mode checkpointed
         a = half("ar", mode, k, checkpointing) if mode == "fsdp" else \
             half("ar", f"lora-{ranks[0]}" if ranks else "full", k, True)
-        return {**columns, "peak, dit": peaks([h], d * counts["ar"], turn(("glyph_t5", "vae")))[2],
-                "peak, both": peaks([a, h], offloaded=turn(("glyph_t5", "vae")))[2]}
+        return {**r, "peak, dit": peaks([h], d * counts["ar"], turn("glyph_t5", "vae"))[2],
+                "peak, both": peaks([a, h], 0, turn("glyph_t5", "vae"))[2]}
 
     modes = {"ar": ["full", *(f"lora-{rank}" for rank in ranks)], "dit": ["full", "lora-64"]}
     return {name: [row(name, mode, k, c) for k in (1, *gpus) for mode in modes[name] + ["fsdp"] * (k > 1)
@@ -2619,48 +2607,42 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         {"tokens": (prompt_len, generated), "decode": decode, "source_kv": source_kv}
 
 
-def plan_of_run(args, gpus=()):
-    """memory_plan of the run `args` describes: its groups of G in micro-batches, on 1 and each of `gpus` GPUs."""
+def plan_of_run(args):      # memory_plan of the run `args` describes, on 1 GPU and each of --plan-gpus
     components, processor = plan_components(args.model, args.seed)
     return memory_plan(components, args.height, args.width, args.micro_batch_size or args.group_size,
-                       args.group_size * args.prompts_per_step, args.prompts_per_step, args.guidance_scale > 1, gpus,
+                       args.group_size * args.prompts_per_step, args.prompts_per_step, args.guidance_scale > 1,
+                       args.plan_gpus or (),
                        (args.lora_rank,) if args.lora_rank else (64, 16), args.mode, image_processor=processor,
                        beta=args.beta)
 
 
 def print_memory_plan(args):
-    (rows, counts, terms), i2i = plan_of_run(args, args.plan_gpus or ()), args.mode == "i2i"
+    (rows, counts, terms), i2i = plan_of_run(args), args.mode == "i2i"
     (prompt_len, generated), prompts = terms["tokens"], args.prompts_per_step
-    big = max(r["peak, no offload"] for r in rows["ar"]) >= 1024 ** 3       # the tiny model: MiB, thousands
-    unit, unit_name = (1024 ** 3, "GiB") if big else (1024 ** 2, "MiB")
+    big = max(r["peak, no offload"] for r in rows["ar"]) >= 2 ** 30       # the tiny model: MiB, thousands
+    unit, unit_name = (2 ** 30, "GiB") if big else (2 ** 20, "MiB")
     count, count_name = (1e6, "M") if max(counts.values()) >= 1e8 else (1e3, "k")
-
-    def cell(key, value):
-        if key in ("grad ckpt", "trainable"):
-            return f"{value / count:.1f} {count_name}" if key == "trainable" else "yes" if value else "no"
-        return str(value) if key in ("mode", "DiT mode", "micro-batch", "GPUs") else f"{value / unit:.1f}"
-
-    def print_table(title, rows):               # a markdown table: the rows' keys are its columns
-        columns = [key for key in rows[0] if key != "half"]
-        print(title + "\n| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
-        for row in rows:
-            print("| " + " | ".join(cell(key, row[key]) for key in columns) + " |")
-
+    size = lambda n: f"{n / unit:.1f} {unit_name}"
     print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count:,.1f} {count_name}" for k, v in counts.items()))
     source = f" incl. the source's {prompt_len - 66} VQ tokens" if i2i else ""      # 64 text, image start and end
-    print(f"--mode {args.mode}, teacher-forced pass: {args.micro_batch_size or args.group_size} samples x "
-          f"{prompt_len + generated} tokens ({prompt_len} prompt{source} + {generated} generated, {args.height}x"
-          f"{args.width}); estimates in {unit_name} per GPU (of K: {prompts} / K groups of {args.group_size}), bf16 "
-          "weights, torch's AdamW (foreach)" + (", KL reference copy for full fine-tuning" if args.beta > 0 else "")
-          + f"; counted: the VAE's decode, one image at a time ({terms['decode'] / unit:.1f} {unit_name})"
-          + (f", the DiT's {prompts} source KV caches, one per prompt ({terms['source_kv'] / unit:.1f} {unit_name})"
-             if i2i else ""))
-    print_table("fsdp: --fsdp's full fine-tuning, 16 bytes per trained parameter / K, the bf16 root + 2 layers "
-                "gathered, frozen parts offloaded" if args.plan_gpus else "(--plan-gpus K adds the rows on K GPUs, "
-                "and --fsdp's)", rows["ar"])
-    print_table(f"\nDiT (Flow-GRPO, --policy dit|both): a micro-batch of each denoising step, CFG "
-                f"{'on' if args.guidance_scale > 1 else 'off'}; 'both' trains the AR's lora-{args.lora_rank or 64} too"
-                " (fsdp: sharded)" + ("; activations incl. the source KV caches" if i2i else ""), rows["dit"])
+    kl = ", KL reference copy for full fine-tuning" if args.beta > 0 else ""
+    print(f"--mode {args.mode}: {args.micro_batch_size or args.group_size} samples x {prompt_len + generated} tokens "
+          f"({prompt_len} prompt{source} + {generated} generated, {args.height}x{args.width}); estimates in "
+          f"{unit_name} per GPU of K ({prompts} / K groups of {args.group_size}){kl}; counted: the VAE's decode, one "
+          f"image at a time ({size(terms['decode'])})" + (f", the DiT's {prompts} source KV caches, one per prompt "
+                                                          f"({size(terms['source_kv'])})" if i2i else ""))
+    titles = ["AR (--policy ar)" + ("; fsdp: --fsdp, 16 bytes per trained parameter / K, the bf16 root + 2 layers "
+              "gathered" if args.plan_gpus else "; --plan-gpus K adds the rows on K GPUs, and --fsdp's"),
+              f"\nDiT (Flow-GRPO, --policy dit|both), CFG {'on' if args.guidance_scale > 1 else 'off'}; 'both' trains "
+              f"the AR's lora-{args.lora_rank or 64} too (fsdp: sharded)" + ("; activations incl. the source KV "
+                                                                          "caches" if i2i else "")]
+    for title, table in zip(titles, rows.values()):     # markdown: mode, grad ckpt, GPUs, micro-batch, trainable, bytes
+        columns = [key for key in table[0] if key != "half"]
+        print(title + "\n| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
+        for r in table:
+            cells = [r[columns[0]], "yes" if r["grad ckpt"] else "no", r["GPUs"], r["micro-batch"],
+                     f"{r['trainable'] / count:.1f} {count_name}", *(f"{r[c] / unit:.1f}" for c in columns[5:])]
+            print("| " + " | ".join(map(str, cells)) + " |")
 
 
 # =============================================================================================

@@ -3262,7 +3262,7 @@ def measure_update(lora_rank, checkpointing, layout=None):
     head = 0 if lora_rank else g.numel(ar.model.language_model.norm) + g.numel(ar.lm_head)
     total = sum(p.numel() for name, p in ar.named_parameters() if "lora_" not in name)
     planned = g.ar_update_bytes(ar.config.text_config, n, P, G, lora_rank, checkpointing, tensors, head, total,
-                                bytes_per=2, foreach=False)            # CPU: torch's AdamW runs per tensor
+                                foreach=False)                         # CPU: torch's AdamW runs per tensor
     measured.update(weights=sum(p.nbytes for p in ar.parameters()), grads=sum(p.grad.nbytes for p in params),
                     adam=sum(t.nbytes for state in optimizer.state.values() for k, t in state.items() if k != "step"))
     return {"lora_rank": lora_rank, "checkpointing": checkpointing, "measured": measured,
