@@ -115,9 +115,7 @@ def load_pipeline(args):
     pipe = pipeline_from_pretrained(args, dtype)       # --model tiny: built on first use, then cached
     for name in ("text_encoder", "transformer", "vae"):
         getattr(pipe, name).requires_grad_(False)
-    if dtype == torch.float64:
-        float64_throughout()
-    # The policy alone decides sampling: its own generation config (section 24) replaces the checkpoint's.
+    # The policy alone decides sampling: its own generation config (section 4) replaces the checkpoint's.
     ar = pipe.vision_language_encoder
     suppressed = image_token_suppression(ar, pipe.transformer.config.prior_vq_quantizer_codebook_size)
     ar.generation_config = policy_generation_config(ar, SamplingParams(args.temperature, args.top_k, args.top_p,
@@ -168,7 +166,7 @@ def prepare_policy(ar, args):
 # =============================================================================================
 # 3. Prompts and targets
 # =============================================================================================
-# prompts_for_step (section 14): a seeded shuffle per pass over the file, so a resumed run sees the same prompts.
+# Run.steps (section 15): a seeded shuffle per pass over the file, so a resumed run sees the same prompts.
 
 def repeat_each(items, group_size):
     return [x for x in items for _ in range(group_size)]        # [a, b] -> [a x G, b x G], as the batch rows
@@ -229,9 +227,22 @@ def image_token_suppression(ar, codebook_size):
 
 
 def sampling_of(ar):
-    """The AR's policy, read back from its generation config (policy_generation_config's inverse)."""
+    """The AR's policy, read back from its generation config."""
     config = ar.generation_config
     return SamplingParams(config.temperature, config.top_k, config.top_p, tuple(config.suppress_tokens))
+
+
+def policy_generation_config(ar, sampling):
+    """sampling_of's inverse: the policy written as the AR's generation config. A saved pipeline samples with it,
+    so it samples the policy trained."""
+    from transformers import GenerationConfig
+
+    # Only these fields: generate() fills every unset one from the checkpoint's (penalties, n-gram bans), which
+    # the loss would not know of.
+    return GenerationConfig(
+        do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+        suppress_tokens=list(sampling.suppressed), bos_token_id=ar.generation_config.bos_token_id,
+        pad_token_id=ar.config.text_config.pad_token_id, eos_token_id=ar.config.text_config.eos_token_id)
 
 
 def at_least_fp32(x):
@@ -705,15 +716,15 @@ class Trainer:
     before_update: object = lambda: None
 
 
-def setup_training(args, resume=None, rewards=None, dit_rewards=None):
-    """Loads the model, marks what trains, one AdamW (a param group per half), restores a `resume`'s checkpoint."""
+def setup_training(args, rewards, dit_rewards=()):
+    """Loads the model, marks what trains, one AdamW (a param group per half) and its learning-rate schedule."""
     from diffusers.optimization import get_scheduler
     from diffusers.training_utils import set_seed
 
     pipe = load_pipeline(args)
     set_seed(args.seed)             # after loading: the same sampling stream however the model was made
     ar, dit = pipe.vision_language_encoder, pipe.transformer
-    trainer = Trainer(pipe, prompt_tokens={})
+    trainer = Trainer(pipe, rewards=rewards, dit_rewards=dit_rewards, prompt_tokens={})
     # beta > 0, full fine-tuning: a frozen copy is the KL reference (at 9B use LoRA instead)
     frozen_copy = lambda model, lora: copy.deepcopy(model).requires_grad_(False) if args.beta > 0 and not lora else None
     groups, trained = [], {}
@@ -733,12 +744,9 @@ def setup_training(args, resume=None, rewards=None, dit_rewards=None):
     warmup = args.lr_scheduler == "constant" and args.lr_warmup_steps
     trainer.lr_scheduler = get_scheduler("constant_with_warmup" if warmup else args.lr_scheduler, trainer.optimizer,
                                          num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.steps)
-    start = resume.restore(trainer, args) if resume else 0     # section 20
-    trainer.rewards = load_rewards(args.reward) if rewards is None else rewards
-    trainer.dit_rewards = load_rewards(args.dit_reward or []) if dit_rewards is None else dit_rewards
     trainer.policy = wrap_for_training(ar, args.device) if args.policy != "dit" else None
     trainer.dit_policy = wrap_for_training(dit, args.device) if args.policy != "ar" else None
-    return trainer, start
+    return trainer
 
 
 def grpo_step(trainer, items, indices, step, args, slots=None):
@@ -782,44 +790,13 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
 
 
 def train(args):
-    """The training loop: grpo_step, then LOG, the sample sheet and CHECKPOINT, each one call (Part III)."""
-    run = open_run(args)                      # checks, --out lock, prompts, rewards, model, resume point
-    if run is None:
-        return None
-    items, trainer, start, out, lead, release = run
-    tracker = start_logging(args, trainer, out, start) if lead else None
-    stop = StopAfterStep()                    # Ctrl+C / SIGTERM: finish or drop the step, checkpoint, exit
-    trainer.before_update = stop.before_update
-    last_saved, bad_steps, warned = start, [], False
-    try:
-        for step in range(start + 1, args.steps + 1):
-            t0 = time.time()
-            slots, indices = prompts_for_step(len(items), step, args)      # this rank's share of the step's prompts
-            step_rng = rng_state()
-            try:
-                stop.begin_step()
-                row, rewards, images, targets, sources, ode = grpo_step(trainer, items, indices, step, args, slots)
-            except AbandonStep:               # the weights are still step - 1's
-                stop.drop_step(trainer, args, out, step, last_saved, step_rng)
-            row = finish_row(row, trainer, args, t0)
-            stopping = stop.agree()                              # a stop signal seen by any rank stops all
-            if lead:
-                warned = log_step(row, step, args, trainer, out, tracker, warned)
-            bad_steps = non_finite_streak(bad_steps, row, out, args, start)
-            if lead and args.sample_every and step % args.sample_every == 0:     # rank 0's groups
-                save_sample_grid(out / "samples" / f"step_{step:06d}.png", [items[i].text for i in indices],
-                                 targets, images, rewards, args.group_size, sources, ode, tracker, step)
-            if step % args.save_every == 0 or step == args.steps or stopping:
-                path = save_checkpoint(out, step, trainer, args, lead)
-                last_saved = step
-            if stopping:
-                stop.exit(f"interrupted: saved step {step} to {path}", out)
-    finally:
-        stop.restore()
-        close_run(args, items, out, tracker, release)
-    if args.save_pipeline and lead:
-        save_trained_pipeline(trainer.pipe, args)
-    return trainer.pipe
+    """The training loop. Run (Part III) is its plumbing: it opens the run (flag checks, --out, prompts, rewards,
+    the model, --resume), records each step (LOG, the sample sheet, CHECKPOINT) and stops on Ctrl+C / SIGTERM."""
+    with Run(args) as run:
+        for step, indices, slots in run.steps():        # this rank's share of the step's prompts (section 3)
+            result = grpo_step(run.trainer, run.items, indices, step, args, slots)
+            run.record(step, indices, *result)
+    return run.trainer and run.trainer.pipe            # None: nothing to do
 
 
 # #############################################################################################
@@ -1056,7 +1033,7 @@ def ode_images(pipe, prompts, sources, rollout, noise, args):
 # 14. The GRPO step's plumbing
 # =============================================================================================
 
-# ---- For sections 2 and 3: the model, each step's prompts ----
+# ---- For section 2: the model ----
 def pipeline_from_pretrained(args, dtype):
     """GlmImagePipeline.from_pretrained of --model ('tiny': built and cached on first use, section 21)."""
     from diffusers import GlmImagePipeline
@@ -1066,6 +1043,8 @@ def pipeline_from_pretrained(args, dtype):
         tiny_pipeline_dir(args.seed)
     all_ranks_agree(True)
     path = tiny_pipeline_dir(args.seed) if args.model == TINY else args.model
+    if dtype == torch.float64:
+        float64_throughout()
     verbosity = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity_error()      # offline it warns "Couldn't connect to the Hub" before our line
     try:
@@ -1110,18 +1089,6 @@ def offload_by_plan(args):
         counts["glyph_t5"] + counts["vae"])
     free = torch.cuda.mem_get_info(args.device)[0]
     return peak > free, f"{peak > free} (auto: plan {peak / 2**30:.1f} GiB, free {free / 2**30:.1f} GiB)"
-
-
-def prompts_for_step(num_prompts, step, args):
-    """(slots, indices) of this rank's block of step `step`'s prompts (section 3)."""
-    per_rank = args.prompts_per_step // world_size()
-    slots = range(rank() * per_rank, (rank() + 1) * per_rank)
-    indices = []
-    for slot in slots:
-        epoch, offset = divmod((step - 1) * args.prompts_per_step + slot, num_prompts)
-        order = torch.randperm(num_prompts, generator=seeded(args.seed, "prompt order", epoch))
-        indices.append(int(order[offset]))
-    return slots, indices
 
 
 # ---- For sections 8-11: micro-batches under DDP, the update's guards, non-finite steps ----
@@ -1452,36 +1419,106 @@ def resolve_runtime(args):
     return args
 
 
-def open_run(args):
-    """Starts a run -> train's state (None: no steps to run)."""
-    resolve_runtime(args)
-    validate_args(args)
-    init_distributed(args)
-    lead, out = rank() == 0, Path(args.out)
-    release = lock_out_dir(out) if lead else None
-    with contextlib.ExitStack() as unstarted:      # an error or nothing to do: --out unlocked, as found
-        if lead:
-            unstarted.callback(release, wrote=[])
+class Run:
+    """train()'s plumbing. `with Run(args) as run` opens a run (the flags' checks, --out's lock, prompts, rewards,
+    the model, --resume); it closes on any exit: --out unlocked, as found if no step was logged (section 19)."""
+
+    def __init__(self, args):
+        self.args, self.out, self.lead = args, Path(args.out), rank() == 0
+        self.trainer = self.tracker = None
+        self.closing = contextlib.ExitStack()         # what closing undoes, newest first
+
+    def __enter__(self):
+        try:
+            self.open(self.args, self.out)
+        except BaseException:
+            self.closing.close()
+            raise
+        return self
+
+    def open(self, args, out):
+        resolve_runtime(args)
+        validate_args(args)
+        init_distributed(args)
+        if self.lead:
+            release = lock_out_dir(out)
+            self.closing.callback(lambda: release(wrote=read_metrics(out / "metrics.jsonl")))
         # The built-in mse's targets are checked before any plug-in loads (a CLIP model takes a while).
         builtin = ["mse"] if "mse" in [s.partition("=")[0] for s in args.reward + (args.dit_reward or [])] else []
-        items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
-        if args.prompts_per_step > len(items) and lead:
+        items = self.items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
+        if args.prompts_per_step > len(items) and self.lead:
             print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} prompt(s) of {args.prompts}"
                   ": each step's prompts repeat lines of the file")
         rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [])
         require_targets(items, [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)])
         args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
         resume = Resume(args, out)          # section 20: its refusals, under the lock, before any model loads
+        self.start = self.last_saved = resume.step
         if resume.finished:
-            return None
-        trainer, start = setup_training(args, resume, rewards, dit_rewards)
-        check_prompt_lengths(trainer.pipe, items, args)
+            return
+        self.trainer = setup_training(args, rewards, dit_rewards)
+        check_prompt_lengths(self.trainer.pipe, items, args)
         if args.mode == "i2i":
-            check_source_size(trainer.pipe.processor.image_processor, args.height, args.width)
-        if lead:
-            resume.set_aside(out)
-        unstarted.pop_all()
-    return items, trainer, start, out, lead, release
+            check_source_size(self.trainer.pipe.processor.image_processor, args.height, args.width)
+        resume.restore(self.trainer, out)
+        if self.lead:     # the reward curve's moving average: over a pass over the prompts
+            window = min(20, math.ceil(len(items) / args.prompts_per_step))
+            self.closing.callback(lambda: save_reward_curve(out / "reward_curve.png",
+                                                            read_metrics(out / "metrics.jsonl"), window))
+            self.tracker = start_logging(args, self.trainer, out, self.start)
+            self.closing.callback(self.tracker.finish if self.tracker else lambda: None)
+        self.stop = StopAfterStep()
+        self.closing.callback(self.stop.restore)
+        self.trainer.before_update = self.stop.before_update
+        self.bad_steps, self.warned = [], False
+
+    def steps(self):
+        """Yields (step, indices, slots): this rank's block of the step's prompts, a seeded order per pass (epoch)."""
+        args, count = self.args, len(self.items)
+        per_rank = args.prompts_per_step // world_size()
+        slots = range(rank() * per_rank, (rank() + 1) * per_rank)
+        for step in range(self.start + 1, args.steps + 1):
+            self.step, self.t0, self.step_rng = step, time.time(), rng_state()
+            self.stop.begin_step()
+            indices = []
+            for slot in slots:
+                epoch, offset = divmod((step - 1) * args.prompts_per_step + slot, count)
+                indices.append(int(torch.randperm(count, generator=seeded(args.seed, "prompt order", epoch))[offset]))
+            yield step, indices, slots
+
+    def record(self, step, indices, row, rewards, images, targets, sources, ode):
+        """After grpo_step: LOG, the sample sheet, CHECKPOINT; a stop signal on any rank: saved, exit."""
+        args, out, trainer = self.args, self.out, self.trainer
+        row = finish_row(row, trainer, args, self.t0)
+        stopping = self.stop.agree()
+        if self.lead:
+            self.warned = log_step(row, step, args, trainer, out, self.tracker, self.warned)
+        self.bad_steps = non_finite_streak(self.bad_steps, row, out, args, self.start)
+        if self.lead and args.sample_every and step % args.sample_every == 0:     # rank 0's groups
+            save_sample_grid(out / "samples" / f"step_{step:06d}.png", [self.items[i].text for i in indices],
+                             targets, images, rewards, args.group_size, sources, ode, self.tracker, step)
+        if step % args.save_every == 0 or step == args.steps or stopping:
+            path = self.save(step)
+            if stopping:
+                self.stop.exit(f"interrupted: saved step {step} to {path}", out)
+        if step == args.steps and args.save_pipeline and self.lead:
+            save_trained_pipeline(trainer.pipe, args)
+
+    def save(self, step, rng=None):
+        self.last_saved = step
+        return save_checkpoint(self.out, step, self.trainer, self.args, self.lead, rng)
+
+    def __exit__(self, kind, error, traceback):
+        try:
+            if kind is AbandonStep:     # the weights are still step - 1's: saved if not yet, then exit (section 19)
+                step, peers = self.step, self.stop.answer_vote()
+                if step - 1 > self.last_saved and (peers or self.lead):      # step_rng: what step - 1 left
+                    self.save(step - 1, self.step_rng)
+                saved = f"step {step - 1} is saved in {self.out / 'checkpoints' / f'step_{step - 1:06d}.pt'}"
+                self.stop.exit(f"interrupted in step {step} before its update: " + (
+                    saved if step > 1 else "no step finished, nothing to save"), self.out if step > 1 else None, peers)
+        finally:
+            self.closing.close()
 
 
 def check_prompt_lengths(pipe, items, args):
@@ -1531,16 +1568,6 @@ def lock_out_dir(out):
             for path in [] if wrote else made:   # up to a directory not empty
                 (path.unlink if path.is_file() else path.rmdir)()
     return release
-
-
-def close_run(args, items, out, tracker, release):
-    """On any exit: the tracker; rank 0: the reward curve (averaged over a pass over the prompts), the lock."""
-    if tracker:
-        tracker.finish()
-    if release:
-        rows = read_metrics(out / "metrics.jsonl")
-        save_reward_curve(out / "reward_curve.png", rows, window=min(20, math.ceil(len(items) / args.prompts_per_step)))
-        release(wrote=rows)
 
 
 # =============================================================================================
@@ -1985,21 +2012,16 @@ class StopAfterStep:
         if self.agree():
             raise AbandonStep
 
-    def drop_step(self, trainer, args, out, step, last_saved, step_rng):
-        """Saves step - 1 (if not yet saved) and exits; with a rank killed (kill -9, OOM), rank 0 saves alone."""
-        peers = True
+    def answer_vote(self):
+        """A rank that left its step early still answers the others' vote. False: a peer is gone (kill -9, OOM)."""
         try:
-            if not self.voted:         # a rank that left its step early still answers the others' vote
+            if not self.voted:
                 self.agree()
+            return True
         except Exception as e:
             if not (is_ddp() and collective_failed(e)):
                 raise
-            peers = False
-        if step - 1 > last_saved and (peers or rank() == 0):      # step_rng: what step - 1 left
-            save_checkpoint(out, step - 1, trainer, args, rank() == 0, step_rng)
-        saved = f"step {step - 1} is saved in {out / 'checkpoints' / f'step_{step - 1:06d}.pt'}"
-        self.exit(f"interrupted in step {step} before its update: " + (
-            saved if step > 1 else "no step finished, nothing to save"), out if step > 1 else None, peers)
+            return False
 
     def exit(self, what, out=None, peers=True):
         if peers:
@@ -2088,8 +2110,9 @@ ALGORITHM_FLAGS = (
 
 
 class Resume:
-    """A resumed run writes an unstopped one's rows, bit for bit. restore -> the step (0: a new run); set_aside: the
-    killed run's checkpoints and metrics rows after it, kept as *.dropped (TensorBoard: start_logging's purge_step)."""
+    """A resumed run writes an unstopped one's rows, bit for bit. `step`: the resume point (0: a new run); restore
+    loads it, then sets the killed run's checkpoints and metrics rows after it aside as *.dropped (TensorBoard:
+    start_logging's purge_step)."""
 
     def __init__(self, args, out):
         if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
@@ -2115,30 +2138,28 @@ class Resume:
                              f"resuming from step {step} would drop them and the metrics after step {step} (add "
                              "--resume-force to do so; they are then kept as *.dropped)")
 
-    def restore(self, trainer, args):
-        if (ckpt := self.ckpt) is None:
-            return 0
-        weight_flags = ("--policy", "--model", "--lora-rank", "--dit-lora-rank", "--ar-trainable")  # what trains
-        try:
-            if set(ckpt["trainable"]) != {name for name, p in trainer.trained.named_parameters() if p.requires_grad}:
-                raise ValueError(f"other parameter names ({', '.join(weight_flags)})")
-            load_training_state(trainer.trained, trainer.optimizer, ckpt["trainable"], ckpt["optimizer"])
-            trainer.lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
-        except (RuntimeError, ValueError, KeyError) as e:
-            changed = [d for d in self.differences if d.split()[0] in weight_flags]
-            raise UsageError(f"--resume {ckpt['path']}: its weights do not fit this model: "
-                             + ("; ".join(changed) or str(e).splitlines()[0][:120]))
-        name, keys, *rest = ckpt["rng"]["numpy"]        # rng_state's, in reverse
-        np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-        random.setstate(ckpt["rng"]["python"])
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        if torch.cuda.is_available():      # a CPU run's checkpoint holds [] (a no-op)
-            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
-        if rank() == 0:
+    def restore(self, trainer, out):
+        if ckpt := self.ckpt:
+            weight_flags = ("--policy", "--model", "--lora-rank", "--dit-lora-rank", "--ar-trainable")  # what trains
+            try:
+                if set(ckpt["trainable"]) != {n for n, p in trainer.trained.named_parameters() if p.requires_grad}:
+                    raise ValueError(f"other parameter names ({', '.join(weight_flags)})")
+                load_training_state(trainer.trained, trainer.optimizer, ckpt["trainable"], ckpt["optimizer"])
+                trainer.lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
+            except (RuntimeError, ValueError, KeyError) as e:
+                changed = [d for d in self.differences if d.split()[0] in weight_flags]
+                raise UsageError(f"--resume {ckpt['path']}: its weights do not fit this model: "
+                                 + ("; ".join(changed) or str(e).splitlines()[0][:120]))
+            name, keys, *rest = ckpt["rng"]["numpy"]        # rng_state's, in reverse
+            np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+            random.setstate(ckpt["rng"]["python"])
+            torch.set_rng_state(ckpt["rng"]["torch"])
+            if torch.cuda.is_available():      # a CPU run's checkpoint holds [] (a no-op)
+                torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+        if rank() != 0:
+            return
+        if ckpt:
             print(f"Resuming from step {self.step} ({ckpt['path']})")
-        return self.step
-
-    def set_aside(self, out):
         for path in self.later:
             path.rename(path.with_name(path.name + ".dropped"))      # out of --resume latest's way
             print(f"note: kept {path.name} of the dropped history as {path.name}.dropped")
@@ -2826,18 +2847,6 @@ def save_trained_pipeline(pipe, args):
         recurse_remove_peft_layers(model)
     pipe.save_pretrained(args.save_pipeline)
     print(f"saved the trained pipeline to {args.save_pipeline}")
-
-
-def policy_generation_config(ar, sampling):
-    """The policy as the config the pipeline's AR stage samples with."""
-    from transformers import GenerationConfig
-
-    # Only these fields: generate() fills every unset one from the checkpoint's (penalties, n-gram bans), which
-    # the loss would not know of.
-    return GenerationConfig(
-        do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-        suppress_tokens=list(sampling.suppressed), bos_token_id=ar.generation_config.bos_token_id,
-        pad_token_id=ar.config.text_config.pad_token_id, eos_token_id=ar.config.text_config.eos_token_id)
 
 
 @torch.no_grad()

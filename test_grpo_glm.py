@@ -1603,7 +1603,7 @@ def test_offload_hooks_only_the_frozen_parts_and_keep_training_exact():
                                                "--height", "64", "--width", "64",
                                                "--beta", "0.1"]))
         args.offload = offload
-        trainer, _ = g.setup_training(args)
+        trainer = g.setup_training(args, g.load_rewards(args.reward))
         pipe = trainer.pipe
         assert pipe.vae.use_slicing                  # decodes one image at a time, as --plan counts
         if offload:
@@ -2361,7 +2361,7 @@ def test_checkpoints_total_limit_keeps_the_newest(tmp_path):
 
 def test_weight_decay_reaches_adamw(tmp_path):
     args = g.resolve_runtime(g.parse_args(["--weight-decay", "0.3", "--lr", "0.1"]))
-    trainer, _ = g.setup_training(args)
+    trainer = g.setup_training(args, rewards=[])
     before = [p.detach().clone() for p in trainer.params]
     for p in trainer.params:
         p.grad = torch.zeros_like(p)
@@ -2520,7 +2520,7 @@ def test_dit_reward_trains_each_half_on_its_own_reward(tmp_path, monkeypatch):
                                            "--height", "64", "--width", "64", "--inner-epochs", "1", "--lr", "1e-3",
                                            "--dit-lr", "1e-4", "--reward", f"{tmp_path / 'colour.py'}:red",
                                            "--dit-reward", f"{tmp_path / 'colour.py'}:not_red"]))
-    trainer, _ = g.setup_training(args)
+    trainer = g.setup_training(args, g.load_rewards(args.reward), g.load_rewards(args.dit_reward))
     ar = trainer.pipe.vision_language_encoder
     seen = {}
 
@@ -2686,7 +2686,7 @@ def test_policy_both_honours_micro_batch_size(monkeypatch):
                                                "--height", "64", "--width", "64",
                                                "--micro-batch-size", micro, "--inner-epochs", "1", "--lr", "1e-9",
                                                "--dit-lr", "1e-9", "--sample-every", "0"]))
-        trainer, _ = g.setup_training(args)
+        trainer = g.setup_training(args, g.load_rewards(args.reward))
         sizes.clear()
         g.grpo_step(trainer, items, [0], 1, args)
         assert max(sizes) <= int(micro) and sum(sizes) == 4, sizes
@@ -3047,7 +3047,7 @@ def _shard_bytes_worker(rank, world, port, argv, dump):
 
     def update_and_count(optimizer, halves, args, learns=True):
         row = update(optimizer, halves, args, learns)
-        trainer = trainers[0][0]
+        trainer = trainers[0]
         for half, model, reference, group in [("ar", trainer.pipe.vision_language_encoder, trainer.reference, 0),
                                               ("dit", trainer.pipe.transformer, trainer.dit_reference, 1)]:
             params = optimizer.param_groups[group]["params"]
@@ -3061,8 +3061,8 @@ def _shard_bytes_worker(rank, world, port, argv, dump):
     g.setup_training = lambda *a, **k: trainers.append(setup(*a, **k)) or trainers[-1]
     g.grpo_update = update_and_count
     g.main(argv)
-    models = [trainers[0][0].pipe.vision_language_encoder, trainers[0][0].pipe.transformer, trainers[0][0].reference,
-              trainers[0][0].dit_reference]
+    models = [trainers[0].pipe.vision_language_encoder, trainers[0].pipe.transformer, trainers[0].reference,
+              trainers[0].dit_reference]
     held["all_sharded_after"] = all(isinstance(p, DTensor) for m in models for p in m.parameters())
     torch.save(held, Path(dump) / f"held{rank}.pt")
     trainers.clear()
