@@ -166,7 +166,7 @@ def prepare_policy(ar, args):
 # =============================================================================================
 # 3. Prompts and targets
 # =============================================================================================
-# Run.steps (section 15): a seeded shuffle per pass over the file, so a resumed run sees the same prompts.
+# Run.steps (section 19): a seeded shuffle per pass over the file, so a resumed run sees the same prompts.
 
 def repeat_each(items, group_size):
     return [x for x in items for _ in range(group_size)]        # [a, b] -> [a x G, b x G], as the batch rows
@@ -1419,108 +1419,6 @@ def resolve_runtime(args):
     return args
 
 
-class Run:
-    """train()'s plumbing. `with Run(args) as run` opens a run (the flags' checks, --out's lock, prompts, rewards,
-    the model, --resume); it closes on any exit: --out unlocked, as found if no step was logged (section 19)."""
-
-    def __init__(self, args):
-        self.args, self.out, self.lead = args, Path(args.out), rank() == 0
-        self.trainer = self.tracker = None
-        self.closing = contextlib.ExitStack()         # what closing undoes, newest first
-
-    def __enter__(self):
-        try:
-            self.open(self.args, self.out)
-        except BaseException:
-            self.closing.close()
-            raise
-        return self
-
-    def open(self, args, out):
-        resolve_runtime(args)
-        validate_args(args)
-        init_distributed(args)
-        if self.lead:
-            release = lock_out_dir(out)
-            self.closing.callback(lambda: release(wrote=read_metrics(out / "metrics.jsonl")))
-        # The built-in mse's targets are checked before any plug-in loads (a CLIP model takes a while).
-        builtin = ["mse"] if "mse" in [s.partition("=")[0] for s in args.reward + (args.dit_reward or [])] else []
-        items = self.items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
-        if args.prompts_per_step > len(items) and self.lead:
-            print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} prompt(s) of {args.prompts}"
-                  ": each step's prompts repeat lines of the file")
-        rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [])
-        require_targets(items, [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)])
-        args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
-        resume = Resume(args, out)          # section 20: its refusals, under the lock, before any model loads
-        self.start = self.last_saved = resume.step
-        if resume.finished:
-            return
-        self.trainer = setup_training(args, rewards, dit_rewards)
-        check_prompt_lengths(self.trainer.pipe, items, args)
-        if args.mode == "i2i":
-            check_source_size(self.trainer.pipe.processor.image_processor, args.height, args.width)
-        resume.restore(self.trainer, out)
-        if self.lead:     # the reward curve's moving average: over a pass over the prompts
-            window = min(20, math.ceil(len(items) / args.prompts_per_step))
-            self.closing.callback(lambda: save_reward_curve(out / "reward_curve.png",
-                                                            read_metrics(out / "metrics.jsonl"), window))
-            self.tracker = start_logging(args, self.trainer, out, self.start)
-            self.closing.callback(self.tracker.finish if self.tracker else lambda: None)
-        self.stop = StopAfterStep()
-        self.closing.callback(self.stop.restore)
-        self.trainer.before_update = self.stop.before_update
-        self.bad_steps, self.warned = [], False
-
-    def steps(self):
-        """Yields (step, indices, slots): this rank's block of the step's prompts, a seeded order per pass (epoch)."""
-        args, count = self.args, len(self.items)
-        per_rank = args.prompts_per_step // world_size()
-        slots = range(rank() * per_rank, (rank() + 1) * per_rank)
-        for step in range(self.start + 1, args.steps + 1):
-            self.step, self.t0, self.step_rng = step, time.time(), rng_state()
-            self.stop.begin_step()
-            indices = []
-            for slot in slots:
-                epoch, offset = divmod((step - 1) * args.prompts_per_step + slot, count)
-                indices.append(int(torch.randperm(count, generator=seeded(args.seed, "prompt order", epoch))[offset]))
-            yield step, indices, slots
-
-    def record(self, step, indices, row, rewards, images, targets, sources, ode):
-        """After grpo_step: LOG, the sample sheet, CHECKPOINT; a stop signal on any rank: saved, exit."""
-        args, out, trainer = self.args, self.out, self.trainer
-        row = finish_row(row, trainer, args, self.t0)
-        stopping = self.stop.agree()
-        if self.lead:
-            self.warned = log_step(row, step, args, trainer, out, self.tracker, self.warned)
-        self.bad_steps = non_finite_streak(self.bad_steps, row, out, args, self.start)
-        if self.lead and args.sample_every and step % args.sample_every == 0:     # rank 0's groups
-            save_sample_grid(out / "samples" / f"step_{step:06d}.png", [self.items[i].text for i in indices],
-                             targets, images, rewards, args.group_size, sources, ode, self.tracker, step)
-        if step % args.save_every == 0 or step == args.steps or stopping:
-            path = self.save(step)
-            if stopping:
-                self.stop.exit(f"interrupted: saved step {step} to {path}", out)
-        if step == args.steps and args.save_pipeline and self.lead:
-            save_trained_pipeline(trainer.pipe, args)
-
-    def save(self, step, rng=None):
-        self.last_saved = step
-        return save_checkpoint(self.out, step, self.trainer, self.args, self.lead, rng)
-
-    def __exit__(self, kind, error, traceback):
-        try:
-            if kind is AbandonStep:     # the weights are still step - 1's: saved if not yet, then exit (section 19)
-                step, peers = self.step, self.stop.answer_vote()
-                if step - 1 > self.last_saved and (peers or self.lead):      # step_rng: what step - 1 left
-                    self.save(step - 1, self.step_rng)
-                saved = f"step {step - 1} is saved in {self.out / 'checkpoints' / f'step_{step - 1:06d}.pt'}"
-                self.stop.exit(f"interrupted in step {step} before its update: " + (
-                    saved if step > 1 else "no step finished, nothing to save"), self.out if step > 1 else None, peers)
-        finally:
-            self.closing.close()
-
-
 def check_prompt_lengths(pipe, items, args):
     """The AR's context holds the prompt, an i2i source, the generated tokens and grid markers (32)."""
     grid = (args.height // 32) * (args.width // 32)
@@ -1830,18 +1728,6 @@ def count_text(n):
     return next((f"{n / size:.{digits}f}{unit}" for unit, size, digits in units if n >= size), str(n))
 
 
-def finish_row(row, trainer, args, t0):
-    """Adds the step's learning rates, moves the schedule on one step, averages the row over ranks."""
-    names = {"ar": ["lr"], "dit": ["dit/lr"], "both": ["lr", "dit/lr"]}[args.policy]   # a param group per half
-    row.update(zip(names, trainer.lr_scheduler.get_last_lr()))
-    # a step whose updates were all skipped never called optimizer.step()
-    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-    trainer.lr_scheduler.step()
-    row = reduce_metrics(row)
-    row["seconds"] = round(time.time() - t0, 3)
-    return row
-
-
 def log_step(row, step, args, trainer, out, tracker, warned):
     """metrics.jsonl, the tracker, one console line, the one-time collapse warning. Returns `warned`."""
     finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
@@ -1963,7 +1849,7 @@ def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
 
 
 # =============================================================================================
-# 19. Interruptions: Ctrl+C and SIGTERM
+# 19. The run: train()'s plumbing, Ctrl+C and SIGTERM
 # =============================================================================================
 # Ctrl+C or SIGTERM (Slurm's, torchrun's) stops the run at a step's end, saved, exit code 128 + signal: a step
 # whose update has not begun is dropped (AbandonStep unwinds it from wherever the signal came), one whose update
@@ -1973,11 +1859,100 @@ class AbandonStep(BaseException):
     """BaseException: no `except Exception` (a reward plug-in's, say) swallows it."""
 
 
-class StopAfterStep:
-    def __init__(self):
-        self.signum = None          # the first stop signal received
-        self.voted = True           # the step's update has begun (its ranks voted): a signal now finishes it
-        self.previous = {s: signal.signal(s, self.request) for s in (signal.SIGINT, signal.SIGTERM)}
+class Run:
+    """`with Run(args) as run` opens a run: the flags' checks, --out's lock, prompts, rewards, the model, the resume
+    point (section 20). It closes on any exit: --out unlocked, and as it was found if no step was logged."""
+
+    def __init__(self, args):
+        self.args, self.out, self.lead = args, Path(args.out), rank() == 0
+        self.trainer = self.tracker = self.signum = None      # signum: the first stop signal received
+        self.voted, self.bad_steps, self.warned = True, [], False   # voted: the update began, a signal finishes it
+        self.closing = contextlib.ExitStack()                  # what closing undoes, newest first
+
+    def __enter__(self):
+        try:
+            self.open(self.args, self.out)
+        except BaseException:
+            self.closing.close()
+            raise
+        return self
+
+    def open(self, args, out):
+        resolve_runtime(args)
+        validate_args(args)
+        init_distributed(args)
+        if self.lead:
+            release = lock_out_dir(out)
+            self.closing.callback(lambda: release(wrote=read_metrics(out / "metrics.jsonl")))
+        # The built-in mse's targets are checked before any plug-in loads (a CLIP model takes a while).
+        builtin = ["mse"] if "mse" in [s.partition("=")[0] for s in args.reward + (args.dit_reward or [])] else []
+        items = self.items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
+        if args.prompts_per_step > len(items) and self.lead:
+            print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} prompt(s) of {args.prompts}"
+                  ": each step's prompts repeat lines of the file")
+        rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [])
+        require_targets(items, [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)])
+        args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
+        resume = Resume(args, out)          # its refusals, under the lock, before any model loads
+        self.start = self.last_saved = resume.step
+        if resume.finished:
+            return
+        self.trainer = setup_training(args, rewards, dit_rewards)
+        check_prompt_lengths(self.trainer.pipe, items, args)
+        if args.mode == "i2i":
+            check_source_size(self.trainer.pipe.processor.image_processor, args.height, args.width)
+        resume.restore(self.trainer, out)
+        if self.lead:     # the reward curve's moving average: over a pass over the prompts
+            window = min(20, math.ceil(len(items) / args.prompts_per_step))
+            self.closing.callback(lambda: save_reward_curve(out / "reward_curve.png",
+                                                            read_metrics(out / "metrics.jsonl"), window))
+            self.tracker = start_logging(args, self.trainer, out, self.start)
+            self.closing.callback(self.tracker.finish if self.tracker else lambda: None)
+        for s in (signal.SIGINT, signal.SIGTERM):
+            self.closing.callback(signal.signal, s, signal.signal(s, self.request))
+        self.trainer.before_update = self.vote
+
+    def steps(self):
+        """Yields (step, indices, slots): this rank's block of the step's prompts, a seeded order per pass (epoch)."""
+        args, count = self.args, len(self.items)
+        per_rank = args.prompts_per_step // world_size()
+        slots = range(rank() * per_rank, (rank() + 1) * per_rank)
+        for step in range(self.start + 1, args.steps + 1):
+            self.step, self.t0, self.step_rng, self.voted = step, time.time(), rng_state(), False
+            if self.signum is not None:      # came after the last step's vote: nothing of this step to keep
+                raise AbandonStep
+            indices = []
+            for slot in slots:
+                epoch, offset = divmod((step - 1) * args.prompts_per_step + slot, count)
+                indices.append(int(torch.randperm(count, generator=seeded(args.seed, "prompt order", epoch))[offset]))
+            yield step, indices, slots
+
+    def record(self, step, indices, row, rewards, images, targets, sources, ode):
+        """After grpo_step: LOG, the sample sheet, CHECKPOINT; a stop signal on any rank: saved, exit."""
+        args, out, trainer = self.args, self.out, self.trainer
+        names = {"ar": ["lr"], "dit": ["dit/lr"], "both": ["lr", "dit/lr"]}[args.policy]   # a param group per half
+        row.update(zip(names, trainer.lr_scheduler.get_last_lr()))
+        # a step whose updates were all skipped never called optimizer.step()
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        trainer.lr_scheduler.step()
+        row = {**reduce_metrics(row), "seconds": round(time.time() - self.t0, 3)}
+        stopping = self.agree()
+        if self.lead:
+            self.warned = log_step(row, step, args, trainer, out, self.tracker, self.warned)
+        self.bad_steps = non_finite_streak(self.bad_steps, row, out, args, self.start)
+        if self.lead and args.sample_every and step % args.sample_every == 0:     # rank 0's groups
+            save_sample_grid(out / "samples" / f"step_{step:06d}.png", [self.items[i].text for i in indices],
+                             targets, images, rewards, args.group_size, sources, ode, self.tracker, step)
+        if step % args.save_every == 0 or step == args.steps or stopping:
+            path = self.save(step)
+            if stopping:
+                self.exit(f"interrupted: saved step {step} to {path}")
+        if step == args.steps and args.save_pipeline and self.lead:
+            save_trained_pipeline(trainer.pipe, args)
+
+    def save(self, step, rng=None):
+        self.last_saved = step
+        return save_checkpoint(self.out, step, self.trainer, self.args, self.lead, rng)
 
     def request(self, signum, _frame):
         if self.signum is not None:       # a second Ctrl+C quits at once, a second SIGTERM changes nothing
@@ -1986,16 +1961,11 @@ class StopAfterStep:
             return
         self.signum = signum
         name = "Ctrl+C" if signum == signal.SIGINT else signal.Signals(signum).name
-        if rank() == 0:
+        if self.lead:
             print(f"\n{name}: " + ("finishing this step and saving a checkpoint" if self.voted else
                                    "abandoning this step (its update has not begun) and saving the last one")
                   + " (Ctrl+C to quit now)", file=sys.stderr, flush=True)
         if not self.voted:
-            raise AbandonStep
-
-    def begin_step(self):
-        self.voted = False
-        if self.signum is not None:      # came after the last step's vote: nothing of this step to keep
             raise AbandonStep
 
     def agree(self):
@@ -2004,35 +1974,43 @@ class StopAfterStep:
         seen = max_over_ranks(self.signum or 0)
         if seen and self.signum is None:
             self.signum = seen
-            if rank() == 0:
+            if self.lead:
                 print(f"{signal.Signals(seen).name} on another rank: stopping", file=sys.stderr, flush=True)
         return self.signum is not None
 
-    def before_update(self):
+    def vote(self):      # grpo_step's before_update
         if self.agree():
             raise AbandonStep
 
-    def answer_vote(self):
-        """A rank that left its step early still answers the others' vote. False: a peer is gone (kill -9, OOM)."""
+    def __exit__(self, kind, error, traceback):
         try:
-            if not self.voted:
+            if kind is AbandonStep:       # the weights are still step - 1's
+                self.drop_step(self.step)
+        finally:
+            self.closing.close()
+
+    def drop_step(self, step):
+        """Saves step - 1 (if not yet saved) and exits; with a rank killed (kill -9, OOM), rank 0 saves alone."""
+        peers = True
+        try:
+            if not self.voted:         # a rank that left its step early still answers the others' vote
                 self.agree()
-            return True
         except Exception as e:
             if not (is_ddp() and collective_failed(e)):
                 raise
-            return False
+            peers = False
+        if step - 1 > self.last_saved and (peers or self.lead):      # step_rng: what step - 1 left
+            self.save(step - 1, self.step_rng)
+        saved = f"step {step - 1} is saved in {self.out / 'checkpoints' / f'step_{step - 1:06d}.pt'}"
+        self.exit(f"interrupted in step {step} before its update: " + (
+            saved if step > 1 else "no step finished, nothing to save"), step > 1, peers)
 
-    def exit(self, what, out=None, peers=True):
+    def exit(self, what, resumable=True, peers=True):
         if peers:
             all_ranks_agree(True)     # the others wait for rank 0's file before they exit
-        if rank() == 0:
-            print(what + (f"; continue with --resume latest --out {out}" if out else ""), file=sys.stderr)
+        if self.lead:
+            print(what + (f"; continue with --resume latest --out {self.out}" if resumable else ""), file=sys.stderr)
         sys.exit(128 + self.signum)
-
-    def restore(self):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
 
 
 # =============================================================================================
