@@ -1728,23 +1728,6 @@ def count_text(n):
     return next((f"{n / size:.{digits}f}{unit}" for unit, size, digits in units if n >= size), str(n))
 
 
-def log_step(row, step, args, trainer, out, tracker, warned):
-    """metrics.jsonl, the tracker, one console line, the one-time collapse warning. Returns `warned`."""
-    finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
-    with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:     # NaN, inf -> null: JSON has no NaN
-        f.write(json.dumps(finite, allow_nan=False) + "\n")
-    if tracker:
-        tracker.log({k: v for k, v in row.items() if k != "step"}, step)
-    fields = [f.format_map(row) for f in CONSOLE_FIELDS if all(k in row for k in re.findall(r"{([^:]+):", f))]
-    print(f"step {step:4d}/{args.steps} | " + " | ".join(fields), flush=True)
-    # entropy's yardstick: log(kept ids), its most; top-p keeps no fixed number: step 1's entropy (if > 0)
-    scale = math.log(min(args.top_k or math.inf, trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size))
-    if args.top_p < 1:
-        with open(out / "metrics.jsonl", encoding="utf-8") as f:
-            scale = json.loads(f.readline()).get("entropy") or scale
-    return warn_if_collapsed(row, warned, scale)
-
-
 def warn_if_collapsed(row, warned, max_entropy=None):
     """Once per run: most groups tied (advantages 0). Why: low entropy, a collapse; high, the reward."""
     if warned or row["frac_reward_zero_std"] <= 0.5:
@@ -1938,21 +1921,39 @@ class Run:
         row = {**reduce_metrics(row), "seconds": round(time.time() - self.t0, 3)}
         stopping = self.agree()
         if self.lead:
-            self.warned = log_step(row, step, args, trainer, out, self.tracker, self.warned)
+            self.log(row, step)
         self.bad_steps = non_finite_streak(self.bad_steps, row, out, args, self.start)
         if self.lead and args.sample_every and step % args.sample_every == 0:     # rank 0's groups
             save_sample_grid(out / "samples" / f"step_{step:06d}.png", [self.items[i].text for i in indices],
                              targets, images, rewards, args.group_size, sources, ode, self.tracker, step)
-        if step % args.save_every == 0 or step == args.steps or stopping:
-            path = self.save(step)
-            if stopping:
-                self.exit(f"interrupted: saved step {step} to {path}")
+        if step % args.save_every == 0 or step == args.steps:
+            self.save(step)
+        if stopping:
+            self.stop(step)
         if step == args.steps and args.save_pipeline and self.lead:
             save_trained_pipeline(trainer.pipe, args)
 
+    def log(self, row, step):
+        """metrics.jsonl, the tracker, one console line, the one-time collapse warning."""
+        args, metrics = self.args, self.out / "metrics.jsonl"
+        finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
+        with open(metrics, "a", encoding="utf-8") as f:     # NaN, inf -> null: JSON has no NaN
+            f.write(json.dumps(finite, allow_nan=False) + "\n")
+        if self.tracker:
+            self.tracker.log({k: v for k, v in row.items() if k != "step"}, step)
+        fields = [f.format_map(row) for f in CONSOLE_FIELDS if all(k in row for k in re.findall(r"{([^:]+):", f))]
+        print(f"step {step:4d}/{args.steps} | " + " | ".join(fields), flush=True)
+        # entropy's yardstick: log(kept ids), its most; top-p keeps no fixed number: step 1's entropy (if > 0)
+        codebook = self.trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size
+        scale = math.log(min(args.top_k or math.inf, codebook))
+        if args.top_p < 1:
+            with open(metrics, encoding="utf-8") as f:
+                scale = json.loads(f.readline()).get("entropy") or scale
+        self.warned = warn_if_collapsed(row, self.warned, scale)
+
     def save(self, step, rng=None):
         self.last_saved = step
-        return save_checkpoint(self.out, step, self.trainer, self.args, self.lead, rng)
+        save_checkpoint(self.out, step, self.trainer, self.args, self.lead, rng)
 
     def request(self, signum, _frame):
         if self.signum is not None:       # a second Ctrl+C quits at once, a second SIGTERM changes nothing
@@ -1985,12 +1986,11 @@ class Run:
     def __exit__(self, kind, error, traceback):
         try:
             if kind is AbandonStep:       # the weights are still step - 1's
-                self.drop_step(self.step)
+                self.drop_step()
         finally:
             self.closing.close()
 
-    def drop_step(self, step):
-        """Saves step - 1 (if not yet saved) and exits; with a rank killed (kill -9, OOM), rank 0 saves alone."""
+    def drop_step(self):
         peers = True
         try:
             if not self.voted:         # a rank that left its step early still answers the others' vote
@@ -1998,18 +1998,21 @@ class Run:
         except Exception as e:
             if not (is_ddp() and collective_failed(e)):
                 raise
-            peers = False
-        if step - 1 > self.last_saved and (peers or self.lead):      # step_rng: what step - 1 left
-            self.save(step - 1, self.step_rng)
-        saved = f"step {step - 1} is saved in {self.out / 'checkpoints' / f'step_{step - 1:06d}.pt'}"
-        self.exit(f"interrupted in step {step} before its update: " + (
-            saved if step > 1 else "no step finished, nothing to save"), step > 1, peers)
+            peers = False              # a rank was killed (kill -9, OOM): rank 0 saves alone
+        self.stop(self.step - 1, peers)
 
-    def exit(self, what, resumable=True, peers=True):
+    def stop(self, done, peers=True):
+        """Exits, code 128 + the signal's, with step `done` saved (step_rng: the RNG states it left)."""
+        if done > self.last_saved and (peers or self.lead):
+            self.save(done, self.step_rng if done < self.step else None)
         if peers:
             all_ranks_agree(True)     # the others wait for rank 0's file before they exit
+        when = f"in step {self.step} before its update" if done < self.step else f"after step {done}"
+        path = self.out / "checkpoints" / f"step_{done:06d}.pt"
         if self.lead:
-            print(what + (f"; continue with --resume latest --out {self.out}" if resumable else ""), file=sys.stderr)
+            print(f"interrupted {when}: " + (f"step {done} is saved in {path}; continue with --resume latest --out "
+                                             f"{self.out}" if done else "no step finished, nothing to save"),
+                  file=sys.stderr)
         sys.exit(128 + self.signum)
 
 
@@ -2019,14 +2022,11 @@ class Run:
 # An exact resume needs the trained weights, AdamW's state, the schedule, step, RNG states and flags, in
 # one format at every world size; written atomically, loaded with weights_only=True (no pickled code).
 
-def atomic_write_bytes(path, data):
-    """Writes `data` (bytes, or a function that writes to the open file) to path.tmp, then renames."""
+def atomic_write(path, write):
+    """write(file) to path.tmp, synced to disk, then renamed over path: a reader sees the old file or the new."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        if callable(data):
-            data(f)
-        else:
-            f.write(data)
+        write(f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -2048,7 +2048,7 @@ def save_checkpoint(out, step, trainer, args, lead=True, rng=None):
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": CHECKPOINT_FORMAT, "step": step, "trainable": weights, "optimizer": optimizer_state,
                "lr_scheduler": trainer.lr_scheduler.state_dict(), "rng": rng or rng_state(), "args": vars(args)}
-    atomic_write_bytes(path, functools.partial(torch.save, payload))
+    atomic_write(path, functools.partial(torch.save, payload))
     for old in saved_checkpoints(out)[:-args.checkpoints_total_limit] if args.checkpoints_total_limit else []:
         old.unlink()      # after the save: a complete newest checkpoint always exists
     return path
@@ -2147,7 +2147,7 @@ class Resume:
         if dropped:
             aside = path.with_name(f"metrics.dropped_after_step_{step:06d}.jsonl")
             for file, kept in ((aside, dropped), (path, [row for row in rows if row["step"] <= step])):
-                atomic_write_bytes(file, "".join(json.dumps(row) + "\n" for row in kept).encode())
+                atomic_write(file, lambda f: f.write("".join(json.dumps(row) + "\n" for row in kept).encode()))
             print(f"note: resuming at step {step} drops metrics rows of steps {dropped[0]['step']}.."
                   f"{dropped[-1]['step']} (no checkpoint after step {step}); kept in {aside}")
 

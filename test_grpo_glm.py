@@ -1669,7 +1669,7 @@ def test_sigterm_during_the_update_finishes_and_saves_the_step(tmp_path, monkeyp
         g.main(["--steps", "5", "--out", str(out), "--save-every", "10", *SMALL])
     err = capsys.readouterr().err
     assert stop.value.code == 143 and "SIGTERM: finishing this step" in err
-    assert f"saved step 1 to {out / 'checkpoints' / 'step_000001.pt'}" in err
+    assert f"interrupted after step 1: step 1 is saved in {out / 'checkpoints' / 'step_000001.pt'}" in err
     assert [r["step"] for r in read_metrics(out)] == [1] and g.read_checkpoint(out / "checkpoints" / "step_000001.pt")
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL       # the run's handler is gone again
 
