@@ -1930,8 +1930,6 @@ class Run:
             self.save(step)
         if stopping:
             self.stop(step)
-        if step == args.steps and args.save_pipeline and self.lead:
-            save_trained_pipeline(trainer.pipe, args)
 
     def log(self, row, step):
         """metrics.jsonl, the tracker, one console line, the one-time collapse warning."""
@@ -1989,6 +1987,8 @@ class Run:
                 self.drop_step()
         finally:
             self.closing.close()
+        if kind is None and self.trainer and self.args.save_pipeline and self.lead:    # all steps done
+            save_trained_pipeline(self.trainer.pipe, self.args)
 
     def drop_step(self):
         peers = True
