@@ -1848,9 +1848,9 @@ class Run:
 
     def __init__(self, args):
         self.args, self.out, self.lead = args, Path(args.out), rank() == 0
-        self.trainer = self.tracker = self.signum = None      # signum: the first stop signal received
+        self.trainer = self.tracker = self.signum = None      # signum: the first stop signal
         self.voted, self.bad_steps, self.warned = True, [], False   # voted: the update began, a signal finishes it
-        self.closing = contextlib.ExitStack()                  # what closing undoes, newest first
+        self.closing = contextlib.ExitStack()
 
     def __enter__(self):
         try:
@@ -1878,7 +1878,7 @@ class Run:
         args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
         resume = Resume(args, out)          # its refusals, under the lock, before any model loads
         self.start = self.last_saved = resume.step
-        if resume.finished:
+        if self.start >= args.steps:
             return
         self.trainer = setup_training(args, rewards, dit_rewards)
         check_prompt_lengths(self.trainer.pipe, items, args)
@@ -1913,7 +1913,7 @@ class Run:
     def record(self, step, indices, row, rewards, images, targets, sources, ode):
         """After grpo_step: LOG, the sample sheet, CHECKPOINT; a stop signal on any rank: saved, exit."""
         args, out, trainer = self.args, self.out, self.trainer
-        names = {"ar": ["lr"], "dit": ["dit/lr"], "both": ["lr", "dit/lr"]}[args.policy]   # a param group per half
+        names = ["lr"] * (args.policy != "dit") + ["dit/lr"] * (args.policy != "ar")     # a param group per half
         row.update(zip(names, trainer.lr_scheduler.get_last_lr()))
         # a step whose updates were all skipped never called optimizer.step()
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
@@ -1951,7 +1951,7 @@ class Run:
 
     def save(self, step, rng=None):
         self.last_saved = step
-        save_checkpoint(self.out, step, self.trainer, self.args, self.lead, rng)
+        save_checkpoint(self.out, step, self.trainer, self.args, rng)
 
     def request(self, signum, _frame):
         if self.signum is not None:       # a second Ctrl+C quits at once, a second SIGTERM changes nothing
@@ -1990,10 +1990,10 @@ class Run:
         if kind is None and self.trainer and self.args.save_pipeline and self.lead:    # all steps done
             save_trained_pipeline(self.trainer.pipe, self.args)
 
-    def drop_step(self):
+    def drop_step(self):      # a rank that left its step early still answers the others' vote
         peers = True
         try:
-            if not self.voted:         # a rank that left its step early still answers the others' vote
+            if not self.voted:
                 self.agree()
         except Exception as e:
             if not (is_ddp() and collective_failed(e)):
@@ -2008,11 +2008,10 @@ class Run:
         if peers:
             all_ranks_agree(True)     # the others wait for rank 0's file before they exit
         when = f"in step {self.step} before its update" if done < self.step else f"after step {done}"
-        path = self.out / "checkpoints" / f"step_{done:06d}.pt"
+        saved = f"step {done} is saved in {self.out / 'checkpoints' / f'step_{done:06d}.pt'}"
         if self.lead:
-            print(f"interrupted {when}: " + (f"step {done} is saved in {path}; continue with --resume latest --out "
-                                             f"{self.out}" if done else "no step finished, nothing to save"),
-                  file=sys.stderr)
+            print(f"interrupted {when}: " + (f"{saved}; continue with --resume latest --out {self.out}" if done
+                                             else "no step finished, nothing to save"), file=sys.stderr)
         sys.exit(128 + self.signum)
 
 
@@ -2038,11 +2037,11 @@ def rng_state():
             "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all()}     # no GPU: []
 
 
-def save_checkpoint(out, step, trainer, args, lead=True, rng=None):
+def save_checkpoint(out, step, trainer, args, rng=None):
     """All ranks gather (--fsdp: a collective); rank 0 streams it, with `rng` (default: the RNG states now),
     to checkpoints/step_NNNNNN.pt (no copy), then keeps the newest --checkpoints-total-limit."""
     weights, optimizer_state = gather_training_state(trainer.trained, trainer.optimizer)
-    if not lead:
+    if rank() != 0:
         return None
     path = out / "checkpoints" / f"step_{step:06d}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -2089,8 +2088,7 @@ ALGORITHM_FLAGS = (
 
 class Resume:
     """A resumed run writes an unstopped one's rows, bit for bit. `step`: the resume point (0: a new run); restore
-    loads it, then sets the killed run's checkpoints and metrics rows after it aside as *.dropped (TensorBoard:
-    start_logging's purge_step)."""
+    loads it, then sets what the killed run wrote after it aside as *.dropped (TensorBoard: purge_step)."""
 
     def __init__(self, args, out):
         if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
@@ -2106,12 +2104,12 @@ class Resume:
         if differences and not args.resume_force:
             raise UsageError(f"--resume {ckpt['path']}: flags differ from the checkpoint's: {'; '.join(differences)}"
                              " (add --resume-force to accept)")
-        self.finished = step >= args.steps
-        if self.finished:
+        if step >= args.steps:
             print(f"nothing to do: {ckpt['path']} is at step {step} and --steps is {args.steps} "
                   f"(pass --steps {step + args.steps} to train {args.steps} more)")
+            return
         self.later = [p for p in saved_checkpoints(out) if int(p.stem[5:]) > step]
-        if self.later and not (args.resume_force or self.finished):
+        if self.later and not args.resume_force:
             raise UsageError(f"--resume {ckpt['path']}: {out} has later checkpoints ({self.later[-1].name}); "
                              f"resuming from step {step} would drop them and the metrics after step {step} (add "
                              "--resume-force to do so; they are then kept as *.dropped)")
