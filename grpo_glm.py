@@ -233,8 +233,8 @@ def sampling_of(ar):
 
 
 def policy_generation_config(ar, sampling):
-    """sampling_of's inverse: the policy written as the AR's generation config. A saved pipeline samples with it,
-    so it samples the policy trained."""
+    """sampling_of's inverse: the policy as the AR's generation config, so a saved pipeline samples the policy
+    trained."""
     from transformers import GenerationConfig
 
     # Only these fields: generate() fills every unset one from the checkpoint's (penalties, n-gram bans), which
@@ -1450,22 +1450,23 @@ def check_source_size(processor, height, width):
                          f"--height {2 * resized[0]} --width {2 * resized[1]}")
 
 
-def lock_out_dir(out):
-    """An exclusive flock on <out>/.lock (freed even on kill -9) until release(wrote); False: removes what it made."""
+def lock_out_dir(out, closing):
+    """An exclusive flock on <out>/.lock (freed even on kill -9) until `closing` closes, which then removes what
+    this made if no metrics row was written (--out as found)."""
     made = [p for p in [out / ".lock", out.absolute(), *out.absolute().parents] if not p.exists()]
+
+    def unmake():
+        with contextlib.suppress(OSError):
+            for path in [] if read_metrics(out / "metrics.jsonl") else made:   # up to a directory not empty
+                (path.unlink if path.is_file() else path.rmdir)()
+    closing.callback(unmake)       # first: an interrupt from here on leaves nothing
     out.mkdir(parents=True, exist_ok=True)
     handle = open(out / ".lock", "a")      # stays empty
+    closing.callback(handle.close)
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise UsageError(f"--out {out} is in use by another run; wait for it to finish or pick another --out")
-
-    def release(wrote):
-        handle.close()
-        with contextlib.suppress(OSError):
-            for path in [] if wrote else made:   # up to a directory not empty
-                (path.unlink if path.is_file() else path.rmdir)()
-    return release
 
 
 # =============================================================================================
@@ -1843,8 +1844,8 @@ class AbandonStep(BaseException):
 
 
 class Run:
-    """`with Run(args) as run` opens a run: the flags' checks, --out's lock, prompts, rewards, the model, the resume
-    point (section 20). It closes on any exit: --out unlocked, and as it was found if no step was logged."""
+    """`with Run(args) as run` opens a run (the flags' checks, --out's lock, prompts, rewards, the model, the resume
+    point) and closes it on any exit."""
 
     def __init__(self, args):
         self.args, self.out, self.lead = args, Path(args.out), rank() == 0
@@ -1865,8 +1866,7 @@ class Run:
         validate_args(args)
         init_distributed(args)
         if self.lead:
-            release = lock_out_dir(out)
-            self.closing.callback(lambda: release(wrote=read_metrics(out / "metrics.jsonl")))
+            lock_out_dir(out, self.closing)
         # The built-in mse's targets are checked before any plug-in loads (a CLIP model takes a while).
         builtin = ["mse"] if "mse" in [s.partition("=")[0] for s in args.reward + (args.dit_reward or [])] else []
         items = self.items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
@@ -2022,7 +2022,7 @@ class Run:
 # one format at every world size; written atomically, loaded with weights_only=True (no pickled code).
 
 def atomic_write(path, write):
-    """write(file) to path.tmp, synced to disk, then renamed over path: a reader sees the old file or the new."""
+    """write(file) to path.tmp, synced, then renamed over path: a reader sees the old file or the new."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         write(f)

@@ -4,6 +4,7 @@ the quick subset: python -m pytest -q -k "not slow". The minutes-long learning a
 checks carry `slow` in their names, not a pytest mark: a custom mark needs registering in a
 config file (pytest.ini, conftest.py, ...), and this project keeps its top level to five files."""
 
+import contextlib
 import gc
 import importlib.metadata
 import inspect
@@ -540,7 +541,8 @@ def test_two_runs_cannot_share_an_out_dir(tmp_path, capsys):
     import fcntl
 
     out = tmp_path / "run"
-    release = g.lock_out_dir(out)                  # as a running process holds it
+    held = contextlib.ExitStack()
+    g.lock_out_dir(out, held)                      # as a running process holds it
     with pytest.raises(SystemExit):
         g.main(["--steps", "1", "--out", str(out), *SMALL])
     assert "in use by another run" in capsys.readouterr().err
@@ -549,7 +551,8 @@ def test_two_runs_cannot_share_an_out_dir(tmp_path, capsys):
         g.main(["--steps", "1", "--out", str(out), "--resume", "latest", *SMALL])
     printed = capsys.readouterr()
     assert "in use by another run" in printed.err and "starting from step 0" not in printed.out
-    release(wrote=True)
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')     # a row written: closing keeps --out and its lock file
+    held.close()
     with open(out / ".lock") as again:             # released: anyone may take it
         fcntl.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
