@@ -114,9 +114,7 @@ def load_pipeline(args):
     pipe = pipeline_from_pretrained(args, dtype)       # --model tiny: built on first use, then cached
     for name in ("text_encoder", "transformer", "vae"):
         getattr(pipe, name).requires_grad_(False)
-    if dtype == torch.float64:
-        float64_throughout()
-    # The policy alone decides sampling: its own generation config (section 24) replaces the checkpoint's.
+    # The policy alone decides sampling: its own generation config (section 4) replaces the checkpoint's.
     ar = pipe.vision_language_encoder
     suppressed = image_token_suppression(ar, pipe.transformer.config.prior_vq_quantizer_codebook_size)
     ar.generation_config = policy_generation_config(ar, SamplingParams(args.temperature, args.top_k, args.top_p,
@@ -170,7 +168,7 @@ def prepare_policy(ar, args):
 # =============================================================================================
 # 3. Prompts and targets
 # =============================================================================================
-# prompts_for_step (section 14): a seeded shuffle per pass over the file, so a resumed run sees the same prompts.
+# Run.steps (section 19): a seeded shuffle per pass over the file, so a resumed run sees the same prompts.
 
 def repeat_each(items, group_size):
     return [x for x in items for _ in range(group_size)]        # [a, b] -> [a x G, b x G], as the batch rows
@@ -231,9 +229,22 @@ def image_token_suppression(ar, codebook_size):
 
 
 def sampling_of(ar):
-    """The AR's policy, read back from its generation config (policy_generation_config's inverse)."""
+    """The AR's policy, read back from its generation config."""
     config = ar.generation_config
     return SamplingParams(config.temperature, config.top_k, config.top_p, tuple(config.suppress_tokens))
+
+
+def policy_generation_config(ar, sampling):
+    """sampling_of's inverse: the policy as the AR's generation config, so a saved pipeline samples the policy
+    trained."""
+    from transformers import GenerationConfig
+
+    # Only these fields: generate() fills every unset one from the checkpoint's (penalties, n-gram bans), which
+    # the loss would not know of.
+    return GenerationConfig(
+        do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+        suppress_tokens=list(sampling.suppressed), bos_token_id=ar.generation_config.bos_token_id,
+        pad_token_id=ar.config.text_config.pad_token_id, eos_token_id=ar.config.text_config.eos_token_id)
 
 
 def at_least_fp32(x):
@@ -708,15 +719,15 @@ class Trainer:
     before_update: object = lambda: None
 
 
-def setup_training(args, resume=None, rewards=None, dit_rewards=None):
-    """Loads the model, marks what trains, one AdamW (a param group per half), restores a `resume`'s checkpoint."""
+def setup_training(args, rewards, dit_rewards=()):
+    """Loads the model, marks what trains, one AdamW (a param group per half) and its learning-rate schedule."""
     from diffusers.optimization import get_scheduler
     from diffusers.training_utils import set_seed
 
     pipe = load_pipeline(args)
     set_seed(args.seed)             # after loading: the same sampling stream however the model was made
     ar, dit = pipe.vision_language_encoder, pipe.transformer
-    trainer = Trainer(pipe, prompt_tokens={})
+    trainer = Trainer(pipe, rewards=rewards, dit_rewards=dit_rewards, prompt_tokens={})
     # beta > 0, full fine-tuning: a frozen copy is the KL reference (at 9B use LoRA instead)
     frozen_copy = lambda model, lora: copy.deepcopy(model).requires_grad_(False) if args.beta > 0 and not lora else None
     groups, trained = [], {}
@@ -737,10 +748,7 @@ def setup_training(args, resume=None, rewards=None, dit_rewards=None):
     warmup = args.lr_scheduler == "constant" and args.lr_warmup_steps
     trainer.lr_scheduler = get_scheduler("constant_with_warmup" if warmup else args.lr_scheduler, trainer.optimizer,
                                          num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.steps)
-    start = resume.restore(trainer, args) if resume else 0     # section 20
-    trainer.rewards = load_rewards(args.reward) if rewards is None else rewards
-    trainer.dit_rewards = load_rewards(args.dit_reward or []) if dit_rewards is None else dit_rewards
-    return trainer, start
+    return trainer
 
 
 def grpo_step(trainer, items, indices, step, args, slots=None):
@@ -784,44 +792,13 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
 
 
 def train(args):
-    """The training loop: grpo_step, then LOG, the sample sheet and CHECKPOINT, each one call (Part III)."""
-    run = open_run(args)                      # checks, --out lock, prompts, rewards, model, resume point
-    if run is None:
-        return None
-    items, trainer, start, out, lead, release = run
-    tracker = start_logging(args, trainer, out, start) if lead else None
-    stop = StopAfterStep()                    # Ctrl+C / SIGTERM: finish or drop the step, checkpoint, exit
-    trainer.before_update = stop.before_update
-    last_saved, bad_steps, warned = start, [], False
-    try:
-        for step in range(start + 1, args.steps + 1):
-            t0 = time.time()
-            slots, indices = prompts_for_step(len(items), step, args)      # this rank's share of the step's prompts
-            step_rng = rng_state()
-            try:
-                stop.begin_step()
-                row, rewards, images, targets, sources, ode = grpo_step(trainer, items, indices, step, args, slots)
-            except AbandonStep:               # the weights are still step - 1's
-                stop.drop_step(trainer, args, out, step, last_saved, step_rng)
-            row = finish_row(row, trainer, args, t0)
-            stopping = stop.agree()                              # a stop signal seen by any rank stops all
-            if lead:
-                warned = log_step(row, step, args, trainer, out, tracker, warned)
-            bad_steps = non_finite_streak(bad_steps, row, out, args, start)
-            if lead and args.sample_every and step % args.sample_every == 0:     # rank 0's groups
-                save_sample_grid(out / "samples" / f"step_{step:06d}.png", [items[i].text for i in indices],
-                                 targets, images, rewards, args.group_size, sources, ode, tracker, step)
-            if step % args.save_every == 0 or step == args.steps or stopping:
-                path = save_checkpoint(out, step, trainer, args, lead)
-                last_saved = step
-            if stopping:
-                stop.exit(f"interrupted: saved step {step} to {path}", out)
-    finally:
-        stop.restore()
-        close_run(args, items, out, tracker, release)
-    if args.save_pipeline and lead:
-        save_trained_pipeline(trainer.pipe, args)
-    return trainer.pipe
+    """The training loop. Run (Part III) is its plumbing: it opens the run (flag checks, --out, prompts, rewards,
+    the model, --resume), records each step (LOG, the sample sheet, CHECKPOINT) and stops on Ctrl+C / SIGTERM."""
+    with Run(args) as run:
+        for step, indices, slots in run.steps():        # this rank's share of the step's prompts (section 3)
+            result = grpo_step(run.trainer, run.items, indices, step, args, slots)
+            run.record(step, indices, *result)
+    return run.trainer and run.trainer.pipe            # None: nothing to do
 
 
 # #############################################################################################
@@ -1058,7 +1035,7 @@ def ode_images(pipe, prompts, sources, rollout, noise, args):
 # 14. The GRPO step's plumbing
 # =============================================================================================
 
-# ---- For sections 2 and 3: the model, each step's prompts ----
+# ---- For section 2: the model ----
 def pipeline_from_pretrained(args, dtype):
     """GlmImagePipeline.from_pretrained of --model ('tiny': built and cached on first use, section 21)."""
     from diffusers import GlmImagePipeline
@@ -1068,6 +1045,8 @@ def pipeline_from_pretrained(args, dtype):
         tiny_pipeline_dir(args.seed)
     all_ranks_agree(True)
     path = tiny_pipeline_dir(args.seed) if args.model == TINY else args.model
+    if dtype == torch.float64:
+        float64_throughout()
     verbosity = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity_error()      # offline it warns "Couldn't connect to the Hub" before our line
     try:
@@ -1107,18 +1086,6 @@ def offload_by_plan(args):
         counts["glyph_t5"] + counts["vae"])
     free = torch.cuda.mem_get_info(args.device)[0]
     return peak > free, f"{peak > free} (auto: plan {peak / 2**30:.1f} GiB, free {free / 2**30:.1f} GiB)"
-
-
-def prompts_for_step(num_prompts, step, args):
-    """(slots, indices) of this rank's block of step `step`'s prompts (section 3)."""
-    per_rank = args.prompts_per_step // world_size()
-    slots = range(rank() * per_rank, (rank() + 1) * per_rank)
-    indices = []
-    for slot in slots:
-        epoch, offset = divmod((step - 1) * args.prompts_per_step + slot, num_prompts)
-        order = torch.randperm(num_prompts, generator=seeded(args.seed, "prompt order", epoch))
-        indices.append(int(order[offset]))
-    return slots, indices
 
 
 # ---- For sections 8-11: micro-batches under DDP, the update's guards, non-finite steps ----
@@ -1418,38 +1385,6 @@ def resolve_runtime(args):
     return args
 
 
-def open_run(args):
-    """Starts a run -> train's state (None: no steps to run)."""
-    resolve_runtime(args)
-    validate_args(args)
-    init_distributed(args)
-    lead, out = rank() == 0, Path(args.out)
-    release = lock_out_dir(out) if lead else None
-    with contextlib.ExitStack() as unstarted:      # an error or nothing to do: --out unlocked, as found
-        if lead:
-            unstarted.callback(release, wrote=[])
-        # The built-in mse's targets are checked before any plug-in loads (a CLIP model takes a while).
-        builtin = ["mse"] if "mse" in [s.partition("=")[0] for s in args.reward + (args.dit_reward or [])] else []
-        items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
-        if args.prompts_per_step > len(items) and lead:
-            print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} prompt(s) of {args.prompts}"
-                  ": each step's prompts repeat lines of the file")
-        rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [])
-        require_targets(items, [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)])
-        args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
-        resume = Resume(args, out)          # section 20: its refusals, under the lock, before any model loads
-        if resume.finished:
-            return None
-        trainer, start = setup_training(args, resume, rewards, dit_rewards)
-        check_prompt_lengths(trainer.pipe, items, args)
-        if args.mode == "i2i":
-            check_source_size(trainer.pipe.processor.image_processor, args.height, args.width)
-        if lead:
-            resume.set_aside(out)
-        unstarted.pop_all()
-    return items, trainer, start, out, lead, release
-
-
 def check_prompt_lengths(pipe, items, args):
     """The AR's context holds the prompt, an i2i source, the generated tokens and grid markers (32)."""
     grid = (args.height // 32) * (args.width // 32)
@@ -1480,32 +1415,23 @@ def check_source_size(processor, height, width):
                          f"tokens would not line up with the DiT's; use --height {h} --width {w}")
 
 
-def lock_out_dir(out):
-    """An exclusive flock on <out>/.lock (freed even on kill -9) until release(wrote); False: removes what it made."""
+def lock_out_dir(out, closing):
+    """An exclusive flock on <out>/.lock (freed even on kill -9) until `closing` closes, which then removes what
+    this made if no metrics row was written (--out as found)."""
     made = [p for p in [out / ".lock", out.absolute(), *out.absolute().parents] if not p.exists()]
+
+    def unmake():
+        with contextlib.suppress(OSError):
+            for path in [] if read_metrics(out / "metrics.jsonl") else made:   # up to a directory not empty
+                (path.unlink if path.is_file() else path.rmdir)()
+    closing.callback(unmake)       # first: an interrupt from here on leaves nothing
     out.mkdir(parents=True, exist_ok=True)
     handle = open(out / ".lock", "a")      # stays empty
+    closing.callback(handle.close)
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise UsageError(f"--out {out} is in use by another run; wait for it to finish or pick another --out")
-
-    def release(wrote):
-        handle.close()
-        with contextlib.suppress(OSError):
-            for path in [] if wrote else made:   # up to a directory not empty
-                (path.unlink if path.is_file() else path.rmdir)()
-    return release
-
-
-def close_run(args, items, out, tracker, release):
-    """On any exit: the tracker; rank 0: the reward curve (averaged over a pass over the prompts), the lock."""
-    if tracker:
-        tracker.finish()
-    if release:
-        rows = read_metrics(out / "metrics.jsonl")
-        save_reward_curve(out / "reward_curve.png", rows, window=min(20, math.ceil(len(items) / args.prompts_per_step)))
-        release(wrote=rows)
 
 
 # =============================================================================================
@@ -1756,35 +1682,6 @@ def count_text(n):
     return next((f"{n / size:.{digits}f}{unit}" for unit, size, digits in units if n >= size), str(n))
 
 
-def finish_row(row, trainer, args, t0):
-    """Adds the step's learning rates, moves the schedule on one step, averages the row over ranks."""
-    names = {"ar": ["lr"], "dit": ["dit/lr"], "both": ["lr", "dit/lr"]}[args.policy]   # a param group per half
-    row.update(zip(names, trainer.lr_scheduler.get_last_lr()))
-    # a step whose updates were all skipped never called optimizer.step()
-    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-    trainer.lr_scheduler.step()
-    row = reduce_metrics(row)
-    row["seconds"] = round(time.time() - t0, 3)
-    return row
-
-
-def log_step(row, step, args, trainer, out, tracker, warned):
-    """metrics.jsonl, the tracker, one console line, the one-time collapse warning. Returns `warned`."""
-    finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
-    with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:     # NaN, inf -> null: JSON has no NaN
-        f.write(json.dumps(finite, allow_nan=False) + "\n")
-    if tracker:
-        tracker.log({k: v for k, v in row.items() if k != "step"}, step)
-    fields = [f.format_map(row) for f in CONSOLE_FIELDS if all(k in row for k in re.findall(r"{([^:]+):", f))]
-    print(f"step {step:4d}/{args.steps} | " + " | ".join(fields), flush=True)
-    # entropy's yardstick: log(kept ids), its most; top-p keeps no fixed number: step 1's entropy (if > 0)
-    scale = math.log(min(args.top_k or math.inf, trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size))
-    if args.top_p < 1:
-        with open(out / "metrics.jsonl", encoding="utf-8") as f:
-            scale = json.loads(f.readline()).get("entropy") or scale
-    return warn_if_collapsed(row, warned, scale)
-
-
 def warn_if_collapsed(row, warned, max_entropy=None):
     """Once per run: most groups tied (advantages 0). Why: low entropy, a collapse; high, the reward."""
     if warned or row["frac_reward_zero_std"] <= 0.5:
@@ -1889,7 +1786,7 @@ def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
 
 
 # =============================================================================================
-# 19. Interruptions: Ctrl+C and SIGTERM
+# 19. The run: train()'s plumbing, Ctrl+C and SIGTERM
 # =============================================================================================
 # Ctrl+C or SIGTERM (Slurm's, torchrun's) stops the run at a step's end, saved, exit code 128 + signal: a step
 # whose update has not begun is dropped (AbandonStep unwinds it from wherever the signal came), one whose update
@@ -1899,11 +1796,115 @@ class AbandonStep(BaseException):
     """BaseException: no `except Exception` (a reward plug-in's, say) swallows it."""
 
 
-class StopAfterStep:
-    def __init__(self):
-        self.signum = None          # the first stop signal received
-        self.voted = True           # the step's update has begun (its ranks voted): a signal now finishes it
-        self.previous = {s: signal.signal(s, self.request) for s in (signal.SIGINT, signal.SIGTERM)}
+class Run:
+    """`with Run(args) as run` opens a run (the flags' checks, --out's lock, prompts, rewards, the model, the resume
+    point) and closes it on any exit."""
+
+    def __init__(self, args):
+        self.args, self.out, self.lead = args, Path(args.out), rank() == 0
+        self.trainer = self.tracker = self.signum = None      # signum: the first stop signal
+        self.voted, self.bad_steps, self.warned = True, [], False   # voted: the update began, a signal finishes it
+        self.closing = contextlib.ExitStack()
+
+    def __enter__(self):
+        try:
+            self.open(self.args, self.out)
+        except BaseException:
+            self.closing.close()
+            raise
+        return self
+
+    def open(self, args, out):
+        resolve_runtime(args)
+        validate_args(args)
+        init_distributed(args)
+        if self.lead:
+            lock_out_dir(out, self.closing)
+        # The built-in mse's targets are checked before any plug-in loads (a CLIP model takes a while).
+        builtin = ["mse"] if "mse" in [s.partition("=")[0] for s in args.reward + (args.dit_reward or [])] else []
+        items = self.items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
+        if args.prompts_per_step > len(items) and self.lead:
+            print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} prompt(s) of {args.prompts}"
+                  ": each step's prompts repeat lines of the file")
+        rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [])
+        require_targets(items, [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)])
+        args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
+        resume = Resume(args, out)          # its refusals, under the lock, before any model loads
+        self.start = self.last_saved = resume.step
+        if self.start >= args.steps:
+            return
+        self.trainer = setup_training(args, rewards, dit_rewards)
+        check_prompt_lengths(self.trainer.pipe, items, args)
+        if args.mode == "i2i":
+            check_source_size(self.trainer.pipe.processor.image_processor, args.height, args.width)
+        resume.restore(self.trainer, out)
+        if self.lead:     # the reward curve's moving average: over a pass over the prompts
+            window = min(20, math.ceil(len(items) / args.prompts_per_step))
+            self.closing.callback(lambda: save_reward_curve(out / "reward_curve.png",
+                                                            read_metrics(out / "metrics.jsonl"), window))
+            self.tracker = start_logging(args, self.trainer, out, self.start)
+            self.closing.callback(self.tracker.finish if self.tracker else lambda: None)
+        for s in (signal.SIGINT, signal.SIGTERM):
+            self.closing.callback(signal.signal, s, signal.signal(s, self.request))
+        self.trainer.before_update = self.vote
+
+    def steps(self):
+        """Yields (step, indices, slots): this rank's block of the step's prompts, a seeded order per pass (epoch)."""
+        args, count = self.args, len(self.items)
+        per_rank = args.prompts_per_step // world_size()
+        slots = range(rank() * per_rank, (rank() + 1) * per_rank)
+        for step in range(self.start + 1, args.steps + 1):
+            self.step, self.t0, self.step_rng, self.voted = step, time.time(), rng_state(), False
+            if self.signum is not None:      # came after the last step's vote: nothing of this step to keep
+                raise AbandonStep
+            indices = []
+            for slot in slots:
+                epoch, offset = divmod((step - 1) * args.prompts_per_step + slot, count)
+                indices.append(int(torch.randperm(count, generator=seeded(args.seed, "prompt order", epoch))[offset]))
+            yield step, indices, slots
+
+    def record(self, step, indices, row, rewards, images, targets, sources, ode):
+        """After grpo_step: LOG, the sample sheet, CHECKPOINT; a stop signal on any rank: saved, exit."""
+        args, out, trainer = self.args, self.out, self.trainer
+        names = ["lr"] * (args.policy != "dit") + ["dit/lr"] * (args.policy != "ar")     # a param group per half
+        row.update(zip(names, trainer.lr_scheduler.get_last_lr()))
+        # a step whose updates were all skipped never called optimizer.step()
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        trainer.lr_scheduler.step()
+        row = {**reduce_metrics(row), "seconds": round(time.time() - self.t0, 3)}
+        stopping = self.agree()
+        if self.lead:
+            self.log(row, step)
+        self.bad_steps = non_finite_streak(self.bad_steps, row, out, args, self.start)
+        if self.lead and args.sample_every and step % args.sample_every == 0:     # rank 0's groups
+            save_sample_grid(out / "samples" / f"step_{step:06d}.png", [self.items[i].text for i in indices],
+                             targets, images, rewards, args.group_size, sources, ode, self.tracker, step)
+        if step % args.save_every == 0 or step == args.steps:
+            self.save(step)
+        if stopping:
+            self.stop(step)
+
+    def log(self, row, step):
+        """metrics.jsonl, the tracker, one console line, the one-time collapse warning."""
+        args, metrics = self.args, self.out / "metrics.jsonl"
+        finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
+        with open(metrics, "a", encoding="utf-8") as f:     # NaN, inf -> null: JSON has no NaN
+            f.write(json.dumps(finite, allow_nan=False) + "\n")
+        if self.tracker:
+            self.tracker.log({k: v for k, v in row.items() if k != "step"}, step)
+        fields = [f.format_map(row) for f in CONSOLE_FIELDS if all(k in row for k in re.findall(r"{([^:]+):", f))]
+        print(f"step {step:4d}/{args.steps} | " + " | ".join(fields), flush=True)
+        # entropy's yardstick: log(kept ids), its most; top-p keeps no fixed number: step 1's entropy (if > 0)
+        codebook = self.trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size
+        scale = math.log(min(args.top_k or math.inf, codebook))
+        if args.top_p < 1:
+            with open(metrics, encoding="utf-8") as f:
+                scale = json.loads(f.readline()).get("entropy") or scale
+        self.warned = warn_if_collapsed(row, self.warned, scale)
+
+    def save(self, step, rng=None):
+        self.last_saved = step
+        save_checkpoint(self.out, step, self.trainer, self.args, rng)
 
     def request(self, signum, _frame):
         if self.signum is not None:       # a second Ctrl+C quits at once, a second SIGTERM changes nothing
@@ -1912,16 +1913,11 @@ class StopAfterStep:
             return
         self.signum = signum
         name = "Ctrl+C" if signum == signal.SIGINT else signal.Signals(signum).name
-        if rank() == 0:
+        if self.lead:
             print(f"\n{name}: " + ("finishing this step and saving a checkpoint" if self.voted else
                                    "abandoning this step (its update has not begun) and saving the last one")
                   + " (Ctrl+C to quit now)", file=sys.stderr, flush=True)
         if not self.voted:
-            raise AbandonStep
-
-    def begin_step(self):
-        self.voted = False
-        if self.signum is not None:      # came after the last step's vote: nothing of this step to keep
             raise AbandonStep
 
     def agree(self):
@@ -1930,40 +1926,46 @@ class StopAfterStep:
         seen = max_over_ranks(self.signum or 0)
         if seen and self.signum is None:
             self.signum = seen
-            if rank() == 0:
+            if self.lead:
                 print(f"{signal.Signals(seen).name} on another rank: stopping", file=sys.stderr, flush=True)
         return self.signum is not None
 
-    def before_update(self):
+    def vote(self):      # grpo_step's before_update
         if self.agree():
             raise AbandonStep
 
-    def drop_step(self, trainer, args, out, step, last_saved, step_rng):
-        """Saves step - 1 (if not yet saved) and exits; with a rank killed (kill -9, OOM), rank 0 saves alone."""
+    def __exit__(self, kind, error, traceback):
+        try:
+            if kind is AbandonStep:       # the weights are still step - 1's
+                self.drop_step()
+        finally:
+            self.closing.close()
+        if kind is None and self.trainer and self.args.save_pipeline and self.lead:    # all steps done
+            save_trained_pipeline(self.trainer.pipe, self.args)
+
+    def drop_step(self):      # a rank that left its step early still answers the others' vote
         peers = True
         try:
-            if not self.voted:         # a rank that left its step early still answers the others' vote
+            if not self.voted:
                 self.agree()
         except Exception as e:
             if not collective_failed(e):
                 raise
-            peers = False
-        if step - 1 > last_saved and (peers or rank() == 0):      # step_rng: what step - 1 left
-            save_checkpoint(out, step - 1, trainer, args, rank() == 0, step_rng)
-        saved = f"step {step - 1} is saved in {out / 'checkpoints' / f'step_{step - 1:06d}.pt'}"
-        self.exit(f"interrupted in step {step} before its update: " + (
-            saved if step > 1 else "no step finished, nothing to save"), out if step > 1 else None, peers)
+            peers = False              # a rank was killed (kill -9, OOM): rank 0 saves alone
+        self.stop(self.step - 1, peers)
 
-    def exit(self, what, out=None, peers=True):
+    def stop(self, done, peers=True):
+        """Exits, code 128 + the signal's, with step `done` saved (step_rng: the RNG states it left)."""
+        if done > self.last_saved and (peers or self.lead):
+            self.save(done, self.step_rng if done < self.step else None)
         if peers:
             all_ranks_agree(True)     # the others wait for rank 0's file before they exit
-        if rank() == 0:
-            print(what + (f"; continue with --resume latest --out {out}" if out else ""), file=sys.stderr)
+        when = f"in step {self.step} before its update" if done < self.step else f"after step {done}"
+        saved = f"step {done} is saved in {self.out / 'checkpoints' / f'step_{done:06d}.pt'}"
+        if self.lead:
+            print(f"interrupted {when}: " + (f"{saved}; continue with --resume latest --out {self.out}" if done
+                                             else "no step finished, nothing to save"), file=sys.stderr)
         sys.exit(128 + self.signum)
-
-    def restore(self):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
 
 
 # =============================================================================================
@@ -1972,14 +1974,11 @@ class StopAfterStep:
 # An exact resume needs the trained weights, AdamW's state, the schedule, step, RNG states and flags, in
 # one format at every world size; written atomically, loaded with weights_only=True (no pickled code).
 
-def atomic_write_bytes(path, data):
-    """Writes `data` (bytes, or a function that writes to the open file) to path.tmp, then renames."""
+def atomic_write(path, write):
+    """write(file) to path.tmp, synced, then renamed over path: a reader sees the old file or the new."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        if callable(data):
-            data(f)
-        else:
-            f.write(data)
+        write(f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -1991,17 +1990,17 @@ def rng_state():
             "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all()}     # no GPU: []
 
 
-def save_checkpoint(out, step, trainer, args, lead=True, rng=None):
+def save_checkpoint(out, step, trainer, args, rng=None):
     """All ranks gather (--fsdp: a collective); rank 0 streams it, with `rng` (default: the RNG states now),
     to checkpoints/step_NNNNNN.pt (no copy), then keeps the newest --checkpoints-total-limit."""
     weights, optimizer_state = training_state(trainer.trained, trainer.optimizer)
-    if not lead:
+    if rank() != 0:
         return None
     path = out / "checkpoints" / f"step_{step:06d}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": CHECKPOINT_FORMAT, "step": step, "trainable": weights, "optimizer": optimizer_state,
                "lr_scheduler": trainer.lr_scheduler.state_dict(), "rng": rng or rng_state(), "args": vars(args)}
-    atomic_write_bytes(path, functools.partial(torch.save, payload))
+    atomic_write(path, functools.partial(torch.save, payload))
     for old in saved_checkpoints(out)[:-args.checkpoints_total_limit] if args.checkpoints_total_limit else []:
         old.unlink()      # after the save: a complete newest checkpoint always exists
     return path
@@ -2041,8 +2040,8 @@ ALGORITHM_FLAGS = (
 
 
 class Resume:
-    """A resumed run writes an unstopped one's rows, bit for bit. restore -> the step (0: a new run); set_aside: the
-    killed run's checkpoints and metrics rows after it, kept as *.dropped (TensorBoard: start_logging's purge_step)."""
+    """A resumed run writes an unstopped one's rows, bit for bit. `step`: the resume point (0: a new run); restore
+    loads it, then sets what the killed run wrote after it aside as *.dropped (TensorBoard: purge_step)."""
 
     def __init__(self, args, out):
         if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
@@ -2058,40 +2057,38 @@ class Resume:
         if differences and not args.resume_force:
             raise UsageError(f"--resume {ckpt['path']}: flags differ from the checkpoint's: {'; '.join(differences)}"
                              " (add --resume-force to accept)")
-        self.finished = step >= args.steps
-        if self.finished:
+        if step >= args.steps:
             print(f"nothing to do: {ckpt['path']} is at step {step} and --steps is {args.steps} "
                   f"(pass --steps {step + args.steps} to train {args.steps} more)")
+            return
         self.later = [p for p in saved_checkpoints(out) if int(p.stem[5:]) > step]
-        if self.later and not (args.resume_force or self.finished):
+        if self.later and not args.resume_force:
             raise UsageError(f"--resume {ckpt['path']}: {out} has later checkpoints ({self.later[-1].name}); "
                              f"resuming from step {step} would drop them and the metrics after step {step} (add "
                              "--resume-force to do so; they are then kept as *.dropped)")
 
-    def restore(self, trainer, args):
-        if (ckpt := self.ckpt) is None:
-            return 0
-        weight_flags = ("--policy", "--model", "--lora-rank", "--dit-lora-rank", "--ar-trainable")  # what trains
-        try:
-            if set(ckpt["trainable"]) != {name for name, p in trainer.trained.named_parameters() if p.requires_grad}:
-                raise ValueError(f"other parameter names ({', '.join(weight_flags)})")
-            training_state(trainer.trained, trainer.optimizer, (ckpt["trainable"], ckpt["optimizer"]))
-            trainer.lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
-        except (RuntimeError, ValueError, KeyError) as e:
-            changed = [d for d in self.differences if d.split()[0] in weight_flags]
-            raise UsageError(f"--resume {ckpt['path']}: its weights do not fit this model: "
-                             + ("; ".join(changed) or str(e).splitlines()[0][:120]))
-        name, keys, *rest = ckpt["rng"]["numpy"]        # rng_state's, in reverse
-        np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-        random.setstate(ckpt["rng"]["python"])
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        if torch.cuda.is_available():      # a CPU run's checkpoint holds [] (a no-op)
-            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
-        if rank() == 0:
+    def restore(self, trainer, out):
+        if ckpt := self.ckpt:
+            weight_flags = ("--policy", "--model", "--lora-rank", "--dit-lora-rank", "--ar-trainable")  # what trains
+            try:
+                if set(ckpt["trainable"]) != {n for n, p in trainer.trained.named_parameters() if p.requires_grad}:
+                    raise ValueError(f"other parameter names ({', '.join(weight_flags)})")
+                training_state(trainer.trained, trainer.optimizer, (ckpt["trainable"], ckpt["optimizer"]))
+                trainer.lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
+            except (RuntimeError, ValueError, KeyError) as e:
+                changed = [d for d in self.differences if d.split()[0] in weight_flags]
+                raise UsageError(f"--resume {ckpt['path']}: its weights do not fit this model: "
+                                 + ("; ".join(changed) or str(e).splitlines()[0][:120]))
+            name, keys, *rest = ckpt["rng"]["numpy"]        # rng_state's, in reverse
+            np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+            random.setstate(ckpt["rng"]["python"])
+            torch.set_rng_state(ckpt["rng"]["torch"])
+            if torch.cuda.is_available():      # a CPU run's checkpoint holds [] (a no-op)
+                torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+        if rank() != 0:
+            return
+        if ckpt:
             print(f"Resuming from step {self.step} ({ckpt['path']})")
-        return self.step
-
-    def set_aside(self, out):
         for path in self.later:
             path.rename(path.with_name(path.name + ".dropped"))      # out of --resume latest's way
             print(f"note: kept {path.name} of the dropped history as {path.name}.dropped")
@@ -2101,7 +2098,7 @@ class Resume:
         if dropped:
             aside = path.with_name(f"metrics.dropped_after_step_{step:06d}.jsonl")
             for file, kept in ((aside, dropped), (path, [row for row in rows if row["step"] <= step])):
-                atomic_write_bytes(file, "".join(json.dumps(row) + "\n" for row in kept).encode())
+                atomic_write(file, lambda f: f.write("".join(json.dumps(row) + "\n" for row in kept).encode()))
             print(f"note: resuming at step {step} drops metrics rows of steps {dropped[0]['step']}.."
                   f"{dropped[-1]['step']} (no checkpoint after step {step}); kept in {aside}")
 
@@ -2660,18 +2657,6 @@ def save_trained_pipeline(pipe, args):
         recurse_remove_peft_layers(model)
     pipe.save_pretrained(args.save_pipeline)
     print(f"saved the trained pipeline to {args.save_pipeline}")
-
-
-def policy_generation_config(ar, sampling):
-    """The policy as the config the pipeline's AR stage samples with."""
-    from transformers import GenerationConfig
-
-    # Only these fields: generate() fills every unset one from the checkpoint's (penalties, n-gram bans), which
-    # the loss would not know of.
-    return GenerationConfig(
-        do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-        suppress_tokens=list(sampling.suppressed), bos_token_id=ar.generation_config.bos_token_id,
-        pad_token_id=ar.config.text_config.pad_token_id, eos_token_id=ar.config.text_config.eos_token_id)
 
 
 @torch.no_grad()

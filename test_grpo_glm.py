@@ -4,6 +4,7 @@ the quick subset: python -m pytest -q -k "not slow". The minutes-long learning a
 checks carry `slow` in their names, not a pytest mark: a custom mark needs registering in a
 config file (pytest.ini, conftest.py, ...), and this project keeps its top level to five files."""
 
+import contextlib
 import gc
 import importlib.metadata
 import inspect
@@ -551,7 +552,8 @@ def test_two_runs_cannot_share_an_out_dir(tmp_path, capsys):
     import fcntl
 
     out = tmp_path / "run"
-    release = g.lock_out_dir(out)                  # as a running process holds it
+    held = contextlib.ExitStack()
+    g.lock_out_dir(out, held)                      # as a running process holds it
     with pytest.raises(SystemExit):
         g.main(["--steps", "1", "--out", str(out), *SMALL])
     assert "in use by another run" in capsys.readouterr().err
@@ -560,7 +562,8 @@ def test_two_runs_cannot_share_an_out_dir(tmp_path, capsys):
         g.main(["--steps", "1", "--out", str(out), "--resume", "latest", *SMALL])
     printed = capsys.readouterr()
     assert "in use by another run" in printed.err and "starting from step 0" not in printed.out
-    release(wrote=True)
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')     # a row written: closing keeps --out and its lock file
+    held.close()
     with open(out / ".lock") as again:             # released: anyone may take it
         fcntl.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
@@ -1619,7 +1622,7 @@ def test_offload_hooks_only_the_frozen_parts_and_keep_training_exact():
                                                "--height", "64", "--width", "64",
                                                "--beta", "0.1"]))
         args.offload = offload
-        trainer, _ = g.setup_training(args)
+        trainer = g.setup_training(args, g.load_rewards(args.reward))
         pipe = trainer.pipe
         assert pipe.vae.use_slicing                  # decodes one image at a time, as --plan counts
         if offload:
@@ -1685,7 +1688,7 @@ def test_sigterm_during_the_update_finishes_and_saves_the_step(tmp_path, monkeyp
         g.main(["--steps", "5", "--out", str(out), "--save-every", "10", *SMALL])
     err = capsys.readouterr().err
     assert stop.value.code == 143 and "SIGTERM: finishing this step" in err
-    assert f"saved step 1 to {out / 'checkpoints' / 'step_000001.pt'}" in err
+    assert f"interrupted after step 1: step 1 is saved in {out / 'checkpoints' / 'step_000001.pt'}" in err
     assert [r["step"] for r in read_metrics(out)] == [1] and g.read_checkpoint(out / "checkpoints" / "step_000001.pt")
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL       # the run's handler is gone again
 
@@ -1703,14 +1706,15 @@ def test_ctrl_c_during_a_checkpoint_write_is_held_until_the_file_is_complete(tmp
         real_save(obj, f)
 
     monkeypatch.setattr(torch, "save", save_interrupted)
-    stop = g.StopAfterStep()                        # the run's handler, as train() installs it
+    run = g.Run(args)
+    previous = signal.signal(signal.SIGINT, run.request)      # the run's handler, as Run installs it
     try:
         trainer = SimpleNamespace(trained=model, optimizer=optimizer,
                                   lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1))
         path = g.save_checkpoint(tmp_path, 7, trainer, args)
     finally:
-        stop.restore()
-    assert seen == ["write finished"] and stop.signum == signal.SIGINT   # noted, acted on after the step
+        signal.signal(signal.SIGINT, previous)
+    assert seen == ["write finished"] and run.signum == signal.SIGINT   # noted, acted on after the step
     assert g.read_checkpoint(path)["step"] == 7
 
 
@@ -2377,7 +2381,7 @@ def test_checkpoints_total_limit_keeps_the_newest(tmp_path):
 
 def test_weight_decay_reaches_adamw(tmp_path):
     args = g.resolve_runtime(g.parse_args(["--weight-decay", "0.3", "--lr", "0.1"]))
-    trainer, _ = g.setup_training(args)
+    trainer = g.setup_training(args, rewards=[])
     before = [p.detach().clone() for p in trainer.params]
     for p in trainer.params:
         p.grad = torch.zeros_like(p)
@@ -2536,7 +2540,7 @@ def test_dit_reward_trains_each_half_on_its_own_reward(tmp_path, monkeypatch):
                                            "--height", "64", "--width", "64", "--inner-epochs", "1", "--lr", "1e-3",
                                            "--dit-lr", "1e-4", "--reward", f"{tmp_path / 'colour.py'}:red",
                                            "--dit-reward", f"{tmp_path / 'colour.py'}:not_red"]))
-    trainer, _ = g.setup_training(args)
+    trainer = g.setup_training(args, g.load_rewards(args.reward), g.load_rewards(args.dit_reward))
     ar = trainer.pipe.vision_language_encoder
     seen = {}
 
@@ -2702,7 +2706,7 @@ def test_policy_both_honours_micro_batch_size(monkeypatch):
                                                "--height", "64", "--width", "64",
                                                "--micro-batch-size", micro, "--inner-epochs", "1", "--lr", "1e-9",
                                                "--dit-lr", "1e-9", "--sample-every", "0"]))
-        trainer, _ = g.setup_training(args)
+        trainer = g.setup_training(args, g.load_rewards(args.reward))
         sizes.clear()
         g.grpo_step(trainer, items, [0], 1, args)
         assert max(sizes) <= int(micro) and sum(sizes) == 4, sizes
@@ -3063,7 +3067,7 @@ def _shard_bytes_worker(rank, world, port, argv, dump):
 
     def update_and_count(optimizer, halves, args, learns=True):
         row = update(optimizer, halves, args, learns)
-        trainer = trainers[0][0]
+        trainer = trainers[0]
         for half, model, reference, group in [("ar", trainer.pipe.vision_language_encoder, trainer.reference, 0),
                                               ("dit", trainer.pipe.transformer, trainer.dit_reference, 1)]:
             params = optimizer.param_groups[group]["params"]
@@ -3077,8 +3081,8 @@ def _shard_bytes_worker(rank, world, port, argv, dump):
     g.setup_training = lambda *a, **k: trainers.append(setup(*a, **k)) or trainers[-1]
     g.grpo_update = update_and_count
     g.main(argv)
-    models = [trainers[0][0].pipe.vision_language_encoder, trainers[0][0].pipe.transformer, trainers[0][0].reference,
-              trainers[0][0].dit_reference]
+    models = [trainers[0].pipe.vision_language_encoder, trainers[0].pipe.transformer, trainers[0].reference,
+              trainers[0].dit_reference]
     held["all_sharded_after"] = all(isinstance(p, DTensor) for m in models for p in m.parameters())
     torch.save(held, Path(dump) / f"held{rank}.pt")
     trainers.clear()
