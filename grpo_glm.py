@@ -172,7 +172,7 @@ def prepare_policy(ar, args):
 # prompts_for_step (section 14): a seeded shuffle per pass over the file, so a resumed run sees the same prompts.
 
 def repeat_each(items, group_size):
-    return [x for x in items for _ in range(group_size)]        # [a, b] -> [a x G, b x G], as the batch rows
+    return [x for x in items for _ in range(group_size)]  # [a, b] -> [a x G, b x G], as the batch rows
 
 
 def batch_targets(batch):
@@ -293,8 +293,8 @@ def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_
 
 def rollout_positions(ar, batch, grids):
     """M-RoPE positions [3, N, S + L - 1] of prompt + generated[:-1] as get_rope_index lays them out: the prompt's
-    by it (2-D mask: padding is not text), then from s = its last + 1 each grid (h, w) at (s, s + i, s + j),
-    s += max(h, w)."""
+    by it (2-D mask: padding is not text), then each grid (h, w) at (s, s + i, s + j), s = the prompt's last + 1,
+    s += max(h, w) per grid."""
     prompt, _ = ar.model.get_rope_index(**batch)
     offsets = [ar.model.get_vision_position_ids(sum(max(*hw) for hw in grids[:k]), torch.tensor([1, h, w]))
                for k, (h, w) in enumerate(grids)]  # [3, h*w] each; the end slot's is never read
@@ -315,8 +315,7 @@ def sample_groups(pipe, prompts, group_size, sampling, height, width, loss_token
     positions = rollout_positions(ar, batch, grids)  # [3, N, S + L - 1]
     mask = torch.nn.functional.pad(batch["attention_mask"], (0, L - 1), value=1)  # [N, S + L - 1]
     cache = StaticCache(ar.config, max_cache_len=mask.shape[1])
-    # On a GPU the forward's ~1,000 kernels replay as one CUDA graph; gumbel_max stays eager (torch 2.11's
-    # inductor failed on its top-p cumsum)
+    # GPU: the forward's ~1,000 kernels as one CUDA graph; gumbel_max eager (torch 2.11's inductor failed on it)
     forward = torch.compile(next_logits, fullgraph=True, mode="reduce-overhead",
                             disable=ar.device.type != "cuda" or not compiled)
     ids, drawn = batch["input_ids"], []
@@ -329,17 +328,17 @@ def sample_groups(pipe, prompts, group_size, sampling, height, width, loss_token
     generated, old_logp = (torch.stack(column, 1) for column in zip(*drawn))  # [N, L] each
     offset = L - 1 - H * W  # the target grid: last before the end slot
     loss_mask = torch.zeros_like(generated, dtype=torch.float32)
-    loss_mask[:, (offset if loss_tokens == "target" else 0): offset + H * W] = 1.0    # never the end slot
+    loss_mask[:, (offset if loss_tokens == "target" else 0): offset + H * W] = 1.0  # never the end slot
     return Rollout(torch.cat([batch["input_ids"], generated], 1), mask, positions, old_logp, loss_mask,
                    generated[:, offset: offset + H * W], (H, W), prompt_len, source_prior)
 
 
 def sample_tokens(pipe, prompts, sources, slots, step, args, prompt_len=None):
-    """SAMPLE this rank's groups, the group at `slot` seeded by (step, slot) (the same on any number of
-    processes) -> Rollout. pi_old: the loss's own pass, micro-batch for micro-batch, for ratio 1 bit
-    for bit (the sampler's kernels differ: ~1e-2 off a full pass in bf16, ~1e-6 in fp32)."""
+    """SAMPLE this rank's groups -> Rollout, group `slot` seeded by (step, slot): alike on any number of processes.
+    old_logp is the loss's own pass, micro-batch for micro-batch, so ratio is 1 bit for bit (the sampler's
+    kernels differ: ~1e-2 off a full pass in bf16, ~1e-6 in fp32)."""
     ar = pipe.vision_language_encoder
-    if prompt_len is None:      # one column past the step's longest prompt (on all ranks): SDPA's masked
+    if prompt_len is None:  # one column past the step's longest prompt (on all ranks): SDPA's masked
         # fp32 sums change with the padding before a row, and an unpadded batch takes its causal kernel
         longest = processor_inputs(pipe, prompts, sources, args.height, args.width, "cpu")["input_ids"].shape[1]
         prompt_len = max_over_ranks(longest) + 1
@@ -384,7 +383,7 @@ def dit_schedule(pipe, height, width, num_inference_steps):
     from diffusers.pipelines.glm_image.pipeline_glm_image import calculate_shift, retrieve_timesteps
 
     scheduler, device = pipe.scheduler, pipe._execution_device
-    seq_len = height * width // (pipe.vae_scale_factor * pipe.transformer.config.patch_size) ** 2   # latent patches
+    seq_len = height * width // (pipe.vae_scale_factor * pipe.transformer.config.patch_size) ** 2  # latent patches
     train_steps = scheduler.config.num_train_timesteps
     timesteps = np.linspace(train_steps, 1.0, num_inference_steps + 1)[:-1].astype(np.int64).astype(np.float32)
     mu = calculate_shift(seq_len, scheduler.config.get("base_image_seq_len", 256),
@@ -424,14 +423,14 @@ def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps, g
     (the trained AR would leave the GPU at each decode)."""
     G = rollout.target_tokens.shape[0] // len(prompts)
     cond = dit_condition(pipe, prompts, G, rollout.target_tokens, rollout.grid_hw, guidance_scale, sources,
-                         rollout.source_prior and rollout.source_prior[::G])              # i2i: per prompt
+                         rollout.source_prior and rollout.source_prior[::G])  # i2i: per prompt
     H, W = rollout.grid_hw
     schedule = dit_schedule(pipe, 32 * H, 32 * W, num_inference_steps)
     return latents_to_images(pipe, sample_dit(pipe.transformer, cond, noise, schedule).states[:, -1])
 
 
 def latent_stats(vae, device, dtype):
-    stats = (vae.config.latents_mean, vae.config.latents_std)     # DiT latent = (VAE latent - mean) / std
+    stats = (vae.config.latents_mean, vae.config.latents_std)  # DiT latent = (VAE latent - mean) / std
     return (torch.tensor(v).view(1, -1, 1, 1).to(device, dtype) for v in stats)
 
 
@@ -489,7 +488,7 @@ def reward_metrics(rewards, per_reward, group_size):
             # the MEAN WITHIN-GROUP std (what the advantages divide by); TRL now logs the batch std by this name
             "reward_std": groups.std(dim=1)[kept].mean().item(),
             "frac_reward_zero_std": (groups.amax(dim=1) == groups.amin(dim=1)).float().mean().item(),  # tied
-            "frac_reward_nonfinite": 1 - kept.float().mean().item(),   # left out
+            "frac_reward_nonfinite": 1 - kept.float().mean().item(),  # left out
             **{f"rewards/{name}": value.mean().item() for name, value in per_reward.items()}}
 
 
@@ -602,11 +601,10 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
         kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1
         per_token = per_token + beta * kl
     n = mask.sum().clamp(min=1)
-    loss = (per_token * mask).sum() / n
+    masked_mean = lambda x: (x * mask).sum() / n
     clipped = ((ratio < 1 - clip_eps) & (adv < 0)) | ((ratio > 1 + clip_eps) & (adv > 0))
-    return loss, {"ratio_mean": ((ratio * mask).sum() / n).item(),
-                  "clip_ratio": ((clipped.float() * mask).sum() / n).item(),
-                  "kl": ((kl * mask).sum() / n).item()}
+    return masked_mean(per_token), {"ratio_mean": masked_mean(ratio).item(),
+                                    "clip_ratio": masked_mean(clipped.float()).item(), "kl": masked_mean(kl).item()}
 
 
 # =============================================================================================
@@ -636,7 +634,7 @@ def ar_micro_batches(policy, rollout, advantages, ref_logp, args, sampling):
     def micro_batches(epoch):
         for rows in sync_on_last(policy, row_slices(advantages.shape[0], args.micro_batch_size)):
             part = slice_rollout(rollout, rows)
-            logits = policy_logits(policy, part)                                   # [n, L, V]
+            logits = policy_logits(policy, part)  # [n, L, V]
             logp = token_logprobs(logits, part.sequences[:, part.prompt_len:], sampling)
             loss, metrics = grpo_loss(logp, part.old_logp, advantages[rows], part.loss_mask, args.clip_eps,
                                       args.beta, None if ref_logp is None else ref_logp[rows])
@@ -676,7 +674,7 @@ def grpo_update(optimizer, halves, args, learns=True):
                 (loss * weight).backward()
                 guard.add(prefix, metrics, weight)
             guard.add(prefix, {"grad_norm": torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()})
-        if guard.vote():           # all ranks: everything finite, something to learn
+        if guard.vote():  # all ranks: everything finite, something to learn
             optimizer.step()
             guard.check_weights()
     return guard.row()
@@ -874,16 +872,15 @@ def dit_velocity(dit, latents, t, cond, caches):
         if cond.guidance_scale > 1:     # the unconditional branch skips the source too (the pipeline's "skip")
             v_uncond = branch(rows, cond.negative_embeds[p], True, None)
             v = v_uncond + cond.guidance_scale * (v - v_uncond)
-        velocities.append(v + cache.anchor if hasattr(cache, "anchor") else v)   # --fsdp: write_source_caches
+        velocities.append(v + cache.anchor if hasattr(cache, "anchor") else v)  # --fsdp: write_source_caches
     return torch.cat(velocities)
 
 
 def sde_std(sigmas, i, noise_level):
-    """(std_t, std = std_t sqrt(-dt)): step i's noise scale and its Gaussian's standard deviation."""
-    # flow_grpo puts sigmas[1] for sigma = 1 here only, where 1 - sigma would divide by zero
+    """Step i's Gaussian std = std_t sqrt(-dt). flow_grpo puts sigmas[1] for sigma = 1, where 1 - sigma is 0."""
     sigma = sigmas[i]
     std_t = noise_level * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigmas[1], sigma)))
-    return std_t, std_t * torch.sqrt(sigma - sigmas[i + 1])
+    return std_t * torch.sqrt(sigma - sigmas[i + 1])
 
 
 def sde_step(v, x, sigmas, i, noise_level, eps=None, x_next=None):
@@ -941,7 +938,7 @@ def dit_step_logprob(dit, cond, rollout, i, noise_level):
 
 def dit_kl(mean, ref_mean, std):
     """Exact KL of the step Gaussians of policy and reference (same std), averaged over latent dims like logp:
-    ||mean - ref_mean||^2 / (2 std^2), [N, C, h, w] -> [N]; std = std_t sqrt(-dt), sde_std's."""
+    ||mean - ref_mean||^2 / (2 std^2), [N, C, h, w] -> [N]; std: sde_std."""
     return ((mean - ref_mean) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * std ** 2)
 
 
@@ -950,7 +947,7 @@ def condition_rows(cond, rows):
     G = len(cond.prompt_embeds[0])
     shares = [(p, n) for p, n in enumerate(np.bincount(np.arange(rows.start, rows.stop) // G)) if n]
 
-    def pick(per_prompt, cut=False):       # None stays None
+    def pick(per_prompt, cut=False):  # None stays None
         return per_prompt and [per_prompt[p][:n] if cut else per_prompt[p] for p, n in shares]
     return replace(cond, prompt_embeds=pick(cond.prompt_embeds, True), negative_embeds=pick(cond.negative_embeds, True),
                    prior=cond.prior[rows], target_size=cond.target_size[rows], crop_coords=cond.crop_coords[rows],
@@ -976,7 +973,7 @@ def dit_half(trainer, run, advantages, args):
             if args.beta > 0:
                 with torch.no_grad(), reference_weights(unwrap(policy), reference) as ref:
                     ref_mean = dit_step_logprob(ref, condition, part, i, args.dit_noise_level)[1]
-                kl = dit_kl(mean, ref_mean, sde_std(rollout.sigmas, i, args.dit_noise_level)[1]).mean()
+                kl = dit_kl(mean, ref_mean, sde_std(rollout.sigmas, i, args.dit_noise_level)).mean()
                 loss = loss + args.beta * kl
                 metrics["kl"] = kl.item()
             if epoch == 0:
@@ -1019,7 +1016,7 @@ def shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, cac
                 cache[index] = draw(i, 0, index)
         draws = [cache[index] for index in indices]
     G = args.group_size
-    source_prior = sources and repeat_each([d.source_prior[0] for d in draws], G)          # per sample
+    source_prior = sources and repeat_each([d.source_prior[0] for d in draws], G)  # per sample
     return SimpleNamespace(target_tokens=torch.cat([d.target_tokens.expand(G, -1) for d in draws]),
                            grid_hw=draws[0].grid_hw, source_prior=source_prior)
 
@@ -1029,11 +1026,11 @@ def sample_dit_trajectories(pipe, prompts, sources, rollout, noise, indices, ste
     and the shared noise [N, C, h, w] -> namespace: cond, trajectories (a DitRollout), images [N, 3, H, W]."""
     G = args.group_size
     cond = dit_condition(pipe, prompts, G, rollout.target_tokens, rollout.grid_hw, args.guidance_scale, sources,
-                         rollout.source_prior and rollout.source_prior[::G])              # i2i: per prompt
+                         rollout.source_prior and rollout.source_prior[::G])  # i2i: per prompt
     schedule = dit_schedule(pipe, args.height, args.width, args.num_inference_steps)
     trajectories = sample_dit(pipe.transformer, cond, noise, schedule, args.dit_noise_level, args.dit_train_steps,
                               sde_generators(args.seed, step, indices))
-    images = latents_to_images(pipe, trajectories.states[:, -1])      # VAE frozen: no graph
+    images = latents_to_images(pipe, trajectories.states[:, -1])  # VAE frozen: no graph
     return SimpleNamespace(cond=cond, trajectories=trajectories, images=images)
 
 
