@@ -81,14 +81,13 @@ class UsageError(Exception):
 # #############################################################################################
 # PART I. GRPO on the autoregressive half: one contiguous read, from the flags to the training loop
 # #############################################################################################
-# The AR model is the policy; DiT + VAE render its tokens. Stop at the end of this part and you
-# have seen a whole run: sample, decode, reward, advantage, log-probs, loss, update, the loop.
+# Stop at its end and you have seen a whole run: sample, decode, reward, advantage, log-probs, loss, update, loop.
 
 
 # =============================================================================================
 # 1. Settings
 # =============================================================================================
-# parse_args (section 15) reads every flag; `--help` lists them with their defaults. GRPO's own:
+# Every flag: parse_args (section 15), or `--help`. GRPO's own, with their defaults:
 #     --group-size G (32)             samples per prompt, compared within their group (sections 4, 7)
 #     --prompts-per-step P (2)        a step's batch is N = P x G samples
 #     --temperature, --top-k, --top-p the sampling policy, which the loss scores alike (sections 4, 8)
@@ -417,10 +416,9 @@ def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_sc
 
 @torch.no_grad()
 def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps, guidance_scale):
-    """DECODE: images [N, 3, H, W] from the target grids with the pipeline's schedule, conditioning and Euler
-    step: Part II's loop at a = 0 (equal to the pipeline's output, tested). Not `pipe(prior_token_ids=...)`,
-    which batches prompts, writes an i2i source's KV cache per sample, and re-hooks CPU offload at its end
-    (the trained AR would leave the GPU at each decode)."""
+    """DECODE: images [N, 3, H, W] from the target grids by the pipeline's schedule, conditioning and Euler step:
+    Part II's loop at a = 0 (tested equal to the pipeline). Not `pipe(prior_token_ids=...)`: it batches prompts,
+    writes an i2i source's KV cache per sample, re-hooks CPU offload at its end (moving the trained AR off the GPU)."""
     G = rollout.target_tokens.shape[0] // len(prompts)
     cond = dit_condition(pipe, prompts, G, rollout.target_tokens, rollout.grid_hw, guidance_scale, sources,
                          rollout.source_prior and rollout.source_prior[::G])  # i2i: per prompt
@@ -528,9 +526,9 @@ def token_logprobs(logits, tokens, sampling, scores=False):
     return torch.log_softmax(z, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def policy_scores(logits, sampling, sampled=None):
+def policy_scores(logits, sampling):
     """token_logprobs' z [N, L, V], finite on the kept ids."""
-    return token_logprobs(logits, sampled, sampling, scores=True)
+    return token_logprobs(logits, None, sampling, scores=True)
 
 
 def token_entropy(logits, sampling):
@@ -613,8 +611,8 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
 
 @contextlib.contextmanager
 def reference_weights(model, reference):
-    """The KL's pi_ref, for the AR and the DiT alike: the frozen copy of the initial weights
-    (`reference`, full fine-tuning), or with LoRA (reference None) `model` itself, adapters off."""
+    """The KL's pi_ref, AR or DiT: `reference`, the frozen initial weights (full fine-tuning), or with LoRA
+    (reference None) `model` itself, adapters off."""
     adapters = lora_layers(model) if reference is None else []
     for layer in adapters:
         layer.enable_adapters(False)
@@ -639,10 +637,10 @@ def ar_micro_batches(policy, rollout, advantages, ref_logp, args, sampling):
             loss, metrics = grpo_loss(logp, part.old_logp, advantages[rows], part.loss_mask, args.clip_eps,
                                       args.beta, None if ref_logp is None else ref_logp[rows])
             if epoch == 0:
-                # The policy still equals pi_old: |logp - old_logp| is a live check of the bookkeeping.
+                # Still at pi_old: |logp - old_logp| is a live check of the bookkeeping.
                 metrics["logp_diff_max"] = ((logp - part.old_logp).abs() * part.loss_mask).max().item()
-                # Entropy collapse: near 0 a group's G samples are identical, every reward ties, all
-                # advantages are 0 and learning stops for good (frac_reward_zero_std -> 1).
+                # Entropy collapse: near 0 a group's G samples are identical, every reward ties, every
+                # advantage is 0 and learning stops for good (frac_reward_zero_std -> 1).
                 with torch.no_grad():
                     entropy = token_entropy(logits, sampling) * part.loss_mask
                 metrics["entropy"] = (entropy.sum() / part.loss_mask.sum()).item()

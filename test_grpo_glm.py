@@ -1800,7 +1800,7 @@ def test_saved_generation_config_samples_the_trained_policy(tmp_path, T, top_k, 
 
 def test_truncated_sampling_has_ratio_one(sharp_pipe):
     """With top-k and top-p the loss recomputes the sampler's log-probs (every sampled id in the
-    kept set of the recomputed logits, without policy_scores' `sampled` rescue)."""
+    kept set of the recomputed logits, without token_logprobs' `tokens` rescue)."""
     torch.manual_seed(0)
     ar, sampling = sharp_pipe.vision_language_encoder, policy(sharp_pipe, 0.9, top_k=20, top_p=0.75)
     rollout = g.sample_groups(sharp_pipe, ["red", "a much longer prompt about a blue square"], 3, sampling, 64, 64,
