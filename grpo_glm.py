@@ -497,33 +497,30 @@ def reward_metrics(rewards, per_reward, group_size):
 def token_logprobs(logits, tokens, sampling, scores=False):
     """log pi(token): logits [N, L, V], tokens [N, L] -> [N, L]; scores=True: z [N, L, V]. pi = softmax(z),
     z = logits / temperature in at least fp32 (a bf16 log-softmax loses ~1e-2), -inf on suppressed ids and on
-    those transformers' warpers drop (a saved generation config samples this policy): top-k keeps z >= the k-th
-    largest; top-p sorts ascending (the warper's tie order), drops ids while the mass up to them is <= 1 - p,
-    never the largest. `tokens` stay kept: after an update one may drop out, and log 0 has no gradient."""
+    those transformers' top-k/top-p warpers drop (a saved generation config samples this policy). `tokens`
+    stay kept: after an update one may drop out, and log 0 has no gradient."""
     k, p = sampling.top_k, sampling.top_p
     z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / sampling.temperature
     if len(sampling.suppressed):
         z[..., list(sampling.suppressed)] = float("-inf")
     if k or p < 1:
         parts = []
-        with torch.no_grad():     # 1,024 rows at a time: a sort of all [N, L, V] would hold ~23 bytes a logit
+        with torch.no_grad():  # 1,024 rows at a time: a sort of all [N, L, V] would hold ~23 bytes a logit
             for rows in z.detach().reshape(-1, z.shape[-1]).split(1024):
                 dropped = torch.zeros_like(rows, dtype=torch.bool)
-                if k:
+                if k:  # keep z >= the k-th largest
                     dropped |= rows < torch.topk(rows, min(k, rows.shape[-1]), dim=-1).values[..., -1:]
-                if p < 1:
+                if p < 1:  # ascending (the warper's tie order): drop ids while the mass up to them is <= 1 - p
                     ascending, order = torch.sort(rows.masked_fill(dropped, float("-inf")), dim=-1)
                     tail = ascending.softmax(-1).cumsum(-1) <= 1 - p
-                    tail[..., -1] = False
+                    tail[..., -1] = False  # never the largest
                     dropped |= tail.scatter(-1, order, tail)
                 parts.append(dropped)
             dropped = torch.cat(parts).view_as(z)
             if tokens is not None:
                 dropped.scatter_(-1, tokens.unsqueeze(-1), False)
         z = z.masked_fill(dropped, float("-inf"))
-    if scores:
-        return z
-    return torch.log_softmax(z, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return z if scores else torch.log_softmax(z, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def policy_scores(logits, sampling):
@@ -828,8 +825,8 @@ def train(args):
 # 12. The SDE step, the DiT rollout and its loss
 # =============================================================================================
 # GLM-Image's authors post-train both halves ("decoupled RL"): the AR for layout and semantics, the DiT for
-# detail and text. grpo_loss needs the probability of what was sampled, which the pipeline's Euler step
-# x' = x + v dt lacks. Flow-GRPO (Liu et al. 2025, yifan123/flow_grpo, `sde_step_with_logprob`) swaps each
+# detail and text. grpo_loss needs the probability of what was sampled; the pipeline's Euler step
+# x' = x + v dt has none. Flow-GRPO (Liu et al. 2025, yifan123/flow_grpo, `sde_step_with_logprob`) swaps each
 # step for an SDE with the same marginals, a Gaussian policy pi_theta(x' | x) of noise level a = --dit-noise-level:
 #     std_t = a * sqrt(sigma / (1 - sigma))
 #     mean  = x * (1 + std_t^2 / (2 sigma) * dt) + v * (1 + std_t^2 (1 - sigma) / (2 sigma)) * dt
