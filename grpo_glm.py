@@ -634,7 +634,7 @@ def ar_micro_batches(policy, rollout, advantages, ref_logp, args, sampling):
             loss, metrics = grpo_loss(logp, part.old_logp, advantages[rows], part.loss_mask, args.clip_eps,
                                       args.beta, None if ref_logp is None else ref_logp[rows])
             if epoch == 0:
-                # Still at pi_old: |logp - old_logp| is a live check of the bookkeeping.
+                # Pass 1 is at pi_old: |logp - old_logp| is a live check of the bookkeeping.
                 metrics["logp_diff_max"] = ((logp - part.old_logp).abs() * part.loss_mask).max().item()
                 # Entropy collapse: near 0 a group's G samples are identical, every reward ties, every
                 # advantage is 0 and learning stops for good (frac_reward_zero_std -> 1).
@@ -879,7 +879,7 @@ def sde_std(sigmas, i, noise_level):
 
 
 def sde_step(v, x, sigmas, i, noise_level, eps=None, x_next=None):
-    """Section 12's step from x = x_i (fp32 [N, C, h, w]) -> (x', logp [N], mean); given `x_next` instead of
+    """The step above, from x = x_i (fp32 [N, C, h, w]) -> (x', logp [N], mean); given `x_next` instead of
     `eps`, it scores that stored transition. logp: Normal.log_prob (flow_grpo's formula op for op; unvalidated:
     a NaN reaches grpo_update's skip) averaged over latent dims; None at noise_level 0."""
     sigma, dt = sigmas[i], sigmas[i + 1] - sigmas[i]
