@@ -214,8 +214,8 @@ class Rollout:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """The AR policy: pi(token) = softmax(logits / temperature) renormalised over the kept ids (vLLM's name for
-    these settings). Sampling and the loss both read it: the policy trained is the one sampled."""
+    """The AR policy (vLLM's name): pi(token) = softmax(logits / temperature) renormalised over the kept ids.
+    Sampling and the loss both read it: the policy trained is the one sampled."""
     temperature: float = 1.0
     top_k: int = 0               # keep the k most likely ids (0: all)
     top_p: float = 1.0           # of those, the fewest whose probability adds up to p (1: all)
