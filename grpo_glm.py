@@ -18,13 +18,12 @@ and a diffusion transformer (DiT) + VAE paint the pixels they describe. The AR i
 GRPO (Shao et al. 2024, DeepSeekMath) needs no value network: it samples a group of G images per
 prompt, standardises each reward within its group, A_i = (r_i - mean(r)) / (std(r) + eps), and
 pushes the policy up on better-than-average samples with PPO's clipped surrogate (Schulman et al.
-2017), optionally with a KL penalty towards the initial model. --policy dit|both trains the DiT
-too (Part II, Flow-GRPO). `--model tiny`, the default, is GLM-Image at toy size (section 21).
+2017), optionally with a KL penalty towards the initial model.
 
 Reading map: Part I (sections 1-11) is GRPO on the AR in the order a step runs; Part II (12-13)
-Flow-GRPO on the DiT; Part III (14-25) is plumbing. The pure functions (mse_reward, group_advantages,
-token_logprobs, grpo_loss, sde_step, dit_kl) need only torch and math: copy them out freely (tested).
-Symbols: N samples a batch (= P x G), P prompts, G group size, S prompt tokens (padded), L generated tokens,
+Flow-GRPO on the DiT (--policy dit|both); Part III (14-25) is plumbing. The pure functions (mse_reward,
+group_advantages, token_logprobs, grpo_loss, sde_step, dit_kl) need only torch and math: copy them out (tested).
+Symbols: N samples in a batch (P x G), P prompts, G group size, S prompt tokens (padded), L generated tokens,
 H x W target grid in tokens (image side / 32), V vocabulary, K denoising steps, T of them trained.
 """
 
@@ -82,14 +81,13 @@ class UsageError(Exception):
 # #############################################################################################
 # PART I. GRPO on the autoregressive half: one contiguous read, from the flags to the training loop
 # #############################################################################################
-# The AR model is the policy; DiT + VAE render its tokens. Stop at the end of this part and you
-# have seen a whole run: sample, decode, reward, advantage, log-probs, loss, update, the loop.
+# Stop at its end and you have seen a whole run: sample, decode, reward, advantage, log-probs, loss, update, loop.
 
 
 # =============================================================================================
 # 1. Settings
 # =============================================================================================
-# parse_args (section 15) reads every flag; `--help` lists them with their defaults. GRPO's own:
+# Every flag: parse_args (section 15), or `--help`. GRPO's own, with their defaults:
 #     --group-size G (32)             samples per prompt, compared within their group (sections 4, 7)
 #     --prompts-per-step P (2)        a step's batch is N = P x G samples
 #     --temperature, --top-k, --top-p the sampling policy, which the loss scores alike (sections 4, 8)
@@ -171,7 +169,7 @@ def prepare_policy(ar, args):
 # Run.steps (section 19): a seeded shuffle per pass over the file, so a resumed run sees the same prompts.
 
 def repeat_each(items, group_size):
-    return [x for x in items for _ in range(group_size)]        # [a, b] -> [a x G, b x G], as the batch rows
+    return [x for x in items for _ in range(group_size)]  # [a, b] -> [a x G, b x G], as the batch rows
 
 
 def batch_targets(batch):
@@ -183,9 +181,8 @@ def batch_targets(batch):
 
 
 def seeded(seed, purpose, step=0, index=0, device="cpu"):
-    """The one rule for every random stream a run derives (prompt order, tokens, DiT noise): a generator of its
-    own for (--seed, purpose, step, index), alike on any rank and in any batch. Hashed: no two streams share a
-    seed, as sums like seed * 7919 + index can."""
+    """The one rule for every random stream a run derives (prompt order, tokens, DiT noise): its own generator
+    from (--seed, purpose, step, index), alike on any rank and batch. Hashed: sums like seed * 7919 + index collide."""
     digest = hashlib.sha256(f"{seed}/{purpose}/{step}/{index}".encode()).digest()
     return torch.Generator(device).manual_seed(int.from_bytes(digest[:8], "little"))
 
@@ -195,10 +192,10 @@ def seeded(seed, purpose, step=0, index=0, device="cpu"):
 # =============================================================================================
 # t2i: after the prompt `text<sop>H W<eop><sop>h w<eop><bos>` the AR generates
 #     h*w preview tokens (a ~16x16 sketch) | H*W target-grid tokens | 1 end slot
-# i2i: the prompt holds the source image's VQ tokens, `<start><image tokens><end>text<sop>H W<eop><bos>`,
-#     and the AR generates H*W target-grid tokens | 1 end slot (no preview).
-# Only the target grid reaches the DiT. Sampling: a prompt pass fills a static KV cache; each step feeds the last
-# token at its M-RoPE position (rollout_positions) and draws the next. On a GPU: one CUDA graph, not ~4,000 launches.
+# i2i: after `<start><the source image's VQ tokens><end>text<sop>H W<eop><bos>` it generates
+#     H*W target-grid tokens | 1 end slot (no preview).
+# Only the target grid reaches the DiT. Sampling: a prompt pass fills a static KV cache, then each step feeds
+# the last token at its M-RoPE position (rollout_positions) and draws the next.
 
 @dataclass
 class Rollout:
@@ -215,8 +212,8 @@ class Rollout:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """The AR policy: pi(token) = softmax(logits / temperature) renormalised over the kept ids (vLLM's name for
-    these settings). Sampling and the loss both read it: the policy trained is the one sampled."""
+    """The AR policy (vLLM's name): pi(token) = softmax(logits / temperature) renormalised over the kept ids.
+    Sampling and the loss both read it: the policy trained is the one sampled."""
     temperature: float = 1.0
     top_k: int = 0               # keep the k most likely ids (0: all)
     top_p: float = 1.0           # of those, the fewest whose probability adds up to p (1: all)
@@ -261,7 +258,7 @@ def gumbel_max(logits, uniform, sampling):
 
 
 def next_logits(ar, ids, positions, mask, cache):
-    """ids [N, q] in at their M-RoPE positions, read at the cache's device counter (no host sync) -> logits [N, V]."""
+    """ids [N, q] at their M-RoPE positions, indexed by the cache's on-device length (no host sync) -> logits [N, V]."""
     at = cache.get_seq_length() + torch.arange(ids.shape[1], device=ids.device)
     # by position: the cache's keyword is past_key_values before transformers 5.24
     return ar(ids, mask, positions.index_select(2, at), cache, logits_to_keep=1).logits[:, -1]
@@ -277,13 +274,13 @@ def processor_inputs(pipe, prompts, sources, height, width, device):
 
 
 def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_len=None):
-    """The AR's inputs for P x G rows (left-padded to `prompt_len`; i2i: VQ ids in the image placeholders), i2i's
-    per-sample DiT condition, the grids (h, w) to generate in their order (t2i: preview, target)."""
+    """-> (the AR's inputs for P x G rows, left-padded to `prompt_len`; i2i's per-sample DiT condition; the grids
+    (h, w) to generate, in order: t2i preview, target)."""
     ar = pipe.vision_language_encoder
     inputs = processor_inputs(pipe, prompts, sources, height, width, ar.device)
     ids, per_sample, source_prior = inputs["input_ids"], inputs["images_per_sample"], None
     if sources is not None:
-        # i2i: vision encoder + VQ once per prompt; its VQ ids into the placeholders: no pass reruns the encoder
+        # i2i: vision encoder + VQ once per prompt, its ids into the image placeholders: no pass reruns them
         source_grids = ar.model.get_image_grids_for_generation(per_sample, inputs["image_grid_thw"])
         features = list(ar.get_image_features(inputs["pixel_values"], source_grids).pooler_output)
         tokens = torch.split(ar.get_image_tokens(features), source_grids.prod(-1).tolist())
@@ -306,8 +303,8 @@ def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_
 
 def rollout_positions(ar, batch, grids):
     """M-RoPE positions [3, N, S + L - 1] of prompt + generated[:-1] as get_rope_index lays them out: the prompt's
-    by it (2-D mask: padding is not text), then from s = its last + 1 each grid (h, w) at (s, s + i, s + j),
-    s += max(h, w)."""
+    by it (2-D mask: padding is not text), then each grid (h, w) at (s, s + i, s + j), s = the prompt's last + 1,
+    s += max(h, w) per grid."""
     prompt, _ = ar.model.get_rope_index(**batch)
     offsets = [ar.model.get_vision_position_ids(sum(max(*hw) for hw in grids[:k]), torch.tensor([1, h, w]))
                for k, (h, w) in enumerate(grids)]  # [3, h*w] each; the end slot's is never read
@@ -328,10 +325,9 @@ def sample_groups(pipe, prompts, group_size, sampling, height, width, loss_token
     positions = rollout_positions(ar, batch, grids)  # [3, N, S + L - 1]
     mask = torch.nn.functional.pad(batch["attention_mask"], (0, L - 1), value=1)  # [N, S + L - 1]
     cache = StaticCache(ar.config, max_cache_len=mask.shape[1])
-    # The forward's ~1,000 kernels as one CUDA graph; gumbel_max's ~20 stay eager (torch 2.11's inductor
-    # failed on the top-p cumsum)
-    forward = torch.compile(next_logits, fullgraph=True, mode="reduce-overhead", disable=ar.device.type != "cuda"
-                            or not compiled)
+    # GPU: the forward's ~1,000 kernels as one CUDA graph; gumbel_max eager (torch 2.11's inductor failed on it)
+    forward = torch.compile(next_logits, fullgraph=True, mode="reduce-overhead",
+                            disable=ar.device.type != "cuda" or not compiled)
     ids, drawn = batch["input_ids"], []
     for t in range(L):  # t = 0: the prompt's prefill, eager; then a token per row
         uniform = torch.cat([torch.rand(group_size, ar.config.text_config.vision_vocab_size, generator=gen,
@@ -342,17 +338,17 @@ def sample_groups(pipe, prompts, group_size, sampling, height, width, loss_token
     generated, old_logp = (torch.stack(column, 1) for column in zip(*drawn))  # [N, L] each
     offset = L - 1 - H * W  # the target grid: last before the end slot
     loss_mask = torch.zeros_like(generated, dtype=torch.float32)
-    loss_mask[:, (offset if loss_tokens == "target" else 0): offset + H * W] = 1.0    # never the end slot
+    loss_mask[:, (offset if loss_tokens == "target" else 0): offset + H * W] = 1.0  # never the end slot
     return Rollout(torch.cat([batch["input_ids"], generated], 1), mask, positions, old_logp, loss_mask,
                    generated[:, offset: offset + H * W], (H, W), prompt_len, source_prior)
 
 
 def sample_tokens(pipe, prompts, sources, slots, step, args, prompt_len=None):
-    """SAMPLE this rank's groups, the group at `slot` seeded by (step, slot) (the same on any number of
-    processes) -> Rollout. pi_old: the loss's own pass, micro-batch for micro-batch, for ratio 1 bit
-    for bit (the sampler's kernels differ: ~1e-2 off a full pass in bf16, ~1e-6 in fp32)."""
+    """SAMPLE this rank's groups -> Rollout, group `slot` seeded by (step, slot): alike on any number of processes.
+    old_logp is the loss's own pass, micro-batch for micro-batch, so ratio is 1 bit for bit (the sampler's
+    kernels differ: ~1e-2 off a full pass in bf16, ~1e-6 in fp32)."""
     ar = pipe.vision_language_encoder
-    if prompt_len is None:      # one column past the step's longest prompt (on all ranks): SDPA's masked
+    if prompt_len is None:  # one column past the step's longest prompt (on all ranks): SDPA's masked
         # fp32 sums change with the padding before a row, and an unpadded batch takes its causal kernel
         longest = processor_inputs(pipe, prompts, sources, args.height, args.width, "cpu")["input_ids"].shape[1]
         prompt_len = max_over_ranks(longest) + 1
@@ -370,8 +366,8 @@ def sample_tokens(pipe, prompts, sources, slots, step, args, prompt_len=None):
 # =============================================================================================
 
 def group_noise(pipe, prompt_indices, group_size, height, width, seed, step, mode):
-    """Initial DiT latents [N, C, h, w], a draw per prompt shared by its G samples: only the tokens differ.
-    --dit-noise per-prompt: the renderer is a fixed function tokens -> image: only the policy can raise the reward."""
+    """Initial DiT latents [N, C, h, w]: one draw per prompt, shared by its G samples, so only the tokens differ.
+    --dit-noise per-prompt keeps it every step: a fixed renderer, so only the policy can raise the reward."""
     shape = (pipe.transformer.config.in_channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
     step = 0 if mode == "per-prompt" else step
     draws = [torch.randn(shape, generator=seeded(seed, "dit noise", step, index)) for index in prompt_indices]
@@ -392,12 +388,12 @@ class DitCondition:
 
 
 def dit_schedule(pipe, height, width, num_inference_steps):
-    """(timesteps [K], sigmas [K+1]) exactly as GlmImagePipeline.__call__ sets them up; sigma is read
-    back from scheduler.sigmas, which is shifted (t / 1000 is not the sigma the DiT runs at)."""
+    """(timesteps [K], sigmas [K+1]) as GlmImagePipeline.__call__ sets them. Sigmas are read back from the
+    scheduler: they are shifted (t / 1000 is not the sigma the DiT runs at)."""
     from diffusers.pipelines.glm_image.pipeline_glm_image import calculate_shift, retrieve_timesteps
 
     scheduler, device = pipe.scheduler, pipe._execution_device
-    seq_len = height * width // (pipe.vae_scale_factor * pipe.transformer.config.patch_size) ** 2   # latent patches
+    seq_len = height * width // (pipe.vae_scale_factor * pipe.transformer.config.patch_size) ** 2  # latent patches
     train_steps = scheduler.config.num_train_timesteps
     timesteps = np.linspace(train_steps, 1.0, num_inference_steps + 1)[:-1].astype(np.int64).astype(np.float32)
     mu = calculate_shift(seq_len, scheduler.config.get("base_image_seq_len", 256),
@@ -408,8 +404,8 @@ def dit_schedule(pipe, height, width, num_inference_steps):
 
 @torch.no_grad()
 def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_scale, sources=None, source_prior=None):
-    """The DiT's inputs for P prompts x G samples; target_tokens [N, H*W]; i2i: per prompt its source
-    (PIL) and (upsampled VQ ids, grid). The frozen glyph encoder and VAE run here, once per step."""
+    """The DiT's inputs for P prompts x G samples, target_tokens [N, H*W]; i2i: per prompt its source (PIL)
+    and (upsampled VQ ids, grid). The frozen glyph encoder and VAE run here, once per step."""
     from diffusers.pipelines.glm_image.pipeline_glm_image import retrieve_latents
 
     H, W = grid_hw
@@ -431,20 +427,19 @@ def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_sc
 
 @torch.no_grad()
 def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps, guidance_scale):
-    """DECODE: images [N, 3, H, W] from the target grids by the pipeline's own schedule, conditioning and Euler
-    step, in the loop Part II trains (its SDE step at a = 0; equal to the pipeline's output, tested). Not
-    `pipe(prior_token_ids=...)`: it batches prompts, writes an i2i source's KV cache per sample, and re-hooks
-    every component's CPU offload at its end (the trained AR would leave the GPU at each decode)."""
+    """DECODE: images [N, 3, H, W] from the target grids by the pipeline's schedule, conditioning and Euler step:
+    Part II's loop at a = 0 (tested equal to the pipeline). Not `pipe(prior_token_ids=...)`: it batches prompts,
+    writes an i2i source's KV cache per sample, re-hooks CPU offload at its end (moving the trained AR off the GPU)."""
     G = rollout.target_tokens.shape[0] // len(prompts)
     cond = dit_condition(pipe, prompts, G, rollout.target_tokens, rollout.grid_hw, guidance_scale, sources,
-                         rollout.source_prior and rollout.source_prior[::G])              # i2i: per prompt
+                         rollout.source_prior and rollout.source_prior[::G])  # i2i: per prompt
     H, W = rollout.grid_hw
     schedule = dit_schedule(pipe, 32 * H, 32 * W, num_inference_steps)
-    return latents_to_images(pipe, sample_dit(pipe.transformer, cond, noise, schedule).states[:, -1])  # a = 0
+    return latents_to_images(pipe, sample_dit(pipe.transformer, cond, noise, schedule).states[:, -1])
 
 
 def latent_stats(vae, device, dtype):
-    stats = (vae.config.latents_mean, vae.config.latents_std)     # DiT latent = (VAE latent - mean) / std
+    stats = (vae.config.latents_mean, vae.config.latents_std)  # DiT latent = (VAE latent - mean) / std
     return (torch.tensor(v).view(1, -1, 1, 1).to(device, dtype) for v in stats)
 
 
@@ -463,7 +458,7 @@ def latents_to_images(pipe, latents):
 def mse_reward(images, targets):
     """r = -mean((image - target)^2) over channels and pixels.
     images, targets: float [N, 3, H, W] in [0, 1]  ->  rewards [N] in [-1, 0]; 0 = perfect."""
-    wide = images.to(torch.promote_types(images.dtype, torch.float32))     # bf16 -> fp32; fp64 stays
+    wide = images.to(torch.promote_types(images.dtype, torch.float32))  # bf16 -> fp32; fp64 stays
     return -((wide - targets) ** 2).mean(dim=(1, 2, 3))
 # A reward plug-in (--reward module:fn | path/to/file.py:fn, optionally =WEIGHT; section 17) is any
 #     fn(images [N, 3, H, W] in [0, 1], prompts: N str, targets [N, 3, H, W] | None) -> [N], higher = better,
@@ -473,7 +468,7 @@ def mse_reward(images, targets):
 def compute_rewards(rewards, images, prompts, targets):
     """(total [N] = sum_k w_k r_k, {name: r_k [N]}). Summed, then standardised, as TRL: a reward weighs by
     weight x spread in a group (MixGRPO standardises each first, blowing a flat one's noise up)."""
-    values = [call_reward(reward, images, prompts, targets) for reward in rewards]          # each checked [N]
+    values = [call_reward(reward, images, prompts, targets) for reward in rewards]  # each checked [N]
     total = functools.reduce(torch.add, [reward.weight * value for reward, value in zip(rewards, values)])
     return total, {reward.name: value for reward, value in zip(rewards, values)}
 
@@ -483,26 +478,26 @@ def compute_rewards(rewards, images, prompts, targets):
 # =============================================================================================
 
 def group_advantages(rewards, group_size, eps=1e-4):
-    """A_i = (r_i - mean_group(r)) / (std_group(r) + eps), rewards [N] in groups of G -> [N], unbiased std (as TRL).
-    Equal rewards get exactly 0 (an fp32 mean an ulp off, / (std + eps), would give ~3e-4), as does a group with a
-    NaN or inf (left out: the others train). eps is not tiny on purpose: MSE rewards in a group can differ by 1e-4."""
+    """A_i = (r_i - mean_group(r)) / (std_group(r) + eps): rewards [N] in groups of G -> [N]; unbiased std, as TRL.
+    A tied group gets exactly 0 (not ~3e-4 from an fp32 mean an ulp off), as does one with a NaN or inf (left
+    out: the others train). eps is not tiny on purpose: MSE rewards in a group can differ by 1e-4."""
     if rewards.ndim != 1 or rewards.numel() % group_size:
         raise ValueError(f"got {rewards.numel()} rewards, not a multiple of group_size={group_size}")
     groups = rewards.view(-1, group_size)
     centred = groups - groups.mean(dim=1, keepdim=True)
     advantages = centred / (groups.std(dim=1, keepdim=True) + eps)
-    dropped = (groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)) | ~groups.isfinite().all(1, True)
-    return torch.where(dropped, 0.0, advantages).view(-1)
+    tied = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)
+    return torch.where(tied | ~groups.isfinite().all(1, True), 0.0, advantages).view(-1)
 
 
 def reward_metrics(rewards, per_reward, group_size):
-    groups = rewards.view(-1, group_size)                                             # [P, G]
-    kept = groups.isfinite().all(dim=1)   # [P]
+    groups = rewards.view(-1, group_size)  # [P, G]
+    kept = groups.isfinite().all(dim=1)  # [P]
     return {"reward_mean": groups[kept].mean().item(),
             # the MEAN WITHIN-GROUP std (what the advantages divide by); TRL now logs the batch std by this name
             "reward_std": groups.std(dim=1)[kept].mean().item(),
             "frac_reward_zero_std": (groups.amax(dim=1) == groups.amin(dim=1)).float().mean().item(),  # tied
-            "frac_reward_nonfinite": 1 - kept.float().mean().item(),   # left out
+            "frac_reward_nonfinite": 1 - kept.float().mean().item(),  # left out
             **{f"rewards/{name}": value.mean().item() for name, value in per_reward.items()}}
 
 
@@ -511,40 +506,37 @@ def reward_metrics(rewards, per_reward, group_size):
 # =============================================================================================
 
 def token_logprobs(logits, tokens, sampling, scores=False):
-    """log pi(token): logits [N, L, V], tokens [N, L] -> [N, L] (scores=True: z [N, L, V]). pi = softmax(z),
-    z = logits / temperature in at least fp32 (a bf16 log-softmax loses ~1e-2), -inf where suppressed or where
-    transformers' warpers drop an id (a saved generation config samples the same policy): top-k keeps z >=
-    the k-th largest; top-p sorts ascending (the warper's tie order), drops ids while the mass up to them is
-    <= 1 - p, never the largest. `tokens` stay kept: after an update one may leave, and log 0 has no gradient."""
+    """log pi(token): logits [N, L, V], tokens [N, L] -> [N, L]; scores=True: z [N, L, V]. pi = softmax(z),
+    z = logits / temperature in at least fp32 (a bf16 log-softmax loses ~1e-2), -inf on suppressed ids and on
+    those transformers' top-k/top-p warpers drop (a saved generation config samples this policy). `tokens`
+    stay kept: after an update one may drop out, and log 0 has no gradient."""
     k, p = sampling.top_k, sampling.top_p
     z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / sampling.temperature
     if len(sampling.suppressed):
         z[..., list(sampling.suppressed)] = float("-inf")
     if k or p < 1:
         parts = []
-        with torch.no_grad():     # 1,024 rows at a time: a sort of all [N, L, V] would hold ~23 bytes a logit
+        with torch.no_grad():  # 1,024 rows at a time: a sort of all [N, L, V] would hold ~23 bytes a logit
             for rows in z.detach().reshape(-1, z.shape[-1]).split(1024):
                 dropped = torch.zeros_like(rows, dtype=torch.bool)
-                if k:
+                if k:  # keep z >= the k-th largest
                     dropped |= rows < torch.topk(rows, min(k, rows.shape[-1]), dim=-1).values[..., -1:]
-                if p < 1:
+                if p < 1:  # ascending (the warper's tie order): drop ids while the mass up to them is <= 1 - p
                     ascending, order = torch.sort(rows.masked_fill(dropped, float("-inf")), dim=-1)
                     tail = ascending.softmax(-1).cumsum(-1) <= 1 - p
-                    tail[..., -1] = False
+                    tail[..., -1] = False  # never the largest
                     dropped |= tail.scatter(-1, order, tail)
                 parts.append(dropped)
             dropped = torch.cat(parts).view_as(z)
             if tokens is not None:
                 dropped.scatter_(-1, tokens.unsqueeze(-1), False)
         z = z.masked_fill(dropped, float("-inf"))
-    if scores:
-        return z
-    return torch.log_softmax(z, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return z if scores else torch.log_softmax(z, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def policy_scores(logits, sampling, sampled=None):
+def policy_scores(logits, sampling):
     """token_logprobs' z [N, L, V], finite on the kept ids."""
-    return token_logprobs(logits, sampled, sampling, scores=True)
+    return token_logprobs(logits, None, sampling, scores=True)
 
 
 def token_entropy(logits, sampling):
@@ -568,10 +560,10 @@ def row_slices(num_samples, size):
 
 
 def slice_rollout(rollout, rows):
-    """Rows `rows` (a slice) of a Rollout, without the left-padding columns none of them needs,
-    so a group's forward is the same tensors whatever else shares its rank's batch."""
+    """The Rollout's `rows` (a slice), less the left-padding columns none of them needs: a group's forward
+    sees the same tensors whatever shares its rank's batch."""
     mask = rollout.attention_mask[rows]
-    first = int(mask.any(dim=0).nonzero()[0])          # only prompt columns can be all padding
+    first = int(mask.any(dim=0).nonzero()[0])  # only prompt columns can be all padding
     per_row = {name: getattr(rollout, name) for name in ("old_logp", "loss_mask", "target_tokens", "source_prior")}
     return replace(rollout, sequences=rollout.sequences[rows, first:], attention_mask=mask[:, first:],
                    position_ids=rollout.position_ids[:, rows, first:], prompt_len=rollout.prompt_len - first,
@@ -588,9 +580,9 @@ def logprobs_by_micro_batch(model, rollout, sampling, size=None):
 # =============================================================================================
 # 9. Loss
 # =============================================================================================
-# Which tokens: the reward depends only on the H*W target-grid tokens. The preview tokens condition
-# them, so training those too ('all') is the unbiased gradient, but adds h*w ~ 256 tokens of almost
-# pure noise; 'target' (the default) trades that bias for a far less noisy gradient.
+# --loss-tokens: the reward depends only on the H*W target-grid tokens, which the preview tokens condition.
+# Training those too ('all') is the unbiased gradient, plus h*w ~ 256 tokens of near-pure noise; 'target'
+# (the default) trades that bias for a far less noisy gradient.
 
 def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=None):
     """PPO-clipped GRPO objective, per token. Returns (loss, metrics).
@@ -604,7 +596,7 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
 
     logp, old_logp, ref_logp, mask: [N, L]; advantages: [N]. The masked mean over the batch's tokens is
     TRL's 'bnpo' (every sample has as many tokens: 'grpo' and 'dapo' agree)."""
-    adv = advantages.unsqueeze(1)                                     # [N, 1]
+    adv = advantages.unsqueeze(1)  # [N, 1]
     ratio = torch.exp(logp - old_logp)
     pg_loss1 = -adv * ratio
     pg_loss2 = -adv * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
@@ -615,11 +607,10 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
         kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1
         per_token = per_token + beta * kl
     n = mask.sum().clamp(min=1)
-    loss = (per_token * mask).sum() / n
+    masked_mean = lambda x: (x * mask).sum() / n
     clipped = ((ratio < 1 - clip_eps) & (adv < 0)) | ((ratio > 1 + clip_eps) & (adv > 0))
-    return loss, {"ratio_mean": ((ratio * mask).sum() / n).item(),
-                  "clip_ratio": ((clipped.float() * mask).sum() / n).item(),
-                  "kl": ((kl * mask).sum() / n).item()}
+    return masked_mean(per_token), {"ratio_mean": masked_mean(ratio).item(),
+                                    "clip_ratio": masked_mean(clipped.float()).item(), "kl": masked_mean(kl).item()}
 
 
 # =============================================================================================
@@ -628,8 +619,8 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
 
 @contextlib.contextmanager
 def reference_weights(model, reference):
-    """The KL's pi_ref, for the AR and the DiT alike: the frozen copy of the initial weights
-    (`reference`, full fine-tuning), or with LoRA (reference None) `model` itself, adapters off."""
+    """The KL's pi_ref, AR or DiT: `reference`, the frozen initial weights (full fine-tuning), or with LoRA
+    (reference None) `model` itself, adapters off."""
     adapters = lora_layers(model) if reference is None else []
     for layer in adapters:
         layer.enable_adapters(False)
@@ -649,15 +640,15 @@ def ar_micro_batches(policy, rollout, advantages, ref_logp, args, sampling):
     def micro_batches(epoch):
         for rows in sync_on_last(policy, row_slices(advantages.shape[0], args.micro_batch_size)):
             part = slice_rollout(rollout, rows)
-            logits = policy_logits(policy, part)                                   # [n, L, V]
+            logits = policy_logits(policy, part)  # [n, L, V]
             logp = token_logprobs(logits, part.sequences[:, part.prompt_len:], sampling)
             loss, metrics = grpo_loss(logp, part.old_logp, advantages[rows], part.loss_mask, args.clip_eps,
                                       args.beta, None if ref_logp is None else ref_logp[rows])
             if epoch == 0:
-                # The policy still equals pi_old: |logp - old_logp| is a live check of the bookkeeping.
+                # Pass 1 is at pi_old: |logp - old_logp| is a live check of the bookkeeping.
                 metrics["logp_diff_max"] = ((logp - part.old_logp).abs() * part.loss_mask).max().item()
-                # Entropy collapse: near 0 a group's G samples are identical, every reward ties, all
-                # advantages are 0 and learning stops for good (frac_reward_zero_std -> 1).
+                # Entropy collapse: near 0 a group's G samples are identical, every reward ties, every
+                # advantage is 0 and learning stops for good (frac_reward_zero_std -> 1).
                 with torch.no_grad():
                     entropy = token_entropy(logits, sampling) * part.loss_mask
                 metrics["entropy"] = (entropy.sum() / part.loss_mask.sum()).item()
@@ -677,10 +668,10 @@ def ar_half(trainer, rollout, advantages, args):
 
 
 def grpo_update(optimizer, halves, args, learns=True):
-    """mu = --inner-epochs AdamW steps on one batch. halves: [(prefix, params, micro_batches)], '' the AR, 'dit/' the
-    DiT; micro_batches(epoch) yields (loss, metrics, weight), weights adding up to 1, each backpropagated as built
-    (one alive at a time). Gradients clip per half (different loss scales). Pass 1 runs at pi_old: ratio 1, no
-    clipping. UpdateGuard (section 14) skips a non-finite pass, or all if no rank `learns`; its row is the metrics."""
+    """mu = --inner-epochs AdamW steps on one batch. halves: [(prefix, params, micro_batches)], '' the AR, 'dit/'
+    the DiT. micro_batches(epoch) yields (loss, metrics, weight), weights adding up to 1, each backpropagated as
+    built (one graph alive at a time). Each half clips its own gradients (loss scales differ). Pass 1 is at
+    pi_old: ratio 1. UpdateGuard (section 14) skips a non-finite pass, or all if no rank `learns`."""
     guard = UpdateGuard(halves, learns)
     for epoch in range(args.inner_epochs):
         optimizer.zero_grad(set_to_none=True)
@@ -689,7 +680,7 @@ def grpo_update(optimizer, halves, args, learns=True):
                 (loss * weight).backward()
                 guard.add(prefix, metrics, weight)
             guard.add(prefix, {"grad_norm": torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()})
-        if guard.vote():           # all ranks: everything finite, something to learn
+        if guard.vote():  # all ranks: everything finite, something to learn
             optimizer.step()
             guard.check_weights()
     return guard.row()
@@ -810,19 +801,18 @@ def train(args):
 # =============================================================================================
 # 12. The SDE step, the DiT rollout and its loss
 # =============================================================================================
-# GLM-Image's authors post-train both halves ("decoupled RL"): the AR for layout and semantics, the
-# DiT for detail and text. grpo_loss needs the probability of what was sampled, which the pipeline's
-# Euler step x' = x + v dt lacks. Flow-GRPO (Liu et al. 2025, yifan123/flow_grpo,
-# `sde_step_with_logprob`) swaps each step for an SDE with the same marginals,
+# GLM-Image's authors post-train both halves ("decoupled RL"): the AR for layout and semantics, the DiT for
+# detail and text. grpo_loss needs the probability of what was sampled; the pipeline's Euler step
+# x' = x + v dt has none. Flow-GRPO (Liu et al. 2025, yifan123/flow_grpo, `sde_step_with_logprob`) swaps each
+# step for an SDE with the same marginals, a Gaussian policy pi_theta(x' | x) of noise level a = --dit-noise-level:
 #     std_t = a * sqrt(sigma / (1 - sigma))
 #     mean  = x * (1 + std_t^2 / (2 sigma) * dt) + v * (1 + std_t^2 (1 - sigma) / (2 sigma)) * dt
-#     x'    = mean + std_t * sqrt(-dt) * eps,          dt = sigma' - sigma < 0
-# a Gaussian policy pi_theta(x' | x_t), a = --dit-noise-level (a = 0: Euler's step). T trained steps are a
-# "sequence" of T actions: logp [N, T], mask all ones. A step's log-prob is the MEAN over latent dims
-# (as flow_grpo; a sum over 65536 dims at 1024^2 would dwarf a token's), so ratios stay within ~1e-3 of
-# 1: hence --dit-clip-eps 1e-4. --dit-train-steps T: the first T steps run the SDE and enter the loss, the
-# rest the ODE (untrained SDE noise is reward noise nobody is credited for). The last step, onto sigma' = 0,
-# is not trained (as flow_grpo): its Gaussian is the sharpest, its log-ratios large, its gradients noisy.
+#     x'    = mean + std_t * sqrt(-dt) * eps,      dt = sigma' - sigma < 0;   a = 0: Euler's step
+# T trained steps are a "sequence" of T actions: logp [N, T], mask all ones. A step's log-prob is the MEAN
+# over latent dims (as flow_grpo; a sum over 65536 dims at 1024^2 would dwarf a token's), so ratios stay within
+# ~1e-3 of 1: hence --dit-clip-eps 1e-4. --dit-train-steps T: the first T steps run the SDE and enter the loss,
+# the rest the ODE (untrained SDE noise is reward noise nobody is credited for). The last step, onto sigma' = 0,
+# is not trained (as flow_grpo): its Gaussian is the sharpest, its gradients noisy.
 
 
 @dataclass
@@ -834,8 +824,8 @@ class DitRollout:
 
 
 def dit_velocity(dit, latents, t, cond, caches):
-    """The guided velocity v [N, C, h, w] (fp32) at t as the pipeline computes it (the DiT gets t - 1; CFG
-    v = v_u + g (v_c - v_u), v_u without prior tokens, in training too). One call per prompt: a batch would
+    """The guided velocity v [N, C, h, w] (fp32) at t as the pipeline computes it: the DiT gets t - 1; CFG
+    v = v_u + g (v_c - v_u), v_u without prior tokens, in training too. One call per prompt: a batch would
     pad shorter glyph embeddings with zeros the DiT attends to (no mask helps, diffusers issue 13587)."""
     dtype = unwrap(dit).dtype
 
@@ -854,24 +844,23 @@ def dit_velocity(dit, latents, t, cond, caches):
         if cond.guidance_scale > 1:     # the unconditional branch skips the source too (the pipeline's "skip")
             v_uncond = branch(rows, cond.negative_embeds[p], True, None)
             v = v_uncond + cond.guidance_scale * (v - v_uncond)
-        velocities.append(v + cache.anchor if hasattr(cache, "anchor") else v)   # --fsdp: write_source_caches
+        velocities.append(v + cache.anchor if hasattr(cache, "anchor") else v)  # --fsdp: write_source_caches
     return torch.cat(velocities)
 
 
 def sde_std(sigmas, i, noise_level):
-    """(std_t, std = std_t sqrt(-dt)): step i's noise scale and its Gaussian's standard deviation."""
-    # flow_grpo puts sigmas[1] for sigma = 1 here only, where 1 - sigma would divide by zero
+    """Step i's Gaussian std = std_t sqrt(-dt). flow_grpo puts sigmas[1] for sigma = 1, where 1 - sigma is 0."""
     sigma = sigmas[i]
     std_t = noise_level * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigmas[1], sigma)))
-    return std_t, std_t * torch.sqrt(sigma - sigmas[i + 1])
+    return std_t * torch.sqrt(sigma - sigmas[i + 1])
 
 
 def sde_step(v, x, sigmas, i, noise_level, eps=None, x_next=None):
-    """One Flow-GRPO SDE step from x = x_i (fp32 [N, C, h, w]) -> (x', logp [N], mean). x' = mean + std * eps;
-    `x_next` instead of `eps` scores a stored transition. logp: torch's Normal.log_prob (flow_grpo's formula op
-    for op; unvalidated: a NaN reaches section 10's skip) averaged over latent dims; noise_level 0: Euler's step."""
+    """The step above, from x = x_i (fp32 [N, C, h, w]) -> (x', logp [N], mean); given `x_next` instead of
+    `eps`, it scores that stored transition. logp: Normal.log_prob (flow_grpo's formula op for op; unvalidated:
+    a NaN reaches grpo_update's skip) averaged over latent dims; None at noise_level 0."""
     sigma, dt = sigmas[i], sigmas[i + 1] - sigmas[i]
-    std_t = noise_level * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigmas[1], sigma)))    # sde_std, inline
+    std_t = noise_level * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigmas[1], sigma)))  # sde_std, inline
     std = std_t * torch.sqrt(-dt)
     mean = x * (1 + std_t ** 2 / (2 * sigma) * dt) + v * (1 + std_t ** 2 * (1 - sigma) / (2 * sigma)) * dt
     if noise_level == 0:
@@ -888,8 +877,8 @@ def sde_generators(seed, step, prompt_indices):
 
 @torch.no_grad()
 def sample_dit(dit, cond, noise, schedule, noise_level=0.0, train_steps=0, generators=()):
-    """Denoises `noise` [N, C, h, w]: `train_steps` SDE steps (eps [G, C, h, w] per prompt from its
-    generator) recording log-probs, then ODE steps -> DitRollout (states[:, -1]: the final latent)."""
+    """Denoises `noise` [N, C, h, w]: `train_steps` SDE steps recording log-probs (eps [G, C, h, w] per prompt
+    from its generator), then ODE steps -> DitRollout."""
     timesteps, sigmas = schedule
     x, states, logps = noise.to(sigmas.device, sigmas.dtype), [], []
     with whole_weights(dit):
@@ -910,8 +899,8 @@ def sample_dit(dit, cond, noise, schedule, noise_level=0.0, train_steps=0, gener
 
 
 def dit_step_logprob(dit, cond, rollout, i, noise_level):
-    """Step i of every stored trajectory again, with gradients: (logp [N], mean [N, C, h, w]). The
-    source's KV cache is rewritten inside the step's graph, so each step backpropagates on its own."""
+    """Step i of every stored trajectory again, with gradients: (logp [N], mean [N, C, h, w]). The source's
+    KV cache is rewritten inside the step's graph, so each step backpropagates on its own."""
     caches = write_source_caches(dit, cond)
     x = rollout.states[:, i]
     v = dit_velocity(dit, x, rollout.timesteps[i], cond, caches)
@@ -920,8 +909,8 @@ def dit_step_logprob(dit, cond, rollout, i, noise_level):
 
 
 def dit_kl(mean, ref_mean, std):
-    """The exact KL between the step Gaussians of policy and reference (same std), averaged over latent
-    dims like the log-prob: ||mean - ref_mean||^2 / (2 std^2), [N, C, h, w] -> [N]; std = std_t sqrt(|dt|) (--beta)."""
+    """Exact KL of the step Gaussians of policy and reference (same std), averaged over latent dims like logp:
+    ||mean - ref_mean||^2 / (2 std^2), [N, C, h, w] -> [N]; std: sde_std."""
     return ((mean - ref_mean) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * std ** 2)
 
 
@@ -930,7 +919,7 @@ def condition_rows(cond, rows):
     G = len(cond.prompt_embeds[0])
     shares = [(p, n) for p, n in enumerate(np.bincount(np.arange(rows.start, rows.stop) // G)) if n]
 
-    def pick(per_prompt, cut=False):       # None stays None
+    def pick(per_prompt, cut=False):  # None stays None
         return per_prompt and [per_prompt[p][:n] if cut else per_prompt[p] for p, n in shares]
     return replace(cond, prompt_embeds=pick(cond.prompt_embeds, True), negative_embeds=pick(cond.negative_embeds, True),
                    prior=cond.prior[rows], target_size=cond.target_size[rows], crop_coords=cond.crop_coords[rows],
@@ -938,8 +927,8 @@ def condition_rows(cond, rows):
 
 
 def dit_half(trainer, run, advantages, args):
-    """The DiT's half (prefix, params, micro_batches) in grpo_update: grpo_loss per trained step and micro-batch of
-    rows, weight rows / (N T), adding up to grpo_loss over [N, T] (flow_grpo: a step at a time), + beta x dit_kl."""
+    """The DiT's half (prefix, params, micro_batches) for grpo_update: grpo_loss per trained step and micro-batch,
+    weight rows / (N T), adding up to grpo_loss over [N, T] (flow_grpo: a step at a time), + beta x dit_kl."""
     policy, reference, cond, rollout = trainer.dit_policy, trainer.dit_reference, run.cond, run.trajectories
     N, steps = rollout.old_logp.shape
     advantages = advantages.to(rollout.old_logp.device)
@@ -956,7 +945,7 @@ def dit_half(trainer, run, advantages, args):
             if args.beta > 0:
                 with torch.no_grad(), reference_weights(unwrap(policy), reference) as ref:
                     ref_mean = dit_step_logprob(ref, condition, part, i, args.dit_noise_level)[1]
-                kl = dit_kl(mean, ref_mean, sde_std(rollout.sigmas, i, args.dit_noise_level)[1]).mean()
+                kl = dit_kl(mean, ref_mean, sde_std(rollout.sigmas, i, args.dit_noise_level)).mean()
                 loss = loss + args.beta * kl
                 metrics["kl"] = kl.item()
             if epoch == 0:
@@ -999,7 +988,7 @@ def shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, cac
                 cache[index] = draw(i, 0, index)
         draws = [cache[index] for index in indices]
     G = args.group_size
-    source_prior = sources and repeat_each([d.source_prior[0] for d in draws], G)          # per sample
+    source_prior = sources and repeat_each([d.source_prior[0] for d in draws], G)  # per sample
     return SimpleNamespace(target_tokens=torch.cat([d.target_tokens.expand(G, -1) for d in draws]),
                            grid_hw=draws[0].grid_hw, source_prior=source_prior)
 
@@ -1009,11 +998,11 @@ def sample_dit_trajectories(pipe, prompts, sources, rollout, noise, indices, ste
     and the shared noise [N, C, h, w] -> namespace: cond, trajectories (a DitRollout), images [N, 3, H, W]."""
     G = args.group_size
     cond = dit_condition(pipe, prompts, G, rollout.target_tokens, rollout.grid_hw, args.guidance_scale, sources,
-                         rollout.source_prior and rollout.source_prior[::G])              # i2i: per prompt
+                         rollout.source_prior and rollout.source_prior[::G])  # i2i: per prompt
     schedule = dit_schedule(pipe, args.height, args.width, args.num_inference_steps)
     trajectories = sample_dit(pipe.transformer, cond, noise, schedule, args.dit_noise_level, args.dit_train_steps,
                               sde_generators(args.seed, step, indices))
-    images = latents_to_images(pipe, trajectories.states[:, -1])      # VAE frozen: no graph
+    images = latents_to_images(pipe, trajectories.states[:, -1])  # VAE frozen: no graph
     return SimpleNamespace(cond=cond, trajectories=trajectories, images=images)
 
 

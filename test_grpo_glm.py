@@ -1804,7 +1804,7 @@ def test_saved_generation_config_samples_the_trained_policy(tmp_path, T, top_k, 
 
 def test_truncated_sampling_has_ratio_one(sharp_pipe):
     """With top-k and top-p the loss recomputes the sampler's log-probs (every sampled id in the
-    kept set of the recomputed logits, without policy_scores' `sampled` rescue)."""
+    kept set of the recomputed logits, without token_logprobs' `tokens` rescue)."""
     torch.manual_seed(0)
     ar, sampling = sharp_pipe.vision_language_encoder, policy(sharp_pipe, 0.9, top_k=20, top_p=0.75)
     rollout = g.sample_groups(sharp_pipe, ["red", "a much longer prompt about a blue square"], 3, sampling, 64, 64,
@@ -2471,7 +2471,7 @@ def test_dit_gradient_raises_the_logprob_of_a_positive_advantage_trajectory():
         moved = _dit_logprobs(dit, cond, trajectories, 0.7).sum(1) - trajectories.old_logp.sum(1)
         mean, ref_mean = (g.dit_step_logprob(m, cond, trajectories, 0, 0.7)[1] for m in (dit, reference))
     assert moved[0] > 0 and moved[1] < 0
-    assert g.dit_kl(mean, ref_mean, g.sde_std(trajectories.sigmas, 0, 0.7)[1]).min() > 0
+    assert g.dit_kl(mean, ref_mean, g.sde_std(trajectories.sigmas, 0, 0.7)).min() > 0
 
 
 @pytest.mark.parametrize("lora", ["0", "4"])
