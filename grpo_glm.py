@@ -1228,17 +1228,17 @@ def parse_args(argv=None):
     positive, non_negative = number(float, above=0), number(float, least=0)
     pixels, draws = number(int, least=32, multiple=32), ["per-prompt", "per-step"]
     a = p.add_argument_group("GRPO (section 1)").add_argument
-    a("--group-size", type=number(int, least=2), default=32, help="G: samples per prompt, compared within their group.")
+    a("--group-size", type=number(int, least=2), default=32, help="G: samples per prompt, compared in their group.")
     a("--prompts-per-step", type=count, default=2, help="Prompts per step: a batch of prompts x G samples.")
     a("--temperature", type=positive, default=1.0, help="Sampling temperature T (the loss scores logits / T).")
     a("--top-k", type=non_negative_int, default=0, help="Sample among the k likeliest tokens (0 = all).")
     a("--top-p", type=number(float, above=0, most=1), default=1.0, help="Sample the top tokens of mass p (1 = all).")
-    a("--loss-tokens", choices=["target", "all"], default="target", help="The target grid's, or the preview's too.")
+    a("--loss-tokens", choices=["target", "all"], default="target", help="The target grid's, or also the preview's.")
     a("--clip-eps", type=positive, default=0.2, help="PPO clip: the ratio is kept within [1-eps, 1+eps].")
     a("--beta", type=non_negative, default=0.0, help="Weight of the KL penalty to the initial model (0 = none).")
     a("--inner-epochs", type=count, default=4, help="mu: optimisation passes over each batch.")
     a("--lr", type=positive, default=2e-2, help="AdamW learning rate.")
-    a("--policy", choices=["ar", "dit", "both"], default="ar", help="What trains: the AR, the DiT (Part II) or both.")
+    a("--policy", choices=["ar", "dit", "both"], default="ar", help="What trains: AR, DiT (Part II) or both.")
     a("--reward", action="append", metavar="SPEC", help="'mse', 'module:function' or 'file.py:function', optionally "
       "'=WEIGHT'; repeat it for a weighted sum (section 6). Default: mse.")
     a("--steps", type=count, default=10, help="GRPO steps in all, resumed ones included.")
@@ -1249,15 +1249,15 @@ def parse_args(argv=None):
     a("--weight-decay", type=non_negative, default=0.0, help="AdamW's weight decay.")
     a("--max-grad-norm", type=positive, default=1.0, help="Clip the gradient's global norm to this.")
     a = p.add_argument_group("model and data").add_argument
-    a("--model", default=TINY, help="'tiny' (a toy GLM-Image, section 21), a hub id or a save_pretrained directory.")
-    a("--mode", choices=["t2i", "i2i"], default="t2i", help="t2i: text to image; i2i: edit each prompt's source image.")
+    a("--model", default=TINY, help="'tiny' (a toy GLM-Image, section 21), a hub id or a save_pretrained dir.")
+    a("--mode", choices=["t2i", "i2i"], default="t2i", help="t2i: text to image; i2i: edit each prompt's source.")
     a("--prompts", default="prompts.txt", help="Lines 'prompt[ | target.png[ | source.png (i2i)]]' (section 16).")
     a("--height", type=pixels, default=128, help="Image height in pixels, a multiple of 32 (a token).")
     a("--width", type=pixels, default=128, help="Image width in pixels, a multiple of 32.")
-    a("--num-inference-steps", type=count, default=4, help="DiT steps of a decode for the reward: fewer are faster, "
-      "rougher (Flow-GRPO: 10 to sample, 40 to evaluate).")
+    a("--num-inference-steps", type=count, default=4, help="DiT steps per decode: fewer are faster, rougher "
+      "(Flow-GRPO: 10 to sample, 40 to evaluate).")
     a("--guidance-scale", type=number(float), default=1.0, help="DiT classifier-free guidance scale (1 = off).")
-    a("--dit-noise", choices=draws, default="per-prompt", help="A group's initial DiT noise: drawn once or each step.")
+    a("--dit-noise", choices=draws, default="per-prompt", help="A group's initial DiT noise: once or each step.")
     a("--lora-rank", type=non_negative_int, default=0, help="LoRA rank on the AR (0 = full fine-tuning).")
     a("--lora-alpha", type=number(float), default=None, help="LoRA alpha (default: --lora-rank).")
     a("--ar-trainable", choices=["auto", "all", "head"], default="auto", help="Without LoRA: all, or the output "
@@ -1274,11 +1274,11 @@ def parse_args(argv=None):
     a = p.add_argument_group("logging and checkpoints").add_argument
     a("--out", default="runs/grpo_glm", help="Directory for metrics.jsonl, samples/ and checkpoints/.")
     a("--save-every", type=count, default=10, help="Write a checkpoint every N steps (and at the end).")
-    a("--checkpoints-total-limit", type=count, default=None, help="Keep the newest K step checkpoints (default: all).")
-    a("--sample-every", type=non_negative_int, default=5, help="Save a sheet of the samples every N steps (0 = never).")
-    a("--report-to", choices=["none", "tensorboard", "wandb"], default="none", help="Also log to TensorBoard or W&B.")
+    a("--checkpoints-total-limit", type=count, default=None, help="Keep the newest K checkpoints (default: all).")
+    a("--sample-every", type=non_negative_int, default=5, help="Save a sample sheet every N steps (0 = never).")
+    a("--report-to", choices=["none", "tensorboard", "wandb"], default="none", help="Also log to TensorBoard/W&B.")
     a("--resume", default=None, help="Checkpoint file to continue from, or 'latest' in --out.")
-    a("--resume-force", action="store_true", help="Resume even if algorithm flags differ from the checkpoint's.")
+    a("--resume-force", action="store_true", help="Resume even if algorithm flags differ from the checkpoint.")
     a("--save-pipeline", default=None, help="After training, write the whole pipeline (LoRA merged) here.")
     a = p.add_argument_group("hardware and memory").add_argument
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
@@ -1288,14 +1288,14 @@ def parse_args(argv=None):
     a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in the backward pass.")
     a("--offload", action=argparse.BooleanOptionalAction, default=None, help="Frozen DiT, VAE and text encoder on "
       "the CPU between uses (default: if --plan's peak exceeds the GPU's free memory).")
-    a("--fsdp", action="store_true", help="Under torchrun: shard the trained weights and AdamW state (FSDP2).")
+    a("--fsdp", action="store_true", help="Under torchrun: shard trained weights and AdamW state (FSDP2).")
     a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others before it stops.")
-    a("--plan", action="store_true", help="Print the memory plan of --model at --height x --width, and exit.")
+    a("--plan", action="store_true", help="Print --model's memory plan at --height x --width, and exit.")
     a("--plan-gpus", type=number(int, least=2), nargs="+", metavar="K", help="With --plan: --fsdp's bytes per GPU "
       "on K GPUs (--prompts-per-step: all K GPUs').")
     known = p.parse_known_args(argv)[0]
     if known.model != TINY:
-        p.set_defaults(**pretrained_defaults(known))      # the defaults above are the tiny demo's
+        p.set_defaults(**pretrained_defaults(known))      # those above are the tiny demo's
     args = p.parse_args(argv)
     args.reward = args.reward or ["mse"]
     return args
@@ -1304,7 +1304,7 @@ def parse_args(argv=None):
 class Parser(argparse.ArgumentParser):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        # what looks like a number is an option's value, not an option: '--lr -1e-3' too, as from Python 3.14
+        # '--lr -1e-3': a number is a value, not an option (as from Python 3.14)
         self._negative_number_matcher = re.compile(r"-[\d.]+(e[-+]?\d+)?$", re.I)
 
     def error(self, message):      # a bad flag: a UsageError, no usage block
@@ -1312,7 +1312,8 @@ class Parser(argparse.ArgumentParser):
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    def _get_help_string(self, action):     # no '(default: None)': such a help says what happens without
+    def _get_help_string(self, action):     # no '(default: None)': those helps say what happens
+
         if action.default in (None, argparse.SUPPRESS):
             return action.help
         plain, lora = (pretrained_defaults(SimpleNamespace(dit_lora_rank=r)).get(action.dest) for r in (0, 1))
@@ -1321,7 +1322,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def number(kind, least=None, above=None, most=None, multiple=None):
-    """An argparse type: a finite `kind` (int or float), least <= value, above < value, value <= most."""
+    """An argparse type: a finite `kind` (int or float) within the bounds given."""
     def parse(text):
         value = kind(text)
         rules = {"finite": math.isfinite(value), f"at least {least}": least is None or value >= least,
@@ -1335,7 +1336,7 @@ def number(kind, least=None, above=None, most=None, multiple=None):
     return parse
 
 
-# requirements.txt's lower bounds (a test keeps them equal): an older release fails deep in a run, after loading.
+# requirements.txt's lower bounds (a test keeps them equal): older releases fail deep into a run.
 LEAST_VERSIONS = {"transformers": "5.23", "diffusers": "0.42.1", "peft": "0.20", "accelerate": "1.10"}
 
 
@@ -1348,7 +1349,7 @@ def validate_args(args):
                          if Version(version(name)) < Version(least))
     model, save, cuda = Path(args.model), Path(args.save_pipeline or "."), torch.cuda.is_available()
     full = (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
-    # a hub id: 'owner/name' that is no local path (a typo in './runs/x' or 'runs/x' must not go to the hub)
+    # a hub id: 'owner/name' with no local parent (a typo in 'runs/x' must not go to the hub)
     hub_id = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", args.model) and not model.parent.is_dir()
     refusals = [      # (refused?, why): the first refused one is the error
         (outdated, f"installed libraries too old for grpo_glm.py: {outdated}; run: pip install -r requirements.txt"),
@@ -1396,14 +1397,14 @@ def check_writable(flag, path):
 
 
 def pretrained_defaults(args):
-    """Defaults for any --model but the tiny demo (the flags' own train a random toy quickly): the model card's
-    sampler and decode; learning rates DanceGRPO's (a whole model) or flow_grpo's (LoRA). --help shows them."""
+    """Any --model but tiny's defaults: the model card's sampler and decode; DanceGRPO's (full) or flow_grpo's
+    (LoRA) learning rates."""
     return dict(lr=1e-5, dit_lr=3e-4 if args.dit_lora_rank else 1e-5, temperature=0.9, top_p=0.75,
                 num_inference_steps=30, guidance_scale=1.5, height=1024, width=1024)
 
 
 def resolve_runtime(args):
-    """Values derived from flags, computed once and printed in the 'running with' block."""
+    """The flags' derived values (printed in the 'running with' block)."""
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.dtype == "auto":
@@ -1463,9 +1464,8 @@ def check_prompt_lengths(pipe, items, args):
 
 
 def check_source_size(processor, height, width):
-    """i2i: the AR reads a source's VQ grid at the size transformers' smart_resize makes of --height x --width (sides
-    within sqrt(min/max_pixels), aspect <= 4, then halved), the DiT its latent at --height x --width: they must agree
-    (zai-org/GLM-Image issue 14)."""
+    """i2i: the AR reads a source's VQ grid at smart_resize's size (sides within sqrt(min/max_pixels), aspect
+    <= 4, halved), the DiT at --height x --width: they must agree (zai-org/GLM-Image issue 14)."""
     from transformers.models.glm_image.image_processing_pil_glm_image import smart_resize
 
     size = processor.size
@@ -2109,17 +2109,15 @@ class Resume:
 # =============================================================================================
 # 21. The tiny model's renderer: pre-trained once on token mosaics, then cached
 # =============================================================================================
-# `--model tiny` is GLM-Image at toy size, built from the real classes. Its AR stays random: what to
-# paint for a prompt is GRPO's to learn. A random renderer paints colour noise whatever the tokens say,
-# so it learns a synthetic task: codebook id k paints the demo's colour k mod 8 (many ids per colour, as
-# in a real VQ codebook: a random policy draws a cell's right colour 1 time in 8), a grid's truth is its
-# "mosaic" (each 32-px cell in its token's colour), learnt by flow matching once (~15 s of CPU).
+# `--model tiny` is GLM-Image at toy size, from the real classes. Its AR stays random (what to paint is
+# GRPO's to learn); its renderer learns once (flow matching, ~15 s of CPU) that codebook id k paints colour
+# k mod 8 (many ids per colour, as in a real codebook: a random policy gets a cell right 1 time in 8).
 
 TINY_CODEBOOK = 64                       # real: 16384
 TINY_VISION_VOCAB = TINY_CODEBOOK + 16   # real: 16512 (codebook + 128 special ids)
 TINY_PALETTE = (torch.tensor(list(COLOURS.values()), dtype=torch.float32) / 255)[torch.arange(TINY_CODEBOOK) % 8]
-# A stand-in chat template. A source image sits between image start and end tokens: get_rope_index
-# finds it by those markers (2-D positions); a bare <|image|> would be numbered like text.
+# A stand-in chat template: get_rope_index finds a source image by its start and end tokens (2-D
+# positions); a bare <|image|> would be numbered like text.
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{{ '<|dit_token_16384|><|image|>"
                       "<|dit_token_16385|>' if c['type'] == 'image' else c['text'] }}{% endfor %}{% endfor %}")
 TINY_RENDERER = dict(        # everything that shapes the training (all of it enters the cache key)
@@ -2135,8 +2133,8 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
                               GlmImageImageProcessorPil, PreTrainedTokenizerFast, T5Config, T5EncoderModel)
 
     torch.manual_seed(seed)
-    # A character-level tokenizer (BPE with no merges): the image tokens first (as in the real one,
-    # where the bos '<|dit_token_16384|>' is image_start_token_id), printable ASCII, the processor's specials.
+    # A character-level tokenizer (BPE, no merges): image tokens first (as in the real one, whose bos
+    # '<|dit_token_16384|>' is image_start_token_id), printable ASCII, the processor's specials.
     image_ids = [*range(TINY_CODEBOOK), *range(16384, 16384 + TINY_VISION_VOCAB - TINY_CODEBOOK)]
     specials = {"image_token": "<|image|>", "grid_bos_token": "<sop>", "grid_eos_token": "<eop>"}
     names = [f"<|dit_token_{i}|>" for i in image_ids] + [*map(chr, range(32, 127)), *specials.values()]
@@ -2145,8 +2143,7 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
         tokenizer_object=Tokenizer(models.BPE({t: i for i, t in enumerate(names)}, merges=[], unk_token="<unk>")),
         bos_token=names[TINY_CODEBOOK], eos_token=names[TINY_CODEBOOK + 1], pad_token="<pad>", padding_side="left",
         extra_special_tokens=specials)
-    # The real min_pixels 512^2 would upscale a small source, while the pipeline VAE-encodes it at its
-    # own size (the DiT's source tokens would not line up).
+    # The real min_pixels 512^2 would upscale a small source the pipeline VAE-encodes at its own size.
     image_processor = GlmImageImageProcessorPil(**dict(REAL_IMAGE_PROCESSOR, min_pixels=32 * 32),
                                                 image_mean=[0.5] * 3, image_std=[0.5] * 3)
     ar = GlmImageForConditionalGeneration(GlmImageConfig(
@@ -2154,8 +2151,7 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
             vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=2048, initializer_range=ar_init_range,
             vision_vocab_size=TINY_VISION_VOCAB, eos_token_id=TINY_CODEBOOK + 1, pad_token_id=tokenizer.pad_token_id,
-            # the mosaic AR rotates faster: at theta 1e4 with 4 rotary frequencies a grid row turns
-            # the angle by 0.01 rad and a column by 0.001, and positions barely register
+            # mosaic AR: at theta 1e4 (4 rotary frequencies) a grid row turns 0.01 rad, a column 0.001: too little
             rope_parameters={"rope_type": "default", "rope_theta": 4.0 if mosaic_ar else 10000.0,
                              "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5}),
         vision_config=dict(depth=1, hidden_size=32, num_heads=2, image_size=64, intermediate_size=32),
@@ -2163,18 +2159,18 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
         image_token_id=tokenizer.convert_tokens_to_ids("<|image|>"), image_start_token_id=TINY_CODEBOOK,
         image_end_token_id=TINY_CODEBOOK + 1)).eval()
     if mosaic_ar:
-        # At the default init the random token before a grid token sets its logits (its embedding dominates 2
-        # layers): GRPO would learn one colour for every cell. Equal image-token embeddings and q/k at 16x the
-        # init (attention sharp enough to tell prompts apart) let lm_head read each (prompt, cell) apart.
+        # At the default init the random token before a cell sets its logits (its embedding dominates 2 layers):
+        # GRPO would learn one colour for all. Equal image-token embeddings and q/k x16 (attention sharp enough
+        # to tell prompts apart) let lm_head tell each (prompt, cell) apart.
         with torch.no_grad():
             image_embeddings = ar.model.language_model.embed_tokens.weight[:TINY_VISION_VOCAB]
             image_embeddings[:] = image_embeddings.mean(0)
             for layer in ar.model.language_model.layers:
                 layer.self_attn.q_proj.weight.mul_(16.0)
                 layer.self_attn.k_proj.weight.mul_(16.0)
-    # T5 built from a config is in train mode: its dropout would embed a prompt differently each call
+    # T5 from a config is in train mode: dropout would embed a prompt differently each call
     text_encoder = T5EncoderModel(T5Config(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2))
-    # patch 2 x VAE 8 = 16 pixels per DiT token: the AR's 32-pixel tokens are upsampled 2x (as in the real model)
+    # patch 2 x VAE 8 = 16 px per DiT token: the AR's 32-px tokens are upsampled 2x (as in the real model)
     transformer = GlmImageTransformer2DModel(in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16,
                                              num_attention_heads=2, text_embed_dim=32, time_embed_dim=16,
                                              condition_dim=8, prior_vq_quantizer_codebook_size=TINY_CODEBOOK)
@@ -2182,18 +2178,17 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
         processor=GlmImageProcessor(image_processor, tokenizer, chat_template=TINY_CHAT_TEMPLATE), vae=colour_vae(),
         tokenizer=ByT5Tokenizer(), text_encoder=text_encoder.eval(), vision_language_encoder=ar,
         transformer=transformer.eval(), scheduler=FlowMatchEulerDiscreteScheduler())
-    # The policy's sampler as its generation config (section 24), as load_pipeline sets it.
-    suppressed = image_token_suppression(ar, TINY_CODEBOOK)
+    suppressed = image_token_suppression(ar, TINY_CODEBOOK)      # the policy's sampler, as load_pipeline sets it
     ar.generation_config = policy_generation_config(ar, SamplingParams(suppressed=suppressed))
     return pipe
 
 
 def random_mosaics(batch, grid_hw, generator, cell=32):
-    """(grids [batch, H*W], their mosaics [batch, 3, H*cell, W*cell] in [0, 1]), each grid from 1, 2, 4
-    or all codebook ids (uniform fields and two-colour shapes as familiar to the renderer as confetti)."""
+    """(grids [batch, H*W], mosaics [batch, 3, H*cell, W*cell] in [0, 1]: each cell in its token's colour), a grid
+    from 1, 2, 4 or all ids (uniform fields and two-colour shapes as familiar to the renderer as confetti)."""
     H, W = grid_hw
 
-    def grid():      # k colours drawn from the codebook, then each cell one of them
+    def grid():      # k ids drawn from the codebook, each cell one of them
         k = [1, 2, 4, TINY_CODEBOOK][int(torch.randint(4, (1,), generator=generator))]
         return torch.randperm(TINY_CODEBOOK, generator=generator)[:k][torch.randint(k, (H * W,), generator=generator)]
     tokens = torch.stack([grid() for _ in range(batch)])
@@ -2202,10 +2197,9 @@ def random_mosaics(batch, grid_hw, generator, cell=32):
 
 
 def colour_vae(carrier=32.0):
-    """A tiny AutoencoderKL whose decoder paints latent channels 0-2 upsampled 8x, set by hand (GroupNorm
-    erases absolute colour, and gradient descent stalls): all weights 0 (residual branches off), upsamplers
-    the identity, conv_in writes (c, -c) beside a constant pair (+carrier, -carrier), so the group's mean
-    is 0 and its std ~ carrier / 2 whatever the colours; conv_out reads SiLU(c) - SiLU(-c) = c."""
+    """A tiny AutoencoderKL whose decoder paints latent channels 0-2 upsampled 8x, set by hand (GroupNorm erases
+    absolute colour; training stalls): weights 0 (residuals off), upsamplers the identity, conv_in writes (c, -c)
+    and (+carrier, -carrier): the group's mean is 0, its std ~ carrier / 2; conv_out reads SiLU(c) - SiLU(-c) = c."""
     from diffusers import AutoencoderKL
 
     vae = AutoencoderKL(block_out_channels=(8,) * 4, down_block_types=["DownEncoderBlock2D"] * 4,
@@ -2232,12 +2226,12 @@ def train_tiny_renderer(seed, settings):
         optimizer = torch.optim.Adam(dit.parameters(), lr=settings["dit_lr"])
         for step in range(settings["dit_steps"]):
             hw = settings["dit_grids"][step % len(settings["dit_grids"])]
-            timesteps, _ = dit_schedule(pipe, 32 * hw[0], 32 * hw[1], settings["inference_steps"])  # sets the scheduler
-            tokens, mosaics = random_mosaics(batch, hw, generator, 32 // pipe.vae_scale_factor)  # [B, 3, h, w]
-            x0 = torch.nn.functional.pad(mosaics * 2 - 1, (0, 0, 0, 0, 0, 1))  # [B, 4, h, w]: RGB in [-1, 1], then 0
+            timesteps, _ = dit_schedule(pipe, 32 * hw[0], 32 * hw[1], settings["inference_steps"])  # sets scheduler
+            tokens, mosaics = random_mosaics(batch, hw, generator, 32 // pipe.vae_scale_factor)   # latent-sized
+            x0 = torch.nn.functional.pad(mosaics * 2 - 1, (0, 0, 0, 0, 0, 1))  # [B, 4, h, w]: RGB in [-1, 1], 0
             t = timesteps[torch.randint(len(timesteps), (batch,), generator=generator)]
             eps = torch.randn(x0.shape, generator=generator)
-            cond = dit_condition(pipe, [""], batch, tokens, hw, 1.0)        # the glyph condition of "", the grids
+            cond = dit_condition(pipe, [""], batch, tokens, hw, 1.0)        # the glyphs of "", the grids
             v = dit_velocity(dit, pipe.scheduler.scale_noise(x0, t, eps), t, cond, write_source_caches(dit, cond))
             loss = ((v - (eps - x0)) ** 2).mean()
             optimizer.zero_grad()
@@ -2248,7 +2242,7 @@ def train_tiny_renderer(seed, settings):
 
 def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
     """`--model tiny`'s directory for this seed, keyed by all that shapes it, built on first use and saved
-    as a user's checkpoint is (section 24). Turns the libraries' loading bars off (a toy loads at once)."""
+    as a user's checkpoint is (section 24)."""
     code = [inspect.getsource(f) for f in (build_tiny_pipeline, colour_vae, random_mosaics, train_tiny_renderer,
                                             dit_schedule, dit_condition, dit_velocity, write_source_caches,
                                             policy_generation_config, image_token_suppression, SamplingParams)]
@@ -2257,7 +2251,7 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
     root = Path(os.environ.get("GRPO_GLM_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
                 / "grpo_glm")
     final = root / f"tiny-seed{seed}-{hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:16]}"
-    for library in ("diffusers", "transformers"):
+    for library in ("diffusers", "transformers"):      # no loading bars: a toy loads at once
         importlib.import_module(f"{library}.utils.logging").disable_progress_bar()
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(root / f".{final.name}.lock"):   # a second run waits here (released if the process dies)
@@ -2266,7 +2260,8 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
             print(f"building --model tiny (seed {seed}) once: a random AR, its renderer (DiT) trained on token mosaics "
                   f"({settings['dit_steps']} steps) ...", end=" ", flush=True)
             pipe, loss = train_tiny_renderer(seed, settings)
-            partial = root / f".{final.name}.tmp"   # a killed save's leftover: overwritten, never loaded
+            partial = root / f".{final.name}.tmp"   # a killed save's leftover: replaced, never loaded
+
             shutil.rmtree(partial, ignore_errors=True)
             pipe.save_pretrained(partial)
             os.rename(partial, final)               # atomic: the final directory exists only if a build finished
@@ -2277,14 +2272,14 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
 # =============================================================================================
 # 22. More GPUs: torchrun data parallel (DDP) and sharding (--fsdp)
 # =============================================================================================
-# `torchrun --nproc_per_node K grpo_glm.py ...`: each of K ranks samples, rewards and standardises whole groups (a
-# block of the step's prompts, as DanceGRPO), so only gradients (averaged) and a few scalars cross ranks; rank 0 alone
-# writes files. 1 and K processes sample alike (sample_tokens) and train alike up to the order of sums.
+# `torchrun --nproc_per_node K grpo_glm.py ...`: each rank samples, rewards and standardises whole groups (a block
+# of the step's prompts, as DanceGRPO), so only averaged gradients and a few scalars cross ranks; rank 0 writes
+# files. 1 and K processes sample alike (sample_tokens) and train alike up to the order of sums.
 
 @functools.cache     # swapped once a process
 def float64_throughout():
-    """--dtype float64: GlmImageRMSNorm (transformers) and apply_rotary_emb (diffusers) round to fp32, and 1 vs 2
-    processes drifted 1e-9 apart: swapped for their own formulas in at least fp32."""
+    """--dtype float64: GlmImageRMSNorm (transformers) and apply_rotary_emb (diffusers) round to fp32 (1 vs 2
+    processes drifted 1e-9 apart): the same formulas in at least fp32."""
     import diffusers.models.embeddings as embeddings
     from transformers.models.glm_image.modeling_glm_image import GlmImageRMSNorm
 
@@ -2303,7 +2298,7 @@ def float64_throughout():
 
 
 def init_distributed(args):
-    """torchrun's process group, gloo or nccl: a dead or hung rank makes the others raise after --dist-timeout."""
+    """torchrun's process group (gloo or nccl): a dead or hung rank makes the others raise after --dist-timeout."""
     if world_size() > 1:
         if args.device == "cuda":
             args.device = f"cuda:{os.environ['LOCAL_RANK']}"
@@ -2336,28 +2331,28 @@ def max_over_ranks(value):
 
 
 def all_ranks_agree(flag):
-    """True if `flag` is on every rank: a choice of how many collectives come next (skip an update, stop)
-    is taken together, or a rank waits forever in a collective the others never start."""
+    """`flag` on every rank: what decides the collectives to come (skip an update, stop) is decided together,
+    or a rank waits forever in a collective the others never start."""
     return all(from_every_rank(bool(flag)))
 
 
 def reduce_metrics(row):
-    """A metrics row averaged over ranks (logp_diff_max: the maximum): every rank holds as many samples
-    of the same length, so the mean of the per-rank means is the global mean."""
+    """A metrics row averaged over ranks (logp_diff_max: the maximum): ranks hold as many samples of one
+    length, so the mean of their means is the global mean."""
     rows = from_every_rank(row)
     return {k: type(v)((max if k.endswith("logp_diff_max") else np.mean)([float(r[k]) for r in rows]))
             for k, v in row.items()}
 
 
 def collective_failed(error):
-    """A peer died or timed out: a DistError, or (gloo, also in backward) a RuntimeError quoting gloo's source."""
+    """A peer died or timed out: a DistError, or (gloo, in backward too) a RuntimeError naming gloo or nccl."""
     return dist.is_initialized() and bool(isinstance(error, dist.DistError) or re.search("gloo|nccl", str(error), re.I))
 
 
 def distribute(model, params, args, reference=None):
-    """-> (what the training forward calls, AdamW's params). DDP wraps `model` (its backward averages gradients).
+    """-> (what the training forward calls, AdamW's params). DDP wraps `model` (its backward averages gradients);
     --fsdp (FSDP2) shards `model` and its KL `reference` in place: each rank keeps 1/K of every weight, gradient
-    and AdamW moment (DTensors). A unit (a layer, then the root) is gathered for its forward and backward."""
+    and AdamW moment, and gathers a unit (a layer, then the root) for its forward and backward."""
     if not dist.is_initialized():
         return model, params
     if not args.fsdp:
@@ -2366,15 +2361,14 @@ def distribute(model, params, args, reference=None):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # DiT's, never edited
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # DiT's, unedited
     compute = getattr(torch, args.dtype)
-    master = torch.promote_types(compute, torch.float32)    # bf16: fp32 shards (AdamW's steps on bf16 round away)
+    master = torch.promote_types(compute, torch.float32)    # fp32 shards: AdamW's steps on bf16 round away
     cast_training_params(model, dtype=master)
     mesh = init_device_mesh(torch.device(args.device).type, (world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=master)     # gathered in bf16, reduced in fp32
     for module in [m for m in (model, reference) if m is not None]:
-        # layers, then the root (None: the policy's stays gathered from forward to backward; a reference has none)
-        for unit in [*sharded_layers(module), module]:
+        for unit in [*sharded_layers(module), module]:      # root None: gathered from forward to backward
             fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True if unit is reference else None)
     return model, [p for p in model.parameters() if p.requires_grad]
 
@@ -2391,8 +2385,7 @@ def fsdp_units(model):      # [] if not sharded
 
 @contextlib.contextmanager
 def whole_weights(model):
-    """Whole weights while sampling and in no-grad passes (else each decode step gathers every layer); yields
-    whether `model` is sharded."""
+    """Whole weights while sampling and in no-grad passes (else each decode step gathers every layer) -> sharded?"""
     units = fsdp_units(model)
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
@@ -2406,8 +2399,9 @@ def whole_weights(model):
 
 
 def training_state(model, optimizer, loaded=None):
-    """All ranks: (trained weights, AdamW state) by name, whole on rank 0's CPU (others: empty); or `loaded`,
-    such a pair of any world size, loaded (--fsdp: into each rank's shards). Their state dicts hold no buffers."""
+    """All ranks: (trained weights, AdamW state) by name, whole on rank 0's CPU (others: empty); or loads `loaded`,
+    such a pair of any world size (--fsdp: into each rank's shards). No buffers."""
+
     from torch.distributed.checkpoint import state_dict as dsd
 
     whole = dsd.StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True, strict=False)
