@@ -1313,7 +1313,6 @@ class Parser(argparse.ArgumentParser):
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action):     # no '(default: None)': those helps say what happens
-
         if action.default in (None, argparse.SUPPRESS):
             return action.help
         plain, lora = (pretrained_defaults(SimpleNamespace(dit_lora_rank=r)).get(action.dest) for r in (0, 1))
@@ -1519,7 +1518,7 @@ SHAPES = ("circle", "square", "triangle")
 
 @dataclass
 class PromptItem:
-    """One prompt line; its images are read or drawn when a step asks, never kept."""
+    """One prompt line; its images are read or drawn when asked, never kept."""
     text: str
     where: str                   # 'prompts.txt:3', for messages
     size: tuple                  # (height, width) images are resized to
@@ -1539,8 +1538,8 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",)):
     if not path.is_file():
         raise UsageError(f"--prompts {path}: " + ("is a directory, not a file" if path.is_dir() else "file not found"))
     try:
-        lines = path.read_text(encoding="utf-8-sig").splitlines()      # -sig: drops the BOM Windows editors put first
-    except UnicodeDecodeError as e:     # e.object: the bytes (after a BOM)
+        lines = path.read_text(encoding="utf-8-sig").splitlines()      # -sig: drops a BOM (Windows editors)
+    except UnicodeDecodeError as e:     # e.object: the bytes after a BOM
         hint = " (it looks like UTF-16)" if e.object[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
         raise UsageError(f"--prompts {path}: not UTF-8 text{hint}: byte 0x{e.object[e.start]:02x} at offset {e.start}"
                          "; save the file as UTF-8")
@@ -1560,7 +1559,7 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",)):
             if w * height != h * width:
                 print(f"note: {where}: {kind} {file.name} is {w}x{h}, squashed to {width}x{height} (another aspect "
                       "ratio; crop it yourself to keep its proportions)")
-        if mode == "i2i" and "source" not in image_from:     # drawn from the edit's words, and the target if not given
+        if mode == "i2i" and "source" not in image_from:     # drawn from the edit's words, the target too if not given
             image_from["source"] = demo_scene(text, where, mode, "source")
             image_from.setdefault("target", demo_scene(text, where, mode))
         items.append(PromptItem(text, where, (height, width), mode, image_from))
@@ -1573,7 +1572,7 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",)):
 
 
 def require_targets(items, reward_names):
-    """Rewards named (if any) read targets: a prompt without a target file gets one drawn from its words, or fails."""
+    """Rewards named (if any) read targets: a prompt without a target file gets one drawn from its words or fails."""
     for item in items:
         if reward_names and "target" not in item.image_from:
             item.image_from["target"] = demo_scene(item.text, item.where, item.mode,
@@ -1581,15 +1580,15 @@ def require_targets(items, reward_names):
 
 
 def read_image(path, where, kind, size=None):
-    """Upright (EXIF orientation): RGB at size = (height, width); no size (start-up): (width, height), undecoded."""
+    """Upright (EXIF): RGB at size = (height, width); no size (start-up): its (width, height), undecoded."""
     try:
         with Image.open(path) as image:
             if size:
-                return to_rgb(ImageOps.exif_transpose(image)).resize(size[::-1], Image.BICUBIC)   # same size: a copy
-            # PNG's getexif() decodes the pixels to look past them: an eXIf chunk before them is in info
+                return to_rgb(ImageOps.exif_transpose(image)).resize(size[::-1], Image.BICUBIC)
+            # PNG's getexif() decodes the pixels to look past them; an eXIf chunk before them is in info
             exif = image.getexif() if image.format != "PNG" or "exif" in image.info else Image.Exif()
             turned = exif.get(Image.ExifTags.Base.Orientation, 1) in (5, 6, 7, 8)     # by 90 degrees
-            image.verify()            # reads the whole file, decodes nothing (and leaves it unusable: last)
+            image.verify()            # reads the whole file, decodes nothing, leaves it unusable: last
             return image.size[::-1] if turned else image.size
     except FileNotFoundError:
         later = " (it was there at start-up)" if size else ""
@@ -1599,7 +1598,7 @@ def read_image(path, where, kind, size=None):
 
 
 def to_rgb(image):
-    """RGB as the user sees it, where convert('RGB') errs: 16-bit grey scaled, transparency on white."""
+    """RGB as seen, where convert('RGB') errs: 16-bit grey scaled, transparency on white."""
     if image.mode.startswith("I"):
         return image.convert("I").point(lambda v: v / 257 + 0.5).convert("RGB")     # 65535 -> 255, rounded
     if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
@@ -1619,7 +1618,7 @@ def draw_shape(shape, colour, background, height, width):
 
 
 def demo_scene(prompt, where, mode, role="target", why=""):
-    """draw_shape's (shape, colour, background) for 'red circle on white background', 'make the red circle blue'."""
+    """draw_shape's (shape, colour, background) for 'red circle on white background' or 'make the red circle blue'."""
     words = re.findall(r"[a-z]+", prompt.lower())
     if mode == "t2i":
         colours, shape = [w for w in words if w in COLOURS], next((w for w in words if w in SHAPES), None)
@@ -1629,7 +1628,7 @@ def demo_scene(prompt, where, mode, role="target", why=""):
         return shape, colours[0], colours[1] if len(colours) > 1 else "white"
     colour = "|".join(COLOURS)
     edit = re.search(rf"\b({colour}) ({'|'.join(SHAPES)})\b.*\b({colour})\b(?! background)", " ".join(words))
-    if edit is None:      # 'a red circle on a white background' is a t2i line, no edit
+    if edit is None:      # e.g. a t2i line: 'a red circle on a white background'
         raise UsageError(f"{where}: '{prompt}' reads as no edit: --mode i2i needs 'prompt | target.png | source.png', "
                          f"or '<colour> <shape> ... <new colour>' to draw them (e.g. 'make the red circle blue')"
                          f"{f' ({why})' if why else ''}")
@@ -1643,7 +1642,7 @@ def demo_scene(prompt, where, mode, role="target", why=""):
 Reward = make_dataclass("Reward", ["name", "fn", "weight"])      # name: logged as rewards/<name>
 
 
-def mse(images, prompts, targets):      # the built-in demo reward as a plug-in; it reads targets
+def mse(images, prompts, targets):      # the built-in demo reward as a plug-in
     return mse_reward(images, targets)
 mse.uses_targets = True
 
@@ -1652,7 +1651,7 @@ def load_reward(spec):
     """A --reward spec (section 6) -> Reward."""
     where, _, text = spec.rpartition("=") if "=" in spec else (spec, "", "1")
     try:
-        weight = number(float)(text)      # the flags' own check: float() and finite
+        weight = number(float)(text)      # the flags' check: a finite float
     except (ValueError, argparse.ArgumentTypeError):
         raise UsageError(f"--reward {spec}: the weight after '=' must be a finite number, got {text!r}")
     if weight == 0:
@@ -1662,11 +1661,11 @@ def load_reward(spec):
     module_name, _, fn_name = where.rpartition(":")
     if not module_name or not fn_name:
         raise UsageError(f"--reward {spec}: expected 'mse', 'module:function' or 'path/to/file.py:function'")
-    sys.path.insert(0, os.getcwd())      # modules are looked up in the current directory first, as `python -m` does
+    sys.path.insert(0, os.getcwd())      # the current directory first, as `python -m` does
     try:
         namespace = (runpy.run_path(module_name) if module_name.endswith(".py")
                      else vars(importlib.import_module(module_name)))
-    except Exception as e:   # whatever the plug-in's own import raises
+    except Exception as e:   # whatever the plug-in's import raises
         raise UsageError(f"--reward {spec}: importing {module_name} failed: {type(e).__name__}: "
                          f"{(str(e).splitlines() or [''])[0]}")
     finally:
@@ -1686,8 +1685,8 @@ def load_rewards(specs):
 
 
 def call_reward(reward, images, prompts, targets):
-    """One --reward on its own copy of the batch (in-place edits must not reach the next one) -> [N] in the
-    images' dtype. Raising or a wrong shape stops the run; a non-finite value leaves its group out (section 7)."""
+    """One --reward on its own copy of the batch (in-place edits must not reach the next) -> [N] in the images'
+    dtype. Raising or a wrong shape stops the run; a non-finite value leaves its group out (section 7)."""
     n, name = len(prompts), reward.name
     try:
         value = reward.fn(images.clone(), list(prompts), None if targets is None else targets.clone())
@@ -2261,7 +2260,6 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
                   f"({settings['dit_steps']} steps) ...", end=" ", flush=True)
             pipe, loss = train_tiny_renderer(seed, settings)
             partial = root / f".{final.name}.tmp"   # a killed save's leftover: replaced, never loaded
-
             shutil.rmtree(partial, ignore_errors=True)
             pipe.save_pretrained(partial)
             os.rename(partial, final)               # atomic: the final directory exists only if a build finished
@@ -2401,7 +2399,6 @@ def whole_weights(model):
 def training_state(model, optimizer, loaded=None):
     """All ranks: (trained weights, AdamW state) by name, whole on rank 0's CPU (others: empty); or loads `loaded`,
     such a pair of any world size (--fsdp: into each rank's shards). No buffers."""
-
     from torch.distributed.checkpoint import state_dict as dsd
 
     whole = dsd.StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True, strict=False)
