@@ -1239,41 +1239,41 @@ def parse_args(argv=None):
     a("--inner-epochs", type=count, default=4, help="mu: optimisation passes over each batch.")
     a("--lr", type=positive, default=2e-2, help="AdamW learning rate.")
     a("--policy", choices=["ar", "dit", "both"], default="ar", help="What trains: AR, DiT (Part II) or both.")
-    a("--reward", action="append", metavar="SPEC", help="'mse', 'module:function' or 'file.py:function', optionally "
-      "'=WEIGHT'; repeat it for a weighted sum (section 6). Default: mse.")
+    a("--reward", action="append", metavar="SPEC", help="'mse', 'module:fn' or 'file.py:fn', optionally '=WEIGHT'; "
+      "repeat for a weighted sum (section 6). Default: mse.")
     a("--steps", type=count, default=10, help="GRPO steps in all, resumed ones included.")
     a("--seed", type=number(int, least=0, most=2**32 - 1), default=0, help="Seed of every random draw.")
-    a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="Schedule over "
-      "--steps (diffusers'); a resume with another --steps reshapes its rest.")
-    a("--lr-warmup-steps", type=non_negative_int, default=0, help="Steps of linear warm-up from 0 to --lr.")
+    a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="diffusers' schedule "
+      "over --steps; a resume with other --steps reshapes its rest.")
+    a("--lr-warmup-steps", type=non_negative_int, default=0, help="Steps of linear warm-up to --lr.")
     a("--weight-decay", type=non_negative, default=0.0, help="AdamW's weight decay.")
     a("--max-grad-norm", type=positive, default=1.0, help="Clip the gradient's global norm to this.")
     a = p.add_argument_group("model and data").add_argument
     a("--model", default=TINY, help="'tiny' (a toy GLM-Image, section 21), a hub id or a save_pretrained dir.")
     a("--mode", choices=["t2i", "i2i"], default="t2i", help="t2i: text to image; i2i: edit each prompt's source.")
-    a("--prompts", default="prompts.txt", help="Lines 'prompt[ | target.png[ | source.png (i2i)]]' (section 16).")
-    a("--height", type=pixels, default=128, help="Image height in pixels, a multiple of 32 (a token).")
-    a("--width", type=pixels, default=128, help="Image width in pixels, a multiple of 32.")
+    a("--prompts", default="prompts.txt", help="Lines 'prompt[ | target.png[ | source.png (i2i)]]'.")
+    a("--height", type=pixels, default=128, help="Image height in pixels (32 per token).")
+    a("--width", type=pixels, default=128, help="Image width in pixels (32 per token).")
     a("--num-inference-steps", type=count, default=4, help="DiT steps per decode: fewer are faster, rougher "
       "(Flow-GRPO: 10 to sample, 40 to evaluate).")
     a("--guidance-scale", type=number(float), default=1.0, help="DiT classifier-free guidance scale (1 = off).")
     a("--dit-noise", choices=draws, default="per-prompt", help="A group's initial DiT noise: once or each step.")
     a("--lora-rank", type=non_negative_int, default=0, help="LoRA rank on the AR (0 = full fine-tuning).")
     a("--lora-alpha", type=number(float), default=None, help="LoRA alpha (default: --lora-rank).")
-    a("--ar-trainable", choices=["auto", "all", "head"], default="auto", help="Without LoRA: all, or the output "
-      "layer (head); auto = head for --model tiny.")
+    a("--ar-trainable", choices=["auto", "all", "head"], default="auto", help="Without LoRA: all or the output "
+      "layer; auto = head for --model tiny.")
     a = p.add_argument_group("the DiT: --policy dit|both (Flow-GRPO, Part II)").add_argument
     a("--dit-lr", type=positive, default=3e-3, help="AdamW learning rate of the DiT.")
     a("--dit-clip-eps", type=positive, default=1e-4, help="PPO clip epsilon of the DiT's per-step ratio.")
     a("--dit-noise-level", type=positive, default=0.7, help="a in the SDE's std_t = a sqrt(sigma / (1 - sigma)).")
-    a("--dit-train-steps", type=count, default=None, help="Denoising steps, from the first, run as SDE and trained; "
-      "the rest run the ODE (default: all but the last).")
+    a("--dit-train-steps", type=count, default=None, help="First denoising steps, run as SDE and trained; the rest "
+      "run the ODE (default: all but the last).")
     a("--dit-prior", choices=draws, default="per-prompt", help="--policy dit: a group's tokens, once or each step.")
     a("--dit-reward", action="append", metavar="SPEC", help="--policy both: the DiT's own reward (as --reward).")
     a("--dit-lora-rank", type=non_negative_int, default=0, help="LoRA rank on the DiT (0 = full fine-tuning).")
     a = p.add_argument_group("logging and checkpoints").add_argument
-    a("--out", default="runs/grpo_glm", help="Directory for metrics.jsonl, samples/ and checkpoints/.")
-    a("--save-every", type=count, default=10, help="Write a checkpoint every N steps (and at the end).")
+    a("--out", default="runs/grpo_glm", help="Directory of metrics.jsonl, samples/ and checkpoints/.")
+    a("--save-every", type=count, default=10, help="Checkpoint every N steps (and at the end).")
     a("--checkpoints-total-limit", type=count, default=None, help="Keep the newest K checkpoints (default: all).")
     a("--sample-every", type=non_negative_int, default=5, help="Save a sample sheet every N steps (0 = never).")
     a("--report-to", choices=["none", "tensorboard", "wandb"], default="none", help="Also log to TensorBoard/W&B.")
@@ -1282,17 +1282,17 @@ def parse_args(argv=None):
     a("--save-pipeline", default=None, help="After training, write the whole pipeline (LoRA merged) here.")
     a = p.add_argument_group("hardware and memory").add_argument
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
-    a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto", help="Weights' dtype; auto = "
-      "bfloat16 for a pretrained model on CUDA, else float32 (float64: for checks).")
+    a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto", help="auto = bfloat16 for a "
+      "pretrained model on CUDA, else float32 (float64: for checks).")
     a("--micro-batch-size", type=count, default=None, help="Samples per forward and backward (default: G).")
     a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in the backward pass.")
     a("--offload", action=argparse.BooleanOptionalAction, default=None, help="Frozen DiT, VAE and text encoder on "
-      "the CPU between uses (default: if --plan's peak exceeds the GPU's free memory).")
+      "the CPU between uses (default: if --plan's peak exceeds free GPU memory).")
     a("--fsdp", action="store_true", help="Under torchrun: shard trained weights and AdamW state (FSDP2).")
     a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others before it stops.")
     a("--plan", action="store_true", help="Print --model's memory plan at --height x --width, and exit.")
     a("--plan-gpus", type=number(int, least=2), nargs="+", metavar="K", help="With --plan: --fsdp's bytes per GPU "
-      "on K GPUs (--prompts-per-step: all K GPUs').")
+      "on K GPUs (--prompts-per-step: all GPUs').")
     known = p.parse_known_args(argv)[0]
     if known.model != TINY:
         p.set_defaults(**pretrained_defaults(known))      # those above are the tiny demo's
@@ -1307,7 +1307,7 @@ class Parser(argparse.ArgumentParser):
         # '--lr -1e-3': a number is a value, not an option (as from Python 3.14)
         self._negative_number_matcher = re.compile(r"-[\d.]+(e[-+]?\d+)?$", re.I)
 
-    def error(self, message):      # a bad flag: a UsageError, no usage block
+    def error(self, message):      # a bad flag: a UsageError, no usage
         raise UsageError(re.sub(r"^argument (\S+): ", r"\1 ", message))
 
 
@@ -1340,7 +1340,7 @@ LEAST_VERSIONS = {"transformers": "5.23", "diffusers": "0.42.1", "peft": "0.20",
 
 
 def validate_args(args):
-    """What the flags' types cannot check: flags together, files, the machine. Before any model loads."""
+    """What the flags' types cannot check (flags together, files, the machine), before any model loads."""
     from importlib.metadata import version
     from packaging.version import Version
 
@@ -1366,7 +1366,7 @@ def validate_args(args):
         (args.policy == "dit" and args.lora_rank, "--lora-rank adapts the AR, which --policy dit does not train"),
         (args.dtype == "bfloat16" and not args.fsdp and full, "--dtype bfloat16 full fine-tuning would round AdamW's "
          "updates away (below half a bf16 ulp): use LoRA (fp32), --fsdp of fp32 weights or --dtype float32"),
-        (args.report_to != "none" and importlib.util.find_spec(args.report_to) is None,    # package = flag value
+        (args.report_to != "none" and importlib.util.find_spec(args.report_to) is None,    # the package's name
          f"--report-to {args.report_to} needs the '{args.report_to}' package: pip install {args.report_to}"),
         (args.save_pipeline and save.exists() and (not save.is_dir() or any(save.iterdir())), f"--save-pipeline "
          f"{save} already exists; pick a new directory (nothing is overwritten)"),
@@ -1385,7 +1385,7 @@ def validate_args(args):
 
 
 def check_writable(flag, path):
-    """`path`, or its nearest existing parent, must be a directory we can create files in (probed)."""
+    """`path`, or its nearest existing parent, must be a directory we can write in (probed)."""
     parent = next(p for p in [Path(path).absolute(), *Path(path).absolute().parents] if p.exists())
     if not parent.is_dir():
         raise UsageError(f"{flag} {path}: {parent} is a file, not a directory")
@@ -1396,8 +1396,7 @@ def check_writable(flag, path):
 
 
 def pretrained_defaults(args):
-    """Any --model but tiny's defaults: the model card's sampler and decode; DanceGRPO's (full) or flow_grpo's
-    (LoRA) learning rates."""
+    """Any --model but tiny: the model card's sampler and decode; DanceGRPO's (full) or flow_grpo's (LoRA) lr."""
     return dict(lr=1e-5, dit_lr=3e-4 if args.dit_lora_rank else 1e-5, temperature=0.9, top_p=0.75,
                 num_inference_steps=30, guidance_scale=1.5, height=1024, width=1024)
 
@@ -1451,7 +1450,7 @@ def open_run(args):
 
 
 def check_prompt_lengths(pipe, items, args):
-    """The AR's context holds the prompt, an i2i source, the generated tokens and grid markers (32)."""
+    """The AR's context holds the prompt, an i2i source, the generated tokens and markers (32)."""
     grid = (args.height // 32) * (args.width // 32)
     others = (2 * grid + 1 if args.mode == "i2i" else ar_sequence("t2i", args.height, args.width)[1]) + 32
     context = pipe.vision_language_encoder.config.text_config.max_position_embeddings
@@ -1463,8 +1462,8 @@ def check_prompt_lengths(pipe, items, args):
 
 
 def check_source_size(processor, height, width):
-    """i2i: the AR reads a source's VQ grid at smart_resize's size (sides within sqrt(min/max_pixels), aspect
-    <= 4, halved), the DiT at --height x --width: they must agree (zai-org/GLM-Image issue 14)."""
+    """i2i: the AR reads a source at smart_resize's size (sides within sqrt(min/max_pixels), aspect <= 4, halved),
+    the DiT at --height x --width: they must agree (zai-org/GLM-Image issue 14)."""
     from transformers.models.glm_image.image_processing_pil_glm_image import smart_resize
 
     size = processor.size
@@ -1685,8 +1684,8 @@ def load_rewards(specs):
 
 
 def call_reward(reward, images, prompts, targets):
-    """One --reward on its own copy of the batch (in-place edits must not reach the next) -> [N] in the images'
-    dtype. Raising or a wrong shape stops the run; a non-finite value leaves its group out (section 7)."""
+    """One --reward on a copy of the batch (edits in place must not reach the next) -> [N] in the images' dtype.
+    Raising or a wrong shape stops the run; a non-finite value leaves its group out (section 7)."""
     n, name = len(prompts), reward.name
     try:
         value = reward.fn(images.clone(), list(prompts), None if targets is None else targets.clone())
@@ -2119,7 +2118,7 @@ TINY_PALETTE = (torch.tensor(list(COLOURS.values()), dtype=torch.float32) / 255)
 # positions); a bare <|image|> would be numbered like text.
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{{ '<|dit_token_16384|><|image|>"
                       "<|dit_token_16385|>' if c['type'] == 'image' else c['text'] }}{% endfor %}{% endfor %}")
-TINY_RENDERER = dict(        # everything that shapes the training (all of it enters the cache key)
+TINY_RENDERER = dict(        # all that shapes the training (all in the cache key)
     dit_steps=800, dit_lr=3e-3, batch=8, dit_grids=((2, 2), (3, 3), (4, 4), (3, 2)), inference_steps=4)
 
 
@@ -2146,7 +2145,7 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
     image_processor = GlmImageImageProcessorPil(**dict(REAL_IMAGE_PROCESSOR, min_pixels=32 * 32),
                                                 image_mean=[0.5] * 3, image_std=[0.5] * 3)
     ar = GlmImageForConditionalGeneration(GlmImageConfig(
-        text_config=dict(  # pad_token_id: the default 167841 is outside a tiny vocabulary
+        text_config=dict(  # pad_token_id: the default 167841 is outside the vocabulary
             vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=2048, initializer_range=ar_init_range,
             vision_vocab_size=TINY_VISION_VOCAB, eos_token_id=TINY_CODEBOOK + 1, pad_token_id=tokenizer.pad_token_id,
@@ -2158,9 +2157,8 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
         image_token_id=tokenizer.convert_tokens_to_ids("<|image|>"), image_start_token_id=TINY_CODEBOOK,
         image_end_token_id=TINY_CODEBOOK + 1)).eval()
     if mosaic_ar:
-        # At the default init the random token before a cell sets its logits (its embedding dominates 2 layers):
-        # GRPO would learn one colour for all. Equal image-token embeddings and q/k x16 (attention sharp enough
-        # to tell prompts apart) let lm_head tell each (prompt, cell) apart.
+        # At init the random token before a cell sets its logits (its embedding dominates 2 layers): GRPO learns one
+        # colour for all. Equal image-token embeddings and q/k x16 (sharp attention) let lm_head tell cells apart.
         with torch.no_grad():
             image_embeddings = ar.model.language_model.embed_tokens.weight[:TINY_VISION_VOCAB]
             image_embeddings[:] = image_embeddings.mean(0)
@@ -2240,8 +2238,7 @@ def train_tiny_renderer(seed, settings):
 
 
 def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
-    """`--model tiny`'s directory for this seed, keyed by all that shapes it, built on first use and saved
-    as a user's checkpoint is (section 24)."""
+    """`--model tiny`'s directory, keyed by all that shapes it, built once, saved as a checkpoint is (section 24)."""
     code = [inspect.getsource(f) for f in (build_tiny_pipeline, colour_vae, random_mosaics, train_tiny_renderer,
                                             dit_schedule, dit_condition, dit_velocity, write_source_caches,
                                             policy_generation_config, image_token_suppression, SamplingParams)]
@@ -2254,9 +2251,9 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
         importlib.import_module(f"{library}.utils.logging").disable_progress_bar()
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(root / f".{final.name}.lock"):   # a second run waits here (released if the process dies)
-        if not final.is_dir():                      # not built before, nor by the run we waited for
+        if not final.is_dir():                      # built neither before nor by the run we waited for
             start = time.time()
-            print(f"building --model tiny (seed {seed}) once: a random AR, its renderer (DiT) trained on token mosaics "
+            print(f"building --model tiny (seed {seed}) once: its renderer (DiT) learns token mosaics "
                   f"({settings['dit_steps']} steps) ...", end=" ", flush=True)
             pipe, loss = train_tiny_renderer(seed, settings)
             partial = root / f".{final.name}.tmp"   # a killed save's leftover: replaced, never loaded
@@ -2329,14 +2326,12 @@ def max_over_ranks(value):
 
 
 def all_ranks_agree(flag):
-    """`flag` on every rank: what decides the collectives to come (skip an update, stop) is decided together,
-    or a rank waits forever in a collective the others never start."""
+    """`flag` on every rank? Choices of collectives to come (skip an update, stop) are made together, or one hangs."""
     return all(from_every_rank(bool(flag)))
 
 
 def reduce_metrics(row):
-    """A metrics row averaged over ranks (logp_diff_max: the maximum): ranks hold as many samples of one
-    length, so the mean of their means is the global mean."""
+    """A metrics row averaged over ranks (logp_diff_max: the max): ranks hold equal samples: mean of means."""
     rows = from_every_rank(row)
     return {k: type(v)((max if k.endswith("logp_diff_max") else np.mean)([float(r[k]) for r in rows]))
             for k, v in row.items()}
@@ -2349,8 +2344,8 @@ def collective_failed(error):
 
 def distribute(model, params, args, reference=None):
     """-> (what the training forward calls, AdamW's params). DDP wraps `model` (its backward averages gradients);
-    --fsdp (FSDP2) shards `model` and its KL `reference` in place: each rank keeps 1/K of every weight, gradient
-    and AdamW moment, and gathers a unit (a layer, then the root) for its forward and backward."""
+    --fsdp (FSDP2) shards `model` and its KL `reference`: each rank keeps 1/K of every weight, gradient and AdamW
+    moment, and gathers a unit (a layer, then the root) for its forward and backward."""
     if not dist.is_initialized():
         return model, params
     if not args.fsdp:
