@@ -1321,7 +1321,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def number(kind, least=None, above=None, most=None, multiple=None):
-    """An argparse type: a finite `kind` (int or float) within the bounds given."""
+    """An argparse type: a finite int or float within the bounds given."""
     def parse(text):
         value = kind(text)
         rules = {"finite": math.isfinite(value), f"at least {least}": least is None or value >= least,
@@ -1402,7 +1402,7 @@ def pretrained_defaults(args):
 
 
 def resolve_runtime(args):
-    """The flags' derived values (printed in the 'running with' block)."""
+    """The flags' derived values, printed as 'running with'."""
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.dtype == "auto":
@@ -1522,7 +1522,7 @@ class PromptItem:
     where: str                   # 'prompts.txt:3', for messages
     size: tuple                  # (height, width) images are resized to
     mode: str = "t2i"
-    image_from: dict = None      # 'target' / 'source' -> a file, or draw_shape's (shape, colour, background)
+    image_from: dict = None      # 'target' / 'source' -> a Path, or draw_shape's arguments
 
     def image(self, kind):       # RGB at `size`, or None
         origin = self.image_from.get(kind)
@@ -1558,7 +1558,7 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",)):
             if w * height != h * width:
                 print(f"note: {where}: {kind} {file.name} is {w}x{h}, squashed to {width}x{height} (another aspect "
                       "ratio; crop it yourself to keep its proportions)")
-        if mode == "i2i" and "source" not in image_from:     # drawn from the edit's words, the target too if not given
+        if mode == "i2i" and "source" not in image_from:     # drawn from the edit's words (the target too if none)
             image_from["source"] = demo_scene(text, where, mode, "source")
             image_from.setdefault("target", demo_scene(text, where, mode))
         items.append(PromptItem(text, where, (height, width), mode, image_from))
@@ -1571,7 +1571,7 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",)):
 
 
 def require_targets(items, reward_names):
-    """Rewards named (if any) read targets: a prompt without a target file gets one drawn from its words or fails."""
+    """The rewards named read targets: a prompt without a target file gets one drawn from its words or fails."""
     for item in items:
         if reward_names and "target" not in item.image_from:
             item.image_from["target"] = demo_scene(item.text, item.where, item.mode,
@@ -1617,7 +1617,7 @@ def draw_shape(shape, colour, background, height, width):
 
 
 def demo_scene(prompt, where, mode, role="target", why=""):
-    """draw_shape's (shape, colour, background) for 'red circle on white background' or 'make the red circle blue'."""
+    """draw_shape's arguments for 'red circle on white background' or 'make the red circle blue'."""
     words = re.findall(r"[a-z]+", prompt.lower())
     if mode == "t2i":
         colours, shape = [w for w in words if w in COLOURS], next((w for w in words if w in SHAPES), None)
@@ -2131,8 +2131,8 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
                               GlmImageImageProcessorPil, PreTrainedTokenizerFast, T5Config, T5EncoderModel)
 
     torch.manual_seed(seed)
-    # A character-level tokenizer (BPE, no merges): image tokens first (as in the real one, whose bos
-    # '<|dit_token_16384|>' is image_start_token_id), printable ASCII, the processor's specials.
+    # A character-level tokenizer (BPE, no merges): image tokens first (the real bos '<|dit_token_16384|>' is
+    # image_start_token_id too), printable ASCII, the processor's specials.
     image_ids = [*range(TINY_CODEBOOK), *range(16384, 16384 + TINY_VISION_VOCAB - TINY_CODEBOOK)]
     specials = {"image_token": "<|image|>", "grid_bos_token": "<sop>", "grid_eos_token": "<eop>"}
     names = [f"<|dit_token_{i}|>" for i in image_ids] + [*map(chr, range(32, 127)), *specials.values()]
@@ -2181,8 +2181,8 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
 
 
 def random_mosaics(batch, grid_hw, generator, cell=32):
-    """(grids [batch, H*W], mosaics [batch, 3, H*cell, W*cell] in [0, 1]: each cell in its token's colour), a grid
-    from 1, 2, 4 or all ids (uniform fields and two-colour shapes as familiar to the renderer as confetti)."""
+    """(grids [batch, H*W], mosaics [batch, 3, H*cell, W*cell] in [0, 1]: cells in their token's colour), each of
+    1, 2, 4 or all ids (uniform fields and two-colour shapes as familiar to the renderer as confetti)."""
     H, W = grid_hw
 
     def grid():      # k ids drawn from the codebook, each cell one of them
@@ -2259,7 +2259,7 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
             partial = root / f".{final.name}.tmp"   # a killed save's leftover: replaced, never loaded
             shutil.rmtree(partial, ignore_errors=True)
             pipe.save_pretrained(partial)
-            os.rename(partial, final)               # atomic: the final directory exists only if a build finished
+            os.rename(partial, final)               # atomic: only a finished build is ever final
             print(f"done in {time.time() - start:.0f} s (flow-matching loss {loss:.4f}), cached in {final}", flush=True)
     return final
 
@@ -2273,8 +2273,7 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
 
 @functools.cache     # swapped once a process
 def float64_throughout():
-    """--dtype float64: GlmImageRMSNorm (transformers) and apply_rotary_emb (diffusers) round to fp32 (1 vs 2
-    processes drifted 1e-9 apart): the same formulas in at least fp32."""
+    """--dtype float64: GlmImageRMSNorm and diffusers' apply_rotary_emb round to fp32 (1 vs 2 processes: 1e-9 apart)."""
     import diffusers.models.embeddings as embeddings
     from transformers.models.glm_image.modeling_glm_image import GlmImageRMSNorm
 
@@ -2293,7 +2292,7 @@ def float64_throughout():
 
 
 def init_distributed(args):
-    """torchrun's process group (gloo or nccl): a dead or hung rank makes the others raise after --dist-timeout."""
+    """torchrun's gloo or nccl group: a dead or hung rank makes the others raise after --dist-timeout."""
     if world_size() > 1:
         if args.device == "cuda":
             args.device = f"cuda:{os.environ['LOCAL_RANK']}"
@@ -2331,7 +2330,7 @@ def all_ranks_agree(flag):
 
 
 def reduce_metrics(row):
-    """A metrics row averaged over ranks (logp_diff_max: the max): ranks hold equal samples: mean of means."""
+    """A metrics row averaged over ranks (logp_diff_max: the max): ranks hold equal samples, so means average."""
     rows = from_every_rank(row)
     return {k: type(v)((max if k.endswith("logp_diff_max") else np.mean)([float(r[k]) for r in rows]))
             for k, v in row.items()}
@@ -2366,7 +2365,7 @@ def distribute(model, params, args, reference=None):
     return model, [p for p in model.parameters() if p.requires_grad]
 
 
-def sharded_layers(module):     # fully_shard's units below the root: the AR's decoder layers, the DiT's blocks
+def sharded_layers(module):     # fully_shard's units below the root
     return module.model.language_model.layers if hasattr(module, "model") else module.transformer_blocks
 
 
@@ -2378,7 +2377,7 @@ def fsdp_units(model):      # [] if not sharded
 
 @contextlib.contextmanager
 def whole_weights(model):
-    """Whole weights while sampling and in no-grad passes (else each decode step gathers every layer) -> sharded?"""
+    """Whole weights to sample and in no-grad passes (else each decode step gathers every layer) -> sharded?"""
     units = fsdp_units(model)
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
