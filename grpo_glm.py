@@ -2360,7 +2360,7 @@ def distribute(model, params, args, reference=None):
     mesh = init_device_mesh(torch.device(args.device).type, (world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=master)     # gathered in bf16, reduced in fp32
     for module in [m for m in (model, reference) if m is not None]:
-        for unit in [*sharded_layers(module), module]:      # root None: gathered from forward to backward
+        for unit in [*sharded_layers(module), module]:      # the policy's root stays gathered till backward
             fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True if unit is reference else None)
     return model, [p for p in model.parameters() if p.requires_grad]
 
