@@ -1556,8 +1556,8 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",)):
             w, h = read_image(file, where, kind)
             resized |= (w, h) != (width, height)
             if w * height != h * width:
-                print(f"note: {where}: {kind} {file.name} is {w}x{h}, squashed to {width}x{height} (another aspect "
-                      "ratio; crop it yourself to keep its proportions)")
+                print(f"note: {where}: {kind} {file.name} is {w}x{h}, squashed to {width}x{height} (crop it to keep "
+                      "its proportions)")
         if mode == "i2i" and "source" not in image_from:     # drawn from the edit's words (the target too if none)
             image_from["source"] = demo_scene(text, where, mode, "source")
             image_from.setdefault("target", demo_scene(text, where, mode))
@@ -2118,7 +2118,7 @@ TINY_PALETTE = (torch.tensor(list(COLOURS.values()), dtype=torch.float32) / 255)
 # positions); a bare <|image|> would be numbered like text.
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{{ '<|dit_token_16384|><|image|>"
                       "<|dit_token_16385|>' if c['type'] == 'image' else c['text'] }}{% endfor %}{% endfor %}")
-TINY_RENDERER = dict(        # all that shapes the training (all in the cache key)
+TINY_RENDERER = dict(        # all that shapes the training, in the cache key
     dit_steps=800, dit_lr=3e-3, batch=8, dit_grids=((2, 2), (3, 3), (4, 4), (3, 2)), inference_steps=4)
 
 
@@ -2225,7 +2225,7 @@ def train_tiny_renderer(seed, settings):
             hw = settings["dit_grids"][step % len(settings["dit_grids"])]
             timesteps, _ = dit_schedule(pipe, 32 * hw[0], 32 * hw[1], settings["inference_steps"])  # sets scheduler
             tokens, mosaics = random_mosaics(batch, hw, generator, 32 // pipe.vae_scale_factor)   # latent-sized
-            x0 = torch.nn.functional.pad(mosaics * 2 - 1, (0, 0, 0, 0, 0, 1))  # [B, 4, h, w]: RGB in [-1, 1], 0
+            x0 = torch.nn.functional.pad(mosaics * 2 - 1, (0, 0, 0, 0, 0, 1))  # [B, 4, h, w]: RGB in [-1, 1], zeros
             t = timesteps[torch.randint(len(timesteps), (batch,), generator=generator)]
             eps = torch.randn(x0.shape, generator=generator)
             cond = dit_condition(pipe, [""], batch, tokens, hw, 1.0)        # the glyphs of "", the grids
