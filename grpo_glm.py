@@ -1228,14 +1228,14 @@ def parse_args(argv=None):
     positive, non_negative = number(float, above=0), number(float, least=0)
     pixels, draws = number(int, least=32, multiple=32), ["per-prompt", "per-step"]
     a = p.add_argument_group("GRPO (section 1)").add_argument
-    a("--group-size", type=number(int, least=2), default=32, help="G: samples per prompt, compared in their group.")
-    a("--prompts-per-step", type=count, default=2, help="Prompts per step: a batch of prompts x G samples.")
+    a("--group-size", type=number(int, least=2), default=32, help="G: samples per prompt, compared as a group.")
+    a("--prompts-per-step", type=count, default=2, help="Prompts per step, G samples each.")
     a("--temperature", type=positive, default=1.0, help="Sampling temperature T (the loss scores logits / T).")
-    a("--top-k", type=non_negative_int, default=0, help="Sample among the k likeliest tokens (0 = all).")
+    a("--top-k", type=non_negative_int, default=0, help="Sample from the k likeliest tokens (0 = all).")
     a("--top-p", type=number(float, above=0, most=1), default=1.0, help="Sample the top tokens of mass p (1 = all).")
     a("--loss-tokens", choices=["target", "all"], default="target", help="The target grid's, or also the preview's.")
-    a("--clip-eps", type=positive, default=0.2, help="PPO clip: the ratio is kept within [1-eps, 1+eps].")
-    a("--beta", type=non_negative, default=0.0, help="Weight of the KL penalty to the initial model (0 = none).")
+    a("--clip-eps", type=positive, default=0.2, help="PPO clip: the ratio is kept in [1-eps, 1+eps].")
+    a("--beta", type=non_negative, default=0.0, help="KL penalty weight, to the initial model (0 = none).")
     a("--inner-epochs", type=count, default=4, help="mu: optimisation passes over each batch.")
     a("--lr", type=positive, default=2e-2, help="AdamW learning rate.")
     a("--policy", choices=["ar", "dit", "both"], default="ar", help="What trains: AR, DiT (Part II) or both.")
@@ -1264,7 +1264,7 @@ def parse_args(argv=None):
       "layer; auto = head for --model tiny.")
     a = p.add_argument_group("the DiT: --policy dit|both (Flow-GRPO, Part II)").add_argument
     a("--dit-lr", type=positive, default=3e-3, help="AdamW learning rate of the DiT.")
-    a("--dit-clip-eps", type=positive, default=1e-4, help="PPO clip epsilon of the DiT's per-step ratio.")
+    a("--dit-clip-eps", type=positive, default=1e-4, help="--clip-eps of the DiT's per-step ratio.")
     a("--dit-noise-level", type=positive, default=0.7, help="a in the SDE's std_t = a sqrt(sigma / (1 - sigma)).")
     a("--dit-train-steps", type=count, default=None, help="First denoising steps, run as SDE and trained; the rest "
       "run the ODE (default: all but the last).")
@@ -1275,21 +1275,21 @@ def parse_args(argv=None):
     a("--out", default="runs/grpo_glm", help="Directory of metrics.jsonl, samples/ and checkpoints/.")
     a("--save-every", type=count, default=10, help="Checkpoint every N steps (and at the end).")
     a("--checkpoints-total-limit", type=count, default=None, help="Keep the newest K checkpoints (default: all).")
-    a("--sample-every", type=non_negative_int, default=5, help="Save a sample sheet every N steps (0 = never).")
+    a("--sample-every", type=non_negative_int, default=5, help="A sample sheet every N steps (0 = never).")
     a("--report-to", choices=["none", "tensorboard", "wandb"], default="none", help="Also log to TensorBoard/W&B.")
-    a("--resume", default=None, help="Checkpoint file to continue from, or 'latest' in --out.")
+    a("--resume", default=None, help="Checkpoint to continue from, or 'latest' in --out.")
     a("--resume-force", action="store_true", help="Resume even if algorithm flags differ from the checkpoint.")
-    a("--save-pipeline", default=None, help="After training, write the whole pipeline (LoRA merged) here.")
+    a("--save-pipeline", default=None, help="Write the trained pipeline here (LoRA merged).")
     a = p.add_argument_group("hardware and memory").add_argument
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
     a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto", help="auto = bfloat16 for a "
       "pretrained model on CUDA, else float32 (float64: for checks).")
     a("--micro-batch-size", type=count, default=None, help="Samples per forward and backward (default: G).")
-    a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in the backward pass.")
+    a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in backward.")
     a("--offload", action=argparse.BooleanOptionalAction, default=None, help="Frozen DiT, VAE and text encoder on "
       "the CPU between uses (default: if --plan's peak exceeds free GPU memory).")
     a("--fsdp", action="store_true", help="Under torchrun: shard trained weights and AdamW state (FSDP2).")
-    a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others before it stops.")
+    a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others.")
     a("--plan", action="store_true", help="Print --model's memory plan at --height x --width, and exit.")
     a("--plan-gpus", type=number(int, least=2), nargs="+", metavar="K", help="With --plan: --fsdp's bytes per GPU "
       "on K GPUs (--prompts-per-step: all GPUs').")
