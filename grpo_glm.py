@@ -1184,74 +1184,74 @@ def parse_args(argv=None):
     positive, non_negative = number(float, above=0), number(float, least=0)
     pixels, draws = number(int, least=32, multiple=32), ["per-prompt", "per-step"]
     a = p.add_argument_group("GRPO (section 1)").add_argument
-    a("--group-size", type=number(int, least=2), default=32, help="G: samples per prompt, compared within their group.")
-    a("--prompts-per-step", type=count, default=2, help="Prompts per step: a batch of prompts x G samples.")
+    a("--group-size", type=number(int, least=2), default=32, help="G: samples per prompt, compared as a group.")
+    a("--prompts-per-step", type=count, default=2, help="Prompts per step, G samples each.")
     a("--temperature", type=positive, default=1.0, help="Sampling temperature T (the loss scores logits / T).")
-    a("--top-k", type=non_negative_int, default=0, help="Sample among the k likeliest tokens (0 = all).")
+    a("--top-k", type=non_negative_int, default=0, help="Sample from the k likeliest tokens (0 = all).")
     a("--top-p", type=number(float, above=0, most=1), default=1.0, help="Sample the top tokens of mass p (1 = all).")
-    a("--loss-tokens", choices=["target", "all"], default="target", help="The target grid's, or the preview's too.")
-    a("--clip-eps", type=positive, default=0.2, help="PPO clip: the ratio is kept within [1-eps, 1+eps].")
-    a("--beta", type=non_negative, default=0.0, help="Weight of the KL penalty to the initial model (0 = none).")
+    a("--loss-tokens", choices=["target", "all"], default="target", help="The target grid's, or also the preview's.")
+    a("--clip-eps", type=positive, default=0.2, help="PPO clip: the ratio is kept in [1-eps, 1+eps].")
+    a("--beta", type=non_negative, default=0.0, help="KL penalty weight, to the initial model (0 = none).")
     a("--inner-epochs", type=count, default=4, help="mu: optimisation passes over each batch.")
     a("--lr", type=positive, default=2e-2, help="AdamW learning rate.")
-    a("--policy", choices=["ar", "dit", "both"], default="ar", help="What trains: the AR, the DiT (Part II) or both.")
-    a("--reward", action="append", metavar="SPEC", help="'mse', 'module:function' or 'file.py:function', optionally "
-      "'=WEIGHT'; repeat it for a weighted sum (section 6). Default: mse.")
+    a("--policy", choices=["ar", "dit", "both"], default="ar", help="What trains: AR, DiT (Part II) or both.")
+    a("--reward", action="append", metavar="SPEC", help="'mse', 'module:fn' or 'file.py:fn', optionally '=WEIGHT'; "
+      "repeat for a weighted sum (section 6). Default: mse.")
     a("--steps", type=count, default=10, help="GRPO steps in all, resumed ones included.")
     a("--seed", type=number(int, least=0, most=2**32 - 1), default=0, help="Seed of every random draw.")
-    a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="Schedule over "
-      "--steps (diffusers'); a resume with another --steps reshapes its rest.")
-    a("--lr-warmup-steps", type=non_negative_int, default=0, help="Steps of linear warm-up from 0 to --lr.")
+    a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="diffusers' schedule "
+      "over --steps; a resume with other --steps reshapes its rest.")
+    a("--lr-warmup-steps", type=non_negative_int, default=0, help="Steps of linear warm-up to --lr.")
     a("--weight-decay", type=non_negative, default=0.0, help="AdamW's weight decay.")
     a("--max-grad-norm", type=positive, default=1.0, help="Clip the gradient's global norm to this.")
     a = p.add_argument_group("model and data").add_argument
-    a("--model", default=TINY, help="'tiny' (a toy GLM-Image, section 21), a hub id or a save_pretrained directory.")
-    a("--mode", choices=["t2i", "i2i"], default="t2i", help="t2i: text to image; i2i: edit each prompt's source image.")
-    a("--prompts", default="prompts.txt", help="Lines 'prompt[ | target.png[ | source.png (i2i)]]' (section 16).")
-    a("--height", type=pixels, default=128, help="Image height in pixels, a multiple of 32 (a token).")
-    a("--width", type=pixels, default=128, help="Image width in pixels, a multiple of 32.")
-    a("--num-inference-steps", type=count, default=4, help="DiT steps of a decode for the reward: fewer are faster, "
-      "rougher (Flow-GRPO: 10 to sample, 40 to evaluate).")
+    a("--model", default=TINY, help="'tiny' (a toy GLM-Image, section 21), a hub id or a save_pretrained dir.")
+    a("--mode", choices=["t2i", "i2i"], default="t2i", help="t2i: text to image; i2i: edit each prompt's source.")
+    a("--prompts", default="prompts.txt", help="Lines 'prompt[ | target.png[ | source.png (i2i)]]'.")
+    a("--height", type=pixels, default=128, help="Image height in pixels (32 per token).")
+    a("--width", type=pixels, default=128, help="Image width in pixels (32 per token).")
+    a("--num-inference-steps", type=count, default=4, help="DiT steps per decode: fewer are faster, rougher "
+      "(Flow-GRPO: 10 to sample, 40 to evaluate).")
     a("--guidance-scale", type=number(float), default=1.0, help="DiT classifier-free guidance scale (1 = off).")
-    a("--dit-noise", choices=draws, default="per-prompt", help="A group's initial DiT noise: drawn once or each step.")
+    a("--dit-noise", choices=draws, default="per-prompt", help="A group's initial DiT noise: once or each step.")
     a("--lora-rank", type=non_negative_int, default=0, help="LoRA rank on the AR (0 = full fine-tuning).")
     a("--lora-alpha", type=number(float), default=None, help="LoRA alpha (default: --lora-rank).")
-    a("--ar-trainable", choices=["auto", "all", "head"], default="auto", help="Without LoRA: all, or the output "
-      "layer (head); auto = head for --model tiny.")
+    a("--ar-trainable", choices=["auto", "all", "head"], default="auto", help="Without LoRA: all or the output "
+      "layer; auto = head for --model tiny.")
     a = p.add_argument_group("the DiT: --policy dit|both (Flow-GRPO, Part II)").add_argument
     a("--dit-lr", type=positive, default=3e-3, help="AdamW learning rate of the DiT.")
-    a("--dit-clip-eps", type=positive, default=1e-4, help="PPO clip epsilon of the DiT's per-step ratio.")
+    a("--dit-clip-eps", type=positive, default=1e-4, help="--clip-eps of the DiT's per-step ratio.")
     a("--dit-noise-level", type=positive, default=0.7, help="a in the SDE's std_t = a sqrt(sigma / (1 - sigma)).")
-    a("--dit-train-steps", type=count, default=None, help="Denoising steps, from the first, run as SDE and trained; "
-      "the rest run the ODE (default: all but the last).")
+    a("--dit-train-steps", type=count, default=None, help="First denoising steps, run as SDE and trained; the rest "
+      "run the ODE (default: all but the last).")
     a("--dit-prior", choices=draws, default="per-prompt", help="--policy dit: a group's tokens, once or each step.")
     a("--dit-reward", action="append", metavar="SPEC", help="--policy both: the DiT's own reward (as --reward).")
     a("--dit-lora-rank", type=non_negative_int, default=0, help="LoRA rank on the DiT (0 = full fine-tuning).")
     a = p.add_argument_group("logging and checkpoints").add_argument
-    a("--out", default="runs/grpo_glm", help="Directory for metrics.jsonl, samples/ and checkpoints/.")
-    a("--save-every", type=count, default=10, help="Write a checkpoint every N steps (and at the end).")
-    a("--checkpoints-total-limit", type=count, default=None, help="Keep the newest K step checkpoints (default: all).")
-    a("--sample-every", type=non_negative_int, default=5, help="Save a sheet of the samples every N steps (0 = never).")
-    a("--report-to", choices=["none", "tensorboard", "wandb"], default="none", help="Also log to TensorBoard or W&B.")
-    a("--resume", default=None, help="Checkpoint file to continue from, or 'latest' in --out.")
-    a("--resume-force", action="store_true", help="Resume even if algorithm flags differ from the checkpoint's.")
-    a("--save-pipeline", default=None, help="After training, write the whole pipeline (LoRA merged) here.")
+    a("--out", default="runs/grpo_glm", help="Directory of metrics.jsonl, samples/ and checkpoints/.")
+    a("--save-every", type=count, default=10, help="Checkpoint every N steps (and at the end).")
+    a("--checkpoints-total-limit", type=count, default=None, help="Keep the newest K checkpoints (default: all).")
+    a("--sample-every", type=non_negative_int, default=5, help="A sample sheet every N steps (0 = never).")
+    a("--report-to", choices=["none", "tensorboard", "wandb"], default="none", help="Also log to TensorBoard/W&B.")
+    a("--resume", default=None, help="Checkpoint to continue from, or 'latest' in --out.")
+    a("--resume-force", action="store_true", help="Resume even if algorithm flags differ from the checkpoint.")
+    a("--save-pipeline", default=None, help="Write the trained pipeline here (LoRA merged).")
     a = p.add_argument_group("hardware and memory").add_argument
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
-    a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto", help="Weights' dtype; auto = "
-      "bfloat16 for a pretrained model on CUDA, else float32 (float64: for checks).")
+    a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto", help="auto = bfloat16 for a "
+      "pretrained model on CUDA, else float32 (float64: for checks).")
     a("--micro-batch-size", type=count, default=None, help="Samples per forward and backward (default: G).")
-    a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in the backward pass.")
+    a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in backward.")
     a("--offload", action=argparse.BooleanOptionalAction, default=None, help="Frozen DiT, VAE and text encoder on "
-      "the CPU between uses (default: if --plan's peak exceeds the GPU's free memory).")
-    a("--fsdp", action="store_true", help="Under torchrun: shard the trained weights and AdamW state (FSDP2).")
-    a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others before it stops.")
-    a("--plan", action="store_true", help="Print the memory plan of --model at --height x --width, and exit.")
+      "the CPU between uses (default: if --plan's peak exceeds free GPU memory).")
+    a("--fsdp", action="store_true", help="Under torchrun: shard trained weights and AdamW state (FSDP2).")
+    a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others.")
+    a("--plan", action="store_true", help="Print --model's memory plan at --height x --width, and exit.")
     a("--plan-gpus", type=number(int, least=2), nargs="+", metavar="K", help="With --plan: --fsdp's bytes per GPU "
-      "on K GPUs (--prompts-per-step: all K GPUs').")
+      "on K GPUs (--prompts-per-step: all GPUs').")
     known = p.parse_known_args(argv)[0]
     if known.model != TINY:
-        p.set_defaults(**pretrained_defaults(known))      # the defaults above are the tiny demo's
+        p.set_defaults(**pretrained_defaults(known))      # those above are the tiny demo's
     args = p.parse_args(argv)
     args.reward = args.reward or ["mse"]
     return args
@@ -1260,15 +1260,15 @@ def parse_args(argv=None):
 class Parser(argparse.ArgumentParser):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        # what looks like a number is an option's value, not an option: '--lr -1e-3' too, as from Python 3.14
+        # '--lr -1e-3': a number is a value, not an option (as from Python 3.14)
         self._negative_number_matcher = re.compile(r"-[\d.]+(e[-+]?\d+)?$", re.I)
 
-    def error(self, message):      # a bad flag: a UsageError, no usage block
+    def error(self, message):      # a bad flag: a UsageError, no usage
         raise UsageError(re.sub(r"^argument (\S+): ", r"\1 ", message))
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    def _get_help_string(self, action):     # no '(default: None)': such a help says what happens without
+    def _get_help_string(self, action):     # no '(default: None)': those helps say what happens
         if action.default in (None, argparse.SUPPRESS):
             return action.help
         plain, lora = (pretrained_defaults(SimpleNamespace(dit_lora_rank=r)).get(action.dest) for r in (0, 1))
@@ -1277,7 +1277,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def number(kind, least=None, above=None, most=None, multiple=None):
-    """An argparse type: a finite `kind` (int or float), least <= value, above < value, value <= most."""
+    """An argparse type: a finite int or float within the bounds given."""
     def parse(text):
         value = kind(text)
         rules = {"finite": math.isfinite(value), f"at least {least}": least is None or value >= least,
@@ -1291,12 +1291,12 @@ def number(kind, least=None, above=None, most=None, multiple=None):
     return parse
 
 
-# requirements.txt's lower bounds (a test keeps them equal): an older release fails deep in a run, after loading.
+# requirements.txt's lower bounds (a test keeps them equal): older releases fail deep into a run.
 LEAST_VERSIONS = {"transformers": "5.23", "diffusers": "0.42.1", "peft": "0.20", "accelerate": "1.10"}
 
 
 def validate_args(args):
-    """What the flags' types cannot check: flags together, files, the machine. Before any model loads."""
+    """What the flags' types cannot check (flags together, files, the machine), before any model loads."""
     from importlib.metadata import version
     from packaging.version import Version
 
@@ -1304,7 +1304,7 @@ def validate_args(args):
                          if Version(version(name)) < Version(least))
     model, save, cuda = Path(args.model), Path(args.save_pipeline or "."), torch.cuda.is_available()
     full = (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
-    # a hub id: 'owner/name' that is no local path (a typo in './runs/x' or 'runs/x' must not go to the hub)
+    # a hub id: 'owner/name' with no local parent (a typo in 'runs/x' must not go to the hub)
     hub_id = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", args.model) and not model.parent.is_dir()
     refusals = [      # (refused?, why): the first refused one is the error
         (outdated, f"installed libraries too old for grpo_glm.py: {outdated}; run: pip install -r requirements.txt"),
@@ -1322,7 +1322,7 @@ def validate_args(args):
         (args.policy == "dit" and args.lora_rank, "--lora-rank adapts the AR, which --policy dit does not train"),
         (args.dtype == "bfloat16" and not args.fsdp and full, "--dtype bfloat16 full fine-tuning would round AdamW's "
          "updates away (below half a bf16 ulp): use LoRA (fp32), --fsdp of fp32 weights or --dtype float32"),
-        (args.report_to != "none" and importlib.util.find_spec(args.report_to) is None,    # package = flag value
+        (args.report_to != "none" and importlib.util.find_spec(args.report_to) is None,    # the package's name
          f"--report-to {args.report_to} needs the '{args.report_to}' package: pip install {args.report_to}"),
         (args.save_pipeline and save.exists() and (not save.is_dir() or any(save.iterdir())), f"--save-pipeline "
          f"{save} already exists; pick a new directory (nothing is overwritten)"),
@@ -1341,7 +1341,7 @@ def validate_args(args):
 
 
 def check_writable(flag, path):
-    """`path`, or its nearest existing parent, must be a directory we can create files in (probed)."""
+    """`path`, or its nearest existing parent, must be a directory we can write in (probed)."""
     parent = next(p for p in [Path(path).absolute(), *Path(path).absolute().parents] if p.exists())
     if not parent.is_dir():
         raise UsageError(f"{flag} {path}: {parent} is a file, not a directory")
@@ -1352,14 +1352,13 @@ def check_writable(flag, path):
 
 
 def pretrained_defaults(args):
-    """Defaults for any --model but the tiny demo (the flags' own train a random toy quickly): the model card's
-    sampler and decode; learning rates DanceGRPO's (a whole model) or flow_grpo's (LoRA). --help shows them."""
+    """Any --model but tiny: the model card's sampler and decode; DanceGRPO's (full) or flow_grpo's (LoRA) lr."""
     return dict(lr=1e-5, dit_lr=3e-4 if args.dit_lora_rank else 1e-5, temperature=0.9, top_p=0.75,
                 num_inference_steps=30, guidance_scale=1.5, height=1024, width=1024)
 
 
 def resolve_runtime(args):
-    """Values derived from flags, computed once and printed in the 'running with' block."""
+    """The flags' derived values, printed as 'running with'."""
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.dtype == "auto":
@@ -1375,7 +1374,7 @@ def resolve_runtime(args):
 
 
 def check_prompt_lengths(pipe, items, args):
-    """The AR's context holds the prompt, an i2i source, the generated tokens and grid markers (32)."""
+    """The AR's context holds the prompt, an i2i source, the generated tokens and markers (32)."""
     grid = (args.height // 32) * (args.width // 32)
     others = (2 * grid + 1 if args.mode == "i2i" else ar_sequence("t2i", args.height, args.width)[1]) + 32
     context = pipe.vision_language_encoder.config.text_config.max_position_embeddings
@@ -1387,9 +1386,8 @@ def check_prompt_lengths(pipe, items, args):
 
 
 def check_source_size(processor, height, width):
-    """i2i: the AR reads a source's VQ grid at the size transformers' smart_resize makes of --height x --width (sides
-    within sqrt(min/max_pixels), aspect <= 4, then halved), the DiT its latent at --height x --width: they must agree
-    (zai-org/GLM-Image issue 14)."""
+    """i2i: the AR reads a source at smart_resize's size (sides within sqrt(min/max_pixels), aspect <= 4, halved),
+    the DiT at --height x --width: they must agree (zai-org/GLM-Image issue 14)."""
     from transformers.models.glm_image.image_processing_pil_glm_image import smart_resize
 
     size = processor.size
@@ -1434,12 +1432,12 @@ SHAPES = ("circle", "square", "triangle")
 
 @dataclass
 class PromptItem:
-    """One prompt line; its images are read or drawn when a step asks, never kept."""
+    """One prompt line; its images are read or drawn when asked, never kept."""
     text: str
     where: str                   # 'prompts.txt:3', for messages
     size: tuple                  # (height, width) images are resized to
     mode: str = "t2i"
-    image_from: dict = None      # 'target' / 'source' -> a file, or draw_shape's (shape, colour, background)
+    image_from: dict = None      # 'target' / 'source' -> a Path, or draw_shape's arguments
 
     def image(self, kind):       # RGB at `size`, or None
         origin = self.image_from.get(kind)
@@ -1454,8 +1452,8 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",)):
     if not path.is_file():
         raise UsageError(f"--prompts {path}: " + ("is a directory, not a file" if path.is_dir() else "file not found"))
     try:
-        lines = path.read_text(encoding="utf-8-sig").splitlines()      # -sig: drops the BOM Windows editors put first
-    except UnicodeDecodeError as e:     # e.object: the bytes (after a BOM)
+        lines = path.read_text(encoding="utf-8-sig").splitlines()      # -sig: drops a BOM (Windows editors)
+    except UnicodeDecodeError as e:     # e.object: the bytes after a BOM
         hint = " (it looks like UTF-16)" if e.object[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
         raise UsageError(f"--prompts {path}: not UTF-8 text{hint}: byte 0x{e.object[e.start]:02x} at offset {e.start}"
                          "; save the file as UTF-8")
@@ -1473,9 +1471,9 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",)):
             w, h = read_image(file, where, kind)
             resized |= (w, h) != (width, height)
             if w * height != h * width:
-                print(f"note: {where}: {kind} {file.name} is {w}x{h}, squashed to {width}x{height} (another aspect "
-                      "ratio; crop it yourself to keep its proportions)")
-        if mode == "i2i" and "source" not in image_from:     # drawn from the edit's words, and the target if not given
+                print(f"note: {where}: {kind} {file.name} is {w}x{h}, squashed to {width}x{height} (crop it to keep "
+                      "its proportions)")
+        if mode == "i2i" and "source" not in image_from:     # drawn from the edit's words (the target too if none)
             image_from["source"] = demo_scene(text, where, mode, "source")
             image_from.setdefault("target", demo_scene(text, where, mode))
         items.append(PromptItem(text, where, (height, width), mode, image_from))
@@ -1488,7 +1486,7 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",)):
 
 
 def require_targets(items, reward_names):
-    """Rewards named (if any) read targets: a prompt without a target file gets one drawn from its words, or fails."""
+    """The rewards named read targets: a prompt without a target file gets one drawn from its words or fails."""
     for item in items:
         if reward_names and "target" not in item.image_from:
             item.image_from["target"] = demo_scene(item.text, item.where, item.mode,
@@ -1496,15 +1494,15 @@ def require_targets(items, reward_names):
 
 
 def read_image(path, where, kind, size=None):
-    """Upright (EXIF orientation): RGB at size = (height, width); no size (start-up): (width, height), undecoded."""
+    """Upright (EXIF): RGB at size = (height, width); no size (start-up): its (width, height), undecoded."""
     try:
         with Image.open(path) as image:
             if size:
-                return to_rgb(ImageOps.exif_transpose(image)).resize(size[::-1], Image.BICUBIC)   # same size: a copy
-            # PNG's getexif() decodes the pixels to look past them: an eXIf chunk before them is in info
+                return to_rgb(ImageOps.exif_transpose(image)).resize(size[::-1], Image.BICUBIC)
+            # PNG's getexif() decodes the pixels to look past them; an eXIf chunk before them is in info
             exif = image.getexif() if image.format != "PNG" or "exif" in image.info else Image.Exif()
             turned = exif.get(Image.ExifTags.Base.Orientation, 1) in (5, 6, 7, 8)     # by 90 degrees
-            image.verify()            # reads the whole file, decodes nothing (and leaves it unusable: last)
+            image.verify()            # reads the whole file, decodes nothing, leaves it unusable: last
             return image.size[::-1] if turned else image.size
     except FileNotFoundError:
         later = " (it was there at start-up)" if size else ""
@@ -1514,7 +1512,7 @@ def read_image(path, where, kind, size=None):
 
 
 def to_rgb(image):
-    """RGB as the user sees it, where convert('RGB') errs: 16-bit grey scaled, transparency on white."""
+    """RGB as seen, where convert('RGB') errs: 16-bit grey scaled, transparency on white."""
     if image.mode.startswith("I"):
         return image.convert("I").point(lambda v: v / 257 + 0.5).convert("RGB")     # 65535 -> 255, rounded
     if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
@@ -1534,7 +1532,7 @@ def draw_shape(shape, colour, background, height, width):
 
 
 def demo_scene(prompt, where, mode, role="target", why=""):
-    """draw_shape's (shape, colour, background) for 'red circle on white background', 'make the red circle blue'."""
+    """draw_shape's arguments for 'red circle on white background' or 'make the red circle blue'."""
     words = re.findall(r"[a-z]+", prompt.lower())
     if mode == "t2i":
         colours, shape = [w for w in words if w in COLOURS], next((w for w in words if w in SHAPES), None)
@@ -1544,7 +1542,7 @@ def demo_scene(prompt, where, mode, role="target", why=""):
         return shape, colours[0], colours[1] if len(colours) > 1 else "white"
     colour = "|".join(COLOURS)
     edit = re.search(rf"\b({colour}) ({'|'.join(SHAPES)})\b.*\b({colour})\b(?! background)", " ".join(words))
-    if edit is None:      # 'a red circle on a white background' is a t2i line, no edit
+    if edit is None:      # e.g. a t2i line: 'a red circle on a white background'
         raise UsageError(f"{where}: '{prompt}' reads as no edit: --mode i2i needs 'prompt | target.png | source.png', "
                          f"or '<colour> <shape> ... <new colour>' to draw them (e.g. 'make the red circle blue')"
                          f"{f' ({why})' if why else ''}")
@@ -1558,7 +1556,7 @@ def demo_scene(prompt, where, mode, role="target", why=""):
 Reward = make_dataclass("Reward", ["name", "fn", "weight"])      # name: logged as rewards/<name>
 
 
-def mse(images, prompts, targets):      # the built-in demo reward as a plug-in; it reads targets
+def mse(images, prompts, targets):      # the built-in demo reward as a plug-in
     return mse_reward(images, targets)
 mse.uses_targets = True
 
@@ -1567,7 +1565,7 @@ def load_reward(spec):
     """A --reward spec (section 6) -> Reward."""
     where, _, text = spec.rpartition("=") if "=" in spec else (spec, "", "1")
     try:
-        weight = number(float)(text)      # the flags' own check: float() and finite
+        weight = number(float)(text)      # the flags' check: a finite float
     except (ValueError, argparse.ArgumentTypeError):
         raise UsageError(f"--reward {spec}: the weight after '=' must be a finite number, got {text!r}")
     if weight == 0:
@@ -1577,11 +1575,11 @@ def load_reward(spec):
     module_name, _, fn_name = where.rpartition(":")
     if not module_name or not fn_name:
         raise UsageError(f"--reward {spec}: expected 'mse', 'module:function' or 'path/to/file.py:function'")
-    sys.path.insert(0, os.getcwd())      # modules are looked up in the current directory first, as `python -m` does
+    sys.path.insert(0, os.getcwd())      # the current directory first, as `python -m` does
     try:
         namespace = (runpy.run_path(module_name) if module_name.endswith(".py")
                      else vars(importlib.import_module(module_name)))
-    except Exception as e:   # whatever the plug-in's own import raises
+    except Exception as e:   # whatever the plug-in's import raises
         raise UsageError(f"--reward {spec}: importing {module_name} failed: {type(e).__name__}: "
                          f"{(str(e).splitlines() or [''])[0]}")
     finally:
@@ -1601,8 +1599,8 @@ def load_rewards(specs):
 
 
 def call_reward(reward, images, prompts, targets):
-    """One --reward on its own copy of the batch (in-place edits must not reach the next one) -> [N] in the
-    images' dtype. Raising or a wrong shape stops the run; a non-finite value leaves its group out (section 7)."""
+    """One --reward on a copy of the batch (edits in place must not reach the next) -> [N] in the images' dtype.
+    Raising or a wrong shape stops the run; a non-finite value leaves its group out (section 7)."""
     n, name = len(prompts), reward.name
     try:
         value = reward.fn(images.clone(), list(prompts), None if targets is None else targets.clone())
@@ -2095,20 +2093,18 @@ class Resume:
 # =============================================================================================
 # 21. The tiny model's renderer: pre-trained once on token mosaics, then cached
 # =============================================================================================
-# `--model tiny` is GLM-Image at toy size, built from the real classes. Its AR stays random: what to
-# paint for a prompt is GRPO's to learn. A random renderer paints colour noise whatever the tokens say,
-# so it learns a synthetic task: codebook id k paints the demo's colour k mod 8 (many ids per colour, as
-# in a real VQ codebook: a random policy draws a cell's right colour 1 time in 8), a grid's truth is its
-# "mosaic" (each 32-px cell in its token's colour), learnt by flow matching once (~15 s of CPU).
+# `--model tiny` is GLM-Image at toy size, from the real classes. Its AR stays random (what to paint is
+# GRPO's to learn); its renderer learns once (flow matching, ~15 s of CPU) that codebook id k paints colour
+# k mod 8 (many ids per colour, as in a real codebook: a random policy gets a cell right 1 time in 8).
 
 TINY_CODEBOOK = 64                       # real: 16384
 TINY_VISION_VOCAB = TINY_CODEBOOK + 16   # real: 16512 (codebook + 128 special ids)
 TINY_PALETTE = (torch.tensor(list(COLOURS.values()), dtype=torch.float32) / 255)[torch.arange(TINY_CODEBOOK) % 8]
-# A stand-in chat template. A source image sits between image start and end tokens: get_rope_index
-# finds it by those markers (2-D positions); a bare <|image|> would be numbered like text.
+# A stand-in chat template: get_rope_index finds a source image by its start and end tokens (2-D
+# positions); a bare <|image|> would be numbered like text.
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{{ '<|dit_token_16384|><|image|>"
                       "<|dit_token_16385|>' if c['type'] == 'image' else c['text'] }}{% endfor %}{% endfor %}")
-TINY_RENDERER = dict(        # everything that shapes the training (all of it enters the cache key)
+TINY_RENDERER = dict(        # all that shapes the training, in the cache key
     dit_steps=800, dit_lr=3e-3, batch=8, dit_grids=((2, 2), (3, 3), (4, 4), (3, 2)), inference_steps=4)
 
 
@@ -2121,8 +2117,8 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
                               GlmImageImageProcessorPil, PreTrainedTokenizerFast, T5Config, T5EncoderModel)
 
     torch.manual_seed(seed)
-    # A character-level tokenizer (BPE with no merges): the image tokens first (as in the real one,
-    # where the bos '<|dit_token_16384|>' is image_start_token_id), printable ASCII, the processor's specials.
+    # A character-level tokenizer (BPE, no merges): image tokens first (the real bos '<|dit_token_16384|>' is
+    # image_start_token_id too), printable ASCII, the processor's specials.
     image_ids = [*range(TINY_CODEBOOK), *range(16384, 16384 + TINY_VISION_VOCAB - TINY_CODEBOOK)]
     specials = {"image_token": "<|image|>", "grid_bos_token": "<sop>", "grid_eos_token": "<eop>"}
     names = [f"<|dit_token_{i}|>" for i in image_ids] + [*map(chr, range(32, 127)), *specials.values()]
@@ -2131,17 +2127,15 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
         tokenizer_object=Tokenizer(models.BPE({t: i for i, t in enumerate(names)}, merges=[], unk_token="<unk>")),
         bos_token=names[TINY_CODEBOOK], eos_token=names[TINY_CODEBOOK + 1], pad_token="<pad>", padding_side="left",
         extra_special_tokens=specials)
-    # The real min_pixels 512^2 would upscale a small source, while the pipeline VAE-encodes it at its
-    # own size (the DiT's source tokens would not line up).
+    # The real min_pixels 512^2 would upscale a small source the pipeline VAE-encodes at its own size.
     image_processor = GlmImageImageProcessorPil(**dict(REAL_IMAGE_PROCESSOR, min_pixels=32 * 32),
                                                 image_mean=[0.5] * 3, image_std=[0.5] * 3)
     ar = GlmImageForConditionalGeneration(GlmImageConfig(
-        text_config=dict(  # pad_token_id: the default 167841 is outside a tiny vocabulary
+        text_config=dict(  # pad_token_id: the default 167841 is outside the vocabulary
             vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=2048, initializer_range=ar_init_range,
             vision_vocab_size=TINY_VISION_VOCAB, eos_token_id=TINY_CODEBOOK + 1, pad_token_id=tokenizer.pad_token_id,
-            # the mosaic AR rotates faster: at theta 1e4 with 4 rotary frequencies a grid row turns
-            # the angle by 0.01 rad and a column by 0.001, and positions barely register
+            # mosaic AR: at theta 1e4 (4 rotary frequencies) a grid row turns 0.01 rad, a column 0.001: too little
             rope_parameters={"rope_type": "default", "rope_theta": 4.0 if mosaic_ar else 10000.0,
                              "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5}),
         vision_config=dict(depth=1, hidden_size=32, num_heads=2, image_size=64, intermediate_size=32),
@@ -2149,18 +2143,17 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
         image_token_id=tokenizer.convert_tokens_to_ids("<|image|>"), image_start_token_id=TINY_CODEBOOK,
         image_end_token_id=TINY_CODEBOOK + 1)).eval()
     if mosaic_ar:
-        # At the default init the random token before a grid token sets its logits (its embedding dominates 2
-        # layers): GRPO would learn one colour for every cell. Equal image-token embeddings and q/k at 16x the
-        # init (attention sharp enough to tell prompts apart) let lm_head read each (prompt, cell) apart.
+        # At init the random token before a cell sets its logits (its embedding dominates 2 layers): GRPO learns one
+        # colour for all. Equal image-token embeddings and q/k x16 (sharp attention) let lm_head tell cells apart.
         with torch.no_grad():
             image_embeddings = ar.model.language_model.embed_tokens.weight[:TINY_VISION_VOCAB]
             image_embeddings[:] = image_embeddings.mean(0)
             for layer in ar.model.language_model.layers:
                 layer.self_attn.q_proj.weight.mul_(16.0)
                 layer.self_attn.k_proj.weight.mul_(16.0)
-    # T5 built from a config is in train mode: its dropout would embed a prompt differently each call
+    # T5 from a config is in train mode: dropout would embed a prompt differently each call
     text_encoder = T5EncoderModel(T5Config(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2))
-    # patch 2 x VAE 8 = 16 pixels per DiT token: the AR's 32-pixel tokens are upsampled 2x (as in the real model)
+    # patch 2 x VAE 8 = 16 px per DiT token: the AR's 32-px tokens are upsampled 2x (as in the real model)
     transformer = GlmImageTransformer2DModel(in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16,
                                              num_attention_heads=2, text_embed_dim=32, time_embed_dim=16,
                                              condition_dim=8, prior_vq_quantizer_codebook_size=TINY_CODEBOOK)
@@ -2168,18 +2161,17 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
         processor=GlmImageProcessor(image_processor, tokenizer, chat_template=TINY_CHAT_TEMPLATE), vae=colour_vae(),
         tokenizer=ByT5Tokenizer(), text_encoder=text_encoder.eval(), vision_language_encoder=ar,
         transformer=transformer.eval(), scheduler=FlowMatchEulerDiscreteScheduler())
-    # The policy's sampler as its generation config (section 24), as load_pipeline sets it.
-    suppressed = image_token_suppression(ar, TINY_CODEBOOK)
+    suppressed = image_token_suppression(ar, TINY_CODEBOOK)      # the policy's sampler, as load_pipeline sets it
     ar.generation_config = policy_generation_config(ar, SamplingParams(suppressed=suppressed))
     return pipe
 
 
 def random_mosaics(batch, grid_hw, generator, cell=32):
-    """(grids [batch, H*W], their mosaics [batch, 3, H*cell, W*cell] in [0, 1]), each grid from 1, 2, 4
-    or all codebook ids (uniform fields and two-colour shapes as familiar to the renderer as confetti)."""
+    """(grids [batch, H*W], mosaics [batch, 3, H*cell, W*cell] in [0, 1]: cells in their token's colour), each of
+    1, 2, 4 or all ids (uniform fields and two-colour shapes as familiar to the renderer as confetti)."""
     H, W = grid_hw
 
-    def grid():      # k colours drawn from the codebook, then each cell one of them
+    def grid():      # k ids drawn from the codebook, each cell one of them
         k = [1, 2, 4, TINY_CODEBOOK][int(torch.randint(4, (1,), generator=generator))]
         return torch.randperm(TINY_CODEBOOK, generator=generator)[:k][torch.randint(k, (H * W,), generator=generator)]
     tokens = torch.stack([grid() for _ in range(batch)])
@@ -2188,10 +2180,9 @@ def random_mosaics(batch, grid_hw, generator, cell=32):
 
 
 def colour_vae(carrier=32.0):
-    """A tiny AutoencoderKL whose decoder paints latent channels 0-2 upsampled 8x, set by hand (GroupNorm
-    erases absolute colour, and gradient descent stalls): all weights 0 (residual branches off), upsamplers
-    the identity, conv_in writes (c, -c) beside a constant pair (+carrier, -carrier), so the group's mean
-    is 0 and its std ~ carrier / 2 whatever the colours; conv_out reads SiLU(c) - SiLU(-c) = c."""
+    """A tiny AutoencoderKL whose decoder paints latent channels 0-2 upsampled 8x, set by hand (GroupNorm erases
+    absolute colour; training stalls): weights 0 (residuals off), upsamplers the identity, conv_in writes (c, -c)
+    and (+carrier, -carrier): the group's mean is 0, its std ~ carrier / 2; conv_out reads SiLU(c) - SiLU(-c) = c."""
     from diffusers import AutoencoderKL
 
     vae = AutoencoderKL(block_out_channels=(8,) * 4, down_block_types=["DownEncoderBlock2D"] * 4,
@@ -2218,12 +2209,12 @@ def train_tiny_renderer(seed, settings):
         optimizer = torch.optim.Adam(dit.parameters(), lr=settings["dit_lr"])
         for step in range(settings["dit_steps"]):
             hw = settings["dit_grids"][step % len(settings["dit_grids"])]
-            timesteps, _ = dit_schedule(pipe, 32 * hw[0], 32 * hw[1], settings["inference_steps"])  # sets the scheduler
-            tokens, mosaics = random_mosaics(batch, hw, generator, 32 // pipe.vae_scale_factor)  # [B, 3, h, w]
-            x0 = torch.nn.functional.pad(mosaics * 2 - 1, (0, 0, 0, 0, 0, 1))  # [B, 4, h, w]: RGB in [-1, 1], then 0
+            timesteps, _ = dit_schedule(pipe, 32 * hw[0], 32 * hw[1], settings["inference_steps"])  # sets scheduler
+            tokens, mosaics = random_mosaics(batch, hw, generator, 32 // pipe.vae_scale_factor)   # latent-sized
+            x0 = torch.nn.functional.pad(mosaics * 2 - 1, (0, 0, 0, 0, 0, 1))  # [B, 4, h, w]: RGB in [-1, 1], zeros
             t = timesteps[torch.randint(len(timesteps), (batch,), generator=generator)]
             eps = torch.randn(x0.shape, generator=generator)
-            cond = dit_condition(pipe, [""], batch, tokens, hw, 1.0)        # the glyph condition of "", the grids
+            cond = dit_condition(pipe, [""], batch, tokens, hw, 1.0)        # the glyphs of "", the grids
             v = dit_velocity(dit, pipe.scheduler.scale_noise(x0, t, eps), t, cond, write_source_caches(dit, cond))
             loss = ((v - (eps - x0)) ** 2).mean()
             optimizer.zero_grad()
@@ -2233,8 +2224,7 @@ def train_tiny_renderer(seed, settings):
 
 
 def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
-    """`--model tiny`'s directory for this seed, keyed by all that shapes it, built on first use and saved
-    as a user's checkpoint is (section 24). Turns the libraries' loading bars off (a toy loads at once)."""
+    """`--model tiny`'s directory, keyed by all that shapes it, built once, saved as a checkpoint is (section 24)."""
     code = [inspect.getsource(f) for f in (build_tiny_pipeline, colour_vae, random_mosaics, train_tiny_renderer,
                                             dit_schedule, dit_condition, dit_velocity, write_source_caches,
                                             policy_generation_config, image_token_suppression, SamplingParams)]
@@ -2243,19 +2233,19 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
     root = Path(os.environ.get("GRPO_GLM_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
                 / "grpo_glm")
     final = root / f"tiny-seed{seed}-{hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:16]}"
-    for library in ("diffusers", "transformers"):
+    for library in ("diffusers", "transformers"):      # no loading bars: a toy loads at once
         importlib.import_module(f"{library}.utils.logging").disable_progress_bar()
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(root / f".{final.name}.lock"):   # a second run waits here (released if the process dies)
-        if not final.is_dir():                      # not built before, nor by the run we waited for
+        if not final.is_dir():                      # built neither before nor by the run we waited for
             start = time.time()
-            print(f"building --model tiny (seed {seed}) once: a random AR, its renderer (DiT) trained on token mosaics "
+            print(f"building --model tiny (seed {seed}) once: its renderer (DiT) learns token mosaics "
                   f"({settings['dit_steps']} steps) ...", end=" ", flush=True)
             pipe, loss = train_tiny_renderer(seed, settings)
-            partial = root / f".{final.name}.tmp"   # a killed save's leftover: overwritten, never loaded
+            partial = root / f".{final.name}.tmp"   # a killed save's leftover: replaced, never loaded
             shutil.rmtree(partial, ignore_errors=True)
             pipe.save_pretrained(partial)
-            os.rename(partial, final)               # atomic: the final directory exists only if a build finished
+            os.rename(partial, final)               # atomic: only a finished build is ever final
             print(f"done in {time.time() - start:.0f} s (flow-matching loss {loss:.4f}), cached in {final}", flush=True)
     return final
 
@@ -2263,14 +2253,13 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
 # =============================================================================================
 # 22. More GPUs: torchrun data parallel (DDP) and sharding (--fsdp)
 # =============================================================================================
-# `torchrun --nproc_per_node K grpo_glm.py ...`: each of K ranks samples, rewards and standardises whole groups (a
-# block of the step's prompts, as DanceGRPO), so only gradients (averaged) and a few scalars cross ranks; rank 0 alone
-# writes files. 1 and K processes sample alike (sample_tokens) and train alike up to the order of sums.
+# `torchrun --nproc_per_node K grpo_glm.py ...`: each rank samples, rewards and standardises whole groups (a block
+# of the step's prompts, as DanceGRPO), so only averaged gradients and a few scalars cross ranks; rank 0 writes
+# files. 1 and K processes sample alike (sample_tokens) and train alike up to the order of sums.
 
 @functools.cache     # swapped once a process
 def float64_throughout():
-    """--dtype float64: GlmImageRMSNorm (transformers) and apply_rotary_emb (diffusers) round to fp32, and 1 vs 2
-    processes drifted 1e-9 apart: swapped for their own formulas in at least fp32."""
+    """--dtype float64: GlmImageRMSNorm and diffusers' apply_rotary_emb round to fp32 (1 vs 2 processes: 1e-9 apart)."""
     import diffusers.models.embeddings as embeddings
     from transformers.models.glm_image.modeling_glm_image import GlmImageRMSNorm
 
@@ -2289,7 +2278,7 @@ def float64_throughout():
 
 
 def init_distributed(args):
-    """torchrun's process group, gloo or nccl: a dead or hung rank makes the others raise after --dist-timeout."""
+    """torchrun's gloo or nccl group: a dead or hung rank makes the others raise after --dist-timeout."""
     if world_size() > 1:
         if args.device == "cuda":
             args.device = f"cuda:{os.environ['LOCAL_RANK']}"
@@ -2322,28 +2311,26 @@ def max_over_ranks(value):
 
 
 def all_ranks_agree(flag):
-    """True if `flag` is on every rank: a choice of how many collectives come next (skip an update, stop)
-    is taken together, or a rank waits forever in a collective the others never start."""
+    """`flag` on every rank? Choices of collectives to come (skip an update, stop) are made together, or one hangs."""
     return all(from_every_rank(bool(flag)))
 
 
 def reduce_metrics(row):
-    """A metrics row averaged over ranks (logp_diff_max: the maximum): every rank holds as many samples
-    of the same length, so the mean of the per-rank means is the global mean."""
+    """A metrics row averaged over ranks (logp_diff_max: the max): ranks hold equal samples, so means average."""
     rows = from_every_rank(row)
     return {k: type(v)((max if k.endswith("logp_diff_max") else np.mean)([float(r[k]) for r in rows]))
             for k, v in row.items()}
 
 
 def collective_failed(error):
-    """A peer died or timed out: a DistError, or (gloo, also in backward) a RuntimeError quoting gloo's source."""
+    """A peer died or timed out: a DistError, or (gloo, in backward too) a RuntimeError naming gloo or nccl."""
     return dist.is_initialized() and bool(isinstance(error, dist.DistError) or re.search("gloo|nccl", str(error), re.I))
 
 
 def distribute(model, params, args, reference=None):
-    """-> (what the training forward calls, AdamW's params). DDP wraps `model` (its backward averages gradients).
-    --fsdp (FSDP2) shards `model` and its KL `reference` in place: each rank keeps 1/K of every weight, gradient
-    and AdamW moment (DTensors). A unit (a layer, then the root) is gathered for its forward and backward."""
+    """-> (what the training forward calls, AdamW's params). DDP wraps `model` (its backward averages gradients);
+    --fsdp (FSDP2) shards `model` and its KL `reference`: each rank keeps 1/K of every weight, gradient and AdamW
+    moment, and gathers a unit (a layer, then the root) for its forward and backward."""
     if not dist.is_initialized():
         return model, params
     if not args.fsdp:
@@ -2352,20 +2339,19 @@ def distribute(model, params, args, reference=None):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # DiT's, never edited
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # DiT's, unedited
     compute = getattr(torch, args.dtype)
-    master = torch.promote_types(compute, torch.float32)    # bf16: fp32 shards (AdamW's steps on bf16 round away)
+    master = torch.promote_types(compute, torch.float32)    # fp32 shards: AdamW's steps on bf16 round away
     cast_training_params(model, dtype=master)
     mesh = init_device_mesh(torch.device(args.device).type, (world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=master)     # gathered in bf16, reduced in fp32
     for module in [m for m in (model, reference) if m is not None]:
-        # layers, then the root (None: the policy's stays gathered from forward to backward; a reference has none)
-        for unit in [*sharded_layers(module), module]:
+        for unit in [*sharded_layers(module), module]:      # the policy's root stays gathered till backward
             fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True if unit is reference else None)
     return model, [p for p in model.parameters() if p.requires_grad]
 
 
-def sharded_layers(module):     # fully_shard's units below the root: the AR's decoder layers, the DiT's blocks
+def sharded_layers(module):     # fully_shard's units below the root
     return module.model.language_model.layers if hasattr(module, "model") else module.transformer_blocks
 
 
@@ -2377,8 +2363,7 @@ def fsdp_units(model):      # [] if not sharded
 
 @contextlib.contextmanager
 def whole_weights(model):
-    """Whole weights while sampling and in no-grad passes (else each decode step gathers every layer); yields
-    whether `model` is sharded."""
+    """Whole weights to sample and in no-grad passes (else each decode step gathers every layer) -> sharded?"""
     units = fsdp_units(model)
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
@@ -2392,8 +2377,8 @@ def whole_weights(model):
 
 
 def training_state(model, optimizer, loaded=None):
-    """All ranks: (trained weights, AdamW state) by name, whole on rank 0's CPU (others: empty); or `loaded`,
-    such a pair of any world size, loaded (--fsdp: into each rank's shards). Their state dicts hold no buffers."""
+    """All ranks: (trained weights, AdamW state) by name, whole on rank 0's CPU (others: empty); or loads `loaded`,
+    such a pair of any world size (--fsdp: into each rank's shards). No buffers."""
     from torch.distributed.checkpoint import state_dict as dsd
 
     whole = dsd.StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True, strict=False)
