@@ -1116,8 +1116,8 @@ class UpdateGuard:
 
         sums = [(p.to_local() if isinstance(p, DTensor) else p).detach().sum().float() for p in self.params]
         if not all_ranks_agree(bool(torch.isfinite(torch.stack(sums)).all())):
-            raise UsageError("the update made the weights non-finite (is --lr too large?); nothing of this step "
-                             "is saved, the last checkpoint is intact")
+            raise UsageError("the update made the weights non-finite (is --lr too large?); the last checkpoint is "
+                             "intact")
 
     def row(self):
         done = [m for m, stepped, _ in self.passes if stepped]
@@ -1773,11 +1773,11 @@ def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
     draw.rectangle((margin, margin, w - margin, h - margin), outline="black")
     ticks = [(to_xy(x0, value), (-4, 0), "rm", value) for value in round_ticks(y0, y1)]       # left axis
     ticks += [(to_xy(step, y0), (0, 4), "mt", step) for step in round_ticks(x0, x1, least=1)]  # bottom axis
+    labels = [((margin, 8), title, "la"), ((margin, margin - 6), "reward", "mb"), ((w // 2, h - 8), "step", "mb")]
     for (x, y), (dx, dy), anchor, value in ticks:
         draw.line((x + dx, y + dy, x, y), fill="black")
-        draw.text((x + 1.5 * dx, y + 1.5 * dy), f"{value:g}", fill="black", font_size=12, anchor=anchor)
-    for xy, text, anchor in [((margin, 8), title, "la"), ((margin, margin - 6), "reward", "mb"),
-                             ((w // 2, h - 8), "step", "mb")]:
+        labels.append(((x + 1.5 * dx, y + 1.5 * dy), f"{value:g}", anchor))
+    for xy, text, anchor in labels:
         draw.text(xy, text, fill="black", font_size=12, anchor=anchor)
     image.save(path)
 
@@ -1936,15 +1936,14 @@ class Run:
             save_trained_pipeline(self.trainer.pipe, self.args)
 
     def drop_step(self):      # a rank that left its step early still answers the others' vote
-        peers = True
         try:
             if not self.voted:
                 self.agree()
         except Exception as e:
             if not collective_failed(e):
                 raise
-            peers = False              # a rank was killed (kill -9, OOM): rank 0 saves alone
-        self.stop(self.step - 1, peers)
+            self.stop(self.step - 1, peers=False)      # a rank was killed (kill -9, OOM): rank 0 saves alone
+        self.stop(self.step - 1)
 
     def stop(self, done, peers=True):
         """Exits, code 128 + the signal's, with step `done` saved (step_rng: the RNG states it left)."""
