@@ -1061,8 +1061,7 @@ def pipeline_from_pretrained(args, dtype):
 
 
 def place_pipeline(pipe, args):
-    """--offload: diffusers moves model_cpu_offload_seq's models to the GPU in turn; a trained half stays there
-    (its parameters and AdamW state must not move)."""
+    """--offload: diffusers moves model_cpu_offload_seq's models to the GPU in turn; a trained half never moves."""
     if not args.offload:
         pipe.to(args.device)
         return
@@ -1088,8 +1087,7 @@ def offload_by_plan(args):
 
 # ---- For sections 8-11: micro-batches under DDP, the update's guards, non-finite steps ----
 class UpdateGuard:
-    """grpo_update's guards (vote, check_weights); row: the stepped passes' mean metrics (FIRST_PASS_ONLY's: pass
-    1's) and skip counts."""
+    """grpo_update's guards (vote, check_weights); row(): the stepped passes' mean metrics and skip counts."""
     FIRST_PASS_ONLY = ("logp_diff_max", "entropy")
 
     def __init__(self, halves, learns):
@@ -1414,8 +1412,7 @@ def check_source_size(processor, height, width):
 
 
 def lock_out_dir(out, closing):
-    """An exclusive flock on <out>/.lock (freed even on kill -9) until `closing` closes, which then removes what
-    this made if no metrics row was written."""
+    """Locks <out>/.lock (flock: freed even on kill -9) until `closing`; removes what it made if nothing was logged."""
     made = [p for p in [out / ".lock", out.absolute(), *out.absolute().parents] if not p.exists()]
 
     def unmake():
@@ -1981,8 +1978,7 @@ def rng_state():
 
 
 def save_checkpoint(out, step, trainer, args, rng=None):
-    """All ranks gather (--fsdp: a collective); rank 0 writes it, with `rng` (default: now's RNG states), then
-    keeps the newest --checkpoints-total-limit."""
+    """All ranks gather (--fsdp: a collective); rank 0 writes it, with `rng` (default: now's RNG states)."""
     weights, optimizer_state = training_state(trainer.trained, trainer.optimizer)
     if rank() != 0:
         return None
