@@ -2017,12 +2017,10 @@ def read_checkpoint(spec, out=None):
 
 
 # Flags that change what the algorithm computes: resuming with others would splice two runs into one log.
-ALGORITHM_FLAGS = (
-    "mode", "model", "prompts_sha256", "seed", "group_size", "prompts_per_step", "inner_epochs", "lr",
-    "max_grad_norm", "clip_eps", "beta", "temperature", "top_k", "top_p", "height", "width", "num_inference_steps",
-    "guidance_scale", "dit_noise", "loss_tokens", "lora_rank", "lora_alpha", "ar_trainable", "dtype",
-    "reward", "weight_decay", "lr_scheduler", "lr_warmup_steps", "policy", "dit_lr", "dit_clip_eps",
-    "dit_noise_level", "dit_train_steps", "dit_lora_rank", "dit_prior", "dit_reward")
+ALGORITHM_FLAGS = """mode model prompts_sha256 seed group_size prompts_per_step inner_epochs lr max_grad_norm clip_eps
+    beta temperature top_k top_p height width num_inference_steps guidance_scale dit_noise loss_tokens lora_rank
+    lora_alpha ar_trainable dtype reward weight_decay lr_scheduler lr_warmup_steps policy dit_lr dit_clip_eps
+    dit_noise_level dit_train_steps dit_lora_rank dit_prior dit_reward""".split()
 
 
 class Resume:
