@@ -2052,7 +2052,7 @@ class Resume:
 
     def restore(self, trainer, out):
         if ckpt := self.ckpt:
-            weight_flags = ("--policy", "--model", "--lora-rank", "--dit-lora-rank", "--ar-trainable")
+            weight_flags = "--policy --model --lora-rank --dit-lora-rank --ar-trainable".split()
             try:
                 if set(ckpt["trainable"]) != {n for n, p in trainer.trained.named_parameters() if p.requires_grad}:
                     raise ValueError(f"other parameter names ({', '.join(weight_flags)})")
