@@ -1168,8 +1168,8 @@ def write_source_caches(dit, cond):
                   prior_token_id=ids, prior_token_drop=torch.zeros_like(ids, dtype=torch.bool),
                   timestep=torch.zeros(1, device=latent.device), target_size=cond.target_size[:1],
                   crop_coords=cond.crop_coords[:1], kv_caches=written, return_dict=False)[0]
-        # Gradient checkpointing reruns a block in backward, after later calls: so a cache whose mode never
-        # changes, reading copies of the lists (a rerun write appends to its own).
+        # A cache holds its mode, and gradient checkpointing reruns a block in backward after later calls:
+        # so a cache whose mode never changes, reading copies of the lists (a rerun write appends to its own).
         read.set_mode("read")
         for mine, theirs in zip(read.caches, written.caches):
             mine.k_caches, mine.v_caches = list(theirs.k_caches), list(theirs.v_caches)
@@ -1790,7 +1790,7 @@ class AbandonStep(BaseException):
 
 
 class Run:
-    """Opened by `with` (what it opens: train()'s docstring), closed on any exit."""
+    """`with Run(args)` opens the run (train()'s docstring says what) and closes it on any exit."""
 
     def __init__(self, args):
         self.args, self.out, self.lead = args, Path(args.out), rank() == 0
@@ -1959,7 +1959,7 @@ class Run:
 # =============================================================================================
 # 20. CHECKPOINT and --resume
 # =============================================================================================
-# One format at every world size (what an exact resume needs: README), loaded with weights_only=True (no code).
+# One format at every world size, loaded with weights_only=True (no pickled code).
 
 def atomic_write(path, write):
     """write(file) to path.tmp, synced, renamed over path: a reader sees the old file or the new."""
@@ -2033,7 +2033,7 @@ class Resume:
                              "another --out")
         ckpt = self.ckpt = read_checkpoint(args.resume, out) if args.resume else None
         step = self.step = ckpt["step"] if ckpt else 0
-        saved = ckpt["args"] if ckpt else vars(args)      # the prompts differ by their hash
+        saved = ckpt["args"] if ckpt else vars(args)      # the prompts compare by their hash
         differences = self.differences = [
             f"--prompts {saved.get('prompts')} -> {args.prompts}: contents differ" if k == "prompts_sha256"
             else f"--{k.replace('_', '-')} {saved.get(k)} -> {getattr(args, k)}"
