@@ -1041,18 +1041,16 @@ def pipeline_from_pretrained(args, dtype):
     try:
         return GlmImagePipeline.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-        if not Path(path).is_dir():      # a hub id that is not in the local cache, and no network to fetch it
-            raise UsageError(f"--model {args.model}: its weights are not in the local Hugging Face cache and could "
-                             f"not be downloaded here; fetch them once with `hf download {args.model}` where the "
-                             "hub is reachable, or pass a local directory")
+        if not Path(path).is_dir():
+            raise UsageError(f"--model {args.model}: not in the local Hugging Face cache nor downloadable here; fetch "
+                             f"it once with `hf download {args.model}` where the hub is reachable, or pass a directory")
         raise UsageError(f"--model {args.model} could not be loaded as a GlmImagePipeline: {str(e).splitlines()[0]}")
     finally:
         diffusers_logging.set_verbosity(verbosity)
 
 
 def place_pipeline(pipe, args):
-    """--offload: diffusers' model offload moves model_cpu_offload_seq's components to the GPU in turn. A
-    trained half leaves the sequence and stays on the GPU: its parameters and AdamW state must not move."""
+    """--offload: diffusers moves model_cpu_offload_seq's models to the GPU in turn; a trained half never moves."""
     if not args.offload:
         pipe.to(args.device)
         return
@@ -1063,8 +1061,7 @@ def place_pipeline(pipe, args):
 
 
 def offload_by_plan(args):
-    """--offload's default -> (on?, the header's note): on where the run's peak without it (by --plan)
-    exceeds the GPU's free memory; dit|both: the DiT's row + glyph encoder and VAE."""
+    """--offload's default -> (on?, the header's note): on where --plan's peak without it exceeds free GPU memory."""
     if not (args.device == "cuda" and torch.cuda.is_available()):
         return False, False
     rows, counts, _ = plan_of_run(args)
@@ -1079,13 +1076,12 @@ def offload_by_plan(args):
 
 # ---- For sections 8-11: micro-batches under DDP, the update's guards, non-finite steps ----
 class UpdateGuard:
-    """grpo_update's guards (vote, check_weights) and bookkeeping; row: the stepped passes' mean metrics
-    (FIRST_PASS_ONLY's: pass 1's), skip counts."""
+    """grpo_update's guards (vote, check_weights); row(): the stepped passes' mean metrics and skip counts."""
     FIRST_PASS_ONLY = ("logp_diff_max", "entropy")
 
     def __init__(self, halves, learns):
         self.params = [p for _, params, _ in halves for p in params]
-        self.learns, self.metrics, self.passes = learns, {}, []      # passes: (metrics, stepped, loss finite)
+        self.learns, self.metrics, self.passes = learns, {}, []      # passes: (metrics, stepped, finite loss)
 
     def add(self, prefix, metrics, weight=1.0):
         for key, value in metrics.items():
@@ -1094,7 +1090,7 @@ class UpdateGuard:
                                  else self.metrics.get(key, 0.0) + value * weight)
 
     def vote(self):
-        """True: step. One vote of all ranks: none has a non-finite loss or gradient norm (2), one learns (1)."""
+        """True: step. All ranks vote: none has a non-finite loss or gradient norm (2), one learns (1)."""
         metrics, self.metrics = self.metrics, {}
         finite_loss = all(math.isfinite(v) for k, v in metrics.items() if k.endswith("loss"))   # weighted sums
         finite = finite_loss and all(math.isfinite(v) for k, v in metrics.items() if k.endswith("grad_norm"))
@@ -1107,8 +1103,8 @@ class UpdateGuard:
 
         sums = [(p.to_local() if isinstance(p, DTensor) else p).detach().sum().float() for p in self.params]
         if not all_ranks_agree(bool(torch.isfinite(torch.stack(sums)).all())):
-            raise UsageError("the update made the weights non-finite (is --lr too large?); nothing of this step "
-                             "is saved, the last checkpoint is intact")
+            raise UsageError("the update made the weights non-finite (is --lr too large?); the last checkpoint is "
+                             "intact")
 
     def row(self):
         done = [m for m, stepped, _ in self.passes if stepped]
@@ -1120,8 +1116,8 @@ class UpdateGuard:
 
 
 def sync_on_last(policy, batches):
-    """Yields the micro-`batches`, each backpropagated before the next; under DDP all but the last in no_sync(): the
-    last backward all-reduces the sum once. Every rank runs as many (a missing one would hang the others)."""
+    """Yields the micro-`batches`; under DDP all but the last in no_sync(): the last backward all-reduces the sum.
+    Every rank runs as many (a missing one would hang the others)."""
     batches = list(batches)
     for k, batch in enumerate(batches):
         with policy.no_sync() if hasattr(policy, "no_sync") and k < len(batches) - 1 else contextlib.nullcontext():
@@ -1129,7 +1125,7 @@ def sync_on_last(policy, batches):
 
 
 def non_finite_streak(bad_steps, row, out, args, start):
-    """The rows of the last steps in a row that updated nothing: 5, or all of a shorter run, stop the run."""
+    """The rows of the last steps in a row that updated nothing: 5 (or all of a shorter run) stop the run."""
     bad_steps = bad_steps + [row] if row["skipped_updates"] == args.inner_epochs else []
     if len(bad_steps) < min(5, args.steps - start):
         return bad_steps
@@ -1146,8 +1142,8 @@ def non_finite_streak(bad_steps, row, out, args, start):
 
 # ---- For Part II: the i2i source's KV cache ----
 def write_source_caches(dit, cond):
-    """Per prompt, the KV cache its G samples' DiT passes read (t2i: None): i2i, a pass over the source
-    latent at timestep 0 writes it, as the pipeline does, part of the training graph."""
+    """Per prompt, the KV cache its G samples' DiT passes read (t2i: None), written as the pipeline does by a pass
+    over the source latent at timestep 0, part of the training graph."""
     from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
 
     module = unwrap(dit)
@@ -1161,14 +1157,14 @@ def write_source_caches(dit, cond):
                   prior_token_id=ids, prior_token_drop=torch.zeros_like(ids, dtype=torch.bool),
                   timestep=torch.zeros(1, device=latent.device), target_size=cond.target_size[:1],
                   crop_coords=cond.crop_coords[:1], kv_caches=written, return_dict=False)[0]
-        # The cache holds its mode, and gradient checkpointing reruns a block in backward after later calls:
+        # A cache holds its mode, and gradient checkpointing reruns a block in backward after later calls:
         # so a cache whose mode never changes, reading copies of the lists (a rerun write appends to its own).
         read.set_mode("read")
         for mine, theirs in zip(read.caches, written.caches):
             mine.k_caches, mine.v_caches = list(theirs.k_caches), list(theirs.v_caches)
         if torch.is_grad_enabled() and fsdp_units(module):
-            # --fsdp gathers a layer's weights for backward when the gradient reaches its *output*, not
-            # the cached keys/values: 0 x this output, added to the velocity, routes it there too.
+            # --fsdp gathers a layer's weights for backward when the gradient reaches its *output*, not the
+            # cached keys/values: 0 x this output, added to the velocity, routes it there.
             read.anchor = at_least_fp32(out).sum() * 0
         caches.append(read)
     return caches
@@ -1403,15 +1399,14 @@ def check_source_size(processor, height, width):
 
 
 def lock_out_dir(out, closing):
-    """An exclusive flock on <out>/.lock (freed even on kill -9) until `closing` closes, which then removes what
-    this made if no metrics row was written (--out as found)."""
+    """Locks <out>/.lock (flock: freed even on kill -9) until `closing`; removes what it made if nothing was logged."""
     made = [p for p in [out / ".lock", out.absolute(), *out.absolute().parents] if not p.exists()]
 
     def unmake():
         with contextlib.suppress(OSError):
             for path in [] if read_metrics(out / "metrics.jsonl") else made:   # up to a directory not empty
                 (path.unlink if path.is_file() else path.rmdir)()
-    closing.callback(unmake)       # first: an interrupt from here on leaves nothing
+    closing.callback(unmake)       # first: an interrupt from here on leaves --out as found
     out.mkdir(parents=True, exist_ok=True)
     handle = open(out / ".lock", "a")      # stays empty
     closing.callback(handle.close)
@@ -1630,7 +1625,7 @@ CONSOLE_FIELDS = ("loss {loss:+.4f}", "dit loss {dit/loss:+.3e}", "reward {rewar
 
 
 def start_logging(args, trainer, out, start):
-    """Prints the run's settings; opens accelerate's tracker (--report-to none: None) for metrics, sheets, flags."""
+    """Prints the run's settings; returns --report-to's accelerate tracker (none: None)."""
     trainable = sum(p.numel() for p in trainer.trained.parameters() if p.requires_grad)
     ar = f"LoRA r={args.lora_rank}" if args.lora_rank else "head" if args.ar_trainable == "head" else "full"
     dit = f"LoRA r={args.dit_lora_rank}" if args.dit_lora_rank else "full"
@@ -1654,7 +1649,7 @@ def start_logging(args, trainer, out, start):
 
     if args.report_to == "wandb":      # WANDB_MODE=offline: under <out>/wandb, for a later `wandb sync`
         tracker = WandBTracker("grpo_glm", name=out.name, dir=str(out), config=vars(args))
-    else:      # purge_step: a resumed run's (section 20)
+    else:      # purge_step: a resumed run drops the events after its step
         tracker = TensorBoardTracker("logs", out, purge_step=start + 1 if start else None)
     tracker.start()
     if args.report_to == "tensorboard":
@@ -1673,7 +1668,7 @@ def warn_if_collapsed(row, warned, max_entropy=None):
     """Once per run: most groups tied (advantages 0). Why: low entropy, a collapse; high, the reward."""
     if warned or row["frac_reward_zero_std"] <= 0.5:
         return warned
-    why = "the reward does not separate the samples"     # --policy dit: no AR entropy, the SDE keeps samples apart
+    why = "the reward does not separate the samples"     # --policy dit: the SDE keeps samples apart
     if "entropy" in row:
         why = f"entropy {row['entropy']:.3f} of {max_entropy:.2f}: " + (
             "the policy has collapsed; lower --lr or raise --temperature" if row["entropy"] < 0.5 * max_entropy
@@ -1689,15 +1684,14 @@ def read_metrics(path):
     return [json.loads(line) for line in lines if line.strip()]
 
 
-# The PNGs' text: Pillow's built-in font at 12 px (draw.text's font_size; at its own 10 px some spaces vanish).
-
+# The PNGs' text: Pillow's built-in font at font_size 12 (at its own 10 px some spaces vanish).
 def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, tracker=None,
                      step=None):
     """Per prompt (sorted: it stays in place) 8 cells a row: [source,] target, [a=0 decode,] its G samples."""
-    scale = max(1, 128 // images.shape[-1])                   # cells at least 128 px wide, to be seen
+    scale = max(1, 128 // images.shape[-1])                   # cells at least 128 px wide
     width, height = images.shape[-1] * scale, images.shape[-2] * scale
     line, gap = 18, 6                                          # a line of text, white between cells
-    to_pil = lambda x: x if isinstance(x, Image.Image) else Image.fromarray(      # sources are PIL images
+    to_pil = lambda x: x if isinstance(x, Image.Image) else Image.fromarray(      # sources: PIL already
         (x.clamp(0, 1).permute(1, 2, 0).numpy() * 255).astype(np.uint8))
     references = [(name, x) for name, x in [("source", sources), ("target", targets), ("a=0 (ODE)", ode)]
                   if x is not None]
@@ -1715,7 +1709,7 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
             draw.text((x + 2, y + height + 2), label, fill="black", font_size=12)
     path.parent.mkdir(parents=True, exist_ok=True)
     sheet.save(path)
-    if tracker:      # a batch of one HWC image (W&B takes no dataformats: it reads each row as an image)
+    if tracker:      # a batch of one HWC image (W&B takes no dataformats)
         formats = {"dataformats": "NHWC"} if tracker.name == "tensorboard" else {}
         tracker.log_images({"samples": np.asarray(sheet)[None]}, step, **formats)
     return sheet
@@ -1763,34 +1757,32 @@ def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
     draw.rectangle((margin, margin, w - margin, h - margin), outline="black")
     ticks = [(to_xy(x0, value), (-4, 0), "rm", value) for value in round_ticks(y0, y1)]       # left axis
     ticks += [(to_xy(step, y0), (0, 4), "mt", step) for step in round_ticks(x0, x1, least=1)]  # bottom axis
+    labels = [((margin, 8), title, "la"), ((margin, margin - 6), "reward", "mb"), ((w // 2, h - 8), "step", "mb")]
     for (x, y), (dx, dy), anchor, value in ticks:
         draw.line((x + dx, y + dy, x, y), fill="black")
-        draw.text((x + 1.5 * dx, y + 1.5 * dy), f"{value:g}", fill="black", font_size=12, anchor=anchor)
-    for xy, text, anchor in [((margin, 8), title, "la"), ((margin, margin - 6), "reward", "mb"),
-                             ((w // 2, h - 8), "step", "mb")]:
+        labels.append(((x + 1.5 * dx, y + 1.5 * dy), f"{value:g}", anchor))
+    for xy, text, anchor in labels:
         draw.text(xy, text, fill="black", font_size=12, anchor=anchor)
-    image.save(path)      # into --out, which lock_out_dir made
+    image.save(path)
 
 
 # =============================================================================================
 # 19. The run: train()'s plumbing, Ctrl+C and SIGTERM
 # =============================================================================================
-# Ctrl+C or SIGTERM (Slurm's, torchrun's) stops the run at a step's end, saved, exit code 128 + signal: a step
-# whose update has not begun is dropped (AbandonStep unwinds it from wherever the signal came), one whose update
-# has begun finished. Under torchrun the ranks vote (agree) before each update and after each step.
+# Ctrl+C or SIGTERM stops the run saved, exit code 128 + signal: a step whose update has not begun is dropped
+# (AbandonStep unwinds it), one whose update began is finished. The ranks agree before each update and step's end.
 
 class AbandonStep(BaseException):
     """BaseException: no `except Exception` (a reward plug-in's, say) swallows it."""
 
 
 class Run:
-    """`with Run(args) as run` opens a run (the flags' checks, --out's lock, prompts, rewards, the model, the resume
-    point) and closes it on any exit."""
+    """`with Run(args)` opens the run (train()'s docstring says what) and closes it on any exit."""
 
     def __init__(self, args):
         self.args, self.out, self.lead = args, Path(args.out), rank() == 0
         self.trainer = self.tracker = self.signum = None      # signum: the first stop signal
-        self.voted, self.bad_steps, self.warned = True, [], False   # voted: the update began, a signal finishes it
+        self.voted, self.bad_steps, self.warned = True, [], False   # voted: the update began
         self.closing = contextlib.ExitStack()
 
     def __enter__(self):
@@ -1816,7 +1808,7 @@ class Run:
         rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [])
         require_targets(items, [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)])
         args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
-        resume = Resume(args, out)          # its refusals, under the lock, before any model loads
+        resume = Resume(args, out)          # its refusals: under the lock, before any model loads
         self.start = self.last_saved = resume.step
         if self.start >= args.steps:
             return
@@ -1836,22 +1828,20 @@ class Run:
         self.trainer.before_update = self.vote
 
     def steps(self):
-        """Yields (step, indices, slots): this rank's block of the step's prompts, a seeded order per pass (epoch)."""
+        """Yields (step, indices, slots): this rank's block of the step's prompts, in a seeded order per pass."""
         args, count = self.args, len(self.items)
         per_rank = args.prompts_per_step // world_size()
         slots = range(rank() * per_rank, (rank() + 1) * per_rank)
         for step in range(self.start + 1, args.steps + 1):
             self.step, self.t0, self.step_rng, self.voted = step, time.time(), rng_state(), False
-            if self.signum is not None:      # came after the last step's vote: nothing of this step to keep
+            if self.signum is not None:      # came after the last step's vote
                 raise AbandonStep
-            indices = []
-            for slot in slots:
-                epoch, offset = divmod((step - 1) * args.prompts_per_step + slot, count)
-                indices.append(int(torch.randperm(count, generator=seeded(args.seed, "prompt order", epoch))[offset]))
-            yield step, indices, slots
+            places = [divmod((step - 1) * args.prompts_per_step + slot, count) for slot in slots]
+            yield step, [int(torch.randperm(count, generator=seeded(args.seed, "prompt order", epoch))[offset])
+                         for epoch, offset in places], slots
 
     def record(self, step, indices, row, rewards, images, targets, sources, ode):
-        """After grpo_step: LOG, the sample sheet, CHECKPOINT; a stop signal on any rank: saved, exit."""
+        """After grpo_step: LOG, the sample sheet, CHECKPOINT; on a stop signal (any rank's) saves and exits."""
         args, out, trainer = self.args, self.out, self.trainer
         names = ["lr"] * (args.policy != "dit") + ["dit/lr"] * (args.policy != "ar")     # a param group per half
         row.update(zip(names, trainer.lr_scheduler.get_last_lr()))
@@ -1872,7 +1862,6 @@ class Run:
             self.stop(step)
 
     def log(self, row, step):
-        """metrics.jsonl, the tracker, one console line, the one-time collapse warning."""
         args, metrics = self.args, self.out / "metrics.jsonl"
         finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
         with open(metrics, "a", encoding="utf-8") as f:     # NaN, inf -> null: JSON has no NaN
@@ -1881,7 +1870,7 @@ class Run:
             self.tracker.log({k: v for k, v in row.items() if k != "step"}, step)
         fields = [f.format_map(row) for f in CONSOLE_FIELDS if all(k in row for k in re.findall(r"{([^:]+):", f))]
         print(f"step {step:4d}/{args.steps} | " + " | ".join(fields), flush=True)
-        # entropy's yardstick: log(kept ids), its most; top-p keeps no fixed number: step 1's entropy (if > 0)
+        # entropy's yardstick: its most, log(kept ids); top-p keeps no fixed number: step 1's entropy (if > 0)
         codebook = self.trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size
         scale = math.log(min(args.top_k or math.inf, codebook))
         if args.top_p < 1:
@@ -1908,7 +1897,7 @@ class Run:
             raise AbandonStep
 
     def agree(self):
-        """True if any rank got a stop signal; all ranks then adopt its number (for the exit code)."""
+        """True if any rank got a stop signal; all then adopt its number (the exit code's)."""
         self.voted = True
         seen = max_over_ranks(self.signum or 0)
         if seen and self.signum is None:
@@ -1917,7 +1906,7 @@ class Run:
                 print(f"{signal.Signals(seen).name} on another rank: stopping", file=sys.stderr, flush=True)
         return self.signum is not None
 
-    def vote(self):      # grpo_step's before_update
+    def vote(self):      # trainer.before_update
         if self.agree():
             raise AbandonStep
 
@@ -1927,19 +1916,18 @@ class Run:
                 self.drop_step()
         finally:
             self.closing.close()
-        if kind is None and self.trainer and self.args.save_pipeline and self.lead:    # all steps done
+        if kind is None and self.trainer and self.args.save_pipeline and self.lead:
             save_trained_pipeline(self.trainer.pipe, self.args)
 
     def drop_step(self):      # a rank that left its step early still answers the others' vote
-        peers = True
         try:
             if not self.voted:
                 self.agree()
         except Exception as e:
             if not collective_failed(e):
                 raise
-            peers = False              # a rank was killed (kill -9, OOM): rank 0 saves alone
-        self.stop(self.step - 1, peers)
+            self.stop(self.step - 1, peers=False)      # a rank was killed (kill -9, OOM): rank 0 saves alone
+        self.stop(self.step - 1)
 
     def stop(self, done, peers=True):
         """Exits, code 128 + the signal's, with step `done` saved (step_rng: the RNG states it left)."""
@@ -1948,21 +1936,20 @@ class Run:
         if peers:
             all_ranks_agree(True)     # the others wait for rank 0's file before they exit
         when = f"in step {self.step} before its update" if done < self.step else f"after step {done}"
-        saved = f"step {done} is saved in {self.out / 'checkpoints' / f'step_{done:06d}.pt'}"
+        saved = (f"step {done} is saved in {self.out / 'checkpoints' / f'step_{done:06d}.pt'}; continue with "
+                 f"--resume latest --out {self.out}" if done else "no step finished, nothing to save")
         if self.lead:
-            print(f"interrupted {when}: " + (f"{saved}; continue with --resume latest --out {self.out}" if done
-                                             else "no step finished, nothing to save"), file=sys.stderr)
+            print(f"interrupted {when}: {saved}", file=sys.stderr)
         sys.exit(128 + self.signum)
 
 
 # =============================================================================================
 # 20. CHECKPOINT and --resume
 # =============================================================================================
-# An exact resume needs the trained weights, AdamW's state, the schedule, step, RNG states and flags, in
-# one format at every world size; written atomically, loaded with weights_only=True (no pickled code).
+# One format at every world size, loaded with weights_only=True (no pickled code).
 
 def atomic_write(path, write):
-    """write(file) to path.tmp, synced, then renamed over path: a reader sees the old file or the new."""
+    """write(file) to path.tmp, synced, renamed over path: a reader sees the old file or the new."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         write(f)
@@ -1978,8 +1965,7 @@ def rng_state():
 
 
 def save_checkpoint(out, step, trainer, args, rng=None):
-    """All ranks gather (--fsdp: a collective); rank 0 streams it, with `rng` (default: the RNG states now),
-    to checkpoints/step_NNNNNN.pt (no copy), then keeps the newest --checkpoints-total-limit."""
+    """All ranks gather (--fsdp: a collective); rank 0 writes it, with `rng` (default: now's RNG states)."""
     weights, optimizer_state = training_state(trainer.trained, trainer.optimizer)
     if rank() != 0:
         return None
@@ -1998,7 +1984,7 @@ def saved_checkpoints(out):
 
 
 def read_checkpoint(spec, out=None):
-    """A checkpoint's checked contents (+ "path"); spec 'latest': the newest in <out>/checkpoints (None: none yet)."""
+    """A checkpoint's checked contents (+ "path"); 'latest': the newest in <out>/checkpoints (None: none yet)."""
     path = max(saved_checkpoints(out), default=None) if spec == "latest" else Path(spec)
     if path is None:
         print(f"--resume latest: no checkpoint in {out / 'checkpoints'} yet; starting from step 0")
@@ -2007,7 +1993,7 @@ def read_checkpoint(spec, out=None):
         with warnings.catch_warnings():     # a junk file can look like a pickle of another protocol: torch warns
             warnings.simplefilter("ignore")
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises many types for a missing, foreign or truncated file
+    except Exception as e:      # torch raises many types for a missing, foreign or truncated file
         raise UsageError(f"--resume {path}: not a readable checkpoint ({type(e).__name__})")
     if not isinstance(ckpt, dict) or not str(ckpt.get("format", "")).startswith("grpo_glm-checkpoint-"):
         raise UsageError(f"--resume {path}: not a checkpoint of grpo_glm.py")
@@ -2018,17 +2004,15 @@ def read_checkpoint(spec, out=None):
 
 
 # Flags that change what the algorithm computes: resuming with others would splice two runs into one log.
-ALGORITHM_FLAGS = (
-    "mode", "model", "prompts_sha256", "seed", "group_size", "prompts_per_step", "inner_epochs", "lr",
-    "max_grad_norm", "clip_eps", "beta", "temperature", "top_k", "top_p", "height", "width", "num_inference_steps",
-    "guidance_scale", "dit_noise", "loss_tokens", "lora_rank", "lora_alpha", "ar_trainable", "dtype",
-    "reward", "weight_decay", "lr_scheduler", "lr_warmup_steps", "policy", "dit_lr", "dit_clip_eps",
-    "dit_noise_level", "dit_train_steps", "dit_lora_rank", "dit_prior", "dit_reward")
+ALGORITHM_FLAGS = """mode model prompts_sha256 seed group_size prompts_per_step inner_epochs lr max_grad_norm clip_eps
+    beta temperature top_k top_p height width num_inference_steps guidance_scale dit_noise loss_tokens lora_rank
+    lora_alpha ar_trainable dtype reward weight_decay lr_scheduler lr_warmup_steps policy dit_lr dit_clip_eps
+    dit_noise_level dit_train_steps dit_lora_rank dit_prior dit_reward""".split()
 
 
 class Resume:
     """A resumed run writes an unstopped one's rows, bit for bit. `step`: the resume point (0: a new run); restore
-    loads it, then sets what the killed run wrote after it aside as *.dropped (TensorBoard: purge_step)."""
+    loads it and sets aside what the killed run wrote after it (*.dropped)."""
 
     def __init__(self, args, out):
         if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
@@ -2036,7 +2020,7 @@ class Resume:
                              "another --out")
         ckpt = self.ckpt = read_checkpoint(args.resume, out) if args.resume else None
         step = self.step = ckpt["step"] if ckpt else 0
-        saved = ckpt["args"] if ckpt else vars(args)      # algorithm flags that differ (the prompts: by their hash)
+        saved = ckpt["args"] if ckpt else vars(args)      # the prompts compare by their hash
         differences = self.differences = [
             f"--prompts {saved.get('prompts')} -> {args.prompts}: contents differ" if k == "prompts_sha256"
             else f"--{k.replace('_', '-')} {saved.get(k)} -> {getattr(args, k)}"
@@ -2051,12 +2035,11 @@ class Resume:
         self.later = [p for p in saved_checkpoints(out) if int(p.stem[5:]) > step]
         if self.later and not args.resume_force:
             raise UsageError(f"--resume {ckpt['path']}: {out} has later checkpoints ({self.later[-1].name}); "
-                             f"resuming from step {step} would drop them and the metrics after step {step} (add "
-                             "--resume-force to do so; they are then kept as *.dropped)")
+                             f"--resume-force drops them and the metrics after step {step} (kept as *.dropped)")
 
     def restore(self, trainer, out):
         if ckpt := self.ckpt:
-            weight_flags = ("--policy", "--model", "--lora-rank", "--dit-lora-rank", "--ar-trainable")  # what trains
+            weight_flags = "--policy --model --lora-rank --dit-lora-rank --ar-trainable".split()
             try:
                 if set(ckpt["trainable"]) != {n for n, p in trainer.trained.named_parameters() if p.requires_grad}:
                     raise ValueError(f"other parameter names ({', '.join(weight_flags)})")
@@ -2066,18 +2049,18 @@ class Resume:
                 changed = [d for d in self.differences if d.split()[0] in weight_flags]
                 raise UsageError(f"--resume {ckpt['path']}: its weights do not fit this model: "
                                  + ("; ".join(changed) or str(e).splitlines()[0][:120]))
-            name, keys, *rest = ckpt["rng"]["numpy"]        # rng_state's, in reverse
+            rng = ckpt["rng"]
+            name, keys, *rest = rng["numpy"]        # rng_state's, in reverse
             np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-            random.setstate(ckpt["rng"]["python"])
-            torch.set_rng_state(ckpt["rng"]["torch"])
-            if torch.cuda.is_available():      # a CPU run's checkpoint holds [] (a no-op)
-                torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+            random.setstate(rng["python"])
+            torch.set_rng_state(rng["torch"])
+            torch.cuda.set_rng_state_all(rng["cuda"])      # no CUDA: queued, never run
         if rank() != 0:
             return
         if ckpt:
             print(f"Resuming from step {self.step} ({ckpt['path']})")
         for path in self.later:
-            path.rename(path.with_name(path.name + ".dropped"))      # out of --resume latest's way
+            path.rename(path.with_name(path.name + ".dropped"))
             print(f"note: kept {path.name} of the dropped history as {path.name}.dropped")
         path, step = out / "metrics.jsonl", self.step
         rows = read_metrics(path)
@@ -2621,8 +2604,8 @@ def print_memory_plan(args):
 # =============================================================================================
 
 def save_trained_pipeline(pipe, args):
-    """A pipeline GlmImagePipeline.from_pretrained(dir) loads with no adapter code: each LoRA merged (peft's
-    merge, W += B @ A * alpha / r), its wrapper swapped back for the base Linear (as unload_lora does)."""
+    """A pipeline from_pretrained loads with no adapter code: each LoRA merged (W += B @ A * alpha / r), its
+    wrapper swapped back for the base Linear (as diffusers' unload_lora does)."""
     from diffusers.utils import recurse_remove_peft_layers
 
     for model in (pipe.vision_language_encoder, pipe.transformer):
@@ -2636,15 +2619,15 @@ def save_trained_pipeline(pipe, args):
 @torch.no_grad()
 def generate_images(pipe, prompts, sources=None, height=64, width=64, num_inference_steps=4, guidance_scale=1.0,
                     temperature=None, seed=0):
-    """One PIL image per prompt (an edit of its PIL source, if given), sampling the saved policy (at
-    `temperature` if given); prompt k's tokens and noise drawn from seeded(seed, ..., k)."""
+    """One PIL image per prompt (an edit of its PIL source, if given) from the saved policy (at `temperature` if
+    given); prompt k's tokens and noise seeded by (seed, k)."""
     if height % 32 or width % 32:
         raise ValueError(f"height and width must be multiples of 32, got {height}x{width}")
     if sources is not None and len(sources) != len(prompts):
         raise ValueError(f"one source per prompt: got {len(sources)} sources for {len(prompts)} prompts")
     sampling = sampling_of(pipe.vision_language_encoder)
     sampling = replace(sampling, temperature=temperature or sampling.temperature)
-    pipe.processor.tokenizer.padding_side = "left"        # as load_pipeline sets it for training
+    pipe.processor.tokenizer.padding_side = "left"        # as load_pipeline sets it
     if sources is not None:                               # upright, at the trained size
         sources = [to_rgb(ImageOps.exif_transpose(s)).resize((width, height), Image.BICUBIC) for s in sources]
     noise = group_noise(pipe, range(len(prompts)), 1, height, width, seed, 0, "per-prompt")
@@ -2665,7 +2648,7 @@ def generate_images(pipe, prompts, sources=None, height=64, width=64, num_infere
 def main(argv=None):
     try:
         args = parse_args(argv)
-        for k in args.plan_gpus or () if args.plan else [world_size()]:    # processes, or --plan's GPU counts
+        for k in args.plan_gpus or () if args.plan else [world_size()]:
             if args.prompts_per_step % k:
                 raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by " + (
                     f"--plan-gpus {k}" if args.plan else f"the number of processes ({k})") + ": each rank trains "
@@ -2695,6 +2678,6 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-    # DDP's and FSDP's state keeps the process group past destroy_process_group: freed at exit, gloo
-    # threads release tensors with no GIL to take and the rank dies of SIGABRT (pytorch PR 179291).
+    # DDP's and FSDP's state outlives destroy_process_group: freed at exit, gloo threads release tensors with
+    # no GIL to take and the rank dies of SIGABRT (pytorch PR 179291).
     gc.collect()
