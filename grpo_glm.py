@@ -84,9 +84,7 @@ class UsageError(Exception):
 # Stop at its end and you have seen a whole run: sample, decode, reward, advantage, log-probs, loss, update, loop.
 
 
-# =============================================================================================
-# 1. Settings
-# =============================================================================================
+# ==== 1. Settings =================================================================================
 # Every flag: parse_args (section 15), or `--help`. GRPO's own, with their defaults:
 #     --group-size G (32)             samples per prompt, compared within their group (sections 4, 7)
 #     --prompts-per-step P (2)        a step's batch is N = P x G samples
@@ -97,9 +95,7 @@ class UsageError(Exception):
 #     --policy (ar)                   what trains: the AR, the DiT (Part II), or both
 
 
-# =============================================================================================
-# 2. Model: GLM-Image = AR (transformers) + DiT/VAE/glyph encoder (diffusers)
-# =============================================================================================
+# ==== 2. Model: GLM-Image = AR (transformers) + DiT/VAE/glyph encoder (diffusers) =================
 # `--model tiny` (section 21) loads into the real checkpoint's classes: it runs the real model's code path.
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]   # the AR's Linears
@@ -163,9 +159,7 @@ def prepare_policy(ar, args):
     return [p for p in ar.parameters() if p.requires_grad]
 
 
-# =============================================================================================
-# 3. Prompts and targets
-# =============================================================================================
+# ==== 3. Prompts and targets ======================================================================
 # Run.steps (section 19): a seeded shuffle per pass over the file, so a resumed run sees the same prompts.
 
 def repeat_each(items, group_size):
@@ -187,9 +181,7 @@ def seeded(seed, purpose, step=0, index=0, device="cpu"):
     return torch.Generator(device).manual_seed(int.from_bytes(digest[:8], "little"))
 
 
-# =============================================================================================
-# 4. SAMPLE: a group of G token grids per prompt, with the log-prob of every sampled token
-# =============================================================================================
+# ==== 4. SAMPLE: a group of G token grids per prompt, with the log-prob of every sampled token ====
 # t2i: after the prompt `text<sop>H W<eop><sop>h w<eop><bos>` the AR generates
 #     h*w preview tokens (a ~16x16 sketch) | H*W target-grid tokens | 1 end slot
 # i2i: after `<start><the source image's VQ tokens><end>text<sop>H W<eop><bos>` it generates
@@ -361,9 +353,7 @@ def sample_tokens(pipe, prompts, sources, slots, step, args, prompt_len=None):
     return rollout
 
 
-# =============================================================================================
-# 5. DECODE: target-grid tokens -> DiT -> VAE -> pixels
-# =============================================================================================
+# ==== 5. DECODE: target-grid tokens -> DiT -> VAE -> pixels =======================================
 
 def group_noise(pipe, prompt_indices, group_size, height, width, seed, step, mode):
     """Initial DiT latents [N, C, h, w]: one draw per prompt, shared by its G samples, so only the tokens differ.
@@ -451,9 +441,7 @@ def latents_to_images(pipe, latents):
     return at_least_fp32(pipe.image_processor.postprocess(image, output_type="pt")).cpu()
 
 
-# =============================================================================================
-# 6. REWARD
-# =============================================================================================
+# ==== 6. REWARD ===================================================================================
 
 def mse_reward(images, targets):
     """r = -mean((image - target)^2) over channels and pixels.
@@ -473,9 +461,7 @@ def compute_rewards(rewards, images, prompts, targets):
     return total, {reward.name: value for reward, value in zip(rewards, values)}
 
 
-# =============================================================================================
-# 7. ADVANTAGE
-# =============================================================================================
+# ==== 7. ADVANTAGE ================================================================================
 
 def group_advantages(rewards, group_size, eps=1e-4):
     """A_i = (r_i - mean_group(r)) / (std_group(r) + eps): rewards [N] in groups of G -> [N]; unbiased std, as TRL.
@@ -501,9 +487,7 @@ def reward_metrics(rewards, per_reward, group_size):
             **{f"rewards/{name}": value.mean().item() for name, value in per_reward.items()}}
 
 
-# =============================================================================================
-# 8. Log-probs with gradients
-# =============================================================================================
+# ==== 8. Log-probs with gradients =================================================================
 
 def token_logprobs(logits, tokens, sampling, scores=False):
     """log pi(token): logits [N, L, V], tokens [N, L] -> [N, L]; scores=True: z [N, L, V]. pi = softmax(z),
@@ -577,9 +561,7 @@ def logprobs_by_micro_batch(model, rollout, sampling, size=None):
                       for rows in row_slices(rollout.sequences.shape[0], size or rollout.sequences.shape[0])])
 
 
-# =============================================================================================
-# 9. Loss
-# =============================================================================================
+# ==== 9. Loss =====================================================================================
 # --loss-tokens: the reward depends only on the H*W target-grid tokens, which the preview tokens condition.
 # Training those too ('all') is the unbiased gradient, plus h*w ~ 256 tokens of near-pure noise; 'target'
 # (the default) trades that bias for a far less noisy gradient.
@@ -613,9 +595,7 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
                                     "clip_ratio": masked_mean(clipped.float()).item(), "kl": masked_mean(kl).item()}
 
 
-# =============================================================================================
-# 10. UPDATE: mu passes of clipped-surrogate ascent over the same batch (one loop for every policy)
-# =============================================================================================
+# ==== 10. UPDATE: mu passes of clipped-surrogate ascent over the same batch (one loop for every policy) ====
 
 @contextlib.contextmanager
 def reference_weights(model, reference):
@@ -686,9 +666,7 @@ def grpo_update(optimizer, halves, args, learns=True):
     return guard.row()
 
 
-# =============================================================================================
-# 11. One GRPO step, and the training loop
-# =============================================================================================
+# ==== 11. One GRPO step, and the training loop ====================================================
 
 @dataclass
 class Trainer:
@@ -798,9 +776,7 @@ def train(args):
 # It reuses Part I's grpo_step, advantages, grpo_loss and grpo_update: a denoising step plays a token's role.
 
 
-# =============================================================================================
-# 12. The SDE step, the DiT rollout and its loss
-# =============================================================================================
+# ==== 12. The SDE step, the DiT rollout and its loss ==============================================
 # GLM-Image's authors post-train both halves ("decoupled RL"): the AR for layout and semantics, the DiT for
 # detail and text. grpo_loss needs the probability of what was sampled; the pipeline's Euler step
 # x' = x + v dt has none. Flow-GRPO (Liu et al. 2025, yifan123/flow_grpo, `sde_step_with_logprob`) swaps each
@@ -954,9 +930,7 @@ def dit_half(trainer, run, advantages, args):
     return "dit/", trainer.dit_params, micro_batches
 
 
-# =============================================================================================
-# 13. The DiT's training step
-# =============================================================================================
+# ==== 13. The DiT's training step =================================================================
 # grpo_step runs it. --policy dit: a prompt's G samples share its AR tokens and initial noise, so they
 # differ by their SDE noise alone and the advantage credits the DiT alone. --policy both: tokens and SDE
 # noise both vary; each sample's one advantage trains both halves, each carrying the other's luck as noise.
@@ -1020,9 +994,7 @@ def ode_images(pipe, prompts, sources, rollout, noise, args):
 # Nothing below is GRPO: how a run starts, stops, logs and saves, and more GPUs; Part I calls each in a line.
 
 
-# =============================================================================================
-# 14. The GRPO step's plumbing
-# =============================================================================================
+# ==== 14. The GRPO step's plumbing ================================================================
 
 # ---- For section 2: the model ----
 def pipeline_from_pretrained(args, dtype):
@@ -1170,9 +1142,7 @@ def write_source_caches(dit, cond):
     return caches
 
 
-# =============================================================================================
-# 15. Starting a run: the flags, their checks (one-line errors before anything loads), --out
-# =============================================================================================
+# ==== 15. Starting a run: the flags, their checks (one-line errors before anything loads), --out ====
 
 def parse_args(argv=None):
     p = Parser(description="GRPO fine-tuning of GLM-Image against image rewards.", formatter_class=HelpFormatter)
@@ -1416,9 +1386,7 @@ def lock_out_dir(out, closing):
         raise UsageError(f"--out {out} is in use by another run; wait for it to finish or pick another --out")
 
 
-# =============================================================================================
-# 16. Prompt files, images and the demo's targets
-# =============================================================================================
+# ==== 16. Prompt files, images and the demo's targets =============================================
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (240, 210, 40),
            "white": (255, 255, 255), "black": (0, 0, 0), "orange": (245, 140, 30), "purple": (140, 60, 180)}
@@ -1544,9 +1512,7 @@ def demo_scene(prompt, where, mode, role="target", why=""):
     return edit[2], edit[1] if role == "source" else edit[3], "white"
 
 
-# =============================================================================================
-# 17. Reward plug-ins: --reward module:fn | file.py:fn
-# =============================================================================================
+# ==== 17. Reward plug-ins: --reward module:fn | file.py:fn ========================================
 
 Reward = make_dataclass("Reward", ["name", "fn", "weight"])      # name: logged as rewards/<name>
 
@@ -1614,9 +1580,7 @@ def call_reward(reward, images, prompts, targets):
     return value
 
 
-# =============================================================================================
-# 18. LOG: the console, metrics.jsonl, sample sheets, the reward curve, TensorBoard / W&B
-# =============================================================================================
+# ==== 18. LOG: the console, metrics.jsonl, sample sheets, the reward curve, TensorBoard / W&B =====
 # A step's console line: the fields the row holds ('dit/': the DiT's).
 CONSOLE_FIELDS = ("loss {loss:+.4f}", "dit loss {dit/loss:+.3e}", "reward {reward_mean:.5f} ± {reward_std:.5f}",
                   "ratio {ratio_mean:.4f}", "clip {clip_ratio:.3f}", "kl {kl:.2e}", "dit/ratio {dit/ratio_mean:.4f}",
@@ -1766,9 +1730,7 @@ def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
     image.save(path)
 
 
-# =============================================================================================
-# 19. The run: train()'s plumbing, Ctrl+C and SIGTERM
-# =============================================================================================
+# ==== 19. The run: train()'s plumbing, Ctrl+C and SIGTERM =========================================
 # Ctrl+C or SIGTERM stops the run saved, exit code 128 + signal: a step whose update has not begun is dropped
 # (AbandonStep unwinds it), one whose update began is finished. The ranks agree before each update and step's end.
 
@@ -1943,9 +1905,7 @@ class Run:
         sys.exit(128 + self.signum)
 
 
-# =============================================================================================
-# 20. CHECKPOINT and --resume
-# =============================================================================================
+# ==== 20. CHECKPOINT and --resume =================================================================
 # One format at every world size, loaded with weights_only=True (no pickled code).
 
 def atomic_write(path, write):
@@ -2073,9 +2033,7 @@ class Resume:
                   f"{dropped[-1]['step']} (no checkpoint after step {step}); kept in {aside}")
 
 
-# =============================================================================================
-# 21. The tiny model's renderer: pre-trained once on token mosaics, then cached
-# =============================================================================================
+# ==== 21. The tiny model's renderer: pre-trained once on token mosaics, then cached ===============
 # `--model tiny` is GLM-Image at toy size, from the real classes. Its AR stays random (what to paint is
 # GRPO's to learn); its renderer learns once (flow matching, ~15 s of CPU) that codebook id k paints colour
 # k mod 8 (many ids per colour, as in a real codebook: a random policy gets a cell right 1 time in 8).
@@ -2233,9 +2191,7 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
     return final
 
 
-# =============================================================================================
-# 22. More GPUs: torchrun data parallel (DDP) and sharding (--fsdp)
-# =============================================================================================
+# ==== 22. More GPUs: torchrun data parallel (DDP) and sharding (--fsdp) ===========================
 # `torchrun --nproc_per_node K grpo_glm.py ...`: each rank samples, rewards and standardises whole groups (a block
 # of the step's prompts, as DanceGRPO), so only averaged gradients and a few scalars cross ranks; rank 0 writes
 # files. 1 and K processes sample alike (sample_tokens) and train alike up to the order of sums.
@@ -2370,9 +2326,7 @@ def training_state(model, optimizer, loaded=None):
     dsd.set_state_dict(model, optimizer, model_state_dict=loaded[0], optim_state_dict=loaded[1], options=whole)
 
 
-# =============================================================================================
-# 23. Memory plan for the real GLM-Image (arithmetic on the real configs, meta device)
-# =============================================================================================
+# ==== 23. Memory plan for the real GLM-Image (arithmetic on the real configs, meta device) ========
 # --plan: the bytes one GPU holds, from the configs alone (meta device: no download). bf16 weights; fp32 LoRA adapters
 # and --fsdp shards, their grads and AdamW's 2 moments alike. Checked: README, Measurements; the DiT's are estimates.
 WEIGHT_BYTES, FP32_BYTES = 2, 4
@@ -2599,9 +2553,7 @@ def print_memory_plan(args):
             print("| " + " | ".join(map(str, cells)) + " |")
 
 
-# =============================================================================================
-# 24. Saving and using the trained model (--save-pipeline, generate_images)
-# =============================================================================================
+# ==== 24. Saving and using the trained model (--save-pipeline, generate_images) ===================
 
 def save_trained_pipeline(pipe, args):
     """A pipeline from_pretrained loads with no adapter code: each LoRA merged (W += B @ A * alpha / r), its
@@ -2641,9 +2593,7 @@ def generate_images(pipe, prompts, sources=None, height=64, width=64, num_infere
     return pipe.image_processor.numpy_to_pil(torch.cat(images).clamp(0, 1).permute(0, 2, 3, 1).numpy())
 
 
-# =============================================================================================
-# 25. Entry point
-# =============================================================================================
+# ==== 25. Entry point =============================================================================
 
 def main(argv=None):
     try:
