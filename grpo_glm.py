@@ -824,27 +824,21 @@ def dit_velocity(dit, latents, t, cond, caches):
     return torch.cat(velocities)
 
 
-def sde_std(sigmas, i, noise_level):
-    """Step i's Gaussian std = std_t sqrt(-dt). flow_grpo puts sigmas[1] for sigma = 1, where 1 - sigma is 0."""
-    sigma = sigmas[i]
-    std_t = noise_level * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigmas[1], sigma)))
-    return std_t * torch.sqrt(sigma - sigmas[i + 1])
-
-
 def sde_step(v, x, sigmas, i, noise_level, eps=None, x_next=None):
-    """The step above, from x = x_i (fp32 [N, C, h, w]) -> (x', logp [N], mean); given `x_next` instead of
-    `eps`, it scores that stored transition. logp: Normal.log_prob (flow_grpo's formula op for op; unvalidated:
-    a NaN reaches grpo_update's skip) averaged over latent dims; None at noise_level 0."""
+    """The step above, from x = x_i (fp32 [N, C, h, w]) -> (x', logp [N], mean, std = std_t sqrt(-dt)), as
+    flow_grpo's sde_step_with_logprob; given `x_next` instead of `eps`, it scores that stored transition. logp:
+    Normal.log_prob (flow_grpo's formula op for op; unvalidated: a NaN reaches grpo_update's skip) averaged over
+    latent dims; None at noise_level 0. flow_grpo puts sigmas[1] for sigma = 1, where 1 - sigma is 0."""
     sigma, dt = sigmas[i], sigmas[i + 1] - sigmas[i]
-    std_t = noise_level * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigmas[1], sigma)))  # sde_std, inline
+    std_t = noise_level * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigmas[1], sigma)))
     std = std_t * torch.sqrt(-dt)
     mean = x * (1 + std_t ** 2 / (2 * sigma) * dt) + v * (1 + std_t ** 2 * (1 - sigma) / (2 * sigma)) * dt
     if noise_level == 0:
-        return mean, None, mean
+        return mean, None, mean, std
     if x_next is None:
         x_next = mean + std * eps
     logp = torch.distributions.Normal(mean, std, validate_args=False).log_prob(x_next.detach())
-    return x_next, logp.mean(dim=tuple(range(1, logp.ndim))), mean
+    return x_next, logp.mean(dim=tuple(range(1, logp.ndim))), mean, std
 
 
 def sde_generators(seed, step, prompt_indices):
@@ -865,28 +859,27 @@ def sample_dit(dit, cond, noise, schedule, noise_level=0.0, train_steps=0, gener
             if i < train_steps:
                 group = (x.shape[0] // len(generators), *x.shape[1:])
                 eps = torch.cat([torch.randn(group, generator=g) for g in generators]).to(x.device, x.dtype)
-                x, logp, _ = sde_step(v, x, sigmas, i, noise_level, eps=eps)
+                x, logp, _, _ = sde_step(v, x, sigmas, i, noise_level, eps=eps)
                 logps.append(logp)
             else:
-                x, _, _ = sde_step(v, x, sigmas, i, 0.0)
+                x = sde_step(v, x, sigmas, i, 0.0)[0]
     states.append(x)
     old_logp = torch.stack(logps, 1) if logps else x.new_zeros(x.shape[0], 0)
     return DitRollout(torch.stack(states, 1), old_logp, timesteps, sigmas)
 
 
 def dit_step_logprob(dit, cond, rollout, i, noise_level):
-    """Step i of every stored trajectory again, with gradients: (logp [N], mean [N, C, h, w]). The source's
+    """Step i of every stored trajectory again, with gradients: (logp [N], mean [N, C, h, w], std). The source's
     KV cache is rewritten inside the step's graph, so each step backpropagates on its own."""
     caches = write_source_caches(dit, cond)
     x = rollout.states[:, i]
     v = dit_velocity(dit, x, rollout.timesteps[i], cond, caches)
-    _, logp, mean = sde_step(v, x, rollout.sigmas, i, noise_level, x_next=rollout.states[:, i + 1])
-    return logp, mean
+    return sde_step(v, x, rollout.sigmas, i, noise_level, x_next=rollout.states[:, i + 1])[1:]
 
 
 def dit_kl(mean, ref_mean, std):
     """Exact KL of the step Gaussians of policy and reference (same std), averaged over latent dims like logp:
-    ||mean - ref_mean||^2 / (2 std^2), [N, C, h, w] -> [N]; std: sde_std."""
+    ||mean - ref_mean||^2 / (2 std^2), [N, C, h, w] -> [N]; std: sde_step's."""
     return ((mean - ref_mean) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * std ** 2)
 
 
@@ -914,14 +907,14 @@ def dit_half(trainer, run, advantages, args):
 
     def micro_batches(epoch):
         for i, (rows, condition, part) in sync_on_last(policy, [(i, part) for i in range(steps) for part in parts]):
-            logp, mean = dit_step_logprob(policy, condition, part, i, args.dit_noise_level)
+            logp, mean, std = dit_step_logprob(policy, condition, part, i, args.dit_noise_level)
             old_logp = part.old_logp[:, i:i + 1]
             loss, metrics = grpo_loss(logp[:, None], old_logp, advantages[rows], torch.ones_like(old_logp),
                                       args.dit_clip_eps)
             if args.beta > 0:
                 with torch.no_grad(), reference_weights(unwrap(policy), reference) as ref:
                     ref_mean = dit_step_logprob(ref, condition, part, i, args.dit_noise_level)[1]
-                kl = dit_kl(mean, ref_mean, sde_std(rollout.sigmas, i, args.dit_noise_level)).mean()
+                kl = dit_kl(mean, ref_mean, std).mean()
                 loss = loss + args.beta * kl
                 metrics["kl"] = kl.item()
             if epoch == 0:
@@ -2337,8 +2330,8 @@ REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, 
 def plan_components(model, seed=0):
     """(components, image processor) of --model: the tiny model, or on meta a saved pipeline's or GLM-Image's."""
     from diffusers import AutoencoderKL, GlmImageTransformer2DModel
-    from transformers import AutoConfig, GlmImageConfig, GlmImageForConditionalGeneration, T5Config, T5EncoderModel
-    from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
+    from transformers import (AutoConfig, GlmImageConfig, GlmImageForConditionalGeneration, GlmImageImageProcessorPil,
+                              T5Config, T5EncoderModel)
 
     if model == TINY:
         pipe = build_tiny_pipeline(seed, mosaic_ar=True)
@@ -2369,7 +2362,7 @@ def numel(module):
 def ar_sequence(mode, height, width, prompt_tokens=64, image_processor=None):
     """(prompt, L) tokens of one AR sample (section 4): the (H/32) x (W/32) grid + 1 end slot; t2i adds a ~16x16
     preview (GlmImageProcessor._get_target_shape), i2i's prompt the source's VQ tokens + image start and end."""
-    from transformers.models.glm_image.image_processing_pil_glm_image import GlmImageImageProcessorPil
+    from transformers import GlmImageImageProcessorPil
 
     grid = (height // 32) * (width // 32) + 1
     if mode == "t2i":
