@@ -998,11 +998,11 @@ def ode_images(pipe, prompts, sources, rollout, noise, args):
 
 # ---- For section 2: the model ----
 def pipeline_from_pretrained(args, dtype):
-    """GlmImagePipeline.from_pretrained of --model ('tiny': built and cached on first use, section 21)."""
+    """--model's GlmImagePipeline ('tiny': built and cached on first use, section 21)."""
     from diffusers import GlmImagePipeline
     from diffusers.utils import logging as diffusers_logging
 
-    if args.model == TINY and rank() == 0:       # save_pretrained writes nothing on the other ranks
+    if args.model == TINY and rank() == 0:       # save_pretrained writes on rank 0 only
         tiny_pipeline_dir(args.seed)
     all_ranks_agree(True)
     path = tiny_pipeline_dir(args.seed) if args.model == TINY else args.model
@@ -1033,7 +1033,7 @@ def place_pipeline(pipe, args):
 
 
 def offload_by_plan(args):
-    """--offload's default -> (on?, the header's note): on where --plan's peak without it exceeds free GPU memory."""
+    """--offload's default -> (on?, note): on if --plan's peak without it exceeds free GPU memory."""
     if not (args.device == "cuda" and torch.cuda.is_available()):
         return False, False
     rows, counts, _ = plan_of_run(args)
@@ -1048,7 +1048,7 @@ def offload_by_plan(args):
 
 # ---- For sections 8-11: micro-batches under DDP, the update's guards, non-finite steps ----
 class UpdateGuard:
-    """grpo_update's guards (vote, check_weights); row(): the stepped passes' mean metrics and skip counts."""
+    """grpo_update's guards; row(): the stepped passes' mean metrics and skip counts."""
     FIRST_PASS_ONLY = ("logp_diff_max", "entropy")
 
     def __init__(self, halves, learns):
@@ -1070,7 +1070,7 @@ class UpdateGuard:
         self.passes.append((metrics, stepped, finite_loss))
         return stepped
 
-    def check_weights(self):      # a sum per tensor (no tensor-sized temporary), of this rank's --fsdp shards
+    def check_weights(self):      # a sum per tensor (no big temporary), of this rank's --fsdp shards
         from torch.distributed.tensor import DTensor
 
         sums = [(p.to_local() if isinstance(p, DTensor) else p).detach().sum().float() for p in self.params]
@@ -1097,11 +1097,11 @@ def sync_on_last(policy, batches):
 
 
 def non_finite_streak(bad_steps, row, out, args, start):
-    """The rows of the last steps in a row that updated nothing: 5 (or all of a shorter run) stop the run."""
+    """Rows of the last steps in a row that updated nothing: 5 (or all of a shorter run) stop the run."""
     bad_steps = bad_steps + [row] if row["skipped_updates"] == args.inner_epochs else []
     if len(bad_steps) < min(5, args.steps - start):
         return bad_steps
-    causes = {}   # a non-finite reward (named), else the loss, else the gradient
+    causes = {}
     for r in bad_steps:
         bad = [k[len("rewards/"):] for k, v in r.items() if k.startswith("rewards/") and not math.isfinite(v)]
         causes[f"reward {', '.join(bad)} (fix the reward)" if bad else "loss (the policy's log-probs overflowed: try "
@@ -1307,7 +1307,7 @@ def validate_args(args):
 
 
 def check_writable(flag, path):
-    """`path`, or its nearest existing parent, must be a directory we can write in (probed)."""
+    """`path` or its nearest existing parent must be a writable directory (probed)."""
     parent = next(p for p in [Path(path).absolute(), *Path(path).absolute().parents] if p.exists())
     if not parent.is_dir():
         raise UsageError(f"{flag} {path}: {parent} is a file, not a directory")
@@ -1335,7 +1335,7 @@ def resolve_runtime(args):
         args.dit_train_steps = max(args.num_inference_steps - 1, 1)
     args.offload, args.offload_note = offload_by_plan(args) if args.offload is None else (args.offload, args.offload)
     args.lora_alpha = float(args.lora_rank) if args.lora_alpha is None else args.lora_alpha
-    args.micro_batch_size = args.micro_batch_size or args.group_size      # a count: None or >= 1
+    args.micro_batch_size = args.micro_batch_size or args.group_size
     return args
 
 
@@ -1950,8 +1950,7 @@ def read_checkpoint(spec, out=None):
         print(f"--resume latest: no checkpoint in {out / 'checkpoints'} yet; starting from step 0")
         return None
     try:
-        with warnings.catch_warnings():     # a junk file can look like a pickle of another protocol: torch warns
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(action="ignore"):     # a junk file can look like another pickle protocol's
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:      # torch raises many types for a missing, foreign or truncated file
         raise UsageError(f"--resume {path}: not a readable checkpoint ({type(e).__name__})")
