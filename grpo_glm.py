@@ -1088,8 +1088,7 @@ class UpdateGuard:
 
 
 def sync_on_last(policy, batches):
-    """Yields the micro-`batches`; under DDP all but the last in no_sync(): the last backward all-reduces the sum.
-    Every rank runs as many (a missing one would hang the others)."""
+    """DDP: no_sync() but for the last micro-batch (its backward all-reduces); each rank runs as many, or they hang."""
     batches = list(batches)
     for k, batch in enumerate(batches):
         with policy.no_sync() if hasattr(policy, "no_sync") and k < len(batches) - 1 else contextlib.nullcontext():
@@ -1262,7 +1261,7 @@ LEAST_VERSIONS = {"transformers": "5.23", "diffusers": "0.42.1", "peft": "0.20",
 
 
 def validate_args(args):
-    """What the flags' types cannot check (flags together, files, the machine), before any model loads."""
+    """What the flags' types cannot check (combinations, files, the machine), before any model loads."""
     from importlib.metadata import version
     from packaging.version import Version
 
@@ -1272,7 +1271,7 @@ def validate_args(args):
     full = (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
     # a hub id: 'owner/name' with no local parent (a typo in 'runs/x' must not go to the hub)
     hub_id = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", args.model) and not model.parent.is_dir()
-    refusals = [      # (refused?, why): the first refused one is the error
+    refusals = [      # (refused?, why): the first refused raises
         (outdated, f"installed libraries too old for grpo_glm.py: {outdated}; run: pip install -r requirements.txt"),
         (args.ar_trainable == "head" and (args.lora_rank or args.fsdp), "--ar-trainable head takes neither "
          "--lora-rank nor --fsdp (it trains one small layer)"),
@@ -1449,7 +1448,7 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",)):
 
 
 def require_targets(items, reward_names):
-    """The rewards named read targets: a prompt without a target file gets one drawn from its words or fails."""
+    """For rewards that read targets: a prompt without a target file gets one drawn from its words, or fails."""
     for item in items:
         if reward_names and "target" not in item.image_from:
             item.image_from["target"] = demo_scene(item.text, item.where, item.mode,
@@ -1739,7 +1738,7 @@ class AbandonStep(BaseException):
 
 
 class Run:
-    """`with Run(args)` opens the run (train()'s docstring says what) and closes it on any exit."""
+    """`with Run(args)` opens the run (see train()) and closes it on any exit."""
 
     def __init__(self, args):
         self.args, self.out, self.lead = args, Path(args.out), rank() == 0
@@ -1761,7 +1760,7 @@ class Run:
         init_distributed(args)
         if self.lead:
             lock_out_dir(out, self.closing)
-        # The built-in mse's targets are checked before any plug-in loads (a CLIP model takes a while).
+        # mse's targets are checked before plug-ins load (a CLIP model takes a while).
         builtin = ["mse"] if "mse" in [s.partition("=")[0] for s in args.reward + (args.dit_reward or [])] else []
         items = self.items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
         if args.prompts_per_step > len(items) and self.lead:
@@ -1779,7 +1778,7 @@ class Run:
         if args.mode == "i2i":
             check_source_size(self.trainer.pipe.processor.image_processor, args.height, args.width)
         resume.restore(self.trainer, out)
-        if self.lead:     # the reward curve's moving average: over a pass over the prompts
+        if self.lead:     # the reward curve averages over a pass over the prompts
             window = min(20, math.ceil(len(items) / args.prompts_per_step))
             self.closing.callback(lambda: save_reward_curve(out / "reward_curve.png",
                                                             read_metrics(out / "metrics.jsonl"), window))
@@ -1803,7 +1802,7 @@ class Run:
                          for epoch, offset in places], slots
 
     def record(self, step, indices, row, rewards, images, targets, sources, ode):
-        """After grpo_step: LOG, the sample sheet, CHECKPOINT; on a stop signal (any rank's) saves and exits."""
+        """After grpo_step: LOG, the sample sheet, CHECKPOINT; a stop signal (any rank's) saves and exits."""
         args, out, trainer = self.args, self.out, self.trainer
         names = ["lr"] * (args.policy != "dit") + ["dit/lr"] * (args.policy != "ar")     # a param group per half
         row.update(zip(names, trainer.lr_scheduler.get_last_lr()))
@@ -1925,7 +1924,7 @@ def rng_state():
 
 
 def save_checkpoint(out, step, trainer, args, rng=None):
-    """All ranks gather (--fsdp: a collective); rank 0 writes it, with `rng` (default: now's RNG states)."""
+    """All ranks gather (--fsdp: a collective); rank 0 writes, with `rng` (default: the current RNG states)."""
     weights, optimizer_state = training_state(trainer.trained, trainer.optimizer)
     if rank() != 0:
         return None
@@ -1944,7 +1943,7 @@ def saved_checkpoints(out):
 
 
 def read_checkpoint(spec, out=None):
-    """A checkpoint's checked contents (+ "path"); 'latest': the newest in <out>/checkpoints (None: none yet)."""
+    """A checkpoint's checked contents (+ "path"); 'latest': <out>'s newest (None: none yet)."""
     path = max(saved_checkpoints(out), default=None) if spec == "latest" else Path(spec)
     if path is None:
         print(f"--resume latest: no checkpoint in {out / 'checkpoints'} yet; starting from step 0")
@@ -1970,8 +1969,7 @@ ALGORITHM_FLAGS = """mode model prompts_sha256 seed group_size prompts_per_step 
 
 
 class Resume:
-    """A resumed run writes an unstopped one's rows, bit for bit. `step`: the resume point (0: a new run); restore
-    loads it and sets aside what the killed run wrote after it (*.dropped)."""
+    """Resumed rows equal an unstopped run's, bit for bit; restore() loads `step` (0: new), sets later files aside."""
 
     def __init__(self, args, out):
         if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
