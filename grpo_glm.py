@@ -1075,8 +1075,7 @@ class UpdateGuard:
 
         sums = [(p.to_local() if isinstance(p, DTensor) else p).detach().sum().float() for p in self.params]
         if not all_ranks_agree(bool(torch.isfinite(torch.stack(sums)).all())):
-            raise UsageError("the update made the weights non-finite (is --lr too large?); the last checkpoint is "
-                             "intact")
+            raise UsageError("the update made the weights non-finite (--lr too large?); the last checkpoint is intact")
 
     def row(self):
         done = [m for m, stepped, _ in self.passes if stepped]
@@ -1464,7 +1463,7 @@ def read_image(path, where, kind, size=None):
             # PNG's getexif() decodes the pixels to look past them; an eXIf chunk before them is in info
             exif = image.getexif() if image.format != "PNG" or "exif" in image.info else Image.Exif()
             turned = exif.get(Image.ExifTags.Base.Orientation, 1) in (5, 6, 7, 8)     # by 90 degrees
-            image.verify()            # reads the whole file, decodes nothing, leaves it unusable: last
+            image.verify()      # reads the whole file, decodes nothing, leaves it unusable: last
             return image.size[::-1] if turned else image.size
     except FileNotFoundError:
         later = " (it was there at start-up)" if size else ""
@@ -1651,13 +1650,12 @@ def read_metrics(path):
 def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, tracker=None,
                      step=None):
     """Per prompt (sorted: it stays in place) 8 cells a row: [source,] target, [a=0 decode,] its G samples."""
-    scale = max(1, 128 // images.shape[-1])                   # cells at least 128 px wide
+    scale = max(1, 128 // images.shape[-1])      # cells at least 128 px wide
     width, height = images.shape[-1] * scale, images.shape[-2] * scale
-    line, gap = 18, 6                                          # a line of text, white between cells
+    line, gap = 18, 6      # a line of text, white between cells
     to_pil = lambda x: x if isinstance(x, Image.Image) else Image.fromarray(      # sources: PIL already
         (x.clamp(0, 1).permute(1, 2, 0).numpy() * 255).astype(np.uint8))
-    references = [(name, x) for name, x in [("source", sources), ("target", targets), ("a=0 (ODE)", ode)]
-                  if x is not None]
+    references = [(n, x) for n, x in [("source", sources), ("target", targets), ("a=0 (ODE)", ode)] if x is not None]
     cells = len(references) + group_size
     columns = min(8, cells)
     block = 2 * line + math.ceil(cells / columns) * (height + line)     # heading, rows of cells, space
@@ -1769,7 +1767,7 @@ class Run:
         rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [])
         require_targets(items, [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)])
         args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
-        resume = Resume(args, out)          # its refusals: under the lock, before any model loads
+        resume = Resume(args, out)      # its refusals: under the lock, before any model loads
         self.start = self.last_saved = resume.step
         if self.start >= args.steps:
             return
@@ -1973,8 +1971,7 @@ class Resume:
 
     def __init__(self, args, out):
         if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
-            raise UsageError(f"--out {out} already holds a run; pass --resume latest to continue it or pick "
-                             "another --out")
+            raise UsageError(f"--out {out} already holds a run: continue it with --resume latest or pick another --out")
         ckpt = self.ckpt = read_checkpoint(args.resume, out) if args.resume else None
         step = self.step = ckpt["step"] if ckpt else 0
         saved = ckpt["args"] if ckpt else vars(args)      # the prompts compare by their hash
