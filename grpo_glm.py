@@ -1112,8 +1112,7 @@ def non_finite_streak(bad_steps, row, out, args, start):
 
 # ---- For Part II: the i2i source's KV cache ----
 def write_source_caches(dit, cond):
-    """Per prompt, the KV cache its G samples' DiT passes read (t2i: None), written as the pipeline does by a pass
-    over the source latent at timestep 0, part of the training graph."""
+    """Per prompt, the KV cache its DiT passes read (t2i: None): the pipeline's t=0 pass over the source, in-graph."""
     from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
 
     module = unwrap(dit)
@@ -1558,8 +1557,7 @@ def load_rewards(specs):
 
 
 def call_reward(reward, images, prompts, targets):
-    """One --reward on a copy of the batch (edits in place must not reach the next) -> [N] in the images' dtype.
-    Raising or a wrong shape stops the run; a non-finite value leaves its group out (section 7)."""
+    """One --reward on a copy of the batch (edits in place must not reach the next) -> [N] in the images' dtype."""
     n, name = len(prompts), reward.name
     try:
         value = reward.fn(images.clone(), list(prompts), None if targets is None else targets.clone())
