@@ -1046,7 +1046,7 @@ def offload_by_plan(args):
     return peak > free, f"{peak > free} (auto: plan {peak / 2**30:.1f} GiB, free {free / 2**30:.1f} GiB)"
 
 
-# ---- For sections 8-11: micro-batches under DDP, the update's guards, non-finite steps ----
+# ---- For sections 8-11: the update's plumbing ----
 class UpdateGuard:
     """grpo_update's guards; row(): the stepped passes' mean metrics and skip counts."""
     FIRST_PASS_ONLY = ("logp_diff_max", "entropy")
