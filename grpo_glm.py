@@ -1969,7 +1969,7 @@ class Resume:
 
     def __init__(self, args, out):
         if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
-            raise UsageError(f"--out {out} already holds a run: continue it with --resume latest or pick another --out")
+            raise UsageError(f"--out {out} has a run; pass --resume latest to continue it or pick another --out")
         ckpt = self.ckpt = read_checkpoint(args.resume, out) if args.resume else None
         step = self.step = ckpt["step"] if ckpt else 0
         saved = ckpt["args"] if ckpt else vars(args)      # the prompts compare by their hash
