@@ -1693,7 +1693,7 @@ def round_ticks(low, high, count=5, least=0):
 
 
 def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
-    """Mean reward per step +- the within-group std, and its moving average over `window` steps (a prompt pass)."""
+    """Mean reward per step +- the within-group std, and its moving average over `window` steps."""
     rows = [r for r in rows if None not in (r["reward_mean"], r["reward_std"])]   # null: non-finite
     if not rows:
         return
