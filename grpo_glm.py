@@ -1887,7 +1887,7 @@ class Run:
         self.stop(self.step - 1)
 
     def stop(self, done, peers=True):
-        """Exits, code 128 + the signal's, with step `done` saved (step_rng: the RNG states it left)."""
+        """Exits (128 + signal) with step `done` saved (step_rng: the RNG states it left)."""
         if done > self.last_saved and (peers or self.lead):
             self.save(done, self.step_rng if done < self.step else None)
         if peers:
