@@ -991,11 +991,11 @@ def ode_images(pipe, prompts, sources, rollout, noise, args):
 
 # ---- For section 2: the model ----
 def pipeline_from_pretrained(args, dtype):
-    """GlmImagePipeline.from_pretrained of --model ('tiny': built and cached on first use, section 21)."""
+    """--model's GlmImagePipeline ('tiny': built and cached on first use, section 21)."""
     from diffusers import GlmImagePipeline
     from diffusers.utils import logging as diffusers_logging
 
-    if args.model == TINY and rank() == 0:       # save_pretrained writes nothing on the other ranks
+    if args.model == TINY and rank() == 0:       # save_pretrained writes on rank 0 only
         tiny_pipeline_dir(args.seed)
     all_ranks_agree(True)
     path = tiny_pipeline_dir(args.seed) if args.model == TINY else args.model
@@ -1026,7 +1026,7 @@ def place_pipeline(pipe, args):
 
 
 def offload_by_plan(args):
-    """--offload's default -> (on?, the header's note): on where --plan's peak without it exceeds free GPU memory."""
+    """--offload's default -> (on?, note): on if --plan's peak without it exceeds free GPU memory."""
     if not (args.device == "cuda" and torch.cuda.is_available()):
         return False, False
     rows, counts, _ = plan_of_run(args)
@@ -1039,9 +1039,9 @@ def offload_by_plan(args):
     return peak > free, f"{peak > free} (auto: plan {peak / 2**30:.1f} GiB, free {free / 2**30:.1f} GiB)"
 
 
-# ---- For sections 8-11: micro-batches under DDP, the update's guards, non-finite steps ----
+# ---- For sections 8-11: the update's plumbing ----
 class UpdateGuard:
-    """grpo_update's guards (vote, check_weights); row(): the stepped passes' mean metrics and skip counts."""
+    """grpo_update's guards; row(): the stepped passes' mean metrics and skip counts."""
     FIRST_PASS_ONLY = ("logp_diff_max", "entropy")
 
     def __init__(self, halves, learns):
@@ -1063,13 +1063,12 @@ class UpdateGuard:
         self.passes.append((metrics, stepped, finite_loss))
         return stepped
 
-    def check_weights(self):      # a sum per tensor (no tensor-sized temporary), of this rank's --fsdp shards
+    def check_weights(self):      # a sum per tensor (no big temporary), of this rank's --fsdp shards
         from torch.distributed.tensor import DTensor
 
         sums = [(p.to_local() if isinstance(p, DTensor) else p).detach().sum().float() for p in self.params]
         if not all_ranks_agree(bool(torch.isfinite(torch.stack(sums)).all())):
-            raise UsageError("the update made the weights non-finite (is --lr too large?); the last checkpoint is "
-                             "intact")
+            raise UsageError("the update made the weights non-finite (--lr too large?); the last checkpoint is intact")
 
     def row(self):
         done = [m for m, stepped, _ in self.passes if stepped]
@@ -1081,8 +1080,7 @@ class UpdateGuard:
 
 
 def sync_on_last(policy, batches):
-    """Yields the micro-`batches`; under DDP all but the last in no_sync(): the last backward all-reduces the sum.
-    Every rank runs as many (a missing one would hang the others)."""
+    """DDP: no_sync() but for the last micro-batch (its backward all-reduces); each rank runs as many, or they hang."""
     batches = list(batches)
     for k, batch in enumerate(batches):
         with policy.no_sync() if hasattr(policy, "no_sync") and k < len(batches) - 1 else contextlib.nullcontext():
@@ -1090,11 +1088,11 @@ def sync_on_last(policy, batches):
 
 
 def non_finite_streak(bad_steps, row, out, args, start):
-    """The rows of the last steps in a row that updated nothing: 5 (or all of a shorter run) stop the run."""
+    """Rows of the last steps in a row that updated nothing: 5 (or all of a shorter run) stop the run."""
     bad_steps = bad_steps + [row] if row["skipped_updates"] == args.inner_epochs else []
     if len(bad_steps) < min(5, args.steps - start):
         return bad_steps
-    causes = {}   # a non-finite reward (named), else the loss, else the gradient
+    causes = {}
     for r in bad_steps:
         bad = [k[len("rewards/"):] for k, v in r.items() if k.startswith("rewards/") and not math.isfinite(v)]
         causes[f"reward {', '.join(bad)} (fix the reward)" if bad else "loss (the policy's log-probs overflowed: try "
@@ -1107,8 +1105,7 @@ def non_finite_streak(bad_steps, row, out, args, start):
 
 # ---- For Part II: the i2i source's KV cache ----
 def write_source_caches(dit, cond):
-    """Per prompt, the KV cache its G samples' DiT passes read (t2i: None), written as the pipeline does by a pass
-    over the source latent at timestep 0, part of the training graph."""
+    """Per prompt, the KV cache its DiT passes read (t2i: None): the pipeline's t=0 pass over the source, in-graph."""
     from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
 
     module = unwrap(dit)
@@ -1255,7 +1252,7 @@ LEAST_VERSIONS = {"transformers": "5.23", "diffusers": "0.42.1", "peft": "0.20",
 
 
 def validate_args(args):
-    """What the flags' types cannot check (flags together, files, the machine), before any model loads."""
+    """What the flags' types cannot check (combinations, files, the machine), before any model loads."""
     from importlib.metadata import version
     from packaging.version import Version
 
@@ -1265,7 +1262,7 @@ def validate_args(args):
     full = (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
     # a hub id: 'owner/name' with no local parent (a typo in 'runs/x' must not go to the hub)
     hub_id = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", args.model) and not model.parent.is_dir()
-    refusals = [      # (refused?, why): the first refused one is the error
+    refusals = [      # (refused?, why): the first refused raises
         (outdated, f"installed libraries too old for grpo_glm.py: {outdated}; run: pip install -r requirements.txt"),
         (args.ar_trainable == "head" and (args.lora_rank or args.fsdp), "--ar-trainable head takes neither "
          "--lora-rank nor --fsdp (it trains one small layer)"),
@@ -1300,7 +1297,7 @@ def validate_args(args):
 
 
 def check_writable(flag, path):
-    """`path`, or its nearest existing parent, must be a directory we can write in (probed)."""
+    """`path` or its nearest existing parent must be a writable directory (probed)."""
     parent = next(p for p in [Path(path).absolute(), *Path(path).absolute().parents] if p.exists())
     if not parent.is_dir():
         raise UsageError(f"{flag} {path}: {parent} is a file, not a directory")
@@ -1328,7 +1325,7 @@ def resolve_runtime(args):
         args.dit_train_steps = max(args.num_inference_steps - 1, 1)
     args.offload, args.offload_note = offload_by_plan(args) if args.offload is None else (args.offload, args.offload)
     args.lora_alpha = float(args.lora_rank) if args.lora_alpha is None else args.lora_alpha
-    args.micro_batch_size = args.micro_batch_size or args.group_size      # a count: None or >= 1
+    args.micro_batch_size = args.micro_batch_size or args.group_size
     return args
 
 
@@ -1442,7 +1439,7 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",)):
 
 
 def require_targets(items, reward_names):
-    """The rewards named read targets: a prompt without a target file gets one drawn from its words or fails."""
+    """For rewards that read targets: a prompt without a target file gets one drawn from its words, or fails."""
     for item in items:
         if reward_names and "target" not in item.image_from:
             item.image_from["target"] = demo_scene(item.text, item.where, item.mode,
@@ -1458,7 +1455,7 @@ def read_image(path, where, kind, size=None):
             # PNG's getexif() decodes the pixels to look past them; an eXIf chunk before them is in info
             exif = image.getexif() if image.format != "PNG" or "exif" in image.info else Image.Exif()
             turned = exif.get(Image.ExifTags.Base.Orientation, 1) in (5, 6, 7, 8)     # by 90 degrees
-            image.verify()            # reads the whole file, decodes nothing, leaves it unusable: last
+            image.verify()      # reads the whole file, decodes nothing, leaves it unusable: last
             return image.size[::-1] if turned else image.size
     except FileNotFoundError:
         later = " (it was there at start-up)" if size else ""
@@ -1553,8 +1550,7 @@ def load_rewards(specs):
 
 
 def call_reward(reward, images, prompts, targets):
-    """One --reward on a copy of the batch (edits in place must not reach the next) -> [N] in the images' dtype.
-    Raising or a wrong shape stops the run; a non-finite value leaves its group out (section 7)."""
+    """One --reward on a copy of the batch (edits in place must not reach the next) -> [N] in the images' dtype."""
     n, name = len(prompts), reward.name
     try:
         value = reward.fn(images.clone(), list(prompts), None if targets is None else targets.clone())
@@ -1645,13 +1641,12 @@ def read_metrics(path):
 def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, tracker=None,
                      step=None):
     """Per prompt (sorted: it stays in place) 8 cells a row: [source,] target, [a=0 decode,] its G samples."""
-    scale = max(1, 128 // images.shape[-1])                   # cells at least 128 px wide
+    scale = max(1, 128 // images.shape[-1])      # cells at least 128 px wide
     width, height = images.shape[-1] * scale, images.shape[-2] * scale
-    line, gap = 18, 6                                          # a line of text, white between cells
+    line, gap = 18, 6      # a line of text, white between cells
     to_pil = lambda x: x if isinstance(x, Image.Image) else Image.fromarray(      # sources: PIL already
         (x.clamp(0, 1).permute(1, 2, 0).numpy() * 255).astype(np.uint8))
-    references = [(name, x) for name, x in [("source", sources), ("target", targets), ("a=0 (ODE)", ode)]
-                  if x is not None]
+    references = [(n, x) for n, x in [("source", sources), ("target", targets), ("a=0 (ODE)", ode)] if x is not None]
     cells = len(references) + group_size
     columns = min(8, cells)
     block = 2 * line + math.ceil(cells / columns) * (height + line)     # heading, rows of cells, space
@@ -1691,7 +1686,7 @@ def round_ticks(low, high, count=5, least=0):
 
 
 def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
-    """Mean reward per step +- the within-group std, and its moving average over `window` steps (a prompt pass)."""
+    """Mean reward per step +- the within-group std, and its moving average over `window` steps."""
     rows = [r for r in rows if None not in (r["reward_mean"], r["reward_std"])]   # null: non-finite
     if not rows:
         return
@@ -1732,7 +1727,7 @@ class AbandonStep(BaseException):
 
 
 class Run:
-    """`with Run(args)` opens the run (train()'s docstring says what) and closes it on any exit."""
+    """`with Run(args)` opens the run (see train()) and closes it on any exit."""
 
     def __init__(self, args):
         self.args, self.out, self.lead = args, Path(args.out), rank() == 0
@@ -1754,7 +1749,7 @@ class Run:
         init_distributed(args)
         if self.lead:
             lock_out_dir(out, self.closing)
-        # The built-in mse's targets are checked before any plug-in loads (a CLIP model takes a while).
+        # mse's targets are checked before plug-ins load (a CLIP model takes a while).
         builtin = ["mse"] if "mse" in [s.partition("=")[0] for s in args.reward + (args.dit_reward or [])] else []
         items = self.items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
         if args.prompts_per_step > len(items) and self.lead:
@@ -1763,7 +1758,7 @@ class Run:
         rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [])
         require_targets(items, [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)])
         args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
-        resume = Resume(args, out)          # its refusals: under the lock, before any model loads
+        resume = Resume(args, out)      # its refusals: under the lock, before any model loads
         self.start = self.last_saved = resume.step
         if self.start >= args.steps:
             return
@@ -1772,7 +1767,7 @@ class Run:
         if args.mode == "i2i":
             check_source_size(self.trainer.pipe.processor.image_processor, args.height, args.width)
         resume.restore(self.trainer, out)
-        if self.lead:     # the reward curve's moving average: over a pass over the prompts
+        if self.lead:     # the reward curve averages over a pass over the prompts
             window = min(20, math.ceil(len(items) / args.prompts_per_step))
             self.closing.callback(lambda: save_reward_curve(out / "reward_curve.png",
                                                             read_metrics(out / "metrics.jsonl"), window))
@@ -1796,7 +1791,7 @@ class Run:
                          for epoch, offset in places], slots
 
     def record(self, step, indices, row, rewards, images, targets, sources, ode):
-        """After grpo_step: LOG, the sample sheet, CHECKPOINT; on a stop signal (any rank's) saves and exits."""
+        """After grpo_step: LOG, the sample sheet, CHECKPOINT; a stop signal (any rank's) saves and exits."""
         args, out, trainer = self.args, self.out, self.trainer
         names = ["lr"] * (args.policy != "dit") + ["dit/lr"] * (args.policy != "ar")     # a param group per half
         row.update(zip(names, trainer.lr_scheduler.get_last_lr()))
@@ -1885,7 +1880,7 @@ class Run:
         self.stop(self.step - 1)
 
     def stop(self, done, peers=True):
-        """Exits, code 128 + the signal's, with step `done` saved (step_rng: the RNG states it left)."""
+        """Exits (128 + signal) with step `done` saved (step_rng: the RNG states it left)."""
         if done > self.last_saved and (peers or self.lead):
             self.save(done, self.step_rng if done < self.step else None)
         if peers:
@@ -1918,7 +1913,7 @@ def rng_state():
 
 
 def save_checkpoint(out, step, trainer, args, rng=None):
-    """All ranks gather (--fsdp: a collective); rank 0 writes it, with `rng` (default: now's RNG states)."""
+    """All ranks gather (--fsdp: a collective); rank 0 writes, with `rng` (default: the current RNG states)."""
     weights, optimizer_state = training_state(trainer.trained, trainer.optimizer)
     if rank() != 0:
         return None
@@ -1937,14 +1932,13 @@ def saved_checkpoints(out):
 
 
 def read_checkpoint(spec, out=None):
-    """A checkpoint's checked contents (+ "path"); 'latest': the newest in <out>/checkpoints (None: none yet)."""
+    """A checkpoint's checked contents (+ "path"); 'latest': <out>'s newest (None: none yet)."""
     path = max(saved_checkpoints(out), default=None) if spec == "latest" else Path(spec)
     if path is None:
         print(f"--resume latest: no checkpoint in {out / 'checkpoints'} yet; starting from step 0")
         return None
     try:
-        with warnings.catch_warnings():     # a junk file can look like a pickle of another protocol: torch warns
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(action="ignore"):     # a junk file can look like another pickle protocol's
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:      # torch raises many types for a missing, foreign or truncated file
         raise UsageError(f"--resume {path}: not a readable checkpoint ({type(e).__name__})")
@@ -1964,13 +1958,11 @@ ALGORITHM_FLAGS = """mode model prompts_sha256 seed group_size prompts_per_step 
 
 
 class Resume:
-    """A resumed run writes an unstopped one's rows, bit for bit. `step`: the resume point (0: a new run); restore
-    loads it and sets aside what the killed run wrote after it (*.dropped)."""
+    """Resumed rows equal an unstopped run's, bit for bit; restore() loads `step` (0: new), sets later files aside."""
 
     def __init__(self, args, out):
         if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
-            raise UsageError(f"--out {out} already holds a run; pass --resume latest to continue it or pick "
-                             "another --out")
+            raise UsageError(f"--out {out} has a run; pass --resume latest to continue it or pick another --out")
         ckpt = self.ckpt = read_checkpoint(args.resume, out) if args.resume else None
         step = self.step = ckpt["step"] if ckpt else 0
         saved = ckpt["args"] if ckpt else vars(args)      # the prompts compare by their hash
