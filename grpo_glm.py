@@ -4,11 +4,11 @@
     python grpo_glm.py --steps 10                        # tiny GLM-Image (section 21), on the CPU
     python grpo_glm.py --steps 40 --out runs/demo        # long enough to see the red block drawn
     python grpo_glm.py --resume latest --out runs/demo --steps 60
-    python grpo_glm.py --reward my_rewards.py:score --report-to tensorboard   # your reward, watched in TensorBoard
+    python grpo_glm.py --reward my_rewards.py:score --report-to tensorboard  # your reward, watched in TensorBoard
     python grpo_glm.py --model zai-org/GLM-Image --lora-rank 64 --height 512 --width 512
     python grpo_glm.py --plan --model zai-org/GLM-Image --height 1024 --width 1024   # memory plan, no GPU
     python grpo_glm.py --policy dit --steps 150 --inner-epochs 1 --group-size 8      # Flow-GRPO on the DiT
-    torchrun --nproc_per_node 8 grpo_glm.py --prompts-per-step 8 ...   # 8 GPUs, same flags (section 22)
+    torchrun --nproc_per_node 8 grpo_glm.py --prompts-per-step 8 ...  # 8 GPUs, same flags (section 22)
 
 GLM-Image is a hybrid: an autoregressive (AR) transformer writes a grid of discrete image tokens,
 and a diffusion transformer (DiT) + VAE paint the pixels they describe. The AR is the policy:
@@ -78,9 +78,7 @@ class UsageError(Exception):
         self.local = local
 
 
-# #############################################################################################
-# PART I. GRPO on the autoregressive half: one contiguous read, from the flags to the training loop
-# #############################################################################################
+# PART I. GRPO on the autoregressive half: one contiguous read, from the flags to the training loop ########
 # Stop at its end and you have seen a whole run: sample, decode, reward, advantage, log-probs, loss, update, loop.
 
 
@@ -105,7 +103,7 @@ DIT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]                         
 def load_pipeline(args):
     """The GlmImagePipeline on args.device, its renderer (glyph encoder, DiT, VAE) frozen."""
     dtype = getattr(torch, args.dtype)
-    pipe = pipeline_from_pretrained(args, dtype)       # --model tiny: built on first use, then cached
+    pipe = pipeline_from_pretrained(args, dtype)  # --model tiny: built on first use, then cached
     for name in ("text_encoder", "transformer", "vae"):
         getattr(pipe, name).requires_grad_(False)
     # The policy alone decides sampling: its own generation config (section 4) replaces the checkpoint's.
@@ -115,7 +113,7 @@ def load_pipeline(args):
                                                                        suppressed))
     pipe.processor.tokenizer.padding_side = "left"  # sampling code assumes prompts end at one column
     pipe.set_progress_bar_config(disable=True)      # the run prints a line a step
-    pipe.vae.enable_slicing()     # decode a batch one image at a time: at 1024^2 each holds ~3 GiB (section 23)
+    pipe.vae.enable_slicing()  # decode a batch one image at a time: at 1024^2 each holds ~3 GiB (section 23)
     place_pipeline(pipe, args)                      # on the device, or --offload's frozen parts taking turns
     return pipe
 
@@ -145,7 +143,7 @@ def prepare_policy(ar, args):
         add_lora(ar, args.lora_rank, args.lora_alpha, LORA_TARGETS, exclude_modules=r".*visual.*|.*vqmodel.*")
     else:
         ar.requires_grad_(True)
-        ar.model.visual.requires_grad_(False)     # the vision encoder and VQ only read source images
+        ar.model.visual.requires_grad_(False)  # the vision encoder and VQ only read source images
         ar.model.vqmodel.requires_grad_(False)
         if args.ar_trainable == "head":
             # lm_head reads each (prompt, cell) off the body's fixed features. The tiny AR's body is
@@ -237,7 +235,7 @@ def policy_generation_config(ar, sampling):
 
 
 def at_least_fp32(x):
-    return x.to(torch.promote_types(x.dtype, torch.float32))    # bf16/fp16 -> fp32; fp32, fp64 unchanged
+    return x.to(torch.promote_types(x.dtype, torch.float32))  # bf16/fp16 -> fp32; fp32, fp64 unchanged
 
 
 def gumbel_max(logits, uniform, sampling):
@@ -346,7 +344,7 @@ def sample_tokens(pipe, prompts, sources, slots, step, args, prompt_len=None):
         prompt_len = max_over_ranks(longest) + 1
     generators = [seeded(args.seed, "tokens", step, slot, ar.device) for slot in slots]
     ar.eval()
-    with whole_weights(ar) as sharded:      # --fsdp: sampled eagerly (its hooks)
+    with whole_weights(ar) as sharded:  # --fsdp: sampled eagerly (its hooks)
         rollout = sample_groups(pipe, prompts, args.group_size, sampling_of(ar), args.height, args.width,
                                args.loss_tokens, sources, generators, prompt_len, compiled=not sharded)
         rollout.old_logp = logprobs_by_micro_batch(ar, rollout, sampling_of(ar), args.micro_batch_size)
@@ -643,7 +641,7 @@ def ar_half(trainer, rollout, advantages, args):
     if args.beta > 0:
         with reference_weights(ar, trainer.reference) as reference:
             ref_logp = logprobs_by_micro_batch(reference, rollout, sampling, args.micro_batch_size)  # [N, L]
-    ar.train()   # switches gradient checkpointing on; the AR has no dropout, so pass 1 still gives pi_old
+    ar.train()  # switches gradient checkpointing on; the AR has no dropout, so pass 1 still gives pi_old
     return "", trainer.params, ar_micro_batches(trainer.policy, rollout, advantages, ref_logp, args, sampling)
 
 
@@ -672,7 +670,7 @@ def grpo_update(optimizer, halves, args, learns=True):
 class Trainer:
     """What the loop carries. Per trained half (the AR; `dit_` the DiT): its trainable params, the
     `policy` its training forward runs through (itself or its DDP wrapper), its frozen KL `reference`."""
-    pipe: object                          # GlmImagePipeline
+    pipe: object  # GlmImagePipeline
     optimizer: torch.optim.Optimizer = None
     lr_scheduler: object = None
     trained: torch.nn.Module = None       # what checkpoints hold: the AR, or {AR, DiT}
@@ -684,7 +682,7 @@ class Trainer:
     dit_params: list = None
     dit_policy: object = None
     dit_reference: object = None
-    prompt_tokens: dict = None            # --policy dit: prompt index -> its token grid (shared_prompt_tokens)
+    prompt_tokens: dict = None  # --policy dit: prompt index -> its token grid (shared_prompt_tokens)
     before_update: object = lambda: None
 
 
@@ -694,7 +692,7 @@ def setup_training(args, rewards, dit_rewards=()):
     from diffusers.training_utils import set_seed
 
     pipe = load_pipeline(args)
-    set_seed(args.seed)             # after loading: the same sampling stream however the model was made
+    set_seed(args.seed)  # after loading: the same sampling stream however the model was made
     ar, dit = pipe.vision_language_encoder, pipe.transformer
     trainer = Trainer(pipe, rewards=rewards, dit_rewards=dit_rewards, prompt_tokens={})
     # beta > 0, full fine-tuning: a frozen copy is the KL reference (at 9B use LoRA instead)
@@ -739,7 +737,7 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
     else:
         images = decode_images(pipe, prompts, sources, rollout, noise, args.num_inference_steps, args.guidance_scale)
     # ---- REWARD: r [N], one per image ----
-    targets = batch_targets(batch)                                                           # [P, 3, H, W]
+    targets = batch_targets(batch)  # [P, 3, H, W]
     scored = (repeat_each(prompts, G), None if targets is None else targets.repeat_interleave(G, 0))
     rewards, per_reward = compute_rewards(trainer.rewards, images, *scored)
     # ---- ADVANTAGE: A [N], each reward standardised within its group ----
@@ -750,7 +748,7 @@ def grpo_step(trainer, items, indices, step, args, slots=None):
         dit_advantages = group_advantages(dit_rewards, G)
         row.update({"dit/" + k: v for k, v in reward_metrics(dit_rewards, dit_per_reward, G).items()})
     # ---- UPDATE: mu passes over the batch, each trained half adding its loss ----
-    trainer.before_update()          # a stop signal before this point drops the step (section 19)
+    trainer.before_update()  # a stop signal before this point drops the step (section 19)
     halves = [ar_half(trainer, rollout, advantages, args)] if train_ar else []
     halves += [dit_half(trainer, dit_run, dit_advantages, args)] if train_dit else []
     learns = min(row["frac_reward_nonfinite"], row.get("dit/frac_reward_nonfinite", 1)) < 1
@@ -767,12 +765,10 @@ def train(args):
         for step, indices, slots in run.steps():        # this rank's share of the step's prompts (section 3)
             result = grpo_step(run.trainer, run.items, indices, step, args, slots)
             run.record(step, indices, *result)
-    return run.trainer and run.trainer.pipe            # None: nothing to do
+    return run.trainer and run.trainer.pipe  # None: nothing to do
 
 
-# #############################################################################################
-# PART II. Flow-GRPO: the DiT as a policy over denoising steps (--policy dit|both)
-# #############################################################################################
+# PART II. Flow-GRPO: the DiT as a policy over denoising steps (--policy dit|both) #################
 # It reuses Part I's grpo_step, advantages, grpo_loss and grpo_update: a denoising step plays a token's role.
 
 
@@ -981,9 +977,7 @@ def ode_images(pipe, prompts, sources, rollout, noise, args):
     return decode_images(pipe, prompts, sources, firsts, noise[::G], args.num_inference_steps, args.guidance_scale)
 
 
-# #############################################################################################
-# PART III. Plumbing: skip on first read
-# #############################################################################################
+# PART III. Plumbing: skip on first read ###########################################################
 # Nothing below is GRPO: how a run starts, stops, logs and saves, and more GPUs; Part I calls each in a line.
 
 
@@ -995,7 +989,7 @@ def pipeline_from_pretrained(args, dtype):
     from diffusers import GlmImagePipeline
     from diffusers.utils import logging as diffusers_logging
 
-    if args.model == TINY and rank() == 0:       # save_pretrained writes on rank 0 only
+    if args.model == TINY and rank() == 0:  # save_pretrained writes on rank 0 only
         tiny_pipeline_dir(args.seed)
     all_ranks_agree(True)
     path = tiny_pipeline_dir(args.seed) if args.model == TINY else args.model
@@ -1046,7 +1040,7 @@ class UpdateGuard:
 
     def __init__(self, halves, learns):
         self.params = [p for _, params, _ in halves for p in params]
-        self.learns, self.metrics, self.passes = learns, {}, []      # passes: (metrics, stepped, finite loss)
+        self.learns, self.metrics, self.passes = learns, {}, []  # passes: (metrics, stepped, finite loss)
 
     def add(self, prefix, metrics, weight=1.0):
         for key, value in metrics.items():
@@ -1057,7 +1051,7 @@ class UpdateGuard:
     def vote(self):
         """True: step. All ranks vote: none has a non-finite loss or gradient norm (2), one learns (1)."""
         metrics, self.metrics = self.metrics, {}
-        finite_loss = all(math.isfinite(v) for k, v in metrics.items() if k.endswith("loss"))   # weighted sums
+        finite_loss = all(math.isfinite(v) for k, v in metrics.items() if k.endswith("loss"))  # weighted sums
         finite = finite_loss and all(math.isfinite(v) for k, v in metrics.items() if k.endswith("grad_norm"))
         stepped = max_over_ranks(2 * (not finite) + self.learns) == 1
         self.passes.append((metrics, stepped, finite_loss))
@@ -1219,7 +1213,7 @@ class Parser(argparse.ArgumentParser):
         # '--lr -1e-3': a number is a value, not an option (as from Python 3.14)
         self._negative_number_matcher = re.compile(r"-[\d.]+(e[-+]?\d+)?$", re.I)
 
-    def error(self, message):      # a bad flag: a UsageError, no usage
+    def error(self, message):  # a bad flag: a UsageError, no usage
         raise UsageError(re.sub(r"^argument (\S+): ", r"\1 ", message))
 
 
@@ -1262,7 +1256,7 @@ def validate_args(args):
     full = (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
     # a hub id: 'owner/name' with no local parent (a typo in 'runs/x' must not go to the hub)
     hub_id = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", args.model) and not model.parent.is_dir()
-    refusals = [      # (refused?, why): the first refused raises
+    refusals = [  # (refused?, why): the first refused raises
         (outdated, f"installed libraries too old for grpo_glm.py: {outdated}; run: pip install -r requirements.txt"),
         (args.ar_trainable == "head" and (args.lora_rank or args.fsdp), "--ar-trainable head takes neither "
          "--lora-rank nor --fsdp (it trains one small layer)"),
@@ -1364,11 +1358,11 @@ def lock_out_dir(out, closing):
 
     def unmake():
         with contextlib.suppress(OSError):
-            for path in [] if read_metrics(out / "metrics.jsonl") else made:   # up to a directory not empty
+            for path in [] if read_metrics(out / "metrics.jsonl") else made:  # up to a directory not empty
                 (path.unlink if path.is_file() else path.rmdir)()
-    closing.callback(unmake)       # first: an interrupt from here on leaves --out as found
+    closing.callback(unmake)  # first: an interrupt from here on leaves --out as found
     out.mkdir(parents=True, exist_ok=True)
-    handle = open(out / ".lock", "a")      # stays empty
+    handle = open(out / ".lock", "a")  # stays empty
     closing.callback(handle.close)
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -1392,7 +1386,7 @@ class PromptItem:
     mode: str = "t2i"
     image_from: dict = None      # 'target' / 'source' -> a Path, or draw_shape's arguments
 
-    def image(self, kind):       # RGB at `size`, or None
+    def image(self, kind):  # RGB at `size`, or None
         origin = self.image_from.get(kind)
         if isinstance(origin, Path):
             return read_image(origin, self.where, kind, self.size)
@@ -1405,8 +1399,8 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",)):
     if not path.is_file():
         raise UsageError(f"--prompts {path}: " + ("is a directory, not a file" if path.is_dir() else "file not found"))
     try:
-        lines = path.read_text(encoding="utf-8-sig").splitlines()      # -sig: drops a BOM (Windows editors)
-    except UnicodeDecodeError as e:     # e.object: the bytes after a BOM
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # -sig: drops a BOM (Windows editors)
+    except UnicodeDecodeError as e:  # e.object: the bytes after a BOM
         hint = " (it looks like UTF-16)" if e.object[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
         raise UsageError(f"--prompts {path}: not UTF-8 text{hint}: byte 0x{e.object[e.start]:02x} at offset {e.start}"
                          "; save the file as UTF-8")
@@ -1454,8 +1448,8 @@ def read_image(path, where, kind, size=None):
                 return to_rgb(ImageOps.exif_transpose(image)).resize(size[::-1], Image.BICUBIC)
             # PNG's getexif() decodes the pixels to look past them; an eXIf chunk before them is in info
             exif = image.getexif() if image.format != "PNG" or "exif" in image.info else Image.Exif()
-            turned = exif.get(Image.ExifTags.Base.Orientation, 1) in (5, 6, 7, 8)     # by 90 degrees
-            image.verify()      # reads the whole file, decodes nothing, leaves it unusable: last
+            turned = exif.get(Image.ExifTags.Base.Orientation, 1) in (5, 6, 7, 8)  # by 90 degrees
+            image.verify()  # reads the whole file, decodes nothing, leaves it unusable: last
             return image.size[::-1] if turned else image.size
     except FileNotFoundError:
         later = " (it was there at start-up)" if size else ""
@@ -1467,7 +1461,7 @@ def read_image(path, where, kind, size=None):
 def to_rgb(image):
     """RGB as seen, where convert('RGB') errs: 16-bit grey scaled, transparency on white."""
     if image.mode.startswith("I"):
-        return image.convert("I").point(lambda v: v / 257 + 0.5).convert("RGB")     # 65535 -> 255, rounded
+        return image.convert("I").point(lambda v: v / 257 + 0.5).convert("RGB")  # 65535 -> 255, rounded
     if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
         return Image.alpha_composite(Image.new("RGBA", image.size, "white"), image.convert("RGBA")).convert("RGB")
     return image.convert("RGB")
@@ -1504,10 +1498,10 @@ def demo_scene(prompt, where, mode, role="target", why=""):
 
 # ==== 17. Reward plug-ins: --reward module:fn | file.py:fn ========================================
 
-Reward = make_dataclass("Reward", ["name", "fn", "weight"])      # name: logged as rewards/<name>
+Reward = make_dataclass("Reward", ["name", "fn", "weight"])  # name: logged as rewards/<name>
 
 
-def mse(images, prompts, targets):      # the built-in demo reward as a plug-in
+def mse(images, prompts, targets):  # the built-in demo reward as a plug-in
     return mse_reward(images, targets)
 mse.uses_targets = True
 
@@ -1526,7 +1520,7 @@ def load_reward(spec):
     module_name, _, fn_name = where.rpartition(":")
     if not module_name or not fn_name:
         raise UsageError(f"--reward {spec}: expected 'mse', 'module:function' or 'path/to/file.py:function'")
-    sys.path.insert(0, os.getcwd())      # the current directory first, as `python -m` does
+    sys.path.insert(0, os.getcwd())  # the current directory first, as `python -m` does
     try:
         namespace = (runpy.run_path(module_name) if module_name.endswith(".py")
                      else vars(importlib.import_module(module_name)))
@@ -1600,9 +1594,9 @@ def start_logging(args, trainer, out, start):
         return None
     from accelerate.tracking import TensorBoardTracker, WandBTracker
 
-    if args.report_to == "wandb":      # WANDB_MODE=offline: under <out>/wandb, for a later `wandb sync`
+    if args.report_to == "wandb":  # WANDB_MODE=offline: under <out>/wandb, for a later `wandb sync`
         tracker = WandBTracker("grpo_glm", name=out.name, dir=str(out), config=vars(args))
-    else:      # purge_step: a resumed run drops the events after its step
+    else:  # purge_step: a resumed run drops the events after its step
         tracker = TensorBoardTracker("logs", out, purge_step=start + 1 if start else None)
     tracker.start()
     if args.report_to == "tensorboard":
@@ -1641,15 +1635,15 @@ def read_metrics(path):
 def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, tracker=None,
                      step=None):
     """Per prompt (sorted: it stays in place) 8 cells a row: [source,] target, [a=0 decode,] its G samples."""
-    scale = max(1, 128 // images.shape[-1])      # cells at least 128 px wide
+    scale = max(1, 128 // images.shape[-1])  # cells at least 128 px wide
     width, height = images.shape[-1] * scale, images.shape[-2] * scale
-    line, gap = 18, 6      # a line of text, white between cells
-    to_pil = lambda x: x if isinstance(x, Image.Image) else Image.fromarray(      # sources: PIL already
+    line, gap = 18, 6  # a line of text, white between cells
+    to_pil = lambda x: x if isinstance(x, Image.Image) else Image.fromarray(  # sources: PIL already
         (x.clamp(0, 1).permute(1, 2, 0).numpy() * 255).astype(np.uint8))
     references = [(n, x) for n, x in [("source", sources), ("target", targets), ("a=0 (ODE)", ode)] if x is not None]
     cells = len(references) + group_size
     columns = min(8, cells)
-    block = 2 * line + math.ceil(cells / columns) * (height + line)     # heading, rows of cells, space
+    block = 2 * line + math.ceil(cells / columns) * (height + line)  # heading, rows of cells, space
     sheet = Image.new("RGB", (columns * (width + gap), len(prompts) * block), "white")
     draw = ImageDraw.Draw(sheet)
     for b, row in enumerate(sorted(range(len(prompts)), key=lambda r: prompts[r])):
@@ -1661,7 +1655,7 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
             draw.text((x + 2, y + height + 2), label, fill="black", font_size=12)
     path.parent.mkdir(parents=True, exist_ok=True)
     sheet.save(path)
-    if tracker:      # a batch of one HWC image (W&B takes no dataformats)
+    if tracker:  # a batch of one HWC image (W&B takes no dataformats)
         formats = {"dataformats": "NHWC"} if tracker.name == "tensorboard" else {}
         tracker.log_images({"samples": np.asarray(sheet)[None]}, step, **formats)
     return sheet
@@ -1671,7 +1665,7 @@ def drawable(text):
     """`text` as the built-in font (ASCII) can draw it: 'é' -> 'e', emoji or CJK -> '?', never a 'no glyph' box."""
     font = ImageFont.load_default(size=12)
     glyph = lambda ch: (lambda m: (m.size, bytes(m)))(font.getmask(ch))
-    box = glyph("\U0010FFFD")       # a private-use code point has no glyph
+    box = glyph("\U0010FFFD")  # a private-use code point has no glyph
     drawn = lambda s: bool(s) and all(c == " " or glyph(c) != box for c in s)
     plain = [unicodedata.normalize("NFKD", ch).encode("ascii", "ignore").decode() for ch in text]
     return "".join(ch if drawn(ch) else p if drawn(p) else "?" for ch, p in zip(text, plain))
@@ -1687,7 +1681,7 @@ def round_ticks(low, high, count=5, least=0):
 
 def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
     """Mean reward per step +- the within-group std, and its moving average over `window` steps."""
-    rows = [r for r in rows if None not in (r["reward_mean"], r["reward_std"])]   # null: non-finite
+    rows = [r for r in rows if None not in (r["reward_mean"], r["reward_std"])]  # null: non-finite
     if not rows:
         return
     steps, means, stds = (np.array([r[k] for r in rows]) for k in ("step", "reward_mean", "reward_std"))
@@ -1707,7 +1701,7 @@ def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
         draw.line(list(zip(*to_xy(steps, np.array(average)))), fill=(20, 40, 140), width=3)
         title += f"; thick: moving average over {window} steps"
     draw.rectangle((margin, margin, w - margin, h - margin), outline="black")
-    ticks = [(to_xy(x0, value), (-4, 0), "rm", value) for value in round_ticks(y0, y1)]       # left axis
+    ticks = [(to_xy(x0, value), (-4, 0), "rm", value) for value in round_ticks(y0, y1)]  # left axis
     ticks += [(to_xy(step, y0), (0, 4), "mt", step) for step in round_ticks(x0, x1, least=1)]  # bottom axis
     labels = [((margin, 8), title, "la"), ((margin, margin - 6), "reward", "mb"), ((w // 2, h - 8), "step", "mb")]
     for (x, y), (dx, dy), anchor, value in ticks:
@@ -1731,8 +1725,8 @@ class Run:
 
     def __init__(self, args):
         self.args, self.out, self.lead = args, Path(args.out), rank() == 0
-        self.trainer = self.tracker = self.signum = None      # signum: the first stop signal
-        self.voted, self.bad_steps, self.warned = True, [], False   # voted: the update began
+        self.trainer = self.tracker = self.signum = None  # signum: the first stop signal
+        self.voted, self.bad_steps, self.warned = True, [], False  # voted: the update began
         self.closing = contextlib.ExitStack()
 
     def __enter__(self):
@@ -1758,7 +1752,7 @@ class Run:
         rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [])
         require_targets(items, [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)])
         args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
-        resume = Resume(args, out)      # its refusals: under the lock, before any model loads
+        resume = Resume(args, out)  # its refusals: under the lock, before any model loads
         self.start = self.last_saved = resume.step
         if self.start >= args.steps:
             return
@@ -1767,7 +1761,7 @@ class Run:
         if args.mode == "i2i":
             check_source_size(self.trainer.pipe.processor.image_processor, args.height, args.width)
         resume.restore(self.trainer, out)
-        if self.lead:     # the reward curve averages over a pass over the prompts
+        if self.lead:  # the reward curve averages over a pass over the prompts
             window = min(20, math.ceil(len(items) / args.prompts_per_step))
             self.closing.callback(lambda: save_reward_curve(out / "reward_curve.png",
                                                             read_metrics(out / "metrics.jsonl"), window))
@@ -1793,7 +1787,7 @@ class Run:
     def record(self, step, indices, row, rewards, images, targets, sources, ode):
         """After grpo_step: LOG, the sample sheet, CHECKPOINT; a stop signal (any rank's) saves and exits."""
         args, out, trainer = self.args, self.out, self.trainer
-        names = ["lr"] * (args.policy != "dit") + ["dit/lr"] * (args.policy != "ar")     # a param group per half
+        names = ["lr"] * (args.policy != "dit") + ["dit/lr"] * (args.policy != "ar")  # a param group per half
         row.update(zip(names, trainer.lr_scheduler.get_last_lr()))
         # a step whose updates were all skipped never called optimizer.step()
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
@@ -1814,7 +1808,7 @@ class Run:
     def log(self, row, step):
         args, metrics = self.args, self.out / "metrics.jsonl"
         finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
-        with open(metrics, "a", encoding="utf-8") as f:     # NaN, inf -> null: JSON has no NaN
+        with open(metrics, "a", encoding="utf-8") as f:  # NaN, inf -> null: JSON has no NaN
             f.write(json.dumps(finite, allow_nan=False) + "\n")
         if self.tracker:
             self.tracker.log({k: v for k, v in row.items() if k != "step"}, step)
@@ -1833,7 +1827,7 @@ class Run:
         save_checkpoint(self.out, step, self.trainer, self.args, rng)
 
     def request(self, signum, _frame):
-        if self.signum is not None:       # a second Ctrl+C quits at once, a second SIGTERM changes nothing
+        if self.signum is not None:  # a second Ctrl+C quits at once, a second SIGTERM changes nothing
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             return
@@ -1856,7 +1850,7 @@ class Run:
                 print(f"{signal.Signals(seen).name} on another rank: stopping", file=sys.stderr, flush=True)
         return self.signum is not None
 
-    def vote(self):      # trainer.before_update
+    def vote(self):  # trainer.before_update
         if self.agree():
             raise AbandonStep
 
@@ -1876,7 +1870,7 @@ class Run:
         except Exception as e:
             if not collective_failed(e):
                 raise
-            self.stop(self.step - 1, peers=False)      # a rank was killed (kill -9, OOM): rank 0 saves alone
+            self.stop(self.step - 1, peers=False)  # a rank was killed (kill -9, OOM): rank 0 saves alone
         self.stop(self.step - 1)
 
     def stop(self, done, peers=True):
@@ -1909,7 +1903,7 @@ def atomic_write(path, write):
 def rng_state():
     name, keys, *rest = np.random.get_state()      # numpy's uint32 keys as an int64 tensor: weights_only loads it
     return {"python": random.getstate(), "numpy": [name, torch.from_numpy(keys.astype(np.int64)), *rest],
-            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all()}     # no GPU: []
+            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all()}  # no GPU: []
 
 
 def save_checkpoint(out, step, trainer, args, rng=None):
@@ -1923,12 +1917,12 @@ def save_checkpoint(out, step, trainer, args, rng=None):
                "lr_scheduler": trainer.lr_scheduler.state_dict(), "rng": rng or rng_state(), "args": vars(args)}
     atomic_write(path, functools.partial(torch.save, payload))
     for old in saved_checkpoints(out)[:-args.checkpoints_total_limit] if args.checkpoints_total_limit else []:
-        old.unlink()      # after the save: a complete newest checkpoint always exists
+        old.unlink()  # after the save: a complete newest checkpoint always exists
     return path
 
 
 def saved_checkpoints(out):
-    return sorted((out / "checkpoints").glob("step_*.pt"))      # oldest first: six-digit steps sort by name
+    return sorted((out / "checkpoints").glob("step_*.pt"))  # oldest first: six-digit steps sort by name
 
 
 def read_checkpoint(spec, out=None):
@@ -1940,7 +1934,7 @@ def read_checkpoint(spec, out=None):
     try:
         with warnings.catch_warnings(action="ignore"):     # a junk file can look like another pickle protocol's
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:      # torch raises many types for a missing, foreign or truncated file
+    except Exception as e:  # torch raises many types for a missing, foreign or truncated file
         raise UsageError(f"--resume {path}: not a readable checkpoint ({type(e).__name__})")
     if not isinstance(ckpt, dict) or not str(ckpt.get("format", "")).startswith("grpo_glm-checkpoint-"):
         raise UsageError(f"--resume {path}: not a checkpoint of grpo_glm.py")
@@ -1965,7 +1959,7 @@ class Resume:
             raise UsageError(f"--out {out} has a run; pass --resume latest to continue it or pick another --out")
         ckpt = self.ckpt = read_checkpoint(args.resume, out) if args.resume else None
         step = self.step = ckpt["step"] if ckpt else 0
-        saved = ckpt["args"] if ckpt else vars(args)      # the prompts compare by their hash
+        saved = ckpt["args"] if ckpt else vars(args)  # the prompts compare by their hash
         differences = self.differences = [
             f"--prompts {saved.get('prompts')} -> {args.prompts}: contents differ" if k == "prompts_sha256"
             else f"--{k.replace('_', '-')} {saved.get(k)} -> {getattr(args, k)}"
@@ -1999,7 +1993,7 @@ class Resume:
             np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
             random.setstate(rng["python"])
             torch.set_rng_state(rng["torch"])
-            torch.cuda.set_rng_state_all(rng["cuda"])      # no CUDA: queued, never run
+            torch.cuda.set_rng_state_all(rng["cuda"])  # no CUDA: queued, never run
         if rank() != 0:
             return
         if ckpt:
@@ -2030,7 +2024,7 @@ TINY_PALETTE = (torch.tensor(list(COLOURS.values()), dtype=torch.float32) / 255)
 # positions); a bare <|image|> would be numbered like text.
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{{ '<|dit_token_16384|><|image|>"
                       "<|dit_token_16385|>' if c['type'] == 'image' else c['text'] }}{% endfor %}{% endfor %}")
-TINY_RENDERER = dict(        # all that shapes the training, in the cache key
+TINY_RENDERER = dict(  # all that shapes the training, in the cache key
     dit_steps=800, dit_lr=3e-3, batch=8, dit_grids=((2, 2), (3, 3), (4, 4), (3, 2)), inference_steps=4)
 
 
@@ -2097,7 +2091,7 @@ def random_mosaics(batch, grid_hw, generator, cell=32):
     1, 2, 4 or all ids (uniform fields and two-colour shapes as familiar to the renderer as confetti)."""
     H, W = grid_hw
 
-    def grid():      # k ids drawn from the codebook, each cell one of them
+    def grid():  # k ids drawn from the codebook, each cell one of them
         k = [1, 2, 4, TINY_CODEBOOK][int(torch.randint(4, (1,), generator=generator))]
         return torch.randperm(TINY_CODEBOOK, generator=generator)[:k][torch.randint(k, (H * W,), generator=generator)]
     tokens = torch.stack([grid() for _ in range(batch)])
@@ -2114,16 +2108,16 @@ def colour_vae(carrier=32.0):
     vae = AutoencoderKL(block_out_channels=(8,) * 4, down_block_types=["DownEncoderBlock2D"] * 4,
                         up_block_types=["UpDecoderBlock2D"] * 4, norm_num_groups=1, use_post_quant_conv=False,
                         latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
-    decoder, pair = vae.decoder, torch.cat([torch.eye(3), -torch.eye(3)])       # [6, 3]: channel c -> (c, -c)
+    decoder, pair = vae.decoder, torch.cat([torch.eye(3), -torch.eye(3)])  # [6, 3]: channel c -> (c, -c)
     with torch.no_grad():
         for weight in decoder.parameters():
             weight.zero_()
-        for block in decoder.up_blocks[:-1]:                       # nearest upsample, then the identity
+        for block in decoder.up_blocks[:-1]:  # nearest upsample, then the identity
             torch.nn.init.dirac_(block.upsamplers[0].conv.weight)
         decoder.conv_in.weight[:6, :3, 1, 1] = pair
         decoder.conv_in.bias[6:] = torch.tensor([carrier, -carrier])
         decoder.conv_norm_out.weight.fill_(carrier / 2)
-        decoder.conv_out.weight[:, :6, 1, 1] = pair.T              # (c, -c) -> c
+        decoder.conv_out.weight[:, :6, 1, 1] = pair.T  # (c, -c) -> c
     return vae.eval()
 
 
@@ -2136,7 +2130,7 @@ def train_tiny_renderer(seed, settings):
         for step in range(settings["dit_steps"]):
             hw = settings["dit_grids"][step % len(settings["dit_grids"])]
             timesteps, _ = dit_schedule(pipe, 32 * hw[0], 32 * hw[1], settings["inference_steps"])  # sets scheduler
-            tokens, mosaics = random_mosaics(batch, hw, generator, 32 // pipe.vae_scale_factor)   # latent-sized
+            tokens, mosaics = random_mosaics(batch, hw, generator, 32 // pipe.vae_scale_factor)  # latent-sized
             x0 = torch.nn.functional.pad(mosaics * 2 - 1, (0, 0, 0, 0, 0, 1))  # [B, 4, h, w]: RGB in [-1, 1], zeros
             t = timesteps[torch.randint(len(timesteps), (batch,), generator=generator)]
             eps = torch.randn(x0.shape, generator=generator)
@@ -2159,11 +2153,11 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
     root = Path(os.environ.get("GRPO_GLM_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
                 / "grpo_glm")
     final = root / f"tiny-seed{seed}-{hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:16]}"
-    for library in ("diffusers", "transformers"):      # no loading bars: a toy loads at once
+    for library in ("diffusers", "transformers"):  # no loading bars: a toy loads at once
         importlib.import_module(f"{library}.utils.logging").disable_progress_bar()
     root.mkdir(parents=True, exist_ok=True)
-    with FileLock(root / f".{final.name}.lock"):   # a second run waits here (released if the process dies)
-        if not final.is_dir():                      # built neither before nor by the run we waited for
+    with FileLock(root / f".{final.name}.lock"):  # a second run waits here (released if the process dies)
+        if not final.is_dir():  # built neither before nor by the run we waited for
             start = time.time()
             print(f"building --model tiny (seed {seed}) once: its renderer (DiT) learns token mosaics "
                   f"({settings['dit_steps']} steps) ...", end=" ", flush=True)
@@ -2171,7 +2165,7 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
             partial = root / f".{final.name}.tmp"   # a killed save's leftover: replaced, never loaded
             shutil.rmtree(partial, ignore_errors=True)
             pipe.save_pretrained(partial)
-            os.rename(partial, final)               # atomic: only a finished build is ever final
+            os.rename(partial, final)  # atomic: only a finished build is ever final
             print(f"done in {time.time() - start:.0f} s (flow-matching loss {loss:.4f}), cached in {final}", flush=True)
     return final
 
@@ -2181,7 +2175,7 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
 # of the step's prompts, as DanceGRPO), so only averaged gradients and a few scalars cross ranks; rank 0 writes
 # files. 1 and K processes sample alike (sample_tokens) and train alike up to the order of sums.
 
-@functools.cache     # swapped once a process
+@functools.cache  # swapped once a process
 def float64_throughout():
     """--dtype float64: GlmImageRMSNorm and diffusers' apply_rotary_emb round to fp32 (1 vs 2 processes: 1e-9 apart)."""
     import diffusers.models.embeddings as embeddings
@@ -2195,7 +2189,7 @@ def float64_throughout():
         if x.dtype != torch.float64:
             return library(x, freqs_cis, *args, **kwargs)
         cos, sin = (f.to(x.device)[None, :, None, :] for f in freqs_cis)      # the DiT's x: [B, S, heads, D]
-        x_real, x_imag = x.reshape(*x.shape[:-1], 2, -1).unbind(-2)          # its use_real_unbind_dim=-2: halves
+        x_real, x_imag = x.reshape(*x.shape[:-1], 2, -1).unbind(-2)  # its use_real_unbind_dim=-2: halves
         return x * cos + torch.cat([-x_imag, x_real], dim=-1) * sin
 
     embeddings.apply_rotary_emb, GlmImageRMSNorm.forward = rotary, rms_norm
@@ -2223,7 +2217,7 @@ def unwrap(model):
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
-def from_every_rank(value):      # any picklable, in rank order
+def from_every_rank(value):  # any picklable, in rank order
     values = [value] * world_size()
     if dist.is_initialized():
         dist.all_gather_object(values, value)
@@ -2268,7 +2262,7 @@ def distribute(model, params, args, reference=None):
     master = torch.promote_types(compute, torch.float32)    # fp32 shards: AdamW's steps on bf16 round away
     cast_training_params(model, dtype=master)
     mesh = init_device_mesh(torch.device(args.device).type, (world_size(),))
-    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=master)     # gathered in bf16, reduced in fp32
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=master)  # gathered in bf16, reduced in fp32
     for module in [m for m in (model, reference) if m is not None]:
         for unit in [*sharded_layers(module), module]:      # the policy's root stays gathered till backward
             fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True if unit is reference else None)
@@ -2279,7 +2273,7 @@ def sharded_layers(module):     # fully_shard's units below the root
     return module.model.language_model.layers if hasattr(module, "model") else module.transformer_blocks
 
 
-def fsdp_units(model):      # [] if not sharded
+def fsdp_units(model):  # [] if not sharded
     from torch.distributed.fsdp import FSDPModule
 
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -2337,7 +2331,7 @@ def plan_components(model, seed=0):
         with contextlib.suppress(OSError, ValueError):
             processor = GlmImageImageProcessorPil.from_pretrained(saved / "processor")
     else:
-        ar, dit = GlmImageConfig(), dict(attention_head_dim=128, num_attention_heads=32)    # else the defaults
+        ar, dit = GlmImageConfig(), dict(attention_head_dim=128, num_attention_heads=32)  # else the defaults
         glyph_t5 = T5Config(vocab_size=384, d_model=1472, d_kv=64, d_ff=3584, num_layers=12, num_heads=6,
                             feed_forward_proj="gated-gelu")
         vae = dict(latent_channels=16, block_out_channels=(128, 512, 1024, 1024), layers_per_block=3,
@@ -2400,7 +2394,7 @@ def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, c
     numels; `head_trainable`: final norm + lm_head (0 under LoRA)."""
     d, h, V, rows = WEIGHT_BYTES, text_config.hidden_size, text_config.vision_vocab_size, samples * generated
     state = FP32_BYTES if lora_rank else d                    # gradients and moments: the parameters' dtype
-    tokens = samples * (prompt_tokens + generated - 1)       # teacher-forced input: prompt + generated[:-1]
+    tokens = samples * (prompt_tokens + generated - 1)  # teacher-forced input: prompt + generated[:-1]
     layer = layer_activation_bytes(text_config, lora_rank, d) * tokens
     # checkpointing: each layer's input (d h per token), and one layer recomputed in full in backward
     kept = text_config.num_hidden_layers * (d * h * tokens if checkpointing else layer)
@@ -2411,8 +2405,8 @@ def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, c
     head_copy, held = 0 if head_trainable else samples * V * h * d, kept + outside + logits
     s = state_bytes(sum(tensors), total_params, state, adapters=lora_rank > 0)
     forward = {"forward_model": held + max(head_copy, rows * 8 * V),    # token_logprobs' fp32 copy / temperature
-               "forward_logits": held + rows * 24 * V}       # log_softmax (4 V) + the entropy monitor (5 x 4 V)
-    backward = max(held + rows * 12 * V,                      # the fp32 gradient chain of gather and log_softmax
+               "forward_logits": held + rows * 24 * V}  # log_softmax (4 V) + the entropy monitor (5 x 4 V)
+    backward = max(held + rows * 12 * V,  # the fp32 gradient chain of gather and log_softmax
                    held + logits + head_copy, kept + logits + layer if checkpointing else 0)
     # AdamW's step: an exp_avg_sq copy of all parameters (foreach, CUDA's default), or of the 2 largest (CPU)
     phases = {**forward, "backward": max(backward + head_trainable * state, s["grads"] + logits),
@@ -2452,8 +2446,8 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         state = state_bytes(sum(trained), counts[name], d if mode == "full" else FP32_BYTES, k if fsdp else 1,
                             rank > 0, beta > 0 and not rank)
         if name == "ar":    # sampling: generate's KV cache of the GPU's samples, or pi_old's pass over a micro-batch
-            sampling = max(batch // k * kv_cache, micro * generated * text.vision_vocab_size * 10)   # (10 B a logit)
-            head = 0 if rank else numel(ar.model.language_model.norm) + numel(ar.lm_head)   # trained in full
+            sampling = max(batch // k * kv_cache, micro * generated * text.vision_vocab_size * 10)  # (10 B a logit)
+            head = 0 if rank else numel(ar.model.language_model.norm) + numel(ar.lm_head)  # trained in full
             u = ar_update_bytes(text, micro, prompt_len, generated, rank, checkpointing, () if fsdp else trained, head)
             activations, backward = (u["peak"], 0) if fsdp else (u["activations"], u["peak"] - u["grads"])
         else:   # a denoising step's micro-batch: ~30 x hidden per block and token (x2 CFG, 64 text tokens), guessed,
@@ -2480,7 +2474,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
 
     def row(name, mode, k, checkpointing):
         h, working = half(name, mode, k, checkpointing), {"vae": decode, "dit": source_kv // k, "glyph_t5": 0}
-        turn = lambda *parts: max(frozen[p] + working[p] for p in parts)    # frozen parts take turns with their work
+        turn = lambda *parts: max(frozen[p] + working[p] for p in parts)  # frozen parts take turns with their work
         r = {"mode" if name == "ar" else "DiT mode": mode, "grad ckpt": checkpointing, "GPUs": k,
              "micro-batch": min(samples, batch // k), "trainable": h["trainable"], "half": h,
              f"{'AR' if name == 'ar' else 'DiT'} weights": h["weights"] + h["reference"], "grads": h["grads"],
@@ -2500,7 +2494,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         {"tokens": (prompt_len, generated), "decode": decode, "source_kv": source_kv}
 
 
-def plan_of_run(args):      # memory_plan of the run `args` describes, on 1 GPU and each of --plan-gpus
+def plan_of_run(args):  # memory_plan of the run `args` describes, on 1 GPU and each of --plan-gpus
     components, processor = plan_components(args.model, args.seed)
     return memory_plan(components, args.height, args.width, args.micro_batch_size or args.group_size,
                        args.group_size * args.prompts_per_step, args.prompts_per_step, args.guidance_scale > 1,
@@ -2512,7 +2506,7 @@ def plan_of_run(args):      # memory_plan of the run `args` describes, on 1 GPU 
 def print_memory_plan(args):
     (rows, counts, terms), i2i = plan_of_run(args), args.mode == "i2i"
     (prompt_len, generated), prompts = terms["tokens"], args.prompts_per_step
-    big = max(r["peak, no offload"] for r in rows["ar"]) >= 2 ** 30       # the tiny model: MiB, thousands
+    big = max(r["peak, no offload"] for r in rows["ar"]) >= 2 ** 30  # the tiny model: MiB, thousands
     unit, unit_name = (2 ** 30, "GiB") if big else (2 ** 20, "MiB")
     count, count_name = (1e6, "M") if max(counts.values()) >= 1e8 else (1e3, "k")
     size = lambda n: f"{n / unit:.1f} {unit_name}"
@@ -2529,7 +2523,7 @@ def print_memory_plan(args):
               f"\nDiT (Flow-GRPO, --policy dit|both), CFG {'on' if args.guidance_scale > 1 else 'off'}; 'both' trains "
               f"the AR's lora-{args.lora_rank or 64} too (fsdp: sharded)" + ("; activations incl. the source KV "
                                                                           "caches" if i2i else "")]
-    for title, table in zip(titles, rows.values()):     # markdown: mode, grad ckpt, GPUs, micro-batch, trainable, bytes
+    for title, table in zip(titles, rows.values()):  # markdown: mode, grad ckpt, GPUs, micro-batch, trainable, bytes
         columns = [key for key in table[0] if key != "half"]
         print(title + "\n| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
         for r in table:
