@@ -343,11 +343,12 @@ def sample_tokens(pipe, prompts, sources, slots, step, args, prompt_len=None):
         longest = processor_inputs(pipe, prompts, sources, args.height, args.width, "cpu")["input_ids"].shape[1]
         prompt_len = max_over_ranks(longest) + 1
     generators = [seeded(args.seed, "tokens", step, slot, ar.device) for slot in slots]
+    sampling = sampling_of(ar)
     ar.eval()
     with whole_weights(ar) as sharded:  # --fsdp: sampled eagerly (its hooks)
-        rollout = sample_groups(pipe, prompts, args.group_size, sampling_of(ar), args.height, args.width,
+        rollout = sample_groups(pipe, prompts, args.group_size, sampling, args.height, args.width,
                                args.loss_tokens, sources, generators, prompt_len, compiled=not sharded)
-        rollout.old_logp = logprobs_by_micro_batch(ar, rollout, sampling_of(ar), args.micro_batch_size)
+        rollout.old_logp = logprobs_by_micro_batch(ar, rollout, sampling, args.micro_batch_size)
     return rollout
 
 
@@ -1770,6 +1771,8 @@ class Run:
         for s in (signal.SIGINT, signal.SIGTERM):
             self.closing.callback(signal.signal, s, signal.signal(s, self.request))
         self.trainer.before_update = self.vote
+        # a step whose updates were all skipped never called optimizer.step() before lr_scheduler.step()
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
 
     def steps(self):
         """Yields (step, indices, slots): this rank's block of the step's prompts, in a seeded order per pass."""
@@ -1789,8 +1792,6 @@ class Run:
         args, out, trainer = self.args, self.out, self.trainer
         names = ["lr"] * (args.policy != "dit") + ["dit/lr"] * (args.policy != "ar")  # a param group per half
         row.update(zip(names, trainer.lr_scheduler.get_last_lr()))
-        # a step whose updates were all skipped never called optimizer.step()
-        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
         trainer.lr_scheduler.step()
         row = {**reduce_metrics(row), "seconds": round(time.time() - self.t0, 3)}
         stopping = self.agree()
