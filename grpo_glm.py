@@ -337,7 +337,7 @@ def policy_scores(logits, sampling, keep=None):
     update a sampled id may drop out, and log 0 has no gradient."""
     z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / sampling.temperature
     if sampling.codebook:
-        z[..., sampling.codebook:] = float("-inf")
+        z[..., sampling.codebook:].fill_(float("-inf"))  # fill_: no scalar tensor from the host
     k, p = sampling.top_k, sampling.top_p
     if not (k or p < 1):
         return z
@@ -350,7 +350,7 @@ def policy_scores(logits, sampling, keep=None):
             if p < 1:  # ascending (the warper's tie order): drop while the mass so far is <= 1 - p
                 ascending, order = torch.sort(rows.masked_fill(dropped, float("-inf")), dim=-1)
                 tail = ascending.softmax(-1).cumsum(-1) <= 1 - p
-                tail[..., -1] = False  # never the largest
+                tail[..., -1].fill_(False)  # never the largest
                 dropped |= tail.scatter(-1, order, tail)
             parts.append(dropped)
         dropped = torch.cat(parts).view_as(z)
