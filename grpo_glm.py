@@ -707,7 +707,7 @@ def sample_dit(dit, cond, noise, schedule, noise_level=0.0, train_steps=0, gener
     x, states, logps = noise.to(sigmas.device, sigmas.dtype), [], []
     with whole_weights(dit):
         caches = write_source_caches(dit, cond)
-        for i, t in enumerate(timesteps):
+        for i, t in enumerate(progress(timesteps, "denoising")):
             states.append(x)
             v = dit_velocity(dit, x, t, cond, caches)
             if i < train_steps:
@@ -1030,25 +1030,18 @@ class FastDecoder:
         if not self.announced and rank() == 0:
             print(f"compiling the decode step for {mask.shape[0]} rows (once per run; about a minute or two on a "
                   "GPU)", flush=True)
-        self.announced = True
-        return decode_loop(ar, ids, positions, mask, num_tokens, ticking(uniforms, num_tokens), sampling, cache,
-                           self.forward)
+        self.announced, ticks = True, iter(progress(range(num_tokens), "sampling tokens"))
+        ticking = lambda: [next(ticks, None), uniforms()][1]  # drawn once a token
+        return decode_loop(ar, ids, positions, mask, num_tokens, ticking, sampling, cache, self.forward)
 
 
-def ticking(uniforms, total):
-    """`uniforms`, drawn once a token, ticking a progress bar on a terminal (the real model's steps take a while)."""
-    if not sys.stderr.isatty() or rank() != 0:
-        return uniforms
+def progress(steps, what):
+    """`steps`, ticking a bar on rank 0's terminal: a real model's phases take seconds."""
+    if not (sys.stderr.isatty() and rank() == 0):
+        return steps
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=total, desc="sampling tokens", leave=False, unit="tok")
-
-    def draw():
-        bar.update()
-        if bar.n == total:
-            bar.close()
-        return uniforms()
-    return draw
+    return tqdm(steps, desc=what, leave=False)
 
 
 # ---- For sections 8-11: micro-batches, the reference, the trainer ----
