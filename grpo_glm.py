@@ -21,8 +21,9 @@ pushes the policy up on better-than-average samples with PPO's clipped surrogate
 2017), optionally with a KL penalty towards the initial model.
 
 Reading map: Part I (sections 1-11) is GRPO on the AR in the order a step runs; Part II (12-13)
-Flow-GRPO on the DiT (--policy dit|both); Part III (14-25) is plumbing. The pure functions (mse_reward,
-group_advantages, token_logprobs, grpo_loss, sde_step, dit_kl) need only torch and math: copy them out (tested).
+Flow-GRPO on the DiT (--policy dit|both); Part III (14-25) is plumbing, GLM-Image's machinery first. The pure
+functions (mse_reward, group_advantages, token_logprobs with policy_scores, grpo_loss, sde_step, dit_kl) need only
+torch: copy them out (tested).
 Symbols: N samples in a batch (P x G), P prompts, G group size, S prompt tokens (padded), L generated tokens,
 H x W target grid in tokens (image side / 32), V vocabulary, K denoising steps, T of them trained.
 """
@@ -430,7 +431,7 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
 def grpo_update(trainer, rollout, advantages, args, learns=True, dit=None):
     """mu = --inner-epochs AdamW steps on one batch -> the step's metrics. rollout: the AR's (None:
     it does not train); dit: (DiT rollout, its advantages) when it trains (Part II adds its loss).
-    Pass 1 runs at pi_old: its ratio is 1."""
+    """
     ar, sampling, optimizer, passes = trainer.ar, trainer.sampling, trainer.optimizer, []
     if rollout is not None:
         ref_logp = reference_logprobs(trainer, rollout, args) if args.beta > 0 else None  # [N, L]
@@ -679,8 +680,8 @@ def dit_velocity(dit, latents, t, cond, caches):
 
 
 def sde_step(v, x, sigmas, i, noise_level, eps=None, x_next=None):
-    """The step above, from x = x_i (fp32 [N, C, h, w]) -> (x', logp [N], mean, std = std_t sqrt(-dt)), as
-    flow_grpo's sde_step_with_logprob; given `x_next` instead of `eps`, it scores that stored transition. logp:
+    """The step above, from x = x_i (fp32 [N, C, h, w]) -> (x', logp [N], mean, std = std_t sqrt(-dt), the
+    Gaussian's; flow_grpo's sde_step_with_logprob returns std_t); given `x_next`, it scores that stored step. logp:
     Normal.log_prob (flow_grpo's formula op for op; unvalidated: a NaN reaches grpo_update's skip) averaged over
     latent dims; None at noise_level 0. flow_grpo puts sigmas[1] for sigma = 1, where 1 - sigma is 0."""
     sigma, dt = sigmas[i], sigmas[i + 1] - sigmas[i]
