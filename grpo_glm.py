@@ -447,10 +447,10 @@ def grpo_update(trainer, rollout, advantages, args, learns=True, dit=None):
             ref = None if ref_logp is None else ref_logp[rows]
             loss, terms = grpo_loss(logp, part.old_logp, advantages[rows], part.loss_mask,
                                     args.clip_eps, args.beta, ref)
-            weight = (part.loss_mask.sum() / tokens).item()  # the shares add up to 1
-            (loss * weight).backward()  # one micro-batch's graph alive at a time
             if epoch == 0:  # at pi_old: a live check of the bookkeeping, and entropy collapse
                 terms.update(first_pass_metrics(logits, logp, part, sampling))
+            weight = (part.loss_mask.sum() / tokens).item()  # the shares add up to 1
+            (loss * weight).backward()  # one micro-batch's graph alive at a time
             add_weighted(metrics, {**terms, "loss": loss.item()}, weight)
         if rollout is not None:  # each half clips its own gradient: their losses' scales differ
             norm = torch.nn.utils.clip_grad_norm_(ar.params, args.max_grad_norm)
