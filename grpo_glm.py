@@ -873,10 +873,6 @@ def pipeline_from_pretrained(args, dtype):
 
 def place_pipeline(pipe, args):
     """--offload: diffusers moves model_cpu_offload_seq's models to the GPU in turn; a trained half never moves."""
-    if args.device == "cuda" and args.policy == "ar":
-        # The frozen DiT renders every reward image: diffusers compiles its 30 like blocks as one (regional). Not a
-        # DiT that trains: compiled and eager forwards differ by ~1e-5, and its first ratio must be exactly 1.
-        pipe.transformer.compile_repeated_blocks()
     if not args.offload:
         pipe.to(args.device)
         return
