@@ -2057,6 +2057,7 @@ def test_a_reward_that_edits_images_in_place_changes_nothing_for_the_next():
     (lambda im, p, t: 1 / 0, "reward bad raised ZeroDivisionError"),
     (lambda im, p, t: torch.zeros(4, 1), "reward bad returned shape [4, 1], expected [4]"),
     (lambda im, p, t: "high", "reward bad returned str"),
+    (lambda im, p, t: sys.exit(0), "reward bad raised SystemExit: 0"),      # not a silent exit 0
 ])
 def test_broken_reward_is_named_in_one_line(fn, needle):
     with pytest.raises(g.UsageError) as error:
@@ -2077,6 +2078,7 @@ def plugins(tmp_path):
         "    return -(images - targets).abs().mean(dim=(1, 2, 3))\n"
         "needs.uses_targets = True\n")
     (tmp_path / "broken_import.py").write_text("raise RuntimeError('no GPU here')\n")
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit('usage: exits.py MODEL')\n")
     (tmp_path / "free.txt").write_text("a cat wearing a hat\nsunset over the sea\n")
     return tmp_path
 
@@ -2089,6 +2091,7 @@ def plugins(tmp_path):
     ("mse=nan", "weight after '=' must be a finite number, got 'nan'"),
     ("mse=-inf", "weight after '=' must be a finite number, got '-inf'"),
     ("{tmp}/broken_import.py:f", "RuntimeError: no GPU here"),
+    ("{tmp}/exits.py:f", "importing {tmp}/exits.py failed: SystemExit: usage: exits.py MODEL"),
     ("os.path:no_such_fn", "os.path has no function no_such_fn"),
 ])
 def test_bad_reward_spec_fails_before_the_model_loads(spec, needle, plugins, capsys):
@@ -2096,8 +2099,39 @@ def test_bad_reward_spec_fails_before_the_model_loads(spec, needle, plugins, cap
     with pytest.raises(SystemExit) as stop:
         g.main(["--reward", spec.format(tmp=plugins), "--out", str(out)])
     lines = capsys.readouterr().err.strip().splitlines()
-    assert stop.value.code == 2 and len(lines) == 1 and needle in lines[0], lines
+    assert stop.value.code == 2 and len(lines) == 1 and needle.format(tmp=plugins) in lines[0], lines
     assert not out.exists()
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--out", ""], "--out is empty (an unset variable?)"),
+    (["--guidance-scale", "-3"], "--guidance-scale must be at least 1, got -3.0"),
+    (["--guidance-scale", "0.5"], "--guidance-scale must be at least 1, got 0.5"),
+    (["--lora-alpha", "-5"], "--lora-alpha must be > 0, got -5.0"),
+    (["--clip-eps", "5"], "--clip-eps must be < 1, got 5.0"),
+    (["--dit-clip-eps", "1"], "--dit-clip-eps must be < 1, got 1.0"),
+    (["--pol", "dit"], "unrecognized arguments: --pol dit"),       # no abbreviations
+    (["--plan-gpu-memory", "80"], "--plan-gpu-memory is for --plan"),
+    (["--plan", "--model", "black-forest-labs/FLUX.1-dev"], "--plan knows GLM-Image"),
+    (["--plan", "--model", "zai-org/GLM-Imag"], "--plan knows GLM-Image"),
+    (["--plan", "--model", "{tmp}/no_model"], "no such directory"),
+    (["--plan", "--model", "{tmp}"], "not a directory with model_index.json"),
+    (["--plan", "--model", "{tmp}/flux"], "a FluxPipeline, not GLM-Image"),
+    ([], "GRPO_GLM_CACHE) {tmp}/cache_file: {tmp}/cache_file is a file"),
+])
+def test_bad_flags_are_one_line_before_anything_loads_or_is_written(flags, needle, tmp_path, monkeypatch, capsys):
+    """Issue 40's careless user. Run in an empty directory: --out '' would write there."""
+    (tmp_path / "flux").mkdir()
+    (tmp_path / "flux" / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
+    (tmp_path / "cache_file").write_text("not a directory")
+    monkeypatch.setenv("GRPO_GLM_CACHE", str(tmp_path / "cache_file"))
+    monkeypatch.chdir(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(SystemExit) as stop:
+        g.main([*(f.format(tmp=tmp_path) for f in flags), *([] if "--out" in flags else ["--out", "run"])])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(lines) == 1 and needle.format(tmp=tmp_path) in lines[0], lines
+    assert sorted(tmp_path.rglob("*")) == before
 
 
 def test_reward_module_is_found_in_the_current_directory(tmp_path, monkeypatch):
