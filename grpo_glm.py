@@ -2561,7 +2561,7 @@ def print_memory_plan(args):
     print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count:,.1f} {count_name}" for k, v in counts.items()))
     source = f" incl. the source's {prompt_len - 66} VQ tokens" if i2i else ""      # 64 text, image start and end
     kl = ", KL reference copy for full fine-tuning" if args.beta > 0 else ""
-    print(f"--mode {args.mode}: {prompts} groups of G = {G} samples x {prompt_len + generated} tokens ({prompt_len} "
+    print(f"--mode {args.mode}: {prompts} x {G} samples (prompts x G) of {prompt_len + generated} tokens ({prompt_len} "
           f"prompt{source} + {generated} generated, {args.height}x{args.width}), micro-batches of "
           f"{args.micro_batch_size or G}; estimates in {unit_name} per GPU of K ({prompts} / K groups each){kl}; "
           f"counted: the VAE's decode, one image at a time ({size(terms['decode'])})" + (

@@ -1189,7 +1189,47 @@ def test_plan_of_the_real_model_needs_no_download(capsys):
     g.main(["--plan", "--model", "zai-org/GLM-Image", "--height", "1024", "--width", "1024",
             "--group-size", "8", "--prompts-per-step", "1"])
     printed = capsys.readouterr().out
-    assert "8 samples x 1345 tokens" in printed and "| lora-64 | yes |" in printed
+    assert "1 x 8 samples (prompts x G) of 1345 tokens" in printed and "| lora-64 | yes |" in printed
+
+
+def test_plan_marks_the_runs_row_and_says_whether_it_fits(capsys, monkeypatch):
+    """Issue 40: the row of the run's policy, LoRA rank, checkpointing and micro-batch is marked, and a verdict
+    weighs it against --plan-gpu-memory (else the visible GPU's free memory): fits, or the fewest changes that do."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    base = ["--plan", "--model", "zai-org/GLM-Image", "--height", "1024", "--width", "1024", "--group-size", "16",
+            "--micro-batch-size", "2", "--prompts-per-step", "1"]
+
+    def plan(*flags):
+        g.main([*base, *flags])
+        lines = capsys.readouterr().out.splitlines()
+        marked = [line for line in lines if "(this run)" in line]
+        assert len(marked) == 1 and lines[-1].startswith("verdict: "), lines
+        return lines, marked[0], lines[-1]
+
+    def cells(line):
+        return line.strip("| ").split(" | ")
+
+    lines, row, verdict = plan("--lora-rank", "16", "--gradient-checkpointing")
+    assert "1 x 16 samples (prompts x G) of 1345 tokens" in lines[1] and "micro-batches of 2;" in lines[1]
+    assert cells(row)[:4] == ["lora-16 (this run)", "yes", "1", "2"] and "add --plan-gpu-memory" in verdict
+    peak = float(cells(row)[cells(next(line for line in lines if line.startswith("| mode"))).index("peak, no offload")])
+    assert plan("--lora-rank", "16", "--gradient-checkpointing", "--plan-gpu-memory", str(peak + 0.1))[2].endswith(
+        f"{peak:.1f} GiB of {peak + 0.1:.1f} GiB free (--plan-gpu-memory): fits")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)       # the visible GPU's free memory
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *device: (int((peak - 0.1) * 2 ** 30), 2 ** 40))
+    verdict = plan("--lora-rank", "16", "--gradient-checkpointing")[2]
+    assert "(the GPU): does not fit; it fits with --offload (" in verdict
+    # each policy marks a row of its table; each change offered fits
+    verdicts = set()
+    for policy, table in (("ar", "| mode"), ("dit", "| DiT mode"), ("both", "| DiT mode")):
+        lines, row, verdict = plan("--policy", policy, "--plan-gpu-memory", "48")
+        assert cells(row)[:4] == ["full (this run)", "no", "1", "2"]
+        assert lines.index(row) > lines.index(next(line for line in lines if line.startswith(table)))
+        assert f"--policy {policy}, this run's row" in verdict and "does not fit; it fits with" in verdict
+        for offer in verdict.split("it fits with ")[1].split("; "):
+            assert float(re.search(r"\(([\d.]+) GiB\)", offer)[1]) <= 48 and "--" in offer
+        verdicts.add(verdict.split(": ", 2)[2])
+    assert len(verdicts) == 3                   # 'dit' keeps the AR frozen whole, 'both' trains its LoRA
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
