@@ -745,14 +745,22 @@ def test_images_are_read_as_the_user_sees_them(tmp_path, capsys):
     grey = np.full((64, 64), 32768, dtype=np.uint16)            # 16-bit mid grey
     Image.fromarray(grey).save(tmp_path / "grey16.png")
     Image.new("RGB", (128, 64), "red").save(tmp_path / "wide.png")
-    (tmp_path / "p.txt").write_text("one | rgba.png\ntwo | grey16.png\nthree | wide.png\n")
-    assert Image.open(tmp_path / "grey16.png").mode.startswith("I")
+    Image.fromarray(np.full((64, 64), 0.5, dtype=np.float32)).save(tmp_path / "float.tiff")  # float grey in [0, 1]
+    Image.new("RGB", (1, 1), "red").save(tmp_path / "dot.png")
+    Image.new("RGB", (3000, 10), "red").save(tmp_path / "strip.png")
+    (tmp_path / "p.txt").write_text("one | rgba.png\ntwo | grey16.png\nthree | wide.png\nfour | float.tiff\n"
+                                    "five | dot.png\nsix | strip.png\n")
+    assert Image.open(tmp_path / "grey16.png").mode.startswith("I") and Image.open(tmp_path / "float.tiff").mode == "F"
     items = g.read_prompts(tmp_path / "p.txt", 64, 64)
     assert items[0].image("target").getpixel((0, 0)) == (255, 255, 255) and items[0].image("target").getpixel((32, 32)) == (0, 0, 255)
-    assert items[1].image("target").getpixel((10, 10)) == (128, 128, 128)
-    out = capsys.readouterr().out
+    assert items[1].image("target").getpixel((10, 10)) == items[3].image("target").getpixel((10, 10)) == (128, 128, 128)
+    out, err = capsys.readouterr()
     assert "wide.png is 128x64, squashed to 64x64" in out and f"{tmp_path / 'p.txt'}:3" in out
-    assert "rgba.png" not in out and "grey16.png" not in out
+    assert "rgba.png" not in out + err and "grey16.png" not in out + err and "float.tiff" not in out + err
+    # a thumbnail or a strip stretched this far is more likely the wrong file: a warning
+    assert [line.split(": ", 2)[2] for line in err.splitlines()] == [
+        "target dot.png is 1x1, stretched to 64x64: the right file?",
+        "target strip.png is 3000x10, stretched to 64x64: the right file?"]
 
 
 def test_prompt_images_are_checked_at_start_but_read_only_when_used(tmp_path, monkeypatch):
