@@ -1576,6 +1576,7 @@ def call_reward(reward, images, prompts, targets):
 # ==== 18. LOG: the console, metrics.jsonl, sample sheets, the reward curve, TensorBoard / W&B =====
 # A step's console line: the fields the row holds ('dit/': the DiT's).
 CONSOLE_FIELDS = ("loss {loss:+.4f}", "dit loss {dit/loss:+.3e}", "reward {reward_mean:.5f} ± {reward_std:.5f}",
+                  "dit reward {dit/reward_mean:.5f} ± {dit/reward_std:.5f}",
                   "ratio {ratio_mean:.4f}", "clip {clip_ratio:.3f}", "kl {kl:.2e}", "dit/ratio {dit/ratio_mean:.4f}",
                   "dit/clip {dit/clip_ratio:.3f}", "dit/kl {dit/kl:.2e}", "entropy {entropy:.3f}",
                   "zero_std {frac_reward_zero_std:.2f}", "{seconds:.2f}s")
@@ -1622,8 +1623,9 @@ def count_text(n):
 
 
 def warn_if_collapsed(row, warned, max_entropy=None):
-    """Once per run: most groups tied (advantages 0). Why: low entropy, a collapse; high, the reward."""
-    if warned or row["frac_reward_zero_std"] <= 0.5:
+    """Once per run: most groups tied (advantages 0). Why: low entropy, a collapse; high, the reward. Not on a step
+    with non-finite rewards (all +inf ties): call_reward has said why."""
+    if warned or row["frac_reward_zero_std"] <= 0.5 or row["frac_reward_nonfinite"]:
         return warned
     why = "the reward does not separate the samples"     # --policy dit: the SDE keeps samples apart
     if "entropy" in row:
@@ -1657,8 +1659,9 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
     sheet = Image.new("RGB", (columns * (width + gap), len(prompts) * block), "white")
     draw = ImageDraw.Draw(sheet)
     for b, row in enumerate(sorted(range(len(prompts)), key=lambda r: prompts[r])):
-        draw.text((0, b * block), drawable(prompts[row])[:sheet.width // 9], fill="black", font_size=16)
-        samples = [(images[i], f"{rewards[i].item():.4f}") for i in range(row * group_size, (row + 1) * group_size)]
+        draw.text((0, b * block), shorten(prompts[row], sheet.width // 9), fill="black", font_size=16)
+        samples = [(images[i], " / ".join(f"{r:.4f}" for r in rewards[i].view(-1).tolist()))    # [N] or [N, k]
+                   for i in range(row * group_size, (row + 1) * group_size)]
         for i, (image, label) in enumerate([(x[row], name) for name, x in references] + samples):
             x, y = i % columns * (width + gap), b * block + line + 4 + i // columns * (height + line)
             sheet.paste(to_pil(image).resize((width, height), Image.NEAREST), (x, y))
@@ -1669,6 +1672,11 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
         formats = {"dataformats": "NHWC"} if tracker.name == "tensorboard" else {}
         tracker.log_images({"samples": np.asarray(sheet)[None]}, step, **formats)
     return sheet
+
+
+def shorten(text, chars):
+    """At most `chars` characters, cut between words with an ellipsis (drawable: '...' if the font has no '…')."""
+    return drawable(text if len(text) <= chars else text[:chars - 1].rsplit(" ", 1)[0] + "…")
 
 
 def drawable(text):
@@ -1807,7 +1815,7 @@ class Run:
         if self.lead:
             self.log(row, step)
         self.bad_steps = non_finite_streak(self.bad_steps, row, out, args, self.start)
-        if self.lead and args.sample_every and step % args.sample_every == 0:     # rank 0's groups
+        if self.lead and args.sample_every and (step % args.sample_every == 0 or step == args.steps):  # rank 0's
             save_sample_grid(out / "samples" / f"step_{step:06d}.png", [self.items[i].text for i in indices],
                              targets, images, rewards, args.group_size, sources, ode, self.tracker, step)
         if step % args.save_every == 0 or step == args.steps:
@@ -1870,8 +1878,12 @@ class Run:
                 self.drop_step()
         finally:
             self.closing.close()
-        if kind is None and self.trainer and self.args.save_pipeline and self.lead:
-            save_trained_pipeline(self.trainer.pipe, self.args)
+        if kind is None and self.trainer and self.lead:
+            if self.args.save_pipeline:
+                save_trained_pipeline(self.trainer.pipe, self.args)
+            made = [p.name + "/" * p.is_dir() for p in sorted(self.out.iterdir()) if not p.name.startswith(".")]
+            pipeline = f"; the trained pipeline: {self.args.save_pipeline}" if self.args.save_pipeline else ""
+            print(f"done: {self.out} holds {', '.join(made)}{pipeline}")
 
     def drop_step(self):      # a rank that left its step early still answers the others' vote
         try:

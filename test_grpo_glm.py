@@ -399,7 +399,7 @@ def test_two_runs_building_at_once_build_once(cheap_cache):
 
 def test_cli_two_steps_writes_metrics_samples_and_checkpoint(tmp_path):
     out = tmp_path / "run"
-    result = run_cli("--steps", "2", "--out", str(out), *SMALL)
+    result = run_cli("--steps", "2", "--out", str(out), *SMALL, "--sample-every", "3")
     assert result.returncode == 0, result.stderr
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
@@ -408,8 +408,9 @@ def test_cli_two_steps_writes_metrics_samples_and_checkpoint(tmp_path):
         assert all(key in r for r in rows), key
     assert all(r["logp_diff_max"] <= 1e-5 for r in rows)
     assert (out / "checkpoints" / "step_000002.pt").is_file()
-    assert len(list((out / "samples").glob("*.png"))) == 2
+    assert [p.name for p in (out / "samples").glob("*.png")] == ["step_000002.png"]  # the last step's, as checkpoints
     assert "step    2/2" in result.stdout
+    assert result.stdout.splitlines()[-1] == f"done: {out} holds checkpoints/, metrics.jsonl, reward_curve.png, samples/"
     # the policy starts close to uniform over the 64 codebook ids: entropy ~ log 64 nats
     assert all(3.5 < r["entropy"] <= torch.log(torch.tensor(64.0)).item() + 1e-4 for r in rows)
     assert "entropy" in result.stdout and "zero_std" in result.stdout
@@ -464,10 +465,13 @@ def test_a_peaked_truncated_policy_is_not_called_collapsed(tmp_path, capsys, mon
 
 
 def test_a_reward_that_ties_every_sample_is_not_called_a_collapse(capsys):
-    row = {"step": 1, "frac_reward_zero_std": 1.0, "entropy": 4.15}     # a 0/1 reward nothing passes yet
+    row = {"step": 1, "frac_reward_zero_std": 1.0, "frac_reward_nonfinite": 0.0, "entropy": 4.15}  # 0/1, none passes
     assert g.warn_if_collapsed(row, False, math.log(64))
     err = capsys.readouterr().err
     assert "the samples differ but the reward does not separate them" in err and "collapsed" not in err
+    # all +inf: tied too, but call_reward's "non-finite" is the warning that says why
+    assert not g.warn_if_collapsed({**row, "frac_reward_nonfinite": 1.0}, False, math.log(64))
+    assert not capsys.readouterr().err
 
 
 def test_first_inner_epoch_has_ratio_one(tmp_path):
@@ -2437,6 +2441,8 @@ def test_reward_curve_is_drawn(tmp_path):
 def test_sample_sheet_captions_draw_no_boxes():
     assert g.drawable("a café 🎨 sign, 中 ok") == "a cafe ? sign, ? ok"
     assert g.drawable("plain ASCII: #ff0000 | 0.1234") == "plain ASCII: #ff0000 | 0.1234"
+    assert g.shorten("a red circle on a white background", 40) == "a red circle on a white background"
+    assert g.shorten("a red circle on a white background", 20) in ("a red circle on a…", "a red circle on a...")
 
 
 def test_cosine_schedule_with_warmup_is_followed_and_resumes_bit_identically(tmp_path):
@@ -2593,15 +2599,18 @@ def test_policy_dit_trains_only_the_dit_and_saves_it(tmp_path, lora, capsys):
 
 
 @pytest.mark.parametrize("policy", ["dit", "both"])
-def test_dit_resume_is_bit_identical(tmp_path, policy):
+def test_dit_resume_is_bit_identical(tmp_path, policy, capsys):
     flags = ["--policy", policy, "--inner-epochs", "2", "--beta", "0.01", "--save-every", "1",
-             "--group-size", "2", "--prompts-per-step", "1", "--sample-every", "0", "--num-inference-steps", "3"]
+             "--group-size", "2", "--prompts-per-step", "1", "--sample-every", "0", "--num-inference-steps", "3",
+             *["--dit-reward", "mse"] * (policy == "both")]
     g.main(["--steps", "2", "--out", str(tmp_path / "a"), *flags])
     g.main(["--steps", "1", "--out", str(tmp_path / "b"), *flags])
     g.main(["--steps", "2", "--out", str(tmp_path / "b"), "--resume", "latest", *flags])
     rows = read_metrics(tmp_path / "a")
     assert deterministic(read_metrics(tmp_path / "b")) == deterministic(rows)
     assert all(r["dit/logp_diff_max"] <= 1e-5 for r in rows)
+    steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(steps) == 4 and all((" | dit reward " in line) == (policy == "both") for line in steps)  # its own
     if policy == "both":    # the AR half logs its first-pass checks too, entropy included (near log 64)
         assert all(r["logp_diff_max"] <= 1e-5 and r["dit/ratio_mean"] != 1.0 for r in rows)
         defaults = g.parse_args([])
