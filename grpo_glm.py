@@ -2530,22 +2530,22 @@ def plan_of_run(args):  # memory_plan of the run `args` describes, on 1 GPU and 
 
 
 def plan_options(args, rows, counts):
-    """The rows of the run's table as runs, fewest changed flags first, then smallest: [(changes, row, peak)];
-    first the run's own (--fsdp: on the first of --plan-gpus), --offload off unless given."""
+    """The run's table's rows as runs: [(flags changed, row, peak)], fewest changes first, then smallest; the first
+    is the run's own (--fsdp: on --plan-gpus' first K; --offload off unless given)."""
     ar, fsdp = args.policy == "ar", args.fsdp and bool(args.plan_gpus)
-    rank, rank_flag = (args.lora_rank, "--lora-rank") if ar else (args.dit_lora_rank, "--dit-lora-rank")
-    mine = ("fsdp" if fsdp else f"lora-{rank}" if rank else "full", args.gradient_checkpointing,
-            args.plan_gpus[0] if fsdp else 1)
+    rank, flag = (args.lora_rank, "--lora-rank") if ar else (args.dit_lora_rank, "--dit-lora-rank")
+    mine = "fsdp" if fsdp else f"lora-{rank}" if rank else "full", args.gradient_checkpointing, fsdp and args.plan_gpus[0]
+    mine = mine[:2] + (mine[2] or 1,)
+    frozen = 0 if ar else WEIGHT_BYTES * (counts["glyph_t5"] + counts["vae"])  # on the GPU without --offload
     options = []
     for r in rows["ar" if ar else "dit"]:
-        theirs = (r["mode" if ar else "DiT mode"], r["grad ckpt"], r["GPUs"])
-        changes = [f"{rank_flag} {theirs[0][5:] or 0}" if theirs[0] != "fsdp" else "--fsdp", "--gradient-checkpointing"
-                   if theirs[1] else "no --gradient-checkpointing", f"{theirs[2]} GPUs"]
-        changes = [c for c, a, b in zip(changes, mine, theirs) if a != b]
-        for offload in (False, True) if args.offload is None else (args.offload,):
-            # the frozen glyph encoder and VAE stay on the GPU without --offload ('dit' keeps the frozen AR there)
-            peak = r["peak, offload" if offload else "peak, no offload"] if ar else (
-                r[f"peak, {args.policy}"] + (not offload) * WEIGHT_BYTES * (counts["glyph_t5"] + counts["vae"]))
+        theirs = r["mode" if ar else "DiT mode"], r["grad ckpt"], r["GPUs"]
+        changes = [c for c, a, b in zip(("--fsdp" if theirs[0] == "fsdp" else f"{flag} {theirs[0][5:] or 0}",
+                                         "--gradient-checkpointing" if theirs[1] else "no --gradient-checkpointing",
+                                         f"{theirs[2]} GPUs"), mine, theirs) if a != b]
+        for offload in [False, True] if args.offload is None else [args.offload]:
+            peak = r[f"peak, {'' if offload else 'no '}offload"] if ar else r[f"peak, {args.policy}"] + frozen * (
+                not offload)
             options.append((changes + ["--offload"] * (offload and args.offload is None), r, peak))
     return sorted(options, key=lambda option: (len(option[0]), option[2]))
 
@@ -2592,19 +2592,18 @@ def print_memory_plan(args):
                      r["GPUs"], r["micro-batch"], f"{r['trainable'] / count:.1f} {count_name}",
                      *(f"{r[c] / unit:.1f}" for c in columns[5:])]
             print("| " + " | ".join(map(str, cells)) + " |")
-    # the verdict: the run's row against the GPU's free memory, else the cheapest changes that fit
-    cuda, free = torch.cuda.is_available(), args.plan_gpu_memory and args.plan_gpu_memory * 2 ** 30
-    free = free or cuda and torch.cuda.mem_get_info()[0]
+    # the verdict: the run's row against the GPU's free memory; else the fewest changes that fit
+    free = args.plan_gpu_memory * 2 ** 30 if args.plan_gpu_memory else torch.cuda.is_available() and \
+        torch.cuda.mem_get_info()[0]
     if not free:
-        return print("verdict: no CUDA GPU here; add --plan-gpu-memory GiB to check this run against a GPU's memory")
+        return print("verdict: no CUDA GPU here: add --plan-gpu-memory GiB to weigh this run against one")
     fitting = [option for option in options if option[-1] <= free]
-    fitting = [o for o in fitting if not any(set(p[0]) < set(o[0]) for p in fitting)]  # no needless changes
-    advice = "; ".join(f"{' '.join(changes)} ({size(peak)})" for changes, _, peak in fitting[:3])
-    print(f"verdict: --policy {args.policy}, this run's row: {size(options[0][-1])} of {size(free)} free "
-          f"({'--plan-gpu-memory' if args.plan_gpu_memory else 'the GPU'}): " + (
-              "fits" if fitting and not fitting[0][0] else f"does not fit; it fits with {advice}" if fitting else
-              "does not fit in any row: lower --micro-batch-size, --group-size or --height/--width, or plan more "
-              "GPUs for --fsdp (--plan-gpus K)"))
+    advice = "; ".join(f"{' '.join(c)} ({size(peak)})" for c, _, peak in [o for o in fitting if not any(
+        set(d) < set(o[0]) for d, _, _ in fitting)][:3])  # none with needless changes
+    print(f"verdict: --policy {args.policy}, this run's row: {size(options[0][-1])} of {size(free)} free ("
+          f"{'--plan-gpu-memory' if args.plan_gpu_memory else 'the GPU'}): " + ("fits" if fitting and not fitting[0][0]
+          else f"does not fit; it fits with {advice}" if fitting else "does not fit in any row: lower "
+          "--micro-batch-size, --group-size or --height/--width, or plan more GPUs for --fsdp (--plan-gpus K)"))
 
 
 # ==== 24. Saving and using the trained model (--save-pipeline, generate_images) ===================
