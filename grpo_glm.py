@@ -2451,8 +2451,7 @@ def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
 def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=False, gpus=(), ranks=(64, 16),
                 mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0, dit_rank=64):
     """--plan's rows ("ar", "dit") keyed by their columns (+ "half": its bytes), on 1 GPU and on each K of `gpus`
-    (`batch` / K samples each), per mode (full, LoRA at `ranks` / `dit_rank`, fsdp), without and with
-    checkpointing; counts; terms."""
+    (`batch` / K samples each), per mode (full, LoRA: `ranks`, `dit_rank`; fsdp), without and with checkpointing."""
     ar, config, d, batch = components["ar"], components["dit"].config, WEIGHT_BYTES, batch or samples
     text, counts = ar.config.text_config, {name: numel(m) for name, m in components.items()}
     frozen = {name: d * counts[name] for name in ("dit", "glyph_t5", "vae")}
@@ -2534,8 +2533,8 @@ def plan_options(args, rows, counts):
     is the run's own (--fsdp: on --plan-gpus' first K; --offload off unless given)."""
     ar, fsdp = args.policy == "ar", args.fsdp and bool(args.plan_gpus)
     rank, flag = (args.lora_rank, "--lora-rank") if ar else (args.dit_lora_rank, "--dit-lora-rank")
-    mine = "fsdp" if fsdp else f"lora-{rank}" if rank else "full", args.gradient_checkpointing, fsdp and args.plan_gpus[0]
-    mine = mine[:2] + (mine[2] or 1,)
+    mine = ("fsdp" if fsdp else f"lora-{rank}" if rank else "full", args.gradient_checkpointing,
+            fsdp and args.plan_gpus[0] or 1)
     frozen = 0 if ar else WEIGHT_BYTES * (counts["glyph_t5"] + counts["vae"])  # on the GPU without --offload
     options = []
     for r in rows["ar" if ar else "dit"]:
@@ -2592,18 +2591,15 @@ def print_memory_plan(args):
                      r["GPUs"], r["micro-batch"], f"{r['trainable'] / count:.1f} {count_name}",
                      *(f"{r[c] / unit:.1f}" for c in columns[5:])]
             print("| " + " | ".join(map(str, cells)) + " |")
-    # the verdict: the run's row against the GPU's free memory; else the fewest changes that fit
-    free = args.plan_gpu_memory * 2 ** 30 if args.plan_gpu_memory else torch.cuda.is_available() and \
-        torch.cuda.mem_get_info()[0]
+    # the verdict: the run's row against --plan-gpu-memory or the GPU's free memory; else the fewest changes that fit
+    free = (args.plan_gpu_memory or 0) * 2 ** 30 or torch.cuda.is_available() and torch.cuda.mem_get_info()[0]
     if not free:
         return print("verdict: no CUDA GPU here: add --plan-gpu-memory GiB to weigh this run against one")
-    fitting = [option for option in options if option[-1] <= free]
-    advice = "; ".join(f"{' '.join(c)} ({size(peak)})" for c, _, peak in [o for o in fitting if not any(
-        set(d) < set(o[0]) for d, _, _ in fitting)][:3])  # none with needless changes
-    print(f"verdict: --policy {args.policy}, this run's row: {size(options[0][-1])} of {size(free)} free ("
-          f"{'--plan-gpu-memory' if args.plan_gpu_memory else 'the GPU'}): " + ("fits" if fitting and not fitting[0][0]
-          else f"does not fit; it fits with {advice}" if fitting else "does not fit in any row: lower "
-          "--micro-batch-size, --group-size or --height/--width, or plan more GPUs for --fsdp (--plan-gpus K)"))
+    fit = [(changes, peak) for changes, _, peak in options if peak <= free]
+    fit = [f"{' '.join(c)} ({size(p)})" for c, p in fit if not any(set(d) < set(c) for d, _ in fit)][:3]  # needed
+    print(f"verdict: --policy {args.policy}, this run's row: {size(options[0][-1])} of {size(free)} free: " + (
+        "fits" if options[0][-1] <= free else f"does not fit; it fits with {'; '.join(fit)}" if fit
+        else "does not fit in any row: lower --micro-batch-size or the image size, or plan GPUs for --fsdp"))
 
 
 # ==== 24. Saving and using the trained model (--save-pipeline, generate_images) ===================

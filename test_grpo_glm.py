@@ -1226,11 +1226,11 @@ def test_plan_marks_the_runs_row_and_says_whether_it_fits(capsys, monkeypatch):
     assert cells(row)[:4] == ["lora-16 (this run)", "yes", "1", "2"] and "add --plan-gpu-memory" in verdict
     peak = float(cells(row)[cells(next(line for line in lines if line.startswith("| mode"))).index("peak, no offload")])
     assert plan("--lora-rank", "16", "--gradient-checkpointing", "--plan-gpu-memory", str(peak + 0.1))[2].endswith(
-        f"{peak:.1f} GiB of {peak + 0.1:.1f} GiB free (--plan-gpu-memory): fits")
+        f"{peak:.1f} GiB of {peak + 0.1:.1f} GiB free: fits")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)       # the visible GPU's free memory
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *device: (int((peak - 0.1) * 2 ** 30), 2 ** 40))
     verdict = plan("--lora-rank", "16", "--gradient-checkpointing")[2]
-    assert "(the GPU): does not fit; it fits with --offload (" in verdict
+    assert "GiB free: does not fit; it fits with --offload (" in verdict
     # each policy marks a row of its table; each change offered fits
     verdicts = set()
     for policy, table in (("ar", "| mode"), ("dit", "| DiT mode"), ("both", "| DiT mode")):
