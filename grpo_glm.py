@@ -2549,20 +2549,14 @@ def plan_options(args, rows, counts):
     return sorted(options, key=lambda option: (len(option[0]), option[2]))
 
 
-def check_plannable(args):
-    """--plan counts GLM-Image: 'tiny', its hub id or a save_pretrained directory of its pipeline."""
-    model, index = Path(args.model), Path(args.model) / "model_index.json"
-    kind = index.is_file() and json.loads(index.read_text()).get("_class_name")
-    if args.model in (TINY, "zai-org/GLM-Image") or kind == "GlmImagePipeline":
-        return
-    why = (f"a {kind}, not GLM-Image" if kind else "not a directory with model_index.json" if model.exists() else
-           "no such directory" if model.parent.is_dir() else "not GLM-Image's hub id")
-    raise UsageError(f"--plan --model {args.model}: {why}; --plan knows GLM-Image: 'tiny', zai-org/GLM-Image or a "
-                     "save_pretrained directory of it")
-
-
 def print_memory_plan(args):
-    check_plannable(args)
+    index = Path(args.model) / "model_index.json"  # --plan knows GLM-Image: 'tiny', its hub id, a saved pipeline
+    kind = index.is_file() and json.loads(index.read_text()).get("_class_name")
+    if args.model not in (TINY, "zai-org/GLM-Image") and kind != "GlmImagePipeline":
+        raise UsageError(f"--plan --model {args.model}: " + (
+            f"a {kind}, not GLM-Image" if kind else "not a directory with model_index.json" if index.parent.exists()
+            else "no such directory" if index.parent.parent.is_dir() else "not GLM-Image's hub id")
+            + "; --plan knows 'tiny', zai-org/GLM-Image or a save_pretrained directory of it")
     (rows, counts, terms), i2i, G = plan_of_run(args), args.mode == "i2i", args.group_size
     (prompt_len, generated), prompts = terms["tokens"], args.prompts_per_step
     big = max(r["peak, no offload"] for r in rows["ar"]) >= 2 ** 30  # the tiny model: MiB, thousands
@@ -2593,13 +2587,12 @@ def print_memory_plan(args):
             print("| " + " | ".join(map(str, cells)) + " |")
     # the verdict: the run's row against --plan-gpu-memory or the GPU's free memory; else the fewest changes that fit
     free = (args.plan_gpu_memory or 0) * 2 ** 30 or torch.cuda.is_available() and torch.cuda.mem_get_info()[0]
-    if not free:
-        return print("verdict: no CUDA GPU here: add --plan-gpu-memory GiB to weigh this run against one")
     fit = [(changes, peak) for changes, _, peak in options if peak <= free]
     fit = [f"{' '.join(c)} ({size(p)})" for c, p in fit if not any(set(d) < set(c) for d, _ in fit)][:3]  # needed
-    print(f"verdict: --policy {args.policy}, this run's row: {size(options[0][-1])} of {size(free)} free: " + (
-        "fits" if options[0][-1] <= free else f"does not fit; it fits with {'; '.join(fit)}" if fit
-        else "does not fit in any row: lower --micro-batch-size or the image size, or plan GPUs for --fsdp"))
+    verdict = "fits" if options[0][-1] <= free else f"does not fit; it fits with {'; '.join(fit)}" if fit else \
+        "does not fit in any row: lower --micro-batch-size or the image size, or plan GPUs for --fsdp"
+    print(f"verdict: --policy {args.policy}, this run's row: {size(options[0][-1])} of {size(free)} free: {verdict}"
+          if free else "verdict: no CUDA GPU here: add --plan-gpu-memory GiB to weigh this run against one")
 
 
 # ==== 24. Saving and using the trained model (--save-pipeline, generate_images) ===================
