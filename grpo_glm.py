@@ -2533,18 +2533,17 @@ def plan_options(args, rows, counts):
     is the run's own (--fsdp: on --plan-gpus' first K; --offload off unless given)."""
     ar, fsdp = args.policy == "ar", args.fsdp and bool(args.plan_gpus)
     rank, flag = (args.lora_rank, "--lora-rank") if ar else (args.dit_lora_rank, "--dit-lora-rank")
+    no = lambda on: "no " * (not on)
     mine = ("fsdp" if fsdp else f"lora-{rank}" if rank else "full", args.gradient_checkpointing,
             fsdp and args.plan_gpus[0] or 1)
-    frozen = 0 if ar else WEIGHT_BYTES * (counts["glyph_t5"] + counts["vae"])  # on the GPU without --offload
+    frozen = (not ar) * WEIGHT_BYTES * (counts["glyph_t5"] + counts["vae"])  # on the GPU without --offload
     options = []
     for r in rows["ar" if ar else "dit"]:
-        theirs = r["mode" if ar else "DiT mode"], r["grad ckpt"], r["GPUs"]
-        changes = [c for c, a, b in zip(("--fsdp" if theirs[0] == "fsdp" else f"{flag} {theirs[0][5:] or 0}",
-                                         "--gradient-checkpointing" if theirs[1] else "no --gradient-checkpointing",
-                                         f"{theirs[2]} GPUs"), mine, theirs) if a != b]
+        mode, ckpt, k = theirs = r["mode" if ar else "DiT mode"], r["grad ckpt"], r["GPUs"]
+        named = "--fsdp" if mode == "fsdp" else f"{flag} {mode[5:] or 0}", f"{no(ckpt)}--gradient-checkpointing"
+        changes = [c for c, a, b in zip((*named, f"{k} GPUs"), mine, theirs) if a != b]
         for offload in [False, True] if args.offload is None else [args.offload]:
-            peak = r[f"peak, {'' if offload else 'no '}offload"] if ar else r[f"peak, {args.policy}"] + frozen * (
-                not offload)
+            peak = r[f"peak, {no(offload)}offload" if ar else f"peak, {args.policy}"] + frozen * (not offload)
             options.append((changes + ["--offload"] * (offload and args.offload is None), r, peak))
     return sorted(options, key=lambda option: (len(option[0]), option[2]))
 
