@@ -2590,8 +2590,8 @@ def print_memory_plan(args):
     fit = [f"{' '.join(c)} ({size(p)})" for c, p in fit if not any(set(d) < set(c) for d, _ in fit)][:3]  # needed
     verdict = "fits" if options[0][-1] <= free else f"does not fit; it fits with {'; '.join(fit)}" if fit else \
         "does not fit in any row: lower --micro-batch-size or the image size, or plan GPUs for --fsdp"
-    print(f"verdict: --policy {args.policy}, this run's row: {size(options[0][-1])} of {size(free)} free: {verdict}"
-          if free else "verdict: no CUDA GPU here: add --plan-gpu-memory GiB to weigh this run against one")
+    print(f"verdict: --policy {args.policy}, this run's row {'with' if args.offload else 'without'} --offload: "
+          f"{size(options[0][-1])} of {size(free)} free: {verdict}" if free else "verdict: no CUDA GPU here: add --plan-gpu-memory GiB to weigh this run against one")
 
 
 # ==== 24. Saving and using the trained model (--save-pipeline, generate_images) ===================

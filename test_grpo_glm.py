@@ -1237,7 +1237,7 @@ def test_plan_marks_the_runs_row_and_says_whether_it_fits(capsys, monkeypatch):
         lines, row, verdict = plan("--policy", policy, "--plan-gpu-memory", "48")
         assert cells(row)[:4] == ["full (this run)", "no", "1", "2"]
         assert lines.index(row) > lines.index(next(line for line in lines if line.startswith(table)))
-        assert f"--policy {policy}, this run's row" in verdict and "does not fit; it fits with" in verdict
+        assert f"--policy {policy}, this run's row without --offload" in verdict and "does not fit; it fits with" in verdict
         for offer in verdict.split("it fits with ")[1].split("; "):
             assert float(re.search(r"\(([\d.]+) GiB\)", offer)[1]) <= 48 and "--" in offer
         verdicts.add(verdict.split(": ", 2)[2])
@@ -1281,7 +1281,7 @@ def test_plan_of_i2i_counts_the_source_tokens_and_no_preview(capsys):
     g.main(["--plan", "--model", "zai-org/GLM-Image", "--mode", "i2i", "--height", "1024", "--width", "1024",
             "--group-size", "8", "--prompts-per-step", "1"])
     printed = capsys.readouterr().out
-    assert "--mode i2i" in printed and "8 samples x 2115 tokens" in printed and "source's 1024 VQ tokens" in printed
+    assert "--mode i2i" in printed and "8 samples (prompts x G) of 2115 tokens" in printed and "source's 1024 VQ tokens" in printed
     assert g.ar_sequence("i2i", 1024, 1024) == (64 + 2 + 1024, 1024 + 1)
     assert g.ar_sequence("t2i", 1024, 1024) == (64, 256 + 1024 + 1)
     # the real processor settings turn a 1024^2 source into a 32 x 32 grid of VQ tokens
