@@ -2586,8 +2586,7 @@ def print_memory_plan(args):
             print("| " + " | ".join(map(str, cells)) + " |")
     # the verdict: the run's row against --plan-gpu-memory or the GPU's free memory; else the fewest changes that fit
     free = (args.plan_gpu_memory or 0) * 2 ** 30 or torch.cuda.is_available() and torch.cuda.mem_get_info()[0]
-    fit = [(changes, peak) for changes, _, peak in options if peak <= free]
-    fit = [f"{' '.join(c)} ({size(p)})" for c, p in fit if not any(set(d) < set(c) for d, _ in fit)][:3]  # needed
+    fit = [f"{' '.join(changes)} ({size(peak)})" for changes, _, peak in options if peak <= free][:3]
     verdict = "fits" if options[0][-1] <= free else f"does not fit; it fits with {'; '.join(fit)}" if fit else \
         "does not fit in any row: lower --micro-batch-size or the image size, or plan GPUs for --fsdp"
     print(f"verdict: --policy {args.policy}, this run's row {'with' if args.offload else 'without'} --offload: "
