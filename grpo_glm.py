@@ -1265,8 +1265,7 @@ def validate_args(args):
         (args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline), "--fsdp shards full "
          "fine-tuning: LoRA is small enough to replicate; --save-pipeline needs whole weights (resume in one process)"),
         (args.fsdp and world_size() == 1, "--fsdp needs torchrun: one process has nothing to shard"),
-        ((args.plan_gpus or args.plan_gpu_memory) and not args.plan, f"--plan-gpu{'s' if args.plan_gpus else '-memory'}"
-         " is for --plan: add --plan"),
+        ((args.plan_gpus or args.plan_gpu_memory) and not args.plan, "--plan-gpus and --plan-gpu-memory: add --plan"),
         ((args.dit_train_steps or 0) > args.num_inference_steps, f"--dit-train-steps must be between 1 and "
          f"--num-inference-steps ({args.num_inference_steps}), got {args.dit_train_steps}"),
         (args.policy == "ar" and (args.dit_lora_rank or args.dit_train_steps is not None), "--dit-lora-rank and "
@@ -2590,7 +2589,8 @@ def print_memory_plan(args):
     verdict = "fits" if options[0][-1] <= free else f"does not fit; it fits with {'; '.join(fit)}" if fit else \
         "does not fit in any row: lower --micro-batch-size or the image size, or plan GPUs for --fsdp"
     print(f"verdict: --policy {args.policy}, this run's row {'with' if args.offload else 'without'} --offload: "
-          f"{size(options[0][-1])} of {size(free)} free: {verdict}" if free else "verdict: no CUDA GPU here: add --plan-gpu-memory GiB to weigh this run against one")
+          f"{size(options[0][-1])} of {size(free)} free: {verdict}" if free else
+          "verdict: no CUDA GPU here: add --plan-gpu-memory GiB to weigh this run against one")
 
 
 # ==== 24. Saving and using the trained model (--save-pipeline, generate_images) ===================

@@ -2163,7 +2163,7 @@ def test_bad_reward_spec_fails_before_the_model_loads(spec, needle, plugins, cap
     (["--clip-eps", "5"], "--clip-eps must be < 1, got 5.0"),
     (["--dit-clip-eps", "1"], "--dit-clip-eps must be < 1, got 1.0"),
     (["--pol", "dit"], "unrecognized arguments: --pol dit"),       # no abbreviations
-    (["--plan-gpu-memory", "80"], "--plan-gpu-memory is for --plan"),
+    (["--plan-gpu-memory", "80"], "--plan-gpus and --plan-gpu-memory: add --plan"),
     (["--plan", "--model", "black-forest-labs/FLUX.1-dev"], "not GLM-Image's hub id; --plan knows 'tiny', zai-org/"),
     (["--plan", "--model", "zai-org/GLM-Imag"], "zai-org/GLM-Imag: not GLM-Image's hub id"),
     (["--plan", "--model", "{tmp}/no_model"], "no such directory"),
