@@ -1556,7 +1556,7 @@ def read_image(path, where, kind, size=None):
 
 
 def to_rgb(image):
-    """RGB as seen, where convert('RGB') errs: 16-bit grey scaled, float grey in [0, 1] too, transparency on white."""
+    """RGB as seen, where convert('RGB') errs: 16-bit or [0, 1] float grey scaled, transparency on white."""
     if image.mode == "F" and image.getextrema()[1] <= 1:  # float TIFFs: most tools write [0, 1]
         return image.point(lambda v: v * 255 + 0.5).convert("RGB")
     if image.mode.startswith("I"):
@@ -1623,7 +1623,7 @@ def load_reward(spec):
     try:
         namespace = (runpy.run_path(module_name) if module_name.endswith(".py")
                      else vars(importlib.import_module(module_name)))
-    except (Exception, SystemExit) as e:   # whatever the plug-in's import raises, sys.exit too
+    except (Exception, SystemExit) as e:   # whatever the plug-in's import raises, sys.exit() too
         raise UsageError(f"--reward {spec}: importing {module_name} failed: {type(e).__name__}: "
                          f"{(str(e).splitlines() or [''])[0]}")
     finally:
@@ -1647,7 +1647,7 @@ def call_reward(reward, images, prompts, targets):
     n, name = len(prompts), reward.name
     try:
         value = reward.fn(images.clone(), list(prompts), None if targets is None else targets.clone())
-    except (Exception, SystemExit) as e:   # sys.exit too: a run must not end silently, exit 0
+    except (Exception, SystemExit) as e:   # sys.exit(0) too: not a silent exit 0
         raise UsageError(f"reward {name} raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}", local=True)
     try:
         value = torch.as_tensor(value, dtype=images.dtype).detach().cpu()
@@ -1775,7 +1775,7 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
 
 
 def shorten(text, chars):
-    """At most `chars` characters, cut between words with an ellipsis (drawable: '...' if the font has no '…')."""
+    """At most `chars` characters, cut between words, then '…' (drawable: '...' if the font lacks it)."""
     return drawable(text if len(text) <= chars else text[:chars - 1].rsplit(" ", 1)[0] + "…")
 
 
@@ -2648,7 +2648,7 @@ def plan_options(args, rows, counts):
 
 
 def print_memory_plan(args):
-    index = Path(args.model) / "model_index.json"  # --plan knows GLM-Image: 'tiny', its hub id, a saved pipeline
+    index = Path(args.model) / "model_index.json"
     kind = index.is_file() and json.loads(index.read_text()).get("_class_name")
     if args.model not in (TINY, "zai-org/GLM-Image") and kind != "GlmImagePipeline":
         raise UsageError(f"--plan --model {args.model}: " + (
@@ -2683,14 +2683,14 @@ def print_memory_plan(args):
                      r["GPUs"], r["micro-batch"], f"{r['trainable'] / count:.1f} {count_name}",
                      *(f"{r[c] / unit:.1f}" for c in columns[5:])]
             print("| " + " | ".join(map(str, cells)) + " |")
-    # the verdict: the run's row against --plan-gpu-memory or the GPU's free memory; else the fewest changes that fit
+    # the verdict: fits, or the first changes that do
     free = (args.plan_gpu_memory or 0) * 2 ** 30 or torch.cuda.is_available() and torch.cuda.mem_get_info()[0]
     fit = [f"{' '.join(changes)} ({size(peak)})" for changes, _, peak in options if peak <= free][:3]
     verdict = "fits" if options[0][-1] <= free else f"does not fit; it fits with {'; '.join(fit)}" if fit else \
         "does not fit in any row: lower --micro-batch-size or the image size, or plan GPUs for --fsdp"
     print(f"verdict: --policy {args.policy}, this run's row {'with' if args.offload else 'without'} --offload: "
           f"{size(options[0][-1])} of {size(free)} free: {verdict}" if free else
-          "verdict: no CUDA GPU here: add --plan-gpu-memory GiB to weigh this run against one")
+          "verdict: no CUDA GPU here: add --plan-gpu-memory GiB")
 
 
 # ==== 24. Saving and using the trained model (--save-pipeline, generate_images) ===================
