@@ -886,13 +886,7 @@ def offload_by_plan(args):
     """--offload's default -> (on?, note): on if --plan's peak without it exceeds free GPU memory."""
     if not (args.device == "cuda" and torch.cuda.is_available()):
         return False, False
-    rows, counts, _ = plan_of_run(args)
-    table, key, lora = ("ar", "mode", args.lora_rank and f"lora-{args.lora_rank}") if args.policy == "ar" else (
-        "dit", "DiT mode", args.dit_lora_rank and "lora-64")
-    row = next(r for r in rows[table] if r[key] == (lora or "full") and r["grad ckpt"] == args.gradient_checkpointing)
-    peak = row["peak, no offload"] if table == "ar" else row[f"peak, {args.policy}"] + WEIGHT_BYTES * (
-        counts["glyph_t5"] + counts["vae"])
-    free = torch.cuda.mem_get_info(args.device)[0]
+    peak, free = plan_options(args, *plan_of_run(args)[:2])[0][-1], torch.cuda.mem_get_info(args.device)[0]
     return peak > free, f"{peak > free} (auto: plan {peak / 2**30:.1f} GiB, free {free / 2**30:.1f} GiB)"
 
 
@@ -1216,9 +1210,10 @@ def write_source_caches(dit, cond):
 # ==== 15. Starting a run: the flags, their checks (one-line errors before anything loads), --out ====
 
 def parse_args(argv=None):
-    p = Parser(description="GRPO fine-tuning of GLM-Image against image rewards.", formatter_class=HelpFormatter)
+    p = Parser(description="GRPO fine-tuning of GLM-Image against image rewards.", formatter_class=HelpFormatter,
+               allow_abbrev=False)
     count, non_negative_int = number(int, least=1), number(int, least=0)
-    positive, non_negative = number(float, above=0), number(float, least=0)
+    positive, non_negative, clip = number(float, above=0), number(float, least=0), number(float, above=0, below=1)
     pixels, draws = number(int, least=32, multiple=32), ["per-prompt", "per-step"]
     a = p.add_argument_group("GRPO (section 1)").add_argument
     a("--group-size", type=number(int, least=2), default=32, help="G: samples per prompt, compared as a group.")
@@ -1227,7 +1222,7 @@ def parse_args(argv=None):
     a("--top-k", type=non_negative_int, default=0, help="Sample from the k likeliest tokens (0 = all).")
     a("--top-p", type=number(float, above=0, most=1), default=1.0, help="Sample the top tokens of mass p (1 = all).")
     a("--loss-tokens", choices=["target", "all"], default="target", help="The target grid's, or also the preview's.")
-    a("--clip-eps", type=positive, default=0.2, help="PPO clip: the ratio is kept in [1-eps, 1+eps].")
+    a("--clip-eps", type=clip, default=0.2, help="PPO clip: the ratio is kept in [1-eps, 1+eps].")
     a("--beta", type=non_negative, default=0.0, help="KL penalty weight, to the initial model (0 = none).")
     a("--inner-epochs", type=count, default=4, help="mu: optimisation passes over each batch.")
     a("--lr", type=positive, default=2e-2, help="AdamW learning rate.")
@@ -1238,7 +1233,8 @@ def parse_args(argv=None):
     a("--seed", type=number(int, least=0, most=2**32 - 1), default=0, help="Seed of every random draw.")
     a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="diffusers' schedule "
       "over --steps; a resume with other --steps reshapes its rest.")
-    a("--lr-warmup-steps", type=non_negative_int, default=0, help="Steps of linear warm-up to --lr.")
+    a("--lr-warmup-steps", type=non_negative_int, default=0, help="Steps of linear warm-up from 0 to --lr "
+      "(diffusers': step 1 runs at lr 0, step N + 1 at --lr).")
     a("--weight-decay", type=non_negative, default=0.0, help="AdamW's weight decay.")
     a("--max-grad-norm", type=positive, default=1.0, help="Clip the gradient's global norm to this.")
     a = p.add_argument_group("model and data").add_argument
@@ -1249,15 +1245,16 @@ def parse_args(argv=None):
     a("--width", type=pixels, default=128, help="Image width in pixels (32 per token).")
     a("--num-inference-steps", type=count, default=4, help="DiT steps per decode: fewer are faster, rougher "
       "(Flow-GRPO: 10 to sample, 40 to evaluate).")
-    a("--guidance-scale", type=number(float), default=1.0, help="DiT classifier-free guidance scale (1 = off).")
+    a("--guidance-scale", type=number(float, least=1), default=1.0, help="DiT classifier-free guidance scale (1 = "
+      "off, as diffusers treats any value <= 1).")
     a("--dit-noise", choices=draws, default="per-prompt", help="A group's initial DiT noise: once or each step.")
     a("--lora-rank", type=non_negative_int, default=0, help="LoRA rank on the AR (0 = full fine-tuning).")
-    a("--lora-alpha", type=number(float), default=None, help="LoRA alpha (default: --lora-rank).")
+    a("--lora-alpha", type=positive, default=None, help="LoRA alpha (default: --lora-rank).")
     a("--ar-trainable", choices=["auto", "all", "head"], default="auto", help="Without LoRA: all or the output "
       "layer; auto = head for --model tiny.")
     a = p.add_argument_group("the DiT: --policy dit|both (Flow-GRPO, Part II)").add_argument
     a("--dit-lr", type=positive, default=3e-3, help="AdamW learning rate of the DiT.")
-    a("--dit-clip-eps", type=positive, default=1e-4, help="--clip-eps of the DiT's per-step ratio.")
+    a("--dit-clip-eps", type=clip, default=1e-4, help="--clip-eps of the DiT's per-step ratio.")
     a("--dit-noise-level", type=positive, default=0.7, help="a in the SDE's std_t = a sqrt(sigma / (1 - sigma)).")
     a("--dit-train-steps", type=count, default=None, help="First denoising steps, run as SDE and trained; the rest "
       "run the ODE (default: all but the last).")
@@ -1286,6 +1283,8 @@ def parse_args(argv=None):
     a("--plan", action="store_true", help="Print --model's memory plan at --height x --width, and exit.")
     a("--plan-gpus", type=number(int, least=2), nargs="+", metavar="K", help="With --plan: --fsdp's bytes per GPU "
       "on K GPUs (--prompts-per-step: all GPUs').")
+    a("--plan-gpu-memory", type=positive, metavar="GiB", help="With --plan: does the run fit in this (default: the "
+      "visible GPU's free memory)?")
     known = p.parse_known_args(argv)[0]
     if known.model != TINY:
         p.set_defaults(**pretrained_defaults(known))      # those above are the tiny demo's
@@ -1313,12 +1312,13 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)[:-1] + also + (f", {lora:g} with LoRA" if lora != plain else "") + ")"
 
 
-def number(kind, least=None, above=None, most=None, multiple=None):
+def number(kind, least=None, above=None, most=None, below=None, multiple=None):
     """An argparse type: a finite int or float within the bounds given."""
     def parse(text):
         value = kind(text)
         rules = {"finite": math.isfinite(value), f"at least {least}": least is None or value >= least,
                  f"> {above}": above is None or value > above, f"at most {most}": most is None or value <= most,
+                 f"< {below}": below is None or value < below,
                  f"a multiple of {multiple}": not multiple or value % multiple == 0}
         broken = [rule for rule, holds in rules.items() if not holds]
         if broken:
@@ -1344,13 +1344,14 @@ def validate_args(args):
     # a hub id: 'owner/name' with no local parent (a typo in 'runs/x' must not go to the hub)
     hub_id = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", args.model) and not model.parent.is_dir()
     refusals = [  # (refused?, why): the first refused raises
+        (not args.out, "--out is empty (an unset variable?): name a directory"),
         (outdated, f"installed libraries too old for grpo_glm.py: {outdated}; run: pip install -r requirements.txt"),
         (args.ar_trainable == "head" and (args.lora_rank or args.fsdp), "--ar-trainable head takes neither "
          "--lora-rank nor --fsdp (it trains one small layer)"),
         (args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline), "--fsdp shards full "
          "fine-tuning: LoRA is small enough to replicate; --save-pipeline needs whole weights (resume in one process)"),
         (args.fsdp and world_size() == 1, "--fsdp needs torchrun: one process has nothing to shard"),
-        (args.plan_gpus and not args.plan, "--plan-gpus is for --plan: add --plan"),
+        ((args.plan_gpus or args.plan_gpu_memory) and not args.plan, "--plan-gpus and --plan-gpu-memory: add --plan"),
         ((args.dit_train_steps or 0) > args.num_inference_steps, f"--dit-train-steps must be between 1 and "
          f"--num-inference-steps ({args.num_inference_steps}), got {args.dit_train_steps}"),
         (args.policy == "ar" and (args.dit_lora_rank or args.dit_train_steps is not None), "--dit-lora-rank and "
@@ -1373,6 +1374,8 @@ def validate_args(args):
         if refused:
             raise UsageError(why)
     check_writable("--out", args.out)
+    if args.model == TINY:
+        check_writable("the tiny model's cache (GRPO_GLM_CACHE)", tiny_cache())
     if args.save_pipeline:
         check_writable("--save-pipeline", save)
 
@@ -1504,7 +1507,10 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",)):
         for kind, file in image_from.items():
             w, h = read_image(file, where, kind)
             resized |= (w, h) != (width, height)
-            if w * height != h * width:
+            if max(width / w, height / h, w * height / (h * width), h * width / (w * height)) > 4:  # an icon, a strip
+                print(f"warning: {where}: {kind} {file.name} is {w}x{h}, stretched to {width}x{height}: the right "
+                      "file?", file=sys.stderr)
+            elif w * height != h * width:
                 print(f"note: {where}: {kind} {file.name} is {w}x{h}, squashed to {width}x{height} (crop it to keep "
                       "its proportions)")
         if mode == "i2i" and "source" not in image_from:     # drawn from the edit's words (the target too if none)
@@ -1546,7 +1552,9 @@ def read_image(path, where, kind, size=None):
 
 
 def to_rgb(image):
-    """RGB as seen, where convert('RGB') errs: 16-bit grey scaled, transparency on white."""
+    """RGB as seen, where convert('RGB') errs: 16-bit or [0, 1] float grey scaled, transparency on white."""
+    if image.mode == "F" and image.getextrema()[1] <= 1:  # float TIFFs: most tools write [0, 1]
+        return image.point(lambda v: v * 255 + 0.5).convert("RGB")
     if image.mode.startswith("I"):
         return image.convert("I").point(lambda v: v / 257 + 0.5).convert("RGB")  # 65535 -> 255, rounded
     if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
@@ -1611,7 +1619,7 @@ def load_reward(spec):
     try:
         namespace = (runpy.run_path(module_name) if module_name.endswith(".py")
                      else vars(importlib.import_module(module_name)))
-    except Exception as e:   # whatever the plug-in's import raises
+    except (Exception, SystemExit) as e:   # whatever the plug-in's import raises, sys.exit() too
         raise UsageError(f"--reward {spec}: importing {module_name} failed: {type(e).__name__}: "
                          f"{(str(e).splitlines() or [''])[0]}")
     finally:
@@ -1635,7 +1643,7 @@ def call_reward(reward, images, prompts, targets):
     n, name = len(prompts), reward.name
     try:
         value = reward.fn(images.clone(), list(prompts), None if targets is None else targets.clone())
-    except Exception as e:
+    except (Exception, SystemExit) as e:   # sys.exit(0) too: not a silent exit 0
         raise UsageError(f"reward {name} raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}", local=True)
     try:
         value = torch.as_tensor(value, dtype=images.dtype).detach().cpu()
@@ -1653,6 +1661,7 @@ def call_reward(reward, images, prompts, targets):
 # ==== 18. LOG: the console, metrics.jsonl, sample sheets, the reward curve, TensorBoard / W&B =====
 # A step's console line: the fields the row holds ('dit/': the DiT's).
 CONSOLE_FIELDS = ("loss {loss:+.4f}", "dit loss {dit/loss:+.3e}", "reward {reward_mean:.5f} ± {reward_std:.5f}",
+                  "dit reward {dit/reward_mean:.5f} ± {dit/reward_std:.5f}",
                   "ratio {ratio_mean:.4f}", "clip {clip_ratio:.3f}", "kl {kl:.2e}", "dit/ratio {dit/ratio_mean:.4f}",
                   "dit/clip {dit/clip_ratio:.3f}", "dit/kl {dit/kl:.2e}", "entropy {entropy:.3f}",
                   "zero_std {frac_reward_zero_std:.2f}", "{seconds:.2f}s")
@@ -1710,8 +1719,9 @@ def count_text(n):
 
 
 def warn_if_collapsed(row, warned, max_entropy=None):
-    """Once per run: most groups tied (advantages 0). Why: low entropy, a collapse; high, the reward."""
-    if warned or row["frac_reward_zero_std"] <= 0.5:
+    """Once per run: most groups tied (advantages 0). Why: low entropy, a collapse; high, the reward. Not on a step
+    with non-finite rewards (all +inf ties): call_reward has said why."""
+    if warned or row["frac_reward_zero_std"] <= 0.5 or row["frac_reward_nonfinite"]:
         return warned
     why = "the reward does not separate the samples"     # --policy dit: the SDE keeps samples apart
     if "entropy" in row:
@@ -1745,8 +1755,9 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
     sheet = Image.new("RGB", (columns * (width + gap), len(prompts) * block), "white")
     draw = ImageDraw.Draw(sheet)
     for b, row in enumerate(sorted(range(len(prompts)), key=lambda r: prompts[r])):
-        draw.text((0, b * block), drawable(prompts[row])[:sheet.width // 9], fill="black", font_size=16)
-        samples = [(images[i], f"{rewards[i].item():.4f}") for i in range(row * group_size, (row + 1) * group_size)]
+        draw.text((0, b * block), shorten(prompts[row], sheet.width // 9), fill="black", font_size=16)
+        samples = [(images[i], " / ".join(f"{r:.4f}" for r in rewards[i].view(-1).tolist()))    # [N] or [N, k]
+                   for i in range(row * group_size, (row + 1) * group_size)]
         for i, (image, label) in enumerate([(x[row], name) for name, x in references] + samples):
             x, y = i % columns * (width + gap), b * block + line + 4 + i // columns * (height + line)
             sheet.paste(to_pil(image).resize((width, height), Image.NEAREST), (x, y))
@@ -1757,6 +1768,11 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
         formats = {"dataformats": "NHWC"} if tracker.name == "tensorboard" else {}
         tracker.log_images({"samples": np.asarray(sheet)[None]}, step, **formats)
     return sheet
+
+
+def shorten(text, chars):
+    """At most `chars` characters, cut between words, then '…' (drawable: '...' if the font lacks it)."""
+    return drawable(text if len(text) <= chars else text[:chars - 1].rsplit(" ", 1)[0] + "…")
 
 
 def drawable(text):
@@ -1895,7 +1911,7 @@ class Run:
         if self.lead:
             self.log(row, step)
         self.bad_steps = non_finite_streak(self.bad_steps, row, out, args, self.start)
-        if self.lead and args.sample_every and step % args.sample_every == 0:     # rank 0's groups
+        if self.lead and args.sample_every and (step % args.sample_every == 0 or step == args.steps):  # rank 0's
             save_sample_grid(out / "samples" / f"step_{step:06d}.png", [self.items[i].text for i in indices],
                              targets, images, rewards, args.group_size, sources, ode, self.tracker, step)
         if step % args.save_every == 0 or step == args.steps:
@@ -1958,8 +1974,12 @@ class Run:
                 self.drop_step()
         finally:
             self.closing.close()
-        if kind is None and self.trainer and self.args.save_pipeline and self.lead:
-            save_trained_pipeline(self.trainer.pipe, self.args)
+        if kind is None and self.trainer and self.lead:
+            if self.args.save_pipeline:
+                save_trained_pipeline(self.trainer.pipe, self.args)
+            made = [p.name + "/" * p.is_dir() for p in sorted(self.out.iterdir()) if not p.name.startswith(".")]
+            pipeline = f"; the trained pipeline: {self.args.save_pipeline}" if self.args.save_pipeline else ""
+            print(f"done: {self.out} holds {', '.join(made)}{pipeline}")
 
     def drop_step(self):      # a rank that left its step early still answers the others' vote
         try:
@@ -2240,6 +2260,11 @@ def train_tiny_renderer(seed, settings):
     return pipe, loss.item()
 
 
+def tiny_cache():
+    return Path(os.environ.get("GRPO_GLM_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                / "grpo_glm")
+
+
 def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
     """`--model tiny`'s directory, keyed by all that shapes it, built once, saved as a checkpoint is (section 24)."""
     code = [inspect.getsource(f) for f in (build_tiny_pipeline, colour_vae, random_mosaics, train_tiny_renderer,
@@ -2247,8 +2272,7 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
                                             policy_generation_config, SamplingParams)]
     key = [seed, settings, code, TINY_VISION_VOCAB, TINY_PALETTE.tolist(), TINY_CHAT_TEMPLATE, REAL_IMAGE_PROCESSOR,
            *(importlib.import_module(m).__version__ for m in ("torch", "diffusers", "transformers"))]
-    root = Path(os.environ.get("GRPO_GLM_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-                / "grpo_glm")
+    root = tiny_cache()
     final = root / f"tiny-seed{seed}-{hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:16]}"
     for library in ("diffusers", "transformers"):  # no loading bars: a toy loads at once
         importlib.import_module(f"{library}.utils.logging").disable_progress_bar()
@@ -2520,9 +2544,9 @@ def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
 
 
 def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=False, gpus=(), ranks=(64, 16),
-                mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0):
+                mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0, dit_rank=64):
     """--plan's rows ("ar", "dit") keyed by their columns (+ "half": its bytes), on 1 GPU and on each K of `gpus`
-    (`batch` / K samples each), per mode (full, LoRA, fsdp), without and with checkpointing; counts; terms."""
+    (`batch` / K samples each), per mode (full, LoRA: `ranks`, `dit_rank`; fsdp), without and with checkpointing."""
     ar, config, d, batch = components["ar"], components["dit"].config, WEIGHT_BYTES, batch or samples
     text, counts = ar.config.text_config, {name: numel(m) for name, m in components.items()}
     frozen = {name: d * counts[name] for name in ("dit", "glyph_t5", "vae")}
@@ -2585,7 +2609,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         return {**r, "peak, dit": peaks([h], d * counts["ar"], turn("glyph_t5", "vae"))[2],
                 "peak, both": peaks([a, h], 0, turn("glyph_t5", "vae"))[2]}
 
-    modes = {"ar": ["full", *(f"lora-{rank}" for rank in ranks)], "dit": ["full", "lora-64"]}
+    modes = {"ar": ["full", *(f"lora-{rank}" for rank in ranks)], "dit": ["full", f"lora-{dit_rank}"]}
     return {name: [row(name, mode, k, c) for k in (1, *gpus) for mode in modes[name] + ["fsdp"] * (k > 1)
                    for c in (False, True)] for name in modes}, counts, \
         {"tokens": (prompt_len, generated), "decode": decode, "source_kv": source_kv}
@@ -2595,13 +2619,39 @@ def plan_of_run(args):  # memory_plan of the run `args` describes, on 1 GPU and 
     components, processor = plan_components(args.model, args.seed)
     return memory_plan(components, args.height, args.width, args.micro_batch_size or args.group_size,
                        args.group_size * args.prompts_per_step, args.prompts_per_step, args.guidance_scale > 1,
-                       args.plan_gpus or (),
-                       (args.lora_rank,) if args.lora_rank else (64, 16), args.mode, image_processor=processor,
-                       beta=args.beta)
+                       args.plan_gpus or (), (args.lora_rank,) if args.lora_rank else (64, 16), args.mode,
+                       image_processor=processor, beta=args.beta, dit_rank=args.dit_lora_rank or 64)
+
+
+def plan_options(args, rows, counts):
+    """The run's table's rows as runs: [(flags changed, row, peak)], fewest changes first, then smallest; the first
+    is the run's own (--fsdp: on --plan-gpus' first K; --offload off unless given)."""
+    ar, fsdp = args.policy == "ar", args.fsdp and bool(args.plan_gpus)
+    rank, flag = (args.lora_rank, "--lora-rank") if ar else (args.dit_lora_rank, "--dit-lora-rank")
+    no = lambda on: "no " * (not on)
+    mine = ("fsdp" if fsdp else f"lora-{rank}" if rank else "full", args.gradient_checkpointing,
+            fsdp and args.plan_gpus[0] or 1)
+    frozen = (not ar) * WEIGHT_BYTES * (counts["glyph_t5"] + counts["vae"])  # on the GPU without --offload
+    options = []
+    for r in rows["ar" if ar else "dit"]:
+        mode, ckpt, k = theirs = r["mode" if ar else "DiT mode"], r["grad ckpt"], r["GPUs"]
+        named = "--fsdp" if mode == "fsdp" else f"{flag} {mode[5:] or 0}", f"{no(ckpt)}--gradient-checkpointing"
+        changes = [c for c, a, b in zip((*named, f"{k} GPUs"), mine, theirs) if a != b]
+        for offload in [False, True] if args.offload is None else [args.offload]:
+            peak = r[f"peak, {no(offload)}offload" if ar else f"peak, {args.policy}"] + frozen * (not offload)
+            options.append((changes + ["--offload"] * (offload and args.offload is None), r, peak))
+    return sorted(options, key=lambda option: (len(option[0]), option[2]))
 
 
 def print_memory_plan(args):
-    (rows, counts, terms), i2i = plan_of_run(args), args.mode == "i2i"
+    index = Path(args.model) / "model_index.json"
+    kind = index.is_file() and json.loads(index.read_text()).get("_class_name")
+    if args.model not in (TINY, "zai-org/GLM-Image") and kind != "GlmImagePipeline":
+        raise UsageError(f"--plan --model {args.model}: " + (
+            f"a {kind}, not GLM-Image" if kind else "not a directory with model_index.json" if index.parent.exists()
+            else "no such directory" if index.parent.parent.is_dir() else "not GLM-Image's hub id")
+            + "; --plan knows 'tiny', zai-org/GLM-Image or a save_pretrained directory of it")
+    (rows, counts, terms), i2i, G = plan_of_run(args), args.mode == "i2i", args.group_size
     (prompt_len, generated), prompts = terms["tokens"], args.prompts_per_step
     big = max(r["peak, no offload"] for r in rows["ar"]) >= 2 ** 30  # the tiny model: MiB, thousands
     unit, unit_name = (2 ** 30, "GiB") if big else (2 ** 20, "MiB")
@@ -2610,23 +2660,33 @@ def print_memory_plan(args):
     print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count:,.1f} {count_name}" for k, v in counts.items()))
     source = f" incl. the source's {prompt_len - 66} VQ tokens" if i2i else ""      # 64 text, image start and end
     kl = ", KL reference copy for full fine-tuning" if args.beta > 0 else ""
-    print(f"--mode {args.mode}: {args.micro_batch_size or args.group_size} samples x {prompt_len + generated} tokens "
-          f"({prompt_len} prompt{source} + {generated} generated, {args.height}x{args.width}); estimates in "
-          f"{unit_name} per GPU of K ({prompts} / K groups of {args.group_size}){kl}; counted: the VAE's decode, one "
-          f"image at a time ({size(terms['decode'])})" + (f", the DiT's {prompts} source KV caches, one per prompt "
-                                                          f"({size(terms['source_kv'])})" if i2i else ""))
+    print(f"--mode {args.mode}: {prompts} x {G} samples (prompts x G) of {prompt_len + generated} tokens ({prompt_len} "
+          f"prompt{source} + {generated} generated, {args.height}x{args.width}), micro-batches of "
+          f"{args.micro_batch_size or G}; estimates in {unit_name} per GPU of K ({prompts} / K groups each){kl}; "
+          f"counted: the VAE's decode, one image at a time ({size(terms['decode'])})" + (
+              f", the DiT's {prompts} source KV caches, one per prompt ({size(terms['source_kv'])})" if i2i else ""))
     titles = ["AR (--policy ar)" + ("; fsdp: --fsdp, 16 bytes per trained parameter / K, the bf16 root + 2 layers "
               "gathered" if args.plan_gpus else "; --plan-gpus K adds the rows on K GPUs, and --fsdp's"),
               f"\nDiT (Flow-GRPO, --policy dit|both), CFG {'on' if args.guidance_scale > 1 else 'off'}; 'both' trains "
               f"the AR's lora-{args.lora_rank or 64} too (fsdp: sharded)" + ("; activations incl. the source KV "
                                                                           "caches" if i2i else "")]
+    options = plan_options(args, rows, counts)
     for title, table in zip(titles, rows.values()):  # markdown: mode, grad ckpt, GPUs, micro-batch, trainable, bytes
         columns = [key for key in table[0] if key != "half"]
         print(title + "\n| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
         for r in table:
-            cells = [r[columns[0]], "yes" if r["grad ckpt"] else "no", r["GPUs"], r["micro-batch"],
-                     f"{r['trainable'] / count:.1f} {count_name}", *(f"{r[c] / unit:.1f}" for c in columns[5:])]
+            cells = [r[columns[0]] + " (this run)" * (r is options[0][1]), "yes" if r["grad ckpt"] else "no",
+                     r["GPUs"], r["micro-batch"], f"{r['trainable'] / count:.1f} {count_name}",
+                     *(f"{r[c] / unit:.1f}" for c in columns[5:])]
             print("| " + " | ".join(map(str, cells)) + " |")
+    # the verdict: fits, or the first changes that do
+    free = (args.plan_gpu_memory or 0) * 2 ** 30 or torch.cuda.is_available() and torch.cuda.mem_get_info()[0]
+    fit = [f"{' '.join(changes)} ({size(peak)})" for changes, _, peak in options if peak <= free][:3]
+    verdict = "fits" if options[0][-1] <= free else f"does not fit; it fits with {'; '.join(fit)}" if fit else \
+        "does not fit in any row: lower --micro-batch-size or the image size, or plan GPUs for --fsdp"
+    print(f"verdict: --policy {args.policy}, this run's row {'with' if args.offload else 'without'} --offload: "
+          f"{size(options[0][-1])} of {size(free)} free: {verdict}" if free else
+          "verdict: no CUDA GPU here: add --plan-gpu-memory GiB")
 
 
 # ==== 24. Saving and using the trained model (--save-pipeline, generate_images) ===================

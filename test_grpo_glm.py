@@ -405,7 +405,7 @@ def test_two_runs_building_at_once_build_once(cheap_cache):
 
 def test_cli_two_steps_writes_metrics_samples_and_checkpoint(tmp_path):
     out = tmp_path / "run"
-    result = run_cli("--steps", "2", "--out", str(out), *SMALL)
+    result = run_cli("--steps", "2", "--out", str(out), *SMALL, "--sample-every", "3")
     assert result.returncode == 0, result.stderr
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
@@ -414,8 +414,9 @@ def test_cli_two_steps_writes_metrics_samples_and_checkpoint(tmp_path):
         assert all(key in r for r in rows), key
     assert all(r["logp_diff_max"] <= 1e-5 for r in rows)
     assert (out / "checkpoints" / "step_000002.pt").is_file()
-    assert len(list((out / "samples").glob("*.png"))) == 2
+    assert [p.name for p in (out / "samples").glob("*.png")] == ["step_000002.png"]  # the last step's, as checkpoints
     assert "step    2/2" in result.stdout
+    assert result.stdout.splitlines()[-1] == f"done: {out} holds checkpoints/, metrics.jsonl, reward_curve.png, samples/"
     # the policy starts close to uniform over the 64 codebook ids: entropy ~ log 64 nats
     assert all(3.5 < r["entropy"] <= torch.log(torch.tensor(64.0)).item() + 1e-4 for r in rows)
     assert "entropy" in result.stdout and "zero_std" in result.stdout
@@ -470,10 +471,13 @@ def test_a_peaked_truncated_policy_is_not_called_collapsed(tmp_path, capsys, mon
 
 
 def test_a_reward_that_ties_every_sample_is_not_called_a_collapse(capsys):
-    row = {"step": 1, "frac_reward_zero_std": 1.0, "entropy": 4.15}     # a 0/1 reward nothing passes yet
+    row = {"step": 1, "frac_reward_zero_std": 1.0, "frac_reward_nonfinite": 0.0, "entropy": 4.15}  # 0/1, none passes
     assert g.warn_if_collapsed(row, False, math.log(64))
     err = capsys.readouterr().err
     assert "the samples differ but the reward does not separate them" in err and "collapsed" not in err
+    # all +inf: tied too, but call_reward's "non-finite" is the warning that says why
+    assert not g.warn_if_collapsed({**row, "frac_reward_nonfinite": 1.0}, False, math.log(64))
+    assert not capsys.readouterr().err
 
 
 def test_first_inner_epoch_has_ratio_one(tmp_path):
@@ -751,14 +755,22 @@ def test_images_are_read_as_the_user_sees_them(tmp_path, capsys):
     grey = np.full((64, 64), 32768, dtype=np.uint16)            # 16-bit mid grey
     Image.fromarray(grey).save(tmp_path / "grey16.png")
     Image.new("RGB", (128, 64), "red").save(tmp_path / "wide.png")
-    (tmp_path / "p.txt").write_text("one | rgba.png\ntwo | grey16.png\nthree | wide.png\n")
-    assert Image.open(tmp_path / "grey16.png").mode.startswith("I")
+    Image.fromarray(np.full((64, 64), 0.5, dtype=np.float32)).save(tmp_path / "float.tiff")  # float grey in [0, 1]
+    Image.new("RGB", (1, 1), "red").save(tmp_path / "dot.png")
+    Image.new("RGB", (3000, 10), "red").save(tmp_path / "strip.png")
+    (tmp_path / "p.txt").write_text("one | rgba.png\ntwo | grey16.png\nthree | wide.png\nfour | float.tiff\n"
+                                    "five | dot.png\nsix | strip.png\n")
+    assert Image.open(tmp_path / "grey16.png").mode.startswith("I") and Image.open(tmp_path / "float.tiff").mode == "F"
     items = g.read_prompts(tmp_path / "p.txt", 64, 64)
     assert items[0].image("target").getpixel((0, 0)) == (255, 255, 255) and items[0].image("target").getpixel((32, 32)) == (0, 0, 255)
-    assert items[1].image("target").getpixel((10, 10)) == (128, 128, 128)
-    out = capsys.readouterr().out
+    assert items[1].image("target").getpixel((10, 10)) == items[3].image("target").getpixel((10, 10)) == (128, 128, 128)
+    out, err = capsys.readouterr()
     assert "wide.png is 128x64, squashed to 64x64" in out and f"{tmp_path / 'p.txt'}:3" in out
-    assert "rgba.png" not in out and "grey16.png" not in out
+    assert "rgba.png" not in out + err and "grey16.png" not in out + err and "float.tiff" not in out + err
+    # a thumbnail or a strip stretched this far is more likely the wrong file: a warning
+    assert [line.split(": ", 2)[2] for line in err.splitlines()] == [
+        "target dot.png is 1x1, stretched to 64x64: the right file?",
+        "target strip.png is 3000x10, stretched to 64x64: the right file?"]
 
 
 def test_prompt_images_are_checked_at_start_but_read_only_when_used(tmp_path, monkeypatch):
@@ -1194,7 +1206,47 @@ def test_plan_of_the_real_model_needs_no_download(capsys):
     g.main(["--plan", "--model", "zai-org/GLM-Image", "--height", "1024", "--width", "1024",
             "--group-size", "8", "--prompts-per-step", "1"])
     printed = capsys.readouterr().out
-    assert "8 samples x 1345 tokens" in printed and "| lora-64 | yes |" in printed
+    assert "1 x 8 samples (prompts x G) of 1345 tokens" in printed and "| lora-64 | yes |" in printed
+
+
+def test_plan_marks_the_runs_row_and_says_whether_it_fits(capsys, monkeypatch):
+    """Issue 40: the row of the run's policy, LoRA rank, checkpointing and micro-batch is marked, and a verdict
+    weighs it against --plan-gpu-memory (else the visible GPU's free memory): fits, or the fewest changes that do."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    base = ["--plan", "--model", "zai-org/GLM-Image", "--height", "1024", "--width", "1024", "--group-size", "16",
+            "--micro-batch-size", "2", "--prompts-per-step", "1"]
+
+    def plan(*flags):
+        g.main([*base, *flags])
+        lines = capsys.readouterr().out.splitlines()
+        marked = [line for line in lines if "(this run)" in line]
+        assert len(marked) == 1 and lines[-1].startswith("verdict: "), lines
+        return lines, marked[0], lines[-1]
+
+    def cells(line):
+        return line.strip("| ").split(" | ")
+
+    lines, row, verdict = plan("--lora-rank", "16", "--gradient-checkpointing")
+    assert "1 x 16 samples (prompts x G) of 1345 tokens" in lines[1] and "micro-batches of 2;" in lines[1]
+    assert cells(row)[:4] == ["lora-16 (this run)", "yes", "1", "2"] and "add --plan-gpu-memory" in verdict
+    peak = float(cells(row)[cells(next(line for line in lines if line.startswith("| mode"))).index("peak, no offload")])
+    assert plan("--lora-rank", "16", "--gradient-checkpointing", "--plan-gpu-memory", str(peak + 0.1))[2].endswith(
+        f"{peak:.1f} GiB of {peak + 0.1:.1f} GiB free: fits")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)       # the visible GPU's free memory
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *device: (int((peak - 0.1) * 2 ** 30), 2 ** 40))
+    verdict = plan("--lora-rank", "16", "--gradient-checkpointing")[2]
+    assert "GiB free: does not fit; it fits with --offload (" in verdict
+    # each policy marks a row of its table; each change offered fits
+    verdicts = set()
+    for policy, table in (("ar", "| mode"), ("dit", "| DiT mode"), ("both", "| DiT mode")):
+        lines, row, verdict = plan("--policy", policy, "--plan-gpu-memory", "48")
+        assert cells(row)[:4] == ["full (this run)", "no", "1", "2"]
+        assert lines.index(row) > lines.index(next(line for line in lines if line.startswith(table)))
+        assert f"--policy {policy}, this run's row without --offload" in verdict and "does not fit; it fits with" in verdict
+        for offer in verdict.split("it fits with ")[1].split("; "):
+            assert float(re.search(r"\(([\d.]+) GiB\)", offer)[1]) <= 48 and "--" in offer
+        verdicts.add(verdict.split(": ", 2)[2])
+    assert len(verdicts) == 3                   # 'dit' keeps the AR frozen whole, 'both' trains its LoRA
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -1234,7 +1286,7 @@ def test_plan_of_i2i_counts_the_source_tokens_and_no_preview(capsys):
     g.main(["--plan", "--model", "zai-org/GLM-Image", "--mode", "i2i", "--height", "1024", "--width", "1024",
             "--group-size", "8", "--prompts-per-step", "1"])
     printed = capsys.readouterr().out
-    assert "--mode i2i" in printed and "8 samples x 2115 tokens" in printed and "source's 1024 VQ tokens" in printed
+    assert "--mode i2i" in printed and "8 samples (prompts x G) of 2115 tokens" in printed and "source's 1024 VQ tokens" in printed
     assert g.ar_sequence("i2i", 1024, 1024) == (64 + 2 + 1024, 1024 + 1)
     assert g.ar_sequence("t2i", 1024, 1024) == (64, 256 + 1024 + 1)
     # the real processor settings turn a 1024^2 source into a 32 x 32 grid of VQ tokens
@@ -2074,6 +2126,7 @@ def test_a_reward_that_edits_images_in_place_changes_nothing_for_the_next():
     (lambda im, p, t: 1 / 0, "reward bad raised ZeroDivisionError"),
     (lambda im, p, t: torch.zeros(4, 1), "reward bad returned shape [4, 1], expected [4]"),
     (lambda im, p, t: "high", "reward bad returned str"),
+    (lambda im, p, t: sys.exit(0), "reward bad raised SystemExit: 0"),      # not a silent exit 0
 ])
 def test_broken_reward_is_named_in_one_line(fn, needle):
     with pytest.raises(g.UsageError) as error:
@@ -2094,6 +2147,7 @@ def plugins(tmp_path):
         "    return -(images - targets).abs().mean(dim=(1, 2, 3))\n"
         "needs.uses_targets = True\n")
     (tmp_path / "broken_import.py").write_text("raise RuntimeError('no GPU here')\n")
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit('usage: exits.py MODEL')\n")
     (tmp_path / "free.txt").write_text("a cat wearing a hat\nsunset over the sea\n")
     return tmp_path
 
@@ -2106,6 +2160,7 @@ def plugins(tmp_path):
     ("mse=nan", "weight after '=' must be a finite number, got 'nan'"),
     ("mse=-inf", "weight after '=' must be a finite number, got '-inf'"),
     ("{tmp}/broken_import.py:f", "RuntimeError: no GPU here"),
+    ("{tmp}/exits.py:f", "importing {tmp}/exits.py failed: SystemExit: usage: exits.py MODEL"),
     ("os.path:no_such_fn", "os.path has no function no_such_fn"),
 ])
 def test_bad_reward_spec_fails_before_the_model_loads(spec, needle, plugins, capsys):
@@ -2113,8 +2168,39 @@ def test_bad_reward_spec_fails_before_the_model_loads(spec, needle, plugins, cap
     with pytest.raises(SystemExit) as stop:
         g.main(["--reward", spec.format(tmp=plugins), "--out", str(out)])
     lines = capsys.readouterr().err.strip().splitlines()
-    assert stop.value.code == 2 and len(lines) == 1 and needle in lines[0], lines
+    assert stop.value.code == 2 and len(lines) == 1 and needle.format(tmp=plugins) in lines[0], lines
     assert not out.exists()
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--out", ""], "--out is empty (an unset variable?)"),
+    (["--guidance-scale", "-3"], "--guidance-scale must be at least 1, got -3.0"),
+    (["--guidance-scale", "0.5"], "--guidance-scale must be at least 1, got 0.5"),
+    (["--lora-alpha", "-5"], "--lora-alpha must be > 0, got -5.0"),
+    (["--clip-eps", "5"], "--clip-eps must be < 1, got 5.0"),
+    (["--dit-clip-eps", "1"], "--dit-clip-eps must be < 1, got 1.0"),
+    (["--pol", "dit"], "unrecognized arguments: --pol dit"),       # no abbreviations
+    (["--plan-gpu-memory", "80"], "--plan-gpus and --plan-gpu-memory: add --plan"),
+    (["--plan", "--model", "black-forest-labs/FLUX.1-dev"], "not GLM-Image's hub id; --plan knows 'tiny', zai-org/"),
+    (["--plan", "--model", "zai-org/GLM-Imag"], "zai-org/GLM-Imag: not GLM-Image's hub id"),
+    (["--plan", "--model", "{tmp}/no_model"], "no such directory"),
+    (["--plan", "--model", "{tmp}"], "not a directory with model_index.json"),
+    (["--plan", "--model", "{tmp}/flux"], "a FluxPipeline, not GLM-Image"),
+    ([], "GRPO_GLM_CACHE) {tmp}/cache_file: {tmp}/cache_file is a file"),
+])
+def test_bad_flags_are_one_line_before_anything_loads_or_is_written(flags, needle, tmp_path, monkeypatch, capsys):
+    """Issue 40's careless user. Run in an empty directory: --out '' would write there."""
+    (tmp_path / "flux").mkdir()
+    (tmp_path / "flux" / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
+    (tmp_path / "cache_file").write_text("not a directory")
+    monkeypatch.setenv("GRPO_GLM_CACHE", str(tmp_path / "cache_file"))
+    monkeypatch.chdir(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(SystemExit) as stop:
+        g.main([*(f.format(tmp=tmp_path) for f in flags), *([] if "--out" in flags else ["--out", "run"])])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(lines) == 1 and needle.format(tmp=tmp_path) in lines[0], lines
+    assert sorted(tmp_path.rglob("*")) == before
 
 
 def test_reward_module_is_found_in_the_current_directory(tmp_path, monkeypatch):
@@ -2372,6 +2458,8 @@ def test_reward_curve_is_drawn(tmp_path):
 def test_sample_sheet_captions_draw_no_boxes():
     assert g.drawable("a café 🎨 sign, 中 ok") == "a cafe ? sign, ? ok"
     assert g.drawable("plain ASCII: #ff0000 | 0.1234") == "plain ASCII: #ff0000 | 0.1234"
+    assert g.shorten("a red circle on a white background", 40) == "a red circle on a white background"
+    assert g.shorten("a red circle on a white background", 20) in ("a red circle on a…", "a red circle on a...")
 
 
 def test_cosine_schedule_with_warmup_is_followed_and_resumes_bit_identically(tmp_path):
@@ -2528,15 +2616,18 @@ def test_policy_dit_trains_only_the_dit_and_saves_it(tmp_path, lora, capsys):
 
 
 @pytest.mark.parametrize("policy", ["dit", "both"])
-def test_dit_resume_is_bit_identical(tmp_path, policy):
+def test_dit_resume_is_bit_identical(tmp_path, policy, capsys):
     flags = ["--policy", policy, "--inner-epochs", "2", "--beta", "0.01", "--save-every", "1",
-             "--group-size", "2", "--prompts-per-step", "1", "--sample-every", "0", "--num-inference-steps", "3"]
+             "--group-size", "2", "--prompts-per-step", "1", "--sample-every", "0", "--num-inference-steps", "3",
+             *["--dit-reward", "mse"] * (policy == "both")]
     g.main(["--steps", "2", "--out", str(tmp_path / "a"), *flags])
     g.main(["--steps", "1", "--out", str(tmp_path / "b"), *flags])
     g.main(["--steps", "2", "--out", str(tmp_path / "b"), "--resume", "latest", *flags])
     rows = read_metrics(tmp_path / "a")
     assert deterministic(read_metrics(tmp_path / "b")) == deterministic(rows)
     assert all(r["dit/logp_diff_max"] <= 1e-5 for r in rows)
+    steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(steps) == 4 and all((" | dit reward " in line) == (policy == "both") for line in steps)  # its own
     if policy == "both":    # the AR half logs its first-pass checks too, entropy included (near log 64)
         assert all(r["logp_diff_max"] <= 1e-5 and r["dit/ratio_mean"] != 1.0 for r in rows)
         defaults = g.parse_args([])
