@@ -1186,7 +1186,15 @@ def parse_args(argv=None):
     a("--report-to", choices=["none", "tensorboard", "wandb"], default="none", help="Also log to TensorBoard/W&B.")
     a("--resume", default=None, help="Checkpoint to continue from, or 'latest' in --out.")
     a("--resume-force", action="store_true", help="Resume even if algorithm flags differ from the checkpoint.")
-    a("--save-pipeline", default=None, help="Write the trained pipeline here (LoRA merged).")
+    a("--save-pipeline", default=None, help="Write the trained pipeline here (LoRA merged); with --resume at "
+      "--steps: the checkpoint's, training nothing.")
+    a = p.add_argument_group("held-out evaluation (Run.evaluate)").add_argument
+    a("--eval-prompts", default=None, help="A --prompts file sampled with fixed seeds before step 1, after the last "
+      "and every --eval-every steps.")
+    a("--eval-every", type=count, default=None, help="Steps between evaluations (default: --save-every).")
+    a("--eval-group-size", type=number(int, least=2), default=None, help="Samples per eval prompt (default: --group-size).")
+    a("--eval-num-inference-steps", type=count, default=None, help="The eval's DiT steps (default: the model's, "
+      "whatever --num-inference-steps is: 4 tiny, 30 pretrained).")
     a = p.add_argument_group("hardware and memory").add_argument
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
     a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto", help="auto = bfloat16 for a "
@@ -1204,7 +1212,11 @@ def parse_args(argv=None):
     if known.model != TINY:
         p.set_defaults(**pretrained_defaults(known))      # those above are the tiny demo's
     args = p.parse_args(argv)
-    args.reward = args.reward or ["mse"]
+    if not args.eval_prompts and (args.eval_every or args.eval_group_size or args.eval_num_inference_steps):
+        raise UsageError("--eval-every, --eval-group-size and --eval-num-inference-steps need --eval-prompts")
+    args.reward, args.eval_every = args.reward or ["mse"], args.eval_every or args.save_every
+    args.eval_group_size = args.eval_group_size or args.group_size
+    args.eval_num_inference_steps = args.eval_num_inference_steps or p.get_default("num_inference_steps")
     return args
 
 
@@ -1394,16 +1406,16 @@ class PromptItem:
         return None if origin is None else draw_shape(*origin, *self.size)
 
 
-def read_prompts(path, height, width, mode="t2i", need_targets=("mse",)):
+def read_prompts(path, height, width, mode="t2i", need_targets=("mse",), flag="--prompts"):
     """Lines `prompt[ | target.png[ | source.png (i2i)]]`, paths relative to the file; `\\|` is a '|'."""
     path, items, resized = Path(path), [], False
     if not path.is_file():
-        raise UsageError(f"--prompts {path}: " + ("is a directory, not a file" if path.is_dir() else "file not found"))
+        raise UsageError(f"{flag} {path}: " + ("is a directory, not a file" if path.is_dir() else "file not found"))
     try:
         lines = path.read_text(encoding="utf-8-sig").splitlines()  # -sig: drops a BOM (Windows editors)
     except UnicodeDecodeError as e:  # e.object: the bytes after a BOM
         hint = " (it looks like UTF-16)" if e.object[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
-        raise UsageError(f"--prompts {path}: not UTF-8 text{hint}: byte 0x{e.object[e.start]:02x} at offset {e.start}"
+        raise UsageError(f"{flag} {path}: not UTF-8 text{hint}: byte 0x{e.object[e.start]:02x} at offset {e.start}"
                          "; save the file as UTF-8")
     for where, line in ((f"{path}:{n}", raw.strip()) for n, raw in enumerate(lines, 1)):
         if not line or line.startswith("#"):
@@ -1426,7 +1438,7 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",)):
             image_from.setdefault("target", demo_scene(text, where, mode))
         items.append(PromptItem(text, where, (height, width), mode, image_from))
     if not items:
-        raise UsageError(f"--prompts {path}: no prompts (only blank or comment lines)")
+        raise UsageError(f"{flag} {path}: no prompts (only blank or comment lines)")
     if resized:
         print(f"note: images resized to {width}x{height} (--width x --height)")
     require_targets(items, need_targets)
@@ -1634,7 +1646,7 @@ def read_metrics(path):
 
 # The PNGs' text: Pillow's built-in font at font_size 12 (at its own 10 px some spaces vanish).
 def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, tracker=None,
-                     step=None):
+                     step=None, name="samples"):
     """Per prompt (sorted: it stays in place) 8 cells a row: [source,] target, [a=0 decode,] its G samples."""
     scale = max(1, 128 // images.shape[-1])  # cells at least 128 px wide
     width, height = images.shape[-1] * scale, images.shape[-2] * scale
@@ -1658,7 +1670,7 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
     sheet.save(path)
     if tracker:  # a batch of one HWC image (W&B takes no dataformats)
         formats = {"dataformats": "NHWC"} if tracker.name == "tensorboard" else {}
-        tracker.log_images({"samples": np.asarray(sheet)[None]}, step, **formats)
+        tracker.log_images({name: np.asarray(sheet)[None]}, step, **formats)
     return sheet
 
 
@@ -1682,7 +1694,7 @@ def round_ticks(low, high, count=5, least=0):
 
 def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
     """Mean reward per step +- the within-group std, and its moving average over `window` steps."""
-    rows = [r for r in rows if None not in (r["reward_mean"], r["reward_std"])]  # null: non-finite
+    rows = [r for r in rows if None not in (r.get("reward_mean"), r.get("reward_std"))]  # null: non-finite, eval
     if not rows:
         return
     steps, means, stds = (np.array([r[k] for r in rows]) for k in ("step", "reward_mean", "reward_std"))
@@ -1747,21 +1759,28 @@ class Run:
         # mse's targets are checked before plug-ins load (a CLIP model takes a while).
         builtin = ["mse"] if "mse" in [s.partition("=")[0] for s in args.reward + (args.dit_reward or [])] else []
         items = self.items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
+        self.eval_items = args.eval_prompts and read_prompts(args.eval_prompts, args.height, args.width, args.mode,
+                                                             builtin, "--eval-prompts") or []
+        if 0 < len(self.eval_items) < world_size():
+            raise UsageError(f"--eval-prompts {args.eval_prompts}: {len(self.eval_items)} prompt(s) for "
+                             f"{world_size()} processes; each evaluates a block of at least one")
         if args.prompts_per_step > len(items) and self.lead:
             print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} prompt(s) of {args.prompts}"
                   ": each step's prompts repeat lines of the file")
         rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [])
-        require_targets(items, [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)])
+        require_targets(items + self.eval_items, [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)])
         args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
         resume = Resume(args, out)  # its refusals: under the lock, before any model loads
         self.start = self.last_saved = resume.step
-        if self.start >= args.steps:
+        if self.start >= args.steps and not args.save_pipeline:
             return
         self.trainer = setup_training(args, rewards, dit_rewards)
-        check_prompt_lengths(self.trainer.pipe, items, args)
+        check_prompt_lengths(self.trainer.pipe, items + self.eval_items, args)
         if args.mode == "i2i":
             check_source_size(self.trainer.pipe.processor.image_processor, args.height, args.width)
         resume.restore(self.trainer, out)
+        if self.start >= args.steps:      # an export (--save-pipeline, in __exit__), training nothing
+            return
         if self.lead:  # the reward curve averages over a pass over the prompts
             window = min(20, math.ceil(len(items) / args.prompts_per_step))
             self.closing.callback(lambda: save_reward_curve(out / "reward_curve.png",
@@ -1773,6 +1792,9 @@ class Run:
         self.trainer.before_update = self.vote
         # a step whose updates were all skipped never called optimizer.step() before lr_scheduler.step()
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        if self.eval_items and self.start % args.eval_every == 0 and max_over_ranks(self.lead and not any(
+                "eval/seconds" in r and r["step"] == self.start for r in read_metrics(out / "metrics.jsonl"))):
+            self.evaluate(self.start)     # unless a run before the resume did
 
     def steps(self):
         """Yields (step, indices, slots): this rank's block of the step's prompts, in a seeded order per pass."""
@@ -1801,27 +1823,70 @@ class Run:
         if self.lead and args.sample_every and step % args.sample_every == 0:     # rank 0's groups
             save_sample_grid(out / "samples" / f"step_{step:06d}.png", [self.items[i].text for i in indices],
                              targets, images, rewards, args.group_size, sources, ode, self.tracker, step)
+        if self.eval_items and (step % args.eval_every == 0 or step == args.steps):
+            self.evaluate(step)           # before the save: a checkpoint's step has its eval row
         if step % args.save_every == 0 or step == args.steps:
             self.save(step)
         if stopping:
             self.stop(step)
 
-    def log(self, row, step):
-        args, metrics = self.args, self.out / "metrics.jsonl"
+    def write(self, row, step):   # a step's row, or an eval's (its keys eval/...), to metrics.jsonl and the tracker
         finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
-        with open(metrics, "a", encoding="utf-8") as f:  # NaN, inf -> null: JSON has no NaN
+        with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:  # NaN, inf -> null: JSON has no NaN
             f.write(json.dumps(finite, allow_nan=False) + "\n")
         if self.tracker:
             self.tracker.log({k: v for k, v in row.items() if k != "step"}, step)
+
+    def log(self, row, step):
+        args, metrics = self.args, self.out / "metrics.jsonl"
+        self.write(row, step)
         fields = [f.format_map(row) for f in CONSOLE_FIELDS if all(k in row for k in re.findall(r"{([^:]+):", f))]
         print(f"step {step:4d}/{args.steps} | " + " | ".join(fields), flush=True)
         # entropy's yardstick: its most, log(kept ids); top-p keeps no fixed number: step 1's entropy (if > 0)
         codebook = self.trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size
         scale = math.log(min(args.top_k or math.inf, codebook))
-        if args.top_p < 1:
+        if args.top_p < 1:    # the first step's row (not an eval's)
             with open(metrics, encoding="utf-8") as f:
-                scale = json.loads(f.readline()).get("entropy") or scale
+                scale = next(r.get("entropy") for r in map(json.loads, f) if "seconds" in r) or scale
         self.warned = warn_if_collapsed(row, self.warned, scale)
+
+    def evaluate(self, step):
+        """EVAL: --eval-prompts, --eval-group-size samples each, from the same seeds at every evaluation (step -1's
+        streams: no training step's, nor its RNG), decoded at --eval-num-inference-steps. Each rank samples a block
+        of the prompts; rank 0 gathers the rewards into an eval/ row and draws the sheet."""
+        args, pipe, items, t0 = self.args, self.trainer.pipe, self.eval_items, time.time()
+        ar, G, K = pipe.vision_language_encoder, args.eval_group_size, args.eval_num_inference_steps
+        sheet = self.out / "samples" / f"eval_step_{step:06d}.png"
+        if self.lead:
+            print(f"eval at step {step}: {len(items)} prompts x {G} samples, {K} DiT steps ...", flush=True)
+        texts, sources = [it.text for it in items], [it.image("source") for it in items] if args.mode == "i2i" else None
+        longest = processor_inputs(pipe, texts, sources, args.height, args.width, "cpu")["input_ids"].shape[1]
+        mine = np.array_split(range(len(items)), world_size())[rank()].tolist()
+        prompts, own_sources = [texts[i] for i in mine], sources and [sources[i] for i in mine]
+        ar.eval()
+        with whole_weights(ar) as sharded:
+            rollout = sample_groups(pipe, prompts, G, sampling_of(ar), args.height, args.width, "target", own_sources,
+                                   [seeded(args.seed, "tokens", -1, i, ar.device) for i in mine], longest + 1,
+                                   compiled=not sharded)
+        noise = group_noise(pipe, mine, G, args.height, args.width, args.seed, -1, "per-step")  # [n, C, h, w]
+        images = decode_images(pipe, prompts, own_sources, rollout, noise, K, args.guidance_scale)
+        targets = batch_targets([items[i] for i in mine])
+        scored = (repeat_each(prompts, G), None if targets is None else targets.repeat_interleave(G, 0))
+        halves = {"eval/": self.trainer.rewards, "eval/dit/": self.trainer.dit_rewards}
+        parts = from_every_rank((images, {k: compute_rewards(rs, images, *scored) for k, rs in halves.items() if rs}))
+        if not self.lead:
+            return
+        joined = lambda get: torch.cat([get(*part) for part in parts])  # the ranks' blocks, in prompt order
+        row = {"step": step}
+        for prefix, (_, per) in parts[0][1].items():
+            rewards = {n: joined(lambda _, r: r[prefix][1][n]) for n in per}
+            row.update({prefix + k: v for k, v in
+                        reward_metrics(joined(lambda _, r: r[prefix][0]), rewards, G).items()})
+        self.write({**row, "eval/seconds": round(time.time() - t0, 3)}, step)
+        save_sample_grid(sheet, texts, batch_targets(items), joined(lambda x, _: x), joined(lambda _, r: r["eval/"][0]),
+                         G, sources, tracker=self.tracker, step=step, name="eval/samples")
+        print(f"eval at step {step}: reward {row['eval/reward_mean']:.5f} ± {row['eval/reward_std']:.5f}, {sheet}",
+              flush=True)
 
     def save(self, step, rng=None):
         self.last_saved = step
@@ -1960,6 +2025,7 @@ class Resume:
             raise UsageError(f"--out {out} has a run; pass --resume latest to continue it or pick another --out")
         ckpt = self.ckpt = read_checkpoint(args.resume, out) if args.resume else None
         step = self.step = ckpt["step"] if ckpt else 0
+        self.export = step >= args.steps  # --save-pipeline of the checkpoint, or nothing to do
         saved = ckpt["args"] if ckpt else vars(args)  # the prompts compare by their hash
         differences = self.differences = [
             f"--prompts {saved.get('prompts')} -> {args.prompts}: contents differ" if k == "prompts_sha256"
@@ -1969,8 +2035,9 @@ class Resume:
             raise UsageError(f"--resume {ckpt['path']}: flags differ from the checkpoint's: {'; '.join(differences)}"
                              " (add --resume-force to accept)")
         if step >= args.steps:
-            print(f"nothing to do: {ckpt['path']} is at step {step} and --steps is {args.steps} "
-                  f"(pass --steps {step + args.steps} to train {args.steps} more)")
+            print(f"{ckpt['path']} is at step {step} and --steps is {args.steps}: " + (
+                f"exporting it to {args.save_pipeline}, training nothing" if args.save_pipeline else
+                f"nothing to do (pass --steps {step + args.steps} to train {args.steps} more)"))
             return
         self.later = [p for p in saved_checkpoints(out) if int(p.stem[5:]) > step]
         if self.later and not args.resume_force:
@@ -1989,6 +2056,8 @@ class Resume:
                 changed = [d for d in self.differences if d.split()[0] in weight_flags]
                 raise UsageError(f"--resume {ckpt['path']}: its weights do not fit this model: "
                                  + ("; ".join(changed) or str(e).splitlines()[0][:120]))
+            if self.export:
+                return            # the weights alone
             rng = ckpt["rng"]
             name, keys, *rest = rng["numpy"]        # rng_state's, in reverse
             np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
@@ -2537,22 +2606,37 @@ def print_memory_plan(args):
 
 def save_trained_pipeline(pipe, args):
     """A pipeline from_pretrained loads with no adapter code: each LoRA merged (W += B @ A * alpha / r), its
-    wrapper swapped back for the base Linear (as diffusers' unload_lora does)."""
+    wrapper swapped back for the base Linear (as diffusers' unload_lora does). The AR's generation config holds
+    the trained sampler (load_pipeline) and, for generate_images, the decode. Written whole, or not at all."""
     from diffusers.utils import recurse_remove_peft_layers
 
     for model in (pipe.vision_language_encoder, pipe.transformer):
         for layer in lora_layers(model):
             layer.merge()
         recurse_remove_peft_layers(model)
-    pipe.save_pretrained(args.save_pipeline)
-    print(f"saved the trained pipeline to {args.save_pipeline}")
+    pipe.vision_language_encoder.generation_config.trained_decode = dict(
+        height=args.height, width=args.width, num_inference_steps=args.num_inference_steps,
+        guidance_scale=args.guidance_scale)
+    final = Path(args.save_pipeline)
+    partial = final.with_name(f".{final.name}.partial")
+    print(f"writing the trained pipeline to {final} ...", flush=True)
+    try:
+        pipe.save_pretrained(partial)
+        os.replace(partial, final)  # atomic: onto nothing, or the empty directory validate_args allows
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    print(f"saved the trained pipeline to {final}")
 
 
 @torch.no_grad()
-def generate_images(pipe, prompts, sources=None, height=64, width=64, num_inference_steps=4, guidance_scale=1.0,
-                    temperature=None, seed=0):
+def generate_images(pipe, prompts, sources=None, height=None, width=None, num_inference_steps=None,
+                    guidance_scale=None, temperature=None, seed=0):
     """One PIL image per prompt (an edit of its PIL source, if given) from the saved policy (at `temperature` if
-    given); prompt k's tokens and noise seeded by (seed, k)."""
+    given); prompt k's tokens and noise seeded by (seed, k). Unset: the decode it was trained with, else 64, 64, 4, 1."""
+    trained = getattr(pipe.vision_language_encoder.generation_config, "trained_decode", {})  # save_trained_pipeline's
+    height, width, num_inference_steps, guidance_scale = (trained.get(k, d) if v is None else v for k, v, d in zip(
+        ("height", "width", "num_inference_steps", "guidance_scale"),
+        (height, width, num_inference_steps, guidance_scale), (64, 64, 4, 1.0)))
     if height % 32 or width % 32:
         raise ValueError(f"height and width must be multiples of 32, got {height}x{width}")
     if sources is not None and len(sources) != len(prompts):
