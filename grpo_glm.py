@@ -1186,15 +1186,13 @@ def parse_args(argv=None):
     a("--report-to", choices=["none", "tensorboard", "wandb"], default="none", help="Also log to TensorBoard/W&B.")
     a("--resume", default=None, help="Checkpoint to continue from, or 'latest' in --out.")
     a("--resume-force", action="store_true", help="Resume even if algorithm flags differ from the checkpoint.")
-    a("--save-pipeline", default=None, help="Write the trained pipeline here (LoRA merged); with --resume at "
-      "--steps: the checkpoint's, training nothing.")
+    a("--save-pipeline", default=None, help="Write the trained pipeline here (LoRA merged); --resume'd at --steps: "
+      "the checkpoint's.")
     a = p.add_argument_group("held-out evaluation (Run.evaluate)").add_argument
-    a("--eval-prompts", default=None, help="A --prompts file sampled with fixed seeds before step 1, after the last "
-      "and every --eval-every steps.")
+    a("--eval-prompts", default=None, help="A --prompts file, evaluated at step 0, every --eval-every, at the end.")
     a("--eval-every", type=count, default=None, help="Steps between evaluations (default: --save-every).")
-    a("--eval-group-size", type=number(int, least=2), default=None, help="Samples per eval prompt (default: --group-size).")
-    a("--eval-num-inference-steps", type=count, default=None, help="The eval's DiT steps (default: the model's, "
-      "whatever --num-inference-steps is: 4 tiny, 30 pretrained).")
+    a("--eval-group-size", type=number(int, least=2), default=None, help="Samples per prompt (default: G).")
+    a("--eval-num-inference-steps", type=count, default=None, help="The eval's DiT steps (default: the model's own).")
     a = p.add_argument_group("hardware and memory").add_argument
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
     a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto", help="auto = bfloat16 for a "
@@ -1761,14 +1759,14 @@ class Run:
         items = self.items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
         self.eval_items = args.eval_prompts and read_prompts(args.eval_prompts, args.height, args.width, args.mode,
                                                              builtin, "--eval-prompts") or []
-        if 0 < len(self.eval_items) < world_size():
-            raise UsageError(f"--eval-prompts {args.eval_prompts}: {len(self.eval_items)} prompt(s) for "
-                             f"{world_size()} processes; each evaluates a block of at least one")
+        if 0 < len(self.eval_items) < world_size():  # each rank evaluates a block of at least one
+            raise UsageError(f"--eval-prompts {args.eval_prompts}: {len(self.eval_items)} for {world_size()} processes")
         if args.prompts_per_step > len(items) and self.lead:
             print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} prompt(s) of {args.prompts}"
                   ": each step's prompts repeat lines of the file")
         rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [])
-        require_targets(items + self.eval_items, [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)])
+        require_targets(items + self.eval_items, [r.name for r in rewards + dit_rewards
+                                                  if getattr(r.fn, "uses_targets", False)])
         args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
         resume = Resume(args, out)  # its refusals: under the lock, before any model loads
         self.start = self.last_saved = resume.step
@@ -1830,16 +1828,15 @@ class Run:
         if stopping:
             self.stop(step)
 
-    def write(self, row, step):   # a step's row, or an eval's (its keys eval/...), to metrics.jsonl and the tracker
+    def log(self, row, step):  # a step's row, or an eval's (keys eval/...: no console line)
+        args, metrics = self.args, self.out / "metrics.jsonl"
         finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
-        with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:  # NaN, inf -> null: JSON has no NaN
+        with open(metrics, "a", encoding="utf-8") as f:  # NaN, inf -> null: JSON has no NaN
             f.write(json.dumps(finite, allow_nan=False) + "\n")
         if self.tracker:
             self.tracker.log({k: v for k, v in row.items() if k != "step"}, step)
-
-    def log(self, row, step):
-        args, metrics = self.args, self.out / "metrics.jsonl"
-        self.write(row, step)
+        if "seconds" not in row:
+            return
         fields = [f.format_map(row) for f in CONSOLE_FIELDS if all(k in row for k in re.findall(r"{([^:]+):", f))]
         print(f"step {step:4d}/{args.steps} | " + " | ".join(fields), flush=True)
         # entropy's yardstick: its most, log(kept ids); top-p keeps no fixed number: step 1's entropy (if > 0)
@@ -1851,42 +1848,38 @@ class Run:
         self.warned = warn_if_collapsed(row, self.warned, scale)
 
     def evaluate(self, step):
-        """EVAL: --eval-prompts, --eval-group-size samples each, from the same seeds at every evaluation (step -1's
-        streams: no training step's, nor its RNG), decoded at --eval-num-inference-steps. Each rank samples a block
-        of the prompts; rank 0 gathers the rewards into an eval/ row and draws the sheet."""
-        args, pipe, items, t0 = self.args, self.trainer.pipe, self.eval_items, time.time()
-        ar, G, K = pipe.vision_language_encoder, args.eval_group_size, args.eval_num_inference_steps
-        sheet = self.out / "samples" / f"eval_step_{step:06d}.png"
+        """EVAL: each --eval-prompts line's --eval-group-size samples, from seeds no training step uses (step -1),
+        the same at every evaluation, decoded at --eval-num-inference-steps. Each rank samples a block of the lines,
+        padded as all are (alike on any world size); rank 0 logs the gathered rewards (eval/ row) and the sheet."""
+        from torch.utils._pytree import tree_map
+
+        args, pipe, items, t0, G = self.args, self.trainer.pipe, self.eval_items, time.time(), self.args.eval_group_size
         if self.lead:
-            print(f"eval at step {step}: {len(items)} prompts x {G} samples, {K} DiT steps ...", flush=True)
+            print(f"eval at step {step}: {len(items)} prompts x {G} samples ...", flush=True)
         texts, sources = [it.text for it in items], [it.image("source") for it in items] if args.mode == "i2i" else None
-        longest = processor_inputs(pipe, texts, sources, args.height, args.width, "cpu")["input_ids"].shape[1]
-        mine = np.array_split(range(len(items)), world_size())[rank()].tolist()
-        prompts, own_sources = [texts[i] for i in mine], sources and [sources[i] for i in mine]
+        ar, mine = pipe.vision_language_encoder, np.array_split(range(len(items)), world_size())[rank()].tolist()
+        prompts, own, longest = [texts[i] for i in mine], sources and [sources[i] for i in mine], processor_inputs(
+            pipe, texts, sources, args.height, args.width, "cpu")["input_ids"].shape[1]
         ar.eval()
         with whole_weights(ar) as sharded:
-            rollout = sample_groups(pipe, prompts, G, sampling_of(ar), args.height, args.width, "target", own_sources,
+            rollout = sample_groups(pipe, prompts, G, sampling_of(ar), args.height, args.width, "target", own,
                                    [seeded(args.seed, "tokens", -1, i, ar.device) for i in mine], longest + 1,
-                                   compiled=not sharded)
+                                   not sharded)
         noise = group_noise(pipe, mine, G, args.height, args.width, args.seed, -1, "per-step")  # [n, C, h, w]
-        images = decode_images(pipe, prompts, own_sources, rollout, noise, K, args.guidance_scale)
+        images = decode_images(pipe, prompts, own, rollout, noise, args.eval_num_inference_steps, args.guidance_scale)
         targets = batch_targets([items[i] for i in mine])
         scored = (repeat_each(prompts, G), None if targets is None else targets.repeat_interleave(G, 0))
         halves = {"eval/": self.trainer.rewards, "eval/dit/": self.trainer.dit_rewards}
         parts = from_every_rank((images, {k: compute_rewards(rs, images, *scored) for k, rs in halves.items() if rs}))
-        if not self.lead:
-            return
-        joined = lambda get: torch.cat([get(*part) for part in parts])  # the ranks' blocks, in prompt order
-        row = {"step": step}
-        for prefix, (_, per) in parts[0][1].items():
-            rewards = {n: joined(lambda _, r: r[prefix][1][n]) for n in per}
-            row.update({prefix + k: v for k, v in
-                        reward_metrics(joined(lambda _, r: r[prefix][0]), rewards, G).items()})
-        self.write({**row, "eval/seconds": round(time.time() - t0, 3)}, step)
-        save_sample_grid(sheet, texts, batch_targets(items), joined(lambda x, _: x), joined(lambda _, r: r["eval/"][0]),
-                         G, sources, tracker=self.tracker, step=step, name="eval/samples")
-        print(f"eval at step {step}: reward {row['eval/reward_mean']:.5f} ± {row['eval/reward_std']:.5f}, {sheet}",
-              flush=True)
+        if self.lead:    # the ranks' blocks joined, in prompt order
+            images, scores = tree_map(lambda *blocks: torch.cat(blocks), *parts)
+            row = {p + k: v for p, s in scores.items() for k, v in reward_metrics(*s, G).items()}
+            self.log({"step": step, **row, "eval/seconds": round(time.time() - t0, 3)}, step)
+            sheet = self.out / "samples" / f"eval_step_{step:06d}.png"
+            save_sample_grid(sheet, texts, batch_targets(items), images, scores["eval/"][0], G, sources,
+                             tracker=self.tracker, step=step, name="eval/samples")
+            print(f"eval at step {step}: reward {row['eval/reward_mean']:.5f} ± {row['eval/reward_std']:.5f}, "
+                  f"{time.time() - t0:.1f}s, {sheet}", flush=True)
 
     def save(self, step, rng=None):
         self.last_saved = step
@@ -2614,9 +2607,8 @@ def save_trained_pipeline(pipe, args):
         for layer in lora_layers(model):
             layer.merge()
         recurse_remove_peft_layers(model)
-    pipe.vision_language_encoder.generation_config.trained_decode = dict(
-        height=args.height, width=args.width, num_inference_steps=args.num_inference_steps,
-        guidance_scale=args.guidance_scale)
+    pipe.vision_language_encoder.generation_config.trained_decode = {
+        k: getattr(args, k) for k in ("height", "width", "num_inference_steps", "guidance_scale")}
     final = Path(args.save_pipeline)
     partial = final.with_name(f".{final.name}.partial")
     print(f"writing the trained pipeline to {final} ...", flush=True)
@@ -2632,11 +2624,12 @@ def save_trained_pipeline(pipe, args):
 def generate_images(pipe, prompts, sources=None, height=None, width=None, num_inference_steps=None,
                     guidance_scale=None, temperature=None, seed=0):
     """One PIL image per prompt (an edit of its PIL source, if given) from the saved policy (at `temperature` if
-    given); prompt k's tokens and noise seeded by (seed, k). Unset: the decode it was trained with, else 64, 64, 4, 1."""
-    trained = getattr(pipe.vision_language_encoder.generation_config, "trained_decode", {})  # save_trained_pipeline's
-    height, width, num_inference_steps, guidance_scale = (trained.get(k, d) if v is None else v for k, v, d in zip(
-        ("height", "width", "num_inference_steps", "guidance_scale"),
-        (height, width, num_inference_steps, guidance_scale), (64, 64, 4, 1.0)))
+    given); prompt k's tokens and noise seeded by (seed, k). Unset: the decode `pipe` trained at, else 64, 64, 4, 1."""
+    run = {"height": 64, "width": 64, "num_inference_steps": 4, "guidance_scale": 1.0,  # save_trained_pipeline's
+           **getattr(pipe.vision_language_encoder.generation_config, "trained_decode", {})}
+    height, width, num_inference_steps = height or run["height"], width or run["width"], num_inference_steps or run[
+        "num_inference_steps"]
+    guidance_scale = guidance_scale or run["guidance_scale"]
     if height % 32 or width % 32:
         raise ValueError(f"height and width must be multiples of 32, got {height}x{width}")
     if sources is not None and len(sources) != len(prompts):
