@@ -761,6 +761,8 @@ def _bad_cases(tmp, run):
         "seed negative": (["--seed", "-1", "--out", fresh], "--seed must be at least 0, got -1"),
         "prompts is a directory": (["--prompts", str(tmp), "--out", fresh], "is a directory"),
         "steps not a number": (["--steps", "ten", "--out", fresh], "--steps invalid int value: 'ten'"),
+        "eval flag without eval prompts": (["--eval-every", "2", "--out", fresh], "need --eval-prompts"),
+        "eval prompts missing": (["--eval-prompts", str(tmp / "nope.txt"), "--out", fresh], "--eval-prompts"),
     }
 
 
@@ -774,7 +776,8 @@ CASE_NAMES = ["prompts missing", "prompts empty", "prompts only comments", "targ
               "save-pipeline holds files", "out under a file", "out not writable", "lr negative with exponent",
               "fsdp with LoRA", "fsdp in one process", "plan-gpus without --plan", "plan-gpus 1", "plan-gpus not dividing the prompts",
               "head with LoRA", "max-grad-norm 0", "max-grad-norm negative", "lr inf", "beta nan", "seed too large",
-              "seed negative", "prompts is a directory", "steps not a number"]
+              "seed negative", "prompts is a directory", "steps not a number", "eval flag without eval prompts",
+              "eval prompts missing"]
 
 
 @pytest.mark.parametrize("model", ["./typo_dir", "runs/typo_dir"])
@@ -2813,6 +2816,8 @@ def test_defaults_follow_the_model():
     assert pick(g.parse_args(["--model", "zai-org/GLM-Image"])) == (1e-5, 0.9, 0.75, 30, 1.5, 1024, 1e-5)
     assert g.parse_args(["--model", "my/model", "--dit-lora-rank", "8"]).dit_lr == 3e-4
     assert g.parse_args(["--model", "my/model", "--lr", "3e-5", "--top-p", "1"]).lr == 3e-5
+    held_out = lambda *flags: g.parse_args([*flags, "--num-inference-steps", "2", "--eval-prompts", "p.txt"])
+    assert held_out().eval_num_inference_steps == 4 and held_out("--model", "my/model").eval_num_inference_steps == 30
 
 
 def test_help_gives_each_default_once(capsys):
