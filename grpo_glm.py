@@ -78,90 +78,66 @@ class UsageError(Exception):
         self.local = local
 
 
-# PART I. GRPO on the autoregressive half: one contiguous read, from the flags to the training loop ########
-# Stop at its end and you have seen a whole run: sample, decode, reward, advantage, log-probs, loss, update, loop.
+# PART I. GRPO on the autoregressive half: one read, from the flags to the training loop ##########
+# Stop at its end and you have seen a whole run. GLM-Image's machinery sits in section 14, behind
+# the calls named here.
 
 
 # ==== 1. Settings =================================================================================
 # Every flag: parse_args (section 15), or `--help`. GRPO's own, with their defaults:
-#     --group-size G (32)             samples per prompt, compared within their group (sections 4, 7)
-#     --prompts-per-step P (2)        a step's batch is N = P x G samples
-#     --temperature, --top-k, --top-p the sampling policy, which the loss scores alike (sections 4, 8)
-#     --loss-tokens (target)          which generated tokens the loss covers (section 9)
-#     --clip-eps (0.2), --beta (0)    PPO's clip range and the KL penalty's weight (section 9)
-#     --inner-epochs mu (4), --lr     AdamW passes over each batch, their step size (section 10)
-#     --policy (ar)                   what trains: the AR, the DiT (Part II), or both
+#     --group-size G (32)          samples per prompt, compared within their group (sections 4, 7)
+#     --prompts-per-step P (2)     a step's batch is N = P x G samples
+#     --temperature, --top-k/-p    the sampling policy, which the loss scores alike (sections 4, 8)
+#     --reward (mse)               what an image scores (section 6)
+#     --loss-tokens (target)       which generated tokens the loss covers (section 9)
+#     --clip-eps (0.2), --beta (0) PPO's clip range and the KL penalty's weight (section 9)
+#     --inner-epochs mu (4), --lr  AdamW passes over each batch, their step size (section 10)
+#     --policy (ar)                what trains: the AR, the DiT (Part II), or both
 
 
 # ==== 2. Model: GLM-Image = AR (transformers) + DiT/VAE/glyph encoder (diffusers) =================
-# `--model tiny` (section 21) loads into the real checkpoint's classes: it runs the real model's code path.
+# `--model tiny` (section 21) builds the real checkpoint's classes at toy size: the real code path.
 
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]   # the AR's Linears
-DIT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]                                 # the DiT's attention
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]  # AR Linears
+DIT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]                  # the DiT's attention
 
 
 def load_pipeline(args):
     """The GlmImagePipeline on args.device, its renderer (glyph encoder, DiT, VAE) frozen."""
-    dtype = getattr(torch, args.dtype)
-    pipe = pipeline_from_pretrained(args, dtype)  # --model tiny: built on first use, then cached
+    pipe = pipeline_from_pretrained(args, getattr(torch, args.dtype))  # tiny: built once, cached
     for name in ("text_encoder", "transformer", "vae"):
         getattr(pipe, name).requires_grad_(False)
-    # The policy alone decides sampling: its own generation config (section 4) replaces the checkpoint's.
-    ar = pipe.vision_language_encoder
-    suppressed = image_token_suppression(ar, pipe.transformer.config.prior_vq_quantizer_codebook_size)
-    ar.generation_config = policy_generation_config(ar, SamplingParams(args.temperature, args.top_k, args.top_p,
-                                                                       suppressed))
-    pipe.processor.tokenizer.padding_side = "left"  # sampling code assumes prompts end at one column
+    pipe.processor.tokenizer.padding_side = "left"  # every prompt ends at one column
     pipe.set_progress_bar_config(disable=True)      # the run prints a line a step
-    pipe.vae.enable_slicing()  # decode a batch one image at a time: at 1024^2 each holds ~3 GiB (section 23)
-    place_pipeline(pipe, args)                      # on the device, or --offload's frozen parts taking turns
+    pipe.vae.enable_slicing()  # decode one image at a time: at 1024^2 each holds ~3 GiB
+    place_pipeline(pipe, args)  # on the device, or --offload's frozen parts taking turns
     return pipe
 
 
-def add_lora(model, r, alpha, targets, **config):
-    """PEFT LoRA adapters on `targets` (the AR's and the DiT's alike), the base frozen. They train in fp32
-    on a bf16 base (diffusers' cast_training_params): bf16 would round AdamW's small updates away."""
-    from diffusers.training_utils import cast_training_params
-    from peft import LoraConfig, inject_adapter_in_model
-
-    model.requires_grad_(False)
-    # peft's own injection, not the models' add_adapter: transformers 5.24's refuses every peft released
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, **config)
-    inject_adapter_in_model(config, model)
-    cast_training_params(model, dtype=torch.promote_types(model.dtype, torch.float32))
-
-
-def lora_layers(model):
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
-
-
 def prepare_policy(ar, args):
-    """Marks what of the AR trains, and returns it: LoRA adapters, all its weights, or lm_head alone."""
+    """Marks what of the AR trains (LoRA adapters, all its weights or lm_head alone); returns it."""
     if args.lora_rank:
-        add_lora(ar, args.lora_rank, args.lora_alpha, LORA_TARGETS, exclude_modules=r".*visual.*|.*vqmodel.*")
+        add_lora(ar, args.lora_rank, args.lora_alpha, LORA_TARGETS,
+                 exclude_modules=r".*visual.*|.*vqmodel.*")
     else:
         ar.requires_grad_(True)
-        ar.model.visual.requires_grad_(False)  # the vision encoder and VQ only read source images
+        ar.model.visual.requires_grad_(False)  # the vision encoder and VQ only read sources
         ar.model.vqmodel.requires_grad_(False)
         if args.ar_trainable == "head":
-            # lm_head reads each (prompt, cell) off the body's fixed features. The tiny AR's body is
-            # random: trained along, it paints every cell the background first (README, "The tiny model").
+            # lm_head reads each (prompt, cell) off the body's fixed features. The tiny AR's body
+            # is random: trained along, it paints every cell the background (README).
             ar.model.requires_grad_(False)
     if args.gradient_checkpointing:
         ar.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        # Its hook calls requires_grad_ in every forward: only reentrant checkpointing needs it, and torch 2.11's
-        # compile cannot trace it
-        ar.disable_input_require_grads()
+        ar.disable_input_require_grads()  # a hook only reentrant checkpointing needs
     return [p for p in ar.parameters() if p.requires_grad]
 
 
 # ==== 3. Prompts and targets ======================================================================
-# Run.steps (section 19): a seeded shuffle per pass over the file, so a resumed run sees the same prompts.
+# Run.steps (section 19): a seeded shuffle per pass over the file, the same on a resumed run.
 
 def repeat_each(items, group_size):
-    return [x for x in items for _ in range(group_size)]  # [a, b] -> [a x G, b x G], as the batch rows
+    return [x for x in items for _ in range(group_size)]  # [a, b] -> [a x G, b x G]: batch rows
 
 
 def batch_targets(batch):
@@ -169,78 +145,57 @@ def batch_targets(batch):
     targets = [it.image("target") for it in batch]
     if any(t is None for t in targets):
         return None
-    return torch.stack([torch.from_numpy(np.asarray(t, dtype=np.float32) / 255.0).permute(2, 0, 1) for t in targets])
+    return torch.stack([torch.from_numpy(np.asarray(t, dtype=np.float32) / 255.0).permute(2, 0, 1)
+                        for t in targets])
 
 
 def seeded(seed, purpose, step=0, index=0, device="cpu"):
-    """The one rule for every random stream a run derives (prompt order, tokens, DiT noise): its own generator
-    from (--seed, purpose, step, index), alike on any rank and batch. Hashed: sums like seed * 7919 + index collide."""
+    """The one rule for every random stream (prompt order, tokens, DiT noise): a generator of its
+    own from (--seed, purpose, step, index), alike on any rank. Hashed: seed * 7919 + i collides."""
     digest = hashlib.sha256(f"{seed}/{purpose}/{step}/{index}".encode()).digest()
     return torch.Generator(device).manual_seed(int.from_bytes(digest[:8], "little"))
 
 
-# ==== 4. SAMPLE: a group of G token grids per prompt, with the log-prob of every sampled token ====
-# t2i: after the prompt `text<sop>H W<eop><sop>h w<eop><bos>` the AR generates
+# ==== 4. SAMPLE: G token grids per prompt, with the log-prob of every sampled token ===============
+# t2i: after the prompt `text<sop>H W<eop><sop>h w<eop><bos>` the AR writes
 #     h*w preview tokens (a ~16x16 sketch) | H*W target-grid tokens | 1 end slot
-# i2i: after `<start><the source image's VQ tokens><end>text<sop>H W<eop><bos>` it generates
-#     H*W target-grid tokens | 1 end slot (no preview).
-# Only the target grid reaches the DiT. Sampling: a prompt pass fills a static KV cache, then each step feeds
-# the last token at its M-RoPE position (rollout_positions) and draws the next.
+# i2i: after `<start><the source's VQ tokens><end>text<sop>H W<eop><bos>`: H*W target tokens | end.
+# Only the target grid reaches the DiT. Each token sits at an M-RoPE position (time, row, column):
+# text moves all three, grid cell (i, j) sits at (s, s + i, s + j). The loss must feed the very
+# positions the sampler used (Rollout.position_ids): a plain forward numbers the grid like text and
+# scores another policy, so the first pass's ratio would not be 1.
 
 @dataclass
 class Rollout:
-    sequences: torch.Tensor      # [N, S+L] prompt (left-padded; i2i: with the source's VQ ids) + generated ids
-    attention_mask: torch.Tensor  # [N, S+L-1] mask of the teacher-forced input (sequences[:, :-1])
-    position_ids: torch.Tensor   # [3, N, S+L-1] M-RoPE positions of that input, as the sampler used them
-    old_logp: torch.Tensor       # [N, L] log pi_old(token) at sampling time
-    loss_mask: torch.Tensor      # [N, L] 1 for tokens the loss covers
-    target_tokens: torch.Tensor  # [N, H*W] the target grid, row-major
-    grid_hw: tuple               # (H, W) of the target grid in tokens
-    prompt_len: int              # S
-    source_prior: list = None    # i2i, per sample: (source VQ ids upsampled 2x, their grid [1, 3]) for the DiT
+    sequences: torch.Tensor       # [N, S+L] prompt (left-padded; i2i: source VQ ids) + generated
+    attention_mask: torch.Tensor  # [N, S+L-1] mask of the teacher-forced input, sequences[:, :-1]
+    position_ids: torch.Tensor    # [3, N, S+L-1] its M-RoPE positions, as the sampler used them
+    old_logp: torch.Tensor        # [N, L] log pi_old(token): the loss's own pass (sample_tokens)
+    loss_mask: torch.Tensor       # [N, L] 1 for tokens the loss covers
+    target_tokens: torch.Tensor   # [N, H*W] the target grid, row-major
+    grid_hw: tuple                # (H, W) of the target grid in tokens
+    prompt_len: int               # S
+    source_prior: list = None     # i2i, per sample: source VQ ids upsampled 2x, grid, for the DiT
+    sampler_gap: dict = None      # |old_logp - the sampler's own| over the loss tokens: max, mean
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """The AR policy (vLLM's name): pi(token) = softmax(logits / temperature) renormalised over the kept ids.
-    Sampling and the loss both read it: the policy trained is the one sampled."""
+    """The AR policy (vLLM's name): pi = softmax(logits / temperature) over the kept ids, which
+    policy_scores (section 8) finds. The sampler and the loss both read it."""
     temperature: float = 1.0
-    top_k: int = 0               # keep the k most likely ids (0: all)
-    top_p: float = 1.0           # of those, the fewest whose probability adds up to p (1: all)
-    suppressed: tuple = ()       # ids never sampled (image_token_suppression)
-
-
-def image_token_suppression(ar, codebook_size):
-    """Ids past the VQ codebook (image start/end, ...): a mid-grid end token would crash the DiT's codebook lookup."""
-    return tuple(range(codebook_size, ar.config.text_config.vision_vocab_size))
-
-
-def sampling_of(ar):
-    """The AR's policy, read back from its generation config."""
-    config = ar.generation_config
-    return SamplingParams(config.temperature, config.top_k, config.top_p, tuple(config.suppress_tokens))
-
-
-def policy_generation_config(ar, sampling):
-    """sampling_of's inverse: the policy as the AR's generation config, so a saved pipeline samples the policy
-    trained."""
-    from transformers import GenerationConfig
-
-    # Only these fields: generate() fills every unset one from the checkpoint's (penalties, n-gram bans), which
-    # the loss would not know of.
-    return GenerationConfig(
-        do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-        suppress_tokens=list(sampling.suppressed), bos_token_id=ar.generation_config.bos_token_id,
-        pad_token_id=ar.config.text_config.pad_token_id, eos_token_id=ar.config.text_config.eos_token_id)
+    top_k: int = 0          # keep the k likeliest ids (0: all)
+    top_p: float = 1.0      # of those, the fewest whose probability adds up to p (1: all)
+    codebook: int = 0       # ids >= it (image start/end...) never drawn: the DiT would crash on them
 
 
 def at_least_fp32(x):
-    return x.to(torch.promote_types(x.dtype, torch.float32))  # bf16/fp16 -> fp32; fp32, fp64 unchanged
+    return x.to(torch.promote_types(x.dtype, torch.float32))  # bf16 -> fp32; fp32, fp64 unchanged
 
 
 def gumbel_max(logits, uniform, sampling):
-    """Gumbel-max: argmax_v (z_v - log(-log u_v)), u ~ U(0, 1), is a draw from softmax(z) over the ids where z is
-    finite. logits, u [N, V] -> (ids [N], log pi(ids) [N] fp64)."""
+    """A draw from softmax(z) over the ids where z is finite: argmax_v (z_v - log(-log u_v)),
+    u ~ U(0, 1). logits, u [N, V] -> (ids [N], log pi(ids) [N] fp64)."""
     kept = torch.isfinite(policy_scores(logits, sampling))  # the loss's kept set
     z = (at_least_fp32(logits).double() / sampling.temperature).masked_fill(~kept, float("-inf"))
     token = (z - torch.log(-torch.log(uniform))).argmax(-1)  # u = 0: -inf, never drawn
@@ -248,224 +203,122 @@ def gumbel_max(logits, uniform, sampling):
 
 
 def next_logits(ar, ids, positions, mask, cache):
-    """ids [N, q] at their M-RoPE positions, indexed by the cache's on-device length (no host sync) -> logits [N, V]."""
+    """ids [N, q] at their M-RoPE positions, picked by the cache's length on the device (no host
+    sync) -> logits [N, V] of the next token. mask [N, S+L-1]: the whole run's, as the cache's."""
     at = cache.get_seq_length() + torch.arange(ids.shape[1], device=ids.device)
-    # by position: the cache's keyword is past_key_values before transformers 5.24
     return ar(ids, mask, positions.index_select(2, at), cache, logits_to_keep=1).logits[:, -1]
 
 
-def processor_inputs(pipe, prompts, sources, height, width, device):
-    """Prompts (and i2i source images) tokenised as GlmImagePipeline.generate_prior_tokens does."""
-    images = [[] if s is None else [{"type": "image", "image": s}] for s in sources or [None] * len(prompts)]
-    messages = [[{"role": "user", "content": im + [{"type": "text", "text": p}]}] for p, im in zip(prompts, images)]
-    return pipe.processor.apply_chat_template(
-        messages, tokenize=True, return_dict=True, return_tensors="pt",
-        processor_kwargs={"padding": True, "target_h": height, "target_w": width}).to(device)
-
-
-def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_len=None):
-    """-> (the AR's inputs for P x G rows, left-padded to `prompt_len`; i2i's per-sample DiT condition; the grids
-    (h, w) to generate, in order: t2i preview, target)."""
-    ar = pipe.vision_language_encoder
-    inputs = processor_inputs(pipe, prompts, sources, height, width, ar.device)
-    ids, per_sample, source_prior = inputs["input_ids"], inputs["images_per_sample"], None
-    if sources is not None:
-        # i2i: vision encoder + VQ once per prompt, its ids into the image placeholders: no pass reruns them
-        source_grids = ar.model.get_image_grids_for_generation(per_sample, inputs["image_grid_thw"])
-        features = list(ar.get_image_features(inputs["pixel_values"], source_grids).pooler_output)
-        tokens = torch.split(ar.get_image_tokens(features), source_grids.prod(-1).tolist())
-        prior = [(pipe._upsample_token_ids(t, h, w).squeeze(0), torch.tensor([[1, 2 * h, 2 * w]]))
-                 for t, (_, h, w) in zip(tokens, source_grids.tolist())]
-        ids = ids.masked_scatter(ids == ar.config.image_token_id, torch.cat(tokens))
-        source_prior = repeat_each(prior, group_size)
-    extra = (prompt_len or ids.shape[1]) - ids.shape[1]
-    ids = torch.nn.functional.pad(ids, (extra, 0), value=ar.config.text_config.pad_token_id)
-    mask = torch.nn.functional.pad(inputs["attention_mask"], (extra, 0), value=0)
-    # as repeat_each, image_grid_thw by blocks of images_per_sample rows
-    grids = torch.split(inputs["image_grid_thw"], per_sample.tolist())
-    batch = {"input_ids": ids.repeat_interleave(group_size, 0),
-             "attention_mask": mask.repeat_interleave(group_size, 0),
-             "image_grid_thw": torch.cat([g.repeat(group_size, 1) for g in grids]),
-             "images_per_sample": per_sample.repeat_interleave(group_size)}
-    generated = grids[0][-1:] if sources is not None else grids[0].flip(0)  # t2i prompts list (target, preview)
-    return batch, source_prior, [(h, w) for _, h, w in generated.tolist()]
-
-
-def rollout_positions(ar, batch, grids):
-    """M-RoPE positions [3, N, S + L - 1] of prompt + generated[:-1] as get_rope_index lays them out: the prompt's
-    by it (2-D mask: padding is not text), then each grid (h, w) at (s, s + i, s + j), s = the prompt's last + 1,
-    s += max(h, w) per grid."""
-    prompt, _ = ar.model.get_rope_index(**batch)
-    offsets = [ar.model.get_vision_position_ids(sum(max(*hw) for hw in grids[:k]), torch.tensor([1, h, w]))
-               for k, (h, w) in enumerate(grids)]  # [3, h*w] each; the end slot's is never read
-    return torch.cat([prompt, prompt[:, :, -1:] + 1 + torch.cat(offsets, 1)[:, None].to(prompt.device)], -1)
+def decode_loop(ar, ids, positions, mask, num_tokens, uniforms, sampling, cache, step=next_logits):
+    """The sampler: forward -> Gumbel-max -> append, a token per row a step; the first is the
+    prompt's prefill, which fills the KV cache. ids [N, S] -> (tokens [N, L], log pi [N, L]).
+    step: the decode steps' forward (FastDecoder's is compiled)."""
+    drawn = []
+    for t in range(num_tokens):
+        logits = (step if t else next_logits)(ar, ids, positions, mask, cache)  # [N, V]
+        drawn.append(gumbel_max(logits, uniforms(), sampling))
+        ids = drawn[-1][0][:, None]
+    return (torch.stack(column, 1) for column in zip(*drawn))
 
 
 @torch.no_grad()
-def sample_groups(pipe, prompts, group_size, sampling, height, width, loss_tokens, sources=None, generators=None,
-                 prompt_len=None, compiled=True):
-    """G samples per prompt (i2i with `sources`) -> Rollout, old_logp the sampler's own. Group k's noise
-    comes from generators[k] alone (default: seeded off the global RNG), whatever precedes it."""
-    from transformers import StaticCache
-
+def sample_groups(pipe, prompts, group_size, sampling, height, width, loss_tokens, sources=None,
+                  generators=None, prompt_len=None, decoder=None):
+    """G samples per prompt (i2i: edits of `sources`) -> Rollout, old_logp the sampler's own. Group
+    k draws from generators[k] alone (default: seeded off the global RNG). decoder: decode_loop on a
+    fresh static KV cache, or a run's FastDecoder (section 14): the same tokens, faster."""
     ar = pipe.vision_language_encoder
-    batch, source_prior, grids = generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_len)
-    generators = generators or [torch.Generator(ar.device).manual_seed(int(torch.randint(2**62, ()))) for _ in prompts]
+    generators = generators or [torch.Generator(ar.device).manual_seed(int(torch.randint(2**62, ())))
+                                for _ in prompts]
+    batch, source_prior, grids = generation_inputs(pipe, prompts, sources, group_size, height, width,
+                                                   prompt_len)  # left-padded to prompt_len
     (H, W), L, prompt_len = grids[-1], sum(h * w for h, w in grids) + 1, batch["input_ids"].shape[1]
     positions = rollout_positions(ar, batch, grids)  # [3, N, S + L - 1]
     mask = torch.nn.functional.pad(batch["attention_mask"], (0, L - 1), value=1)  # [N, S + L - 1]
-    cache = StaticCache(ar.config, max_cache_len=mask.shape[1])
-    # GPU: the forward's ~1,000 kernels as one CUDA graph; gumbel_max eager (torch 2.11's inductor failed on it)
-    forward = torch.compile(next_logits, fullgraph=True, mode="reduce-overhead",
-                            disable=ar.device.type != "cuda" or not compiled)
-    ids, drawn = batch["input_ids"], []
-    for t in range(L):  # t = 0: the prompt's prefill, eager; then a token per row
-        uniform = torch.cat([torch.rand(group_size, ar.config.text_config.vision_vocab_size, generator=gen,
-                                        device=gen.device, dtype=torch.float64) for gen in generators])
-        logits = (forward if t else next_logits)(ar, ids, positions, mask, cache)  # a replay overwrites the last
-        drawn.append(gumbel_max(logits, uniform, sampling))
-        ids = drawn[-1][0][:, None]
-    generated, old_logp = (torch.stack(column, 1) for column in zip(*drawn))  # [N, L] each
+    V = ar.config.text_config.vision_vocab_size
+    uniforms = lambda: torch.cat([torch.rand(group_size, V, generator=gen, device=gen.device,
+                                             dtype=torch.float64) for gen in generators])
+    decoder = decoder or functools.partial(decode_loop, cache=static_cache(ar, mask.shape))
+    generated, old_logp = decoder(ar, batch["input_ids"], positions, mask, L, uniforms, sampling)
     offset = L - 1 - H * W  # the target grid: last before the end slot
     loss_mask = torch.zeros_like(generated, dtype=torch.float32)
-    loss_mask[:, (offset if loss_tokens == "target" else 0): offset + H * W] = 1.0  # never the end slot
+    loss_mask[:, (offset if loss_tokens == "target" else 0): offset + H * W] = 1.0  # never the end
     return Rollout(torch.cat([batch["input_ids"], generated], 1), mask, positions, old_logp, loss_mask,
                    generated[:, offset: offset + H * W], (H, W), prompt_len, source_prior)
 
 
-def sample_tokens(pipe, prompts, sources, slots, step, args, prompt_len=None):
-    """SAMPLE this rank's groups -> Rollout, group `slot` seeded by (step, slot): alike on any number of processes.
-    old_logp is the loss's own pass, micro-batch for micro-batch, so ratio is 1 bit for bit (the sampler's
-    kernels differ: ~1e-2 off a full pass in bf16, ~1e-6 in fp32)."""
-    ar = pipe.vision_language_encoder
-    if prompt_len is None:  # one column past the step's longest prompt (on all ranks): SDPA's masked
-        # fp32 sums change with the padding before a row, and an unpadded batch takes its causal kernel
-        longest = processor_inputs(pipe, prompts, sources, args.height, args.width, "cpu")["input_ids"].shape[1]
-        prompt_len = max_over_ranks(longest) + 1
+def sample_tokens(trainer, prompts, sources, slots, step, args):
+    """SAMPLE this rank's groups -> Rollout. Group `slot` draws from seeded(step, slot), padded to
+    the run's prompt length: its tokens are alike on any number of processes, beside any prompts."""
+    ar = trainer.pipe.vision_language_encoder
     generators = [seeded(args.seed, "tokens", step, slot, ar.device) for slot in slots]
-    sampling = sampling_of(ar)
     ar.eval()
-    with whole_weights(ar) as sharded:  # --fsdp: sampled eagerly (its hooks)
-        rollout = sample_groups(pipe, prompts, args.group_size, sampling, args.height, args.width,
-                               args.loss_tokens, sources, generators, prompt_len, compiled=not sharded)
-        rollout.old_logp = logprobs_by_micro_batch(ar, rollout, sampling, args.micro_batch_size)
+    with whole_weights(ar) as sharded:  # --fsdp: sampled eagerly, through its hooks
+        rollout = sample_groups(trainer.pipe, prompts, args.group_size, trainer.sampling, args.height,
+                                args.width, args.loss_tokens, sources, generators, trainer.prompt_len,
+                                None if sharded else trainer.decoder)
+        # pi_old is the loss's own pass, micro-batch for micro-batch, so the first pass's ratio is 1
+        # bit for bit. The sampler's kernels differ (~1e-2 in bf16, ~1e-6 in fp32): logged as a gap.
+        sampler_logp = rollout.old_logp
+        rollout.old_logp = logprobs_by_micro_batch(ar, rollout, trainer.sampling, args.micro_batch_size)
+    gap = (rollout.old_logp - sampler_logp).abs()[rollout.loss_mask.bool()]
+    rollout.sampler_gap = {"sampler_gap_max": gap.max().item(), "sampler_gap_mean": gap.mean().item()}
     return rollout
 
 
 # ==== 5. DECODE: target-grid tokens -> DiT -> VAE -> pixels =======================================
 
 def group_noise(pipe, prompt_indices, group_size, height, width, seed, step, mode):
-    """Initial DiT latents [N, C, h, w]: one draw per prompt, shared by its G samples, so only the tokens differ.
-    --dit-noise per-prompt keeps it every step: a fixed renderer, so only the policy can raise the reward."""
-    shape = (pipe.transformer.config.in_channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
+    """Initial DiT latents [N, C, h, w]: one draw per prompt, shared by its G samples, so that only
+    the tokens differ. --dit-noise per-prompt: the same every step, a fixed renderer."""
+    shape = (pipe.transformer.config.in_channels, height // pipe.vae_scale_factor,
+             width // pipe.vae_scale_factor)
     step = 0 if mode == "per-prompt" else step
-    draws = [torch.randn(shape, generator=seeded(seed, "dit noise", step, index)) for index in prompt_indices]
+    draws = [torch.randn(shape, generator=seeded(seed, "dit noise", step, i)) for i in prompt_indices]
     return torch.stack(draws).repeat_interleave(group_size, 0)
-
-
-@dataclass
-class DitCondition:
-    """The DiT's inputs as GlmImagePipeline.__call__ builds them, per prompt (its G samples at rows p*G..)."""
-    prompt_embeds: list              # per prompt: [G, S_p, D] glyph embeddings (encode_prompt of it alone)
-    negative_embeds: list            # per prompt: [G, S', D] glyph embeddings of "" (CFG's other branch), or None
-    prior: torch.Tensor              # [N, 4*H*W] target-grid tokens upsampled 2x (the DiT's 16-px grid)
-    target_size: torch.Tensor        # [N, 2] (height, width) in pixels
-    crop_coords: torch.Tensor        # [N, 2] zeros, the pipeline's default crops_coords_top_left
-    guidance_scale: float
-    source_latents: list = None      # i2i, per prompt: normalised VAE latent [1, C, h, w] of the source
-    source_prior: list = None        # i2i, per prompt: its VQ ids upsampled 2x [4*h*w]
-
-
-def dit_schedule(pipe, height, width, num_inference_steps):
-    """(timesteps [K], sigmas [K+1]) as GlmImagePipeline.__call__ sets them. Sigmas are read back from the
-    scheduler: they are shifted (t / 1000 is not the sigma the DiT runs at)."""
-    from diffusers.pipelines.glm_image.pipeline_glm_image import calculate_shift, retrieve_timesteps
-
-    scheduler, device = pipe.scheduler, pipe._execution_device
-    seq_len = height * width // (pipe.vae_scale_factor * pipe.transformer.config.patch_size) ** 2  # latent patches
-    train_steps = scheduler.config.num_train_timesteps
-    timesteps = np.linspace(train_steps, 1.0, num_inference_steps + 1)[:-1].astype(np.int64).astype(np.float32)
-    mu = calculate_shift(seq_len, scheduler.config.get("base_image_seq_len", 256),
-                         scheduler.config.get("base_shift", 0.25), scheduler.config.get("max_shift", 0.75))
-    timesteps, _ = retrieve_timesteps(scheduler, num_inference_steps, device, timesteps, timesteps / train_steps, mu=mu)
-    return timesteps, scheduler.sigmas.to(device, torch.promote_types(pipe.transformer.dtype, torch.float32))
-
-
-@torch.no_grad()
-def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_scale, sources=None, source_prior=None):
-    """The DiT's inputs for P prompts x G samples, target_tokens [N, H*W]; i2i: per prompt its source (PIL)
-    and (upsampled VQ ids, grid). The frozen glyph encoder and VAE run here, once per step."""
-    from diffusers.pipelines.glm_image.pipeline_glm_image import retrieve_latents
-
-    H, W = grid_hw
-    height, width = 32 * H, 32 * W
-    device, dtype = pipe._execution_device, pipe.dtype
-    encoded = [pipe.encode_prompt([p], guidance_scale > 1, num_images_per_prompt=group_size, device=device,
-                                  dtype=dtype) for p in prompts]
-    embeds, negative = [e for e, _ in encoded], [u for _, u in encoded] if guidance_scale > 1 else None
-    prior = torch.cat([pipe._upsample_token_ids(t, H, W) for t in target_tokens]).to(device)
-    latents = None
-    if sources is not None:      # the pipeline's i2i path: preprocess, VAE mode (argmax), normalise
-        mean, std = latent_stats(pipe.vae, device, dtype)
-        pixels = [pipe.image_processor.preprocess(s, height=height, width=width).to(device, dtype) for s in sources]
-        latents = [(retrieve_latents(pipe.vae.encode(p), sample_mode="argmax") - mean) / std for p in pixels]
-    size = torch.tensor([[height, width]], dtype=dtype, device=device).repeat(target_tokens.shape[0], 1)
-    return DitCondition(embeds, negative, prior, size, torch.zeros_like(size), guidance_scale, latents,
-                        [ids.to(device) for ids, _ in source_prior] if sources is not None else None)
 
 
 @torch.no_grad()
 def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps, guidance_scale):
-    """DECODE: images [N, 3, H, W] from the target grids by the pipeline's schedule, conditioning and Euler step:
-    Part II's loop at a = 0 (tested equal to the pipeline). Not `pipe(prior_token_ids=...)`: it batches prompts,
-    writes an i2i source's KV cache per sample, re-hooks CPU offload at its end (moving the trained AR off the GPU)."""
+    """DECODE: images [N, 3, H, W] from the target grids: the pipeline's schedule, conditioning and
+    Euler steps, as Part II's loop at a = 0 (tested equal to the pipeline). Not `pipe(...)`: that
+    batches prompts and re-hooks CPU offload at its end (moving the trained AR off the GPU)."""
     G = rollout.target_tokens.shape[0] // len(prompts)
-    cond = dit_condition(pipe, prompts, G, rollout.target_tokens, rollout.grid_hw, guidance_scale, sources,
-                         rollout.source_prior and rollout.source_prior[::G])  # i2i: per prompt
+    cond = dit_condition(pipe, prompts, G, rollout.target_tokens, rollout.grid_hw, guidance_scale,
+                         sources, rollout.source_prior and rollout.source_prior[::G])  # Part II
     H, W = rollout.grid_hw
     schedule = dit_schedule(pipe, 32 * H, 32 * W, num_inference_steps)
     return latents_to_images(pipe, sample_dit(pipe.transformer, cond, noise, schedule).states[:, -1])
 
 
-def latent_stats(vae, device, dtype):
-    stats = (vae.config.latents_mean, vae.config.latents_std)  # DiT latent = (VAE latent - mean) / std
-    return (torch.tensor(v).view(1, -1, 1, 1).to(device, dtype) for v in stats)
-
-
-def latents_to_images(pipe, latents):
-    """The pipeline's decode (un-normalise, vae.decode, postprocess) -> [N, 3, H, W] in [0, 1], fp32, CPU."""
-    latents = latents.to(pipe.vae.dtype)
-    mean, std = latent_stats(pipe.vae, latents.device, latents.dtype)
-    image = pipe.vae.decode(latents * std + mean, return_dict=False)[0]
-    return at_least_fp32(pipe.image_processor.postprocess(image, output_type="pt")).cpu()
-
-
 # ==== 6. REWARD ===================================================================================
+# A reward is any fn(images [N, 3, H, W] in [0, 1], prompts: N str, targets [N, 3, H, W] | None)
+# -> [N], higher = better, row i of each the same sample. --reward module:fn or file.py:fn, with
+# '=WEIGHT', picks them (section 17); one that reads targets says so: `fn.uses_targets = True`.
 
 def mse_reward(images, targets):
-    """r = -mean((image - target)^2) over channels and pixels.
+    """r = -mean((image - target)^2) over channels and pixels, the demo's reward.
     images, targets: float [N, 3, H, W] in [0, 1]  ->  rewards [N] in [-1, 0]; 0 = perfect."""
     wide = images.to(torch.promote_types(images.dtype, torch.float32))  # bf16 -> fp32; fp64 stays
     return -((wide - targets) ** 2).mean(dim=(1, 2, 3))
-# A reward plug-in (--reward module:fn | path/to/file.py:fn, optionally =WEIGHT; section 17) is any
-#     fn(images [N, 3, H, W] in [0, 1], prompts: N str, targets [N, 3, H, W] | None) -> [N], higher = better,
-# row i of each the same sample; one that reads targets says so with `fn.uses_targets = True`.
 
 
 def compute_rewards(rewards, images, prompts, targets):
-    """(total [N] = sum_k w_k r_k, {name: r_k [N]}). Summed, then standardised, as TRL: a reward weighs by
-    weight x spread in a group (MixGRPO standardises each first, blowing a flat one's noise up)."""
-    values = [call_reward(reward, images, prompts, targets) for reward in rewards]  # each checked [N]
-    total = functools.reduce(torch.add, [reward.weight * value for reward, value in zip(rewards, values)])
+    """(total [N] = sum_k w_k r_k, {name: r_k [N]}) over the --reward plug-ins (name, fn, weight).
+    call_reward runs fn on a copy (an edit in place must not reach the next) and checks its [N].
+    Summed, then standardised, as TRL: a reward weighs by weight x its spread within a group."""
+    values = [call_reward(reward, images, prompts, targets) for reward in rewards]
+    total = sum(reward.weight * value for reward, value in zip(rewards, values))
     return total, {reward.name: value for reward, value in zip(rewards, values)}
 
 
 # ==== 7. ADVANTAGE ================================================================================
 
 def group_advantages(rewards, group_size, eps=1e-4):
-    """A_i = (r_i - mean_group(r)) / (std_group(r) + eps): rewards [N] in groups of G -> [N]; unbiased std, as TRL.
-    A tied group gets exactly 0 (not ~3e-4 from an fp32 mean an ulp off), as does one with a NaN or inf (left
-    out: the others train). eps is not tiny on purpose: MSE rewards in a group can differ by 1e-4."""
+    """A_i = (r_i - mean_group(r)) / (std_group(r) + eps): rewards [N] in groups of G -> [N];
+    unbiased std, as TRL. A tied group gets exactly 0 (not ~3e-4 from an fp32 mean an ulp off), as
+    does one with a NaN or inf (left out: the others train). eps is not tiny on purpose: MSE
+    rewards in a group can differ by 1e-4."""
     if rewards.ndim != 1 or rewards.numel() % group_size:
         raise ValueError(f"got {rewards.numel()} rewards, not a multiple of group_size={group_size}")
     groups = rewards.view(-1, group_size)
@@ -475,51 +328,41 @@ def group_advantages(rewards, group_size, eps=1e-4):
     return torch.where(tied | ~groups.isfinite().all(1, True), 0.0, advantages).view(-1)
 
 
-def reward_metrics(rewards, per_reward, group_size):
-    groups = rewards.view(-1, group_size)  # [P, G]
-    kept = groups.isfinite().all(dim=1)  # [P]
-    return {"reward_mean": groups[kept].mean().item(),
-            # the MEAN WITHIN-GROUP std (what the advantages divide by); TRL now logs the batch std by this name
-            "reward_std": groups.std(dim=1)[kept].mean().item(),
-            "frac_reward_zero_std": (groups.amax(dim=1) == groups.amin(dim=1)).float().mean().item(),  # tied
-            "frac_reward_nonfinite": 1 - kept.float().mean().item(),  # left out
-            **{f"rewards/{name}": value.mean().item() for name, value in per_reward.items()}}
-
-
 # ==== 8. Log-probs with gradients =================================================================
 
-def token_logprobs(logits, tokens, sampling, scores=False):
-    """log pi(token): logits [N, L, V], tokens [N, L] -> [N, L]; scores=True: z [N, L, V]. pi = softmax(z),
-    z = logits / temperature in at least fp32 (a bf16 log-softmax loses ~1e-2), -inf on suppressed ids and on
-    those transformers' top-k/top-p warpers drop (a saved generation config samples this policy). `tokens`
-    stay kept: after an update one may drop out, and log 0 has no gradient."""
-    k, p = sampling.top_k, sampling.top_p
+def policy_scores(logits, sampling, keep=None):
+    """z [..., V], pi = softmax(z): logits / temperature in at least fp32 (a bf16 log-softmax loses
+    ~1e-2), -inf past the codebook and on the ids transformers' top-k / top-p warpers drop (so a
+    saved pipeline's generate() samples this policy). `keep` [...]: ids kept whatever: after an
+    update a sampled id may drop out, and log 0 has no gradient."""
     z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / sampling.temperature
-    if len(sampling.suppressed):
-        z[..., list(sampling.suppressed)] = float("-inf")
-    if k or p < 1:
+    if sampling.codebook:
+        z[..., sampling.codebook:] = float("-inf")
+    k, p = sampling.top_k, sampling.top_p
+    if not (k or p < 1):
+        return z
+    with torch.no_grad():  # 1,024 rows at a time: sorting all [N, L, V] holds ~23 bytes a logit
         parts = []
-        with torch.no_grad():  # 1,024 rows at a time: a sort of all [N, L, V] would hold ~23 bytes a logit
-            for rows in z.detach().reshape(-1, z.shape[-1]).split(1024):
-                dropped = torch.zeros_like(rows, dtype=torch.bool)
-                if k:  # keep z >= the k-th largest
-                    dropped |= rows < torch.topk(rows, min(k, rows.shape[-1]), dim=-1).values[..., -1:]
-                if p < 1:  # ascending (the warper's tie order): drop ids while the mass up to them is <= 1 - p
-                    ascending, order = torch.sort(rows.masked_fill(dropped, float("-inf")), dim=-1)
-                    tail = ascending.softmax(-1).cumsum(-1) <= 1 - p
-                    tail[..., -1] = False  # never the largest
-                    dropped |= tail.scatter(-1, order, tail)
-                parts.append(dropped)
-            dropped = torch.cat(parts).view_as(z)
-            if tokens is not None:
-                dropped.scatter_(-1, tokens.unsqueeze(-1), False)
-        z = z.masked_fill(dropped, float("-inf"))
-    return z if scores else torch.log_softmax(z, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        for rows in z.detach().reshape(-1, z.shape[-1]).split(1024):
+            dropped = torch.zeros_like(rows, dtype=torch.bool)
+            if k:  # keep z >= the k-th largest
+                dropped |= rows < torch.topk(rows, min(k, rows.shape[-1]), dim=-1).values[..., -1:]
+            if p < 1:  # ascending (the warper's tie order): drop while the mass so far is <= 1 - p
+                ascending, order = torch.sort(rows.masked_fill(dropped, float("-inf")), dim=-1)
+                tail = ascending.softmax(-1).cumsum(-1) <= 1 - p
+                tail[..., -1] = False  # never the largest
+                dropped |= tail.scatter(-1, order, tail)
+            parts.append(dropped)
+        dropped = torch.cat(parts).view_as(z)
+        if keep is not None:
+            dropped.scatter_(-1, keep.unsqueeze(-1), False)
+    return z.masked_fill(dropped, float("-inf"))
 
 
-def policy_scores(logits, sampling):
-    """token_logprobs' z [N, L, V], finite on the kept ids."""
-    return token_logprobs(logits, None, sampling, scores=True)
+def token_logprobs(logits, tokens, sampling):
+    """log pi(token) under policy_scores' pi: logits [N, L, V], tokens [N, L] -> [N, L]."""
+    z = policy_scores(logits, sampling, keep=tokens)
+    return torch.log_softmax(z, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def token_entropy(logits, sampling):
@@ -528,7 +371,8 @@ def token_entropy(logits, sampling):
 
 
 def policy_logits(ar, rollout):
-    """One teacher-forced forward at the rollout's M-RoPE positions -> logits [N, L, V] of the L generated tokens."""
+    """A teacher-forced forward at the rollout's M-RoPE positions -> logits [N, L, V] of the L
+    generated tokens."""
     num_generated = rollout.sequences.shape[1] - rollout.prompt_len
     return ar(input_ids=rollout.sequences[:, :-1], attention_mask=rollout.attention_mask,
               position_ids=rollout.position_ids, logits_to_keep=num_generated, use_cache=False).logits
@@ -538,45 +382,26 @@ def policy_logprobs(ar, rollout, sampling):
     return token_logprobs(policy_logits(ar, rollout), rollout.sequences[:, rollout.prompt_len:], sampling)
 
 
-def row_slices(num_samples, size):
-    return [slice(start, min(start + size, num_samples)) for start in range(0, num_samples, size)]
-
-
-def slice_rollout(rollout, rows):
-    """The Rollout's `rows` (a slice), less the left-padding columns none of them needs: a group's forward
-    sees the same tensors whatever shares its rank's batch."""
-    mask = rollout.attention_mask[rows]
-    first = int(mask.any(dim=0).nonzero()[0])  # only prompt columns can be all padding
-    per_row = {name: getattr(rollout, name) for name in ("old_logp", "loss_mask", "target_tokens", "source_prior")}
-    return replace(rollout, sequences=rollout.sequences[rows, first:], attention_mask=mask[:, first:],
-                   position_ids=rollout.position_ids[:, rows, first:], prompt_len=rollout.prompt_len - first,
-                   **{name: None if value is None else value[rows] for name, value in per_row.items()})
-
-
-@torch.no_grad()
-def logprobs_by_micro_batch(model, rollout, sampling, size=None):
-    """policy_logprobs [N, L] without gradients, `size` samples per forward (default: all)."""
-    return torch.cat([policy_logprobs(model, slice_rollout(rollout, rows), sampling)
-                      for rows in row_slices(rollout.sequences.shape[0], size or rollout.sequences.shape[0])])
-
-
 # ==== 9. Loss =====================================================================================
-# --loss-tokens: the reward depends only on the H*W target-grid tokens, which the preview tokens condition.
-# Training those too ('all') is the unbiased gradient, plus h*w ~ 256 tokens of near-pure noise; 'target'
-# (the default) trades that bias for a far less noisy gradient.
+# --loss-tokens: the reward depends only on the H*W target-grid tokens, which the preview tokens
+# condition. Training those too ('all') is the unbiased gradient, plus h*w ~ 256 tokens of
+# near-pure noise; 'target' (the default) trades that bias for a far less noisy gradient.
 
 def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=None):
     """PPO-clipped GRPO objective, per token. Returns (loss, metrics).
 
-        ratio    = exp(logp - old_logp)                         rho_t in the papers
+        ratio    = exp(logp - old_logp)                   rho_t in the papers
         pg_loss1 = -A * ratio
         pg_loss2 = -A * clip(ratio, 1 - eps, 1 + eps)
-        pg_loss  = max(pg_loss1, pg_loss2)                      = -min(rho A, clip(rho) A)
-        kl       = exp(ref - logp) - (ref - logp) - 1           k3 estimator, >= 0, unbiased
+        pg_loss  = max(pg_loss1, pg_loss2)                = -min(rho A, clip(rho) A)
+        kl       = exp(ref - logp) - (ref - logp) - 1     k3 estimator of KL(pi || pi_ref), >= 0
         loss     = masked_mean(pg_loss + beta * kl)
 
-    logp, old_logp, ref_logp, mask: [N, L]; advantages: [N]. The masked mean over the batch's tokens is
+    logp, old_logp, ref_logp (needed when beta > 0), mask: [N, L]; advantages: [N]. k3 is unbiased
+    where the tokens come from pi (the first pass). The masked mean over the batch's tokens is
     TRL's 'bnpo' (every sample has as many tokens: 'grpo' and 'dapo' agree)."""
+    if beta > 0 and ref_logp is None:
+        raise ValueError("beta > 0 needs ref_logp, the reference policy's log-probs [N, L]")
     adv = advantages.unsqueeze(1)  # [N, 1]
     ratio = torch.exp(logp - old_logp)
     pg_loss1 = -adv * ratio
@@ -591,180 +416,134 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
     masked_mean = lambda x: (x * mask).sum() / n
     clipped = ((ratio < 1 - clip_eps) & (adv < 0)) | ((ratio > 1 + clip_eps) & (adv > 0))
     return masked_mean(per_token), {"ratio_mean": masked_mean(ratio).item(),
-                                    "clip_ratio": masked_mean(clipped.float()).item(), "kl": masked_mean(kl).item()}
+                                    "clip_ratio": masked_mean(clipped.float()).item(),
+                                    "kl": masked_mean(kl).item()}
 
 
-# ==== 10. UPDATE: mu passes of clipped-surrogate ascent over the same batch (one loop for every policy) ====
+# ==== 10. UPDATE: mu passes of clipped-surrogate ascent over the same batch =======================
 
-@contextlib.contextmanager
-def reference_weights(model, reference):
-    """The KL's pi_ref, AR or DiT: `reference`, the frozen initial weights (full fine-tuning), or with LoRA
-    (reference None) `model` itself, adapters off."""
-    adapters = lora_layers(model) if reference is None else []
-    for layer in adapters:
-        layer.enable_adapters(False)
-    try:
-        yield model if reference is None else reference
-    finally:
-        for layer in adapters:
-            layer.enable_adapters(True)
-
-
-def ar_micro_batches(policy, rollout, advantages, ref_logp, args, sampling):
-    """The AR's loss for grpo_update by micro-batches, each weighted by its share of the loss tokens: the
-    gradients add up to the full batch's. `policy`: the AR or its DDP wrapper. Returns micro_batches(epoch)."""
-    advantages = advantages.to(rollout.old_logp.device)
-    tokens = rollout.loss_mask.sum()
-
-    def micro_batches(epoch):
-        for rows in sync_on_last(policy, row_slices(advantages.shape[0], args.micro_batch_size)):
-            part = slice_rollout(rollout, rows)
-            logits = policy_logits(policy, part)  # [n, L, V]
-            logp = token_logprobs(logits, part.sequences[:, part.prompt_len:], sampling)
-            loss, metrics = grpo_loss(logp, part.old_logp, advantages[rows], part.loss_mask, args.clip_eps,
-                                      args.beta, None if ref_logp is None else ref_logp[rows])
-            if epoch == 0:
-                # Pass 1 is at pi_old: |logp - old_logp| is a live check of the bookkeeping.
-                metrics["logp_diff_max"] = ((logp - part.old_logp).abs() * part.loss_mask).max().item()
-                # Entropy collapse: near 0 a group's G samples are identical, every reward ties, every
-                # advantage is 0 and learning stops for good (frac_reward_zero_std -> 1).
-                with torch.no_grad():
-                    entropy = token_entropy(logits, sampling) * part.loss_mask
-                metrics["entropy"] = (entropy.sum() / part.loss_mask.sum()).item()
-            yield loss, {**metrics, "loss": loss.item()}, (part.loss_mask.sum() / tokens).item()
-    return micro_batches
-
-
-def ar_half(trainer, rollout, advantages, args):
-    """The AR's half (prefix, params, micro_batches) for grpo_update, with pi_ref's log-probs when beta > 0."""
-    ar, ref_logp = trainer.pipe.vision_language_encoder, None
-    sampling = sampling_of(ar)
-    if args.beta > 0:
-        with reference_weights(ar, trainer.reference) as reference:
-            ref_logp = logprobs_by_micro_batch(reference, rollout, sampling, args.micro_batch_size)  # [N, L]
-    ar.train()  # switches gradient checkpointing on; the AR has no dropout, so pass 1 still gives pi_old
-    return "", trainer.params, ar_micro_batches(trainer.policy, rollout, advantages, ref_logp, args, sampling)
-
-
-def grpo_update(optimizer, halves, args, learns=True):
-    """mu = --inner-epochs AdamW steps on one batch. halves: [(prefix, params, micro_batches)], '' the AR, 'dit/'
-    the DiT. micro_batches(epoch) yields (loss, metrics, weight), weights adding up to 1, each backpropagated as
-    built (one graph alive at a time). Each half clips its own gradients (loss scales differ). Pass 1 is at
-    pi_old: ratio 1. UpdateGuard (section 14) skips a non-finite pass, or all if no rank `learns`."""
-    guard = UpdateGuard(halves, learns)
+def grpo_update(trainer, rollout, advantages, args, learns=True, dit=None):
+    """mu = --inner-epochs AdamW steps on one batch -> the step's metrics. rollout: the AR's (None:
+    it does not train); dit: (DiT rollout, its advantages) when it trains (Part II adds its loss).
+    Pass 1 runs at pi_old: its ratio is 1."""
+    ar, sampling, optimizer, passes = trainer.ar, trainer.sampling, trainer.optimizer, []
+    if rollout is not None:
+        ref_logp = reference_logprobs(trainer, rollout, args) if args.beta > 0 else None  # [N, L]
+        advantages, tokens = advantages.to(rollout.old_logp.device), rollout.loss_mask.sum()
+        ar.model.train()  # gradient checkpointing on; no dropout, so pass 1 still gives pi_old
     for epoch in range(args.inner_epochs):
         optimizer.zero_grad(set_to_none=True)
-        for prefix, params, micro_batches in halves:
-            for loss, metrics, weight in micro_batches(epoch):
-                (loss * weight).backward()
-                guard.add(prefix, metrics, weight)
-            guard.add(prefix, {"grad_norm": torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm).item()})
-        if guard.vote():  # all ranks: everything finite, something to learn
+        metrics = {}  # this pass's, each micro-batch's weighted by its share of the loss tokens
+        for rows in micro_batches(ar, rollout, args.micro_batch_size):  # [] if rollout is None
+            part = slice_rollout(rollout, rows)  # its rows, less padding none of them needs
+            logits = policy_logits(ar.forward, part)  # [n, L, V]
+            logp = token_logprobs(logits, part.sequences[:, part.prompt_len:], sampling)  # [n, L]
+            loss, terms = grpo_loss(logp, part.old_logp, advantages[rows], part.loss_mask,
+                                    args.clip_eps, args.beta, None if ref_logp is None else ref_logp[rows])
+            weight = (part.loss_mask.sum() / tokens).item()  # the shares add up to 1
+            (loss * weight).backward()  # one micro-batch's graph alive at a time
+            if epoch == 0:  # at pi_old: a live check of the bookkeeping, and entropy collapse
+                terms.update(first_pass_metrics(logits, logp, part, sampling))
+            add_weighted(metrics, {**terms, "loss": loss.item()}, weight)
+        if rollout is not None:  # each half clips its own gradient: their losses' scales differ
+            norm = torch.nn.utils.clip_grad_norm_(ar.params, args.max_grad_norm)
+            add_weighted(metrics, {"grad_norm": norm.item()})
+        if dit is not None:
+            dit_backward(trainer, *dit, epoch, metrics, args)  # Part II: the same, per step
+        stepped = update_allowed(metrics, learns)
+        if stepped:
             optimizer.step()
-            guard.check_weights()
-    return guard.row()
+            check_weights_finite(optimizer)
+        passes.append((metrics, stepped))
+    return update_row(passes)
+
+
+def add_weighted(metrics, new, weight=1.0, prefix=""):
+    """metrics[k] += new[k] x weight (the micro-batches' weights add up to 1); a *_max: the most."""
+    for key, value in new.items():
+        key = prefix + key
+        if key.endswith("_max"):
+            metrics[key] = max(metrics.get(key, value), value)
+        else:
+            metrics[key] = metrics.get(key, 0.0) + value * weight
+
+
+def update_allowed(metrics, learns):
+    """The guard before optimizer.step(), voted by every rank: no loss or gradient norm is NaN or
+    inf (one would reach every weight), and some rank has a reward to learn from (`learns`)."""
+    finite = all(math.isfinite(v) for k, v in metrics.items() if k.endswith(("loss", "grad_norm")))
+    return max_over_ranks(2 * (not finite) + learns) == 1
+
+
+def update_row(passes):
+    """The step's metrics: the stepped passes' means; first-pass-only ones from pass 1; skip counts."""
+    done = [m for m, stepped in passes if stepped]
+    first_only = ("logp_diff_max", "entropy")
+    row = {k: sum(m[k] for m in done) / len(done) if done else float("nan")
+           for k in passes[-1][0] if not k.endswith(first_only)}
+    row.update({k: v for k, v in passes[0][0].items() if k.endswith(first_only)})
+    finite_loss = lambda m: all(math.isfinite(v) for k, v in m.items() if k.endswith("loss"))
+    return {**row, "skipped_updates": len(passes) - len(done),
+            "skipped_nonfinite_loss": sum(not (s or finite_loss(m)) for m, s in passes)}
+
+
+def first_pass_metrics(logits, logp, part, sampling):
+    """|logp - old_logp|, 0 by construction, and the entropy: near 0 a group's G samples are alike,
+    every reward ties, every advantage is 0 and learning stops for good."""
+    with torch.no_grad():
+        entropy = (token_entropy(logits, sampling) * part.loss_mask).sum() / part.loss_mask.sum()
+    return {"logp_diff_max": ((logp - part.old_logp).abs() * part.loss_mask).max().item(),
+            "entropy": entropy.item()}
 
 
 # ==== 11. One GRPO step, and the training loop ====================================================
 
-@dataclass
-class Trainer:
-    """What the loop carries. Per trained half (the AR; `dit_` the DiT): its trainable params, the
-    `policy` its training forward runs through (itself or its DDP wrapper), its frozen KL `reference`."""
-    pipe: object  # GlmImagePipeline
-    optimizer: torch.optim.Optimizer = None
-    lr_scheduler: object = None
-    trained: torch.nn.Module = None       # what checkpoints hold: the AR, or {AR, DiT}
-    rewards: list = None                  # the --reward plug-ins (section 6)
-    dit_rewards: list = None              # the --dit-reward ones (none: the DiT trains on `rewards`)
-    params: list = None
-    policy: object = None
-    reference: object = None
-    dit_params: list = None
-    dit_policy: object = None
-    dit_reference: object = None
-    prompt_tokens: dict = None  # --policy dit: prompt index -> its token grid (shared_prompt_tokens)
-    before_update: object = lambda: None
-
-
-def setup_training(args, rewards, dit_rewards=()):
-    """Loads the model, marks what trains, one AdamW (a param group per half) and its learning-rate schedule."""
-    from diffusers.optimization import get_scheduler
-    from diffusers.training_utils import set_seed
-
-    pipe = load_pipeline(args)
-    set_seed(args.seed)  # after loading: the same sampling stream however the model was made
-    ar, dit = pipe.vision_language_encoder, pipe.transformer
-    trainer = Trainer(pipe, rewards=rewards, dit_rewards=dit_rewards, prompt_tokens={})
-    # beta > 0, full fine-tuning: a frozen copy is the KL reference (at 9B use LoRA instead)
-    frozen_copy = lambda model, lora: copy.deepcopy(model).requires_grad_(False) if args.beta > 0 and not lora else None
-    groups, trained = [], {}
-    if args.policy != "dit":
-        trainer.reference = frozen_copy(ar, args.lora_rank)
-        trainer.policy, trainer.params = distribute(ar, prepare_policy(ar, args), args, trainer.reference)
-        groups.append({"params": trainer.params, "lr": args.lr})
-        trained["vision_language_encoder"] = ar
-    if args.policy != "ar":
-        trainer.dit_reference = frozen_copy(dit, args.dit_lora_rank)
-        trainer.dit_policy, trainer.dit_params = distribute(dit, prepare_dit_policy(dit, args), args,
-                                                           trainer.dit_reference)
-        groups.append({"params": trainer.dit_params, "lr": args.dit_lr})
-        trained["transformer"] = dit
-    trainer.trained = ar if args.policy == "ar" else torch.nn.ModuleDict(trained)
-    trainer.optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay)
-    # stepped once per GRPO step; diffusers' 'constant' ignores warm-up, 'constant_with_warmup' does not
-    warmup = args.lr_scheduler == "constant" and args.lr_warmup_steps
-    trainer.lr_scheduler = get_scheduler("constant_with_warmup" if warmup else args.lr_scheduler, trainer.optimizer,
-                                         num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.steps)
-    return trainer
-
-
-def grpo_step(trainer, items, indices, step, args, slots=None):
-    """One GRPO step on items[indices], at `slots` of the step's prompt list (default all) -> (metrics row,
-    rewards [N], images [N, 3, H, W], targets [P, 3, H, W] | None, sources | None, DiT's a = 0 decode | None)."""
-    batch = [items[i] for i in indices]
-    prompts = [it.text for it in batch]
+def grpo_step(trainer, items, indices, step, args, slots=None, before_update=lambda: None):
+    """One GRPO step on items[indices], this rank's `slots` of the step's prompts (default all) ->
+    (metrics row, rewards [N], images [N, 3, H, W], targets [P, 3, H, W] | None, sources | None,
+    the DiT's a = 0 decode | None). before_update: the run's stop check (section 19)."""
+    batch, G, pipe = [items[i] for i in indices], args.group_size, trainer.pipe
+    prompts, targets = [it.text for it in batch], batch_targets(batch)
     sources = [it.image("source") for it in batch] if args.mode == "i2i" else None
     slots = range(len(indices)) if slots is None else slots
-    pipe, G, train_ar, train_dit = trainer.pipe, args.group_size, args.policy != "dit", args.policy != "ar"
     # ---- SAMPLE: G token grids per prompt (--policy dit: one per prompt, its group shares it) ----
-    rollout = (sample_tokens(pipe, prompts, sources, slots, step, args) if train_ar else
-               shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, trainer.prompt_tokens))
-    noise = group_noise(pipe, indices, G, args.height, args.width, args.seed, step, args.dit_noise)  # [N, C, h, w]
-    # ---- DECODE: images [N, 3, H, W] (--policy dit|both: the DiT samples G SDE trajectories, Part II) ----
-    if train_dit:
+    rollout = (sample_tokens(trainer, prompts, sources, slots, step, args) if trainer.ar else
+               shared_prompt_tokens(trainer, prompts, sources, indices, slots, step, args))
+    noise = group_noise(pipe, indices, G, args.height, args.width, args.seed, step, args.dit_noise)
+    # ---- DECODE: images [N, 3, H, W] (--policy dit|both: G SDE trajectories, Part II) ----
+    if trainer.dit:
         dit_run = sample_dit_trajectories(pipe, prompts, sources, rollout, noise, indices, step, args)
         images = dit_run.images
     else:
-        images = decode_images(pipe, prompts, sources, rollout, noise, args.num_inference_steps, args.guidance_scale)
+        images = decode_images(pipe, prompts, sources, rollout, noise, args.num_inference_steps,
+                               args.guidance_scale)
     # ---- REWARD: r [N], one per image ----
-    targets = batch_targets(batch)  # [P, 3, H, W]
     scored = (repeat_each(prompts, G), None if targets is None else targets.repeat_interleave(G, 0))
     rewards, per_reward = compute_rewards(trainer.rewards, images, *scored)
     # ---- ADVANTAGE: A [N], each reward standardised within its group ----
     advantages = dit_advantages = group_advantages(rewards, G)
-    row = {"step": step, **reward_metrics(rewards, per_reward, G)}
-    if trainer.dit_rewards:     # --dit-reward: the DiT's own (decoupled RL, section 12)
+    row = {"step": step, **reward_metrics(rewards, per_reward, G), **(trainer.ar and rollout.sampler_gap or {})}
+    if trainer.dit_rewards:  # --dit-reward: the DiT's own (decoupled RL, section 12)
         dit_rewards, dit_per_reward = compute_rewards(trainer.dit_rewards, images, *scored)
         dit_advantages = group_advantages(dit_rewards, G)
         row.update({"dit/" + k: v for k, v in reward_metrics(dit_rewards, dit_per_reward, G).items()})
     # ---- UPDATE: mu passes over the batch, each trained half adding its loss ----
-    trainer.before_update()  # a stop signal before this point drops the step (section 19)
-    halves = [ar_half(trainer, rollout, advantages, args)] if train_ar else []
-    halves += [dit_half(trainer, dit_run, dit_advantages, args)] if train_dit else []
+    before_update()  # a stop signal before this point drops the step (section 19)
     learns = min(row["frac_reward_nonfinite"], row.get("dit/frac_reward_nonfinite", 1)) < 1
-    row.update(grpo_update(trainer.optimizer, halves, args, learns))      # 'loss' the AR's, 'dit/loss' the DiT's
+    row.update(grpo_update(trainer, rollout if trainer.ar else None, advantages, args, learns,
+                           (dit_run, dit_advantages) if trainer.dit else None))
     ode = (ode_images(pipe, prompts, sources, rollout, noise, args)
-           if train_dit and args.sample_every and step % args.sample_every == 0 else None)
+           if trainer.dit and args.sample_every and step % args.sample_every == 0 else None)
     return row, rewards, images, targets, sources, ode
 
 
 def train(args):
-    """The training loop. Run (Part III) is its plumbing: it opens the run (flag checks, --out, prompts, rewards,
-    the model, --resume), records each step (LOG, the sample sheet, CHECKPOINT) and stops on Ctrl+C / SIGTERM."""
+    """The training loop. Run (section 19) is its plumbing: it opens the run (flags, --out, prompts,
+    rewards, the model, --resume), records each step (LOG, sample sheet, CHECKPOINT) and stops on
+    Ctrl+C / SIGTERM."""
     with Run(args) as run:
-        for step, indices, slots in run.steps():        # this rank's share of the step's prompts (section 3)
-            result = grpo_step(run.trainer, run.items, indices, step, args, slots)
+        for step, indices, slots in run.steps():  # this rank's share of the step's prompts
+            result = grpo_step(run.trainer, run.items, indices, step, args, slots, run.vote)
             run.record(step, indices, *result)
     return run.trainer and run.trainer.pipe  # None: nothing to do
 
@@ -794,6 +573,75 @@ class DitRollout:
     old_logp: torch.Tensor   # [N, T] log pi_old(x_{i+1} | x_i) of the T trained steps at sampling time
     timesteps: torch.Tensor  # [K] the pipeline's (unshifted) timesteps
     sigmas: torch.Tensor     # [K+1] the scheduler's shifted sigmas, ending in 0
+
+
+@dataclass
+class DitCondition:
+    """The DiT's inputs as GlmImagePipeline.__call__ builds them, per prompt (its G samples at rows p*G..)."""
+    prompt_embeds: list              # per prompt: [G, S_p, D] glyph embeddings (encode_prompt of it alone)
+    negative_embeds: list            # per prompt: [G, S', D] glyph embeddings of "" (CFG's other branch), or None
+    prior: torch.Tensor              # [N, 4*H*W] target-grid tokens upsampled 2x (the DiT's 16-px grid)
+    target_size: torch.Tensor        # [N, 2] (height, width) in pixels
+    crop_coords: torch.Tensor        # [N, 2] zeros, the pipeline's default crops_coords_top_left
+    guidance_scale: float
+    source_latents: list = None      # i2i, per prompt: normalised VAE latent [1, C, h, w] of the source
+    source_prior: list = None        # i2i, per prompt: its VQ ids upsampled 2x [4*h*w]
+
+
+
+def dit_schedule(pipe, height, width, num_inference_steps):
+    """(timesteps [K], sigmas [K+1]) as GlmImagePipeline.__call__ sets them. Sigmas are read back from the
+    scheduler: they are shifted (t / 1000 is not the sigma the DiT runs at)."""
+    from diffusers.pipelines.glm_image.pipeline_glm_image import calculate_shift, retrieve_timesteps
+
+    scheduler, device = pipe.scheduler, pipe._execution_device
+    seq_len = height * width // (pipe.vae_scale_factor * pipe.transformer.config.patch_size) ** 2  # latent patches
+    train_steps = scheduler.config.num_train_timesteps
+    timesteps = np.linspace(train_steps, 1.0, num_inference_steps + 1)[:-1].astype(np.int64).astype(np.float32)
+    mu = calculate_shift(seq_len, scheduler.config.get("base_image_seq_len", 256),
+                         scheduler.config.get("base_shift", 0.25), scheduler.config.get("max_shift", 0.75))
+    timesteps, _ = retrieve_timesteps(scheduler, num_inference_steps, device, timesteps, timesteps / train_steps, mu=mu)
+    return timesteps, scheduler.sigmas.to(device, torch.promote_types(pipe.transformer.dtype, torch.float32))
+
+
+
+@torch.no_grad()
+def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_scale, sources=None, source_prior=None):
+    """The DiT's inputs for P prompts x G samples, target_tokens [N, H*W]; i2i: per prompt its source (PIL)
+    and (upsampled VQ ids, grid). The frozen glyph encoder and VAE run here, once per step."""
+    from diffusers.pipelines.glm_image.pipeline_glm_image import retrieve_latents
+
+    H, W = grid_hw
+    height, width = 32 * H, 32 * W
+    device, dtype = pipe._execution_device, pipe.dtype
+    encoded = [pipe.encode_prompt([p], guidance_scale > 1, num_images_per_prompt=group_size, device=device,
+                                  dtype=dtype) for p in prompts]
+    embeds, negative = [e for e, _ in encoded], [u for _, u in encoded] if guidance_scale > 1 else None
+    prior = torch.cat([pipe._upsample_token_ids(t, H, W) for t in target_tokens]).to(device)
+    latents = None
+    if sources is not None:      # the pipeline's i2i path: preprocess, VAE mode (argmax), normalise
+        mean, std = latent_stats(pipe.vae, device, dtype)
+        pixels = [pipe.image_processor.preprocess(s, height=height, width=width).to(device, dtype) for s in sources]
+        latents = [(retrieve_latents(pipe.vae.encode(p), sample_mode="argmax") - mean) / std for p in pixels]
+    size = torch.tensor([[height, width]], dtype=dtype, device=device).repeat(target_tokens.shape[0], 1)
+    return DitCondition(embeds, negative, prior, size, torch.zeros_like(size), guidance_scale, latents,
+                        [ids.to(device) for ids, _ in source_prior] if sources is not None else None)
+
+
+
+def latent_stats(vae, device, dtype):
+    stats = (vae.config.latents_mean, vae.config.latents_std)  # DiT latent = (VAE latent - mean) / std
+    return (torch.tensor(v).view(1, -1, 1, 1).to(device, dtype) for v in stats)
+
+
+
+def latents_to_images(pipe, latents):
+    """The pipeline's decode (un-normalise, vae.decode, postprocess) -> [N, 3, H, W] in [0, 1], fp32, CPU."""
+    latents = latents.to(pipe.vae.dtype)
+    mean, std = latent_stats(pipe.vae, latents.device, latents.dtype)
+    image = pipe.vae.decode(latents * std + mean, return_dict=False)[0]
+    return at_least_fp32(pipe.image_processor.postprocess(image, output_type="pt")).cpu()
+
 
 
 def dit_velocity(dit, latents, t, cond, caches):
@@ -892,32 +740,34 @@ def condition_rows(cond, rows):
                    source_latents=pick(cond.source_latents), source_prior=pick(cond.source_prior))
 
 
-def dit_half(trainer, run, advantages, args):
-    """The DiT's half (prefix, params, micro_batches) for grpo_update: grpo_loss per trained step and micro-batch,
-    weight rows / (N T), adding up to grpo_loss over [N, T] (flow_grpo: a step at a time), + beta x dit_kl."""
-    policy, reference, cond, rollout = trainer.dit_policy, trainer.dit_reference, run.cond, run.trajectories
+def dit_backward(trainer, run, advantages, epoch, metrics, args):
+    """The DiT's share of a grpo_update pass: grpo_loss per trained step and micro-batch, weighted rows / (N T) so
+    that they add up to grpo_loss over [N, T] (flow_grpo: a step at a time), + beta x dit_kl; then its clip."""
+    dit, cond, rollout = trainer.dit, run.cond, run.trajectories
     N, steps = rollout.old_logp.shape
     advantages = advantages.to(rollout.old_logp.device)
-    parts = [(rows, condition_rows(cond, rows),
-              replace(rollout, states=rollout.states[rows], old_logp=rollout.old_logp[rows]))
-             for rows in row_slices(N, args.micro_batch_size)]
-
-    def micro_batches(epoch):
-        for i, (rows, condition, part) in sync_on_last(policy, [(i, part) for i in range(steps) for part in parts]):
-            logp, mean, std = dit_step_logprob(policy, condition, part, i, args.dit_noise_level)
-            old_logp = part.old_logp[:, i:i + 1]
-            loss, metrics = grpo_loss(logp[:, None], old_logp, advantages[rows], torch.ones_like(old_logp),
-                                      args.dit_clip_eps)
-            if args.beta > 0:
-                with torch.no_grad(), reference_weights(unwrap(policy), reference) as ref:
-                    ref_mean = dit_step_logprob(ref, condition, part, i, args.dit_noise_level)[1]
-                kl = dit_kl(mean, ref_mean, std).mean()
-                loss = loss + args.beta * kl
-                metrics["kl"] = kl.item()
-            if epoch == 0:
-                metrics["logp_diff_max"] = (logp.detach() - old_logp[:, 0]).abs().max().item()
-            yield loss, {**metrics, "loss": loss.item()}, len(old_logp) / (N * steps)
-    return "dit/", trainer.dit_params, micro_batches
+    parts = {rows.start: (condition_rows(cond, rows), replace(rollout, states=rollout.states[rows],
+                                                             old_logp=rollout.old_logp[rows]))
+             for rows in row_slices(N, args.micro_batch_size)}
+    for i, rows in sync_on_last(dit.forward, [(i, rows) for i in range(steps)
+                                              for rows in row_slices(N, args.micro_batch_size)]):
+        condition, part = parts[rows.start]
+        logp, mean, std = dit_step_logprob(dit.forward, condition, part, i, args.dit_noise_level)
+        old_logp = part.old_logp[:, i:i + 1]
+        loss, terms = grpo_loss(logp[:, None], old_logp, advantages[rows], torch.ones_like(old_logp), args.dit_clip_eps)
+        if args.beta > 0:
+            with torch.no_grad(), reference_weights(dit.model, dit.reference) as ref:
+                ref_mean = dit_step_logprob(ref, condition, part, i, args.dit_noise_level)[1]
+            kl = dit_kl(mean, ref_mean, std).mean()
+            loss = loss + args.beta * kl
+            terms["kl"] = kl.item()
+        if epoch == 0:
+            terms["logp_diff_max"] = (logp.detach() - old_logp[:, 0]).abs().max().item()
+        weight = len(old_logp) / (N * steps)
+        (loss * weight).backward()
+        add_weighted(metrics, {**terms, "loss": loss.item()}, weight, prefix="dit/")
+    norm = torch.nn.utils.clip_grad_norm_(dit.params, args.max_grad_norm)
+    add_weighted(metrics, {"grad_norm": norm.item()}, prefix="dit/")
 
 
 # ==== 13. The DiT's training step =================================================================
@@ -936,12 +786,14 @@ def prepare_dit_policy(dit, args):
     return [p for p in dit.parameters() if p.requires_grad]
 
 
-def shared_prompt_tokens(pipe, prompts, sources, indices, slots, step, args, cache):
+def shared_prompt_tokens(trainer, prompts, sources, indices, slots, step, args):
     """--policy dit: one token grid per prompt, shared by its G samples (target_tokens [N, H*W]). --dit-prior
-    per-prompt draws it once (kept in `cache`): a fixed input the DiT can learn to paint; per-step anew."""
+    per-prompt draws it once (kept in trainer.prompt_tokens): a fixed input the DiT can learn to paint; per-step anew."""
+    pipe, cache = trainer.pipe, trainer.prompt_tokens
+
     def draw(i, step, index):
         ar = pipe.vision_language_encoder
-        return sample_groups(pipe, [prompts[i]], 1, sampling_of(ar), args.height, args.width, args.loss_tokens,
+        return sample_groups(pipe, [prompts[i]], 1, trainer.sampling, args.height, args.width, args.loss_tokens,
                             sources and [sources[i]], [seeded(args.seed, "dit prior", step, index, ar.device)])
 
     if args.dit_prior == "per-step":
@@ -1034,54 +886,285 @@ def offload_by_plan(args):
     return peak > free, f"{peak > free} (auto: plan {peak / 2**30:.1f} GiB, free {free / 2**30:.1f} GiB)"
 
 
-# ---- For sections 8-11: the update's plumbing ----
-class UpdateGuard:
-    """grpo_update's guards; row(): the stepped passes' mean metrics and skip counts."""
-    FIRST_PASS_ONLY = ("logp_diff_max", "entropy")
+# ---- For section 2: LoRA ----
+def add_lora(model, r, alpha, targets, **config):
+    """PEFT LoRA adapters on `targets` (the AR's and the DiT's alike), the base frozen. They train in fp32
+    on a bf16 base (diffusers' cast_training_params): bf16 would round AdamW's small updates away."""
+    from diffusers.training_utils import cast_training_params
+    from peft import LoraConfig, inject_adapter_in_model
 
-    def __init__(self, halves, learns):
-        self.params = [p for _, params, _ in halves for p in params]
-        self.learns, self.metrics, self.passes = learns, {}, []  # passes: (metrics, stepped, finite loss)
-
-    def add(self, prefix, metrics, weight=1.0):
-        for key, value in metrics.items():
-            key = prefix + key
-            self.metrics[key] = (max(self.metrics.get(key, value), value) if key.endswith("logp_diff_max")
-                                 else self.metrics.get(key, 0.0) + value * weight)
-
-    def vote(self):
-        """True: step. All ranks vote: none has a non-finite loss or gradient norm (2), one learns (1)."""
-        metrics, self.metrics = self.metrics, {}
-        finite_loss = all(math.isfinite(v) for k, v in metrics.items() if k.endswith("loss"))  # weighted sums
-        finite = finite_loss and all(math.isfinite(v) for k, v in metrics.items() if k.endswith("grad_norm"))
-        stepped = max_over_ranks(2 * (not finite) + self.learns) == 1
-        self.passes.append((metrics, stepped, finite_loss))
-        return stepped
-
-    def check_weights(self):      # a sum per tensor (no big temporary), of this rank's --fsdp shards
-        from torch.distributed.tensor import DTensor
-
-        sums = [(p.to_local() if isinstance(p, DTensor) else p).detach().sum().float() for p in self.params]
-        if not all_ranks_agree(bool(torch.isfinite(torch.stack(sums)).all())):
-            raise UsageError("the update made the weights non-finite (--lr too large?); the last checkpoint is intact")
-
-    def row(self):
-        done = [m for m, stepped, _ in self.passes if stepped]
-        keys = [k for k in self.passes[-1][0] if not k.endswith(self.FIRST_PASS_ONLY)]
-        averaged = {k: sum(m[k] for m in done) / len(done) if done else float("nan") for k in keys}
-        first = {k: v for k, v in self.passes[0][0].items() if k.endswith(self.FIRST_PASS_ONLY)}
-        return {**averaged, **first, "skipped_updates": len(self.passes) - len(done),
-                "skipped_nonfinite_loss": sum(not (stepped or finite) for _, stepped, finite in self.passes)}
+    model.requires_grad_(False)
+    # peft's own injection, not the models' add_adapter: transformers 5.24's refuses every peft released
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, **config)
+    inject_adapter_in_model(config, model)
+    cast_training_params(model, dtype=torch.promote_types(model.dtype, torch.float32))
 
 
-def sync_on_last(policy, batches):
-    """DDP: no_sync() but for the last micro-batch (its backward all-reduces); each rank runs as many, or they hang."""
+def lora_layers(model):
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
+
+
+# ---- For section 4: the AR's inputs, its M-RoPE positions, its policy and the fast decoder ----
+def sampling_policy(pipe, args):
+    """The policy the flags set, built once. Its codebook bound: a mid-grid end id would crash the DiT."""
+    return SamplingParams(args.temperature, args.top_k, args.top_p,
+                          pipe.transformer.config.prior_vq_quantizer_codebook_size)
+
+
+def policy_generation_config(ar, sampling):
+    """The policy as the AR's generation config, so that a saved pipeline samples the policy trained."""
+    from transformers import GenerationConfig
+
+    # Only these fields: generate() fills every unset one from the checkpoint's (penalties, n-gram bans), which
+    # the loss would not know of.
+    return GenerationConfig(
+        do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+        suppress_tokens=list(range(sampling.codebook, ar.config.text_config.vision_vocab_size)),
+        bos_token_id=ar.generation_config.bos_token_id, pad_token_id=ar.config.text_config.pad_token_id,
+        eos_token_id=ar.config.text_config.eos_token_id)
+
+
+def sampling_of(ar):
+    """policy_generation_config's inverse: a saved pipeline's policy."""
+    config = ar.generation_config
+    return SamplingParams(config.temperature, config.top_k, config.top_p, min(config.suppress_tokens or [0]))
+
+
+def processor_inputs(pipe, prompts, sources, height, width, device):
+    """Prompts (and i2i source images) tokenised as GlmImagePipeline.generate_prior_tokens does."""
+    images = [[] if s is None else [{"type": "image", "image": s}] for s in sources or [None] * len(prompts)]
+    messages = [[{"role": "user", "content": im + [{"type": "text", "text": p}]}] for p, im in zip(prompts, images)]
+    return pipe.processor.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_tensors="pt",
+        processor_kwargs={"padding": True, "target_h": height, "target_w": width}).to(device)
+
+
+def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_len=None):
+    """-> (the AR's inputs for P x G rows, left-padded to `prompt_len`; i2i's per-sample DiT condition; the grids
+    (h, w) to generate, in order: t2i preview, target)."""
+    ar = pipe.vision_language_encoder
+    inputs = processor_inputs(pipe, prompts, sources, height, width, ar.device)
+    ids, per_sample, source_prior = inputs["input_ids"], inputs["images_per_sample"], None
+    if sources is not None:
+        # i2i: vision encoder + VQ once per prompt, its ids into the image placeholders: no pass reruns them
+        source_grids = ar.model.get_image_grids_for_generation(per_sample, inputs["image_grid_thw"])
+        features = list(ar.get_image_features(inputs["pixel_values"], source_grids).pooler_output)
+        tokens = torch.split(ar.get_image_tokens(features), source_grids.prod(-1).tolist())
+        prior = [(pipe._upsample_token_ids(t, h, w).squeeze(0), torch.tensor([[1, 2 * h, 2 * w]]))
+                 for t, (_, h, w) in zip(tokens, source_grids.tolist())]
+        ids = ids.masked_scatter(ids == ar.config.image_token_id, torch.cat(tokens))
+        source_prior = repeat_each(prior, group_size)
+    extra = (prompt_len or ids.shape[1]) - ids.shape[1]
+    ids = torch.nn.functional.pad(ids, (extra, 0), value=ar.config.text_config.pad_token_id)
+    mask = torch.nn.functional.pad(inputs["attention_mask"], (extra, 0), value=0)
+    # as repeat_each, image_grid_thw by blocks of images_per_sample rows
+    grids = torch.split(inputs["image_grid_thw"], per_sample.tolist())
+    batch = {"input_ids": ids.repeat_interleave(group_size, 0),
+             "attention_mask": mask.repeat_interleave(group_size, 0),
+             "image_grid_thw": torch.cat([g.repeat(group_size, 1) for g in grids]),
+             "images_per_sample": per_sample.repeat_interleave(group_size)}
+    generated = grids[0][-1:] if sources is not None else grids[0].flip(0)  # t2i prompts list (target, preview)
+    return batch, source_prior, [(h, w) for _, h, w in generated.tolist()]
+
+
+def rollout_positions(ar, batch, grids):
+    """M-RoPE positions [3, N, S + L - 1] of prompt + generated[:-1] as get_rope_index lays them out: the prompt's
+    by it (2-D mask: padding is not text), then each grid (h, w) at (s, s + i, s + j), s = the prompt's last + 1,
+    s += max(h, w) per grid."""
+    prompt, _ = ar.model.get_rope_index(**batch)
+    offsets = [ar.model.get_vision_position_ids(sum(max(*hw) for hw in grids[:k]), torch.tensor([1, h, w]))
+               for k, (h, w) in enumerate(grids)]  # [3, h*w] each; the end slot's is never read
+    return torch.cat([prompt, prompt[:, :, -1:] + 1 + torch.cat(offsets, 1)[:, None].to(prompt.device)], -1)
+
+
+def run_prompt_len(pipe, items, args):
+    """The run's prompt length: its longest prompt's + 1, whatever a step holds, so a group's padding is its
+    own (one shape: one compiled graph) and never none (an unpadded batch takes SDPA's causal kernel, which
+    sums in another order). The processor pads every prompt alike, so the longest text is the longest."""
+    lengths = pipe.processor.tokenizer([it.text for it in items], add_special_tokens=False)["input_ids"]
+    item = items[max(range(len(items)), key=lambda i: len(lengths[i]))]
+    source = [item.image("source")] if args.mode == "i2i" else None
+    return processor_inputs(pipe, [item.text], source, args.height, args.width, "cpu")["input_ids"].shape[1] + 1
+
+
+def static_cache(ar, shape):
+    """A KV cache of fixed size for `shape` = [N, S + L - 1]: next_logits finds its position on the device."""
+    from transformers import StaticCache
+
+    return StaticCache(ar.config, max_cache_len=shape[1])
+
+
+class FastDecoder:
+    """decode_loop for a whole run: a static KV cache per batch shape, allocated once and reset between steps (a
+    new one per step would re-record its CUDA graphs), and on CUDA the decode step's forward compiled once, its
+    ~1,000 kernels replayed as one CUDA graph a token. sample_tokens pads every prompt to the run's length: one
+    shape, one graph. Its tokens equal decode_loop's on a fresh cache (tested)."""
+
+    def __init__(self, device, backend=None):   # backend: a test's, on any device
+        compiled = device.type == "cuda" or backend is not None
+        self.forward = torch.compile(next_logits, fullgraph=True, **(
+            {"backend": backend} if backend else {"mode": "reduce-overhead"})) if compiled else next_logits
+        self.caches, self.announced = {}, not compiled
+
+    def __call__(self, ar, ids, positions, mask, num_tokens, uniforms, sampling):
+        cache = self.caches.get(mask.shape)
+        if cache is None:
+            cache = self.caches[mask.shape] = static_cache(ar, mask.shape)
+        else:
+            cache.reset()   # in place: the graph's addresses stay
+        if not self.announced and rank() == 0:
+            print(f"compiling the decode step for {mask.shape[0]} rows (once per run; about a minute or two on a "
+                  "GPU)", flush=True)
+        self.announced = True
+        return decode_loop(ar, ids, positions, mask, num_tokens, ticking(uniforms, num_tokens), sampling, cache,
+                           self.forward)
+
+
+def ticking(uniforms, total):
+    """`uniforms`, drawn once a token, ticking a progress bar on a terminal (the real model's steps take a while)."""
+    if not sys.stderr.isatty() or rank() != 0:
+        return uniforms
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc="sampling tokens", leave=False, unit="tok")
+
+    def draw():
+        bar.update()
+        if bar.n == total:
+            bar.close()
+        return uniforms()
+    return draw
+
+
+# ---- For sections 8-11: micro-batches, the reference, the trainer ----
+def row_slices(num_samples, size):
+    return [slice(start, min(start + size, num_samples)) for start in range(0, num_samples, size)]
+
+
+def slice_rollout(rollout, rows):
+    """The Rollout's `rows` (a slice), less the left-padding columns none of them needs: a group's forward
+    sees the same tensors whatever shares its rank's batch."""
+    mask = rollout.attention_mask[rows]
+    first = int(mask.any(dim=0).nonzero()[0])  # only prompt columns can be all padding
+    per_row = {name: getattr(rollout, name) for name in ("old_logp", "loss_mask", "target_tokens", "source_prior")}
+    return replace(rollout, sequences=rollout.sequences[rows, first:], attention_mask=mask[:, first:],
+                   position_ids=rollout.position_ids[:, rows, first:], prompt_len=rollout.prompt_len - first,
+                   **{name: None if value is None else value[rows] for name, value in per_row.items()})
+
+
+@torch.no_grad()
+def logprobs_by_micro_batch(model, rollout, sampling, size=None):
+    """policy_logprobs [N, L] without gradients, `size` samples per forward (default: all)."""
+    return torch.cat([policy_logprobs(model, slice_rollout(rollout, rows), sampling)
+                      for rows in row_slices(rollout.sequences.shape[0], size or rollout.sequences.shape[0])])
+
+
+def micro_batches(half, rollout, size):
+    """grpo_update's row slices of `rollout` (none: []), `size` samples each; under DDP no_sync() but for the
+    last, whose backward all-reduces the gradients. Every rank runs as many backward passes, or they hang."""
+    return [] if rollout is None else sync_on_last(half.forward, row_slices(rollout.old_logp.shape[0], size))
+
+
+def sync_on_last(forward, batches):
     batches = list(batches)
     for k, batch in enumerate(batches):
-        with policy.no_sync() if hasattr(policy, "no_sync") and k < len(batches) - 1 else contextlib.nullcontext():
+        with forward.no_sync() if hasattr(forward, "no_sync") and k < len(batches) - 1 else contextlib.nullcontext():
             yield batch
 
 
+@contextlib.contextmanager
+def reference_weights(model, reference):
+    """The KL's pi_ref, AR or DiT: `reference`, the frozen initial weights (full fine-tuning), or with LoRA
+    (reference None) `model` itself, adapters off."""
+    adapters = lora_layers(model) if reference is None else []
+    for layer in adapters:
+        layer.enable_adapters(False)
+    try:
+        yield model if reference is None else reference
+    finally:
+        for layer in adapters:
+            layer.enable_adapters(True)
+
+
+def reference_logprobs(trainer, rollout, args):
+    """log pi_ref [N, L] of the rollout's tokens, for the KL penalty (beta > 0)."""
+    with reference_weights(trainer.ar.model, trainer.ar.reference) as reference:
+        return logprobs_by_micro_batch(reference, rollout, trainer.sampling, args.micro_batch_size)
+
+
+def check_weights_finite(optimizer):      # a sum per tensor (no big temporary), of this rank's --fsdp shards
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    sums = [(p.to_local() if isinstance(p, DTensor) else p).detach().sum().float() for p in params]
+    if not all_ranks_agree(bool(torch.isfinite(torch.stack(sums)).all())):
+        raise UsageError("the update made the weights non-finite (--lr too large?); the last checkpoint is intact")
+
+
+@dataclass
+class Half:
+    """A trained half, the AR or the DiT: its params, the `forward` its training pass calls (itself or its DDP
+    wrapper), its frozen KL `reference` (None: LoRA's adapters off, or no KL)."""
+    model: torch.nn.Module
+    forward: object
+    params: list
+    reference: object = None
+
+
+@dataclass
+class Trainer:
+    """What the loop carries: the pipeline, the sampled policy, AdamW and its schedule, each trained Half."""
+    pipe: object  # GlmImagePipeline
+    sampling: SamplingParams
+    optimizer: torch.optim.Optimizer = None
+    lr_scheduler: object = None
+    trained: torch.nn.Module = None       # what checkpoints hold: the AR, or {AR, DiT}
+    ar: Half = None                       # None: --policy dit
+    dit: Half = None                      # None: --policy ar
+    rewards: list = None                  # the --reward plug-ins (section 6)
+    dit_rewards: list = None              # the --dit-reward ones (none: the DiT trains on `rewards`)
+    prompt_len: int = None                # run_prompt_len
+    decoder: object = None                # a FastDecoder
+    prompt_tokens: dict = None            # --policy dit: prompt index -> its token grid (shared_prompt_tokens)
+
+
+def setup_training(args, rewards, dit_rewards=(), items=None):
+    """Loads the model, marks what trains, one AdamW (a param group per half) and its learning-rate schedule."""
+    from diffusers.optimization import get_scheduler
+    from diffusers.training_utils import set_seed
+
+    pipe = load_pipeline(args)
+    set_seed(args.seed)  # after loading: the same sampling stream however the model was made
+    ar, dit = pipe.vision_language_encoder, pipe.transformer
+    trainer = Trainer(pipe, sampling_policy(pipe, args), rewards=rewards, dit_rewards=dit_rewards,
+                      prompt_len=items and run_prompt_len(pipe, items, args), decoder=FastDecoder(ar.device),
+                      prompt_tokens={})
+    ar.generation_config = policy_generation_config(ar, trainer.sampling)  # what a saved pipeline samples
+    # beta > 0, full fine-tuning: a frozen copy is the KL reference (at 9B use LoRA instead)
+    frozen_copy = lambda model, lora: copy.deepcopy(model).requires_grad_(False) if args.beta > 0 and not lora else None
+    groups, trained = [], {}
+    if args.policy != "dit":
+        reference = frozen_copy(ar, args.lora_rank)
+        trainer.ar = Half(ar, *distribute(ar, prepare_policy(ar, args), args, reference), reference)
+        groups.append({"params": trainer.ar.params, "lr": args.lr})
+        trained["vision_language_encoder"] = ar
+    if args.policy != "ar":
+        reference = frozen_copy(dit, args.dit_lora_rank)
+        trainer.dit = Half(dit, *distribute(dit, prepare_dit_policy(dit, args), args, reference), reference)
+        groups.append({"params": trainer.dit.params, "lr": args.dit_lr})
+        trained["transformer"] = dit
+    trainer.trained = ar if args.policy == "ar" else torch.nn.ModuleDict(trained)
+    trainer.optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay)
+    # stepped once per GRPO step; diffusers' 'constant' ignores warm-up, 'constant_with_warmup' does not
+    warmup = args.lr_scheduler == "constant" and args.lr_warmup_steps
+    trainer.lr_scheduler = get_scheduler("constant_with_warmup" if warmup else args.lr_scheduler, trainer.optimizer,
+                                         num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.steps)
+    return trainer
+
+
+# ---- For section 19: a run of non-finite steps ----
 def non_finite_streak(bad_steps, row, out, args, start):
     """Rows of the last steps in a row that updated nothing: 5 (or all of a shorter run) stop the run."""
     bad_steps = bad_steps + [row] if row["skipped_updates"] == args.inner_epochs else []
@@ -1582,6 +1665,17 @@ CONSOLE_FIELDS = ("loss {loss:+.4f}", "dit loss {dit/loss:+.3e}", "reward {rewar
                   "zero_std {frac_reward_zero_std:.2f}", "{seconds:.2f}s")
 
 
+def reward_metrics(rewards, per_reward, group_size):
+    groups = rewards.view(-1, group_size)  # [P, G]
+    kept = groups.isfinite().all(dim=1)  # [P]
+    return {"reward_mean": groups[kept].mean().item(),
+            # the MEAN WITHIN-GROUP std (what the advantages divide by); TRL now logs the batch std by this name
+            "reward_std": groups.std(dim=1)[kept].mean().item(),
+            "frac_reward_zero_std": (groups.amax(dim=1) == groups.amin(dim=1)).float().mean().item(),  # tied
+            "frac_reward_nonfinite": 1 - kept.float().mean().item(),  # left out
+            **{f"rewards/{name}": value.mean().item() for name, value in per_reward.items()}}
+
+
 def start_logging(args, trainer, out, start):
     """Prints the run's settings; returns --report-to's accelerate tracker (none: None)."""
     trainable = sum(p.numel() for p in trainer.trained.parameters() if p.requires_grad)
@@ -1774,6 +1868,7 @@ class Run:
             return
         self.trainer = setup_training(args, rewards, dit_rewards)
         check_prompt_lengths(self.trainer.pipe, items + self.eval_items, args)
+        self.trainer.prompt_len = run_prompt_len(self.trainer.pipe, items, args)
         if args.mode == "i2i":
             check_source_size(self.trainer.pipe.processor.image_processor, args.height, args.width)
         resume.restore(self.trainer, out)
@@ -1787,7 +1882,6 @@ class Run:
             self.closing.callback(self.tracker.finish if self.tracker else lambda: None)
         for s in (signal.SIGINT, signal.SIGTERM):
             self.closing.callback(signal.signal, s, signal.signal(s, self.request))
-        self.trainer.before_update = self.vote
         # a step whose updates were all skipped never called optimizer.step() before lr_scheduler.step()
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
         if self.eval_items and self.start % args.eval_every == 0 and max_over_ranks(self.lead and not any(
@@ -1858,13 +1952,12 @@ class Run:
             print(f"eval at step {step}: {len(items)} prompts x {G} samples ...", flush=True)
         texts, sources = [it.text for it in items], [it.image("source") for it in items] if args.mode == "i2i" else None
         ar, mine = pipe.vision_language_encoder, np.array_split(range(len(items)), world_size())[rank()].tolist()
-        prompts, own, longest = [texts[i] for i in mine], sources and [sources[i] for i in mine], processor_inputs(
-            pipe, texts, sources, args.height, args.width, "cpu")["input_ids"].shape[1]
+        prompts, own = [texts[i] for i in mine], sources and [sources[i] for i in mine]
         ar.eval()
         with whole_weights(ar) as sharded:
-            rollout = sample_groups(pipe, prompts, G, sampling_of(ar), args.height, args.width, "target", own,
-                                   [seeded(args.seed, "tokens", -1, i, ar.device) for i in mine], longest + 1,
-                                   not sharded)
+            rollout = sample_groups(pipe, prompts, G, self.trainer.sampling, args.height, args.width, "target", own,
+                                    [seeded(args.seed, "tokens", -1, i, ar.device) for i in mine],
+                                    run_prompt_len(pipe, items, args), None if sharded else self.trainer.decoder)
         noise = group_noise(pipe, mine, G, args.height, args.width, args.seed, -1, "per-step")  # [n, C, h, w]
         images = decode_images(pipe, prompts, own, rollout, noise, args.eval_num_inference_steps, args.guidance_scale)
         targets = batch_targets([items[i] for i in mine])
@@ -1909,7 +2002,7 @@ class Run:
                 print(f"{signal.Signals(seen).name} on another rank: stopping", file=sys.stderr, flush=True)
         return self.signum is not None
 
-    def vote(self):  # trainer.before_update
+    def vote(self):  # grpo_step's before_update
         if self.agree():
             raise AbandonStep
 
@@ -2144,8 +2237,7 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
         processor=GlmImageProcessor(image_processor, tokenizer, chat_template=TINY_CHAT_TEMPLATE), vae=colour_vae(),
         tokenizer=ByT5Tokenizer(), text_encoder=text_encoder.eval(), vision_language_encoder=ar,
         transformer=transformer.eval(), scheduler=FlowMatchEulerDiscreteScheduler())
-    suppressed = image_token_suppression(ar, TINY_CODEBOOK)      # the policy's sampler, as load_pipeline sets it
-    ar.generation_config = policy_generation_config(ar, SamplingParams(suppressed=suppressed))
+    ar.generation_config = policy_generation_config(ar, SamplingParams(codebook=TINY_CODEBOOK))  # as training's
     return pipe
 
 
@@ -2210,7 +2302,7 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
     """`--model tiny`'s directory, keyed by all that shapes it, built once, saved as a checkpoint is (section 24)."""
     code = [inspect.getsource(f) for f in (build_tiny_pipeline, colour_vae, random_mosaics, train_tiny_renderer,
                                             dit_schedule, dit_condition, dit_velocity, write_source_caches,
-                                            policy_generation_config, image_token_suppression, SamplingParams)]
+                                            policy_generation_config, SamplingParams)]
     key = [seed, settings, code, TINY_VISION_VOCAB, TINY_PALETTE.tolist(), TINY_CHAT_TEMPLATE, REAL_IMAGE_PROCESSOR,
            *(importlib.import_module(m).__version__ for m in ("torch", "diffusers", "transformers"))]
     root = Path(os.environ.get("GRPO_GLM_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
@@ -2297,9 +2389,9 @@ def all_ranks_agree(flag):
 
 
 def reduce_metrics(row):
-    """A metrics row averaged over ranks (logp_diff_max: the max): ranks hold equal samples, so means average."""
+    """A metrics row averaged over ranks (a *_max: the max): ranks hold equal samples, so means average."""
     rows = from_every_rank(row)
-    return {k: type(v)((max if k.endswith("logp_diff_max") else np.mean)([float(r[k]) for r in rows]))
+    return {k: type(v)((max if k.endswith("_max") else np.mean)([float(r[k]) for r in rows]))
             for k, v in row.items()}
 
 
