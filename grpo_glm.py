@@ -1274,7 +1274,6 @@ def parse_args(argv=None):
     a = p.add_argument_group("held-out evaluation (Run.evaluate)").add_argument
     a("--eval-prompts", default=None, help="A --prompts file, evaluated at step 0, every --eval-every, at the end.")
     a("--eval-every", type=count, default=None, help="Steps between evaluations (default: --save-every).")
-    a("--eval-group-size", type=number(int, least=2), default=None, help="Samples per prompt (default: G).")
     a("--eval-num-inference-steps", type=count, default=None, help="The eval's DiT steps (default: the model's own).")
     a = p.add_argument_group("hardware and memory").add_argument
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
@@ -1293,10 +1292,9 @@ def parse_args(argv=None):
     if known.model != TINY:
         p.set_defaults(**pretrained_defaults(known))      # those above are the tiny demo's
     args = p.parse_args(argv)
-    if not args.eval_prompts and (args.eval_every or args.eval_group_size or args.eval_num_inference_steps):
-        raise UsageError("--eval-every, --eval-group-size and --eval-num-inference-steps need --eval-prompts")
+    if not args.eval_prompts and (args.eval_every or args.eval_num_inference_steps):
+        raise UsageError("--eval-every and --eval-num-inference-steps need --eval-prompts")
     args.reward, args.eval_every = args.reward or ["mse"], args.eval_every or args.save_every
-    args.eval_group_size = args.eval_group_size or args.group_size
     args.eval_num_inference_steps = args.eval_num_inference_steps or p.get_default("num_inference_steps")
     return args
 
@@ -1922,17 +1920,18 @@ class Run:
         if stopping:
             self.stop(step)
 
-    def log(self, row, step):  # a step's row, or an eval's (keys eval/...: no console line)
-        args, metrics = self.args, self.out / "metrics.jsonl"
+    def log(self, row, step):  # a step's row, or an eval's (its keys eval/...)
+        args, metrics, held_out = self.args, self.out / "metrics.jsonl", "eval/seconds" in row
         finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
         with open(metrics, "a", encoding="utf-8") as f:  # NaN, inf -> null: JSON has no NaN
             f.write(json.dumps(finite, allow_nan=False) + "\n")
         if self.tracker:
             self.tracker.log({k: v for k, v in row.items() if k != "step"}, step)
-        if "seconds" not in row:
+        shown = {k.removeprefix("eval/"): v for k, v in row.items()}
+        fields = [f.format_map(shown) for f in CONSOLE_FIELDS if all(k in shown for k in re.findall(r"{([^:]+):", f))]
+        print(f"{'eval' if held_out else 'step'} {step:4d}/{args.steps} | " + " | ".join(fields), flush=True)
+        if held_out:
             return
-        fields = [f.format_map(row) for f in CONSOLE_FIELDS if all(k in row for k in re.findall(r"{([^:]+):", f))]
-        print(f"step {step:4d}/{args.steps} | " + " | ".join(fields), flush=True)
         # entropy's yardstick: its most, log(kept ids); top-p keeps no fixed number: step 1's entropy (if > 0)
         codebook = self.trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size
         scale = math.log(min(args.top_k or math.inf, codebook))
@@ -1942,14 +1941,15 @@ class Run:
         self.warned = warn_if_collapsed(row, self.warned, scale)
 
     def evaluate(self, step):
-        """EVAL: each --eval-prompts line's --eval-group-size samples, from seeds no training step uses (step -1),
-        the same at every evaluation, decoded at --eval-num-inference-steps. Each rank samples a block of the lines,
-        padded as all are (alike on any world size); rank 0 logs the gathered rewards (eval/ row) and the sheet."""
+        """EVAL: each --eval-prompts line's G samples, from seeds no training step uses (step -1), the same at every
+        evaluation, decoded at --eval-num-inference-steps. Each rank samples a block of the lines, padded as all
+        are (alike on any world size); rank 0 logs the gathered rewards (an eval/ row) and draws the sheet."""
         from torch.utils._pytree import tree_map
 
-        args, pipe, items, t0, G = self.args, self.trainer.pipe, self.eval_items, time.time(), self.args.eval_group_size
+        args, pipe, items, t0, G = self.args, self.trainer.pipe, self.eval_items, time.time(), self.args.group_size
+        sheet = self.out / "samples" / f"eval_step_{step:06d}.png"
         if self.lead:
-            print(f"eval at step {step}: {len(items)} prompts x {G} samples ...", flush=True)
+            print(f"eval at step {step}: {len(items)} held-out prompts x {G} samples -> {sheet} ...", flush=True)
         texts, sources = [it.text for it in items], [it.image("source") for it in items] if args.mode == "i2i" else None
         ar, mine = pipe.vision_language_encoder, np.array_split(range(len(items)), world_size())[rank()].tolist()
         prompts, own = [texts[i] for i in mine], sources and [sources[i] for i in mine]
@@ -1962,17 +1962,13 @@ class Run:
         images = decode_images(pipe, prompts, own, rollout, noise, args.eval_num_inference_steps, args.guidance_scale)
         targets = batch_targets([items[i] for i in mine])
         scored = (repeat_each(prompts, G), None if targets is None else targets.repeat_interleave(G, 0))
-        halves = {"eval/": self.trainer.rewards, "eval/dit/": self.trainer.dit_rewards}
-        parts = from_every_rank((images, {k: compute_rewards(rs, images, *scored) for k, rs in halves.items() if rs}))
+        parts = from_every_rank((images, compute_rewards(self.trainer.rewards, images, *scored)))
         if self.lead:    # the ranks' blocks joined, in prompt order
-            images, scores = tree_map(lambda *blocks: torch.cat(blocks), *parts)
-            row = {p + k: v for p, s in scores.items() for k, v in reward_metrics(*s, G).items()}
+            images, (rewards, per_reward) = tree_map(lambda *blocks: torch.cat(blocks), *parts)
+            row = {"eval/" + k: v for k, v in reward_metrics(rewards, per_reward, G).items()}
             self.log({"step": step, **row, "eval/seconds": round(time.time() - t0, 3)}, step)
-            sheet = self.out / "samples" / f"eval_step_{step:06d}.png"
-            save_sample_grid(sheet, texts, batch_targets(items), images, scores["eval/"][0], G, sources,
-                             tracker=self.tracker, step=step, name="eval/samples")
-            print(f"eval at step {step}: reward {row['eval/reward_mean']:.5f} ± {row['eval/reward_std']:.5f}, "
-                  f"{time.time() - t0:.1f}s, {sheet}", flush=True)
+            save_sample_grid(sheet, texts, batch_targets(items), images, rewards, G, sources, tracker=self.tracker,
+                             step=step, name="eval/samples")
 
     def save(self, step, rng=None):
         self.last_saved = step
@@ -2690,9 +2686,9 @@ def print_memory_plan(args):
 # ==== 24. Saving and using the trained model (--save-pipeline, generate_images) ===================
 
 def save_trained_pipeline(pipe, args):
-    """A pipeline from_pretrained loads with no adapter code: each LoRA merged (W += B @ A * alpha / r), its
-    wrapper swapped back for the base Linear (as diffusers' unload_lora does). The AR's generation config holds
-    the trained sampler (load_pipeline) and, for generate_images, the decode. Written whole, or not at all."""
+    """A pipeline from_pretrained loads with no adapter code, written whole or not at all: each LoRA merged (W +=
+    B @ A * alpha / r), its wrapper swapped back for the base Linear (as diffusers' unload_lora does). The AR's
+    generation config holds the trained sampler and decode (generate_images' defaults)."""
     from diffusers.utils import recurse_remove_peft_layers
 
     for model in (pipe.vision_language_encoder, pipe.transformer):
@@ -2717,11 +2713,10 @@ def generate_images(pipe, prompts, sources=None, height=None, width=None, num_in
                     guidance_scale=None, temperature=None, seed=0):
     """One PIL image per prompt (an edit of its PIL source, if given) from the saved policy (at `temperature` if
     given); prompt k's tokens and noise seeded by (seed, k). Unset: the decode `pipe` trained at, else 64, 64, 4, 1."""
-    run = {"height": 64, "width": 64, "num_inference_steps": 4, "guidance_scale": 1.0,  # save_trained_pipeline's
-           **getattr(pipe.vision_language_encoder.generation_config, "trained_decode", {})}
-    height, width, num_inference_steps = height or run["height"], width or run["width"], num_inference_steps or run[
-        "num_inference_steps"]
-    guidance_scale = guidance_scale or run["guidance_scale"]
+    trained = getattr(pipe.vision_language_encoder.generation_config, "trained_decode", {})  # save_trained_pipeline's
+    height, width = height or trained.get("height", 64), width or trained.get("width", 64)
+    num_inference_steps = num_inference_steps or trained.get("num_inference_steps", 4)
+    guidance_scale = guidance_scale or trained.get("guidance_scale", 1.0)
     if height % 32 or width % 32:
         raise ValueError(f"height and width must be multiples of 32, got {height}x{width}")
     if sources is not None and len(sources) != len(prompts):

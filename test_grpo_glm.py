@@ -67,11 +67,11 @@ def deterministic(rows):
 
 
 def eval_flags(tmp_path, lines=1):
-    """--eval-prompts: held-out lines (their targets drawn from the words), 2 samples each, every 2 steps."""
+    """--eval-prompts: held-out lines (their targets drawn from the words), evaluated every 2 steps."""
     path = tmp_path / "held_out.txt"
     held_out = ["a blue square on a yellow background", "a green triangle on a black background"]
     path.write_text("".join(line + "\n" for line in held_out[:lines]))
-    return ["--eval-prompts", str(path), "--eval-group-size", "2", "--eval-every", "2"]
+    return ["--eval-prompts", str(path), "--eval-every", "2"]
 
 
 def eval_rows(rows):
