@@ -1269,10 +1269,8 @@ def parse_args(argv=None):
     a("--report-to", choices=["none", "tensorboard", "wandb"], default="none", help="Also log to TensorBoard/W&B.")
     a("--resume", default=None, help="Checkpoint to continue from, or 'latest' in --out.")
     a("--resume-force", action="store_true", help="Resume even if algorithm flags differ from the checkpoint.")
-    a("--save-pipeline", default=None, help="Write the trained pipeline here (LoRA merged); --resume'd at --steps: "
-      "the checkpoint's.")
-    a = p.add_argument_group("held-out evaluation (Run.evaluate)").add_argument
-    a("--eval-prompts", default=None, help="A --prompts file, evaluated at step 0, every --eval-every, at the end.")
+    a("--save-pipeline", default=None, help="Write the trained pipeline here (LoRA merged), or a finished --resume's.")
+    a("--eval-prompts", default=None, help="Held-out --prompts, sampled at step 0, every --eval-every and the end.")
     a("--eval-every", type=count, default=None, help="Steps between evaluations (default: --save-every).")
     a("--eval-num-inference-steps", type=count, default=None, help="The eval's DiT steps (default: the model's own).")
     a = p.add_argument_group("hardware and memory").add_argument
@@ -1857,8 +1855,8 @@ class Run:
             print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} prompt(s) of {args.prompts}"
                   ": each step's prompts repeat lines of the file")
         rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [])
-        require_targets(items + self.eval_items, [r.name for r in rewards + dit_rewards
-                                                  if getattr(r.fn, "uses_targets", False)])
+        readers = [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)]
+        require_targets(items + self.eval_items, readers)
         args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
         resume = Resume(args, out)  # its refusals: under the lock, before any model loads
         self.start = self.last_saved = resume.step
@@ -1944,8 +1942,6 @@ class Run:
         """EVAL: each --eval-prompts line's G samples, from seeds no training step uses (step -1), the same at every
         evaluation, decoded at --eval-num-inference-steps. Each rank samples a block of the lines, padded as all
         are (alike on any world size); rank 0 logs the gathered rewards (an eval/ row) and draws the sheet."""
-        from torch.utils._pytree import tree_map
-
         args, pipe, items, t0, G = self.args, self.trainer.pipe, self.eval_items, time.time(), self.args.group_size
         sheet = self.out / "samples" / f"eval_step_{step:06d}.png"
         if self.lead:
@@ -1962,9 +1958,10 @@ class Run:
         images = decode_images(pipe, prompts, own, rollout, noise, args.eval_num_inference_steps, args.guidance_scale)
         targets = batch_targets([items[i] for i in mine])
         scored = (repeat_each(prompts, G), None if targets is None else targets.repeat_interleave(G, 0))
-        parts = from_every_rank((images, compute_rewards(self.trainer.rewards, images, *scored)))
+        parts = from_every_rank((images, *compute_rewards(self.trainer.rewards, images, *scored)))
         if self.lead:    # the ranks' blocks joined, in prompt order
-            images, (rewards, per_reward) = tree_map(lambda *blocks: torch.cat(blocks), *parts)
+            images, rewards = (torch.cat([part[i] for part in parts]) for i in (0, 1))
+            per_reward = {name: torch.cat([part[2][name] for part in parts]) for name in parts[0][2]}
             row = {"eval/" + k: v for k, v in reward_metrics(rewards, per_reward, G).items()}
             self.log({"step": step, **row, "eval/seconds": round(time.time() - t0, 3)}, step)
             save_sample_grid(sheet, texts, batch_targets(items), images, rewards, G, sources, tracker=self.tracker,
