@@ -21,8 +21,9 @@ pushes the policy up on better-than-average samples with PPO's clipped surrogate
 2017), optionally with a KL penalty towards the initial model.
 
 Reading map: Part I (sections 1-11) is GRPO on the AR in the order a step runs; Part II (12-13)
-Flow-GRPO on the DiT (--policy dit|both); Part III (14-25) is plumbing. The pure functions (mse_reward,
-group_advantages, token_logprobs, grpo_loss, sde_step, dit_kl) need only torch and math: copy them out (tested).
+Flow-GRPO on the DiT (--policy dit|both); Part III (14-25) is plumbing, GLM-Image's machinery first. The pure
+functions (mse_reward, group_advantages, token_logprobs with policy_scores, grpo_loss, sde_step, dit_kl) need only
+torch: copy them out (tested).
 Symbols: N samples in a batch (P x G), P prompts, G group size, S prompt tokens (padded), L generated tokens,
 H x W target grid in tokens (image side / 32), V vocabulary, K denoising steps, T of them trained.
 """
@@ -186,7 +187,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0          # keep the k likeliest ids (0: all)
     top_p: float = 1.0      # of those, the fewest whose probability adds up to p (1: all)
-    codebook: int = 0       # ids >= it (image start/end...) never drawn: the DiT would crash on them
+    codebook: int = 0       # ids >= it (image start, end...) never drawn: they crash the DiT
 
 
 def at_least_fp32(x):
@@ -228,10 +229,10 @@ def sample_groups(pipe, prompts, group_size, sampling, height, width, loss_token
     k draws from generators[k] alone (default: seeded off the global RNG). decoder: decode_loop on a
     fresh static KV cache, or a run's FastDecoder (section 14): the same tokens, faster."""
     ar = pipe.vision_language_encoder
-    generators = generators or [torch.Generator(ar.device).manual_seed(int(torch.randint(2**62, ())))
-                                for _ in prompts]
-    batch, source_prior, grids = generation_inputs(pipe, prompts, sources, group_size, height, width,
-                                                   prompt_len)  # left-padded to prompt_len
+    seed = lambda: int(torch.randint(2**62, ()))
+    generators = generators or [torch.Generator(ar.device).manual_seed(seed()) for _ in prompts]
+    batch, source_prior, grids = generation_inputs(pipe, prompts, sources, group_size, height,
+                                                   width, prompt_len)  # left-padded to prompt_len
     (H, W), L, prompt_len = grids[-1], sum(h * w for h, w in grids) + 1, batch["input_ids"].shape[1]
     positions = rollout_positions(ar, batch, grids)  # [3, N, S + L - 1]
     mask = torch.nn.functional.pad(batch["attention_mask"], (0, L - 1), value=1)  # [N, S + L - 1]
@@ -243,8 +244,8 @@ def sample_groups(pipe, prompts, group_size, sampling, height, width, loss_token
     offset = L - 1 - H * W  # the target grid: last before the end slot
     loss_mask = torch.zeros_like(generated, dtype=torch.float32)
     loss_mask[:, (offset if loss_tokens == "target" else 0): offset + H * W] = 1.0  # never the end
-    return Rollout(torch.cat([batch["input_ids"], generated], 1), mask, positions, old_logp, loss_mask,
-                   generated[:, offset: offset + H * W], (H, W), prompt_len, source_prior)
+    return Rollout(torch.cat([batch["input_ids"], generated], 1), mask, positions, old_logp,
+                   loss_mask, generated[:, offset: offset + H * W], (H, W), prompt_len, source_prior)
 
 
 def sample_tokens(trainer, prompts, sources, slots, step, args):
@@ -254,13 +255,14 @@ def sample_tokens(trainer, prompts, sources, slots, step, args):
     generators = [seeded(args.seed, "tokens", step, slot, ar.device) for slot in slots]
     ar.eval()
     with whole_weights(ar) as sharded:  # --fsdp: sampled eagerly, through its hooks
-        rollout = sample_groups(trainer.pipe, prompts, args.group_size, trainer.sampling, args.height,
-                                args.width, args.loss_tokens, sources, generators, trainer.prompt_len,
-                                None if sharded else trainer.decoder)
+        rollout = sample_groups(trainer.pipe, prompts, args.group_size, trainer.sampling,
+                                args.height, args.width, args.loss_tokens, sources, generators,
+                                trainer.prompt_len, None if sharded else trainer.decoder)
         # pi_old is the loss's own pass, micro-batch for micro-batch, so the first pass's ratio is 1
         # bit for bit. The sampler's kernels differ (~1e-2 in bf16, ~1e-6 in fp32): logged as a gap.
         sampler_logp = rollout.old_logp
-        rollout.old_logp = logprobs_by_micro_batch(ar, rollout, trainer.sampling, args.micro_batch_size)
+        rollout.old_logp = logprobs_by_micro_batch(ar, rollout, trainer.sampling,
+                                                   args.micro_batch_size)
     gap = (rollout.old_logp - sampler_logp).abs()[rollout.loss_mask.bool()]
     rollout.sampler_gap = {"sampler_gap_max": gap.max().item(), "sampler_gap_mean": gap.mean().item()}
     return rollout
@@ -274,7 +276,8 @@ def group_noise(pipe, prompt_indices, group_size, height, width, seed, step, mod
     shape = (pipe.transformer.config.in_channels, height // pipe.vae_scale_factor,
              width // pipe.vae_scale_factor)
     step = 0 if mode == "per-prompt" else step
-    draws = [torch.randn(shape, generator=seeded(seed, "dit noise", step, i)) for i in prompt_indices]
+    draws = [torch.randn(shape, generator=seeded(seed, "dit noise", step, i))
+             for i in prompt_indices]
     return torch.stack(draws).repeat_interleave(group_size, 0)
 
 
@@ -288,7 +291,8 @@ def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps, g
                          sources, rollout.source_prior and rollout.source_prior[::G])  # Part II
     H, W = rollout.grid_hw
     schedule = dit_schedule(pipe, 32 * H, 32 * W, num_inference_steps)
-    return latents_to_images(pipe, sample_dit(pipe.transformer, cond, noise, schedule).states[:, -1])
+    latents = sample_dit(pipe.transformer, cond, noise, schedule).states[:, -1]  # Part II
+    return latents_to_images(pipe, latents)
 
 
 # ==== 6. REWARD ===================================================================================
@@ -320,7 +324,7 @@ def group_advantages(rewards, group_size, eps=1e-4):
     does one with a NaN or inf (left out: the others train). eps is not tiny on purpose: MSE
     rewards in a group can differ by 1e-4."""
     if rewards.ndim != 1 or rewards.numel() % group_size:
-        raise ValueError(f"got {rewards.numel()} rewards, not a multiple of group_size={group_size}")
+        raise ValueError(f"{rewards.numel()} rewards: not a multiple of group_size={group_size}")
     groups = rewards.view(-1, group_size)
     centred = groups - groups.mean(dim=1, keepdim=True)
     advantages = centred / (groups.std(dim=1, keepdim=True) + eps)
@@ -337,7 +341,7 @@ def policy_scores(logits, sampling, keep=None):
     update a sampled id may drop out, and log 0 has no gradient."""
     z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / sampling.temperature
     if sampling.codebook:
-        z[..., sampling.codebook:] = float("-inf")
+        z[..., sampling.codebook:].fill_(float("-inf"))  # fill_: no scalar tensor from the host
     k, p = sampling.top_k, sampling.top_p
     if not (k or p < 1):
         return z
@@ -350,7 +354,7 @@ def policy_scores(logits, sampling, keep=None):
             if p < 1:  # ascending (the warper's tie order): drop while the mass so far is <= 1 - p
                 ascending, order = torch.sort(rows.masked_fill(dropped, float("-inf")), dim=-1)
                 tail = ascending.softmax(-1).cumsum(-1) <= 1 - p
-                tail[..., -1] = False  # never the largest
+                tail[..., -1].fill_(False)  # never the largest
                 dropped |= tail.scatter(-1, order, tail)
             parts.append(dropped)
         dropped = torch.cat(parts).view_as(z)
@@ -375,11 +379,13 @@ def policy_logits(ar, rollout):
     generated tokens."""
     num_generated = rollout.sequences.shape[1] - rollout.prompt_len
     return ar(input_ids=rollout.sequences[:, :-1], attention_mask=rollout.attention_mask,
-              position_ids=rollout.position_ids, logits_to_keep=num_generated, use_cache=False).logits
+              position_ids=rollout.position_ids, logits_to_keep=num_generated,
+              use_cache=False).logits
 
 
 def policy_logprobs(ar, rollout, sampling):
-    return token_logprobs(policy_logits(ar, rollout), rollout.sequences[:, rollout.prompt_len:], sampling)
+    generated = rollout.sequences[:, rollout.prompt_len:]
+    return token_logprobs(policy_logits(ar, rollout), generated, sampling)
 
 
 # ==== 9. Loss =====================================================================================
@@ -425,7 +431,7 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
 def grpo_update(trainer, rollout, advantages, args, learns=True, dit=None):
     """mu = --inner-epochs AdamW steps on one batch -> the step's metrics. rollout: the AR's (None:
     it does not train); dit: (DiT rollout, its advantages) when it trains (Part II adds its loss).
-    Pass 1 runs at pi_old: its ratio is 1."""
+    """
     ar, sampling, optimizer, passes = trainer.ar, trainer.sampling, trainer.optimizer, []
     if rollout is not None:
         ref_logp = reference_logprobs(trainer, rollout, args) if args.beta > 0 else None  # [N, L]
@@ -438,8 +444,9 @@ def grpo_update(trainer, rollout, advantages, args, learns=True, dit=None):
             part = slice_rollout(rollout, rows)  # its rows, less padding none of them needs
             logits = policy_logits(ar.forward, part)  # [n, L, V]
             logp = token_logprobs(logits, part.sequences[:, part.prompt_len:], sampling)  # [n, L]
+            ref = None if ref_logp is None else ref_logp[rows]
             loss, terms = grpo_loss(logp, part.old_logp, advantages[rows], part.loss_mask,
-                                    args.clip_eps, args.beta, None if ref_logp is None else ref_logp[rows])
+                                    args.clip_eps, args.beta, ref)
             weight = (part.loss_mask.sum() / tokens).item()  # the shares add up to 1
             (loss * weight).backward()  # one micro-batch's graph alive at a time
             if epoch == 0:  # at pi_old: a live check of the bookkeeping, and entropy collapse
@@ -476,7 +483,7 @@ def update_allowed(metrics, learns):
 
 
 def update_row(passes):
-    """The step's metrics: the stepped passes' means; first-pass-only ones from pass 1; skip counts."""
+    """The step's metrics: the stepped passes' means, first-pass-only ones of pass 1, skips."""
     done = [m for m, stepped in passes if stepped]
     first_only = ("logp_diff_max", "entropy")
     row = {k: sum(m[k] for m in done) / len(done) if done else float("nan")
@@ -512,7 +519,8 @@ def grpo_step(trainer, items, indices, step, args, slots=None, before_update=lam
     noise = group_noise(pipe, indices, G, args.height, args.width, args.seed, step, args.dit_noise)
     # ---- DECODE: images [N, 3, H, W] (--policy dit|both: G SDE trajectories, Part II) ----
     if trainer.dit:
-        dit_run = sample_dit_trajectories(pipe, prompts, sources, rollout, noise, indices, step, args)
+        dit_run = sample_dit_trajectories(pipe, prompts, sources, rollout, noise, indices, step,
+                                          args)
         images = dit_run.images
     else:
         images = decode_images(pipe, prompts, sources, rollout, noise, args.num_inference_steps,
@@ -522,11 +530,13 @@ def grpo_step(trainer, items, indices, step, args, slots=None, before_update=lam
     rewards, per_reward = compute_rewards(trainer.rewards, images, *scored)
     # ---- ADVANTAGE: A [N], each reward standardised within its group ----
     advantages = dit_advantages = group_advantages(rewards, G)
-    row = {"step": step, **reward_metrics(rewards, per_reward, G), **(trainer.ar and rollout.sampler_gap or {})}
+    row = {"step": step, **reward_metrics(rewards, per_reward, G)}  # LOG (section 18)
+    row.update(rollout.sampler_gap if trainer.ar else {})
     if trainer.dit_rewards:  # --dit-reward: the DiT's own (decoupled RL, section 12)
         dit_rewards, dit_per_reward = compute_rewards(trainer.dit_rewards, images, *scored)
         dit_advantages = group_advantages(dit_rewards, G)
-        row.update({"dit/" + k: v for k, v in reward_metrics(dit_rewards, dit_per_reward, G).items()})
+        dit_row = reward_metrics(dit_rewards, dit_per_reward, G)
+        row.update({"dit/" + k: v for k, v in dit_row.items()})
     # ---- UPDATE: mu passes over the batch, each trained half adding its loss ----
     before_update()  # a stop signal before this point drops the step (section 19)
     learns = min(row["frac_reward_nonfinite"], row.get("dit/frac_reward_nonfinite", 1)) < 1
@@ -670,8 +680,8 @@ def dit_velocity(dit, latents, t, cond, caches):
 
 
 def sde_step(v, x, sigmas, i, noise_level, eps=None, x_next=None):
-    """The step above, from x = x_i (fp32 [N, C, h, w]) -> (x', logp [N], mean, std = std_t sqrt(-dt)), as
-    flow_grpo's sde_step_with_logprob; given `x_next` instead of `eps`, it scores that stored transition. logp:
+    """The step above, from x = x_i (fp32 [N, C, h, w]) -> (x', logp [N], mean, std = std_t sqrt(-dt), the
+    Gaussian's; flow_grpo's sde_step_with_logprob returns std_t); given `x_next`, it scores that stored step. logp:
     Normal.log_prob (flow_grpo's formula op for op; unvalidated: a NaN reaches grpo_update's skip) averaged over
     latent dims; None at noise_level 0. flow_grpo puts sigmas[1] for sigma = 1, where 1 - sigma is 0."""
     sigma, dt = sigmas[i], sigmas[i + 1] - sigmas[i]
@@ -698,7 +708,7 @@ def sample_dit(dit, cond, noise, schedule, noise_level=0.0, train_steps=0, gener
     x, states, logps = noise.to(sigmas.device, sigmas.dtype), [], []
     with whole_weights(dit):
         caches = write_source_caches(dit, cond)
-        for i, t in enumerate(timesteps):
+        for i, t in enumerate(progress(timesteps, "denoising")):
             states.append(x)
             v = dit_velocity(dit, x, t, cond, caches)
             if i < train_steps:
@@ -863,6 +873,10 @@ def pipeline_from_pretrained(args, dtype):
 
 def place_pipeline(pipe, args):
     """--offload: diffusers moves model_cpu_offload_seq's models to the GPU in turn; a trained half never moves."""
+    if args.device == "cuda" and args.policy == "ar":
+        # The frozen DiT renders every reward image: diffusers compiles its 30 like blocks as one (regional). Not a
+        # DiT that trains: compiled and eager forwards differ by ~1e-5, and its first ratio must be exactly 1.
+        pipe.transformer.compile_repeated_blocks()
     if not args.offload:
         pipe.to(args.device)
         return
@@ -1017,25 +1031,18 @@ class FastDecoder:
         if not self.announced and rank() == 0:
             print(f"compiling the decode step for {mask.shape[0]} rows (once per run; about a minute or two on a "
                   "GPU)", flush=True)
-        self.announced = True
-        return decode_loop(ar, ids, positions, mask, num_tokens, ticking(uniforms, num_tokens), sampling, cache,
-                           self.forward)
+        self.announced, ticks = True, iter(progress(range(num_tokens), "sampling tokens"))
+        ticking = lambda: [next(ticks, None), uniforms()][1]  # drawn once a token
+        return decode_loop(ar, ids, positions, mask, num_tokens, ticking, sampling, cache, self.forward)
 
 
-def ticking(uniforms, total):
-    """`uniforms`, drawn once a token, ticking a progress bar on a terminal (the real model's steps take a while)."""
-    if not sys.stderr.isatty() or rank() != 0:
-        return uniforms
+def progress(steps, what):
+    """`steps`, ticking a bar on rank 0's terminal: a real model's phases take seconds."""
+    if not (sys.stderr.isatty() and rank() == 0):
+        return steps
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=total, desc="sampling tokens", leave=False, unit="tok")
-
-    def draw():
-        bar.update()
-        if bar.n == total:
-            bar.close()
-        return uniforms()
-    return draw
+    return tqdm(steps, desc=what, leave=False)
 
 
 # ---- For sections 8-11: micro-batches, the reference, the trainer ----

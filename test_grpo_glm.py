@@ -47,10 +47,15 @@ def tiny_model(seed=0):
     return pipe
 
 
+def _trainer(pipe, sampling, optimizer, params):
+    """A Trainer of the AR alone (grpo_update's and sample_tokens' view of one)."""
+    ar = pipe.vision_language_encoder
+    return g.Trainer(pipe, sampling, optimizer, ar=g.Half(ar, ar, params), decoder=g.FastDecoder(ar.device))
+
+
 def policy(pipe, temperature=1.0, **truncation):
     """The tiny AR's sampling policy at `temperature` (special ids suppressed), as training builds it."""
-    suppressed = g.image_token_suppression(pipe.vision_language_encoder, g.TINY_CODEBOOK)
-    return g.SamplingParams(temperature, suppressed=suppressed, **truncation)
+    return g.SamplingParams(temperature, codebook=g.TINY_CODEBOOK, **truncation)
 
 
 def run_cli(*args, timeout=300):
@@ -105,14 +110,14 @@ def test_group_advantages_constant_group_is_exactly_zero_despite_rounding():
 
 
 def test_pure_functions_copy_out():
-    """Each of the six, its source alone run in a namespace of torch and math, gives the in-file result
-    bit for bit (a NameError, if one still leaned on a helper of the file)."""
+    """Each of the six, its source alone (token_logprobs with policy_scores, which it calls) run in a
+    namespace of torch only, gives the in-file result bit for bit (a NameError, if one still leaned on a
+    helper of the file)."""
     gen = torch.Generator().manual_seed(0)
     x, v, noise = (torch.randn(4, 4, 2, 2, generator=gen) for _ in range(3))
     logp, old, ref = (torch.randn(4, 6, generator=gen) for _ in range(3))
     logits = (torch.randn(2, 5, g.TINY_VISION_VOCAB, generator=gen) * 3).bfloat16()
-    sampling = SimpleNamespace(temperature=0.7, top_k=20, top_p=0.8,
-                               suppressed=tuple(range(g.TINY_CODEBOOK, g.TINY_VISION_VOCAB)))
+    sampling = SimpleNamespace(temperature=0.7, top_k=20, top_p=0.8, codebook=g.TINY_CODEBOOK)
     sigmas = torch.linspace(1, 0, 5)
     calls = {g.mse_reward: (torch.rand(4, 3, 8, 8, generator=gen).bfloat16(), torch.rand(4, 3, 8, 8, generator=gen)),
              g.group_advantages: (torch.tensor([1.0, 2.0, 4.0, 3.0, 3.0, 3.0]), 3),
@@ -122,8 +127,9 @@ def test_pure_functions_copy_out():
              g.sde_step: (v, x, sigmas, 0, 0.7, noise),
              g.dit_kl: (x, v, torch.tensor(0.3))}
     for fn, args in calls.items():
-        namespace = {"torch": torch, "math": math}
-        exec(inspect.getsource(fn), namespace)
+        namespace = {"torch": torch}
+        for source in [g.policy_scores] * (fn is g.token_logprobs) + [fn]:
+            exec(inspect.getsource(source), namespace)
         copied, in_file = namespace[fn.__name__](*args), fn(*args)
         flat = lambda out: out if isinstance(out, tuple) else (out,)
         assert len(flat(copied)) == len(flat(in_file)), fn.__name__
@@ -137,7 +143,7 @@ def test_token_entropy_uniform_peaked_and_suppressed():
     h = g.token_entropy(logits, g.SamplingParams(1.0))
     torch.testing.assert_close(h[0, 0], torch.log(torch.tensor(8.0)))
     assert h[0, 1].abs() < 1e-6
-    torch.testing.assert_close(g.token_entropy(logits, g.SamplingParams(1.0, suppressed=(6, 7)))[0, 0], torch.log(torch.tensor(6.0)))
+    torch.testing.assert_close(g.token_entropy(logits, g.SamplingParams(1.0, codebook=6))[0, 0], torch.log(torch.tensor(6.0)))
     # a higher temperature flattens a peaked distribution
     assert g.token_entropy(logits, g.SamplingParams(100.0))[0, 1] > h[0, 1] + 1
 
@@ -209,7 +215,7 @@ def test_mse_reward():
 def test_token_logprobs_respects_temperature_and_suppression():
     logits = torch.tensor([[[2.0, 1.0, 0.0, 5.0]]])
     tokens = torch.tensor([[1]])
-    got = g.token_logprobs(logits, tokens, g.SamplingParams(2.0, suppressed=(3,)))
+    got = g.token_logprobs(logits, tokens, g.SamplingParams(2.0, codebook=3))
     expected = torch.log_softmax(torch.tensor([1.0, 0.5, 0.0]), -1)[1]
     assert got.item() == pytest.approx(expected.item(), abs=1e-6)
 
@@ -1063,8 +1069,7 @@ def test_lora_trains_only_adapters_and_reference_is_the_base_model():
     with g.reference_weights(ar, None) as reference:
         ref_logp = g.logprobs_by_micro_batch(reference, rollout, suppressed)
     torch.testing.assert_close(ref_logp, base_logp, atol=1e-5, rtol=0)
-    micro_batches = g.ar_micro_batches(ar, rollout, advantages, ref_logp, args, suppressed)
-    g.grpo_update(optimizer, [("", params, micro_batches)], args)
+    g.grpo_update(_trainer(pipe, suppressed, optimizer, params), rollout, advantages, args)   # its own ref_logp
     changed = {n for n, p in ar.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all("lora_" in n for n in changed)
     # after the update the adapters change the policy, the reference still equals the base model
@@ -1692,7 +1697,7 @@ def test_offload_hooks_only_the_frozen_parts_and_keep_training_exact():
         rows[offload] = [g.grpo_step(trainer, items, [0], step, args)[0] for step in (1, 2)]
         assert moves == []
         ar_device = next(pipe.vision_language_encoder.parameters()).device
-        assert all(p.device == ar_device for p in trainer.params)
+        assert all(p.device == ar_device for p in trainer.ar.params)
         assert all(s.device == ar_device for state in trainer.optimizer.state.values() for s in state.values()
                    if torch.is_tensor(s) and s.ndim)
     assert rows[True] == rows[False]
@@ -1891,7 +1896,7 @@ def generate_reference(pipe, prompts, group_size, sampling, height, width, sourc
         return (scores.double() / sampling.temperature).masked_fill(~kept, float("-inf")) - torch.log(-torch.log(u))
 
     config = GenerationConfig(do_sample=False, top_k=50, top_p=1.0, temperature=1.0, max_new_tokens=L, min_new_tokens=L,
-                              suppress_tokens=list(sampling.suppressed), eos_token_id=None,
+                              suppress_tokens=list(range(sampling.codebook, scores_vocab := ar.config.text_config.vision_vocab_size)), eos_token_id=None,
                               pad_token_id=ar.config.text_config.pad_token_id)
     sequences = ar.generate(**batch, generation_config=config, logits_processor=[gumbel])
     prompt_positions, _ = ar.model.get_rope_index(**batch)
@@ -1921,61 +1926,73 @@ def test_the_sampler_draws_what_generate_drew(sharp_pipe, mode):
 class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts the aten ops run, and the ones that read a value back to the host (a GPU sync)."""
     SYNCS = ("_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "unique", "_unique2")
+    # a tensor made from host data (a Python list as an index, torch.tensor(...)): on a GPU a copy
+    # from pageable memory, which waits for the stream
+    FROM_HOST = ("lift_fresh", "lift_fresh_copy")
 
     def __init__(self):
         super().__init__()
-        self.ops = self.syncs = 0
+        self.ops = self.syncs = self.from_host = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
         self.syncs += func.overloadpacket.__name__ in self.SYNCS
+        self.from_host += func.overloadpacket.__name__ in self.FROM_HOST
         return func(*args, **(kwargs or {}))
 
 
 def per_decode_step(ar, sample):
-    """(ops, syncs) between consecutive AR forwards after the prefill: one decode step each, all of it."""
+    """(ops, syncs, copies from host) between consecutive AR forwards after the prefill: one decode step each."""
     counter, marks = OpCounter(), []
-    hook = ar.register_forward_pre_hook(lambda module, args: marks.append((counter.ops, counter.syncs)))
+    hook = ar.register_forward_pre_hook(lambda module, args: marks.append((counter.ops, counter.syncs,
+                                                                           counter.from_host)))
     with counter:
         sample()
     hook.remove()
-    steps = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(marks[1:], marks[2:])]
+    steps = [tuple(y - x for x, y in zip(a, b)) for a, b in zip(marks[1:], marks[2:])]
     assert len(steps) >= 4 and len(set(steps)) == 1        # every decode step the same work
     return steps[0]
 
 
 def test_a_decode_step_reads_nothing_back_to_the_host(sharp_pipe):
-    """No .item(), .tolist(), nonzero or data-dependent branch in a decode step: on a GPU the host queues
-    step after step without waiting, which a CUDA graph needs."""
+    """No .item(), .tolist(), nonzero or data-dependent branch in a decode step, and no tensor made from
+    host data (a suppressed-id list as an index was one): on a GPU the host queues step after step
+    without waiting, which a CUDA graph needs. The plain loop and the FastDecoder alike."""
     with OpCounter() as control:
         torch.ones(2).sum().item()
-    assert control.syncs == 1
+    with OpCounter() as listed:
+        torch.ones(3)[..., [0, 2]] = 0.0
+    assert control.syncs == 1 and control.from_host == 0 and listed.from_host > 0
     prompts, sources = _two_groups("i2i")
     sampling = policy(sharp_pipe, 0.9, top_k=20, top_p=0.75)
-    ops, syncs = per_decode_step(sharp_pipe.vision_language_encoder, lambda: g.sample_groups(
-        sharp_pipe, prompts, 3, sampling, 96, 64, "all", sources))
-    assert syncs == 0 and ops > 50
+    for decoder in (None, g.FastDecoder(torch.device("cpu"))):
+        ops, syncs, from_host = per_decode_step(sharp_pipe.vision_language_encoder, lambda: g.sample_groups(
+            sharp_pipe, prompts, 3, sampling, 96, 64, "all", sources, decoder=decoder))
+        assert syncs == 0 and from_host == 0 and ops > 50
 
 
-def test_the_decode_step_compiles_to_one_graph(monkeypatch):
-    """torch.compile(fullgraph=True) of the decode step, LoRA and gradient checkpointing included: no graph
-    break (it would raise), one graph for all steps (a recompile would compile a second), and the eager loop's
-    tokens. The backend runs the traced graph as is (as backend="eager"): inductor's code generation takes 24-50 s."""
+def test_the_fast_decoder_compiles_once_per_run_and_draws_the_plain_loops_tokens():
+    """FastDecoder with torch.compile(fullgraph=True) of the decode step, LoRA and gradient checkpointing
+    included: 3 steps whose prompts differ in length, each padded to the run's length, give one graph (a
+    recompile would compile another; a graph break would raise), one KV cache reused, and decode_loop's
+    tokens on a fresh cache. The backend runs the traced graph as is (as backend="eager"): inductor's
+    code generation takes 24-50 s."""
     pipe, _, _ = _policy(lora_rank=4, gradient_checkpointing=True)
     prompts, sources = _two_groups("i2i")
-    sample = lambda: g.sample_groups(pipe, prompts, 2, policy(pipe, 0.9, top_p=0.75), 96, 64, "all", sources,
-                                    [torch.Generator().manual_seed(k) for k in range(2)])
-    eager, graphs, compile = sample(), [], torch.compile
-    backend = lambda gm, inputs: graphs.append(gm) or gm.forward              # counts the graphs compiled
+    graphs = []
     torch._dynamo.reset()
-    monkeypatch.setattr(torch, "compile", lambda fn, fullgraph, **cuda_only: compile(fn, fullgraph=fullgraph,
-                                                                                     backend=backend))
-    compiled = sample()
-    assert len(graphs) == 1 and compiled.sequences.shape[1] - compiled.prompt_len == 7       # 6 compiled steps
-    assert torch.equal(compiled.sequences, eager.sequences)
-    # the traced mask and attention sum in another order: the sampler's fp32 log-probs move by ~1e-6
-    # (training's pi_old comes from the teacher-forced pass, so its ratio stays exactly 1)
-    torch.testing.assert_close(compiled.old_logp, eager.old_logp, rtol=0, atol=1e-5)
+    fast = g.FastDecoder(torch.device("cpu"), backend=lambda gm, inputs: graphs.append(gm) or gm.forward)
+    sampling = policy(pipe, 0.9, top_p=0.75)
+    prompt_len = g.processor_inputs(pipe, prompts, sources, 96, 64, "cpu")["input_ids"].shape[1] + 1
+    for step, k in enumerate([0, 1, 0]):     # the short prompt, the long one, the short one
+        sample = lambda decoder: g.sample_groups(pipe, prompts[k:k + 1], 2, sampling, 96, 64, "all", sources[k:k + 1],
+                                                 [torch.Generator().manual_seed(step)], prompt_len, decoder)
+        eager, compiled = sample(None), sample(fast)
+        assert torch.equal(compiled.sequences, eager.sequences)
+        # the traced mask and attention sum in another order: the sampler's fp32 log-probs move by ~1e-6
+        # (training's pi_old comes from the teacher-forced pass, so its ratio stays exactly 1)
+        torch.testing.assert_close(compiled.old_logp, eager.old_logp, rtol=0, atol=1e-5)
+    assert len(graphs) == 1 and len(fast.caches) == 1 and compiled.sequences.shape[1] - compiled.prompt_len == 7
 
 
 def test_offload_follows_the_memory_plan(monkeypatch):
@@ -2440,11 +2457,11 @@ def test_checkpoints_total_limit_keeps_the_newest(tmp_path):
 def test_weight_decay_reaches_adamw(tmp_path):
     args = g.resolve_runtime(g.parse_args(["--weight-decay", "0.3", "--lr", "0.1"]))
     trainer = g.setup_training(args, rewards=[])
-    before = [p.detach().clone() for p in trainer.params]
-    for p in trainer.params:
+    before = [p.detach().clone() for p in trainer.ar.params]
+    for p in trainer.ar.params:
         p.grad = torch.zeros_like(p)
     trainer.optimizer.step()                   # zero gradient: only the decay moves the weights
-    for old, new in zip(before, trainer.params):
+    for old, new in zip(before, trainer.ar.params):
         torch.testing.assert_close(new.detach(), old * (1 - 0.1 * 0.3))
 
 
@@ -2521,9 +2538,9 @@ def test_dit_gradient_raises_the_logprob_of_a_positive_advantage_trajectory():
     _, cond, noise, schedule, _ = _dit_case(pipe, "t2i", 1.0, group=2)
     trajectories = g.sample_dit(dit, cond, noise, schedule, 0.7, 3, g.sde_generators(0, 1, [0]))
     advantages = torch.tensor([1.0, -1.0])
-    trainer = SimpleNamespace(dit_policy=dit, dit_reference=reference, dit_params=params)
-    half = g.dit_half(trainer, SimpleNamespace(cond=cond, trajectories=trajectories), advantages, args)
-    update = g.grpo_update(torch.optim.SGD(params, lr=1e-2), [half], args)
+    trainer = g.Trainer(pipe, None, torch.optim.SGD(params, lr=1e-2), dit=g.Half(dit, dit, params, reference))
+    update = g.grpo_update(trainer, None, None, args, dit=(SimpleNamespace(cond=cond, trajectories=trajectories),
+                                                           advantages))
     assert update["dit/kl"] == 0.0 and update["dit/logp_diff_max"] <= 1e-5    # first pass: policy = reference
     with torch.no_grad():
         moved = _dit_logprobs(dit, cond, trajectories, 0.7).sum(1) - trajectories.old_logp.sum(1)
@@ -2611,13 +2628,16 @@ def test_dit_reward_trains_each_half_on_its_own_reward(tmp_path, monkeypatch):
             steps = range(run.trajectories.old_logp.shape[1])
             return sum(g.dit_step_logprob(trainer.pipe.transformer, run.cond, run.trajectories, i, 0.7)[0] for i in steps)
 
-    for name, logp in [("ar_half", ar_logp), ("dit_half", dit_logp)]:
-        def spy(trainer, batch, advantages, args, half=getattr(g, name), logp=logp, name=name):
-            seen[name] = (advantages.clone(), logp(batch), lambda: logp(batch))
-            return half(trainer, batch, advantages, args)
-        monkeypatch.setattr(g, name, spy)
+    update = g.grpo_update
+
+    def spy(trainer, rollout, advantages, args, learns, dit):
+        (run, dit_advantages) = dit
+        seen["ar"] = (advantages.clone(), ar_logp(rollout), lambda: ar_logp(rollout))
+        seen["dit"] = (dit_advantages.clone(), dit_logp(run), lambda: dit_logp(run))
+        return update(trainer, rollout, advantages, args, learns, dit)
+    monkeypatch.setattr(g, "grpo_update", spy)
     row = g.grpo_step(trainer, g.read_prompts(HERE / "prompts.txt", 64, 64), [0], 1, args)[0]
-    (ar_adv, ar_before, ar_after), (dit_adv, dit_before, dit_after) = seen["ar_half"], seen["dit_half"]
+    (ar_adv, ar_before, ar_after), (dit_adv, dit_before, dit_after) = seen["ar"], seen["dit"]
     torch.testing.assert_close(dit_adv, -ar_adv)                      # each half got its own reward's
     assert ar_adv.abs().sum() > 0
     assert (ar_adv * (ar_after() - ar_before)).sum() > 0
@@ -2667,7 +2687,7 @@ def test_slow_dit_policy_learns(tmp_path):
 # More GPUs: micro-batches, per-group sampling seeds, torchrun / DDP on gloo (2 CPU processes)
 # ---------------------------------------------------------------------------------------------
 
-def test_micro_batches_give_the_full_batch_gradient():
+def test_micro_batches_give_the_full_batch_gradient(monkeypatch):
     """Prompts of different lengths (left padding), micro-batches that split groups and the batch
     unevenly: the accumulated gradient is the full-batch one.
     The update runs in float64: in fp32 the micro-batch split changes the summation order, and the
@@ -2678,18 +2698,18 @@ def test_micro_batches_give_the_full_batch_gradient():
     ar = pipe.vision_language_encoder
     suppressed = policy(pipe)
     prompts = ["a red circle", "a blue square on a green background"]
-    rollout = g.sample_tokens(pipe, prompts, None, range(2), 1, args)
+    rollout = g.sample_tokens(_trainer(pipe, suppressed, None, params), prompts, None, range(2), 1, args)
     assert rollout.attention_mask[0, 0] == 0                          # the short prompt is padded
     ar.double()                                                       # same Parameter objects, fp64 data
     rollout.old_logp, rollout.loss_mask = rollout.old_logp.double(), rollout.loss_mask.double()
     advantages = torch.tensor([1.0, -0.5, -0.5, 0.3, 0.7, -1.0], dtype=torch.float64)
     ref_logp = rollout.old_logp - 0.01 * torch.arange(6.0, dtype=torch.float64)[:, None]   # any reference, to exercise the KL
+    monkeypatch.setattr(g, "reference_logprobs", lambda *_: ref_logp)
     results = {}
     for size in (6, 4, 1):
         args.micro_batch_size = size
         optimizer = torch.optim.SGD(params, lr=0.0)                    # keeps the weights, leaves .grad
-        micro_batches = g.ar_micro_batches(ar, rollout, advantages, ref_logp, args, suppressed)
-        update = g.grpo_update(optimizer, [("", params, micro_batches)], args)
+        update = g.grpo_update(_trainer(pipe, suppressed, optimizer, params), rollout, advantages, args)
         results[size] = (update, torch.cat([p.grad.flatten() for p in params]))
     full_update, full_grad = results[6]
     assert full_grad.norm() > 0
@@ -2730,13 +2750,13 @@ def test_dit_micro_batches_give_the_full_batch_update(monkeypatch):
     # pi_old a little off the policy: ratios of 1 +- 3e-4 (some clipped at --dit-clip-eps 1e-4)
     trajectories.old_logp += 3e-4 * torch.linspace(-1, 1, 18, dtype=torch.float64).view(6, 3)
     advantages = torch.tensor([1.0, -0.5, -0.5, 0.3, 0.7, -1.0], dtype=torch.float64)
-    trainer = SimpleNamespace(dit_policy=dit, dit_reference=reference, dit_params=params)
     sizes, results, scored = [], {}, g.dit_step_logprob
     monkeypatch.setattr(g, "dit_step_logprob", lambda m, c, part, *a: sizes.append(len(part.states)) or scored(m, c, part, *a))
     for size in (6, 4, 1):
         args.micro_batch_size, sizes[:] = size, []
-        half = g.dit_half(trainer, SimpleNamespace(cond=cond, trajectories=trajectories), advantages, args)
-        update = g.grpo_update(torch.optim.SGD(params, lr=0.0), [half], args)      # lr 0: keeps the weights
+        trainer = g.Trainer(pipe, None, torch.optim.SGD(params, lr=0.0), dit=g.Half(dit, dit, params, reference))
+        update = g.grpo_update(trainer, None, None, args,        # lr 0: keeps the weights
+                               dit=(SimpleNamespace(cond=cond, trajectories=trajectories), advantages))
         assert max(sizes) == size and sum(sizes) == 2 * 3 * 6        # policy and reference, 3 steps, 6 samples
         results[size] = (update, torch.cat([p.grad.flatten() for p in params]))
     full_update, full_grad = results[6]
@@ -2768,7 +2788,7 @@ def test_policy_both_honours_micro_batch_size(monkeypatch):
         sizes.clear()
         g.grpo_step(trainer, items, [0], 1, args)
         assert max(sizes) <= int(micro) and sum(sizes) == 4, sizes
-        grads[micro] = torch.cat([p.grad.flatten() for p in trainer.params])
+        grads[micro] = torch.cat([p.grad.flatten() for p in trainer.ar.params])
     assert grads["4"].norm() > 0
     assert (grads["3"] - grads["4"]).norm() <= 3e-4 * grads["4"].norm()
 
@@ -2776,7 +2796,7 @@ def test_policy_both_honours_micro_batch_size(monkeypatch):
 @pytest.mark.parametrize("mode", ["t2i", "i2i"])
 def test_a_group_samples_the_same_whatever_else_its_rank_holds(sharp_pipe, mode, one_thread):
     """One sample_groups for all of a rank's groups; group k's noise comes from its own generator,
-    seeded by (seed, step, slot), and every rank pads to one column past the step's longest prompt.
+    seeded by (seed, step, slot), and every group is padded to the run's prompt length (its longest + 1).
     So the group at slot 0 (short prompt) and the one at slot 1 (long prompt) draw bit-identical
     tokens and old log-probs when one process samples both, when each of two ranks samples one,
     and in either order. (G = 4: with fewer rows per rank this CPU's matmul takes another kernel.)"""
@@ -2784,11 +2804,14 @@ def test_a_group_samples_the_same_whatever_else_its_rank_holds(sharp_pipe, mode,
     short, long = "red", "a blue square on a green background"
     red, green = g.draw_shape("circle", "red", "white", 64, 64), g.draw_shape("square", "green", "black", 64, 64)
     sources = (lambda *s: list(s)) if mode == "i2i" else (lambda *s: None)
-    sample = lambda prompts, srcs, slots, **kw: g.sample_tokens(sharp_pipe, prompts, srcs, slots, 5, args, **kw)
+    args.mode, ar = mode, sharp_pipe.vision_language_encoder
+    trainer = _trainer(sharp_pipe, g.sampling_of(ar), None, [])
+    items = [SimpleNamespace(text=text, image=lambda kind, s=s: s) for text, s in ((short, red), (long, green))]
+    trainer.prompt_len = g.run_prompt_len(sharp_pipe, items, args)
+    sample = lambda prompts, srcs, slots, step=5: g.sample_tokens(trainer, prompts, srcs, slots, step, args)
     both = sample([short, long], sources(red, green), range(2))
     rank1 = sample([long], sources(green), range(1, 2))
-    # rank 0 pads as far, the length the MAX all-reduce gives it under torchrun
-    rank0 = sample([short], sources(red), range(1), prompt_len=both.prompt_len)
+    rank0 = sample([short], sources(red), range(1))
     swapped = sample([long, short], sources(green, red), [1, 0])
     for part, rows in ((rank0, slice(0, 4)), (rank1, slice(4, 8)), (swapped, [4, 5, 6, 7, 0, 1, 2, 3])):
         assert torch.equal(both.sequences[rows], part.sequences) and torch.equal(both.old_logp[rows], part.old_logp)
@@ -2803,7 +2826,7 @@ def test_a_group_samples_the_same_whatever_else_its_rank_holds(sharp_pipe, mode,
     assert not (bare.attention_mask == 0).any() and torch.equal(padded.sequences, rank0.sequences)
     assert torch.equal(bare.sequences[:, bare.prompt_len:], rank0.sequences[:, rank0.prompt_len:])
     assert 0 < (bare.old_logp - padded.old_logp).abs().max() < 1e-4
-    other_step = g.sample_tokens(sharp_pipe, [long], sources(green), range(1, 2), 6, args)
+    other_step = sample([long], sources(green), range(1, 2), step=6)
     assert not torch.equal(other_step.sequences, rank1.sequences)
 
 
@@ -3126,11 +3149,10 @@ def _shard_bytes_worker(rank, world, port, argv, dump):
     trainers, held = [], {}
     setup, update = g.setup_training, g.grpo_update
 
-    def update_and_count(optimizer, halves, args, learns=True):
-        row = update(optimizer, halves, args, learns)
-        trainer = trainers[0]
-        for half, model, reference, group in [("ar", trainer.pipe.vision_language_encoder, trainer.reference, 0),
-                                              ("dit", trainer.pipe.transformer, trainer.dit_reference, 1)]:
+    def update_and_count(trainer, *args, **kwargs):
+        row, optimizer = update(trainer, *args, **kwargs), trainer.optimizer
+        for half, model, reference, group in [("ar", trainer.pipe.vision_language_encoder, trainer.ar.reference, 0),
+                                              ("dit", trainer.pipe.transformer, trainer.dit.reference, 1)]:
             params = optimizer.param_groups[group]["params"]
             held[half] = {"weights": nbytes(model.parameters()), "reference": nbytes(reference.parameters()),
                           "grads": nbytes(p.grad for p in params),
@@ -3142,8 +3164,8 @@ def _shard_bytes_worker(rank, world, port, argv, dump):
     g.setup_training = lambda *a, **k: trainers.append(setup(*a, **k)) or trainers[-1]
     g.grpo_update = update_and_count
     g.main(argv)
-    models = [trainers[0].pipe.vision_language_encoder, trainers[0].pipe.transformer, trainers[0].reference,
-              trainers[0].dit_reference]
+    models = [trainers[0].pipe.vision_language_encoder, trainers[0].pipe.transformer, trainers[0].ar.reference,
+              trainers[0].dit.reference]
     held["all_sharded_after"] = all(isinstance(p, DTensor) for m in models for p in m.parameters())
     torch.save(held, Path(dump) / f"held{rank}.pt")
     trainers.clear()
@@ -3316,13 +3338,13 @@ def measure_update(lora_rank, checkpointing, layout=None):
         sequences=sequences, attention_mask=torch.ones(n, P + G - 1, dtype=torch.long),
         position_ids=torch.arange(P + G - 1).expand(3, n, -1).contiguous(), old_logp=torch.full((n, G), -9.7),
         loss_mask=torch.ones(n, G), target_tokens=sequences[:, P:], grid_hw=(1, G), prompt_len=P)
-    suppressed = g.SamplingParams(suppressed=g.image_token_suppression(ar, 16384))
+    suppressed = g.SamplingParams(codebook=16384)
     rss_before = _status_bytes("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")                         # restart VmHWM from here
     start = time.time()
-    micro_batches = g.ar_micro_batches(ar, rollout, torch.tensor([1.0, -1.0]), None, args, suppressed)
+    trainer = g.Trainer(None, suppressed, optimizer, ar=g.Half(ar, ar, params))
     with ZeroBf16Matmuls():
-        metrics, measured = _live_peaks(lambda: g.grpo_update(optimizer, [("", params, micro_batches)], args))
+        metrics, measured = _live_peaks(lambda: g.grpo_update(trainer, rollout, torch.tensor([1.0, -1.0]), args))
     assert metrics["skipped_updates"] == 0
     head = 0 if lora_rank else g.numel(ar.model.language_model.norm) + g.numel(ar.lm_head)
     total = sum(p.numel() for name, p in ar.named_parameters() if "lora_" not in name)
