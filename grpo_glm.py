@@ -1946,9 +1946,8 @@ class Run:
         self.warned = warn_if_collapsed(row, self.warned, scale)
 
     def evaluate(self, step):
-        """EVAL: each --eval-prompts line's G samples, from seeds no training step uses (step -1), the same at every
-        evaluation, decoded at --eval-num-inference-steps. Each rank samples a block of the lines, padded as all
-        are (alike on any world size); rank 0 logs the gathered rewards (an eval/ row) and draws the sheet."""
+        """EVAL: G samples per --eval-prompts line from seeds no training step draws (step -1), alike at every
+        evaluation and world size (a block of lines a rank), decoded at --eval-num-inference-steps."""
         args, pipe, items, t0, G = self.args, self.trainer.pipe, self.eval_items, time.time(), self.args.group_size
         sheet = self.out / "samples" / f"eval_step_{step:06d}.png"
         if self.lead:
