@@ -3110,9 +3110,14 @@ def test_slow_fsdp_trains_like_one_process_and_resumes_across_world_sizes(tmp_pa
              "--policy", "both", "--mode", "i2i", "--micro-batch-size", "1", "--beta", "0.01", "--ar-trainable", "all", *FLOAT64]
     two = lambda *argv: torch.multiprocessing.spawn(_main_worker, args=(2, free_port(), flags + ["--fsdp", *argv]),
                                                     nprocs=2)
-    one_process_reference(flags + ["--out", str(tmp_path / "one")])
-    two("--out", str(tmp_path / "fsdp"))
+    (tmp_path / "held_out.txt").write_text("make the blue circle red\nmake the yellow square green\n")
+    held_out = ["--eval-prompts", str(tmp_path / "held_out.txt"), "--eval-every", "2"]  # AR and DiT gathered whole
+    one_process_reference(flags + ["--out", str(tmp_path / "one"), *held_out])
+    two("--out", str(tmp_path / "fsdp"), *held_out)
     one_rows, fsdp_rows = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "fsdp")
+    assert [r["step"] for r in eval_rows(fsdp_rows)] == [0, 2]
+    assert_rows_close(eval_rows(fsdp_rows), eval_rows(one_rows))
+    one_rows, fsdp_rows = ([r for r in rows if r not in eval_rows(rows)] for rows in (one_rows, fsdp_rows))
     for step in (1, 2):
         assert_vectors_close(checkpoint_weights(tmp_path / "fsdp", step), checkpoint_weights(tmp_path / "one", step))
         assert_rows_close(fsdp_rows[step - 1: step], one_rows[step - 1: step])
@@ -3121,7 +3126,8 @@ def test_slow_fsdp_trains_like_one_process_and_resumes_across_world_sizes(tmp_pa
         (tmp_path / name / "checkpoints").mkdir(parents=True)
         (tmp_path / name / "checkpoints/step_000001.pt").write_bytes(
             (tmp_path / source / "checkpoints/step_000001.pt").read_bytes())
-        (tmp_path / name / "metrics.jsonl").write_text((tmp_path / source / "metrics.jsonl").read_text().splitlines()[0] + "\n")
+        first = next(r for r in read_metrics(tmp_path / source) if r["step"] == 1)
+        (tmp_path / name / "metrics.jsonl").write_text(json.dumps(first) + "\n")
         run("--out", str(tmp_path / name), "--resume", "latest")
         return checkpoint_weights(tmp_path / name, 2), read_metrics(tmp_path / name)
 
