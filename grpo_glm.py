@@ -447,10 +447,10 @@ def grpo_update(trainer, rollout, advantages, args, learns=True, dit=None):
             ref = None if ref_logp is None else ref_logp[rows]
             loss, terms = grpo_loss(logp, part.old_logp, advantages[rows], part.loss_mask,
                                     args.clip_eps, args.beta, ref)
-            weight = (part.loss_mask.sum() / tokens).item()  # the shares add up to 1
-            (loss * weight).backward()  # one micro-batch's graph alive at a time
             if epoch == 0:  # at pi_old: a live check of the bookkeeping, and entropy collapse
                 terms.update(first_pass_metrics(logits, logp, part, sampling))
+            weight = (part.loss_mask.sum() / tokens).item()  # the shares add up to 1
+            (loss * weight).backward()  # one micro-batch's graph alive at a time
             add_weighted(metrics, {**terms, "loss": loss.item()}, weight)
         if rollout is not None:  # each half clips its own gradient: their losses' scales differ
             norm = torch.nn.utils.clip_grad_norm_(ar.params, args.max_grad_norm)
@@ -873,10 +873,6 @@ def pipeline_from_pretrained(args, dtype):
 
 def place_pipeline(pipe, args):
     """--offload: diffusers moves model_cpu_offload_seq's models to the GPU in turn; a trained half never moves."""
-    if args.device == "cuda" and args.policy == "ar":
-        # The frozen DiT renders every reward image: diffusers compiles its 30 like blocks as one (regional). Not a
-        # DiT that trains: compiled and eager forwards differ by ~1e-5, and its first ratio must be exactly 1.
-        pipe.transformer.compile_repeated_blocks()
     if not args.offload:
         pipe.to(args.device)
         return
