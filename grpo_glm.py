@@ -1914,8 +1914,8 @@ class Run:
         if self.lead and args.sample_every and step % args.sample_every == 0:     # rank 0's groups
             save_sample_grid(out / "samples" / f"step_{step:06d}.png", [self.items[i].text for i in indices],
                              targets, images, rewards, args.group_size, sources, ode, self.tracker, step)
-        if self.eval_items and (step % args.eval_every == 0 or step == args.steps):
-            self.evaluate(step)           # before the save: a checkpoint's step has its eval row
+        if self.eval_items and not stopping and (step % args.eval_every == 0 or step == args.steps):
+            self.evaluate(step)  # before the save: a checkpoint's step has its row (stopped: the resume's start)
         if step % args.save_every == 0 or step == args.steps:
             self.save(step)
         if stopping:
