@@ -3002,12 +3002,14 @@ def test_slow_two_processes_train_like_one_and_resume_exactly(tmp_path):
     assert_vectors_close(rank0, one)
     two_rows = read_metrics(tmp_path / "two")
     assert_rows_close(two_rows, read_metrics(tmp_path / "one"))     # the held-out eval's rows too: 1 rank's block
-    assert [r["step"] for r in eval_rows(two_rows)] == [0, 2] and (tmp_path / "two/samples/eval_step_000002.png").is_file()
+    assert [r["step"] for r in eval_rows(two_rows)] == [0, 2]
+    assert (tmp_path / "two/samples/eval_step_000002.png").is_file()
 
     for name in ("resumed2", "resumed1"):       # a run that stopped after its step-1 checkpoint
         (tmp_path / name / "checkpoints").mkdir(parents=True)
         (tmp_path / name / "checkpoints/step_000001.pt").write_bytes((tmp_path / "two/checkpoints/step_000001.pt").read_bytes())
-        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in two_rows if r["step"] <= 1))
+        kept = [r for r in two_rows if r["step"] <= 1]          # with the eval row of step 0
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
     resumed2, _ = run_two_ranks(flags + ["--out", str(tmp_path / "resumed2"), "--resume", "latest"], tmp_path)
     assert all(torch.equal(resumed2[n], rank0[n]) for n in rank0)
     assert deterministic(read_metrics(tmp_path / "resumed2")) == deterministic(two_rows)
