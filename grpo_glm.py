@@ -1269,7 +1269,10 @@ def parse_args(argv=None):
     a("--report-to", choices=["none", "tensorboard", "wandb"], default="none", help="Also log to TensorBoard/W&B.")
     a("--resume", default=None, help="Checkpoint to continue from, or 'latest' in --out.")
     a("--resume-force", action="store_true", help="Resume even if algorithm flags differ from the checkpoint.")
-    a("--save-pipeline", default=None, help="Write the trained pipeline here (LoRA merged).")
+    a("--save-pipeline", default=None, help="Write the trained pipeline here (LoRA merged), or a finished --resume's.")
+    a("--eval-prompts", default=None, help="Held-out --prompts, sampled at step 0, every --eval-every and the end.")
+    a("--eval-every", type=count, default=None, help="Steps between evaluations (default: --save-every).")
+    a("--eval-num-inference-steps", type=count, default=None, help="The eval's DiT steps (default: the model's own).")
     a = p.add_argument_group("hardware and memory").add_argument
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
     a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto", help="auto = bfloat16 for a "
@@ -1289,7 +1292,10 @@ def parse_args(argv=None):
     if known.model != TINY:
         p.set_defaults(**pretrained_defaults(known))      # those above are the tiny demo's
     args = p.parse_args(argv)
-    args.reward = args.reward or ["mse"]
+    if not args.eval_prompts and (args.eval_every or args.eval_num_inference_steps):
+        raise UsageError("--eval-every and --eval-num-inference-steps need --eval-prompts")
+    args.reward, args.eval_every = args.reward or ["mse"], args.eval_every or args.save_every
+    args.eval_num_inference_steps = args.eval_num_inference_steps or p.get_default("num_inference_steps")
     return args
 
 
@@ -1483,16 +1489,16 @@ class PromptItem:
         return None if origin is None else draw_shape(*origin, *self.size)
 
 
-def read_prompts(path, height, width, mode="t2i", need_targets=("mse",)):
+def read_prompts(path, height, width, mode="t2i", need_targets=("mse",), flag="--prompts"):
     """Lines `prompt[ | target.png[ | source.png (i2i)]]`, paths relative to the file; `\\|` is a '|'."""
     path, items, resized = Path(path), [], False
     if not path.is_file():
-        raise UsageError(f"--prompts {path}: " + ("is a directory, not a file" if path.is_dir() else "file not found"))
+        raise UsageError(f"{flag} {path}: " + ("is a directory, not a file" if path.is_dir() else "file not found"))
     try:
         lines = path.read_text(encoding="utf-8-sig").splitlines()  # -sig: drops a BOM (Windows editors)
     except UnicodeDecodeError as e:  # e.object: the bytes after a BOM
         hint = " (it looks like UTF-16)" if e.object[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
-        raise UsageError(f"--prompts {path}: not UTF-8 text{hint}: byte 0x{e.object[e.start]:02x} at offset {e.start}"
+        raise UsageError(f"{flag} {path}: not UTF-8 text{hint}: byte 0x{e.object[e.start]:02x} at offset {e.start}"
                          "; save the file as UTF-8")
     for where, line in ((f"{path}:{n}", raw.strip()) for n, raw in enumerate(lines, 1)):
         if not line or line.startswith("#"):
@@ -1518,7 +1524,7 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",)):
             image_from.setdefault("target", demo_scene(text, where, mode))
         items.append(PromptItem(text, where, (height, width), mode, image_from))
     if not items:
-        raise UsageError(f"--prompts {path}: no prompts (only blank or comment lines)")
+        raise UsageError(f"{flag} {path}: no prompts (only blank or comment lines)")
     if resized:
         print(f"note: images resized to {width}x{height} (--width x --height)")
     require_targets(items, need_targets)
@@ -1741,7 +1747,7 @@ def read_metrics(path):
 
 # The PNGs' text: Pillow's built-in font at font_size 12 (at its own 10 px some spaces vanish).
 def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, tracker=None,
-                     step=None):
+                     step=None, name="samples"):
     """Per prompt (sorted: it stays in place) 8 cells a row: [source,] target, [a=0 decode,] its G samples."""
     scale = max(1, 128 // images.shape[-1])  # cells at least 128 px wide
     width, height = images.shape[-1] * scale, images.shape[-2] * scale
@@ -1766,7 +1772,7 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
     sheet.save(path)
     if tracker:  # a batch of one HWC image (W&B takes no dataformats)
         formats = {"dataformats": "NHWC"} if tracker.name == "tensorboard" else {}
-        tracker.log_images({"samples": np.asarray(sheet)[None]}, step, **formats)
+        tracker.log_images({name: np.asarray(sheet)[None]}, step, **formats)
     return sheet
 
 
@@ -1795,7 +1801,7 @@ def round_ticks(low, high, count=5, least=0):
 
 def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
     """Mean reward per step +- the within-group std, and its moving average over `window` steps."""
-    rows = [r for r in rows if None not in (r["reward_mean"], r["reward_std"])]  # null: non-finite
+    rows = [r for r in rows if None not in (r.get("reward_mean"), r.get("reward_std"))]  # null: non-finite, eval
     if not rows:
         return
     steps, means, stds = (np.array([r[k] for r in rows]) for k in ("step", "reward_mean", "reward_std"))
@@ -1860,22 +1866,29 @@ class Run:
         # mse's targets are checked before plug-ins load (a CLIP model takes a while).
         builtin = ["mse"] if "mse" in [s.partition("=")[0] for s in args.reward + (args.dit_reward or [])] else []
         items = self.items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
+        self.eval_items = args.eval_prompts and read_prompts(args.eval_prompts, args.height, args.width, args.mode,
+                                                             builtin, "--eval-prompts") or []
+        if 0 < len(self.eval_items) < world_size():  # each rank evaluates a block of at least one
+            raise UsageError(f"--eval-prompts {args.eval_prompts}: {len(self.eval_items)} for {world_size()} processes")
         if args.prompts_per_step > len(items) and self.lead:
             print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} prompt(s) of {args.prompts}"
                   ": each step's prompts repeat lines of the file")
         rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [])
-        require_targets(items, [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)])
+        readers = [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)]
+        require_targets(items + self.eval_items, readers)
         args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
         resume = Resume(args, out)  # its refusals: under the lock, before any model loads
         self.start = self.last_saved = resume.step
-        if self.start >= args.steps:
+        if self.start >= args.steps and not args.save_pipeline:
             return
         self.trainer = setup_training(args, rewards, dit_rewards)
-        check_prompt_lengths(self.trainer.pipe, items, args)
+        check_prompt_lengths(self.trainer.pipe, items + self.eval_items, args)
         self.trainer.prompt_len = run_prompt_len(self.trainer.pipe, items, args)
         if args.mode == "i2i":
             check_source_size(self.trainer.pipe.processor.image_processor, args.height, args.width)
         resume.restore(self.trainer, out)
+        if self.start >= args.steps:      # an export (--save-pipeline, in __exit__), training nothing
+            return
         if self.lead:  # the reward curve averages over a pass over the prompts
             window = min(20, math.ceil(len(items) / args.prompts_per_step))
             self.closing.callback(lambda: save_reward_curve(out / "reward_curve.png",
@@ -1886,6 +1899,9 @@ class Run:
             self.closing.callback(signal.signal, s, signal.signal(s, self.request))
         # a step whose updates were all skipped never called optimizer.step() before lr_scheduler.step()
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        if self.eval_items and self.start % args.eval_every == 0 and max_over_ranks(self.lead and not any(
+                "eval/seconds" in r and r["step"] == self.start for r in read_metrics(out / "metrics.jsonl"))):
+            self.evaluate(self.start)     # unless a run before the resume did
 
     def steps(self):
         """Yields (step, indices, slots): this rank's block of the step's prompts, in a seeded order per pass."""
@@ -1914,27 +1930,60 @@ class Run:
         if self.lead and args.sample_every and (step % args.sample_every == 0 or step == args.steps):  # rank 0's
             save_sample_grid(out / "samples" / f"step_{step:06d}.png", [self.items[i].text for i in indices],
                              targets, images, rewards, args.group_size, sources, ode, self.tracker, step)
+        if self.eval_items and not stopping and (step % args.eval_every == 0 or step == args.steps):
+            self.evaluate(step)  # before the save: a checkpoint's step has its row (stopped: the resume's start)
         if step % args.save_every == 0 or step == args.steps:
             self.save(step)
         if stopping:
             self.stop(step)
 
-    def log(self, row, step):
-        args, metrics = self.args, self.out / "metrics.jsonl"
+    def log(self, row, step):  # a step's row, or an eval's (its keys eval/...)
+        args, metrics, held_out = self.args, self.out / "metrics.jsonl", "eval/seconds" in row
         finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
         with open(metrics, "a", encoding="utf-8") as f:  # NaN, inf -> null: JSON has no NaN
             f.write(json.dumps(finite, allow_nan=False) + "\n")
         if self.tracker:
             self.tracker.log({k: v for k, v in row.items() if k != "step"}, step)
-        fields = [f.format_map(row) for f in CONSOLE_FIELDS if all(k in row for k in re.findall(r"{([^:]+):", f))]
-        print(f"step {step:4d}/{args.steps} | " + " | ".join(fields), flush=True)
+        shown = {k.removeprefix("eval/"): v for k, v in row.items()}
+        fields = [f.format_map(shown) for f in CONSOLE_FIELDS if all(k in shown for k in re.findall(r"{([^:]+):", f))]
+        print(f"{'eval' if held_out else 'step'} {step:4d}/{args.steps} | " + " | ".join(fields), flush=True)
+        if held_out:
+            return
         # entropy's yardstick: its most, log(kept ids); top-p keeps no fixed number: step 1's entropy (if > 0)
         codebook = self.trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size
         scale = math.log(min(args.top_k or math.inf, codebook))
-        if args.top_p < 1:
+        if args.top_p < 1:    # the first step's row (not an eval's)
             with open(metrics, encoding="utf-8") as f:
-                scale = json.loads(f.readline()).get("entropy") or scale
+                scale = next(r.get("entropy") for r in map(json.loads, f) if "seconds" in r) or scale
         self.warned = warn_if_collapsed(row, self.warned, scale)
+
+    def evaluate(self, step):
+        """EVAL: G samples per --eval-prompts line from seeds no training step draws (step -1), alike at every
+        evaluation and world size (a block of lines a rank), decoded at --eval-num-inference-steps."""
+        args, pipe, items, t0, G = self.args, self.trainer.pipe, self.eval_items, time.time(), self.args.group_size
+        sheet = self.out / "samples" / f"eval_step_{step:06d}.png"
+        if self.lead:
+            print(f"eval at step {step}: {len(items)} held-out prompts x {G} samples -> {sheet} ...", flush=True)
+        texts, sources = [it.text for it in items], [it.image("source") for it in items] if args.mode == "i2i" else None
+        ar, mine = pipe.vision_language_encoder, np.array_split(range(len(items)), world_size())[rank()].tolist()
+        prompts, own = [texts[i] for i in mine], sources and [sources[i] for i in mine]
+        ar.eval()
+        with whole_weights(ar) as sharded:
+            rollout = sample_groups(pipe, prompts, G, self.trainer.sampling, args.height, args.width, "target", own,
+                                    [seeded(args.seed, "tokens", -1, i, ar.device) for i in mine],
+                                    run_prompt_len(pipe, items, args), None if sharded else self.trainer.decoder)
+        noise = group_noise(pipe, mine, G, args.height, args.width, args.seed, -1, "per-step")  # [n, C, h, w]
+        images = decode_images(pipe, prompts, own, rollout, noise, args.eval_num_inference_steps, args.guidance_scale)
+        targets = batch_targets([items[i] for i in mine])
+        scored = (repeat_each(prompts, G), None if targets is None else targets.repeat_interleave(G, 0))
+        parts = from_every_rank((images, *compute_rewards(self.trainer.rewards, images, *scored)))
+        if self.lead:    # the ranks' blocks joined, in prompt order
+            images, rewards = (torch.cat([part[i] for part in parts]) for i in (0, 1))
+            per_reward = {name: torch.cat([part[2][name] for part in parts]) for name in parts[0][2]}
+            row = {"eval/" + k: v for k, v in reward_metrics(rewards, per_reward, G).items()}
+            self.log({"step": step, **row, "eval/seconds": round(time.time() - t0, 3)}, step)
+            save_sample_grid(sheet, texts, batch_targets(items), images, rewards, G, sources, tracker=self.tracker,
+                             step=step, name="eval/samples")
 
     def save(self, step, rng=None):
         self.last_saved = step
@@ -2077,6 +2126,7 @@ class Resume:
             raise UsageError(f"--out {out} has a run; pass --resume latest to continue it or pick another --out")
         ckpt = self.ckpt = read_checkpoint(args.resume, out) if args.resume else None
         step = self.step = ckpt["step"] if ckpt else 0
+        self.export = step >= args.steps  # --save-pipeline of the checkpoint, or nothing to do
         saved = ckpt["args"] if ckpt else vars(args)  # the prompts compare by their hash
         differences = self.differences = [
             f"--prompts {saved.get('prompts')} -> {args.prompts}: contents differ" if k == "prompts_sha256"
@@ -2086,8 +2136,9 @@ class Resume:
             raise UsageError(f"--resume {ckpt['path']}: flags differ from the checkpoint's: {'; '.join(differences)}"
                              " (add --resume-force to accept)")
         if step >= args.steps:
-            print(f"nothing to do: {ckpt['path']} is at step {step} and --steps is {args.steps} "
-                  f"(pass --steps {step + args.steps} to train {args.steps} more)")
+            print(f"{ckpt['path']} is at step {step} and --steps is {args.steps}: " + (
+                f"exporting it to {args.save_pipeline}, training nothing" if args.save_pipeline else
+                f"nothing to do (pass --steps {step + args.steps} to train {args.steps} more)"))
             return
         self.later = [p for p in saved_checkpoints(out) if int(p.stem[5:]) > step]
         if self.later and not args.resume_force:
@@ -2106,6 +2157,8 @@ class Resume:
                 changed = [d for d in self.differences if d.split()[0] in weight_flags]
                 raise UsageError(f"--resume {ckpt['path']}: its weights do not fit this model: "
                                  + ("; ".join(changed) or str(e).splitlines()[0][:120]))
+            if self.export:
+                return            # the weights alone
             rng = ckpt["rng"]
             name, keys, *rest = rng["numpy"]        # rng_state's, in reverse
             np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
@@ -2692,23 +2745,37 @@ def print_memory_plan(args):
 # ==== 24. Saving and using the trained model (--save-pipeline, generate_images) ===================
 
 def save_trained_pipeline(pipe, args):
-    """A pipeline from_pretrained loads with no adapter code: each LoRA merged (W += B @ A * alpha / r), its
-    wrapper swapped back for the base Linear (as diffusers' unload_lora does)."""
+    """A pipeline from_pretrained loads with no adapter code, written whole or not at all: each LoRA merged (W +=
+    B @ A * alpha / r), its wrapper swapped back for the base Linear (as diffusers' unload_lora does). The AR's
+    generation config holds the trained sampler and decode (generate_images' defaults)."""
     from diffusers.utils import recurse_remove_peft_layers
 
     for model in (pipe.vision_language_encoder, pipe.transformer):
         for layer in lora_layers(model):
             layer.merge()
         recurse_remove_peft_layers(model)
-    pipe.save_pretrained(args.save_pipeline)
-    print(f"saved the trained pipeline to {args.save_pipeline}")
+    pipe.vision_language_encoder.generation_config.trained_decode = {
+        k: getattr(args, k) for k in ("height", "width", "num_inference_steps", "guidance_scale")}
+    final = Path(args.save_pipeline)
+    partial = final.with_name(f".{final.name}.partial")
+    print(f"writing the trained pipeline to {final} ...", flush=True)
+    try:
+        pipe.save_pretrained(partial)
+        os.replace(partial, final)  # atomic: onto nothing, or the empty directory validate_args allows
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    print(f"saved the trained pipeline to {final}")
 
 
 @torch.no_grad()
-def generate_images(pipe, prompts, sources=None, height=64, width=64, num_inference_steps=4, guidance_scale=1.0,
-                    temperature=None, seed=0):
+def generate_images(pipe, prompts, sources=None, height=None, width=None, num_inference_steps=None,
+                    guidance_scale=None, temperature=None, seed=0):
     """One PIL image per prompt (an edit of its PIL source, if given) from the saved policy (at `temperature` if
-    given); prompt k's tokens and noise seeded by (seed, k)."""
+    given); prompt k's tokens and noise seeded by (seed, k). Unset: the decode `pipe` trained at, else 64, 64, 4, 1."""
+    trained = getattr(pipe.vision_language_encoder.generation_config, "trained_decode", {})  # save_trained_pipeline's
+    height, width = height or trained.get("height", 64), width or trained.get("width", 64)
+    num_inference_steps = num_inference_steps or trained.get("num_inference_steps", 4)
+    guidance_scale = guidance_scale or trained.get("guidance_scale", 1.0)
     if height % 32 or width % 32:
         raise ValueError(f"height and width must be multiples of 32, got {height}x{width}")
     if sources is not None and len(sources) != len(prompts):

@@ -68,7 +68,19 @@ def read_metrics(out):
 
 
 def deterministic(rows):
-    return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+    return [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in rows]     # eval/seconds too
+
+
+def eval_flags(tmp_path, lines=1):
+    """--eval-prompts: held-out lines (their targets drawn from the words), evaluated every 2 steps."""
+    path = tmp_path / "held_out.txt"
+    held_out = ["a blue square on a yellow background", "a green triangle on a black background"]
+    path.write_text("".join(line + "\n" for line in held_out[:lines]))
+    return ["--eval-prompts", str(path), "--eval-every", "2"]
+
+
+def eval_rows(rows):
+    return [r for r in rows if "eval/reward_mean" in r]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -488,26 +500,34 @@ def test_first_inner_epoch_has_ratio_one(tmp_path):
 
 
 def test_resume_is_bit_identical(tmp_path):
+    """Also the held-out eval: it draws no training randomness (training rows equal with and without it), and
+    its fixed seeds give equal rows in two runs (a resume evaluates the step it missed)."""
     straight, split = tmp_path / "straight", tmp_path / "split"
-    g.main(["--steps", "4", "--out", str(straight), "--save-every", "2", *SMALL])
+    g.main(["--steps", "4", "--out", str(straight), "--save-every", "2", *SMALL, *eval_flags(tmp_path)])
     g.main(["--steps", "2", "--out", str(split), "--save-every", "2", *SMALL])
-    g.main(["--steps", "4", "--out", str(split), "--save-every", "2", "--resume", "latest", *SMALL])
-    assert deterministic(read_metrics(split)) == deterministic(read_metrics(straight))
+    g.main(["--steps", "4", "--out", str(split), "--save-every", "2", "--resume", "latest", *SMALL,
+            *eval_flags(tmp_path)])
+    rows, expected = deterministic(read_metrics(split)), deterministic(read_metrics(straight))
+    assert [r["step"] for r in eval_rows(expected)] == [0, 2, 4] and eval_rows(rows) == eval_rows(expected)[1:]
+    assert [r for r in rows if r not in eval_rows(rows)] == [r for r in expected if r not in eval_rows(expected)]
+    assert (straight / "samples" / "eval_step_000004.png").is_file()
 
 
 def test_resume_drops_rows_of_the_killed_future(tmp_path, capsys):
-    out = tmp_path / "run"
-    g.main(["--steps", "3", "--out", str(out), "--save-every", "2", *SMALL])
+    """Eval rows too (at steps 0, 2 and the last): the resume neither repeats step 2's nor loses one."""
+    out, flags = tmp_path / "run", ["--save-every", "2", *SMALL, *eval_flags(tmp_path)]
+    g.main(["--steps", "3", "--out", str(out), *flags])
     # the run "died" after step 3; its last checkpoint is step 2
     (out / "checkpoints" / "step_000003.pt").unlink()
-    old_rows = read_metrics(out)
-    g.main(["--steps", "4", "--out", str(out), "--save-every", "2", "--resume", "latest", *SMALL])
+    old_rows, _ = read_metrics(out), capsys.readouterr()
+    g.main(["--steps", "4", "--out", str(out), "--resume", "latest", *flags])
     printed = capsys.readouterr().out
     assert "Resuming from step 2" in printed and "drops metrics rows of steps 3..3" in printed
-    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
-    assert read_metrics(out)[:2] == old_rows[:2]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 1, 2, 2, 3, 4, 4] and rows[3] in eval_rows(rows)
+    assert rows[:4] == old_rows[:4] and "eval at step 2" not in printed and "eval at step 4" in printed
     aside = [json.loads(x) for x in (out / "metrics.dropped_after_step_000002.jsonl").read_text().splitlines()]
-    assert aside == old_rows[2:]
+    assert aside == old_rows[4:] and eval_rows(aside)
 
 
 def test_run_killed_before_its_first_checkpoint_can_start_over(tmp_path, capsys):
@@ -544,6 +564,41 @@ def test_resume_with_nothing_left_to_do_says_so(finished_run, capsys):
     before = snapshot(finished_run)
     assert g.main(["--steps", "1", "--out", str(finished_run), "--resume", "latest", *SMALL]) is None
     assert "nothing to do" in capsys.readouterr().out and snapshot(finished_run) == before
+
+
+def test_export_from_a_finished_checkpoint_is_its_weights_whole_or_nothing(finished_run, tmp_path, capsys,
+                                                                            monkeypatch):
+    """--save-pipeline with --resume at --steps trains nothing and writes the checkpoint's weights; the saved
+    pipeline keeps the decode it trained at, generate_images's default. An interrupted save leaves no DIR."""
+    from diffusers import GlmImagePipeline
+
+    before, pipe = snapshot(finished_run), tmp_path / "export" / "pipe"
+    export = ["--steps", "1", "--out", str(finished_run), "--resume", "latest", *SMALL, "--save-pipeline", str(pipe)]
+
+    def interrupted(self, path, **kwargs):
+        (Path(path) / "model_index.json").parent.mkdir(parents=True)
+        (Path(path) / "model_index.json").write_text("{")
+        raise KeyboardInterrupt
+    with monkeypatch.context() as patched:
+        patched.setattr(GlmImagePipeline, "save_pretrained", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            g.main(export)
+    assert list((tmp_path / "export").iterdir()) == []
+    g.main(export)
+    printed = capsys.readouterr().out
+    assert "exporting it to" in printed and "writing the trained pipeline" in printed and "step    " not in printed
+    assert snapshot(finished_run) == before
+    loaded = GlmImagePipeline.from_pretrained(pipe)
+    weights = loaded.vision_language_encoder.state_dict()
+    trained = g.read_checkpoint(finished_run / "checkpoints" / "step_000001.pt")["trainable"]
+    assert trained and all(torch.equal(weights[name], value) for name, value in trained.items())
+    config = loaded.vision_language_encoder.generation_config
+    assert config.trained_decode == {"height": 64, "width": 64, "num_inference_steps": 4, "guidance_scale": 1.0}
+    config.trained_decode.update(num_inference_steps=2, guidance_scale=3.0)
+    decoded = []
+    monkeypatch.setattr(g, "decode_images", lambda *a: decoded.append(a[-2:]) or torch.zeros(1, 3, 64, 64))
+    g.generate_images(loaded, ["a red circle"])
+    assert decoded == [(2, 3.0)]
 
 
 def test_resume_compares_the_prompt_file_by_content(tmp_path, capsys, monkeypatch):
@@ -716,6 +771,8 @@ def _bad_cases(tmp, run):
         "seed negative": (["--seed", "-1", "--out", fresh], "--seed must be at least 0, got -1"),
         "prompts is a directory": (["--prompts", str(tmp), "--out", fresh], "is a directory"),
         "steps not a number": (["--steps", "ten", "--out", fresh], "--steps invalid int value: 'ten'"),
+        "eval flag without eval prompts": (["--eval-every", "2", "--out", fresh], "need --eval-prompts"),
+        "eval prompts missing": (["--eval-prompts", str(tmp / "nope.txt"), "--out", fresh], "--eval-prompts"),
     }
 
 
@@ -729,7 +786,8 @@ CASE_NAMES = ["prompts missing", "prompts empty", "prompts only comments", "targ
               "save-pipeline holds files", "out under a file", "out not writable", "lr negative with exponent",
               "fsdp with LoRA", "fsdp in one process", "plan-gpus without --plan", "plan-gpus 1", "plan-gpus not dividing the prompts",
               "head with LoRA", "max-grad-norm 0", "max-grad-norm negative", "lr inf", "beta nan", "seed too large",
-              "seed negative", "prompts is a directory", "steps not a number"]
+              "seed negative", "prompts is a directory", "steps not a number", "eval flag without eval prompts",
+              "eval prompts missing"]
 
 
 @pytest.mark.parametrize("model", ["./typo_dir", "runs/typo_dir"])
@@ -2872,6 +2930,8 @@ def test_defaults_follow_the_model():
     assert pick(g.parse_args(["--model", "zai-org/GLM-Image"])) == (1e-5, 0.9, 0.75, 30, 1.5, 1024, 1e-5)
     assert g.parse_args(["--model", "my/model", "--dit-lora-rank", "8"]).dit_lr == 3e-4
     assert g.parse_args(["--model", "my/model", "--lr", "3e-5", "--top-p", "1"]).lr == 3e-5
+    held_out = lambda *flags: g.parse_args([*flags, "--num-inference-steps", "2", "--eval-prompts", "p.txt"])
+    assert held_out().eval_num_inference_steps == 4 and held_out("--model", "my/model").eval_num_inference_steps == 30
 
 
 def test_help_gives_each_default_once(capsys):
@@ -3025,19 +3085,22 @@ def test_slow_two_processes_train_like_one_and_resume_exactly(tmp_path):
     ranks, equal to the 1-process run's, same metrics rows; a 2-process resume is bit-identical to the
     uninterrupted 2-process run, and a 1-process resume of a 2-process checkpoint stays on its track."""
     flags = ["--steps", "2", "--save-every", "1", "--sample-every", "0", "--group-size", "4", "--inner-epochs", "2",
-             "--height", "64", "--width", "64", "--ar-trainable", "all", *FLOAT64]
+             "--height", "64", "--width", "64", "--ar-trainable", "all", *FLOAT64, *eval_flags(tmp_path, lines=2)]
     one = one_process_reference(flags + ["--out", str(tmp_path / "one")])
     rank0, rank1 = run_two_ranks(flags + ["--out", str(tmp_path / "two")], tmp_path)
     assert all(t.dtype == torch.float64 for t in one.values())
     assert all(torch.equal(rank0[n], rank1[n]) for n in rank0)
     assert_vectors_close(rank0, one)
     two_rows = read_metrics(tmp_path / "two")
-    assert_rows_close(two_rows, read_metrics(tmp_path / "one"))
+    assert_rows_close(two_rows, read_metrics(tmp_path / "one"))     # the held-out eval's rows too: 1 rank's block
+    assert [r["step"] for r in eval_rows(two_rows)] == [0, 2]
+    assert (tmp_path / "two/samples/eval_step_000002.png").is_file()
 
     for name in ("resumed2", "resumed1"):       # a run that stopped after its step-1 checkpoint
         (tmp_path / name / "checkpoints").mkdir(parents=True)
         (tmp_path / name / "checkpoints/step_000001.pt").write_bytes((tmp_path / "two/checkpoints/step_000001.pt").read_bytes())
-        (tmp_path / name / "metrics.jsonl").write_text((tmp_path / "two/metrics.jsonl").read_text().splitlines()[0] + "\n")
+        kept = [r for r in two_rows if r["step"] <= 1]          # with the eval row of step 0
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
     resumed2, _ = run_two_ranks(flags + ["--out", str(tmp_path / "resumed2"), "--resume", "latest"], tmp_path)
     assert all(torch.equal(resumed2[n], rank0[n]) for n in rank0)
     assert deterministic(read_metrics(tmp_path / "resumed2")) == deterministic(two_rows)
@@ -3140,9 +3203,14 @@ def test_slow_fsdp_trains_like_one_process_and_resumes_across_world_sizes(tmp_pa
              "--policy", "both", "--mode", "i2i", "--micro-batch-size", "1", "--beta", "0.01", "--ar-trainable", "all", *FLOAT64]
     two = lambda *argv: torch.multiprocessing.spawn(_main_worker, args=(2, free_port(), flags + ["--fsdp", *argv]),
                                                     nprocs=2)
-    one_process_reference(flags + ["--out", str(tmp_path / "one")])
-    two("--out", str(tmp_path / "fsdp"))
+    (tmp_path / "held_out.txt").write_text("make the blue circle red\nmake the yellow square green\n")
+    held_out = ["--eval-prompts", str(tmp_path / "held_out.txt"), "--eval-every", "2"]  # AR and DiT gathered whole
+    one_process_reference(flags + ["--out", str(tmp_path / "one"), *held_out])
+    two("--out", str(tmp_path / "fsdp"), *held_out)
     one_rows, fsdp_rows = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "fsdp")
+    assert [r["step"] for r in eval_rows(fsdp_rows)] == [0, 2]
+    assert_rows_close(eval_rows(fsdp_rows), eval_rows(one_rows))
+    one_rows, fsdp_rows = ([r for r in rows if r not in eval_rows(rows)] for rows in (one_rows, fsdp_rows))
     for step in (1, 2):
         assert_vectors_close(checkpoint_weights(tmp_path / "fsdp", step), checkpoint_weights(tmp_path / "one", step))
         assert_rows_close(fsdp_rows[step - 1: step], one_rows[step - 1: step])
@@ -3151,7 +3219,8 @@ def test_slow_fsdp_trains_like_one_process_and_resumes_across_world_sizes(tmp_pa
         (tmp_path / name / "checkpoints").mkdir(parents=True)
         (tmp_path / name / "checkpoints/step_000001.pt").write_bytes(
             (tmp_path / source / "checkpoints/step_000001.pt").read_bytes())
-        (tmp_path / name / "metrics.jsonl").write_text((tmp_path / source / "metrics.jsonl").read_text().splitlines()[0] + "\n")
+        first = next(r for r in read_metrics(tmp_path / source) if r["step"] == 1)
+        (tmp_path / name / "metrics.jsonl").write_text(json.dumps(first) + "\n")
         run("--out", str(tmp_path / name), "--resume", "latest")
         return checkpoint_weights(tmp_path / name, 2), read_metrics(tmp_path / name)
 
