@@ -1948,7 +1948,7 @@ def generate_reference(pipe, prompts, group_size, sampling, height, width, sourc
         return (scores.double() / sampling.temperature).masked_fill(~kept, float("-inf")) - torch.log(-torch.log(u))
 
     config = GenerationConfig(do_sample=False, top_k=50, top_p=1.0, temperature=1.0, max_new_tokens=L, min_new_tokens=L,
-                              suppress_tokens=list(range(sampling.codebook, scores_vocab := ar.config.text_config.vision_vocab_size)), eos_token_id=None,
+                              suppress_tokens=list(range(sampling.codebook, ar.config.text_config.vision_vocab_size)), eos_token_id=None,
                               pad_token_id=ar.config.text_config.pad_token_id)
     sequences = ar.generate(**batch, generation_config=config, logits_processor=[gumbel])
     prompt_positions, _ = ar.model.get_rope_index(**batch)
