@@ -244,8 +244,9 @@ def sample_groups(pipe, prompts, group_size, sampling, height, width, loss_token
     offset = L - 1 - H * W  # the target grid: last before the end slot
     loss_mask = torch.zeros_like(generated, dtype=torch.float32)
     loss_mask[:, (offset if loss_tokens == "target" else 0): offset + H * W] = 1.0  # never the end
+    target = generated[:, offset: offset + H * W]
     return Rollout(torch.cat([batch["input_ids"], generated], 1), mask, positions, old_logp,
-                   loss_mask, generated[:, offset: offset + H * W], (H, W), prompt_len, source_prior)
+                   loss_mask, target, (H, W), prompt_len, source_prior)
 
 
 def sample_tokens(trainer, prompts, sources, slots, step, args):
@@ -264,7 +265,8 @@ def sample_tokens(trainer, prompts, sources, slots, step, args):
         rollout.old_logp = logprobs_by_micro_batch(ar, rollout, trainer.sampling,
                                                    args.micro_batch_size)
     gap = (rollout.old_logp - sampler_logp).abs()[rollout.loss_mask.bool()]
-    rollout.sampler_gap = {"sampler_gap_max": gap.max().item(), "sampler_gap_mean": gap.mean().item()}
+    rollout.sampler_gap = {"sampler_gap_max": gap.max().item(),
+                           "sampler_gap_mean": gap.mean().item()}
     return rollout
 
 
@@ -507,7 +509,7 @@ def first_pass_metrics(logits, logp, part, sampling):
 
 def grpo_step(trainer, items, indices, step, args, slots=None, before_update=lambda: None):
     """One GRPO step on items[indices], this rank's `slots` of the step's prompts (default all) ->
-    (metrics row, rewards [N], images [N, 3, H, W], targets [P, 3, H, W] | None, sources | None,
+    (metrics row, rewards [N] (--dit-reward: [N, 2]), images [N, 3, H, W], targets | None, sources,
     the DiT's a = 0 decode | None). before_update: the run's stop check (section 19)."""
     batch, G, pipe = [items[i] for i in indices], args.group_size, trainer.pipe
     prompts, targets = [it.text for it in batch], batch_targets(batch)
@@ -542,8 +544,11 @@ def grpo_step(trainer, items, indices, step, args, slots=None, before_update=lam
     learns = min(row["frac_reward_nonfinite"], row.get("dit/frac_reward_nonfinite", 1)) < 1
     row.update(grpo_update(trainer, rollout if trainer.ar else None, advantages, args, learns,
                            (dit_run, dit_advantages) if trainer.dit else None))
-    ode = (ode_images(pipe, prompts, sources, rollout, noise, args)
-           if trainer.dit and args.sample_every and step % args.sample_every == 0 else None)
+    sheet_due = args.sample_every and (step % args.sample_every == 0 or step == args.steps)
+    ode = ode_images(pipe, prompts, sources, rollout, noise, args) if trainer.dit and sheet_due \
+        else None
+    if trainer.dit_rewards:  # the sheet's captions: AR / DiT
+        rewards = torch.stack([rewards, dit_rewards], 1)
     return row, rewards, images, targets, sources, ode
 
 
