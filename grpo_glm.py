@@ -22,7 +22,7 @@ pushes the policy up on better-than-average samples with PPO's clipped surrogate
 
 Reading map: Part I (sections 1-11) is GRPO on the AR in the order a step runs; Part II (12-13)
 Flow-GRPO on the DiT (--policy dit|both); Part III (14-25) is plumbing, GLM-Image's machinery first. The pure
-functions (mse_reward, group_advantages, token_logprobs with policy_scores, grpo_loss, sde_step, dit_kl) need only
+functions (mse_reward, group_advantages, token_logprobs with kept_logits, grpo_loss, sde_step, dit_kl) need only
 torch: copy them out (tested).
 Symbols: N samples in a batch (P x G), P prompts, G group size, S prompt tokens (padded), L generated tokens,
 H x W target grid in tokens (image side / 32), V vocabulary, K denoising steps, T of them trained.
@@ -183,7 +183,7 @@ class Rollout:
 @dataclass(frozen=True)
 class SamplingParams:
     """The AR policy (vLLM's name): pi = softmax(logits / temperature) over the kept ids, which
-    policy_scores (section 8) finds. The sampler and the loss both read it."""
+    kept_logits (section 8) finds. The sampler and the loss both read it."""
     temperature: float = 1.0
     top_k: int = 0          # keep the k likeliest ids (0: all)
     top_p: float = 1.0      # of those, the fewest whose probability adds up to p (1: all)
@@ -197,7 +197,7 @@ def at_least_fp32(x):
 def gumbel_max(logits, uniform, sampling):
     """A draw from softmax(z) over the ids where z is finite: argmax_v (z_v - log(-log u_v)),
     u ~ U(0, 1). logits, u [N, V] -> (ids [N], log pi(ids) [N] fp64)."""
-    kept = torch.isfinite(policy_scores(logits, sampling))  # the loss's kept set
+    kept = torch.isfinite(kept_logits(logits, sampling))  # the loss's kept set
     z = (at_least_fp32(logits).double() / sampling.temperature).masked_fill(~kept, float("-inf"))
     token = (z - torch.log(-torch.log(uniform))).argmax(-1)  # u = 0: -inf, never drawn
     return token, z.log_softmax(-1).gather(-1, token[:, None])[:, 0]
@@ -336,7 +336,7 @@ def group_advantages(rewards, group_size, eps=1e-4):
 
 # ==== 8. Log-probs with gradients =================================================================
 
-def policy_scores(logits, sampling, keep=None):
+def kept_logits(logits, sampling, keep=None):
     """z [..., V], pi = softmax(z): logits / temperature in at least fp32 (a bf16 log-softmax loses
     ~1e-2), -inf past the codebook and on the ids transformers' top-k / top-p warpers drop (so a
     saved pipeline's generate() samples this policy). `keep` [...]: ids kept whatever: after an
@@ -366,14 +366,14 @@ def policy_scores(logits, sampling, keep=None):
 
 
 def token_logprobs(logits, tokens, sampling):
-    """log pi(token) under policy_scores' pi: logits [N, L, V], tokens [N, L] -> [N, L]."""
-    z = policy_scores(logits, sampling, keep=tokens)
+    """log pi(token) under kept_logits' pi: logits [N, L, V], tokens [N, L] -> [N, L]."""
+    z = kept_logits(logits, sampling, keep=tokens)
     return torch.log_softmax(z, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def token_entropy(logits, sampling):
     """Entropy of pi, [N, L, V] -> [N, L] nats: log(kept ids) at uniform."""
-    return torch.distributions.Categorical(logits=policy_scores(logits, sampling)).entropy()
+    return torch.distributions.Categorical(logits=kept_logits(logits, sampling)).entropy()
 
 
 def policy_logits(ar, rollout):

@@ -110,7 +110,7 @@ def test_group_advantages_constant_group_is_exactly_zero_despite_rounding():
 
 
 def test_pure_functions_copy_out():
-    """Each of the six, its source alone (token_logprobs with policy_scores, which it calls) run in a
+    """Each of the six, its source alone (token_logprobs with kept_logits, which it calls) run in a
     namespace of torch only, gives the in-file result bit for bit (a NameError, if one still leaned on a
     helper of the file)."""
     gen = torch.Generator().manual_seed(0)
@@ -128,7 +128,7 @@ def test_pure_functions_copy_out():
              g.dit_kl: (x, v, torch.tensor(0.3))}
     for fn, args in calls.items():
         namespace = {"torch": torch}
-        for source in [g.policy_scores] * (fn is g.token_logprobs) + [fn]:
+        for source in [g.kept_logits] * (fn is g.token_logprobs) + [fn]:
             exec(inspect.getsource(source), namespace)
         copied, in_file = namespace[fn.__name__](*args), fn(*args)
         flat = lambda out: out if isinstance(out, tuple) else (out,)
@@ -1885,7 +1885,7 @@ def test_sampler_draws_the_first_token_from_the_policy(sharp_pipe, truncation):
                              generators=generators)
     with torch.no_grad():        # the first position's logits, shared by every row
         logits = g.policy_logits(ar, g.slice_rollout(rollout, slice(0, 1)))[0, 0]
-    p = torch.softmax(g.policy_scores(logits, sampling).double(), -1)
+    p = torch.softmax(g.kept_logits(logits, sampling).double(), -1)
     kept = p > 0
     assert kept.sum() == g.TINY_CODEBOOK if not truncation else 10 < kept.sum() < 40     # truncation bites
     counts = torch.bincount(rollout.sequences[:, rollout.prompt_len], minlength=g.TINY_VISION_VOCAB).double()
@@ -1899,7 +1899,7 @@ def test_sampler_draws_the_first_token_from_the_policy(sharp_pipe, truncation):
 @pytest.mark.parametrize("T, top_k, top_p", [(0.9, 40, 0.75), (1.0, 0, 0.5), (2.0, 3, 1.0)])
 def test_saved_generation_config_samples_the_trained_policy(tmp_path, T, top_k, top_p):
     """What --save-pipeline writes: generate()'s own processors, built from the saved config, turn
-    logits into the same scores as policy_scores, bit for bit (ties at the k-th value included)."""
+    logits into the same scores as kept_logits, bit for bit (ties at the k-th value included)."""
     from transformers import GenerationConfig
 
     pipe = g.build_tiny_pipeline()
@@ -1912,7 +1912,7 @@ def test_saved_generation_config_samples_the_trained_policy(tmp_path, T, top_k, 
     logits[:, 5:12] = logits[:, 4:5]                                   # ties
     library = ar._get_logits_processor(generation_config=ar.generation_config, device="cpu")
     expected = library(torch.zeros(256, 1, dtype=torch.long), logits.clone())
-    assert torch.equal(g.policy_scores(logits, sampling), expected)
+    assert torch.equal(g.kept_logits(logits, sampling), expected)
     kept = torch.isfinite(expected).sum(-1)
     assert (kept < g.TINY_CODEBOOK).all() and (kept >= 1).all()       # every row truncated, none empty
 
@@ -1927,7 +1927,7 @@ def test_truncated_sampling_has_ratio_one(sharp_pipe):
     with torch.no_grad():
         logits = g.policy_logits(ar, rollout)
         recomputed = g.token_logprobs(logits, rollout.sequences[:, rollout.prompt_len:], sampling)
-        kept = torch.isfinite(g.policy_scores(logits, sampling))
+        kept = torch.isfinite(g.kept_logits(logits, sampling))
     tokens = rollout.sequences[:, rollout.prompt_len:]
     assert kept.gather(-1, tokens[..., None]).all() and (kept.sum(-1) < g.TINY_CODEBOOK).float().mean() > 0.5
     assert (recomputed - rollout.old_logp).abs().max() <= 1e-5
@@ -1942,7 +1942,7 @@ def generate_reference(pipe, prompts, group_size, sampling, height, width, sourc
     L = sum(h * w for h, w in grids) + 1
 
     def gumbel(input_ids, scores):
-        kept = torch.isfinite(g.policy_scores(scores, sampling))
+        kept = torch.isfinite(g.kept_logits(scores, sampling))
         u = torch.cat([torch.rand(group_size, scores.shape[-1], generator=gen, dtype=torch.float64)
                        for gen in generators])
         return (scores.double() / sampling.temperature).masked_fill(~kept, float("-inf")) - torch.log(-torch.log(u))
