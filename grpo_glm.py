@@ -803,7 +803,7 @@ def prepare_dit_policy(dit, args):
 
 def shared_prompt_tokens(trainer, prompts, sources, indices, slots, step, args):
     """--policy dit: one token grid per prompt, shared by its G samples (target_tokens [N, H*W]). --dit-prior
-    per-prompt draws it once (kept in trainer.prompt_tokens): a fixed input the DiT can learn to paint; per-step anew."""
+    per-prompt draws it once (trainer.prompt_tokens), a fixed input the DiT can learn to paint; per-step anew."""
     pipe, cache = trainer.pipe, trainer.prompt_tokens
 
     def draw(i, step, index):
