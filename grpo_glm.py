@@ -603,7 +603,6 @@ class DitCondition:
     source_prior: list = None        # i2i, per prompt: its VQ ids upsampled 2x [4*h*w]
 
 
-
 def dit_schedule(pipe, height, width, num_inference_steps):
     """(timesteps [K], sigmas [K+1]) as GlmImagePipeline.__call__ sets them. Sigmas are read back from the
     scheduler: they are shifted (t / 1000 is not the sigma the DiT runs at)."""
@@ -617,7 +616,6 @@ def dit_schedule(pipe, height, width, num_inference_steps):
                          scheduler.config.get("base_shift", 0.25), scheduler.config.get("max_shift", 0.75))
     timesteps, _ = retrieve_timesteps(scheduler, num_inference_steps, device, timesteps, timesteps / train_steps, mu=mu)
     return timesteps, scheduler.sigmas.to(device, torch.promote_types(pipe.transformer.dtype, torch.float32))
-
 
 
 @torch.no_grad()
@@ -643,11 +641,9 @@ def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_sc
                         [ids.to(device) for ids, _ in source_prior] if sources is not None else None)
 
 
-
 def latent_stats(vae, device, dtype):
     stats = (vae.config.latents_mean, vae.config.latents_std)  # DiT latent = (VAE latent - mean) / std
     return (torch.tensor(v).view(1, -1, 1, 1).to(device, dtype) for v in stats)
-
 
 
 def latents_to_images(pipe, latents):
@@ -656,7 +652,6 @@ def latents_to_images(pipe, latents):
     mean, std = latent_stats(pipe.vae, latents.device, latents.dtype)
     image = pipe.vae.decode(latents * std + mean, return_dict=False)[0]
     return at_least_fp32(pipe.image_processor.postprocess(image, output_type="pt")).cpu()
-
 
 
 def dit_velocity(dit, latents, t, cond, caches):
