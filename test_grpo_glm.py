@@ -2006,10 +2006,19 @@ def per_decode_step(ar, sample):
     return steps[0]
 
 
-def test_a_decode_step_reads_nothing_back_to_the_host(sharp_pipe):
+def test_a_decode_step_reads_nothing_back_to_the_host(sharp_pipe, monkeypatch):
     """No .item(), .tolist(), nonzero or data-dependent branch in a decode step, and no tensor made from
     host data (a suppressed-id list as an index was one): on a GPU the host queues step after step
-    without waiting, which a CUDA graph needs. The plain loop and the FastDecoder alike."""
+    without waiting, which a CUDA graph needs. The plain loop and the FastDecoder alike. And no K/V
+    copied per query head (GQA: the real AR's 2 KV heads serve 32; transformers folds a KV head's
+    query heads into the query length of a one-token step)."""
+    kv_heads, attention = [], torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(q, k, *args, **kwargs):
+        if q.shape[2] <= 8:          # a decode step's queries (the prefill's are the prompt)
+            kv_heads.append(k.shape[1])
+        return attention(q, k, *args, **kwargs)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recorded)
     with OpCounter() as control:
         torch.ones(2).sum().item()
     with OpCounter() as listed:
@@ -2021,6 +2030,9 @@ def test_a_decode_step_reads_nothing_back_to_the_host(sharp_pipe):
         ops, syncs, from_host = per_decode_step(sharp_pipe.vision_language_encoder, lambda: g.sample_groups(
             sharp_pipe, prompts, 3, sampling, 96, 64, "all", sources, decoder=decoder))
         assert syncs == 0 and from_host == 0 and ops > 50
+    config = sharp_pipe.vision_language_encoder.config.text_config
+    assert config.num_key_value_heads < config.num_attention_heads
+    assert kv_heads and set(kv_heads) == {config.num_key_value_heads}
 
 
 def test_the_fast_decoder_compiles_once_per_run_and_draws_the_plain_loops_tokens():
