@@ -1212,6 +1212,7 @@ def write_source_caches(dit, cond):
 def parse_args(argv=None):
     p = Parser(description="GRPO fine-tuning of GLM-Image against image rewards.", formatter_class=HelpFormatter,
                allow_abbrev=False)
+    p._negative_number_matcher = re.compile(r"-[\d.]+(e[-+]?\d+)?$", re.I)  # '--lr -1e-3': a value, as in Python 3.14
     count, non_negative_int = number(int, least=1), number(int, least=0)
     positive, non_negative, clip = number(float, above=0), number(float, least=0), number(float, above=0, below=1)
     pixels, draws = number(int, least=32, multiple=32), ["per-prompt", "per-step"]
@@ -1275,8 +1276,7 @@ def parse_args(argv=None):
       "pretrained model on CUDA, else float32 (float64: for checks).")
     a("--micro-batch-size", type=count, help="Samples per forward and backward (default: G).")
     a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in backward.")
-    a("--offload", action=argparse.BooleanOptionalAction, help="Frozen DiT, VAE and text encoder on the CPU "
-      "between uses (default: if --plan's peak exceeds free GPU memory).")
+    a("--offload", action=argparse.BooleanOptionalAction, help="Frozen parts on CPU between uses (default: by --plan).")
     a("--fsdp", action="store_true", help="Under torchrun: shard trained weights and AdamW state (FSDP2).")
     a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others.")
     a("--plan", action="store_true", help="Print --model's memory plan at --height x --width, and exit.")
@@ -1295,11 +1295,6 @@ def parse_args(argv=None):
 
 
 class Parser(argparse.ArgumentParser):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        # '--lr -1e-3': a number is a value, not an option (as from Python 3.14)
-        self._negative_number_matcher = re.compile(r"-[\d.]+(e[-+]?\d+)?$", re.I)
-
     def error(self, message):  # a bad flag: a UsageError, no usage
         raise UsageError(re.sub(r"^argument (\S+): ", r"\1 ", message))
 
@@ -1364,7 +1359,7 @@ def validate_args(args):
         (args.report_to != "none" and importlib.util.find_spec(args.report_to) is None,
          f"--report-to {args.report_to} needs the '{args.report_to}' package: pip install {args.report_to}"),
         (args.save_pipeline and save.exists() and (not save.is_dir() or any(save.iterdir())), f"--save-pipeline "
-         f"{save} already exists; pick a new directory (nothing is overwritten)"),
+         f"{save} already exists; pick a new directory"),
         (args.model != TINY and not (model / "model_index.json").is_file() and not hub_id,
          f"--model {args.model}: {'not a directory with model_index.json' if model.exists() else 'no such directory'}"
          " (give 'tiny', a hub id like zai-org/GLM-Image, or a save_pretrained directory)"),
@@ -1374,11 +1369,10 @@ def validate_args(args):
     for refused, why in refusals:
         if refused:
             raise UsageError(why)
-    check_writable("--out", args.out)
-    if args.model == TINY:
-        check_writable("the tiny model's cache (GRPO_GLM_CACHE)", tiny_cache())
-    if args.save_pipeline:
-        check_writable("--save-pipeline", save)
+    for flag, path in [("--out", args.out), ("--save-pipeline", args.save_pipeline),
+                       ("the tiny model's cache (GRPO_GLM_CACHE)", args.model == TINY and tiny_cache())]:
+        if path:
+            check_writable(flag, path)
 
 
 def check_writable(flag, path):
@@ -1457,7 +1451,7 @@ def lock_out_dir(out, closing):
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise UsageError(f"--out {out} is in use by another run; wait for it to finish or pick another --out")
+        raise UsageError(f"--out {out} is in use by another run; wait for it or pick another --out")
 
 
 # ==== 16. Prompt files, images and the demo's targets =============================================
@@ -1600,14 +1594,13 @@ mse.uses_targets = True
 
 
 def load_reward(spec):
-    """A --reward spec (section 6) -> Reward."""
     where, _, text = spec.rpartition("=") if "=" in spec else (spec, "", "1")
     try:
         weight = number(float)(text)      # the flags' check: a finite float
     except (ValueError, argparse.ArgumentTypeError):
         raise UsageError(f"--reward {spec}: the weight after '=' must be a finite number, got {text!r}")
     if weight == 0:
-        raise UsageError(f"--reward {spec}: a weight of 0 leaves the reward out of the sum; drop it instead")
+        raise UsageError(f"--reward {spec}: a weight of 0 adds nothing; drop it instead")
     if where == "mse":
         return Reward("mse", mse, weight)
     module_name, _, fn_name = where.rpartition(":")
