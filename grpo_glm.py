@@ -1234,7 +1234,7 @@ def parse_args(argv=None):
     a("--seed", type=number(int, least=0, most=2**32 - 1), default=0, help="Seed of every random draw.")
     a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="diffusers' schedule "
       "over --steps; a resume with other --steps reshapes its rest.")
-    a("--lr-warmup-steps", type=non_negative_int, default=0, help="Linear warm-up: lr 0 at step 1, --lr at N + 1.")
+    a("--lr-warmup-steps", type=non_negative_int, default=0, help="Steps of linear warm-up, from lr 0 at step 1.")
     a("--weight-decay", type=non_negative, default=0.0, help="AdamW's weight decay.")
     a("--max-grad-norm", type=positive, default=1.0, help="Clip the gradient's global norm to this.")
     a = p.add_argument_group("model and data").add_argument
@@ -1577,8 +1577,8 @@ def demo_scene(prompt, where, mode, role="target", why=""):
     colour = "|".join(COLOURS)
     edit = re.search(rf"\b({colour}) ({'|'.join(SHAPES)})\b.*\b({colour})\b(?! background)", " ".join(words))
     if edit is None:      # e.g. a t2i line: 'a red circle on a white background'
-        raise UsageError(f"{where}: '{prompt}' reads as no edit: --mode i2i needs 'prompt | target.png | source.png'"
-                         f" or '<colour> <shape> ... <new colour>' to draw them (e.g. 'make the red circle blue')"
+        raise UsageError(f"{where}: '{prompt}' reads as no edit: --mode i2i needs 'prompt | target.png | source.png', "
+                         f"or '<colour> <shape> ... <new colour>' to draw them (e.g. 'make the red circle blue')"
                          f"{f' ({why})' if why else ''}")
     return edit[2], edit[1] if role == "source" else edit[3], "white"
 
@@ -1630,7 +1630,7 @@ def load_rewards(specs):
 
 
 def call_reward(reward, images, prompts, targets):
-    """One --reward on a copy of the batch (edits in place must not reach the next) -> [N] in the images' dtype."""
+    """One --reward on a copy of the batch (see compute_rewards) -> [N] in the images' dtype."""
     n, name = len(prompts), reward.name
     try:
         value = reward.fn(images.clone(), list(prompts), None if targets is None else targets.clone())
