@@ -1211,6 +1211,7 @@ def write_source_caches(dit, cond):
 def parse_args(argv=None):
     p = Parser(description="GRPO fine-tuning of GLM-Image against image rewards.", formatter_class=HelpFormatter,
                allow_abbrev=False)
+    p._negative_number_matcher = re.compile(r"-[\d.]+(e[-+]?\d+)?$", re.I)  # '--lr -1e-3': a value, as in Python 3.14
     count, non_negative_int = number(int, least=1), number(int, least=0)
     positive, non_negative, clip = number(float, above=0), number(float, least=0), number(float, above=0, below=1)
     pixels, draws = number(int, least=32, multiple=32), ["per-prompt", "per-step"]
@@ -1232,8 +1233,7 @@ def parse_args(argv=None):
     a("--seed", type=number(int, least=0, most=2**32 - 1), default=0, help="Seed of every random draw.")
     a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="diffusers' schedule "
       "over --steps; a resume with other --steps reshapes its rest.")
-    a("--lr-warmup-steps", type=non_negative_int, default=0, help="Steps of linear warm-up from 0 to --lr "
-      "(diffusers': step 1 runs at lr 0, step N + 1 at --lr).")
+    a("--lr-warmup-steps", type=non_negative_int, default=0, help="Steps of linear warm-up, from lr 0 at step 1.")
     a("--weight-decay", type=non_negative, default=0.0, help="AdamW's weight decay.")
     a("--max-grad-norm", type=positive, default=1.0, help="Clip the gradient's global norm to this.")
     a = p.add_argument_group("model and data").add_argument
@@ -1242,51 +1242,46 @@ def parse_args(argv=None):
     a("--prompts", default="prompts.txt", help="Lines 'prompt[ | target.png[ | source.png (i2i)]]'.")
     a("--height", type=pixels, default=128, help="Image height in pixels (32 per token).")
     a("--width", type=pixels, default=128, help="Image width in pixels (32 per token).")
-    a("--num-inference-steps", type=count, default=4, help="DiT steps per decode: fewer are faster, rougher "
-      "(Flow-GRPO: 10 to sample, 40 to evaluate).")
-    a("--guidance-scale", type=number(float, least=1), default=1.0, help="DiT classifier-free guidance scale (1 = "
-      "off, as diffusers treats any value <= 1).")
+    a("--num-inference-steps", type=count, default=4, help="DiT steps per image (Flow-GRPO: 10 to sample, 40 to eval).")
+    a("--guidance-scale", type=number(float, least=1), default=1.0, help="DiT classifier-free guidance (1 = off).")
     a("--dit-noise", choices=draws, default="per-prompt", help="A group's initial DiT noise: once or each step.")
     a("--lora-rank", type=non_negative_int, default=0, help="LoRA rank on the AR (0 = full fine-tuning).")
-    a("--lora-alpha", type=positive, default=None, help="LoRA alpha (default: --lora-rank).")
+    a("--lora-alpha", type=positive, help="LoRA alpha (default: --lora-rank).")
     a("--ar-trainable", choices=["auto", "all", "head"], default="auto", help="Without LoRA: all or the output "
       "layer; auto = head for --model tiny.")
     a = p.add_argument_group("the DiT: --policy dit|both (Flow-GRPO, Part II)").add_argument
     a("--dit-lr", type=positive, default=3e-3, help="AdamW learning rate of the DiT.")
     a("--dit-clip-eps", type=clip, default=1e-4, help="--clip-eps of the DiT's per-step ratio.")
     a("--dit-noise-level", type=positive, default=0.7, help="a in the SDE's std_t = a sqrt(sigma / (1 - sigma)).")
-    a("--dit-train-steps", type=count, default=None, help="First denoising steps, run as SDE and trained; the rest "
-      "run the ODE (default: all but the last).")
+    a("--dit-train-steps", type=count, help="First steps run SDE, trained; the rest ODE (default: all but the last).")
     a("--dit-prior", choices=draws, default="per-prompt", help="--policy dit: a group's tokens, once or each step.")
     a("--dit-reward", action="append", metavar="SPEC", help="--policy both: the DiT's own reward (as --reward).")
     a("--dit-lora-rank", type=non_negative_int, default=0, help="LoRA rank on the DiT (0 = full fine-tuning).")
     a = p.add_argument_group("logging and checkpoints").add_argument
     a("--out", default="runs/grpo_glm", help="Directory of metrics.jsonl, samples/ and checkpoints/.")
     a("--save-every", type=count, default=10, help="Checkpoint every N steps (and at the end).")
-    a("--checkpoints-total-limit", type=count, default=None, help="Keep the newest K checkpoints (default: all).")
+    a("--checkpoints-total-limit", type=count, help="Keep the newest K checkpoints (default: all).")
     a("--sample-every", type=non_negative_int, default=5, help="A sample sheet every N steps (0 = never).")
     a("--report-to", choices=["none", "tensorboard", "wandb"], default="none", help="Also log to TensorBoard/W&B.")
-    a("--resume", default=None, help="Checkpoint to continue from, or 'latest' in --out.")
+    a("--resume", help="Checkpoint to continue from, or 'latest' in --out.")
     a("--resume-force", action="store_true", help="Resume even if algorithm flags differ from the checkpoint.")
-    a("--save-pipeline", default=None, help="Write the trained pipeline here (LoRA merged), or a finished --resume's.")
-    a("--eval-prompts", default=None, help="Held-out --prompts, sampled at step 0, every --eval-every and the end.")
-    a("--eval-every", type=count, default=None, help="Steps between evaluations (default: --save-every).")
-    a("--eval-num-inference-steps", type=count, default=None, help="The eval's DiT steps (default: the model's own).")
+    a("--save-pipeline", help="Write the trained pipeline here (LoRA merged), or a finished --resume's.")
+    a("--eval-prompts", help="Held-out --prompts, sampled at step 0, every --eval-every and the end.")
+    a("--eval-every", type=count, help="Steps between evaluations (default: --save-every).")
+    a("--eval-num-inference-steps", type=count, help="The eval's DiT steps (default: the model's own).")
     a = p.add_argument_group("hardware and memory").add_argument
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
     a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto", help="auto = bfloat16 for a "
       "pretrained model on CUDA, else float32 (float64: for checks).")
-    a("--micro-batch-size", type=count, default=None, help="Samples per forward and backward (default: G).")
+    a("--micro-batch-size", type=count, help="Samples per forward and backward (default: G).")
     a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in backward.")
-    a("--offload", action=argparse.BooleanOptionalAction, default=None, help="Frozen DiT, VAE and text encoder on "
-      "the CPU between uses (default: if --plan's peak exceeds free GPU memory).")
+    a("--offload", action=argparse.BooleanOptionalAction, help="Frozen parts on CPU between uses (default: by --plan).")
     a("--fsdp", action="store_true", help="Under torchrun: shard trained weights and AdamW state (FSDP2).")
     a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others.")
     a("--plan", action="store_true", help="Print --model's memory plan at --height x --width, and exit.")
     a("--plan-gpus", type=number(int, least=2), nargs="+", metavar="K", help="With --plan: --fsdp's bytes per GPU "
       "on K GPUs (--prompts-per-step: all GPUs').")
-    a("--plan-gpu-memory", type=positive, metavar="GiB", help="With --plan: does the run fit in this (default: the "
-      "visible GPU's free memory)?")
+    a("--plan-gpu-memory", type=positive, metavar="GiB", help="With --plan: GiB to fit in (default: free GPU memory).")
     known = p.parse_known_args(argv)[0]
     if known.model != TINY:
         p.set_defaults(**pretrained_defaults(known))      # those above are the tiny demo's
@@ -1299,11 +1294,6 @@ def parse_args(argv=None):
 
 
 class Parser(argparse.ArgumentParser):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        # '--lr -1e-3': a number is a value, not an option (as from Python 3.14)
-        self._negative_number_matcher = re.compile(r"-[\d.]+(e[-+]?\d+)?$", re.I)
-
     def error(self, message):  # a bad flag: a UsageError, no usage
         raise UsageError(re.sub(r"^argument (\S+): ", r"\1 ", message))
 
@@ -1344,17 +1334,17 @@ def validate_args(args):
 
     outdated = ", ".join(f"{name} {version(name)} (needs >= {least})" for name, least in LEAST_VERSIONS.items()
                          if Version(version(name)) < Version(least))
-    model, save, cuda = Path(args.model), Path(args.save_pipeline or "."), torch.cuda.is_available()
+    model, save = Path(args.model), Path(args.save_pipeline or ".")
     full = (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
     # a hub id: 'owner/name' with no local parent (a typo in 'runs/x' must not go to the hub)
     hub_id = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", args.model) and not model.parent.is_dir()
     refusals = [  # (refused?, why): the first refused raises
         (not args.out, "--out is empty (an unset variable?): name a directory"),
-        (outdated, f"installed libraries too old for grpo_glm.py: {outdated}; run: pip install -r requirements.txt"),
+        (outdated, f"libraries too old: {outdated}; run: pip install -r requirements.txt"),
         (args.ar_trainable == "head" and (args.lora_rank or args.fsdp), "--ar-trainable head takes neither "
          "--lora-rank nor --fsdp (it trains one small layer)"),
         (args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline), "--fsdp shards full "
-         "fine-tuning: LoRA is small enough to replicate; --save-pipeline needs whole weights (resume in one process)"),
+         "fine-tuning (LoRA replicates); --save-pipeline needs whole weights: resume in one process"),
         (args.fsdp and world_size() == 1, "--fsdp needs torchrun: one process has nothing to shard"),
         ((args.plan_gpus or args.plan_gpu_memory) and not args.plan, "--plan-gpus and --plan-gpu-memory: add --plan"),
         ((args.dit_train_steps or 0) > args.num_inference_steps, f"--dit-train-steps must be between 1 and "
@@ -1363,26 +1353,25 @@ def validate_args(args):
          "--dit-train-steps need --policy dit or both"),
         (args.dit_reward and args.policy != "both", "--dit-reward needs --policy both (--policy dit: use --reward)"),
         (args.policy == "dit" and args.lora_rank, "--lora-rank adapts the AR, which --policy dit does not train"),
-        (args.dtype == "bfloat16" and not args.fsdp and full, "--dtype bfloat16 full fine-tuning would round AdamW's "
-         "updates away (below half a bf16 ulp): use LoRA (fp32), --fsdp of fp32 weights or --dtype float32"),
-        (args.report_to != "none" and importlib.util.find_spec(args.report_to) is None,    # the package's name
+        (args.dtype == "bfloat16" and not args.fsdp and full, "--dtype bfloat16 full fine-tuning rounds "
+         "AdamW's updates away: use LoRA (fp32), --fsdp (fp32 shards) or --dtype float32"),
+        (args.report_to != "none" and importlib.util.find_spec(args.report_to) is None,
          f"--report-to {args.report_to} needs the '{args.report_to}' package: pip install {args.report_to}"),
         (args.save_pipeline and save.exists() and (not save.is_dir() or any(save.iterdir())), f"--save-pipeline "
-         f"{save} already exists; pick a new directory (nothing is overwritten)"),
+         f"{save} already exists; pick a new directory"),
         (args.model != TINY and not (model / "model_index.json").is_file() and not hub_id,
          f"--model {args.model}: {'not a directory with model_index.json' if model.exists() else 'no such directory'}"
          " (give 'tiny', a hub id like zai-org/GLM-Image, or a save_pretrained directory)"),
-        (args.device == "cuda" and not cuda, "--device cuda: no CUDA device is available"),
-        (args.offload and not (args.device != "cpu" and cuda), "--offload needs a CUDA device: there is none"),
+        (args.device == "cuda" and not torch.cuda.is_available(), "--device cuda: no CUDA device is available"),
+        (args.offload and args.device == "cpu", "--offload needs a CUDA device: there is none"),
     ]
     for refused, why in refusals:
         if refused:
             raise UsageError(why)
-    check_writable("--out", args.out)
-    if args.model == TINY:
-        check_writable("the tiny model's cache (GRPO_GLM_CACHE)", tiny_cache())
-    if args.save_pipeline:
-        check_writable("--save-pipeline", save)
+    for flag, path in [("--out", args.out), ("--save-pipeline", args.save_pipeline),
+                       ("the tiny model's cache (GRPO_GLM_CACHE)", args.model == TINY and tiny_cache())]:
+        if path:
+            check_writable(flag, path)
 
 
 def check_writable(flag, path):
@@ -1442,8 +1431,7 @@ def check_source_size(processor, height, width):
     except ValueError as e:
         raise UsageError(f"--mode i2i at {height}x{width}: the image processor refuses it ({e})")
     if (h, w) != (height, width):
-        raise UsageError(f"--mode i2i at {height}x{width}: the image processor resizes a source to {h}x{w} (sides "
-                         f"{math.isqrt(size['shortest_edge'])} to {math.isqrt(size['longest_edge'])} px), so its "
+        raise UsageError(f"--mode i2i at {height}x{width}: the image processor resizes a source to {h}x{w}, so its "
                          f"tokens would not line up with the DiT's; use --height {h} --width {w}")
 
 
@@ -1462,7 +1450,7 @@ def lock_out_dir(out, closing):
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise UsageError(f"--out {out} is in use by another run; wait for it to finish or pick another --out")
+        raise UsageError(f"--out {out} is in use by another run; wait for it or pick another --out")
 
 
 # ==== 16. Prompt files, images and the demo's targets =============================================
@@ -1512,12 +1500,11 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",), flag="-
         for kind, file in image_from.items():
             w, h = read_image(file, where, kind)
             resized |= (w, h) != (width, height)
+            seen = f"{where}: {kind} {file.name} is {w}x{h}"
             if max(width / w, height / h, w * height / (h * width), h * width / (w * height)) > 4:  # an icon, a strip
-                print(f"warning: {where}: {kind} {file.name} is {w}x{h}, stretched to {width}x{height}: the right "
-                      "file?", file=sys.stderr)
+                print(f"warning: {seen}, stretched to {width}x{height}: the right file?", file=sys.stderr)
             elif w * height != h * width:
-                print(f"note: {where}: {kind} {file.name} is {w}x{h}, squashed to {width}x{height} (crop it to keep "
-                      "its proportions)")
+                print(f"note: {seen}, squashed to {width}x{height} (crop it to keep its proportions)")
         if mode == "i2i" and "source" not in image_from:     # drawn from the edit's words (the target too if none)
             image_from["source"] = demo_scene(text, where, mode, "source")
             image_from.setdefault("target", demo_scene(text, where, mode))
@@ -1532,10 +1519,9 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",), flag="-
 
 def require_targets(items, reward_names):
     """For rewards that read targets: a prompt without a target file gets one drawn from its words, or fails."""
-    for item in items:
-        if reward_names and "target" not in item.image_from:
-            item.image_from["target"] = demo_scene(item.text, item.where, item.mode,
-                                                   why=f"the reward {', '.join(reward_names)} reads targets")
+    for item in [it for it in items if reward_names and "target" not in it.image_from]:
+        item.image_from["target"] = demo_scene(item.text, item.where, item.mode,
+                                               why=f"the reward {', '.join(reward_names)} reads targets")
 
 
 def read_image(path, where, kind, size=None):
@@ -1586,7 +1572,7 @@ def demo_scene(prompt, where, mode, role="target", why=""):
         if not colours or shape is None:
             raise UsageError(f"{where}: no target image given and no colour+shape words to draw one "
                              f"({why + '; ' if why else ''}write 'prompt | target.png')")
-        return shape, colours[0], colours[1] if len(colours) > 1 else "white"
+        return shape, colours[0], (colours + ["white"])[1]
     colour = "|".join(COLOURS)
     edit = re.search(rf"\b({colour}) ({'|'.join(SHAPES)})\b.*\b({colour})\b(?! background)", " ".join(words))
     if edit is None:      # e.g. a t2i line: 'a red circle on a white background'
@@ -1607,14 +1593,13 @@ mse.uses_targets = True
 
 
 def load_reward(spec):
-    """A --reward spec (section 6) -> Reward."""
     where, _, text = spec.rpartition("=") if "=" in spec else (spec, "", "1")
     try:
         weight = number(float)(text)      # the flags' check: a finite float
     except (ValueError, argparse.ArgumentTypeError):
         raise UsageError(f"--reward {spec}: the weight after '=' must be a finite number, got {text!r}")
     if weight == 0:
-        raise UsageError(f"--reward {spec}: a weight of 0 leaves the reward out of the sum; drop it instead")
+        raise UsageError(f"--reward {spec}: a weight of 0 adds nothing; drop it instead")
     if where == "mse":
         return Reward("mse", mse, weight)
     module_name, _, fn_name = where.rpartition(":")
@@ -1644,7 +1629,7 @@ def load_rewards(specs):
 
 
 def call_reward(reward, images, prompts, targets):
-    """One --reward on a copy of the batch (edits in place must not reach the next) -> [N] in the images' dtype."""
+    """One --reward on a copy of the batch (see compute_rewards) -> [N] in the images' dtype."""
     n, name = len(prompts), reward.name
     try:
         value = reward.fn(images.clone(), list(prompts), None if targets is None else targets.clone())
@@ -1656,8 +1641,7 @@ def call_reward(reward, images, prompts, targets):
         raise UsageError(f"reward {name} returned {type(value).__name__}, not a tensor or list of floats", local=True)
     if value.shape != (n,):
         raise UsageError(f"reward {name} returned shape {list(value.shape)}, expected [{n}]", local=True)
-    bad = (~torch.isfinite(value)).sum().item()
-    if bad:
+    if bad := (~torch.isfinite(value)).sum().item():
         print(f"warning: reward {name} returned {bad} non-finite values of {n}; their groups are left out of this "
               "step", file=sys.stderr)
     return value
