@@ -2184,15 +2184,14 @@ class Resume:
 
 
 # ==== 21. The tiny model's renderer: pre-trained once on token mosaics, then cached ===============
-# `--model tiny` is GLM-Image at toy size, from the real classes. Its AR stays random (what to paint is
-# GRPO's to learn); its renderer learns once (flow matching, ~15 s of CPU) that codebook id k paints colour
-# k mod 8 (many ids per colour, as in a real codebook: a random policy gets a cell right 1 time in 8).
+# `--model tiny`: GLM-Image at toy size, the real classes. Its AR stays random (what to paint is GRPO's to learn);
+# its renderer learns once (flow matching, ~15 s of CPU) that codebook id k paints colour k mod 8 (many ids a
+# colour, as in a real codebook: a random policy gets 1 cell in 8 right).
 
 TINY_CODEBOOK = 64                       # real: 16384
 TINY_VISION_VOCAB = TINY_CODEBOOK + 16   # real: 16512 (codebook + 128 special ids)
 TINY_PALETTE = (torch.tensor(list(COLOURS.values()), dtype=torch.float32) / 255)[torch.arange(TINY_CODEBOOK) % 8]
-# A stand-in chat template: get_rope_index finds a source image by its start and end tokens (2-D
-# positions); a bare <|image|> would be numbered like text.
+# A chat template: get_rope_index gives a source image 2-D positions by its start and end (a bare <|image|>: text's)
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{{ '<|dit_token_16384|><|image|>"
                       "<|dit_token_16385|>' if c['type'] == 'image' else c['text'] }}{% endfor %}{% endfor %}")
 TINY_RENDERER = dict(  # all that shapes the training, in the cache key
@@ -2200,16 +2199,16 @@ TINY_RENDERER = dict(  # all that shapes the training, in the cache key
 
 
 def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
-    """GLM-Image at toy size (library configs but for the sizes), seeded, eval mode, DiT untrained. mosaic_ar:
-    --model tiny's AR (below); ar_init_range > 0.02 sharpens logits (bad M-RoPE positions show in log-probs)."""
+    """GLM-Image at toy size (library configs, small), seeded, eval mode, DiT untrained. mosaic_ar: --model tiny's
+    AR (below); ar_init_range > 0.02 sharpens logits (bad M-RoPE positions show in log-probs)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, GlmImagePipeline, GlmImageTransformer2DModel
     from tokenizers import Tokenizer, models
     from transformers import (ByT5Tokenizer, GlmImageConfig, GlmImageForConditionalGeneration, GlmImageProcessor,
                               GlmImageImageProcessorPil, PreTrainedTokenizerFast, T5Config, T5EncoderModel)
 
     torch.manual_seed(seed)
-    # A character-level tokenizer (BPE, no merges): image tokens first (the real bos '<|dit_token_16384|>' is
-    # image_start_token_id too), printable ASCII, the processor's specials.
+    # Character-level (BPE, no merges): image tokens (the real bos '<|dit_token_16384|>' is image_start_token_id
+    # too), printable ASCII, the processor's specials.
     image_ids = [*range(TINY_CODEBOOK), *range(16384, 16384 + TINY_VISION_VOCAB - TINY_CODEBOOK)]
     specials = {"image_token": "<|image|>", "grid_bos_token": "<sop>", "grid_eos_token": "<eop>"}
     names = [f"<|dit_token_{i}|>" for i in image_ids] + [*map(chr, range(32, 127)), *specials.values()]
@@ -2304,7 +2303,7 @@ def train_tiny_renderer(seed, settings):
             x0 = torch.nn.functional.pad(mosaics * 2 - 1, (0, 0, 0, 0, 0, 1))  # [B, 4, h, w]: RGB in [-1, 1], zeros
             t = timesteps[torch.randint(len(timesteps), (batch,), generator=generator)]
             eps = torch.randn(x0.shape, generator=generator)
-            cond = dit_condition(pipe, [""], batch, tokens, hw, 1.0)        # the glyphs of "", the grids
+            cond = dit_condition(pipe, [""], batch, tokens, hw, 1.0)  # the glyphs of "", the grids
             v = dit_velocity(dit, pipe.scheduler.scale_noise(x0, t, eps), t, cond, write_source_caches(dit, cond))
             loss = ((v - (eps - x0)) ** 2).mean()
             optimizer.zero_grad()
@@ -2336,7 +2335,7 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
             print(f"building --model tiny (seed {seed}) once: its renderer (DiT) learns token mosaics "
                   f"({settings['dit_steps']} steps) ...", end=" ", flush=True)
             pipe, loss = train_tiny_renderer(seed, settings)
-            partial = root / f".{final.name}.tmp"   # a killed save's leftover: replaced, never loaded
+            partial = root / f".{final.name}.tmp"  # a killed save's leftover: replaced, never loaded
             shutil.rmtree(partial, ignore_errors=True)
             pipe.save_pretrained(partial)
             os.rename(partial, final)  # atomic: only a finished build is ever final
@@ -2345,9 +2344,9 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
 
 
 # ==== 22. More GPUs: torchrun data parallel (DDP) and sharding (--fsdp) ===========================
-# `torchrun --nproc_per_node K grpo_glm.py ...`: each rank samples, rewards and standardises whole groups (a block
-# of the step's prompts, as DanceGRPO), so only averaged gradients and a few scalars cross ranks; rank 0 writes
-# files. 1 and K processes sample alike (sample_tokens) and train alike up to the order of sums.
+# `torchrun --nproc_per_node K grpo_glm.py ...`: a rank samples, rewards and standardises whole groups (DanceGRPO),
+# so only mean gradients and a few scalars cross ranks; rank 0 writes files. 1 and K processes sample alike
+# (sample_tokens) and train alike up to the order of sums.
 
 @functools.cache  # swapped once a process
 def float64_throughout():
@@ -2362,7 +2361,7 @@ def float64_throughout():
     def rotary(x, freqs_cis, *args, library=embeddings.apply_rotary_emb, **kwargs):
         if x.dtype != torch.float64:
             return library(x, freqs_cis, *args, **kwargs)
-        cos, sin = (f.to(x.device)[None, :, None, :] for f in freqs_cis)      # the DiT's x: [B, S, heads, D]
+        cos, sin = (f.to(x.device)[None, :, None, :] for f in freqs_cis)  # the DiT's x: [B, S, heads, D]
         x_real, x_imag = x.reshape(*x.shape[:-1], 2, -1).unbind(-2)  # its use_real_unbind_dim=-2: halves
         return x * cos + torch.cat([-x_imag, x_real], dim=-1) * sin
 
@@ -2379,7 +2378,7 @@ def init_distributed(args):
                                 timeout=datetime.timedelta(seconds=args.dist_timeout))
 
 
-def rank():     # torchrun's environment, readable before the group is joined
+def rank():  # torchrun's environment, readable before the group is joined
     return int(os.environ.get("RANK", "0"))
 
 
@@ -2420,9 +2419,8 @@ def collective_failed(error):
 
 
 def distribute(model, params, args, reference=None):
-    """-> (what the training forward calls, AdamW's params). DDP wraps `model` (its backward averages gradients);
-    --fsdp (FSDP2) shards `model` and its KL `reference`: each rank keeps 1/K of every weight, gradient and AdamW
-    moment, and gathers a unit (a layer, then the root) for its forward and backward."""
+    """-> (the training forward, AdamW's params). DDP: backward averages gradients. --fsdp (FSDP2) shards `model`
+    and its KL `reference`: a rank keeps 1/K of each weight, gradient, moment; gathers a unit (layer, root) to run."""
     if not dist.is_initialized():
         return model, params
     if not args.fsdp:
@@ -2433,17 +2431,17 @@ def distribute(model, params, args, reference=None):
 
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # DiT's, unedited
     compute = getattr(torch, args.dtype)
-    master = torch.promote_types(compute, torch.float32)    # fp32 shards: AdamW's steps on bf16 round away
+    master = torch.promote_types(compute, torch.float32)  # fp32 shards: AdamW's steps on bf16 round away
     cast_training_params(model, dtype=master)
     mesh = init_device_mesh(torch.device(args.device).type, (world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=master)  # gathered in bf16, reduced in fp32
     for module in [m for m in (model, reference) if m is not None]:
-        for unit in [*sharded_layers(module), module]:      # the policy's root stays gathered till backward
+        for unit in [*sharded_layers(module), module]:  # the policy's root stays gathered till backward
             fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True if unit is reference else None)
     return model, [p for p in model.parameters() if p.requires_grad]
 
 
-def sharded_layers(module):     # fully_shard's units below the root
+def sharded_layers(module):  # fully_shard's units below the root
     return module.model.language_model.layers if hasattr(module, "model") else module.transformer_blocks
 
 
@@ -2464,7 +2462,7 @@ def whole_weights(model):
         yield bool(units)
     finally:
         for unit in units:
-            unit.set_reshard_after_forward(unit is not model, recurse=False)   # FSDP2's defaults (root: False)
+            unit.set_reshard_after_forward(unit is not model, recurse=False)  # FSDP2's defaults (root: False)
             unit.reshard()
 
 
@@ -2567,7 +2565,7 @@ def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, c
     """The AR's state_bytes, each phase of one micro-batch's update, and their max "peak". `tensors`: the trained
     numels; `head_trainable`: final norm + lm_head (0 under LoRA)."""
     d, h, V, rows = WEIGHT_BYTES, text_config.hidden_size, text_config.vision_vocab_size, samples * generated
-    state = FP32_BYTES if lora_rank else d                    # gradients and moments: the parameters' dtype
+    state = FP32_BYTES if lora_rank else d  # gradients and moments: the parameters' dtype
     tokens = samples * (prompt_tokens + generated - 1)  # teacher-forced input: prompt + generated[:-1]
     layer = layer_activation_bytes(text_config, lora_rank, d) * tokens
     # checkpointing: each layer's input (d h per token), and one layer recomputed in full in backward
@@ -2578,7 +2576,7 @@ def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, c
     outside, logits = tokens * (4 * h + (0 if lora_rank else 2 * d * h) + 2 * rotary * d), rows * d * V
     head_copy, held = 0 if head_trainable else samples * V * h * d, kept + outside + logits
     s = state_bytes(sum(tensors), total_params, state, adapters=lora_rank > 0)
-    forward = {"forward_model": held + max(head_copy, rows * 8 * V),    # token_logprobs' fp32 copy / temperature
+    forward = {"forward_model": held + max(head_copy, rows * 8 * V),  # token_logprobs' fp32 copy / temperature
                "forward_logits": held + rows * 24 * V}  # log_softmax (4 V) + the entropy monitor (5 x 4 V)
     backward = max(held + rows * 12 * V,  # the fp32 gradient chain of gather and log_softmax
                    held + logits + head_copy, kept + logits + layer if checkpointing else 0)
@@ -2711,18 +2709,18 @@ def print_memory_plan(args):
     count, count_name = (1e6, "M") if max(counts.values()) >= 1e8 else (1e3, "k")
     size = lambda n: f"{n / unit:.1f} {unit_name}"
     print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count:,.1f} {count_name}" for k, v in counts.items()))
-    source = f" incl. the source's {prompt_len - 66} VQ tokens" if i2i else ""      # 64 text, image start and end
+    source = f" incl. the source's {prompt_len - 66} VQ tokens" if i2i else ""  # 64 text, image start and end
     kl = ", KL reference copy for full fine-tuning" if args.beta > 0 else ""
     print(f"--mode {args.mode}: {prompts} x {G} samples (prompts x G) of {prompt_len + generated} tokens ({prompt_len} "
           f"prompt{source} + {generated} generated, {args.height}x{args.width}), micro-batches of "
           f"{args.micro_batch_size or G}; estimates in {unit_name} per GPU of K ({prompts} / K groups each){kl}; "
           f"counted: the VAE's decode, one image at a time ({size(terms['decode'])})" + (
               f", the DiT's {prompts} source KV caches, one per prompt ({size(terms['source_kv'])})" if i2i else ""))
-    titles = ["AR (--policy ar)" + ("; fsdp: --fsdp, 16 bytes per trained parameter / K, the bf16 root + 2 layers "
-              "gathered" if args.plan_gpus else "; --plan-gpus K adds the rows on K GPUs, and --fsdp's"),
+    titles = ["AR (--policy ar); " + ("fsdp: --fsdp, 16 bytes per trained parameter / K, the bf16 root + 2 layers "
+              "gathered" if args.plan_gpus else "--plan-gpus K adds the rows on K GPUs, and --fsdp's"),
               f"\nDiT (Flow-GRPO, --policy dit|both), CFG {'on' if args.guidance_scale > 1 else 'off'}; 'both' trains "
-              f"the AR's lora-{args.lora_rank or 64} too (fsdp: sharded)" + ("; activations incl. the source KV "
-                                                                          "caches" if i2i else "")]
+              f"the AR's lora-{args.lora_rank or 64} too (fsdp: sharded)" + "; activations incl. the source KV caches"
+              * i2i]
     options = plan_options(args, rows, counts)
     for title, table in zip(titles, rows.values()):  # markdown: mode, grad ckpt, GPUs, micro-batch, trainable, bytes
         columns = [key for key in table[0] if key != "half"]
@@ -2732,7 +2730,6 @@ def print_memory_plan(args):
                      r["GPUs"], r["micro-batch"], f"{r['trainable'] / count:.1f} {count_name}",
                      *(f"{r[c] / unit:.1f}" for c in columns[5:])]
             print("| " + " | ".join(map(str, cells)) + " |")
-    # the verdict: fits, or the first changes that do
     free = (args.plan_gpu_memory or 0) * 2 ** 30 or torch.cuda.is_available() and torch.cuda.mem_get_info()[0]
     fit = [f"{' '.join(changes)} ({size(peak)})" for changes, _, peak in options if peak <= free][:3]
     verdict = "fits" if options[0][-1] <= free else f"does not fit; it fits with {'; '.join(fit)}" if fit else \
