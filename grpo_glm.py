@@ -2167,32 +2167,28 @@ class Resume:
 
 
 # ==== 21. The tiny model's renderer: pre-trained once on token mosaics, then cached ===============
-# `--model tiny` is GLM-Image at toy size, from the real classes. Its AR stays random (what to paint is
-# GRPO's to learn); its renderer learns once (flow matching, ~15 s of CPU) that codebook id k paints colour
-# k mod 8 (many ids per colour, as in a real codebook: a random policy gets a cell right 1 time in 8).
+# `--model tiny`: GLM-Image at toy size, the real classes. Its AR stays random (what to paint is GRPO's to learn); its
+# renderer learns once (~15 s of CPU) that codebook id k paints colour k mod 8: many ids a colour, as a real codebook's.
 
 TINY_CODEBOOK = 64                       # real: 16384
 TINY_VISION_VOCAB = TINY_CODEBOOK + 16   # real: 16512 (codebook + 128 special ids)
 TINY_PALETTE = (torch.tensor(list(COLOURS.values()), dtype=torch.float32) / 255)[torch.arange(TINY_CODEBOOK) % 8]
-# A stand-in chat template: get_rope_index finds a source image by its start and end tokens (2-D
-# positions); a bare <|image|> would be numbered like text.
+# A chat template: get_rope_index gives a source image 2-D positions by its start and end (a bare <|image|>: text's)
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{{ '<|dit_token_16384|><|image|>"
                       "<|dit_token_16385|>' if c['type'] == 'image' else c['text'] }}{% endfor %}{% endfor %}")
-TINY_RENDERER = dict(  # all that shapes the training, in the cache key
-    dit_steps=800, dit_lr=3e-3, batch=8, dit_grids=((2, 2), (3, 3), (4, 4), (3, 2)), inference_steps=4)
+TINY_RENDERER = dict(dit_steps=800, dit_lr=3e-3, batch=8, dit_grids=((2, 2), (3, 3), (4, 4), (3, 2)), inference_steps=4)
 
 
 def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
-    """GLM-Image at toy size (library configs but for the sizes), seeded, eval mode, DiT untrained. mosaic_ar:
-    --model tiny's AR (below); ar_init_range > 0.02 sharpens logits (bad M-RoPE positions show in log-probs)."""
+    """Toy-size GLM-Image (library configs), seeded, eval mode, DiT untrained. mosaic_ar: --model tiny's AR;
+    ar_init_range > 0.02 sharpens logits (bad M-RoPE positions show in log-probs)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, GlmImagePipeline, GlmImageTransformer2DModel
     from tokenizers import Tokenizer, models
     from transformers import (ByT5Tokenizer, GlmImageConfig, GlmImageForConditionalGeneration, GlmImageProcessor,
                               GlmImageImageProcessorPil, PreTrainedTokenizerFast, T5Config, T5EncoderModel)
 
     torch.manual_seed(seed)
-    # A character-level tokenizer (BPE, no merges): image tokens first (the real bos '<|dit_token_16384|>' is
-    # image_start_token_id too), printable ASCII, the processor's specials.
+    # Character-level (BPE, no merges); the bos '<|dit_token_16384|>' is image_start_token_id too, as the real one
     image_ids = [*range(TINY_CODEBOOK), *range(16384, 16384 + TINY_VISION_VOCAB - TINY_CODEBOOK)]
     specials = {"image_token": "<|image|>", "grid_bos_token": "<sop>", "grid_eos_token": "<eop>"}
     names = [f"<|dit_token_{i}|>" for i in image_ids] + [*map(chr, range(32, 127)), *specials.values()]
@@ -2225,9 +2221,9 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
             for layer in ar.model.language_model.layers:
                 layer.self_attn.q_proj.weight.mul_(16.0)
                 layer.self_attn.k_proj.weight.mul_(16.0)
-    # T5 from a config is in train mode: dropout would embed a prompt differently each call
+    # T5 from a config is in train mode: dropout would vary a prompt's embedding
     text_encoder = T5EncoderModel(T5Config(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2))
-    # patch 2 x VAE 8 = 16 px per DiT token: the AR's 32-px tokens are upsampled 2x (as in the real model)
+    # patch 2 x VAE 8 = 16 px per DiT token: the AR's 32-px tokens are upsampled 2x, as the real model's
     transformer = GlmImageTransformer2DModel(in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16,
                                              num_attention_heads=2, text_embed_dim=32, time_embed_dim=16,
                                              condition_dim=8, prior_vq_quantizer_codebook_size=TINY_CODEBOOK)
@@ -2244,7 +2240,7 @@ def random_mosaics(batch, grid_hw, generator, cell=32):
     1, 2, 4 or all ids (uniform fields and two-colour shapes as familiar to the renderer as confetti)."""
     H, W = grid_hw
 
-    def grid():  # k ids drawn from the codebook, each cell one of them
+    def grid():  # k codebook ids, each cell one of them
         k = [1, 2, 4, TINY_CODEBOOK][int(torch.randint(4, (1,), generator=generator))]
         return torch.randperm(TINY_CODEBOOK, generator=generator)[:k][torch.randint(k, (H * W,), generator=generator)]
     tokens = torch.stack([grid() for _ in range(batch)])
@@ -2254,8 +2250,7 @@ def random_mosaics(batch, grid_hw, generator, cell=32):
 
 def colour_vae(carrier=32.0):
     """A tiny AutoencoderKL whose decoder paints latent channels 0-2 upsampled 8x, set by hand (GroupNorm erases
-    absolute colour; training stalls): weights 0 (residuals off), upsamplers the identity, conv_in writes (c, -c)
-    and (+carrier, -carrier): the group's mean is 0, its std ~ carrier / 2; conv_out reads SiLU(c) - SiLU(-c) = c."""
+    absolute colour; training stalls): weights 0 (residuals off); a (+carrier, -carrier) pair keeps the mean 0."""
     from diffusers import AutoencoderKL
 
     vae = AutoencoderKL(block_out_channels=(8,) * 4, down_block_types=["DownEncoderBlock2D"] * 4,
@@ -2269,8 +2264,8 @@ def colour_vae(carrier=32.0):
             torch.nn.init.dirac_(block.upsamplers[0].conv.weight)
         decoder.conv_in.weight[:6, :3, 1, 1] = pair
         decoder.conv_in.bias[6:] = torch.tensor([carrier, -carrier])
-        decoder.conv_norm_out.weight.fill_(carrier / 2)
-        decoder.conv_out.weight[:, :6, 1, 1] = pair.T  # (c, -c) -> c
+        decoder.conv_norm_out.weight.fill_(carrier / 2)  # the group's std ~ carrier / 2
+        decoder.conv_out.weight[:, :6, 1, 1] = pair.T  # SiLU(c) - SiLU(-c) = c
     return vae.eval()
 
 
@@ -2287,7 +2282,7 @@ def train_tiny_renderer(seed, settings):
             x0 = torch.nn.functional.pad(mosaics * 2 - 1, (0, 0, 0, 0, 0, 1))  # [B, 4, h, w]: RGB in [-1, 1], zeros
             t = timesteps[torch.randint(len(timesteps), (batch,), generator=generator)]
             eps = torch.randn(x0.shape, generator=generator)
-            cond = dit_condition(pipe, [""], batch, tokens, hw, 1.0)        # the glyphs of "", the grids
+            cond = dit_condition(pipe, [""], batch, tokens, hw, 1.0)  # the glyphs of "", the grids
             v = dit_velocity(dit, pipe.scheduler.scale_noise(x0, t, eps), t, cond, write_source_caches(dit, cond))
             loss = ((v - (eps - x0)) ** 2).mean()
             optimizer.zero_grad()
@@ -2316,10 +2311,9 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
     with FileLock(root / f".{final.name}.lock"):  # a second run waits here (released if the process dies)
         if not final.is_dir():  # built neither before nor by the run we waited for
             start = time.time()
-            print(f"building --model tiny (seed {seed}) once: its renderer (DiT) learns token mosaics "
-                  f"({settings['dit_steps']} steps) ...", end=" ", flush=True)
+            print(f"building --model tiny (seed {seed}): {settings['dit_steps']} DiT steps ...", end=" ", flush=True)
             pipe, loss = train_tiny_renderer(seed, settings)
-            partial = root / f".{final.name}.tmp"   # a killed save's leftover: replaced, never loaded
+            partial = root / f".{final.name}.tmp"  # a killed save's leftover: replaced, never loaded
             shutil.rmtree(partial, ignore_errors=True)
             pipe.save_pretrained(partial)
             os.rename(partial, final)  # atomic: only a finished build is ever final
@@ -2328,9 +2322,8 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
 
 
 # ==== 22. More GPUs: torchrun data parallel (DDP) and sharding (--fsdp) ===========================
-# `torchrun --nproc_per_node K grpo_glm.py ...`: each rank samples, rewards and standardises whole groups (a block
-# of the step's prompts, as DanceGRPO), so only averaged gradients and a few scalars cross ranks; rank 0 writes
-# files. 1 and K processes sample alike (sample_tokens) and train alike up to the order of sums.
+# torchrun --nproc_per_node K: a rank samples, rewards and standardises whole groups (DanceGRPO); only mean gradients
+# and a few scalars cross ranks; rank 0 writes files. 1 and K processes sample alike, train alike up to sums' order.
 
 @functools.cache  # swapped once a process
 def float64_throughout():
@@ -2345,7 +2338,7 @@ def float64_throughout():
     def rotary(x, freqs_cis, *args, library=embeddings.apply_rotary_emb, **kwargs):
         if x.dtype != torch.float64:
             return library(x, freqs_cis, *args, **kwargs)
-        cos, sin = (f.to(x.device)[None, :, None, :] for f in freqs_cis)      # the DiT's x: [B, S, heads, D]
+        cos, sin = (f.to(x.device)[None, :, None, :] for f in freqs_cis)  # the DiT's x: [B, S, heads, D]
         x_real, x_imag = x.reshape(*x.shape[:-1], 2, -1).unbind(-2)  # its use_real_unbind_dim=-2: halves
         return x * cos + torch.cat([-x_imag, x_real], dim=-1) * sin
 
@@ -2362,7 +2355,7 @@ def init_distributed(args):
                                 timeout=datetime.timedelta(seconds=args.dist_timeout))
 
 
-def rank():     # torchrun's environment, readable before the group is joined
+def rank():  # torchrun's environment, readable before the group is joined
     return int(os.environ.get("RANK", "0"))
 
 
@@ -2393,8 +2386,7 @@ def all_ranks_agree(flag):
 def reduce_metrics(row):
     """A metrics row averaged over ranks (a *_max: the max): ranks hold equal samples, so means average."""
     rows = from_every_rank(row)
-    return {k: type(v)((max if k.endswith("_max") else np.mean)([float(r[k]) for r in rows]))
-            for k, v in row.items()}
+    return {k: type(v)((max if k.endswith("_max") else np.mean)([float(r[k]) for r in rows])) for k, v in row.items()}
 
 
 def collective_failed(error):
@@ -2403,9 +2395,8 @@ def collective_failed(error):
 
 
 def distribute(model, params, args, reference=None):
-    """-> (what the training forward calls, AdamW's params). DDP wraps `model` (its backward averages gradients);
-    --fsdp (FSDP2) shards `model` and its KL `reference`: each rank keeps 1/K of every weight, gradient and AdamW
-    moment, and gathers a unit (a layer, then the root) for its forward and backward."""
+    """-> (the training forward, AdamW's params). DDP: backward averages gradients. --fsdp (FSDP2) shards `model`
+    and its KL `reference`: a rank keeps 1/K of each weight, gradient, moment; gathers a unit (layer, root) to run."""
     if not dist.is_initialized():
         return model, params
     if not args.fsdp:
@@ -2416,17 +2407,17 @@ def distribute(model, params, args, reference=None):
 
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # DiT's, unedited
     compute = getattr(torch, args.dtype)
-    master = torch.promote_types(compute, torch.float32)    # fp32 shards: AdamW's steps on bf16 round away
+    master = torch.promote_types(compute, torch.float32)  # fp32 shards: AdamW's steps on bf16 round away
     cast_training_params(model, dtype=master)
     mesh = init_device_mesh(torch.device(args.device).type, (world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=master)  # gathered in bf16, reduced in fp32
     for module in [m for m in (model, reference) if m is not None]:
-        for unit in [*sharded_layers(module), module]:      # the policy's root stays gathered till backward
+        for unit in [*sharded_layers(module), module]:  # the policy's root stays gathered till backward
             fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True if unit is reference else None)
     return model, [p for p in model.parameters() if p.requires_grad]
 
 
-def sharded_layers(module):     # fully_shard's units below the root
+def sharded_layers(module):  # fully_shard's units below the root
     return module.model.language_model.layers if hasattr(module, "model") else module.transformer_blocks
 
 
@@ -2447,7 +2438,7 @@ def whole_weights(model):
         yield bool(units)
     finally:
         for unit in units:
-            unit.set_reshard_after_forward(unit is not model, recurse=False)   # FSDP2's defaults (root: False)
+            unit.set_reshard_after_forward(unit is not model, recurse=False)  # FSDP2's defaults (root: False)
             unit.reshard()
 
 
@@ -2463,10 +2454,9 @@ def training_state(model, optimizer, loaded=None):
 
 
 # ==== 23. Memory plan for the real GLM-Image (arithmetic on the real configs, meta device) ========
-# --plan: the bytes one GPU holds, from the configs alone (meta device: no download). bf16 weights; fp32 LoRA adapters
-# and --fsdp shards, their grads and AdamW's 2 moments alike. Checked: README, Measurements; the DiT's are estimates.
+# --plan: the bytes one GPU holds, without a download. Checked: README, Measurements; the DiT's are estimates.
 WEIGHT_BYTES, FP32_BYTES = 2, 4
-# The real checkpoint's image-processor settings (its public config; the tiny model differs in min_pixels).
+# GLM-Image's public image-processor config (the tiny model's min_pixels differs)
 REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, min_pixels=512**2, max_pixels=2048**2)
 
 
@@ -2550,7 +2540,7 @@ def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, c
     """The AR's state_bytes, each phase of one micro-batch's update, and their max "peak". `tensors`: the trained
     numels; `head_trainable`: final norm + lm_head (0 under LoRA)."""
     d, h, V, rows = WEIGHT_BYTES, text_config.hidden_size, text_config.vision_vocab_size, samples * generated
-    state = FP32_BYTES if lora_rank else d                    # gradients and moments: the parameters' dtype
+    state = FP32_BYTES if lora_rank else d  # gradients and moments: the parameters' dtype
     tokens = samples * (prompt_tokens + generated - 1)  # teacher-forced input: prompt + generated[:-1]
     layer = layer_activation_bytes(text_config, lora_rank, d) * tokens
     # checkpointing: each layer's input (d h per token), and one layer recomputed in full in backward
@@ -2561,7 +2551,7 @@ def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, c
     outside, logits = tokens * (4 * h + (0 if lora_rank else 2 * d * h) + 2 * rotary * d), rows * d * V
     head_copy, held = 0 if head_trainable else samples * V * h * d, kept + outside + logits
     s = state_bytes(sum(tensors), total_params, state, adapters=lora_rank > 0)
-    forward = {"forward_model": held + max(head_copy, rows * 8 * V),    # token_logprobs' fp32 copy / temperature
+    forward = {"forward_model": held + max(head_copy, rows * 8 * V),  # token_logprobs' fp32 copy / temperature
                "forward_logits": held + rows * 24 * V}  # log_softmax (4 V) + the entropy monitor (5 x 4 V)
     backward = max(held + rows * 12 * V,  # the fp32 gradient chain of gather and log_softmax
                    held + logits + head_copy, kept + logits + layer if checkpointing else 0)
@@ -2595,9 +2585,9 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
     decode = vae_decode_bytes(components["vae"], height, width, 1)
 
     def half(name, mode, k, checkpointing):
-        """A trained half on one GPU of k: DDP, all weights; --fsdp (section 22), state / K, and gathered in bf16 the
-        root through backward, 2 layers (prefetch), the whole to sample; a layer's reduce, 2 + 4 bytes each. Left out:
-        a copy-out's doubled gathers, the reference's pass, allocator slack, the DiT's fp32 latents (1 MiB each)."""
+        """A trained half on one GPU of k: DDP, all weights; --fsdp, state / K, and gathered in bf16 the root through
+        backward, 2 layers (prefetch), the whole to sample; a layer's reduce, 2 + 4 bytes each. Left out: a copy-out's
+        doubled gathers, the reference's pass, allocator slack, the DiT's fp32 latents (1 MiB each)."""
         micro, fsdp, rank = min(samples, batch // k), mode == "fsdp", int(mode[5:] or 0)
         trained = trainable_tensors(components[name], rank, LORA_TARGETS if name == "ar" else DIT_LORA_TARGETS)
         state = state_bytes(sum(trained), counts[name], d if mode == "full" else FP32_BYTES, k if fsdp else 1,
@@ -2651,7 +2641,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         {"tokens": (prompt_len, generated), "decode": decode, "source_kv": source_kv}
 
 
-def plan_of_run(args):  # memory_plan of the run `args` describes, on 1 GPU and each of --plan-gpus
+def plan_of_run(args):
     components, processor = plan_components(args.model, args.seed)
     return memory_plan(components, args.height, args.width, args.micro_batch_size or args.group_size,
                        args.group_size * args.prompts_per_step, args.prompts_per_step, args.guidance_scale > 1,
@@ -2694,18 +2684,18 @@ def print_memory_plan(args):
     count, count_name = (1e6, "M") if max(counts.values()) >= 1e8 else (1e3, "k")
     size = lambda n: f"{n / unit:.1f} {unit_name}"
     print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count:,.1f} {count_name}" for k, v in counts.items()))
-    source = f" incl. the source's {prompt_len - 66} VQ tokens" if i2i else ""      # 64 text, image start and end
+    source = f" incl. the source's {prompt_len - 66} VQ tokens" if i2i else ""  # 64 text, image start and end
     kl = ", KL reference copy for full fine-tuning" if args.beta > 0 else ""
     print(f"--mode {args.mode}: {prompts} x {G} samples (prompts x G) of {prompt_len + generated} tokens ({prompt_len} "
           f"prompt{source} + {generated} generated, {args.height}x{args.width}), micro-batches of "
           f"{args.micro_batch_size or G}; estimates in {unit_name} per GPU of K ({prompts} / K groups each){kl}; "
           f"counted: the VAE's decode, one image at a time ({size(terms['decode'])})" + (
               f", the DiT's {prompts} source KV caches, one per prompt ({size(terms['source_kv'])})" if i2i else ""))
-    titles = ["AR (--policy ar)" + ("; fsdp: --fsdp, 16 bytes per trained parameter / K, the bf16 root + 2 layers "
-              "gathered" if args.plan_gpus else "; --plan-gpus K adds the rows on K GPUs, and --fsdp's"),
-              f"\nDiT (Flow-GRPO, --policy dit|both), CFG {'on' if args.guidance_scale > 1 else 'off'}; 'both' trains "
-              f"the AR's lora-{args.lora_rank or 64} too (fsdp: sharded)" + ("; activations incl. the source KV "
-                                                                          "caches" if i2i else "")]
+    cfg = "on" if args.guidance_scale > 1 else "off"
+    titles = ["AR (--policy ar); " + ("fsdp: --fsdp, 16 bytes per trained parameter / K, the bf16 root + 2 layers "
+              "gathered" if args.plan_gpus else "--plan-gpus K adds the rows on K GPUs, and --fsdp's"),
+              f"\nDiT (Flow-GRPO, --policy dit|both), CFG {cfg}; 'both' trains the AR's lora-{args.lora_rank or 64} "
+              "too (fsdp: sharded)" + "; activations incl. the source KV caches" * i2i]
     options = plan_options(args, rows, counts)
     for title, table in zip(titles, rows.values()):  # markdown: mode, grad ckpt, GPUs, micro-batch, trainable, bytes
         columns = [key for key in table[0] if key != "half"]
@@ -2715,7 +2705,6 @@ def print_memory_plan(args):
                      r["GPUs"], r["micro-batch"], f"{r['trainable'] / count:.1f} {count_name}",
                      *(f"{r[c] / unit:.1f}" for c in columns[5:])]
             print("| " + " | ".join(map(str, cells)) + " |")
-    # the verdict: fits, or the first changes that do
     free = (args.plan_gpu_memory or 0) * 2 ** 30 or torch.cuda.is_available() and torch.cuda.mem_get_info()[0]
     fit = [f"{' '.join(changes)} ({size(peak)})" for changes, _, peak in options if peak <= free][:3]
     verdict = "fits" if options[0][-1] <= free else f"does not fit; it fits with {'; '.join(fit)}" if fit else \
