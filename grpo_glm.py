@@ -910,12 +910,6 @@ def lora_layers(model):
 
 
 # ---- For section 4: the AR's inputs, its M-RoPE positions, its policy and the fast decoder ----
-def sampling_policy(pipe, args):
-    """The policy the flags set, built once. Its codebook bound: a mid-grid end id would crash the DiT."""
-    return SamplingParams(args.temperature, args.top_k, args.top_p,
-                          pipe.transformer.config.prior_vq_quantizer_codebook_size)
-
-
 def policy_generation_config(ar, sampling):
     """The policy as the AR's generation config, so that a saved pipeline samples the policy trained."""
     from transformers import GenerationConfig
@@ -985,9 +979,18 @@ def rollout_positions(ar, batch, grids):
 def run_prompt_len(pipe, items, args):
     """The run's prompt length: its longest prompt's + 1, whatever a step holds, so a group's padding is its
     own (one shape: one compiled graph) and never none (an unpadded batch takes SDPA's causal kernel, which
-    sums in another order). The processor pads every prompt alike, so the longest text is the longest."""
-    lengths = pipe.processor.tokenizer([it.text for it in items], add_special_tokens=False)["input_ids"]
-    item = items[max(range(len(items)), key=lambda i: len(lengths[i]))]
+    sums in another order). Each prompt must leave the AR's context room for the rest: an i2i source, the
+    generated tokens and markers (32). The processor pads every prompt alike: the longest text is longest."""
+    grid = (args.height // 32) * (args.width // 32)
+    others = (2 * grid + 1 if args.mode == "i2i" else ar_sequence("t2i", args.height, args.width)[1]) + 32
+    context = pipe.vision_language_encoder.config.text_config.max_position_embeddings
+    lengths = [len(ids) for ids in pipe.processor.tokenizer([it.text for it in items], add_special_tokens=False)
+               ["input_ids"]]
+    for item, length in zip(items, lengths):
+        if length > context - others:
+            raise UsageError(f"{item.where}: the prompt is {length} tokens; the model's context of {context} "
+                             f"leaves {context - others} for a prompt at {args.height}x{args.width}")
+    item = items[lengths.index(max(lengths))]
     source = [item.image("source")] if args.mode == "i2i" else None
     return processor_inputs(pipe, [item.text], source, args.height, args.width, "cpu")["input_ids"].shape[1] + 1
 
@@ -1126,7 +1129,7 @@ class Trainer:
     prompt_tokens: dict = None            # --policy dit: prompt index -> its token grid (shared_prompt_tokens)
 
 
-def setup_training(args, rewards, dit_rewards=(), items=None):
+def setup_training(args, rewards, dit_rewards=()):
     """Loads the model, marks what trains, one AdamW (a param group per half) and its learning-rate schedule."""
     from diffusers.optimization import get_scheduler
     from diffusers.training_utils import set_seed
@@ -1134,8 +1137,10 @@ def setup_training(args, rewards, dit_rewards=(), items=None):
     pipe = load_pipeline(args)
     set_seed(args.seed)  # after loading: the same sampling stream however the model was made
     ar, dit = pipe.vision_language_encoder, pipe.transformer
-    trainer = Trainer(pipe, sampling_policy(pipe, args), rewards=rewards, dit_rewards=dit_rewards,
-                      prompt_len=items and run_prompt_len(pipe, items, args), decoder=FastDecoder(ar.device),
+    # the policy, built once; its codebook bound: a mid-grid end id would crash the DiT
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p,
+                              dit.config.prior_vq_quantizer_codebook_size)
+    trainer = Trainer(pipe, sampling, rewards=rewards, dit_rewards=dit_rewards, decoder=FastDecoder(ar.device),
                       prompt_tokens={})
     ar.generation_config = policy_generation_config(ar, trainer.sampling)  # what a saved pipeline samples
     # beta > 0, full fine-tuning: a frozen copy is the KL reference (at 9B use LoRA instead)
@@ -1405,18 +1410,6 @@ def resolve_runtime(args):
     args.lora_alpha = float(args.lora_rank) if args.lora_alpha is None else args.lora_alpha
     args.micro_batch_size = args.micro_batch_size or args.group_size
     return args
-
-
-def check_prompt_lengths(pipe, items, args):
-    """The AR's context holds the prompt, an i2i source, the generated tokens and markers (32)."""
-    grid = (args.height // 32) * (args.width // 32)
-    others = (2 * grid + 1 if args.mode == "i2i" else ar_sequence("t2i", args.height, args.width)[1]) + 32
-    context = pipe.vision_language_encoder.config.text_config.max_position_embeddings
-    prompts = pipe.processor.tokenizer([it.text for it in items], add_special_tokens=False)["input_ids"]
-    for item, ids in zip(items, prompts):
-        if len(ids) > context - others:
-            raise UsageError(f"{item.where}: the prompt is {len(ids)} tokens; the model's context of {context} "
-                             f"leaves {context - others} for a prompt at {args.height}x{args.width}")
 
 
 def check_source_size(processor, height, width):
@@ -1865,8 +1858,8 @@ class Run:
         if self.start >= args.steps and not args.save_pipeline:
             return
         self.trainer = setup_training(args, rewards, dit_rewards)
-        check_prompt_lengths(self.trainer.pipe, items + self.eval_items, args)
-        self.trainer.prompt_len = run_prompt_len(self.trainer.pipe, items, args)
+        self.trainer.prompt_len = run_prompt_len(self.trainer.pipe, items, args)  # checked against the context
+        self.eval_prompt_len = self.eval_items and run_prompt_len(self.trainer.pipe, self.eval_items, args)
         if args.mode == "i2i":
             check_source_size(self.trainer.pipe.processor.image_processor, args.height, args.width)
         resume.restore(self.trainer, out)
@@ -1954,7 +1947,7 @@ class Run:
         with whole_weights(ar) as sharded:
             rollout = sample_groups(pipe, prompts, G, self.trainer.sampling, args.height, args.width, "target", own,
                                     [seeded(args.seed, "tokens", -1, i, ar.device) for i in mine],
-                                    run_prompt_len(pipe, items, args), None if sharded else self.trainer.decoder)
+                                    self.eval_prompt_len, None if sharded else self.trainer.decoder)
         noise = group_noise(pipe, mine, G, args.height, args.width, args.seed, -1, "per-step")  # [n, C, h, w]
         images = decode_images(pipe, prompts, own, rollout, noise, args.eval_num_inference_steps, args.guidance_scale)
         targets = batch_targets([items[i] for i in mine])
