@@ -1902,8 +1902,7 @@ class Run:
     def steps(self):
         """Yields (step, indices, slots): this rank's block of the step's prompts, in a seeded order per pass."""
         args, count = self.args, len(self.items)
-        per_rank = args.prompts_per_step // world_size()
-        slots = range(rank() * per_rank, (rank() + 1) * per_rank)
+        slots = np.array_split(range(args.prompts_per_step), world_size())[rank()].tolist()
         for step in range(self.start + 1, args.steps + 1):
             self.step, self.t0, self.step_rng, self.voted = step, time.time(), rng_state(), False
             if self.signum is not None:      # came after the last step's vote
@@ -2129,7 +2128,7 @@ class Resume:
         if differences and not args.resume_force:
             raise UsageError(f"--resume {ckpt['path']}: flags differ from the checkpoint's: {'; '.join(differences)}"
                              " (add --resume-force to accept)")
-        if step >= args.steps:
+        if self.export:
             print(f"{ckpt['path']} is at step {step} and --steps is {args.steps}: " + (
                 f"exporting it to {args.save_pipeline}, training nothing" if args.save_pipeline else
                 f"nothing to do (pass --steps {step + args.steps} to train {args.steps} more)"))
@@ -2807,9 +2806,8 @@ def main(argv=None):
         # CUDA raises torch.OutOfMemoryError; the CPU allocator a plain RuntimeError
         if isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e):
             print(f"error: out of memory with {args.prompts_per_step} prompts x {args.group_size} samples per step "
-                  f"(micro-batch {args.micro_batch_size}): lower --micro-batch-size, --group-size or "
-                  f"--prompts-per-step, or add --gradient-checkpointing; the checkpoints in {args.out} are intact",
-                  file=sys.stderr)
+                  f"(micro-batch {args.micro_batch_size}): lower --micro-batch-size, --group-size or --prompts-per-step"
+                  f", or add --gradient-checkpointing; the checkpoints in {args.out} are intact", file=sys.stderr)
         elif collective_failed(e):
             print(f"error: rank {rank()} lost contact with the other processes ({str(e).splitlines()[0][:160]}): "
                   f"one died or hung past --dist-timeout; its own output says why", file=sys.stderr)
