@@ -1670,9 +1670,9 @@ def start_logging(args, trainer, out, start):
           f"offload={args.offload_note} batch={args.prompts_per_step}x{args.group_size} mu={args.inner_epochs} "
           + (f"lr={args.lr} " if args.policy != "dit" else "") + f"trainable={count_text(trainable)} ({how}) "
           f"image={args.height}x{args.width} sampler=T {args.temperature}, top-k {args.top_k}, top-p {args.top_p} "
-          f"decode={args.num_inference_steps} steps, guidance {args.guidance_scale} "
-          f"loss_tokens={args.loss_tokens} dit_noise={args.dit_noise} out={out} "
-          f"threads={torch.get_num_threads()} processes={world_size()} micro_batch={args.micro_batch_size}"
+          f"decode={args.num_inference_steps} steps, guidance {args.guidance_scale} loss_tokens={args.loss_tokens} "
+          f"dit_noise={args.dit_noise} out={out} threads={torch.get_num_threads()} processes={world_size()} "
+          f"micro_batch={args.micro_batch_size}"
           + (f" policy={args.policy} dit_lr={args.dit_lr} dit_train_steps={args.dit_train_steps}/"
              f"{args.num_inference_steps} dit_noise_level={args.dit_noise_level}" if args.policy != "ar" else ""))
     ar_rewards, dit_rewards = (" + ".join(f"{r.weight:g} x {r.name}" for r in rs) for rs in
@@ -1701,8 +1701,7 @@ def count_text(n):
 
 
 def warn_if_collapsed(row, warned, max_entropy=None):
-    """Once per run: most groups tied (advantages 0). Why: low entropy, a collapse; high, the reward. Not on a step
-    with non-finite rewards (all +inf ties): call_reward has said why."""
+    """Once per run: most groups tied (advantages 0), and why; not on a non-finite step (call_reward said why)."""
     if warned or row["frac_reward_zero_std"] <= 0.5 or row["frac_reward_nonfinite"]:
         return warned
     why = "the reward does not separate the samples"     # --policy dit: the SDE keeps samples apart
@@ -1782,8 +1781,7 @@ def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
         return
     steps, means, stds = (np.array([r[k] for r in rows]) for k in ("step", "reward_mean", "reward_std"))
     x0, x1 = steps.min(), max(steps.max(), steps.min() + 1)
-    y0, y1 = (means - stds).min(), (means + stds).max()
-    y0, y1 = (y0 - 1e-6, y1 + 1e-6) if y1 - y0 < 1e-6 else (y0, y1)
+    y0, y1 = (means - stds).min() - 1e-6, (means + stds).max() + 1e-6  # a flat curve's range has a height
     to_xy = lambda s, y: (margin + (s - x0) / (x1 - x0) * (w - 2 * margin),
                           h - margin - (y - y0) / (y1 - y0) * (h - 2 * margin))
     image = Image.new("RGB", (w, h), "white")
@@ -1826,11 +1824,9 @@ class Run:
         self.closing = contextlib.ExitStack()
 
     def __enter__(self):
-        try:
+        with self.closing:    # a failed open closes what it opened; else the callbacks move to a new stack
             self.open(self.args, self.out)
-        except BaseException:
-            self.closing.close()
-            raise
+            self.closing = self.closing.pop_all()
         return self
 
     def open(self, args, out):
@@ -1882,8 +1878,7 @@ class Run:
     def steps(self):
         """Yields (step, indices, slots): this rank's block of the step's prompts, in a seeded order per pass."""
         args, count = self.args, len(self.items)
-        per_rank = args.prompts_per_step // world_size()
-        slots = range(rank() * per_rank, (rank() + 1) * per_rank)
+        slots = np.array_split(range(args.prompts_per_step), world_size())[rank()].tolist()
         for step in range(self.start + 1, args.steps + 1):
             self.step, self.t0, self.step_rng, self.voted = step, time.time(), rng_state(), False
             if self.signum is not None:      # came after the last step's vote
@@ -1929,8 +1924,7 @@ class Run:
         codebook = self.trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size
         scale = math.log(min(args.top_k or math.inf, codebook))
         if args.top_p < 1:    # the first step's row (not an eval's)
-            with open(metrics, encoding="utf-8") as f:
-                scale = next(r.get("entropy") for r in map(json.loads, f) if "seconds" in r) or scale
+            scale = next(r.get("entropy") for r in read_metrics(metrics) if "seconds" in r) or scale
         self.warned = warn_if_collapsed(row, self.warned, scale)
 
     def evaluate(self, step):
@@ -1950,16 +1944,16 @@ class Run:
                                     self.eval_prompt_len, None if sharded else self.trainer.decoder)
         noise = group_noise(pipe, mine, G, args.height, args.width, args.seed, -1, "per-step")  # [n, C, h, w]
         images = decode_images(pipe, prompts, own, rollout, noise, args.eval_num_inference_steps, args.guidance_scale)
-        targets = batch_targets([items[i] for i in mine])
-        scored = (repeat_each(prompts, G), None if targets is None else targets.repeat_interleave(G, 0))
+        targets = batch_targets(items)    # [n, 3, H, W] | None
+        scored = (repeat_each(prompts, G), None if targets is None else targets[mine].repeat_interleave(G, 0))
         parts = from_every_rank((images, *compute_rewards(self.trainer.rewards, images, *scored)))
         if self.lead:    # the ranks' blocks joined, in prompt order
             images, rewards = (torch.cat([part[i] for part in parts]) for i in (0, 1))
             per_reward = {name: torch.cat([part[2][name] for part in parts]) for name in parts[0][2]}
             row = {"eval/" + k: v for k, v in reward_metrics(rewards, per_reward, G).items()}
             self.log({"step": step, **row, "eval/seconds": round(time.time() - t0, 3)}, step)
-            save_sample_grid(sheet, texts, batch_targets(items), images, rewards, G, sources, tracker=self.tracker,
-                             step=step, name="eval/samples")
+            save_sample_grid(sheet, texts, targets, images, rewards, G, sources, tracker=self.tracker, step=step,
+                             name="eval/samples")
 
     def save(self, step, rng=None):
         self.last_saved = step
@@ -2082,8 +2076,7 @@ def read_checkpoint(spec, out=None):
     if not isinstance(ckpt, dict) or not str(ckpt.get("format", "")).startswith("grpo_glm-checkpoint-"):
         raise UsageError(f"--resume {path}: not a checkpoint of grpo_glm.py")
     if ckpt["format"] != CHECKPOINT_FORMAT:
-        raise UsageError(f"--resume {path}: written by an older grpo_glm.py ({ckpt['format']}, this one reads "
-                         f"{CHECKPOINT_FORMAT}); start a new run")
+        raise UsageError(f"--resume {path}: {ckpt['format']} is an older grpo_glm.py's format; start a new run")
     return {**ckpt, "path": path}
 
 
@@ -2111,7 +2104,7 @@ class Resume:
         if differences and not args.resume_force:
             raise UsageError(f"--resume {ckpt['path']}: flags differ from the checkpoint's: {'; '.join(differences)}"
                              " (add --resume-force to accept)")
-        if step >= args.steps:
+        if self.export:
             print(f"{ckpt['path']} is at step {step} and --steps is {args.steps}: " + (
                 f"exporting it to {args.save_pipeline}, training nothing" if args.save_pipeline else
                 f"nothing to do (pass --steps {step + args.steps} to train {args.steps} more)"))
@@ -2710,9 +2703,8 @@ def print_memory_plan(args):
 # ==== 24. Saving and using the trained model (--save-pipeline, generate_images) ===================
 
 def save_trained_pipeline(pipe, args):
-    """A pipeline from_pretrained loads with no adapter code, written whole or not at all: each LoRA merged (W +=
-    B @ A * alpha / r), its wrapper swapped back for the base Linear (as diffusers' unload_lora does). The AR's
-    generation config holds the trained sampler and decode (generate_images' defaults)."""
+    """Written whole or not at all, loadable with no adapter code: each LoRA merged, its wrapper swapped back for the
+    base Linear (as diffusers' unload_lora). The AR's generation config: the trained sampler and decode."""
     from diffusers.utils import recurse_remove_peft_layers
 
     for model in (pipe.vision_language_encoder, pipe.transformer):
@@ -2729,7 +2721,6 @@ def save_trained_pipeline(pipe, args):
         os.replace(partial, final)  # atomic: onto nothing, or the empty directory validate_args allows
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-    print(f"saved the trained pipeline to {final}")
 
 
 @torch.no_grad()
@@ -2768,9 +2759,9 @@ def main(argv=None):
         args = parse_args(argv)
         for k in args.plan_gpus or () if args.plan else [world_size()]:
             if args.prompts_per_step % k:
-                raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by " + (
-                    f"--plan-gpus {k}" if args.plan else f"the number of processes ({k})") + ": each rank trains "
-                    "whole groups")
+                by = f"--plan-gpus {k}" if args.plan else f"the number of processes ({k})"
+                raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by {by}: each rank "
+                                 "trains whole groups")
         return print_memory_plan(args) if args.plan else train(args)
     except UsageError as e:
         if rank() == 0 or e.local:
@@ -2780,9 +2771,8 @@ def main(argv=None):
         # CUDA raises torch.OutOfMemoryError; the CPU allocator a plain RuntimeError
         if isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e):
             print(f"error: out of memory with {args.prompts_per_step} prompts x {args.group_size} samples per step "
-                  f"(micro-batch {args.micro_batch_size}): lower --micro-batch-size, --group-size or "
-                  f"--prompts-per-step, or add --gradient-checkpointing; the checkpoints in {args.out} are intact",
-                  file=sys.stderr)
+                  f"(micro-batch {args.micro_batch_size}): lower --micro-batch-size, --group-size or --prompts-per-step"
+                  f", or add --gradient-checkpointing; the checkpoints in {args.out} are intact", file=sys.stderr)
         elif collective_failed(e):
             print(f"error: rank {rank()} lost contact with the other processes ({str(e).splitlines()[0][:160]}): "
                   f"one died or hung past --dist-timeout; its own output says why", file=sys.stderr)
@@ -2796,6 +2786,5 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-    # DDP's and FSDP's state outlives destroy_process_group: freed at exit, gloo threads release tensors with
-    # no GIL to take and the rank dies of SIGABRT (pytorch PR 179291).
+    # DDP/FSDP state outlives destroy_process_group; freed at exit, gloo threads lack the GIL: SIGABRT (PR 179291)
     gc.collect()
