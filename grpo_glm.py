@@ -606,7 +606,6 @@ def dit_schedule(pipe, height, width, num_inference_steps):
     """(timesteps [K], sigmas [K+1]) as GlmImagePipeline.__call__ sets them. Sigmas are read back from the
     scheduler: they are shifted (t / 1000 is not the sigma the DiT runs at)."""
     from diffusers.pipelines.glm_image.pipeline_glm_image import calculate_shift, retrieve_timesteps
-
     scheduler, device = pipe.scheduler, pipe._execution_device
     seq_len = height * width // (pipe.vae_scale_factor * pipe.transformer.config.patch_size) ** 2  # latent patches
     train_steps = scheduler.config.num_train_timesteps
@@ -622,7 +621,6 @@ def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_sc
     """The DiT's inputs for P prompts x G samples, target_tokens [N, H*W]; i2i: per prompt its source (PIL)
     and (upsampled VQ ids, grid). The frozen glyph encoder and VAE run here, once per step."""
     from diffusers.pipelines.glm_image.pipeline_glm_image import retrieve_latents
-
     H, W = grid_hw
     height, width = 32 * H, 32 * W
     device, dtype = pipe._execution_device, pipe.dtype
@@ -850,7 +848,6 @@ def pipeline_from_pretrained(args, dtype):
     """--model's GlmImagePipeline ('tiny': built and cached on first use, section 21)."""
     from diffusers import GlmImagePipeline
     from diffusers.utils import logging as diffusers_logging
-
     if args.model == TINY and rank() == 0:  # save_pretrained writes on rank 0 only
         tiny_pipeline_dir(args.seed)
     all_ranks_agree(True)
@@ -895,7 +892,6 @@ def add_lora(model, r, alpha, targets, **config):
     on a bf16 base (diffusers' cast_training_params): bf16 would round AdamW's small updates away."""
     from diffusers.training_utils import cast_training_params
     from peft import LoraConfig, inject_adapter_in_model
-
     model.requires_grad_(False)
     # peft's own injection, not the models' add_adapter: transformers 5.24's refuses every peft released
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, **config)
@@ -905,7 +901,6 @@ def add_lora(model, r, alpha, targets, **config):
 
 def lora_layers(model):
     from peft.tuners.tuners_utils import BaseTunerLayer
-
     return [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
 
 
@@ -913,7 +908,6 @@ def lora_layers(model):
 def policy_generation_config(ar, sampling):
     """The policy as the AR's generation config, so that a saved pipeline samples the policy trained."""
     from transformers import GenerationConfig
-
     # Only these fields: generate() fills every unset one from the checkpoint's (penalties, n-gram bans), which
     # the loss would not know of.
     return GenerationConfig(
@@ -998,7 +992,6 @@ def run_prompt_len(pipe, items, args):
 def static_cache(ar, shape):
     """A KV cache of fixed size for `shape` = [N, S + L - 1]: next_logits finds its position on the device."""
     from transformers import StaticCache
-
     return StaticCache(ar.config, max_cache_len=shape[1])
 
 
@@ -1033,7 +1026,6 @@ def progress(steps, what):
     if not (sys.stderr.isatty() and rank() == 0):
         return steps
     from tqdm.auto import tqdm
-
     return tqdm(steps, desc=what, leave=False)
 
 
@@ -1095,7 +1087,6 @@ def reference_logprobs(trainer, rollout, args):
 
 def check_weights_finite(optimizer):      # a sum per tensor (no big temporary), of this rank's --fsdp shards
     from torch.distributed.tensor import DTensor
-
     params = [p for group in optimizer.param_groups for p in group["params"]]
     sums = [(p.to_local() if isinstance(p, DTensor) else p).detach().sum().float() for p in params]
     if not all_ranks_agree(bool(torch.isfinite(torch.stack(sums)).all())):
@@ -1133,7 +1124,6 @@ def setup_training(args, rewards, dit_rewards=()):
     """Loads the model, marks what trains, one AdamW (a param group per half) and its learning-rate schedule."""
     from diffusers.optimization import get_scheduler
     from diffusers.training_utils import set_seed
-
     pipe = load_pipeline(args)
     set_seed(args.seed)  # after loading: the same sampling stream however the model was made
     ar, dit = pipe.vision_language_encoder, pipe.transformer
@@ -1186,7 +1176,6 @@ def non_finite_streak(bad_steps, row, out, args, start):
 def write_source_caches(dit, cond):
     """Per prompt, the KV cache its DiT passes read (t2i: None): the pipeline's t=0 pass over the source, in-graph."""
     from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
-
     module = unwrap(dit)
     if cond.source_latents is None:
         return [None] * len(cond.prompt_embeds)
@@ -1336,7 +1325,6 @@ def validate_args(args):
     """What the flags' types cannot check (combinations, files, the machine), before any model loads."""
     from importlib.metadata import version
     from packaging.version import Version
-
     outdated = ", ".join(f"{name} {version(name)} (needs >= {least})" for name, least in LEAST_VERSIONS.items()
                          if Version(version(name)) < Version(least))
     model, save = Path(args.model), Path(args.save_pipeline or ".")
@@ -1416,7 +1404,6 @@ def check_source_size(processor, height, width):
     """i2i: the AR reads a source at smart_resize's size (sides within sqrt(min/max_pixels), aspect <= 4, halved),
     the DiT at --height x --width: they must agree (zai-org/GLM-Image issue 14)."""
     from transformers.models.glm_image.image_processing_pil_glm_image import smart_resize
-
     size = processor.size
     try:
         h, w = (2 * side for side in smart_resize(height, width, processor.patch_size * processor.merge_size,
@@ -1682,7 +1669,6 @@ def start_logging(args, trainer, out, start):
     if args.report_to == "none":
         return None
     from accelerate.tracking import TensorBoardTracker, WandBTracker
-
     if args.report_to == "wandb":  # WANDB_MODE=offline: under <out>/wandb, for a later `wandb sync`
         tracker = WandBTracker("grpo_glm", name=out.name, dir=str(out), config=vars(args))
     else:  # purge_step: a resumed run drops the events after its step
@@ -2238,7 +2224,6 @@ def colour_vae(carrier=32.0):
     """A tiny AutoencoderKL whose decoder paints latent channels 0-2 upsampled 8x, set by hand (GroupNorm erases
     absolute colour; training stalls): weights 0 (residuals off); a (+carrier, -carrier) pair keeps the mean 0."""
     from diffusers import AutoencoderKL
-
     vae = AutoencoderKL(block_out_channels=(8,) * 4, down_block_types=["DownEncoderBlock2D"] * 4,
                         up_block_types=["UpDecoderBlock2D"] * 4, norm_num_groups=1, use_post_quant_conv=False,
                         latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
@@ -2316,7 +2301,6 @@ def float64_throughout():
     """--dtype float64: GlmImageRMSNorm and diffusers' apply_rotary_emb round to fp32 (1 vs 2 processes: 1e-9 apart)."""
     import diffusers.models.embeddings as embeddings
     from transformers.models.glm_image.modeling_glm_image import GlmImageRMSNorm
-
     def rms_norm(self, x):
         wide = at_least_fp32(x)
         return self.weight * torch.nn.functional.rms_norm(wide, wide.shape[-1:], eps=self.variance_epsilon).to(x.dtype)
@@ -2390,7 +2374,6 @@ def distribute(model, params, args, reference=None):
     from diffusers.training_utils import cast_training_params
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # DiT's, unedited
     compute = getattr(torch, args.dtype)
     master = torch.promote_types(compute, torch.float32)  # fp32 shards: AdamW's steps on bf16 round away
@@ -2409,7 +2392,6 @@ def sharded_layers(module):  # fully_shard's units below the root
 
 def fsdp_units(model):  # [] if not sharded
     from torch.distributed.fsdp import FSDPModule
-
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
@@ -2432,7 +2414,6 @@ def training_state(model, optimizer, loaded=None):
     """All ranks: (trained weights, AdamW state) by name, whole on rank 0's CPU (others: empty); or loads `loaded`,
     such a pair of any world size (--fsdp: into each rank's shards). No buffers."""
     from torch.distributed.checkpoint import state_dict as dsd
-
     whole = dsd.StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True, strict=False)
     if loaded is None:
         return dsd.get_state_dict(model, optimizer, options=whole)
@@ -2482,7 +2463,6 @@ def ar_sequence(mode, height, width, prompt_tokens=64, image_processor=None):
     """(prompt, L) tokens of one AR sample (section 4): the (H/32) x (W/32) grid + 1 end slot; t2i adds a ~16x16
     preview (GlmImageProcessor._get_target_shape), i2i's prompt the source's VQ tokens + image start and end."""
     from transformers import GlmImageImageProcessorPil
-
     grid = (height // 32) * (width // 32) + 1
     if mode == "t2i":
         ratio = (height // 32) / (width // 32)
@@ -2706,7 +2686,6 @@ def save_trained_pipeline(pipe, args):
     """Written whole or not at all, loadable with no adapter code: each LoRA merged, its wrapper swapped back for the
     base Linear (as diffusers' unload_lora). The AR's generation config: the trained sampler and decode."""
     from diffusers.utils import recurse_remove_peft_layers
-
     for model in (pipe.vision_language_encoder, pipe.transformer):
         for layer in lora_layers(model):
             layer.merge()
