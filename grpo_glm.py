@@ -567,18 +567,17 @@ def train(args):
 
 
 # ==== 12. The SDE step, the DiT rollout and its loss ==============================================
-# GLM-Image's authors post-train both halves ("decoupled RL"): the AR for layout and semantics, the DiT for
-# detail and text. grpo_loss needs the probability of what was sampled; the pipeline's Euler step
-# x' = x + v dt has none. Flow-GRPO (Liu et al. 2025, yifan123/flow_grpo, `sde_step_with_logprob`) swaps each
-# step for an SDE with the same marginals, a Gaussian policy pi_theta(x' | x) of noise level a = --dit-noise-level:
+# GLM-Image's authors post-train both halves ("decoupled RL"): AR for layout and semantics, DiT for detail and
+# text. grpo_loss needs the sampled step's probability; Euler's x' = x + v dt has none. Flow-GRPO (Liu et al.
+# 2025, flow_grpo's `sde_step_with_logprob`) swaps it for an SDE with the same marginals, a Gaussian policy
+# pi_theta(x' | x) of noise level a = --dit-noise-level:
 #     std_t = a * sqrt(sigma / (1 - sigma))
 #     mean  = x * (1 + std_t^2 / (2 sigma) * dt) + v * (1 + std_t^2 (1 - sigma) / (2 sigma)) * dt
 #     x'    = mean + std_t * sqrt(-dt) * eps,      dt = sigma' - sigma < 0;   a = 0: Euler's step
-# T trained steps are a "sequence" of T actions: logp [N, T], mask all ones. A step's log-prob is the MEAN
-# over latent dims (as flow_grpo; a sum over 65536 dims at 1024^2 would dwarf a token's), so ratios stay within
-# ~1e-3 of 1: hence --dit-clip-eps 1e-4. --dit-train-steps T: the first T steps run the SDE and enter the loss,
-# the rest the ODE (untrained SDE noise is reward noise nobody is credited for). The last step, onto sigma' = 0,
-# is not trained (as flow_grpo): its Gaussian is the sharpest, its gradients noisy.
+# T trained steps are T actions: logp [N, T], mask all ones. A step's log-prob is the MEAN over latent dims
+# (as flow_grpo; a sum over 65536 would dwarf a token's): ratios stay ~1e-3 from 1, hence --dit-clip-eps 1e-4.
+# The first --dit-train-steps T steps run the SDE (untrained SDE noise would be reward noise no one is credited
+# for), the rest the ODE; the last, onto sigma' = 0, never trains (as flow_grpo): its Gaussian is the sharpest.
 
 
 @dataclass
@@ -603,8 +602,7 @@ class DitCondition:
 
 
 def dit_schedule(pipe, height, width, num_inference_steps):
-    """(timesteps [K], sigmas [K+1]) as GlmImagePipeline.__call__ sets them. Sigmas are read back from the
-    scheduler: they are shifted (t / 1000 is not the sigma the DiT runs at)."""
+    """(timesteps [K], sigmas [K+1]) as GlmImagePipeline.__call__ sets them; sigmas from the scheduler: shifted."""
     from diffusers.pipelines.glm_image.pipeline_glm_image import calculate_shift, retrieve_timesteps
     scheduler, device = pipe.scheduler, pipe._execution_device
     seq_len = height * width // (pipe.vae_scale_factor * pipe.transformer.config.patch_size) ** 2  # latent patches
@@ -618,8 +616,8 @@ def dit_schedule(pipe, height, width, num_inference_steps):
 
 @torch.no_grad()
 def dit_condition(pipe, prompts, group_size, target_tokens, grid_hw, guidance_scale, sources=None, source_prior=None):
-    """The DiT's inputs for P prompts x G samples, target_tokens [N, H*W]; i2i: per prompt its source (PIL)
-    and (upsampled VQ ids, grid). The frozen glyph encoder and VAE run here, once per step."""
+    """The DiT's inputs for P prompts x G samples, target_tokens [N, H*W]; i2i: per prompt its source (PIL) and
+    (upsampled VQ ids, grid). The frozen glyph encoder and VAE run here, once per step."""
     from diffusers.pipelines.glm_image.pipeline_glm_image import retrieve_latents
     H, W = grid_hw
     height, width = 32 * H, 32 * W
@@ -652,9 +650,8 @@ def latents_to_images(pipe, latents):
 
 
 def dit_velocity(dit, latents, t, cond, caches):
-    """The guided velocity v [N, C, h, w] (fp32) at t as the pipeline computes it: the DiT gets t - 1; CFG
-    v = v_u + g (v_c - v_u), v_u without prior tokens, in training too. One call per prompt: a batch would
-    pad shorter glyph embeddings with zeros the DiT attends to (no mask helps, diffusers issue 13587)."""
+    """The pipeline's guided velocity [N, C, h, w] (fp32) at t (the DiT gets t - 1; CFG v_u drops prior tokens).
+    A call per prompt: a batch pads glyph embeddings with zeros the DiT attends to (diffusers issue 13587)."""
     dtype = unwrap(dit).dtype
 
     def branch(rows, embeds, drop, cache):
@@ -677,10 +674,9 @@ def dit_velocity(dit, latents, t, cond, caches):
 
 
 def sde_step(v, x, sigmas, i, noise_level, eps=None, x_next=None):
-    """The step above, from x = x_i (fp32 [N, C, h, w]) -> (x', logp [N], mean, std = std_t sqrt(-dt), the
-    Gaussian's; flow_grpo's sde_step_with_logprob returns std_t); given `x_next`, it scores that stored step. logp:
-    Normal.log_prob (flow_grpo's formula op for op; unvalidated: a NaN reaches grpo_update's skip) averaged over
-    latent dims; None at noise_level 0. flow_grpo puts sigmas[1] for sigma = 1, where 1 - sigma is 0."""
+    """The step above from x = x_i [N, C, h, w] (fp32) -> (x', logp [N], mean, std = std_t sqrt(-dt)); `x_next`:
+    scores that stored step. logp: Normal.log_prob as flow_grpo (unvalidated: a NaN reaches grpo_update's skip),
+    mean over latent dims; None at noise_level 0. flow_grpo puts sigmas[1] for sigma = 1 (1 - sigma = 0)."""
     sigma, dt = sigmas[i], sigmas[i + 1] - sigmas[i]
     std_t = noise_level * torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigmas[1], sigma)))
     std = std_t * torch.sqrt(-dt)
@@ -699,8 +695,7 @@ def sde_generators(seed, step, prompt_indices):
 
 @torch.no_grad()
 def sample_dit(dit, cond, noise, schedule, noise_level=0.0, train_steps=0, generators=()):
-    """Denoises `noise` [N, C, h, w]: `train_steps` SDE steps recording log-probs (eps [G, C, h, w] per prompt
-    from its generator), then ODE steps -> DitRollout."""
+    """Denoises `noise` [N, C, h, w] -> DitRollout: `train_steps` SDE steps (eps: a generator per prompt), then ODE."""
     timesteps, sigmas = schedule
     x, states, logps = noise.to(sigmas.device, sigmas.dtype), [], []
     with whole_weights(dit):
@@ -721,8 +716,8 @@ def sample_dit(dit, cond, noise, schedule, noise_level=0.0, train_steps=0, gener
 
 
 def dit_step_logprob(dit, cond, rollout, i, noise_level):
-    """Step i of every stored trajectory again, with gradients: (logp [N], mean [N, C, h, w], std). The source's
-    KV cache is rewritten inside the step's graph, so each step backpropagates on its own."""
+    """Step i of the stored trajectories, with gradients: (logp [N], mean [N, C, h, w], std). The source's KV
+    cache is rewritten in the step's graph: each step backpropagates on its own."""
     caches = write_source_caches(dit, cond)
     x = rollout.states[:, i]
     v = dit_velocity(dit, x, rollout.timesteps[i], cond, caches)
@@ -730,8 +725,7 @@ def dit_step_logprob(dit, cond, rollout, i, noise_level):
 
 
 def dit_kl(mean, ref_mean, std):
-    """Exact KL of the step Gaussians of policy and reference (same std), averaged over latent dims like logp:
-    ||mean - ref_mean||^2 / (2 std^2), [N, C, h, w] -> [N]; std: sde_step's."""
+    """Exact KL of policy and reference step Gaussians (same std), [N, C, h, w] -> [N], mean over dims as logp."""
     return ((mean - ref_mean) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * std ** 2)
 
 
@@ -748,8 +742,8 @@ def condition_rows(cond, rows):
 
 
 def dit_backward(trainer, run, advantages, epoch, metrics, args):
-    """The DiT's share of a grpo_update pass: grpo_loss per trained step and micro-batch, weighted rows / (N T) so
-    that they add up to grpo_loss over [N, T] (flow_grpo: a step at a time), + beta x dit_kl; then its clip."""
+    """The DiT's grpo_update pass: grpo_loss (+ beta x dit_kl) per trained step and micro-batch (flow_grpo's step
+    at a time), weighted rows / (N T) to sum to grpo_loss over [N, T]; then its clip."""
     dit, cond, rollout = trainer.dit, run.cond, run.trajectories
     N, steps = rollout.old_logp.shape
     advantages = advantages.to(rollout.old_logp.device)
@@ -778,9 +772,8 @@ def dit_backward(trainer, run, advantages, epoch, metrics, args):
 
 
 # ==== 13. The DiT's training step =================================================================
-# grpo_step runs it. --policy dit: a prompt's G samples share its AR tokens and initial noise, so they
-# differ by their SDE noise alone and the advantage credits the DiT alone. --policy both: tokens and SDE
-# noise both vary; each sample's one advantage trains both halves, each carrying the other's luck as noise.
+# grpo_step runs it. --policy dit: a prompt's G samples share AR tokens and initial noise, differ by SDE noise
+# alone: the advantage credits the DiT alone. --policy both: each sample's one advantage trains both halves.
 
 def prepare_dit_policy(dit, args):
     """Marks what of the DiT trains, and returns it: LoRA on its attention, or all its weights."""
@@ -794,8 +787,8 @@ def prepare_dit_policy(dit, args):
 
 
 def shared_prompt_tokens(trainer, prompts, sources, indices, slots, step, args):
-    """--policy dit: one token grid per prompt, shared by its G samples (target_tokens [N, H*W]). --dit-prior
-    per-prompt draws it once (trainer.prompt_tokens), a fixed input the DiT can learn to paint; per-step anew."""
+    """--policy dit: a token grid per prompt for its G samples (target_tokens [N, H*W]); --dit-prior per-prompt
+    draws it once (trainer.prompt_tokens), a fixed input the DiT can learn to paint; per-step anew."""
     pipe, cache = trainer.pipe, trainer.prompt_tokens
 
     def draw(i, step, index):
@@ -817,8 +810,7 @@ def shared_prompt_tokens(trainer, prompts, sources, indices, slots, step, args):
 
 
 def sample_dit_trajectories(pipe, prompts, sources, rollout, noise, indices, step, args):
-    """SAMPLE and DECODE for --policy dit|both: G SDE trajectories per prompt from the rollout's grids
-    and the shared noise [N, C, h, w] -> namespace: cond, trajectories (a DitRollout), images [N, 3, H, W]."""
+    """SAMPLE and DECODE for --policy dit|both -> namespace: cond, trajectories (a DitRollout), images [N, 3, H, W]."""
     G = args.group_size
     cond = dit_condition(pipe, prompts, G, rollout.target_tokens, rollout.grid_hw, args.guidance_scale, sources,
                          rollout.source_prior and rollout.source_prior[::G])  # i2i: per prompt
@@ -888,8 +880,7 @@ def offload_by_plan(args):
 
 # ---- For section 2: LoRA ----
 def add_lora(model, r, alpha, targets, **config):
-    """PEFT LoRA adapters on `targets` (the AR's and the DiT's alike), the base frozen. They train in fp32
-    on a bf16 base (diffusers' cast_training_params): bf16 would round AdamW's small updates away."""
+    """PEFT LoRA on `targets`, base frozen; fp32 on a bf16 base (cast_training_params): bf16 rounds AdamW's away."""
     from diffusers.training_utils import cast_training_params
     from peft import LoraConfig, inject_adapter_in_model
     model.requires_grad_(False)
@@ -908,8 +899,7 @@ def lora_layers(model):
 def policy_generation_config(ar, sampling):
     """The policy as the AR's generation config, so that a saved pipeline samples the policy trained."""
     from transformers import GenerationConfig
-    # Only these fields: generate() fills every unset one from the checkpoint's (penalties, n-gram bans), which
-    # the loss would not know of.
+    # Only these fields: generate() fills every unset one from the checkpoint's (penalties, n-gram bans)
     return GenerationConfig(
         do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
         suppress_tokens=list(range(sampling.codebook, ar.config.text_config.vision_vocab_size)),
@@ -933,8 +923,8 @@ def processor_inputs(pipe, prompts, sources, height, width, device):
 
 
 def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_len=None):
-    """-> (the AR's inputs for P x G rows, left-padded to `prompt_len`; i2i's per-sample DiT condition; the grids
-    (h, w) to generate, in order: t2i preview, target)."""
+    """-> (the AR's inputs, P x G rows left-padded to `prompt_len`; i2i's per-sample DiT condition; the grids
+    (h, w) to generate: t2i preview, target)."""
     ar = pipe.vision_language_encoder
     inputs = processor_inputs(pipe, prompts, sources, height, width, ar.device)
     ids, per_sample, source_prior = inputs["input_ids"], inputs["images_per_sample"], None
@@ -961,9 +951,8 @@ def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_
 
 
 def rollout_positions(ar, batch, grids):
-    """M-RoPE positions [3, N, S + L - 1] of prompt + generated[:-1] as get_rope_index lays them out: the prompt's
-    by it (2-D mask: padding is not text), then each grid (h, w) at (s, s + i, s + j), s = the prompt's last + 1,
-    s += max(h, w) per grid."""
+    """M-RoPE positions [3, N, S + L - 1] of prompt + generated[:-1] as get_rope_index lays them out: the prompt
+    by it (2-D mask: padding is not text), each grid (h, w) at (s, s + i, s + j), s = last + 1, += max(h, w)."""
     prompt, _ = ar.model.get_rope_index(**batch)
     offsets = [ar.model.get_vision_position_ids(sum(max(*hw) for hw in grids[:k]), torch.tensor([1, h, w]))
                for k, (h, w) in enumerate(grids)]  # [3, h*w] each; the end slot's is never read
@@ -971,9 +960,8 @@ def rollout_positions(ar, batch, grids):
 
 
 def run_prompt_len(pipe, items, args):
-    """The run's prompt length: its longest prompt's + 1, whatever a step holds, so a group's padding is its
-    own (one shape: one compiled graph) and never none (an unpadded batch takes SDPA's causal kernel, which
-    sums in another order). Each prompt must leave the AR's context room for the rest: an i2i source, the
+    """The longest prompt's length + 1, for every step: one shape (one compiled graph), never unpadded (SDPA's
+    causal kernel sums in another order). Each prompt must leave the AR's context room for an i2i source, the
     generated tokens and markers (32). The processor pads every prompt alike: the longest text is longest."""
     grid = (args.height // 32) * (args.width // 32)
     others = (2 * grid + 1 if args.mode == "i2i" else ar_sequence("t2i", args.height, args.width)[1]) + 32
@@ -996,10 +984,9 @@ def static_cache(ar, shape):
 
 
 class FastDecoder:
-    """decode_loop for a whole run: a static KV cache per batch shape, allocated once and reset between steps (a
-    new one per step would re-record its CUDA graphs), and on CUDA the decode step's forward compiled once, its
-    ~1,000 kernels replayed as one CUDA graph a token. sample_tokens pads every prompt to the run's length: one
-    shape, one graph. Its tokens equal decode_loop's on a fresh cache (tested)."""
+    """decode_loop for a run: a static KV cache per batch shape, reset between steps (a new one would re-record
+    the CUDA graphs); on CUDA the decode step compiled once, its ~1,000 kernels one CUDA graph a token (one shape:
+    sample_tokens pads prompts to the run's length). Its tokens equal decode_loop's on a fresh cache (tested)."""
 
     def __init__(self, device, backend=None):   # backend: a test's, on any device
         compiled = device.type == "cuda" or backend is not None
@@ -1022,7 +1009,6 @@ class FastDecoder:
 
 
 def progress(steps, what):
-    """`steps`, ticking a bar on rank 0's terminal: a real model's phases take seconds."""
     if not (sys.stderr.isatty() and rank() == 0):
         return steps
     from tqdm.auto import tqdm
@@ -1035,8 +1021,7 @@ def row_slices(num_samples, size):
 
 
 def slice_rollout(rollout, rows):
-    """The Rollout's `rows` (a slice), less the left-padding columns none of them needs: a group's forward
-    sees the same tensors whatever shares its rank's batch."""
+    """The Rollout's `rows` less padding columns none needs: a group's forward sees the same tensors in any batch."""
     mask = rollout.attention_mask[rows]
     first = int(mask.any(dim=0).nonzero()[0])  # only prompt columns can be all padding
     per_row = {name: getattr(rollout, name) for name in ("old_logp", "loss_mask", "target_tokens", "source_prior")}
@@ -1053,8 +1038,7 @@ def logprobs_by_micro_batch(model, rollout, sampling, size=None):
 
 
 def micro_batches(half, rollout, size):
-    """grpo_update's row slices of `rollout` (none: []), `size` samples each; under DDP no_sync() but for the
-    last, whose backward all-reduces the gradients. Every rank runs as many backward passes, or they hang."""
+    """grpo_update's row slices of `rollout` (none: []); DDP syncs the last. Every rank runs as many, or they hang."""
     return [] if rollout is None else sync_on_last(half.forward, row_slices(rollout.old_logp.shape[0], size))
 
 
@@ -1067,8 +1051,7 @@ def sync_on_last(forward, batches):
 
 @contextlib.contextmanager
 def reference_weights(model, reference):
-    """The KL's pi_ref, AR or DiT: `reference`, the frozen initial weights (full fine-tuning), or with LoRA
-    (reference None) `model` itself, adapters off."""
+    """The KL's pi_ref: `reference` (full fine-tuning's frozen copy), or with LoRA (None) `model`, adapters off."""
     adapters = lora_layers(model) if reference is None else []
     for layer in adapters:
         layer.enable_adapters(False)
@@ -1080,7 +1063,6 @@ def reference_weights(model, reference):
 
 
 def reference_logprobs(trainer, rollout, args):
-    """log pi_ref [N, L] of the rollout's tokens, for the KL penalty (beta > 0)."""
     with reference_weights(trainer.ar.model, trainer.ar.reference) as reference:
         return logprobs_by_micro_batch(reference, rollout, trainer.sampling, args.micro_batch_size)
 
@@ -1095,8 +1077,7 @@ def check_weights_finite(optimizer):      # a sum per tensor (no big temporary),
 
 @dataclass
 class Half:
-    """A trained half, the AR or the DiT: its params, the `forward` its training pass calls (itself or its DDP
-    wrapper), its frozen KL `reference` (None: LoRA's adapters off, or no KL)."""
+    """The AR or the DiT, trained: `forward` (itself or its DDP wrapper), KL `reference` (reference_weights)."""
     model: torch.nn.Module
     forward: object
     params: list
@@ -1127,12 +1108,11 @@ def setup_training(args, rewards, dit_rewards=()):
     pipe = load_pipeline(args)
     set_seed(args.seed)  # after loading: the same sampling stream however the model was made
     ar, dit = pipe.vision_language_encoder, pipe.transformer
-    # the policy, built once; its codebook bound: a mid-grid end id would crash the DiT
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p,
-                              dit.config.prior_vq_quantizer_codebook_size)
+    # codebook bound: a mid-grid end id would crash the DiT
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, dit.config.prior_vq_quantizer_codebook_size)
     trainer = Trainer(pipe, sampling, rewards=rewards, dit_rewards=dit_rewards, decoder=FastDecoder(ar.device),
                       prompt_tokens={})
-    ar.generation_config = policy_generation_config(ar, trainer.sampling)  # what a saved pipeline samples
+    ar.generation_config = policy_generation_config(ar, sampling)
     # beta > 0, full fine-tuning: a frozen copy is the KL reference (at 9B use LoRA instead)
     frozen_copy = lambda model, lora: copy.deepcopy(model).requires_grad_(False) if args.beta > 0 and not lora else None
     groups, trained = [], {}
@@ -1174,7 +1154,7 @@ def non_finite_streak(bad_steps, row, out, args, start):
 
 # ---- For Part II: the i2i source's KV cache ----
 def write_source_caches(dit, cond):
-    """Per prompt, the KV cache its DiT passes read (t2i: None): the pipeline's t=0 pass over the source, in-graph."""
+    """Per prompt, the KV cache its DiT passes read (t2i: None): the pipeline's t=0 pass on the source, in-graph."""
     from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
     module = unwrap(dit)
     if cond.source_latents is None:
@@ -1187,14 +1167,14 @@ def write_source_caches(dit, cond):
                   prior_token_id=ids, prior_token_drop=torch.zeros_like(ids, dtype=torch.bool),
                   timestep=torch.zeros(1, device=latent.device), target_size=cond.target_size[:1],
                   crop_coords=cond.crop_coords[:1], kv_caches=written, return_dict=False)[0]
-        # A cache holds its mode, and gradient checkpointing reruns a block in backward after later calls:
-        # so a cache whose mode never changes, reading copies of the lists (a rerun write appends to its own).
+        # Gradient checkpointing reruns a block after later calls: a read-only cache of copied lists (a rerun write
+        # appends to its own).
         read.set_mode("read")
         for mine, theirs in zip(read.caches, written.caches):
             mine.k_caches, mine.v_caches = list(theirs.k_caches), list(theirs.v_caches)
         if torch.is_grad_enabled() and fsdp_units(module):
-            # --fsdp gathers a layer's weights for backward when the gradient reaches its *output*, not the
-            # cached keys/values: 0 x this output, added to the velocity, routes it there.
+            # --fsdp gathers a layer's weights for backward when the gradient reaches its *output*, not the cached
+            # keys/values: 0 x this output, added to the velocity, routes it there.
             read.anchor = at_least_fp32(out).sum() * 0
         caches.append(read)
     return caches
