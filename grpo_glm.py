@@ -569,15 +569,15 @@ def train(args):
 # ==== 12. The SDE step, the DiT rollout and its loss ==============================================
 # GLM-Image's authors post-train both halves ("decoupled RL"): AR for layout and semantics, DiT for detail and
 # text. grpo_loss needs the sampled step's probability; Euler's x' = x + v dt has none. Flow-GRPO (Liu et al.
-# 2025, flow_grpo's `sde_step_with_logprob`) swaps it for an SDE with the same marginals, a Gaussian policy
+# 2025, yifan123/flow_grpo's `sde_step_with_logprob`) swaps it for an SDE of the same marginals, a Gaussian policy
 # pi_theta(x' | x) of noise level a = --dit-noise-level:
 #     std_t = a * sqrt(sigma / (1 - sigma))
 #     mean  = x * (1 + std_t^2 / (2 sigma) * dt) + v * (1 + std_t^2 (1 - sigma) / (2 sigma)) * dt
 #     x'    = mean + std_t * sqrt(-dt) * eps,      dt = sigma' - sigma < 0;   a = 0: Euler's step
 # T trained steps are T actions: logp [N, T], mask all ones. A step's log-prob is the MEAN over latent dims
 # (as flow_grpo; a sum over 65536 would dwarf a token's): ratios stay ~1e-3 from 1, hence --dit-clip-eps 1e-4.
-# The first --dit-train-steps T steps run the SDE (untrained SDE noise would be reward noise no one is credited
-# for), the rest the ODE; the last, onto sigma' = 0, never trains (as flow_grpo): its Gaussian is the sharpest.
+# The first --dit-train-steps T steps run the SDE, the rest the ODE (untrained SDE noise: reward noise no one is
+# credited for); the last, onto sigma' = 0, never trains (as flow_grpo): its Gaussian is the sharpest.
 
 
 @dataclass
@@ -880,7 +880,7 @@ def offload_by_plan(args):
 
 # ---- For section 2: LoRA ----
 def add_lora(model, r, alpha, targets, **config):
-    """PEFT LoRA on `targets`, base frozen; fp32 on a bf16 base (cast_training_params): bf16 rounds AdamW's away."""
+    """PEFT LoRA on `targets`, base frozen; fp32 adapters on bf16 (cast_training_params): bf16 rounds off AdamW steps."""
     from diffusers.training_utils import cast_training_params
     from peft import LoraConfig, inject_adapter_in_model
     model.requires_grad_(False)
