@@ -880,7 +880,7 @@ def offload_by_plan(args):
 
 # ---- For section 2: LoRA ----
 def add_lora(model, r, alpha, targets, **config):
-    """PEFT LoRA on `targets`, base frozen; fp32 adapters on bf16 (cast_training_params): bf16 rounds off AdamW steps."""
+    """PEFT LoRA on `targets`, base frozen; fp32 on a bf16 base (cast_training_params): bf16 rounds off AdamW steps."""
     from diffusers.training_utils import cast_training_params
     from peft import LoraConfig, inject_adapter_in_model
     model.requires_grad_(False)
