@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# GPU check: real-size GLM-Image (random weights) through grpo_glm on one GPU, every case of issue 39 item 8.
+# Each case is its own process under its own `timeout`. The limits come from one budget (BUDGET s, all cases
+# together): a case may use its share plus whatever the cases before it left unused, never more, so the sum of
+# the limits is <= BUDGET. Results: $OUT/<case>.json (phases, written as they finish: a cut case still reports),
+# the log on stdout (the caller tees it to $OUT/log.txt), a summary table at the end (.ci/gpu/summary.py).
+#   OUT=/tmp/o SMALL=1 BUDGET=1500 bash .ci/gpu/cases.sh     # the CPU dry run (toy widths)
+#   ONLY="ar512 dit512" bash .ci/gpu/cases.sh                 # a subset
+cd "$(dirname "$0")/../.." || exit 1  # the repo root
+P=.ci/gpu
+OUT=${OUT:-/tmp/gpuout}
+mkdir -p "$OUT" /tmp/r
+BUDGET=${BUDGET:-520}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor_cache}  # shared: a later case's same graph hits
+date -u +"%F %T UTC"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+python3 -c "
+import importlib.metadata as m, sys
+print('python', sys.version.split()[0], *[f'{p} {m.version(p)}' for p in ('torch', 'transformers', 'diffusers', 'peft',
+      'tokenizers', 'huggingface_hub', 'safetensors', 'accelerate')])"
+echo "grpo_glm.py: $(wc -l < grpo_glm.py) lines, $(git log -1 --format='%h %s' 2>/dev/null | cut -c1-90)"
+
+T2I=$P/t2i_var.txt  # two prompts of different lengths: a run must not recompile for the second
+common="--model zai-org/GLM-Image --sample-every 0 --save-every 1000 --prompts-per-step 1 --gradient-checkpointing"
+LORA="--lora-rank 64"   # the AR's: not with --policy dit (grpo_glm refuses it)
+# name | limit s | decode backend (FastDecoder's; default: inductor, mode reduce-overhead) | flags.
+# SET=A or SET=B picks a list (two calls, so that B can follow what A measured).
+A=(
+  "ar512|140||--prompts $T2I --group-size 4 --height 512 --width 512 --steps 2 $LORA"
+  "ar512cg|50|cudagraphs|--prompts $T2I --group-size 4 --height 512 --width 512 --steps 2 $LORA --num-inference-steps 10"
+  "dit512|85||--prompts $T2I --group-size 4 --height 512 --width 512 --steps 1 --policy dit --dit-lora-rank 64 --num-inference-steps 10"
+  "both512|70||--prompts $T2I --group-size 4 --height 512 --width 512 --steps 1 $LORA --policy both --dit-lora-rank 64 --num-inference-steps 10"
+)
+B=(
+  "ar1024|185||--prompts $T2I --group-size 8 --height 1024 --width 1024 --steps 1 $LORA --num-inference-steps 10"
+  "dit512|80||--prompts $T2I --group-size 4 --height 512 --width 512 --steps 1 --policy dit --dit-lora-rank 64 --num-inference-steps 10 --inner-epochs 1"
+  "i2i512|70|none|--prompts $P/edit512.txt --mode i2i --group-size 4 --height 512 --width 512 --steps 1 $LORA --num-inference-steps 10"
+  "offload512|70||--prompts $T2I --group-size 4 --height 512 --width 512 --steps 1 --offload $LORA --num-inference-steps 10"
+  "both512|70||--prompts $T2I --group-size 4 --height 512 --width 512 --steps 1 $LORA --policy both --dit-lora-rank 64 --num-inference-steps 10 --inner-epochs 1"
+)
+if [ "$SET" = B ]; then CASES=("${B[@]}"); else CASES=("${A[@]}"); fi
+t_all=$SECONDS
+for c in "${CASES[@]}"; do
+  IFS='|' read -r name limit backend flags <<<"$c"
+  if [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]]; then continue; fi
+  # SMALL (the CPU dry run): the same flags, then smaller images and fewer DiT steps and passes (the last flag wins);
+  # i2i stays 512^2, the real processor's least source size
+  [ "$SMALL" = 1 ] && flags="$flags --device cpu --dtype float32 --num-inference-steps 2 --inner-epochs 1" &&
+    [ "$name" != i2i512 ] && flags="$flags ${SMALL_SIZE:---height 256 --width 256}"
+  [ "$SMALL" = 1 ] && [ -n "$backend" ] && backend=eager   # CUDA graphs need CUDA
+  echo
+  echo "== $name: limit ${limit} s ($(date -u +%T)): $flags"
+  rm -rf "/tmp/r/$name"
+  t0=$SECONDS
+  # -k 5: SIGTERM first (grpo_glm stops at the step's update), SIGKILL 5 s later
+  DECODE_BACKEND=$backend CASE_LIMIT=$limit timeout -k 5 "$limit" python3 $P/real_size.py "$name" "$OUT" $common $flags \
+    --out "/tmp/r/$name" 2>&1 | grep --line-buffered -v "kept in float32"
+  rc=${PIPESTATUS[0]}
+  python3 $P/summary.py --mark "$OUT" "$name" "$rc" "$((SECONDS - t0))" "$limit"
+  echo "== $name: rc $rc, $((SECONDS - t0)) s of ${limit}"
+done
+echo
+echo "== all cases: $((SECONDS - t_all)) s of budget $BUDGET"
+nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null
+python3 $P/summary.py "$OUT"
