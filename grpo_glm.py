@@ -992,18 +992,18 @@ class FastDecoder:
         compiled = device.type == "cuda" or backend is not None
         self.forward = torch.compile(next_logits, fullgraph=True, **(
             {"backend": backend} if backend else {"mode": "reduce-overhead"})) if compiled else next_logits
-        self.caches, self.announced = {}, not compiled
+        self.caches, self.compiled = {}, compiled
 
     def __call__(self, ar, ids, positions, mask, num_tokens, uniforms, sampling):
         cache = self.caches.get(mask.shape)
-        if cache is None:
+        if cache is None:  # a new shape (training's, the eval's): a new graph
             cache = self.caches[mask.shape] = static_cache(ar, mask.shape)
+            if self.compiled and rank() == 0:
+                print(f"compiling the decode step for {mask.shape[0]} rows x {mask.shape[1]} positions, once "
+                      "(~1.5 min on an H200, 20 s from inductor's cache)", flush=True)
         else:
             cache.reset()   # in place: the graph's addresses stay
-        if not self.announced and rank() == 0:
-            print(f"compiling the decode step for {mask.shape[0]} rows (once per run; about a minute or two on a "
-                  "GPU)", flush=True)
-        self.announced, ticks = True, iter(progress(range(num_tokens), "sampling tokens"))
+        ticks = iter(progress(range(num_tokens), "sampling tokens"))
         ticking = lambda: [next(ticks, None), uniforms()][1]  # drawn once a token
         return decode_loop(ar, ids, positions, mask, num_tokens, ticking, sampling, cache, self.forward)
 
