@@ -1210,28 +1210,26 @@ def parse_args(argv=None):
     positive, non_negative, clip = number(float, above=0), number(float, least=0), number(float, above=0, below=1)
     pixels, draws = number(int, least=32, multiple=32), ["per-prompt", "per-step"]
     a = p.add_argument_group("GRPO (section 1)").add_argument
-    a("--group-size", type=number(int, least=2), default=32, help="G: samples per prompt, compared as a group.")
-    a("--prompts-per-step", type=count, default=2, help="Prompts per step, G samples each.")
+    a("--group-size", type=number(int, least=2), default=32, help="G: samples per prompt.")
+    a("--prompts-per-step", type=count, default=2, help="Prompts per step.")
     a("--temperature", type=positive, default=1.0, help="Sampling temperature T (the loss scores logits / T).")
     a("--top-k", type=non_negative_int, default=0, help="Sample from the k likeliest tokens (0 = all).")
     a("--top-p", type=number(float, above=0, most=1), default=1.0, help="Sample the top tokens of mass p (1 = all).")
     a("--loss-tokens", choices=["target", "all"], default="target", help="The target grid's, or also the preview's.")
-    a("--clip-eps", type=clip, default=0.2, help="PPO clip: the ratio is kept in [1-eps, 1+eps].")
-    a("--beta", type=non_negative, default=0.0, help="KL penalty weight, to the initial model (0 = none).")
-    a("--inner-epochs", type=count, default=4, help="mu: optimisation passes over each batch.")
+    a("--clip-eps", type=clip, default=0.2, help="PPO clip: ratio in [1-eps, 1+eps].")
+    a("--beta", type=non_negative, default=0.0, help="KL weight, to the initial model (0 = none).")
+    a("--inner-epochs", type=count, default=4, help="mu: passes over each batch.")
     a("--lr", type=positive, default=2e-2, help="AdamW learning rate.")
     a("--policy", choices=["ar", "dit", "both"], default="ar", help="What trains: AR, DiT (Part II) or both.")
-    a("--reward", action="append", metavar="SPEC", help="'mse', 'module:fn' or 'file.py:fn', optionally '=WEIGHT'; "
-      "repeat for a weighted sum (section 6). Default: mse.")
-    a("--steps", type=count, default=10, help="GRPO steps in all, resumed ones included.")
+    a("--reward", action="append", metavar="SPEC", help="mse|module:fn|file.py:fn[=WEIGHT]; repeats sum. Default: mse.")
+    a("--steps", type=count, default=10, help="Steps in all, resumed ones included.")
     a("--seed", type=number(int, least=0, most=2**32 - 1), default=0, help="Seed of every random draw.")
-    a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="diffusers' schedule "
-      "over --steps; a resume with other --steps reshapes its rest.")
-    a("--lr-warmup-steps", type=non_negative_int, default=0, help="Steps of linear warm-up, from lr 0 at step 1.")
+    a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="Schedule over --steps.")
+    a("--lr-warmup-steps", type=non_negative_int, default=0, help="Linear warm-up steps from lr 0.")
     a("--weight-decay", type=non_negative, default=0.0, help="AdamW's weight decay.")
-    a("--max-grad-norm", type=positive, default=1.0, help="Clip the gradient's global norm to this.")
+    a("--max-grad-norm", type=positive, default=1.0, help="Clip the gradient's norm to this.")
     a = p.add_argument_group("model and data").add_argument
-    a("--model", default=TINY, help="'tiny' (a toy GLM-Image, section 21), a hub id or a save_pretrained dir.")
+    a("--model", default=TINY, help="'tiny' (a toy GLM-Image), a hub id or a save_pretrained dir.")
     a("--mode", choices=["t2i", "i2i"], default="t2i", help="t2i: text to image; i2i: edit each prompt's source.")
     a("--prompts", default="prompts.txt", help="Lines 'prompt[ | target.png[ | source.png (i2i)]]'.")
     a("--height", type=pixels, default=128, help="Image height in pixels (32 per token).")
@@ -1241,8 +1239,7 @@ def parse_args(argv=None):
     a("--dit-noise", choices=draws, default="per-prompt", help="A group's initial DiT noise: once or each step.")
     a("--lora-rank", type=non_negative_int, default=0, help="LoRA rank on the AR (0 = full fine-tuning).")
     a("--lora-alpha", type=positive, help="LoRA alpha (default: --lora-rank).")
-    a("--ar-trainable", choices=["auto", "all", "head"], default="auto", help="Without LoRA: all or the output "
-      "layer; auto = head for --model tiny.")
+    a("--ar-trainable", choices=["auto", "all", "head"], default="auto", help="auto: head (output layer) for tiny.")
     a = p.add_argument_group("the DiT: --policy dit|both (Flow-GRPO, Part II)").add_argument
     a("--dit-lr", type=positive, default=3e-3, help="AdamW learning rate of the DiT.")
     a("--dit-clip-eps", type=clip, default=1e-4, help="--clip-eps of the DiT's per-step ratio.")
@@ -1258,23 +1255,21 @@ def parse_args(argv=None):
     a("--sample-every", type=non_negative_int, default=5, help="A sample sheet every N steps (0 = never).")
     a("--report-to", choices=["none", "tensorboard", "wandb"], default="none", help="Also log to TensorBoard/W&B.")
     a("--resume", help="Checkpoint to continue from, or 'latest' in --out.")
-    a("--resume-force", action="store_true", help="Resume even if algorithm flags differ from the checkpoint.")
+    a("--resume-force", action="store_true", help="Resume despite changed algorithm flags.")
     a("--save-pipeline", help="Write the trained pipeline here (LoRA merged), or a finished --resume's.")
     a("--eval-prompts", help="Held-out --prompts, sampled at step 0, every --eval-every and the end.")
     a("--eval-every", type=count, help="Steps between evaluations (default: --save-every).")
     a("--eval-num-inference-steps", type=count, help="The eval's DiT steps (default: the model's own).")
     a = p.add_argument_group("hardware and memory").add_argument
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
-    a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto", help="auto = bfloat16 for a "
-      "pretrained model on CUDA, else float32 (float64: for checks).")
+    a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto", help="auto=bf16 if CUDA, not tiny")
     a("--micro-batch-size", type=count, help="Samples per forward and backward (default: G).")
     a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in backward.")
     a("--offload", action=argparse.BooleanOptionalAction, help="Frozen parts on CPU between uses (default: by --plan).")
     a("--fsdp", action="store_true", help="Under torchrun: shard trained weights and AdamW state (FSDP2).")
     a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others.")
     a("--plan", action="store_true", help="Print --model's memory plan at --height x --width, and exit.")
-    a("--plan-gpus", type=number(int, least=2), nargs="+", metavar="K", help="With --plan: --fsdp's bytes per GPU "
-      "on K GPUs (--prompts-per-step: all GPUs').")
+    a("--plan-gpus", type=number(int, least=2), nargs="+", metavar="K", help="--plan: --fsdp's bytes/GPU on K GPUs.")
     a("--plan-gpu-memory", type=positive, metavar="GiB", help="With --plan: GiB to fit in (default: free GPU memory).")
     known = p.parse_known_args(argv)[0]
     if known.model != TINY:
@@ -1309,8 +1304,7 @@ def number(kind, least=None, above=None, most=None, below=None, multiple=None):
                  f"> {above}": above is None or value > above, f"at most {most}": most is None or value <= most,
                  f"< {below}": below is None or value < below,
                  f"a multiple of {multiple}": not multiple or value % multiple == 0}
-        broken = [rule for rule, holds in rules.items() if not holds]
-        if broken:
+        if broken := [rule for rule, holds in rules.items() if not holds]:
             raise argparse.ArgumentTypeError(f"must be {broken[0]}, got {value}")
         return value
     parse.__name__ = kind.__name__      # argparse's message for 'abc': invalid float value: 'abc'
@@ -1334,48 +1328,43 @@ def validate_args(args):
     refusals = [  # (refused?, why): the first refused raises
         (not args.out, "--out is empty (an unset variable?): name a directory"),
         (outdated, f"libraries too old: {outdated}; run: pip install -r requirements.txt"),
-        (args.ar_trainable == "head" and (args.lora_rank or args.fsdp), "--ar-trainable head takes neither "
-         "--lora-rank nor --fsdp (it trains one small layer)"),
-        (args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline), "--fsdp shards full "
-         "fine-tuning (LoRA replicates); --save-pipeline needs whole weights: resume in one process"),
+        (args.ar_trainable == "head" and (args.lora_rank or args.fsdp),
+         "--ar-trainable head takes neither --lora-rank nor --fsdp (it trains one layer)"),
+        (args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline),
+         "--fsdp shards full fine-tuning, no LoRA; for --save-pipeline resume in one process"),
         (args.fsdp and world_size() == 1, "--fsdp needs torchrun: one process has nothing to shard"),
         ((args.plan_gpus or args.plan_gpu_memory) and not args.plan, "--plan-gpus and --plan-gpu-memory: add --plan"),
-        ((args.dit_train_steps or 0) > args.num_inference_steps, f"--dit-train-steps must be between 1 and "
-         f"--num-inference-steps ({args.num_inference_steps}), got {args.dit_train_steps}"),
-        (args.policy == "ar" and (args.dit_lora_rank or args.dit_train_steps is not None), "--dit-lora-rank and "
-         "--dit-train-steps need --policy dit or both"),
+        ((args.dit_train_steps or 0) > args.num_inference_steps,
+         f"--dit-train-steps {args.dit_train_steps} exceeds --num-inference-steps {args.num_inference_steps}"),
+        (args.policy == "ar" and (args.dit_lora_rank or args.dit_train_steps is not None),
+         "--dit-lora-rank and --dit-train-steps need --policy dit or both"),
         (args.dit_reward and args.policy != "both", "--dit-reward needs --policy both (--policy dit: use --reward)"),
         (args.policy == "dit" and args.lora_rank, "--lora-rank adapts the AR, which --policy dit does not train"),
-        (args.dtype == "bfloat16" and not args.fsdp and full, "--dtype bfloat16 full fine-tuning rounds "
-         "AdamW's updates away: use LoRA (fp32), --fsdp (fp32 shards) or --dtype float32"),
+        (args.dtype == "bfloat16" and not args.fsdp and full,
+         "--dtype bfloat16 full fine-tuning rounds AdamW's updates away: use LoRA, --fsdp or --dtype float32"),
         (args.report_to != "none" and importlib.util.find_spec(args.report_to) is None,
          f"--report-to {args.report_to} needs the '{args.report_to}' package: pip install {args.report_to}"),
-        (args.save_pipeline and save.exists() and (not save.is_dir() or any(save.iterdir())), f"--save-pipeline "
-         f"{save} already exists; pick a new directory"),
+        (args.save_pipeline and save.exists() and (not save.is_dir() or any(save.iterdir())),
+         f"--save-pipeline {save} already exists; pick a new directory"),
         (args.model != TINY and not (model / "model_index.json").is_file() and not hub_id,
          f"--model {args.model}: {'not a directory with model_index.json' if model.exists() else 'no such directory'}"
          " (give 'tiny', a hub id like zai-org/GLM-Image, or a save_pretrained directory)"),
-        (args.device == "cuda" and not torch.cuda.is_available(), "--device cuda: no CUDA device is available"),
-        (args.offload and args.device == "cpu", "--offload needs a CUDA device: there is none"),
+        (args.device == "cuda" and not torch.cuda.is_available(), "--device cuda: no CUDA device"),
+        (args.offload and args.device == "cpu", "--offload needs a CUDA device"),
     ]
     for refused, why in refusals:
         if refused:
             raise UsageError(why)
-    for flag, path in [("--out", args.out), ("--save-pipeline", args.save_pipeline),
-                       ("the tiny model's cache (GRPO_GLM_CACHE)", args.model == TINY and tiny_cache())]:
-        if path:
-            check_writable(flag, path)
-
-
-def check_writable(flag, path):
-    """`path` or its nearest existing parent must be a writable directory (probed)."""
-    parent = next(p for p in [Path(path).absolute(), *Path(path).absolute().parents] if p.exists())
-    if not parent.is_dir():
-        raise UsageError(f"{flag} {path}: {parent} is a file, not a directory")
-    try:
-        tempfile.TemporaryFile(dir=parent).close()
-    except OSError as e:
-        raise UsageError(f"{flag} {path}: cannot write in {parent} ({e.strerror})")
+    paths = {"--out": args.out, "--save-pipeline": args.save_pipeline,
+             "the tiny model's cache (GRPO_GLM_CACHE)": args.model == TINY and tiny_cache()}
+    for flag, path in ((flag, path) for flag, path in paths.items() if path):  # or its nearest parent: writable?
+        parent = next(p for p in [Path(path).absolute(), *Path(path).absolute().parents] if p.exists())
+        if not parent.is_dir():
+            raise UsageError(f"{flag} {path}: {parent} is a file, not a directory")
+        try:
+            tempfile.TemporaryFile(dir=parent).close()
+        except OSError as e:
+            raise UsageError(f"{flag} {path}: cannot write in {parent} ({e.strerror})")
 
 
 def pretrained_defaults(args):
