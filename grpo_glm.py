@@ -1213,9 +1213,9 @@ def parse_args(argv=None):
     a("--group-size", type=number(int, least=2), default=32, help="G: samples per prompt.")
     a("--prompts-per-step", type=count, default=2, help="Prompts per step.")
     a("--temperature", type=positive, default=1.0, help="Sampling temperature T (the loss scores logits / T).")
-    a("--top-k", type=non_negative_int, default=0, help="Sample from the k likeliest tokens (0 = all).")
+    a("--top-k", type=non_negative_int, default=0, help="Sample the k likeliest tokens (0 = all).")
     a("--top-p", type=number(float, above=0, most=1), default=1.0, help="Sample the top tokens of mass p (1 = all).")
-    a("--loss-tokens", choices=["target", "all"], default="target", help="The target grid's, or also the preview's.")
+    a("--loss-tokens", choices=["target", "all"], default="target", help="Target grid's, or also the preview's.")
     a("--clip-eps", type=clip, default=0.2, help="PPO clip: ratio in [1-eps, 1+eps].")
     a("--beta", type=non_negative, default=0.0, help="KL weight, to the initial model (0 = none).")
     a("--inner-epochs", type=count, default=4, help="mu: passes over each batch.")
@@ -1226,11 +1226,11 @@ def parse_args(argv=None):
     a("--seed", type=number(int, least=0, most=2**32 - 1), default=0, help="Seed of every random draw.")
     a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="Schedule over --steps.")
     a("--lr-warmup-steps", type=non_negative_int, default=0, help="Linear warm-up steps from lr 0.")
-    a("--weight-decay", type=non_negative, default=0.0, help="AdamW's weight decay.")
+    a("--weight-decay", type=non_negative, default=0.0, help="AdamW weight decay.")
     a("--max-grad-norm", type=positive, default=1.0, help="Clip the gradient's norm to this.")
     a = p.add_argument_group("model and data").add_argument
     a("--model", default=TINY, help="'tiny' (a toy GLM-Image), a hub id or a save_pretrained dir.")
-    a("--mode", choices=["t2i", "i2i"], default="t2i", help="t2i: text to image; i2i: edit each prompt's source.")
+    a("--mode", choices=["t2i", "i2i"], default="t2i", help="t2i: text to image; i2i: edit a source image.")
     a("--prompts", default="prompts.txt", help="Lines 'prompt[ | target.png[ | source.png (i2i)]]'.")
     a("--height", type=pixels, default=128, help="Image height in pixels (32 per token).")
     a("--width", type=pixels, default=128, help="Image width in pixels (32 per token).")
@@ -1241,7 +1241,7 @@ def parse_args(argv=None):
     a("--lora-alpha", type=positive, help="LoRA alpha (default: --lora-rank).")
     a("--ar-trainable", choices=["auto", "all", "head"], default="auto", help="auto: head (output layer) for tiny.")
     a = p.add_argument_group("the DiT: --policy dit|both (Flow-GRPO, Part II)").add_argument
-    a("--dit-lr", type=positive, default=3e-3, help="AdamW learning rate of the DiT.")
+    a("--dit-lr", type=positive, default=3e-3, help="The DiT's AdamW learning rate.")
     a("--dit-clip-eps", type=clip, default=1e-4, help="--clip-eps of the DiT's per-step ratio.")
     a("--dit-noise-level", type=positive, default=0.7, help="a in the SDE's std_t = a sqrt(sigma / (1 - sigma)).")
     a("--dit-train-steps", type=count, help="First steps run SDE, trained; the rest ODE (default: all but the last).")
@@ -1270,7 +1270,7 @@ def parse_args(argv=None):
     a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others.")
     a("--plan", action="store_true", help="Print --model's memory plan at --height x --width, and exit.")
     a("--plan-gpus", type=number(int, least=2), nargs="+", metavar="K", help="--plan: --fsdp's bytes/GPU on K GPUs.")
-    a("--plan-gpu-memory", type=positive, metavar="GiB", help="With --plan: GiB to fit in (default: free GPU memory).")
+    a("--plan-gpu-memory", type=positive, metavar="GiB", help="--plan: GiB to fit in (default: free GPU memory).")
     known = p.parse_known_args(argv)[0]
     if known.model != TINY:
         p.set_defaults(**pretrained_defaults(known))      # those above are the tiny demo's
@@ -1297,7 +1297,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def number(kind, least=None, above=None, most=None, below=None, multiple=None):
-    """An argparse type: a finite int or float within the bounds given."""
+    """An argparse type: a finite `kind` within the bounds given."""
     def parse(text):
         value = kind(text)
         rules = {"finite": math.isfinite(value), f"at least {least}": least is None or value >= least,
@@ -1307,11 +1307,11 @@ def number(kind, least=None, above=None, most=None, below=None, multiple=None):
         if broken := [rule for rule, holds in rules.items() if not holds]:
             raise argparse.ArgumentTypeError(f"must be {broken[0]}, got {value}")
         return value
-    parse.__name__ = kind.__name__      # argparse's message for 'abc': invalid float value: 'abc'
+    parse.__name__ = kind.__name__      # for argparse's "invalid float value: 'abc'"
     return parse
 
 
-# requirements.txt's lower bounds (a test keeps them equal): older releases fail deep into a run.
+# requirements.txt's lower bounds (tested equal): older releases fail deep into a run.
 LEAST_VERSIONS = {"transformers": "5.23", "diffusers": "0.42.1", "peft": "0.20", "accelerate": "1.10"}
 
 
@@ -1326,8 +1326,8 @@ def validate_args(args):
     # a hub id: 'owner/name' with no local parent (a typo in 'runs/x' must not go to the hub)
     hub_id = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", args.model) and not model.parent.is_dir()
     refusals = [  # (refused?, why): the first refused raises
-        (not args.out, "--out is empty (an unset variable?): name a directory"),
-        (outdated, f"libraries too old: {outdated}; run: pip install -r requirements.txt"),
+        (not args.out, "--out is empty (an unset variable?)"),
+        (outdated, f"too old: {outdated}; pip install -r requirements.txt"),
         (args.ar_trainable == "head" and (args.lora_rank or args.fsdp),
          "--ar-trainable head takes neither --lora-rank nor --fsdp (it trains one layer)"),
         (args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline),
@@ -1345,16 +1345,15 @@ def validate_args(args):
         (args.report_to != "none" and importlib.util.find_spec(args.report_to) is None,
          f"--report-to {args.report_to} needs the '{args.report_to}' package: pip install {args.report_to}"),
         (args.save_pipeline and save.exists() and (not save.is_dir() or any(save.iterdir())),
-         f"--save-pipeline {save} already exists; pick a new directory"),
+         f"--save-pipeline {save} already exists"),
         (args.model != TINY and not (model / "model_index.json").is_file() and not hub_id,
          f"--model {args.model}: {'not a directory with model_index.json' if model.exists() else 'no such directory'}"
          " (give 'tiny', a hub id like zai-org/GLM-Image, or a save_pretrained directory)"),
         (args.device == "cuda" and not torch.cuda.is_available(), "--device cuda: no CUDA device"),
         (args.offload and args.device == "cpu", "--offload needs a CUDA device"),
     ]
-    for refused, why in refusals:
-        if refused:
-            raise UsageError(why)
+    if why := next((why for refused, why in refusals if refused), None):
+        raise UsageError(why)
     paths = {"--out": args.out, "--save-pipeline": args.save_pipeline,
              "the tiny model's cache (GRPO_GLM_CACHE)": args.model == TINY and tiny_cache()}
     for flag, path in ((flag, path) for flag, path in paths.items() if path):  # or its nearest parent: writable?
@@ -1390,8 +1389,7 @@ def resolve_runtime(args):
 
 
 def check_source_size(processor, height, width):
-    """i2i: the AR reads a source at smart_resize's size (sides within sqrt(min/max_pixels), aspect <= 4, halved),
-    the DiT at --height x --width: they must agree (zai-org/GLM-Image issue 14)."""
+    """i2i: the AR's source size (smart_resize) must be the DiT's --height x --width (zai-org/GLM-Image issue 14)."""
     from transformers.models.glm_image.image_processing_pil_glm_image import smart_resize
     size = processor.size
     try:
@@ -1400,8 +1398,7 @@ def check_source_size(processor, height, width):
     except ValueError as e:
         raise UsageError(f"--mode i2i at {height}x{width}: the image processor refuses it ({e})")
     if (h, w) != (height, width):
-        raise UsageError(f"--mode i2i at {height}x{width}: the image processor resizes a source to {h}x{w}, so its "
-                         f"tokens would not line up with the DiT's; use --height {h} --width {w}")
+        raise UsageError(f"--mode i2i: the image processor resizes a source to {h}x{w}; use --height {h} --width {w}")
 
 
 def lock_out_dir(out, closing):
@@ -1455,7 +1452,7 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",), flag="-
     except UnicodeDecodeError as e:  # e.object: the bytes after a BOM
         hint = " (it looks like UTF-16)" if e.object[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
         raise UsageError(f"{flag} {path}: not UTF-8 text{hint}: byte 0x{e.object[e.start]:02x} at offset {e.start}"
-                         "; save the file as UTF-8")
+                         "; save it as UTF-8")
     for where, line in ((f"{path}:{n}", raw.strip()) for n, raw in enumerate(lines, 1)):
         if not line or line.startswith("#"):
             continue
@@ -1470,9 +1467,9 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",), flag="-
             w, h = read_image(file, where, kind)
             resized |= (w, h) != (width, height)
             seen = f"{where}: {kind} {file.name} is {w}x{h}"
-            if max(width / w, height / h, w * height / (h * width), h * width / (w * height)) > 4:  # an icon, a strip
+            if max(width / w, height / h, aspect := w * height / (h * width), 1 / aspect) > 4:  # an icon, a strip
                 print(f"warning: {seen}, stretched to {width}x{height}: the right file?", file=sys.stderr)
-            elif w * height != h * width:
+            elif aspect != 1:
                 print(f"note: {seen}, squashed to {width}x{height} (crop it to keep its proportions)")
         if mode == "i2i" and "source" not in image_from:     # drawn from the edit's words (the target too if none)
             image_from["source"] = demo_scene(text, where, mode, "source")
@@ -1487,7 +1484,7 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",), flag="-
 
 
 def require_targets(items, reward_names):
-    """For rewards that read targets: a prompt without a target file gets one drawn from its words, or fails."""
+    """If rewards read targets, a prompt without one gets it drawn from its words, or fails."""
     for item in [it for it in items if reward_names and "target" not in it.image_from]:
         item.image_from["target"] = demo_scene(item.text, item.where, item.mode,
                                                why=f"the reward {', '.join(reward_names)} reads targets")
@@ -1540,14 +1537,13 @@ def demo_scene(prompt, where, mode, role="target", why=""):
         colours, shape = [w for w in words if w in COLOURS], next((w for w in words if w in SHAPES), None)
         if not colours or shape is None:
             raise UsageError(f"{where}: no target image given and no colour+shape words to draw one "
-                             f"({why + '; ' if why else ''}write 'prompt | target.png')")
+                             f"({why and why + '; '}write 'prompt | target.png')")
         return shape, colours[0], (colours + ["white"])[1]
     colour = "|".join(COLOURS)
     edit = re.search(rf"\b({colour}) ({'|'.join(SHAPES)})\b.*\b({colour})\b(?! background)", " ".join(words))
     if edit is None:      # e.g. a t2i line: 'a red circle on a white background'
-        raise UsageError(f"{where}: '{prompt}' reads as no edit: --mode i2i needs 'prompt | target.png | source.png', "
-                         f"or '<colour> <shape> ... <new colour>' to draw them (e.g. 'make the red circle blue')"
-                         f"{f' ({why})' if why else ''}")
+        raise UsageError(f"{where}: '{prompt}' is no edit{why and f' ({why})'}: --mode i2i needs 'prompt | target.png"
+                         " | source.png' or '<colour> <shape> ... <new colour>' (e.g. 'make the red circle blue')")
     return edit[2], edit[1] if role == "source" else edit[3], "white"
 
 
@@ -1591,9 +1587,8 @@ def load_reward(spec):
 
 def load_rewards(specs):
     rewards = [load_reward(spec) for spec in specs]
-    names = [r.name for r in rewards]
-    if len(set(names)) < len(names):
-        raise UsageError(f"--reward: two rewards share a name ({', '.join(names)}); rename one function")
+    if len({r.name for r in rewards}) < len(rewards):
+        raise UsageError(f"--reward: two rewards share a name ({', '.join(r.name for r in rewards)}); rename one")
     return rewards
 
 
