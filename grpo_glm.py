@@ -1203,8 +1203,7 @@ def write_source_caches(dit, cond):
 # ==== 15. Starting a run: the flags, their checks (one-line errors before anything loads), --out ====
 
 def parse_args(argv=None):
-    p = Parser(description="GRPO fine-tuning of GLM-Image against image rewards.", formatter_class=HelpFormatter,
-               allow_abbrev=False)
+    p = Parser(description="GRPO for GLM-Image on image rewards.", formatter_class=HelpFormatter, allow_abbrev=False)
     p._negative_number_matcher = re.compile(r"-[\d.]+(e[-+]?\d+)?$", re.I)  # '--lr -1e-3': a value, as in Python 3.14
     count, non_negative_int = number(int, least=1), number(int, least=0)
     positive, non_negative, clip = number(float, above=0), number(float, least=0), number(float, above=0, below=1)
@@ -1220,7 +1219,7 @@ def parse_args(argv=None):
     a("--beta", type=non_negative, default=0.0, help="KL weight, to the initial model (0 = none).")
     a("--inner-epochs", type=count, default=4, help="mu: passes over each batch.")
     a("--lr", type=positive, default=2e-2, help="AdamW learning rate.")
-    a("--policy", choices=["ar", "dit", "both"], default="ar", help="What trains: AR, DiT (Part II) or both.")
+    a("--policy", choices=["ar", "dit", "both"], default="ar", help="What trains: AR, DiT or both.")
     a("--reward", action="append", metavar="SPEC", help="mse|module:fn|file.py:fn[=WEIGHT]; repeats sum. Default: mse.")
     a("--steps", type=count, default=10, help="Steps in all, resumed ones included.")
     a("--seed", type=number(int, least=0, most=2**32 - 1), default=0, help="Seed of all randomness.")
@@ -1234,7 +1233,7 @@ def parse_args(argv=None):
     a("--prompts", default="prompts.txt", help="Lines 'prompt[ | target.png[ | source.png (i2i)]]'.")
     a("--height", type=pixels, default=128, help="Image height (32 px per token).")
     a("--width", type=pixels, default=128, help="Image width (32 px per token).")
-    a("--num-inference-steps", type=count, default=4, help="DiT steps per image (Flow-GRPO: 10 to sample, 40 to eval).")
+    a("--num-inference-steps", type=count, default=4, help="DiT steps per image (Flow-GRPO: 10 train, 40 eval).")
     a("--guidance-scale", type=number(float, least=1), default=1.0, help="DiT classifier-free guidance (1 = off).")
     a("--dit-noise", choices=draws, default="per-prompt", help="A group's initial DiT noise: once or each step.")
     a("--lora-rank", type=non_negative_int, default=0, help="AR LoRA rank (0 = full fine-tuning).")
@@ -1250,7 +1249,7 @@ def parse_args(argv=None):
     a("--dit-lora-rank", type=non_negative_int, default=0, help="DiT LoRA rank (0 = full fine-tuning).")
     a = p.add_argument_group("logging and checkpoints").add_argument
     a("--out", default="runs/grpo_glm", help="For metrics.jsonl, samples/ and checkpoints/.")
-    a("--save-every", type=count, default=10, help="Checkpoint every N steps (and at the end).")
+    a("--save-every", type=count, default=10, help="Checkpoint every N steps and at the end.")
     a("--checkpoints-total-limit", type=count, help="Keep the newest K (default: all).")
     a("--sample-every", type=non_negative_int, default=5, help="A sample sheet every N steps (0 = never).")
     a("--report-to", choices=["none", "tensorboard", "wandb"], default="none", help="Also log to TensorBoard/W&B.")
@@ -1296,7 +1295,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def number(kind, least=None, above=None, most=None, below=None, multiple=None):
-    """An argparse type: a finite `kind` within the bounds given."""
+    """An argparse type: a finite `kind` within the bounds."""
     def parse(text):
         value = kind(text)
         rules = {"finite": math.isfinite(value), f"at least {least}": least is None or value >= least,
@@ -1315,7 +1314,7 @@ LEAST_VERSIONS = {"transformers": "5.23", "diffusers": "0.42.1", "peft": "0.20",
 
 
 def validate_args(args):
-    """What the flags' types cannot check (combinations, files, the machine), before any model loads."""
+    """Checks beyond the flags' types (combinations, files, the machine), before any model loads."""
     from importlib.metadata import version
     from packaging.version import Version
     outdated = ", ".join(f"{name} {version(name)} (needs >= {least})" for name, least in LEAST_VERSIONS.items()
@@ -1390,10 +1389,9 @@ def resolve_runtime(args):
 def check_source_size(processor, height, width):
     """i2i: the AR's source size (smart_resize) must be the DiT's --height x --width (zai-org/GLM-Image issue 14)."""
     from transformers.models.glm_image.image_processing_pil_glm_image import smart_resize
-    size = processor.size
+    size, patch = processor.size, processor.patch_size * processor.merge_size
     try:
-        h, w = (2 * side for side in smart_resize(height, width, processor.patch_size * processor.merge_size,
-                                                   size["shortest_edge"], size["longest_edge"]))
+        h, w = (2 * side for side in smart_resize(height, width, patch, size["shortest_edge"], size["longest_edge"]))
     except ValueError as e:
         raise UsageError(f"--mode i2i at {height}x{width}: the image processor refuses it ({e})")
     if (h, w) != (height, width):
@@ -1449,8 +1447,7 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",), flag="-
         lines = path.read_text(encoding="utf-8-sig").splitlines()  # -sig: drops a BOM (Windows editors)
     except UnicodeDecodeError as e:  # e.object: the bytes after a BOM
         hint = " (it looks like UTF-16)" if e.object[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
-        raise UsageError(f"{flag} {path}: not UTF-8 text{hint}: byte 0x{e.object[e.start]:02x} at offset {e.start}"
-                         "; save it as UTF-8")
+        raise UsageError(f"{flag} {path}: not UTF-8 text{hint}: byte 0x{e.object[e.start]:02x} at offset {e.start}")
     for where, line in ((f"{path}:{n}", raw.strip()) for n, raw in enumerate(lines, 1)):
         if not line or line.startswith("#"):
             continue
@@ -1468,8 +1465,8 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",), flag="-
             if max(width / w, height / h, aspect := w * height / (h * width), 1 / aspect) > 4:  # an icon, a strip
                 print(f"warning: {seen}, stretched to {width}x{height}: the right file?", file=sys.stderr)
             elif aspect != 1:
-                print(f"note: {seen}, squashed to {width}x{height} (crop it to keep proportions)")
-        if mode == "i2i" and "source" not in image_from:  # drawn from the edit's words (the target too if none)
+                print(f"note: {seen}, squashed to {width}x{height} (crop to keep proportions)")
+        if mode == "i2i" and "source" not in image_from:  # drawn from the edit's words (a missing target too)
             image_from["source"] = demo_scene(text, where, mode, "source")
             image_from.setdefault("target", demo_scene(text, where, mode))
         items.append(PromptItem(text, where, (height, width), mode, image_from))
@@ -1484,8 +1481,8 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",), flag="-
 def require_targets(items, reward_names):
     """If rewards read targets, a prompt without one gets it drawn from its words, or fails."""
     for item in [it for it in items if reward_names and "target" not in it.image_from]:
-        item.image_from["target"] = demo_scene(item.text, item.where, item.mode,
-                                               why=f"the reward {', '.join(reward_names)} reads targets")
+        why = f"the reward {', '.join(reward_names)} reads targets"
+        item.image_from["target"] = demo_scene(item.text, item.where, item.mode, why=why)
 
 
 def read_image(path, where, kind, size=None):
@@ -1550,7 +1547,7 @@ def demo_scene(prompt, where, mode, role="target", why=""):
 Reward = make_dataclass("Reward", ["name", "fn", "weight"])  # name: logged as rewards/<name>
 
 
-def mse(images, prompts, targets):  # the built-in demo reward as a plug-in
+def mse(images, prompts, targets):  # the built-in reward as a plug-in
     return mse_reward(images, targets)
 mse.uses_targets = True
 
@@ -1560,7 +1557,7 @@ def load_reward(spec):
     try:
         weight = number(float)(text)  # the flags' check: a finite float
     except (ValueError, argparse.ArgumentTypeError):
-        raise UsageError(f"--reward {spec}: the weight after '=' must be a finite number, got {text!r}")
+        raise UsageError(f"--reward {spec}: weight after '=' must be a finite number, got {text!r}")
     if weight == 0:
         raise UsageError(f"--reward {spec}: a weight of 0 adds nothing")
     if where == "mse":
@@ -1568,7 +1565,7 @@ def load_reward(spec):
     module_name, _, fn_name = where.rpartition(":")
     if not module_name or not fn_name:
         raise UsageError(f"--reward {spec}: expected 'mse', 'module:function' or 'file.py:function'")
-    sys.path.insert(0, os.getcwd())  # the current directory first, as `python -m` does
+    sys.path.insert(0, os.getcwd())  # cwd first, as `python -m` does
     try:
         namespace = (runpy.run_path(module_name) if module_name.endswith(".py")
                      else vars(importlib.import_module(module_name)))
@@ -1603,8 +1600,8 @@ def call_reward(reward, images, prompts, targets):
     if value.shape != (n,):
         raise UsageError(f"reward {name} returned shape {list(value.shape)}, expected [{n}]", local=True)
     if bad := (~torch.isfinite(value)).sum().item():
-        print(f"warning: reward {name} returned {bad} non-finite values of {n}; their groups are left out of this "
-              "step", file=sys.stderr)
+        print(f"warning: reward {name} returned {bad} non-finite values of {n}; their groups are left out of "
+              "this step", file=sys.stderr)
     return value
 
 
