@@ -1183,82 +1183,75 @@ def write_source_caches(dit, cond):
 # ==== 15. Starting a run: the flags, their checks (one-line errors before anything loads), --out ====
 
 def parse_args(argv=None):
-    p = Parser(description="GRPO fine-tuning of GLM-Image against image rewards.", formatter_class=HelpFormatter,
-               allow_abbrev=False)
+    p = Parser(description="GRPO for GLM-Image on image rewards.", formatter_class=HelpFormatter, allow_abbrev=False)
     p._negative_number_matcher = re.compile(r"-[\d.]+(e[-+]?\d+)?$", re.I)  # '--lr -1e-3': a value, as in Python 3.14
     count, non_negative_int = number(int, least=1), number(int, least=0)
     positive, non_negative, clip = number(float, above=0), number(float, least=0), number(float, above=0, below=1)
     pixels, draws = number(int, least=32, multiple=32), ["per-prompt", "per-step"]
-    a = p.add_argument_group("GRPO (section 1)").add_argument
-    a("--group-size", type=number(int, least=2), default=32, help="G: samples per prompt, compared as a group.")
-    a("--prompts-per-step", type=count, default=2, help="Prompts per step, G samples each.")
-    a("--temperature", type=positive, default=1.0, help="Sampling temperature T (the loss scores logits / T).")
-    a("--top-k", type=non_negative_int, default=0, help="Sample from the k likeliest tokens (0 = all).")
+    a = p.add_argument_group("GRPO").add_argument
+    a("--group-size", type=number(int, least=2), default=32, help="G: samples per prompt.")
+    a("--prompts-per-step", type=count, default=2, help="Prompts per step.")
+    a("--temperature", type=positive, default=1.0, help="Sampling temperature; the loss scores logits / T.")
+    a("--top-k", type=non_negative_int, default=0, help="Sample the k likeliest tokens (0 = all).")
     a("--top-p", type=number(float, above=0, most=1), default=1.0, help="Sample the top tokens of mass p (1 = all).")
-    a("--loss-tokens", choices=["target", "all"], default="target", help="The target grid's, or also the preview's.")
-    a("--clip-eps", type=clip, default=0.2, help="PPO clip: the ratio is kept in [1-eps, 1+eps].")
-    a("--beta", type=non_negative, default=0.0, help="KL penalty weight, to the initial model (0 = none).")
-    a("--inner-epochs", type=count, default=4, help="mu: optimisation passes over each batch.")
+    a("--loss-tokens", choices=["target", "all"], default="target", help="Target grid's, or also the preview's.")
+    a("--clip-eps", type=clip, default=0.2, help="PPO clip: ratio in [1-eps, 1+eps].")
+    a("--beta", type=non_negative, default=0.0, help="KL weight, to the initial model (0 = none).")
+    a("--inner-epochs", type=count, default=4, help="mu: passes over each batch.")
     a("--lr", type=positive, default=2e-2, help="AdamW learning rate.")
-    a("--policy", choices=["ar", "dit", "both"], default="ar", help="What trains: AR, DiT (Part II) or both.")
-    a("--reward", action="append", metavar="SPEC", help="'mse', 'module:fn' or 'file.py:fn', optionally '=WEIGHT'; "
-      "repeat for a weighted sum (section 6). Default: mse.")
-    a("--steps", type=count, default=10, help="GRPO steps in all, resumed ones included.")
-    a("--seed", type=number(int, least=0, most=2**32 - 1), default=0, help="Seed of every random draw.")
-    a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="diffusers' schedule "
-      "over --steps; a resume with other --steps reshapes its rest.")
-    a("--lr-warmup-steps", type=non_negative_int, default=0, help="Steps of linear warm-up, from lr 0 at step 1.")
-    a("--weight-decay", type=non_negative, default=0.0, help="AdamW's weight decay.")
-    a("--max-grad-norm", type=positive, default=1.0, help="Clip the gradient's global norm to this.")
+    a("--policy", choices=["ar", "dit", "both"], default="ar", help="What trains: AR, DiT or both.")
+    a("--reward", action="append", metavar="SPEC", help="mse|module:fn|file.py:fn[=WEIGHT]; repeats sum. Default: mse.")
+    a("--steps", type=count, default=10, help="Steps in all, resumed ones included.")
+    a("--seed", type=number(int, least=0, most=2**32 - 1), default=0, help="Seed of all randomness.")
+    a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="Schedule over --steps.")
+    a("--lr-warmup-steps", type=non_negative_int, default=0, help="Linear warm-up steps from lr 0.")
+    a("--weight-decay", type=non_negative, default=0.0, help="AdamW weight decay.")
+    a("--max-grad-norm", type=positive, default=1.0, help="Gradient norm clip.")
     a = p.add_argument_group("model and data").add_argument
-    a("--model", default=TINY, help="'tiny' (a toy GLM-Image, section 21), a hub id or a save_pretrained dir.")
-    a("--mode", choices=["t2i", "i2i"], default="t2i", help="t2i: text to image; i2i: edit each prompt's source.")
+    a("--model", default=TINY, help="'tiny' (a toy GLM-Image), a hub id or a save_pretrained dir.")
+    a("--mode", choices=["t2i", "i2i"], default="t2i", help="t2i: text to image; i2i: edit a source image.")
     a("--prompts", default="prompts.txt", help="Lines 'prompt[ | target.png[ | source.png (i2i)]]'.")
-    a("--height", type=pixels, default=128, help="Image height in pixels (32 per token).")
-    a("--width", type=pixels, default=128, help="Image width in pixels (32 per token).")
-    a("--num-inference-steps", type=count, default=4, help="DiT steps per image (Flow-GRPO: 10 to sample, 40 to eval).")
+    a("--height", type=pixels, default=128, help="Image height (32 px per token).")
+    a("--width", type=pixels, default=128, help="Image width (32 px per token).")
+    a("--num-inference-steps", type=count, default=4, help="DiT steps per image (Flow-GRPO: 10 train, 40 eval).")
     a("--guidance-scale", type=number(float, least=1), default=1.0, help="DiT classifier-free guidance (1 = off).")
     a("--dit-noise", choices=draws, default="per-prompt", help="A group's initial DiT noise: once or each step.")
-    a("--lora-rank", type=non_negative_int, default=0, help="LoRA rank on the AR (0 = full fine-tuning).")
+    a("--lora-rank", type=non_negative_int, default=0, help="AR LoRA rank (0 = full fine-tuning).")
     a("--lora-alpha", type=positive, help="LoRA alpha (default: --lora-rank).")
-    a("--ar-trainable", choices=["auto", "all", "head"], default="auto", help="Without LoRA: all or the output "
-      "layer; auto = head for --model tiny.")
-    a = p.add_argument_group("the DiT: --policy dit|both (Flow-GRPO, Part II)").add_argument
-    a("--dit-lr", type=positive, default=3e-3, help="AdamW learning rate of the DiT.")
+    a("--ar-trainable", choices=["auto", "all", "head"], default="auto", help="auto: head (output layer) for tiny.")
+    a = p.add_argument_group("the DiT: --policy dit|both (Flow-GRPO)").add_argument
+    a("--dit-lr", type=positive, default=3e-3, help="The DiT's AdamW learning rate.")
     a("--dit-clip-eps", type=clip, default=1e-4, help="--clip-eps of the DiT's per-step ratio.")
     a("--dit-noise-level", type=positive, default=0.7, help="a in the SDE's std_t = a sqrt(sigma / (1 - sigma)).")
-    a("--dit-train-steps", type=count, help="First steps run SDE, trained; the rest ODE (default: all but the last).")
+    a("--dit-train-steps", type=count, help="Trained SDE steps, then ODE (default: all but the last).")
     a("--dit-prior", choices=draws, default="per-prompt", help="--policy dit: a group's tokens, once or each step.")
     a("--dit-reward", action="append", metavar="SPEC", help="--policy both: the DiT's own reward (as --reward).")
-    a("--dit-lora-rank", type=non_negative_int, default=0, help="LoRA rank on the DiT (0 = full fine-tuning).")
+    a("--dit-lora-rank", type=non_negative_int, default=0, help="DiT LoRA rank (0 = full fine-tuning).")
     a = p.add_argument_group("logging and checkpoints").add_argument
-    a("--out", default="runs/grpo_glm", help="Directory of metrics.jsonl, samples/ and checkpoints/.")
-    a("--save-every", type=count, default=10, help="Checkpoint every N steps (and at the end).")
-    a("--checkpoints-total-limit", type=count, help="Keep the newest K checkpoints (default: all).")
+    a("--out", default="runs/grpo_glm", help="For metrics.jsonl, samples/ and checkpoints/.")
+    a("--save-every", type=count, default=10, help="Checkpoint every N steps and at the end.")
+    a("--checkpoints-total-limit", type=count, help="Keep the newest K (default: all).")
     a("--sample-every", type=non_negative_int, default=5, help="A sample sheet every N steps (0 = never).")
     a("--report-to", choices=["none", "tensorboard", "wandb"], default="none", help="Also log to TensorBoard/W&B.")
-    a("--resume", help="Checkpoint to continue from, or 'latest' in --out.")
-    a("--resume-force", action="store_true", help="Resume even if algorithm flags differ from the checkpoint.")
+    a("--resume", help="A checkpoint, or 'latest' in --out.")
+    a("--resume-force", action="store_true", help="Resume despite changed algorithm flags.")
     a("--save-pipeline", help="Write the trained pipeline here (LoRA merged), or a finished --resume's.")
-    a("--eval-prompts", help="Held-out --prompts, sampled at step 0, every --eval-every and the end.")
-    a("--eval-every", type=count, help="Steps between evaluations (default: --save-every).")
-    a("--eval-num-inference-steps", type=count, help="The eval's DiT steps (default: the model's own).")
+    a("--eval-prompts", help="Held-out --prompts, sampled at step 0, every --eval-every, the end.")
+    a("--eval-every", type=count, help="Steps between evals (default: --save-every).")
+    a("--eval-num-inference-steps", type=count, help="Eval DiT steps (default: the model's own).")
     a = p.add_argument_group("hardware and memory").add_argument
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
-    a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto", help="auto = bfloat16 for a "
-      "pretrained model on CUDA, else float32 (float64: for checks).")
-    a("--micro-batch-size", type=count, help="Samples per forward and backward (default: G).")
+    a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto", help="auto=bf16 if CUDA, not tiny")
+    a("--micro-batch-size", type=count, help="Samples per forward/backward (default: G).")
     a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in backward.")
     a("--offload", action=argparse.BooleanOptionalAction, help="Frozen parts on CPU between uses (default: by --plan).")
-    a("--fsdp", action="store_true", help="Under torchrun: shard trained weights and AdamW state (FSDP2).")
+    a("--fsdp", action="store_true", help="torchrun: shard trained weights and AdamW state (FSDP2).")
     a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others.")
-    a("--plan", action="store_true", help="Print --model's memory plan at --height x --width, and exit.")
-    a("--plan-gpus", type=number(int, least=2), nargs="+", metavar="K", help="With --plan: --fsdp's bytes per GPU "
-      "on K GPUs (--prompts-per-step: all GPUs').")
-    a("--plan-gpu-memory", type=positive, metavar="GiB", help="With --plan: GiB to fit in (default: free GPU memory).")
-    known = p.parse_known_args(argv)[0]
-    if known.model != TINY:
-        p.set_defaults(**pretrained_defaults(known))      # those above are the tiny demo's
+    a("--plan", action="store_true", help="Print --model's memory plan at --height x --width; exit.")
+    a("--plan-gpus", type=number(int, least=2), nargs="+", metavar="K", help="--plan: --fsdp's bytes/GPU on K GPUs.")
+    a("--plan-gpu-memory", type=positive, metavar="GiB", help="--plan: GiB to fit in (default: free GPU memory).")
+    if (known := p.parse_known_args(argv)[0]).model != TINY:
+        p.set_defaults(**pretrained_defaults(known))  # those above are the tiny demo's
     args = p.parse_args(argv)
     if not args.eval_prompts and (args.eval_every or args.eval_num_inference_steps):
         raise UsageError("--eval-every and --eval-num-inference-steps need --eval-prompts")
@@ -1273,7 +1266,7 @@ class Parser(argparse.ArgumentParser):
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    def _get_help_string(self, action):     # no '(default: None)': those helps say what happens
+    def _get_help_string(self, action):  # no '(default: None)': the help says what happens
         if action.default in (None, argparse.SUPPRESS):
             return action.help
         plain, lora = (pretrained_defaults(SimpleNamespace(dit_lora_rank=r)).get(action.dest) for r in (0, 1))
@@ -1282,80 +1275,73 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def number(kind, least=None, above=None, most=None, below=None, multiple=None):
-    """An argparse type: a finite int or float within the bounds given."""
+    """An argparse type: a finite `kind` within the bounds."""
     def parse(text):
         value = kind(text)
         rules = {"finite": math.isfinite(value), f"at least {least}": least is None or value >= least,
                  f"> {above}": above is None or value > above, f"at most {most}": most is None or value <= most,
                  f"< {below}": below is None or value < below,
                  f"a multiple of {multiple}": not multiple or value % multiple == 0}
-        broken = [rule for rule, holds in rules.items() if not holds]
-        if broken:
+        if broken := [rule for rule, holds in rules.items() if not holds]:
             raise argparse.ArgumentTypeError(f"must be {broken[0]}, got {value}")
         return value
-    parse.__name__ = kind.__name__      # argparse's message for 'abc': invalid float value: 'abc'
+    parse.__name__ = kind.__name__  # for argparse's "invalid float value: 'abc'"
     return parse
 
 
-# requirements.txt's lower bounds (a test keeps them equal): older releases fail deep into a run.
+# requirements.txt's lower bounds (tested equal): older releases fail deep into a run.
 LEAST_VERSIONS = {"transformers": "5.23", "diffusers": "0.42.1", "peft": "0.20", "accelerate": "1.10"}
 
 
 def validate_args(args):
-    """What the flags' types cannot check (combinations, files, the machine), before any model loads."""
+    """Checks beyond the flags' types (combinations, files, the machine), before any model loads."""
     from importlib.metadata import version
     from packaging.version import Version
     outdated = ", ".join(f"{name} {version(name)} (needs >= {least})" for name, least in LEAST_VERSIONS.items()
                          if Version(version(name)) < Version(least))
     model, save = Path(args.model), Path(args.save_pipeline or ".")
     full = (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
-    # a hub id: 'owner/name' with no local parent (a typo in 'runs/x' must not go to the hub)
+    # 'owner/name' with no local parent: a typo in 'runs/x' must not go to the hub
     hub_id = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", args.model) and not model.parent.is_dir()
     refusals = [  # (refused?, why): the first refused raises
-        (not args.out, "--out is empty (an unset variable?): name a directory"),
-        (outdated, f"libraries too old: {outdated}; run: pip install -r requirements.txt"),
-        (args.ar_trainable == "head" and (args.lora_rank or args.fsdp), "--ar-trainable head takes neither "
-         "--lora-rank nor --fsdp (it trains one small layer)"),
-        (args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline), "--fsdp shards full "
-         "fine-tuning (LoRA replicates); --save-pipeline needs whole weights: resume in one process"),
+        (not args.out, "--out is empty (an unset variable?)"),
+        (outdated, f"too old: {outdated}; pip install -r requirements.txt"),
+        (args.ar_trainable == "head" and (args.lora_rank or args.fsdp),
+         "--ar-trainable head takes neither --lora-rank nor --fsdp (it trains one layer)"),
+        (args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline),
+         "--fsdp shards full fine-tuning, no LoRA; for --save-pipeline resume in one process"),
         (args.fsdp and world_size() == 1, "--fsdp needs torchrun: one process has nothing to shard"),
         ((args.plan_gpus or args.plan_gpu_memory) and not args.plan, "--plan-gpus and --plan-gpu-memory: add --plan"),
-        ((args.dit_train_steps or 0) > args.num_inference_steps, f"--dit-train-steps must be between 1 and "
-         f"--num-inference-steps ({args.num_inference_steps}), got {args.dit_train_steps}"),
-        (args.policy == "ar" and (args.dit_lora_rank or args.dit_train_steps is not None), "--dit-lora-rank and "
-         "--dit-train-steps need --policy dit or both"),
+        ((args.dit_train_steps or 0) > args.num_inference_steps,
+         f"--dit-train-steps {args.dit_train_steps} exceeds --num-inference-steps {args.num_inference_steps}"),
+        (args.policy == "ar" and (args.dit_lora_rank or args.dit_train_steps is not None),
+         "--dit-lora-rank and --dit-train-steps need --policy dit or both"),
         (args.dit_reward and args.policy != "both", "--dit-reward needs --policy both (--policy dit: use --reward)"),
-        (args.policy == "dit" and args.lora_rank, "--lora-rank adapts the AR, which --policy dit does not train"),
-        (args.dtype == "bfloat16" and not args.fsdp and full, "--dtype bfloat16 full fine-tuning rounds "
-         "AdamW's updates away: use LoRA (fp32), --fsdp (fp32 shards) or --dtype float32"),
+        (args.policy == "dit" and args.lora_rank, "--policy dit trains no AR: drop --lora-rank"),
+        (args.dtype == "bfloat16" and not args.fsdp and full,
+         "--dtype bfloat16 full fine-tuning rounds AdamW's updates away: use LoRA, --fsdp or --dtype float32"),
         (args.report_to != "none" and importlib.util.find_spec(args.report_to) is None,
          f"--report-to {args.report_to} needs the '{args.report_to}' package: pip install {args.report_to}"),
-        (args.save_pipeline and save.exists() and (not save.is_dir() or any(save.iterdir())), f"--save-pipeline "
-         f"{save} already exists; pick a new directory"),
+        (args.save_pipeline and save.exists() and (not save.is_dir() or any(save.iterdir())),
+         f"--save-pipeline {save} already exists"),
         (args.model != TINY and not (model / "model_index.json").is_file() and not hub_id,
          f"--model {args.model}: {'not a directory with model_index.json' if model.exists() else 'no such directory'}"
          " (give 'tiny', a hub id like zai-org/GLM-Image, or a save_pretrained directory)"),
-        (args.device == "cuda" and not torch.cuda.is_available(), "--device cuda: no CUDA device is available"),
-        (args.offload and args.device == "cpu", "--offload needs a CUDA device: there is none"),
+        (args.device == "cuda" and not torch.cuda.is_available(), "--device cuda: no CUDA device"),
+        (args.offload and args.device == "cpu", "--offload needs a CUDA device"),
     ]
-    for refused, why in refusals:
-        if refused:
-            raise UsageError(why)
-    for flag, path in [("--out", args.out), ("--save-pipeline", args.save_pipeline),
-                       ("the tiny model's cache (GRPO_GLM_CACHE)", args.model == TINY and tiny_cache())]:
-        if path:
-            check_writable(flag, path)
-
-
-def check_writable(flag, path):
-    """`path` or its nearest existing parent must be a writable directory (probed)."""
-    parent = next(p for p in [Path(path).absolute(), *Path(path).absolute().parents] if p.exists())
-    if not parent.is_dir():
-        raise UsageError(f"{flag} {path}: {parent} is a file, not a directory")
-    try:
-        tempfile.TemporaryFile(dir=parent).close()
-    except OSError as e:
-        raise UsageError(f"{flag} {path}: cannot write in {parent} ({e.strerror})")
+    if why := next((why for refused, why in refusals if refused), None):
+        raise UsageError(why)
+    paths = {"--out": args.out, "--save-pipeline": args.save_pipeline,
+             "the tiny model's cache (GRPO_GLM_CACHE)": args.model == TINY and tiny_cache()}
+    for flag, path in ((flag, path) for flag, path in paths.items() if path):  # or its nearest parent: writable?
+        parent = next(p for p in [Path(path).absolute(), *Path(path).absolute().parents] if p.exists())
+        if not parent.is_dir():
+            raise UsageError(f"{flag} {path}: {parent} is a file, not a directory")
+        try:
+            tempfile.TemporaryFile(dir=parent).close()
+        except OSError as e:
+            raise UsageError(f"{flag} {path}: cannot write in {parent} ({e.strerror})")
 
 
 def pretrained_defaults(args):
@@ -1381,18 +1367,15 @@ def resolve_runtime(args):
 
 
 def check_source_size(processor, height, width):
-    """i2i: the AR reads a source at smart_resize's size (sides within sqrt(min/max_pixels), aspect <= 4, halved),
-    the DiT at --height x --width: they must agree (zai-org/GLM-Image issue 14)."""
+    """i2i: the AR's source size (smart_resize) must be the DiT's --height x --width (zai-org/GLM-Image issue 14)."""
     from transformers.models.glm_image.image_processing_pil_glm_image import smart_resize
-    size = processor.size
+    size, patch = processor.size, processor.patch_size * processor.merge_size
     try:
-        h, w = (2 * side for side in smart_resize(height, width, processor.patch_size * processor.merge_size,
-                                                   size["shortest_edge"], size["longest_edge"]))
+        h, w = (2 * side for side in smart_resize(height, width, patch, size["shortest_edge"], size["longest_edge"]))
     except ValueError as e:
         raise UsageError(f"--mode i2i at {height}x{width}: the image processor refuses it ({e})")
     if (h, w) != (height, width):
-        raise UsageError(f"--mode i2i at {height}x{width}: the image processor resizes a source to {h}x{w}, so its "
-                         f"tokens would not line up with the DiT's; use --height {h} --width {w}")
+        raise UsageError(f"--mode i2i: the image processor resizes a source to {h}x{w}; use --height {h} --width {w}")
 
 
 def lock_out_dir(out, closing):
@@ -1410,7 +1393,7 @@ def lock_out_dir(out, closing):
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise UsageError(f"--out {out} is in use by another run; wait for it or pick another --out")
+        raise UsageError(f"--out {out} is in use by another run")
 
 
 # ==== 16. Prompt files, images and the demo's targets =============================================
@@ -1424,16 +1407,15 @@ SHAPES = ("circle", "square", "triangle")
 class PromptItem:
     """One prompt line; its images are read or drawn when asked, never kept."""
     text: str
-    where: str                   # 'prompts.txt:3', for messages
-    size: tuple                  # (height, width) images are resized to
+    where: str  # 'prompts.txt:3', for messages
+    size: tuple  # (height, width) images are resized to
     mode: str = "t2i"
-    image_from: dict = None      # 'target' / 'source' -> a Path, or draw_shape's arguments
+    image_from: dict = None  # 'target' / 'source' -> a Path, or draw_shape's arguments
 
     def image(self, kind):  # RGB at `size`, or None
-        origin = self.image_from.get(kind)
-        if isinstance(origin, Path):
+        if isinstance(origin := self.image_from.get(kind), Path):
             return read_image(origin, self.where, kind, self.size)
-        return None if origin is None else draw_shape(*origin, *self.size)
+        return origin and draw_shape(*origin, *self.size)
 
 
 def read_prompts(path, height, width, mode="t2i", need_targets=("mse",), flag="--prompts"):
@@ -1445,8 +1427,7 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",), flag="-
         lines = path.read_text(encoding="utf-8-sig").splitlines()  # -sig: drops a BOM (Windows editors)
     except UnicodeDecodeError as e:  # e.object: the bytes after a BOM
         hint = " (it looks like UTF-16)" if e.object[:2] in (b"\xff\xfe", b"\xfe\xff") else ""
-        raise UsageError(f"{flag} {path}: not UTF-8 text{hint}: byte 0x{e.object[e.start]:02x} at offset {e.start}"
-                         "; save the file as UTF-8")
+        raise UsageError(f"{flag} {path}: not UTF-8 text{hint}: byte 0x{e.object[e.start]:02x} at offset {e.start}")
     for where, line in ((f"{path}:{n}", raw.strip()) for n, raw in enumerate(lines, 1)):
         if not line or line.startswith("#"):
             continue
@@ -1461,11 +1442,11 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",), flag="-
             w, h = read_image(file, where, kind)
             resized |= (w, h) != (width, height)
             seen = f"{where}: {kind} {file.name} is {w}x{h}"
-            if max(width / w, height / h, w * height / (h * width), h * width / (w * height)) > 4:  # an icon, a strip
+            if max(width / w, height / h, aspect := w * height / (h * width), 1 / aspect) > 4:  # an icon, a strip
                 print(f"warning: {seen}, stretched to {width}x{height}: the right file?", file=sys.stderr)
-            elif w * height != h * width:
-                print(f"note: {seen}, squashed to {width}x{height} (crop it to keep its proportions)")
-        if mode == "i2i" and "source" not in image_from:     # drawn from the edit's words (the target too if none)
+            elif aspect != 1:
+                print(f"note: {seen}, squashed to {width}x{height} (crop to keep proportions)")
+        if mode == "i2i" and "source" not in image_from:  # drawn from the edit's words (a missing target too)
             image_from["source"] = demo_scene(text, where, mode, "source")
             image_from.setdefault("target", demo_scene(text, where, mode))
         items.append(PromptItem(text, where, (height, width), mode, image_from))
@@ -1478,10 +1459,10 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",), flag="-
 
 
 def require_targets(items, reward_names):
-    """For rewards that read targets: a prompt without a target file gets one drawn from its words, or fails."""
+    """If rewards read targets, a prompt without one gets it drawn from its words, or fails."""
     for item in [it for it in items if reward_names and "target" not in it.image_from]:
-        item.image_from["target"] = demo_scene(item.text, item.where, item.mode,
-                                               why=f"the reward {', '.join(reward_names)} reads targets")
+        why = f"the reward {', '.join(reward_names)} reads targets"
+        item.image_from["target"] = demo_scene(item.text, item.where, item.mode, why=why)
 
 
 def read_image(path, where, kind, size=None):
@@ -1490,7 +1471,7 @@ def read_image(path, where, kind, size=None):
         with Image.open(path) as image:
             if size:
                 return to_rgb(ImageOps.exif_transpose(image)).resize(size[::-1], Image.BICUBIC)
-            # PNG's getexif() decodes the pixels to look past them; an eXIf chunk before them is in info
+            # PNG's getexif() decodes the pixels; an eXIf chunk before them is in info
             exif = image.getexif() if image.format != "PNG" or "exif" in image.info else Image.Exif()
             turned = exif.get(Image.ExifTags.Base.Orientation, 1) in (5, 6, 7, 8)  # by 90 degrees
             image.verify()  # reads the whole file, decodes nothing, leaves it unusable: last
@@ -1516,11 +1497,11 @@ def to_rgb(image):
 def draw_shape(shape, colour, background, height, width):
     image = Image.new("RGB", (width, height), COLOURS[background])
     draw = ImageDraw.Draw(image)
-    left, top, right, bottom = width * 0.2, height * 0.2, width * 0.8, height * 0.8
+    box = (width * 0.2, height * 0.2, width * 0.8, height * 0.8)
     if shape == "triangle":
-        draw.polygon([(width / 2, top), (right, bottom), (left, bottom)], fill=COLOURS[colour])
+        draw.polygon([(width / 2, box[1]), box[2:], (box[0], box[3])], fill=COLOURS[colour])
     else:
-        (draw.ellipse if shape == "circle" else draw.rectangle)((left, top, right, bottom), fill=COLOURS[colour])
+        (draw.ellipse if shape == "circle" else draw.rectangle)(box, fill=COLOURS[colour])
     return image
 
 
@@ -1531,14 +1512,13 @@ def demo_scene(prompt, where, mode, role="target", why=""):
         colours, shape = [w for w in words if w in COLOURS], next((w for w in words if w in SHAPES), None)
         if not colours or shape is None:
             raise UsageError(f"{where}: no target image given and no colour+shape words to draw one "
-                             f"({why + '; ' if why else ''}write 'prompt | target.png')")
+                             f"({why and why + '; '}write 'prompt | target.png')")
         return shape, colours[0], (colours + ["white"])[1]
     colour = "|".join(COLOURS)
     edit = re.search(rf"\b({colour}) ({'|'.join(SHAPES)})\b.*\b({colour})\b(?! background)", " ".join(words))
-    if edit is None:      # e.g. a t2i line: 'a red circle on a white background'
-        raise UsageError(f"{where}: '{prompt}' reads as no edit: --mode i2i needs 'prompt | target.png | source.png', "
-                         f"or '<colour> <shape> ... <new colour>' to draw them (e.g. 'make the red circle blue')"
-                         f"{f' ({why})' if why else ''}")
+    if edit is None:  # e.g. a t2i line: 'a red circle on a white background'
+        raise UsageError(f"{where}: '{prompt}' is no edit{why and f' ({why})'}: --mode i2i needs 'prompt | target.png"
+                         " | source.png' or '<colour> <shape> ... <new colour>' (e.g. 'make the red circle blue')")
     return edit[2], edit[1] if role == "source" else edit[3], "white"
 
 
@@ -1547,7 +1527,7 @@ def demo_scene(prompt, where, mode, role="target", why=""):
 Reward = make_dataclass("Reward", ["name", "fn", "weight"])  # name: logged as rewards/<name>
 
 
-def mse(images, prompts, targets):  # the built-in demo reward as a plug-in
+def mse(images, prompts, targets):  # the built-in reward as a plug-in
     return mse_reward(images, targets)
 mse.uses_targets = True
 
@@ -1555,36 +1535,34 @@ mse.uses_targets = True
 def load_reward(spec):
     where, _, text = spec.rpartition("=") if "=" in spec else (spec, "", "1")
     try:
-        weight = number(float)(text)      # the flags' check: a finite float
+        weight = number(float)(text)  # the flags' check: a finite float
     except (ValueError, argparse.ArgumentTypeError):
-        raise UsageError(f"--reward {spec}: the weight after '=' must be a finite number, got {text!r}")
+        raise UsageError(f"--reward {spec}: weight after '=' must be a finite number, got {text!r}")
     if weight == 0:
-        raise UsageError(f"--reward {spec}: a weight of 0 adds nothing; drop it instead")
+        raise UsageError(f"--reward {spec}: a weight of 0 adds nothing")
     if where == "mse":
         return Reward("mse", mse, weight)
     module_name, _, fn_name = where.rpartition(":")
     if not module_name or not fn_name:
-        raise UsageError(f"--reward {spec}: expected 'mse', 'module:function' or 'path/to/file.py:function'")
-    sys.path.insert(0, os.getcwd())  # the current directory first, as `python -m` does
+        raise UsageError(f"--reward {spec}: expected 'mse', 'module:function' or 'file.py:function'")
+    sys.path.insert(0, os.getcwd())  # cwd first, as `python -m` does
     try:
         namespace = (runpy.run_path(module_name) if module_name.endswith(".py")
                      else vars(importlib.import_module(module_name)))
-    except (Exception, SystemExit) as e:   # whatever the plug-in's import raises, sys.exit() too
+    except (Exception, SystemExit) as e:  # sys.exit() in the plug-in too
         raise UsageError(f"--reward {spec}: importing {module_name} failed: {type(e).__name__}: "
                          f"{(str(e).splitlines() or [''])[0]}")
     finally:
         sys.path.remove(os.getcwd())
-    fn = namespace.get(fn_name)
-    if not callable(fn):
+    if not callable(fn := namespace.get(fn_name)):
         raise UsageError(f"--reward {spec}: {module_name} has no function {fn_name}")
     return Reward(fn_name, fn, weight)
 
 
 def load_rewards(specs):
     rewards = [load_reward(spec) for spec in specs]
-    names = [r.name for r in rewards]
-    if len(set(names)) < len(names):
-        raise UsageError(f"--reward: two rewards share a name ({', '.join(names)}); rename one function")
+    if len({r.name for r in rewards}) < len(rewards):
+        raise UsageError(f"--reward: two rewards share a name ({', '.join(r.name for r in rewards)}); rename one")
     return rewards
 
 
@@ -1593,7 +1571,7 @@ def call_reward(reward, images, prompts, targets):
     n, name = len(prompts), reward.name
     try:
         value = reward.fn(images.clone(), list(prompts), None if targets is None else targets.clone())
-    except (Exception, SystemExit) as e:   # sys.exit(0) too: not a silent exit 0
+    except (Exception, SystemExit) as e:  # sys.exit(0) too: not a silent exit 0
         raise UsageError(f"reward {name} raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}", local=True)
     try:
         value = torch.as_tensor(value, dtype=images.dtype).detach().cpu()
@@ -1602,8 +1580,8 @@ def call_reward(reward, images, prompts, targets):
     if value.shape != (n,):
         raise UsageError(f"reward {name} returned shape {list(value.shape)}, expected [{n}]", local=True)
     if bad := (~torch.isfinite(value)).sum().item():
-        print(f"warning: reward {name} returned {bad} non-finite values of {n}; their groups are left out of this "
-              "step", file=sys.stderr)
+        print(f"warning: reward {name} returned {bad} non-finite values of {n}; their groups are left out of "
+              "this step", file=sys.stderr)
     return value
 
 
