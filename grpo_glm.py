@@ -432,7 +432,7 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
 
 def grpo_update(trainer, rollout, advantages, args, learns=True, dit=None):
     """mu = --inner-epochs AdamW steps on one batch -> the step's metrics. rollout: the AR's (None:
-    it does not train); dit: (DiT rollout, its advantages) when it trains (Part II adds its loss)."""
+    it does not train); dit: (DiT rollout, its advantages) if it trains (Part II adds its loss)."""
     ar, sampling, optimizer, passes = trainer.ar, trainer.sampling, trainer.optimizer, []
     if rollout is not None:
         ref_logp = reference_logprobs(trainer, rollout, args) if args.beta > 0 else None  # [N, L]
