@@ -1628,11 +1628,10 @@ def call_reward(reward, images, prompts, targets):
 
 
 # ==== 18. LOG: the console, metrics.jsonl, sample sheets, the reward curve, TensorBoard / W&B =====
-CONSOLE_FIELDS = ("loss {loss:+.4f}", "dit loss {dit/loss:+.3e}", "reward {reward_mean:.5f} ± {reward_std:.5f}",
-                  "dit reward {dit/reward_mean:.5f} ± {dit/reward_std:.5f}",
-                  "ratio {ratio_mean:.4f}", "clip {clip_ratio:.3f}", "kl {kl:.2e}", "dit/ratio {dit/ratio_mean:.4f}",
-                  "dit/clip {dit/clip_ratio:.3f}", "dit/kl {dit/kl:.2e}", "entropy {entropy:.3f}",
-                  "zero_std {frac_reward_zero_std:.2f}", "{seconds:.2f}s")
+CONSOLE_FIELDS = ("loss {loss:+.4f}|dit loss {dit/loss:+.3e}|reward {reward_mean:.5f} ± {reward_std:.5f}|dit reward "
+                  "{dit/reward_mean:.5f} ± {dit/reward_std:.5f}|ratio {ratio_mean:.4f}|clip {clip_ratio:.3f}|"
+                  "kl {kl:.2e}|dit/ratio {dit/ratio_mean:.4f}|dit/clip {dit/clip_ratio:.3f}|dit/kl {dit/kl:.2e}|"
+                  "entropy {entropy:.3f}|zero_std {frac_reward_zero_std:.2f}|{seconds:.2f}s").split("|")
 
 
 def reward_metrics(rewards, per_reward, group_size):
@@ -1643,24 +1642,24 @@ def reward_metrics(rewards, per_reward, group_size):
             "reward_std": groups.std(dim=1)[kept].mean().item(),
             "frac_reward_zero_std": (groups.amax(dim=1) == groups.amin(dim=1)).float().mean().item(),  # tied
             "frac_reward_nonfinite": 1 - kept.float().mean().item(),  # left out
-            **{f"rewards/{name}": value.mean().item() for name, value in per_reward.items()}}
+            **{f"rewards/{k}": v.mean().item() for k, v in per_reward.items()}}
 
 
 def start_logging(args, trainer, out, start):
-    """Prints the settings; returns --report-to's accelerate tracker (or None)."""
+    """Prints the settings; returns --report-to's tracker (or None)."""
     trainable = sum(p.numel() for p in trainer.trained.parameters() if p.requires_grad)
     ar = f"LoRA r={args.lora_rank}" if args.lora_rank else "head" if args.ar_trainable == "head" else "full"
     dit = f"LoRA r={args.dit_lora_rank}" if args.dit_lora_rank else "full"
     how = {"ar": ar, "dit": f"DiT {dit}", "both": f"AR {ar}, DiT {dit}"}[args.policy]
     print(f"running with: mode={args.mode} model={args.model} device={args.device} dtype={args.dtype} "
           f"offload={args.offload_note} batch={args.prompts_per_step}x{args.group_size} mu={args.inner_epochs} "
-          + (f"lr={args.lr} " if args.policy != "dit" else "") + f"trainable={count_text(trainable)} ({how}) "
+          + f"lr={args.lr} " * (args.policy != "dit") + f"trainable={count_text(trainable)} ({how}) "
           f"image={args.height}x{args.width} sampler=T {args.temperature}, top-k {args.top_k}, top-p {args.top_p} "
           f"decode={args.num_inference_steps} steps, guidance {args.guidance_scale} loss_tokens={args.loss_tokens} "
           f"dit_noise={args.dit_noise} out={out} threads={torch.get_num_threads()} processes={world_size()} "
           f"micro_batch={args.micro_batch_size}"
-          + (f" policy={args.policy} dit_lr={args.dit_lr} dit_train_steps={args.dit_train_steps}/"
-             f"{args.num_inference_steps} dit_noise_level={args.dit_noise_level}" if args.policy != "ar" else ""))
+          + f" policy={args.policy} dit_lr={args.dit_lr} dit_train_steps={args.dit_train_steps}/"
+          f"{args.num_inference_steps} dit_noise_level={args.dit_noise_level}" * (args.policy != "ar"))
     ar_rewards, dit_rewards = (" + ".join(f"{r.weight:g} x {r.name}" for r in rs) for rs in
                                (trainer.rewards, trainer.dit_rewards))
     print(f"rewards: {ar_rewards}" + (f" | the DiT's: {dit_rewards}" if dit_rewards else "")
@@ -1670,7 +1669,7 @@ def start_logging(args, trainer, out, start):
     from accelerate.tracking import TensorBoardTracker, WandBTracker
     if args.report_to == "wandb":  # WANDB_MODE=offline: <out>/wandb, for `wandb sync`
         tracker = WandBTracker("grpo_glm", name=out.name, dir=str(out), config=vars(args))
-    else:  # purge_step: a resume drops the later events
+    else:  # purge_step: a resume drops later events
         tracker = TensorBoardTracker("logs", out, purge_step=start + 1 if start else None)
     tracker.start()
     if args.report_to == "tensorboard":
@@ -1693,7 +1692,7 @@ def warn_if_collapsed(row, warned, max_entropy=None):
         why = f"entropy {row['entropy']:.3f} of {max_entropy:.2f}: " + (
             "the policy has collapsed; lower --lr or raise --temperature" if row["entropy"] < 0.5 * max_entropy
             else "the samples differ but the reward does not separate them (pass/fail, none passing?); grade it")
-    print(f"warning: step {row['step']}: {row['frac_reward_zero_std']:.0%} of groups have identical rewards: "
+    print(f"warning: step {row['step']}: {row['frac_reward_zero_std']:.0%} of groups tie: "
           f"no learning signal: {why}", file=sys.stderr, flush=True)
     return True
 
@@ -1706,7 +1705,7 @@ def read_metrics(path):
 # Text: the built-in font at size 12 (at its 10 px some spaces vanish).
 def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, tracker=None,
                      step=None, name="samples"):
-    """Per prompt (sorted: it stays in place) 8 cells a row: [source,] target, [a=0 decode,] its G samples."""
+    """Per prompt (sorted: it stays put) 8 cells a row: [source,] target, [a=0 decode,] its G samples."""
     scale = max(1, 128 // images.shape[-1])  # cells at least 128 px wide
     width, height = images.shape[-1] * scale, images.shape[-2] * scale
     line, gap = 18, 6  # a line of text, white between cells
@@ -1728,7 +1727,7 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
             draw.text((x + 2, y + height + 2), label, fill="black", font_size=12)
     path.parent.mkdir(parents=True, exist_ok=True)
     sheet.save(path)
-    if tracker:  # a batch of one HWC image (W&B takes no dataformats)
+    if tracker:  # one HWC image (W&B takes no dataformats)
         formats = {"dataformats": "NHWC"} if tracker.name == "tensorboard" else {}
         tracker.log_images({name: np.asarray(sheet)[None]}, step, **formats)
     return sheet
@@ -1740,7 +1739,7 @@ def shorten(text, chars):
 
 
 def drawable(text):
-    """As the built-in font can draw it: 'é' -> 'e', emoji or CJK -> '?' (not a 'no glyph' box)."""
+    """As the built-in font draws it: 'é' -> 'e', emoji or CJK -> '?', not a 'no glyph' box."""
     font = ImageFont.load_default(size=12)
     glyph = lambda ch: (lambda m: (m.size, bytes(m)))(font.getmask(ch))
     box = glyph("\U0010FFFD")  # a private-use code point has no glyph
@@ -1750,7 +1749,7 @@ def drawable(text):
 
 
 def round_ticks(low, high, count=5, least=0):
-    """About `count` round values in [low, high], 1, 2 or 5 x 10^k apart (and at least `least`)."""
+    """About `count` round values in [low, high], 1, 2 or 5 x 10^k (and >= `least`) apart."""
     raw = max((high - low) / count, least)
     unit = 10 ** math.floor(math.log10(raw))
     spacing = next(unit * m for m in (1, 2, 5, 10) if unit * m >= raw)
@@ -1758,7 +1757,7 @@ def round_ticks(low, high, count=5, least=0):
 
 
 def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
-    """Mean reward per step +- the within-group std, and its moving average over `window` steps."""
+    """Mean reward per step +- within-group std, and its moving average over `window` steps."""
     rows = [r for r in rows if None not in (r.get("reward_mean"), r.get("reward_std"))]  # null: non-finite, eval
     if not rows:
         return
@@ -1778,8 +1777,8 @@ def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
         draw.line(list(zip(*to_xy(steps, np.array(average)))), fill=(20, 40, 140), width=3)
         title += f"; thick: moving average over {window} steps"
     draw.rectangle((margin, margin, w - margin, h - margin), outline="black")
-    ticks = [(to_xy(x0, value), (-4, 0), "rm", value) for value in round_ticks(y0, y1)]  # left axis
-    ticks += [(to_xy(step, y0), (0, 4), "mt", step) for step in round_ticks(x0, x1, least=1)]  # bottom axis
+    ticks = [(to_xy(x0, v), (-4, 0), "rm", v) for v in round_ticks(y0, y1)]  # left axis
+    ticks += [(to_xy(s, y0), (0, 4), "mt", s) for s in round_ticks(x0, x1, least=1)]  # bottom axis
     labels = [((margin, 8), title, "la"), ((margin, margin - 6), "reward", "mb"), ((w // 2, h - 8), "step", "mb")]
     for (x, y), (dx, dy), anchor, value in ticks:
         draw.line((x + dx, y + dy, x, y), fill="black")
@@ -1790,8 +1789,8 @@ def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
 
 
 # ==== 19. The run: train()'s plumbing, Ctrl+C and SIGTERM =========================================
-# Ctrl+C or SIGTERM saves and exits 128 + signal: a step before its update is dropped (AbandonStep unwinds it),
-# one whose update began is finished. The ranks agree before each update and at each step's end.
+# Ctrl+C or SIGTERM saves and exits 128 + signal: a step before its update is dropped (AbandonStep), one whose
+# update began is finished. The ranks agree before each update and each step's end.
 
 class AbandonStep(BaseException):
     """BaseException: no plug-in's `except Exception` swallows it."""
@@ -1817,12 +1816,12 @@ class Run:
         init_distributed(args)
         if self.lead:
             lock_out_dir(out, self.closing)
-        # mse's targets: checked before plug-ins load (CLIP takes a while)
+        # mse's targets: checked before slow plug-ins (CLIP) load
         builtin = ["mse"] if "mse" in [s.partition("=")[0] for s in args.reward + (args.dit_reward or [])] else []
         items = self.items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
         self.eval_items = args.eval_prompts and read_prompts(args.eval_prompts, args.height, args.width, args.mode,
                                                              builtin, "--eval-prompts") or []
-        if 0 < len(self.eval_items) < world_size():  # each rank evaluates a block of at least one
+        if 0 < len(self.eval_items) < world_size():  # a block of at least one a rank
             raise UsageError(f"--eval-prompts {args.eval_prompts}: {len(self.eval_items)} for {world_size()} processes")
         if args.prompts_per_step > len(items) and self.lead:
             print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} lines of {args.prompts}: "
@@ -1841,9 +1840,9 @@ class Run:
         if args.mode == "i2i":
             check_source_size(trainer.pipe.processor.image_processor, args.height, args.width)
         resume.restore(trainer, out)
-        if resume.export:      # --save-pipeline (in __exit__), training nothing
+        if resume.export:      # --save-pipeline only (in __exit__)
             return
-        if self.lead:  # the curve averages over a pass over the prompts
+        if self.lead:  # the curve's window: a pass over the prompts
             window = min(20, math.ceil(len(items) / args.prompts_per_step))
             self.closing.callback(lambda: save_reward_curve(out / "reward_curve.png",
                                                             read_metrics(out / "metrics.jsonl"), window))
@@ -1858,7 +1857,7 @@ class Run:
             self.evaluate(self.start)     # unless a run before the resume did
 
     def steps(self):
-        """Yields (step, indices, slots): this rank's block of the step's prompts, in a seeded order per pass."""
+        """Yields (step, indices, slots): this rank's block of the step's prompts, seeded order per pass."""
         args, count = self.args, len(self.items)
         slots = np.array_split(range(args.prompts_per_step), world_size())[rank()].tolist()
         for step in range(self.start + 1, args.steps + 1):
@@ -1870,7 +1869,7 @@ class Run:
                          for epoch, offset in places], slots
 
     def record(self, step, indices, row, rewards, images, targets, sources, ode):
-        """After grpo_step: LOG, the sample sheet, CHECKPOINT; a stop signal (any rank's) saves and exits."""
+        """After grpo_step: LOG, sample sheet, CHECKPOINT; a stop signal (any rank's) saves and exits."""
         args, out, trainer = self.args, self.out, self.trainer
         names = ["lr"] * (args.policy != "dit") + ["dit/lr"] * (args.policy != "ar")  # a param group per half
         row.update(zip(names, trainer.lr_scheduler.get_last_lr()))
@@ -1886,17 +1885,17 @@ class Run:
                 scale = next(r.get("entropy") for r in read_metrics(out / "metrics.jsonl") if "seconds" in r) or scale
             self.warned = warn_if_collapsed(row, self.warned, scale)
         self.bad_steps = non_finite_streak(self.bad_steps, row, out, args, self.start)
-        if self.lead and args.sample_every and (step % args.sample_every == 0 or step == args.steps):  # rank 0's
+        if self.lead and args.sample_every and (step % args.sample_every == 0 or step == args.steps):
             save_sample_grid(out / "samples" / f"step_{step:06d}.png", [self.items[i].text for i in indices],
                              targets, images, rewards, args.group_size, sources, ode, self.tracker, step)
         if self.eval_items and not stopping and (step % args.eval_every == 0 or step == args.steps):
-            self.evaluate(step)  # before the save: a checkpoint's step has its row (stopping: the resume evaluates)
+            self.evaluate(step)  # before the save: a checkpoint's step has its row (stopping: the resume's)
         if step % args.save_every == 0 or step == args.steps:
             save_checkpoint(out, step, trainer, args)
         if stopping:
             self.stop(step)
 
-    def log(self, row, step):  # a step's row, or an eval's (its keys eval/...)
+    def log(self, row, step):  # a step's row or an eval's (eval/ keys)
         finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
         with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:  # NaN, inf -> null: JSON has no NaN
             f.write(json.dumps(finite, allow_nan=False) + "\n")
@@ -1926,29 +1925,29 @@ class Run:
         targets = batch_targets(items)    # [n, 3, H, W] | None
         scored = (repeat_each(prompts, G), None if targets is None else targets[mine].repeat_interleave(G, 0))
         parts = from_every_rank((images, *compute_rewards(self.trainer.rewards, images, *scored)))
-        if self.lead:    # the ranks' blocks joined, in prompt order
-            images, rewards = (torch.cat([part[i] for part in parts]) for i in (0, 1))
-            per_reward = {name: torch.cat([part[2][name] for part in parts]) for name in parts[0][2]}
+        if self.lead:    # the ranks' blocks, in prompt order
+            images, rewards = (torch.cat([p[i] for p in parts]) for i in (0, 1))
+            per_reward = {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}
             row = {"eval/" + k: v for k, v in reward_metrics(rewards, per_reward, G).items()}
             self.log({"step": step, **row, "eval/seconds": round(time.time() - t0, 3)}, step)
             save_sample_grid(sheet, texts, targets, images, rewards, G, sources, tracker=self.tracker, step=step,
                              name="eval/samples")
 
     def request(self, signum, _frame):
-        if self.signum is not None:  # a second Ctrl+C quits at once, a second SIGTERM changes nothing
+        if self.signum is not None:  # a second Ctrl+C quits now, a second SIGTERM is ignored
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             return
         self.signum = signum
         name = "Ctrl+C" if signum == signal.SIGINT else signal.Signals(signum).name
         if self.lead:
-            what = "finishing this step" if self.voted else "abandoning this step (its update has not begun)"
+            what = "finishing this step" if self.voted else "abandoning this step (before its update)"
             print(f"\n{name}: {what} and saving (Ctrl+C to quit now)", file=sys.stderr, flush=True)
         if not self.voted:
             raise AbandonStep
 
     def agree(self):
-        """True if any rank got a stop signal; all then adopt its number (the exit code's)."""
+        """True if any rank got a stop signal; all adopt its number (the exit code's)."""
         self.voted = True
         seen = max_over_ranks(self.signum or 0)
         if seen and self.signum is None:
@@ -1963,7 +1962,7 @@ class Run:
 
     def __exit__(self, kind, error, traceback):
         try:
-            if kind is AbandonStep:       # the weights are still step - 1's
+            if kind is AbandonStep:       # the weights are step - 1's
                 self.stop(self.step - 1)
         finally:
             self.closing.close()
@@ -1977,7 +1976,7 @@ class Run:
     def stop(self, done):
         """Exits 128 + signal with step `done` saved (step_rng: the RNG states it left)."""
         try:
-            peers = self.voted or self.agree()  # a rank that left its step early still answers the others' vote
+            peers = self.voted or self.agree()  # a rank that left its step early still votes
         except Exception as e:
             if not collective_failed(e):
                 raise
@@ -1986,7 +1985,7 @@ class Run:
         if not saved and (peers or self.lead):
             save_checkpoint(self.out, done, self.trainer, self.args, self.step_rng if done < self.step else None)
         if peers:
-            all_ranks_agree(True)     # the others wait for rank 0's file before they exit
+            all_ranks_agree(True)     # the others wait for rank 0's file
         when = f"in step {self.step} before its update" if done < self.step else f"after step {done}"
         where = (f"step {done} is saved in {self.out / 'checkpoints' / f'step_{done:06d}.pt'}; continue with "
                  f"--resume latest --out {self.out}" if done else "no step finished, nothing to save")
@@ -1996,10 +1995,10 @@ class Run:
 
 
 # ==== 20. CHECKPOINT and --resume =================================================================
-# One format at every world size, loaded with weights_only=True (no pickled code).
+# One format at every world size; loaded weights_only (no pickled code).
 
 def atomic_write(path, write):
-    """write(file) to path.tmp, synced, renamed over path: a reader sees the old file or the new."""
+    """write(f) to path.tmp, synced, renamed over path: readers see the old file or the new."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         write(f)
@@ -2015,7 +2014,7 @@ def rng_state():
 
 
 def save_checkpoint(out, step, trainer, args, rng=None):
-    """All ranks gather (--fsdp: a collective); rank 0 writes, with `rng` (default: the current states)."""
+    """All ranks gather (--fsdp: a collective); rank 0 writes, with `rng` (default: rng_state())."""
     weights, optimizer_state = training_state(trainer.trained, trainer.optimizer)
     if rank() != 0:
         return None
@@ -2051,7 +2050,7 @@ def read_checkpoint(spec, out=None):
     return {**ckpt, "path": path}
 
 
-# Flags that change the algorithm: resuming with others would splice two runs into one log.
+# Flags that change the algorithm: resuming with others splices two runs into one log.
 ALGORITHM_FLAGS = """mode model prompts_sha256 seed group_size prompts_per_step inner_epochs lr max_grad_norm clip_eps
 beta temperature top_k top_p height width num_inference_steps guidance_scale dit_noise loss_tokens lora_rank lora_alpha
 ar_trainable dtype reward weight_decay lr_scheduler lr_warmup_steps policy dit_lr dit_clip_eps dit_noise_level
@@ -2059,11 +2058,11 @@ dit_train_steps dit_lora_rank dit_prior dit_reward""".split()
 
 
 class Resume:
-    """Resumed rows equal an unstopped run's, bit for bit; restore() loads `step` (0: new), sets later files aside."""
+    """Resumed rows equal an unstopped run's bit for bit; restore() loads `step` (0: new), sets later files aside."""
 
     def __init__(self, args, out):
         if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
-            raise UsageError(f"--out {out} has a run; pass --resume latest to continue it or pick another --out")
+            raise UsageError(f"--out {out} has a run: pass --resume latest to continue it, or another --out")
         ckpt = self.ckpt = read_checkpoint(args.resume, out) if args.resume else None
         step = self.step = ckpt["step"] if ckpt else 0
         self.export = step >= args.steps  # --save-pipeline of the checkpoint, or nothing to do
@@ -2076,13 +2075,13 @@ class Resume:
             raise UsageError(f"--resume {ckpt['path']}: flags differ (--resume-force accepts): {'; '.join(changed)}")
         if self.export:
             print(f"{ckpt['path']} is at step {step}, --steps {args.steps}: " + (
-                f"exporting it to {args.save_pipeline}, training nothing" if args.save_pipeline else
+                f"exporting it to {args.save_pipeline}" if args.save_pipeline else
                 f"nothing to do (--steps {step + args.steps} trains {args.steps} more)"))
             return
         self.later = [p for p in saved_checkpoints(out) if int(p.stem[5:]) > step]
         if self.later and not args.resume_force:
             raise UsageError(f"--resume {ckpt['path']}: {out} has later checkpoints ({self.later[-1].name}); "
-                             f"--resume-force drops them and the metrics after step {step} (kept as *.dropped)")
+                             "--resume-force sets them and later metrics aside (*.dropped)")
 
     def restore(self, trainer, out):
         if ckpt := self.ckpt:
@@ -2094,7 +2093,7 @@ class Resume:
                 trainer.lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
             except (RuntimeError, ValueError, KeyError) as e:
                 changed = [d for d in self.changed if d.split()[0] in weight_flags]
-                raise UsageError(f"--resume {ckpt['path']}: its weights do not fit this model: "
+                raise UsageError(f"--resume {ckpt['path']}: weights do not fit this model: "
                                  + ("; ".join(changed) or str(e).splitlines()[0][:120]))
             if self.export:
                 return            # the weights alone
@@ -2110,15 +2109,14 @@ class Resume:
             print(f"Resuming from step {self.step} ({ckpt['path']})")
         for path in self.later:
             path.rename(path.with_name(path.name + ".dropped"))
-            print(f"note: dropped history: {path.name} renamed {path.name}.dropped")
+            print(f"note: renamed {path.name} to {path.name}.dropped")
         step, rows = self.step, read_metrics(out / "metrics.jsonl")
         dropped = [row for row in rows if row["step"] > step]
         if dropped:
             aside = out / f"metrics.dropped_after_step_{step:06d}.jsonl"
             for file, kept in ((aside, dropped), (out / "metrics.jsonl", [r for r in rows if r["step"] <= step])):
-                atomic_write(file, lambda f: f.write("".join(json.dumps(row) + "\n" for row in kept).encode()))
-            print(f"note: resuming at step {step} drops metrics rows of steps {dropped[0]['step']}.."
-                  f"{dropped[-1]['step']} (no checkpoint after them); kept in {aside}")
+                atomic_write(file, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
+            print(f"note: resuming drops metrics rows of steps {dropped[0]['step']}..{dropped[-1]['step']} to {aside}")
 
 
 # ==== 21. The tiny model's renderer: pre-trained once on token mosaics, then cached ===============
