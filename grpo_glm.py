@@ -1586,40 +1586,38 @@ def call_reward(reward, images, prompts, targets):
 
 
 # ==== 18. LOG: the console, metrics.jsonl, sample sheets, the reward curve, TensorBoard / W&B =====
-# A step's console line: the fields the row holds ('dit/': the DiT's).
-CONSOLE_FIELDS = ("loss {loss:+.4f}", "dit loss {dit/loss:+.3e}", "reward {reward_mean:.5f} ± {reward_std:.5f}",
-                  "dit reward {dit/reward_mean:.5f} ± {dit/reward_std:.5f}",
-                  "ratio {ratio_mean:.4f}", "clip {clip_ratio:.3f}", "kl {kl:.2e}", "dit/ratio {dit/ratio_mean:.4f}",
-                  "dit/clip {dit/clip_ratio:.3f}", "dit/kl {dit/kl:.2e}", "entropy {entropy:.3f}",
-                  "zero_std {frac_reward_zero_std:.2f}", "{seconds:.2f}s")
+CONSOLE_FIELDS = ("loss {loss:+.4f}|dit loss {dit/loss:+.3e}|reward {reward_mean:.5f} ± {reward_std:.5f}|dit reward "
+                  "{dit/reward_mean:.5f} ± {dit/reward_std:.5f}|ratio {ratio_mean:.4f}|clip {clip_ratio:.3f}|"
+                  "kl {kl:.2e}|dit/ratio {dit/ratio_mean:.4f}|dit/clip {dit/clip_ratio:.3f}|dit/kl {dit/kl:.2e}|"
+                  "entropy {entropy:.3f}|zero_std {frac_reward_zero_std:.2f}|{seconds:.2f}s").split("|")
 
 
 def reward_metrics(rewards, per_reward, group_size):
     groups = rewards.view(-1, group_size)  # [P, G]
     kept = groups.isfinite().all(dim=1)  # [P]
     return {"reward_mean": groups[kept].mean().item(),
-            # the MEAN WITHIN-GROUP std (what the advantages divide by); TRL now logs the batch std by this name
+            # the mean within-group std (the advantages' divisor; TRL's is the batch std)
             "reward_std": groups.std(dim=1)[kept].mean().item(),
             "frac_reward_zero_std": (groups.amax(dim=1) == groups.amin(dim=1)).float().mean().item(),  # tied
             "frac_reward_nonfinite": 1 - kept.float().mean().item(),  # left out
-            **{f"rewards/{name}": value.mean().item() for name, value in per_reward.items()}}
+            **{f"rewards/{k}": v.mean().item() for k, v in per_reward.items()}}
 
 
 def start_logging(args, trainer, out, start):
-    """Prints the run's settings; returns --report-to's accelerate tracker (none: None)."""
+    """Prints the settings; returns --report-to's tracker (or None)."""
     trainable = sum(p.numel() for p in trainer.trained.parameters() if p.requires_grad)
     ar = f"LoRA r={args.lora_rank}" if args.lora_rank else "head" if args.ar_trainable == "head" else "full"
     dit = f"LoRA r={args.dit_lora_rank}" if args.dit_lora_rank else "full"
     how = {"ar": ar, "dit": f"DiT {dit}", "both": f"AR {ar}, DiT {dit}"}[args.policy]
     print(f"running with: mode={args.mode} model={args.model} device={args.device} dtype={args.dtype} "
           f"offload={args.offload_note} batch={args.prompts_per_step}x{args.group_size} mu={args.inner_epochs} "
-          + (f"lr={args.lr} " if args.policy != "dit" else "") + f"trainable={count_text(trainable)} ({how}) "
+          + f"lr={args.lr} " * (args.policy != "dit") + f"trainable={count_text(trainable)} ({how}) "
           f"image={args.height}x{args.width} sampler=T {args.temperature}, top-k {args.top_k}, top-p {args.top_p} "
           f"decode={args.num_inference_steps} steps, guidance {args.guidance_scale} loss_tokens={args.loss_tokens} "
           f"dit_noise={args.dit_noise} out={out} threads={torch.get_num_threads()} processes={world_size()} "
           f"micro_batch={args.micro_batch_size}"
-          + (f" policy={args.policy} dit_lr={args.dit_lr} dit_train_steps={args.dit_train_steps}/"
-             f"{args.num_inference_steps} dit_noise_level={args.dit_noise_level}" if args.policy != "ar" else ""))
+          + f" policy={args.policy} dit_lr={args.dit_lr} dit_train_steps={args.dit_train_steps}/"
+          f"{args.num_inference_steps} dit_noise_level={args.dit_noise_level}" * (args.policy != "ar"))
     ar_rewards, dit_rewards = (" + ".join(f"{r.weight:g} x {r.name}" for r in rs) for rs in
                                (trainer.rewards, trainer.dit_rewards))
     print(f"rewards: {ar_rewards}" + (f" | the DiT's: {dit_rewards}" if dit_rewards else "")
@@ -1627,9 +1625,9 @@ def start_logging(args, trainer, out, start):
     if args.report_to == "none":
         return None
     from accelerate.tracking import TensorBoardTracker, WandBTracker
-    if args.report_to == "wandb":  # WANDB_MODE=offline: under <out>/wandb, for a later `wandb sync`
+    if args.report_to == "wandb":  # WANDB_MODE=offline: <out>/wandb, for `wandb sync`
         tracker = WandBTracker("grpo_glm", name=out.name, dir=str(out), config=vars(args))
-    else:  # purge_step: a resumed run drops the events after its step
+    else:  # purge_step: a resume drops later events
         tracker = TensorBoardTracker("logs", out, purge_step=start + 1 if start else None)
     tracker.start()
     if args.report_to == "tensorboard":
@@ -1639,22 +1637,20 @@ def start_logging(args, trainer, out, start):
 
 
 def count_text(n):
-    """A parameter count readable at any size: 3.2k, 0.09M would be 90.1k, 8.91B."""
-    units = (("B", 1e9, 2), ("M", 1e6, 2), ("k", 1e3, 1))
-    return next((f"{n / size:.{digits}f}{unit}" for unit, size, digits in units if n >= size), str(n))
+    """3.2k, 90.1k (not 0.09M), 8.91B."""
+    return next((f"{n / s:.{d}f}{u}" for u, s, d in (("B", 1e9, 2), ("M", 1e6, 2), ("k", 1e3, 1)) if n >= s), str(n))
 
 
 def warn_if_collapsed(row, warned, max_entropy=None):
-    """Once per run: most groups tied (advantages 0), and why; not on a non-finite step (call_reward said why)."""
+    """Once per run: most groups tied (advantages 0), and why; not on a non-finite step (call_reward warned)."""
     if warned or row["frac_reward_zero_std"] <= 0.5 or row["frac_reward_nonfinite"]:
         return warned
-    why = "the reward does not separate the samples"     # --policy dit: the SDE keeps samples apart
+    why = "the reward does not separate the samples"     # --policy dit: the SDE keeps them apart
     if "entropy" in row:
         why = f"entropy {row['entropy']:.3f} of {max_entropy:.2f}: " + (
             "the policy has collapsed; lower --lr or raise --temperature" if row["entropy"] < 0.5 * max_entropy
-            else "the samples differ but the reward does not separate them (a pass/fail reward that no sample "
-            "passes?); make the reward graded")
-    print(f"warning: step {row['step']}: {row['frac_reward_zero_std']:.0%} of groups have identical rewards: "
+            else "the samples differ but the reward does not separate them (pass/fail, none passing?); grade it")
+    print(f"warning: step {row['step']}: {row['frac_reward_zero_std']:.0%} of groups tie: "
           f"no learning signal: {why}", file=sys.stderr, flush=True)
     return True
 
@@ -1664,10 +1660,10 @@ def read_metrics(path):
     return [json.loads(line) for line in lines if line.strip()]
 
 
-# The PNGs' text: Pillow's built-in font at font_size 12 (at its own 10 px some spaces vanish).
+# Text: the built-in font at size 12 (at its 10 px some spaces vanish).
 def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, tracker=None,
                      step=None, name="samples"):
-    """Per prompt (sorted: it stays in place) 8 cells a row: [source,] target, [a=0 decode,] its G samples."""
+    """Per prompt (sorted: it stays put) 8 cells a row: [source,] target, [a=0 decode,] its G samples."""
     scale = max(1, 128 // images.shape[-1])  # cells at least 128 px wide
     width, height = images.shape[-1] * scale, images.shape[-2] * scale
     line, gap = 18, 6  # a line of text, white between cells
@@ -1689,19 +1685,19 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
             draw.text((x + 2, y + height + 2), label, fill="black", font_size=12)
     path.parent.mkdir(parents=True, exist_ok=True)
     sheet.save(path)
-    if tracker:  # a batch of one HWC image (W&B takes no dataformats)
+    if tracker:  # one HWC image (W&B takes no dataformats)
         formats = {"dataformats": "NHWC"} if tracker.name == "tensorboard" else {}
         tracker.log_images({name: np.asarray(sheet)[None]}, step, **formats)
     return sheet
 
 
 def shorten(text, chars):
-    """At most `chars` characters, cut between words, then '…' (drawable: '...' if the font lacks it)."""
+    """At most `chars` characters, cut between words, then '…'."""
     return drawable(text if len(text) <= chars else text[:chars - 1].rsplit(" ", 1)[0] + "…")
 
 
 def drawable(text):
-    """`text` as the built-in font (ASCII) can draw it: 'é' -> 'e', emoji or CJK -> '?', never a 'no glyph' box."""
+    """As the built-in font draws it: 'é' -> 'e', emoji or CJK -> '?', not a 'no glyph' box."""
     font = ImageFont.load_default(size=12)
     glyph = lambda ch: (lambda m: (m.size, bytes(m)))(font.getmask(ch))
     box = glyph("\U0010FFFD")  # a private-use code point has no glyph
@@ -1711,7 +1707,7 @@ def drawable(text):
 
 
 def round_ticks(low, high, count=5, least=0):
-    """About `count` round values in [low, high], 1, 2 or 5 x 10^k apart (and at least `least`)."""
+    """About `count` round values in [low, high], 1, 2 or 5 x 10^k (and >= `least`) apart."""
     raw = max((high - low) / count, least)
     unit = 10 ** math.floor(math.log10(raw))
     spacing = next(unit * m for m in (1, 2, 5, 10) if unit * m >= raw)
@@ -1719,7 +1715,7 @@ def round_ticks(low, high, count=5, least=0):
 
 
 def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
-    """Mean reward per step +- the within-group std, and its moving average over `window` steps."""
+    """Mean reward per step +- within-group std, and its moving average over `window` steps."""
     rows = [r for r in rows if None not in (r.get("reward_mean"), r.get("reward_std"))]  # null: non-finite, eval
     if not rows:
         return
@@ -1739,8 +1735,8 @@ def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
         draw.line(list(zip(*to_xy(steps, np.array(average)))), fill=(20, 40, 140), width=3)
         title += f"; thick: moving average over {window} steps"
     draw.rectangle((margin, margin, w - margin, h - margin), outline="black")
-    ticks = [(to_xy(x0, value), (-4, 0), "rm", value) for value in round_ticks(y0, y1)]  # left axis
-    ticks += [(to_xy(step, y0), (0, 4), "mt", step) for step in round_ticks(x0, x1, least=1)]  # bottom axis
+    ticks = [(to_xy(x0, v), (-4, 0), "rm", v) for v in round_ticks(y0, y1)]  # left axis
+    ticks += [(to_xy(s, y0), (0, 4), "mt", s) for s in round_ticks(x0, x1, least=1)]  # bottom axis
     labels = [((margin, 8), title, "la"), ((margin, margin - 6), "reward", "mb"), ((w // 2, h - 8), "step", "mb")]
     for (x, y), (dx, dy), anchor, value in ticks:
         draw.line((x + dx, y + dy, x, y), fill="black")
@@ -1751,24 +1747,23 @@ def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
 
 
 # ==== 19. The run: train()'s plumbing, Ctrl+C and SIGTERM =========================================
-# Ctrl+C or SIGTERM stops the run saved, exit code 128 + signal: a step whose update has not begun is dropped
-# (AbandonStep unwinds it), one whose update began is finished. The ranks agree before each update and step's end.
+# Ctrl+C or SIGTERM saves and exits 128 + signal: a step before its update is dropped (AbandonStep), one whose
+# update began is finished. The ranks agree before each update and each step's end.
 
 class AbandonStep(BaseException):
-    """BaseException: no `except Exception` (a reward plug-in's, say) swallows it."""
+    """BaseException: no plug-in's `except Exception` swallows it."""
 
 
 class Run:
-    """`with Run(args)` opens the run (see train()) and closes it on any exit."""
+    """`with Run(args)`: opened (see train()), closed on any exit."""
 
     def __init__(self, args):
         self.args, self.out, self.lead = args, Path(args.out), rank() == 0
-        self.trainer = self.tracker = self.signum = None  # signum: the first stop signal
-        self.voted, self.bad_steps, self.warned = True, [], False  # voted: the update began
-        self.closing = contextlib.ExitStack()
+        self.trainer = self.tracker = self.signum = None  # signum: the first stop signal; voted: the update began
+        self.voted, self.bad_steps, self.warned, self.closing = True, [], False, contextlib.ExitStack()
 
     def __enter__(self):
-        with self.closing:    # a failed open closes what it opened; else the callbacks move to a new stack
+        with self.closing:    # a failed open closes what it opened
             self.open(self.args, self.out)
             self.closing = self.closing.pop_all()
         return self
@@ -1779,48 +1774,48 @@ class Run:
         init_distributed(args)
         if self.lead:
             lock_out_dir(out, self.closing)
-        # mse's targets are checked before plug-ins load (a CLIP model takes a while).
+        # mse's targets: checked before slow plug-ins (CLIP) load
         builtin = ["mse"] if "mse" in [s.partition("=")[0] for s in args.reward + (args.dit_reward or [])] else []
         items = self.items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
         self.eval_items = args.eval_prompts and read_prompts(args.eval_prompts, args.height, args.width, args.mode,
                                                              builtin, "--eval-prompts") or []
-        if 0 < len(self.eval_items) < world_size():  # each rank evaluates a block of at least one
+        if 0 < len(self.eval_items) < world_size():  # a block of at least one a rank
             raise UsageError(f"--eval-prompts {args.eval_prompts}: {len(self.eval_items)} for {world_size()} processes")
         if args.prompts_per_step > len(items) and self.lead:
-            print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} prompt(s) of {args.prompts}"
-                  ": each step's prompts repeat lines of the file")
+            print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} lines of {args.prompts}: "
+                  "steps repeat lines of the file")
         rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [])
         readers = [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)]
         require_targets(items + self.eval_items, readers)
         args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
-        resume = Resume(args, out)  # its refusals: under the lock, before any model loads
-        self.start = self.last_saved = resume.step
-        if self.start >= args.steps and not args.save_pipeline:
+        resume = Resume(args, out)  # refuses under the lock, before any model loads
+        self.start = resume.step
+        if resume.export and not args.save_pipeline:
             return
-        self.trainer = setup_training(args, rewards, dit_rewards)
-        self.trainer.prompt_len = run_prompt_len(self.trainer.pipe, items, args)  # checked against the context
-        self.eval_prompt_len = self.eval_items and run_prompt_len(self.trainer.pipe, self.eval_items, args)
+        trainer = self.trainer = setup_training(args, rewards, dit_rewards)
+        trainer.prompt_len = run_prompt_len(trainer.pipe, items, args)  # checked against the context
+        self.eval_prompt_len = self.eval_items and run_prompt_len(trainer.pipe, self.eval_items, args)
         if args.mode == "i2i":
-            check_source_size(self.trainer.pipe.processor.image_processor, args.height, args.width)
-        resume.restore(self.trainer, out)
-        if self.start >= args.steps:      # an export (--save-pipeline, in __exit__), training nothing
+            check_source_size(trainer.pipe.processor.image_processor, args.height, args.width)
+        resume.restore(trainer, out)
+        if resume.export:      # --save-pipeline only (in __exit__)
             return
-        if self.lead:  # the reward curve averages over a pass over the prompts
+        if self.lead:  # the curve's window: a pass over the prompts
             window = min(20, math.ceil(len(items) / args.prompts_per_step))
             self.closing.callback(lambda: save_reward_curve(out / "reward_curve.png",
                                                             read_metrics(out / "metrics.jsonl"), window))
-            self.tracker = start_logging(args, self.trainer, out, self.start)
+            self.tracker = start_logging(args, trainer, out, self.start)
             self.closing.callback(self.tracker.finish if self.tracker else lambda: None)
         for s in (signal.SIGINT, signal.SIGTERM):
             self.closing.callback(signal.signal, s, signal.signal(s, self.request))
-        # a step whose updates were all skipped never called optimizer.step() before lr_scheduler.step()
+        # a step whose updates all skipped never called optimizer.step()
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
         if self.eval_items and self.start % args.eval_every == 0 and max_over_ranks(self.lead and not any(
                 "eval/seconds" in r and r["step"] == self.start for r in read_metrics(out / "metrics.jsonl"))):
             self.evaluate(self.start)     # unless a run before the resume did
 
     def steps(self):
-        """Yields (step, indices, slots): this rank's block of the step's prompts, in a seeded order per pass."""
+        """Yields (step, indices, slots): this rank's block of the step's prompts, seeded order per pass."""
         args, count = self.args, len(self.items)
         slots = np.array_split(range(args.prompts_per_step), world_size())[rank()].tolist()
         for step in range(self.start + 1, args.steps + 1):
@@ -1832,7 +1827,7 @@ class Run:
                          for epoch, offset in places], slots
 
     def record(self, step, indices, row, rewards, images, targets, sources, ode):
-        """After grpo_step: LOG, the sample sheet, CHECKPOINT; a stop signal (any rank's) saves and exits."""
+        """After grpo_step: LOG, sample sheet, CHECKPOINT; a stop signal (any rank's) saves and exits."""
         args, out, trainer = self.args, self.out, self.trainer
         names = ["lr"] * (args.policy != "dit") + ["dit/lr"] * (args.policy != "ar")  # a param group per half
         row.update(zip(names, trainer.lr_scheduler.get_last_lr()))
@@ -1841,39 +1836,36 @@ class Run:
         stopping = self.agree()
         if self.lead:
             self.log(row, step)
+            # entropy's yardstick: log(kept ids), or under top-p step 1's entropy (if > 0)
+            codebook = trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size
+            scale = math.log(min(args.top_k or math.inf, codebook))
+            if args.top_p < 1:
+                scale = next(r.get("entropy") for r in read_metrics(out / "metrics.jsonl") if "seconds" in r) or scale
+            self.warned = warn_if_collapsed(row, self.warned, scale)
         self.bad_steps = non_finite_streak(self.bad_steps, row, out, args, self.start)
-        if self.lead and args.sample_every and (step % args.sample_every == 0 or step == args.steps):  # rank 0's
+        if self.lead and args.sample_every and (step % args.sample_every == 0 or step == args.steps):
             save_sample_grid(out / "samples" / f"step_{step:06d}.png", [self.items[i].text for i in indices],
                              targets, images, rewards, args.group_size, sources, ode, self.tracker, step)
         if self.eval_items and not stopping and (step % args.eval_every == 0 or step == args.steps):
-            self.evaluate(step)  # before the save: a checkpoint's step has its row (stopped: the resume's start)
+            self.evaluate(step)  # before the save: a checkpoint's step has its row (stopping: the resume's)
         if step % args.save_every == 0 or step == args.steps:
-            self.save(step)
+            save_checkpoint(out, step, trainer, args)
         if stopping:
             self.stop(step)
 
-    def log(self, row, step):  # a step's row, or an eval's (its keys eval/...)
-        args, metrics, held_out = self.args, self.out / "metrics.jsonl", "eval/seconds" in row
+    def log(self, row, step):  # a step's row or an eval's (eval/ keys)
         finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
-        with open(metrics, "a", encoding="utf-8") as f:  # NaN, inf -> null: JSON has no NaN
+        with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:  # NaN, inf -> null: JSON has no NaN
             f.write(json.dumps(finite, allow_nan=False) + "\n")
         if self.tracker:
             self.tracker.log({k: v for k, v in row.items() if k != "step"}, step)
         shown = {k.removeprefix("eval/"): v for k, v in row.items()}
         fields = [f.format_map(shown) for f in CONSOLE_FIELDS if all(k in shown for k in re.findall(r"{([^:]+):", f))]
-        print(f"{'eval' if held_out else 'step'} {step:4d}/{args.steps} | " + " | ".join(fields), flush=True)
-        if held_out:
-            return
-        # entropy's yardstick: its most, log(kept ids); top-p keeps no fixed number: step 1's entropy (if > 0)
-        codebook = self.trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size
-        scale = math.log(min(args.top_k or math.inf, codebook))
-        if args.top_p < 1:    # the first step's row (not an eval's)
-            scale = next(r.get("entropy") for r in read_metrics(metrics) if "seconds" in r) or scale
-        self.warned = warn_if_collapsed(row, self.warned, scale)
+        kind = "eval" if "eval/seconds" in row else "step"
+        print(f"{kind} {step:4d}/{self.args.steps} | " + " | ".join(fields), flush=True)
 
     def evaluate(self, step):
-        """EVAL: G samples per --eval-prompts line from seeds no training step draws (step -1), alike at every
-        evaluation and world size (a block of lines a rank), decoded at --eval-num-inference-steps."""
+        """EVAL: G samples per --eval-prompts line; seeds no step draws (step -1), alike every eval and world size."""
         args, pipe, items, t0, G = self.args, self.trainer.pipe, self.eval_items, time.time(), self.args.group_size
         sheet = self.out / "samples" / f"eval_step_{step:06d}.png"
         if self.lead:
@@ -1891,34 +1883,29 @@ class Run:
         targets = batch_targets(items)    # [n, 3, H, W] | None
         scored = (repeat_each(prompts, G), None if targets is None else targets[mine].repeat_interleave(G, 0))
         parts = from_every_rank((images, *compute_rewards(self.trainer.rewards, images, *scored)))
-        if self.lead:    # the ranks' blocks joined, in prompt order
-            images, rewards = (torch.cat([part[i] for part in parts]) for i in (0, 1))
-            per_reward = {name: torch.cat([part[2][name] for part in parts]) for name in parts[0][2]}
+        if self.lead:    # the ranks' blocks, in prompt order
+            images, rewards = (torch.cat([p[i] for p in parts]) for i in (0, 1))
+            per_reward = {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}
             row = {"eval/" + k: v for k, v in reward_metrics(rewards, per_reward, G).items()}
             self.log({"step": step, **row, "eval/seconds": round(time.time() - t0, 3)}, step)
             save_sample_grid(sheet, texts, targets, images, rewards, G, sources, tracker=self.tracker, step=step,
                              name="eval/samples")
 
-    def save(self, step, rng=None):
-        self.last_saved = step
-        save_checkpoint(self.out, step, self.trainer, self.args, rng)
-
     def request(self, signum, _frame):
-        if self.signum is not None:  # a second Ctrl+C quits at once, a second SIGTERM changes nothing
+        if self.signum is not None:  # a second Ctrl+C quits now, a second SIGTERM is ignored
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
             return
         self.signum = signum
         name = "Ctrl+C" if signum == signal.SIGINT else signal.Signals(signum).name
         if self.lead:
-            print(f"\n{name}: " + ("finishing this step and saving a checkpoint" if self.voted else
-                                   "abandoning this step (its update has not begun) and saving the last one")
-                  + " (Ctrl+C to quit now)", file=sys.stderr, flush=True)
+            what = "finishing this step" if self.voted else "abandoning this step (before its update)"
+            print(f"\n{name}: {what} and saving (Ctrl+C to quit now)", file=sys.stderr, flush=True)
         if not self.voted:
             raise AbandonStep
 
     def agree(self):
-        """True if any rank got a stop signal; all then adopt its number (the exit code's)."""
+        """True if any rank got a stop signal; all adopt its number (the exit code's)."""
         self.voted = True
         seen = max_over_ranks(self.signum or 0)
         if seen and self.signum is None:
@@ -1933,46 +1920,43 @@ class Run:
 
     def __exit__(self, kind, error, traceback):
         try:
-            if kind is AbandonStep:       # the weights are still step - 1's
-                self.drop_step()
+            if kind is AbandonStep:       # the weights are step - 1's
+                self.stop(self.step - 1)
         finally:
             self.closing.close()
         if kind is None and self.trainer and self.lead:
-            if self.args.save_pipeline:
+            pipeline = self.args.save_pipeline
+            if pipeline:
                 save_trained_pipeline(self.trainer.pipe, self.args)
-            made = [p.name + "/" * p.is_dir() for p in sorted(self.out.iterdir()) if not p.name.startswith(".")]
-            pipeline = f"; the trained pipeline: {self.args.save_pipeline}" if self.args.save_pipeline else ""
-            print(f"done: {self.out} holds {', '.join(made)}{pipeline}")
+            made = ", ".join(p.name + "/" * p.is_dir() for p in sorted(self.out.iterdir()) if p.name[0] != ".")
+            print(f"done: {self.out} holds {made}" + (f"; the trained pipeline: {pipeline}" if pipeline else ""))
 
-    def drop_step(self):      # a rank that left its step early still answers the others' vote
+    def stop(self, done):
+        """Exits 128 + signal with step `done` saved (step_rng: the RNG states it left)."""
         try:
-            if not self.voted:
-                self.agree()
+            peers = self.voted or self.agree()  # a rank that left its step early still votes
         except Exception as e:
             if not collective_failed(e):
                 raise
-            self.stop(self.step - 1, peers=False)  # a rank was killed (kill -9, OOM): rank 0 saves alone
-        self.stop(self.step - 1)
-
-    def stop(self, done, peers=True):
-        """Exits (128 + signal) with step `done` saved (step_rng: the RNG states it left)."""
-        if done > self.last_saved and (peers or self.lead):
-            self.save(done, self.step_rng if done < self.step else None)
+            peers = False  # a rank was killed (kill -9, OOM): rank 0 saves alone
+        saved = done % self.args.save_every == 0 or done in (self.start, self.args.steps)  # by record() or a resume
+        if not saved and (peers or self.lead):
+            save_checkpoint(self.out, done, self.trainer, self.args, self.step_rng if done < self.step else None)
         if peers:
-            all_ranks_agree(True)     # the others wait for rank 0's file before they exit
+            all_ranks_agree(True)     # the others wait for rank 0's file
         when = f"in step {self.step} before its update" if done < self.step else f"after step {done}"
-        saved = (f"step {done} is saved in {self.out / 'checkpoints' / f'step_{done:06d}.pt'}; continue with "
+        where = (f"step {done} is saved in {self.out / 'checkpoints' / f'step_{done:06d}.pt'}; continue with "
                  f"--resume latest --out {self.out}" if done else "no step finished, nothing to save")
         if self.lead:
-            print(f"interrupted {when}: {saved}", file=sys.stderr)
+            print(f"interrupted {when}: {where}", file=sys.stderr)
         sys.exit(128 + self.signum)
 
 
 # ==== 20. CHECKPOINT and --resume =================================================================
-# One format at every world size, loaded with weights_only=True (no pickled code).
+# One format at every world size; loaded weights_only (no pickled code).
 
 def atomic_write(path, write):
-    """write(file) to path.tmp, synced, renamed over path: a reader sees the old file or the new."""
+    """write(f) to path.tmp, synced, renamed over path: readers see the old file or the new."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         write(f)
@@ -1988,7 +1972,7 @@ def rng_state():
 
 
 def save_checkpoint(out, step, trainer, args, rng=None):
-    """All ranks gather (--fsdp: a collective); rank 0 writes, with `rng` (default: the current RNG states)."""
+    """All ranks gather (--fsdp: a collective); rank 0 writes, with `rng` (default: rng_state())."""
     weights, optimizer_state = training_state(trainer.trained, trainer.optimizer)
     if rank() != 0:
         return None
@@ -1998,7 +1982,7 @@ def save_checkpoint(out, step, trainer, args, rng=None):
                "lr_scheduler": trainer.lr_scheduler.state_dict(), "rng": rng or rng_state(), "args": vars(args)}
     atomic_write(path, functools.partial(torch.save, payload))
     for old in saved_checkpoints(out)[:-args.checkpoints_total_limit] if args.checkpoints_total_limit else []:
-        old.unlink()  # after the save: a complete newest checkpoint always exists
+        old.unlink()  # after the save: a complete newest one always exists
     return path
 
 
@@ -2013,9 +1997,9 @@ def read_checkpoint(spec, out=None):
         print(f"--resume latest: no checkpoint in {out / 'checkpoints'} yet; starting from step 0")
         return None
     try:
-        with warnings.catch_warnings(action="ignore"):     # a junk file can look like another pickle protocol's
+        with warnings.catch_warnings(action="ignore"):     # junk can look like another pickle protocol's
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises many types for a missing, foreign or truncated file
+    except Exception as e:  # many types for a missing, foreign or truncated file
         raise UsageError(f"--resume {path}: not a readable checkpoint ({type(e).__name__})")
     if not isinstance(ckpt, dict) or not str(ckpt.get("format", "")).startswith("grpo_glm-checkpoint-"):
         raise UsageError(f"--resume {path}: not a checkpoint of grpo_glm.py")
@@ -2024,39 +2008,38 @@ def read_checkpoint(spec, out=None):
     return {**ckpt, "path": path}
 
 
-# Flags that change what the algorithm computes: resuming with others would splice two runs into one log.
+# Flags that change the algorithm: resuming with others splices two runs into one log.
 ALGORITHM_FLAGS = """mode model prompts_sha256 seed group_size prompts_per_step inner_epochs lr max_grad_norm clip_eps
-    beta temperature top_k top_p height width num_inference_steps guidance_scale dit_noise loss_tokens lora_rank
-    lora_alpha ar_trainable dtype reward weight_decay lr_scheduler lr_warmup_steps policy dit_lr dit_clip_eps
-    dit_noise_level dit_train_steps dit_lora_rank dit_prior dit_reward""".split()
+beta temperature top_k top_p height width num_inference_steps guidance_scale dit_noise loss_tokens lora_rank lora_alpha
+ar_trainable dtype reward weight_decay lr_scheduler lr_warmup_steps policy dit_lr dit_clip_eps dit_noise_level
+dit_train_steps dit_lora_rank dit_prior dit_reward""".split()
 
 
 class Resume:
-    """Resumed rows equal an unstopped run's, bit for bit; restore() loads `step` (0: new), sets later files aside."""
+    """Resumed rows equal an unstopped run's bit for bit; restore() loads `step` (0: new), sets later files aside."""
 
     def __init__(self, args, out):
         if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
-            raise UsageError(f"--out {out} has a run; pass --resume latest to continue it or pick another --out")
+            raise UsageError(f"--out {out} has a run: pass --resume latest to continue it, or another --out")
         ckpt = self.ckpt = read_checkpoint(args.resume, out) if args.resume else None
         step = self.step = ckpt["step"] if ckpt else 0
         self.export = step >= args.steps  # --save-pipeline of the checkpoint, or nothing to do
         saved = ckpt["args"] if ckpt else vars(args)  # the prompts compare by their hash
-        differences = self.differences = [
+        changed = self.changed = [
             f"--prompts {saved.get('prompts')} -> {args.prompts}: contents differ" if k == "prompts_sha256"
             else f"--{k.replace('_', '-')} {saved.get(k)} -> {getattr(args, k)}"
             for k in ALGORITHM_FLAGS if saved.get(k) != getattr(args, k)]
-        if differences and not args.resume_force:
-            raise UsageError(f"--resume {ckpt['path']}: flags differ from the checkpoint's: {'; '.join(differences)}"
-                             " (add --resume-force to accept)")
+        if changed and not args.resume_force:
+            raise UsageError(f"--resume {ckpt['path']}: flags differ (--resume-force accepts): {'; '.join(changed)}")
         if self.export:
-            print(f"{ckpt['path']} is at step {step} and --steps is {args.steps}: " + (
-                f"exporting it to {args.save_pipeline}, training nothing" if args.save_pipeline else
-                f"nothing to do (pass --steps {step + args.steps} to train {args.steps} more)"))
+            print(f"{ckpt['path']} is at step {step}, --steps {args.steps}: " + (
+                f"exporting it to {args.save_pipeline}" if args.save_pipeline else
+                f"nothing to do (--steps {step + args.steps} trains {args.steps} more)"))
             return
         self.later = [p for p in saved_checkpoints(out) if int(p.stem[5:]) > step]
         if self.later and not args.resume_force:
             raise UsageError(f"--resume {ckpt['path']}: {out} has later checkpoints ({self.later[-1].name}); "
-                             f"--resume-force drops them and the metrics after step {step} (kept as *.dropped)")
+                             "--resume-force sets them and later metrics aside (*.dropped)")
 
     def restore(self, trainer, out):
         if ckpt := self.ckpt:
@@ -2067,8 +2050,8 @@ class Resume:
                 training_state(trainer.trained, trainer.optimizer, (ckpt["trainable"], ckpt["optimizer"]))
                 trainer.lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
             except (RuntimeError, ValueError, KeyError) as e:
-                changed = [d for d in self.differences if d.split()[0] in weight_flags]
-                raise UsageError(f"--resume {ckpt['path']}: its weights do not fit this model: "
+                changed = [d for d in self.changed if d.split()[0] in weight_flags]
+                raise UsageError(f"--resume {ckpt['path']}: weights do not fit this model: "
                                  + ("; ".join(changed) or str(e).splitlines()[0][:120]))
             if self.export:
                 return            # the weights alone
@@ -2084,16 +2067,14 @@ class Resume:
             print(f"Resuming from step {self.step} ({ckpt['path']})")
         for path in self.later:
             path.rename(path.with_name(path.name + ".dropped"))
-            print(f"note: kept {path.name} of the dropped history as {path.name}.dropped")
-        path, step = out / "metrics.jsonl", self.step
-        rows = read_metrics(path)
+            print(f"note: renamed {path.name} to {path.name}.dropped")
+        step, rows = self.step, read_metrics(out / "metrics.jsonl")
         dropped = [row for row in rows if row["step"] > step]
         if dropped:
-            aside = path.with_name(f"metrics.dropped_after_step_{step:06d}.jsonl")
-            for file, kept in ((aside, dropped), (path, [row for row in rows if row["step"] <= step])):
-                atomic_write(file, lambda f: f.write("".join(json.dumps(row) + "\n" for row in kept).encode()))
-            print(f"note: resuming at step {step} drops metrics rows of steps {dropped[0]['step']}.."
-                  f"{dropped[-1]['step']} (no checkpoint after step {step}); kept in {aside}")
+            aside = out / f"metrics.dropped_after_step_{step:06d}.jsonl"
+            for file, kept in ((aside, dropped), (out / "metrics.jsonl", [r for r in rows if r["step"] <= step])):
+                atomic_write(file, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
+            print(f"note: resuming drops metrics rows of steps {dropped[0]['step']}..{dropped[-1]['step']} to {aside}")
 
 
 # ==== 21. The tiny model's renderer: pre-trained once on token mosaics, then cached ===============
