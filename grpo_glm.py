@@ -2208,7 +2208,6 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
 def random_mosaics(batch, grid_hw, generator, cell=32):
     """(grids [batch, H*W], mosaics [batch, 3, H*cell, W*cell] in [0, 1]: cells in their token's colour)."""
     H, W = grid_hw
-
     def grid():  # k = 1, 2, 4 or all ids, a cell one of them: uniform fields and two-colour shapes, not only confetti
         k = [1, 2, 4, TINY_CODEBOOK][int(torch.randint(4, (1,), generator=generator))]
         return torch.randperm(TINY_CODEBOOK, generator=generator)[:k][torch.randint(k, (H * W,), generator=generator)]
@@ -2260,16 +2259,14 @@ def train_tiny_renderer(seed, settings):
 
 
 def tiny_cache():
-    return Path(os.environ.get("GRPO_GLM_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-                / "grpo_glm")
+    return Path(os.getenv("GRPO_GLM_CACHE") or Path(os.getenv("XDG_CACHE_HOME") or Path.home() / ".cache", "grpo_glm"))
 
 
 def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
     """`--model tiny`'s directory, keyed by all that shapes it, built once, saved as a checkpoint is."""
-    code = [inspect.getsource(f) for f in (build_tiny_pipeline, colour_vae, random_mosaics, train_tiny_renderer,
-                                            dit_schedule, dit_condition, dit_velocity, write_source_caches,
-                                            policy_generation_config, SamplingParams)]
-    key = [seed, settings, code, TINY_VISION_VOCAB, TINY_PALETTE.tolist(), TINY_CHAT_TEMPLATE, REAL_IMAGE_PROCESSOR,
+    key = [seed, settings, [*map(inspect.getsource, (build_tiny_pipeline, colour_vae, random_mosaics, dit_schedule,
+           train_tiny_renderer, dit_condition, dit_velocity, write_source_caches, policy_generation_config,
+           SamplingParams))], TINY_VISION_VOCAB, TINY_PALETTE.tolist(), TINY_CHAT_TEMPLATE, REAL_IMAGE_PROCESSOR,
            *(importlib.import_module(m).__version__ for m in ("torch", "diffusers", "transformers"))]
     root = tiny_cache()
     final = root / f"tiny-seed{seed}-{hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:16]}"
@@ -2308,7 +2305,6 @@ def float64_throughout():
         cos, sin = (f.to(x.device)[None, :, None, :] for f in freqs_cis)  # the DiT's x: [B, S, heads, D]
         x_real, x_imag = x.reshape(*x.shape[:-1], 2, -1).unbind(-2)  # its use_real_unbind_dim=-2: halves
         return x * cos + torch.cat([-x_imag, x_real], dim=-1) * sin
-
     embeddings.apply_rotary_emb, GlmImageRMSNorm.forward = rotary, rms_norm
 
 
@@ -2408,8 +2404,7 @@ def whole_weights(model):
 
 
 def training_state(model, optimizer, loaded=None):
-    """All ranks: (trained weights, AdamW state) by name, whole on rank 0's CPU (others: empty); or loads `loaded`,
-    such a pair of any world size (--fsdp: into the shards). No buffers."""
+    """All ranks: (trained weights, AdamW state) whole on rank 0's CPU (others: {}), or loads one (any world size)."""
     from torch.distributed.checkpoint import state_dict as dsd
     whole = dsd.StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True, strict=False)
     if loaded is None:
@@ -2468,8 +2463,7 @@ def ar_sequence(mode, height, width, prompt_tokens=64, image_processor=None):
 
 
 def trainable_tensors(model, lora_rank, targets=LORA_TARGETS):
-    """Numels add_lora trains: A [r, in], B [out, r] per Linear named *.target (peft's; none in the AR's vision
-    parts); rank 0: all but the AR's vision encoder and VQ (prepare_policy)."""
+    """Trained numels: add_lora's A [r, in], B [out, r] per Linear *.target; rank 0: all but the AR's visual and VQ."""
     if not lora_rank:
         return [p.numel() for name, p in model.named_parameters() if not name.startswith(("model.visual.", "model.vq"))]
     return [n for name, m in model.named_modules()
@@ -2611,9 +2605,8 @@ def plan_of_run(args):
 def plan_options(args, rows, counts):
     """The run's table's rows as runs: [(flags changed, row, peak)], fewest changes first, then smallest; the first
     is the run's own (--fsdp: on --plan-gpus' first K; --offload off unless given)."""
-    ar, fsdp = args.policy == "ar", args.fsdp and bool(args.plan_gpus)
+    ar, fsdp, no = args.policy == "ar", args.fsdp and bool(args.plan_gpus), lambda on: "no " * (not on)
     rank, flag = (args.lora_rank, "--lora-rank") if ar else (args.dit_lora_rank, "--dit-lora-rank")
-    no = lambda on: "no " * (not on)
     mine = ("fsdp" if fsdp else f"lora-{rank}" if rank else "full", args.gradient_checkpointing,
             fsdp and args.plan_gpus[0] or 1)
     frozen = (not ar) * WEIGHT_BYTES * (counts["glyph_t5"] + counts["vae"])  # on the GPU without --offload
@@ -2658,10 +2651,9 @@ def print_memory_plan(args):
         columns = [key for key in table[0] if key != "half"]
         print(title + "\n| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
         for r in table:
-            cells = [r[columns[0]] + " (this run)" * (r is options[0][1]), "yes" if r["grad ckpt"] else "no",
-                     r["GPUs"], r["micro-batch"], f"{r['trainable'] / count:.1f} {count_name}",
-                     *(f"{r[c] / unit:.1f}" for c in columns[5:])]
-            print("| " + " | ".join(map(str, cells)) + " |")
+            print("| " + " | ".join(map(str, [r[columns[0]] + " (this run)" * (r is options[0][1]), "yes" if r[
+                "grad ckpt"] else "no", r["GPUs"], r["micro-batch"], f"{r['trainable'] / count:.1f} {count_name}",
+                *(f"{r[c] / unit:.1f}" for c in columns[5:])])) + " |")
     free = (args.plan_gpu_memory or 0) * 2 ** 30 or torch.cuda.is_available() and torch.cuda.mem_get_info()[0]
     fit = [f"{' '.join(changes)} ({size(peak)})" for changes, _, peak in options if peak <= free][:3]
     verdict = "fits" if options[0][-1] <= free else f"does not fit; it fits with {'; '.join(fit)}" if fit else \
@@ -2674,8 +2666,7 @@ def print_memory_plan(args):
 # ==== 24. Saving and using the trained model (--save-pipeline, generate_images) ===================
 
 def save_trained_pipeline(pipe, args):
-    """Atomic, loadable without adapter code: LoRAs merged, their wrappers swapped back for the base Linear (as
-    diffusers' unload_lora). The AR's generation config: the trained sampler and decode."""
+    """Atomic; LoRAs merged, unwrapped (as diffusers' unload_lora); the AR's generation config: the trained decode."""
     from diffusers.utils import recurse_remove_peft_layers
     for model in (pipe.vision_language_encoder, pipe.transformer):
         for layer in lora_layers(model):
