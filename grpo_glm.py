@@ -2139,11 +2139,11 @@ class Resume:
 
 
 # ==== 21. The tiny model's renderer: pre-trained once on token mosaics, then cached ===============
-# `--model tiny`: toy GLM-Image, real classes. Its AR stays random (what to paint is GRPO's to learn); its renderer
-# learns once (~15 s CPU) that codebook id k paints colour k mod 8: many ids a colour, as a real codebook's.
+# `--model tiny`: toy GLM-Image, real classes; its AR random (what to paint is GRPO's to learn), its renderer trained
+# once (~15 s CPU): codebook id k paints colour k mod 8, many ids a colour as a real codebook's.
 
-TINY_CODEBOOK = 64                       # real: 16384
-TINY_VISION_VOCAB = TINY_CODEBOOK + 16   # real: 16512 (codebook + 128 special ids)
+TINY_CODEBOOK = 64  # real: 16384
+TINY_VISION_VOCAB = TINY_CODEBOOK + 16  # real: 16512 (codebook + 128 special ids)
 TINY_PALETTE = (torch.tensor(list(COLOURS.values()), dtype=torch.float32) / 255)[torch.arange(TINY_CODEBOOK) % 8]
 # get_rope_index gives a source image 2-D positions by its start and end tokens (a bare <|image|>: text's)
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{{ '<|dit_token_16384|><|image|>"
@@ -2152,14 +2152,14 @@ TINY_RENDERER = dict(dit_steps=800, dit_lr=3e-3, batch=8, dit_grids=((2, 2), (3,
 
 
 def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
-    """Toy GLM-Image (library configs), seeded, eval mode, DiT untrained. mosaic_ar: --model tiny's AR;
-    ar_init_range > 0.02: sharper logits (bad M-RoPE positions show in log-probs)."""
+    """Toy GLM-Image, seeded, eval, DiT untrained. mosaic_ar: --model tiny's AR; ar_init_range > 0.02: sharper
+    logits (bad M-RoPE positions show)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, GlmImagePipeline, GlmImageTransformer2DModel
     from tokenizers import Tokenizer, models
     from transformers import (ByT5Tokenizer, GlmImageConfig, GlmImageForConditionalGeneration, GlmImageProcessor,
                               GlmImageImageProcessorPil, PreTrainedTokenizerFast, T5Config, T5EncoderModel)
     torch.manual_seed(seed)
-    # Character-level BPE (no merges); bos '<|dit_token_16384|>' is image_start_token_id too, as the real one's
+    # character-level BPE; bos '<|dit_token_16384|>' is image_start_token_id too, as the real one's
     ids = [*range(TINY_CODEBOOK), *range(16384, 16384 + TINY_VISION_VOCAB - TINY_CODEBOOK)]
     specials = {"image_token": "<|image|>", "grid_bos_token": "<sop>", "grid_eos_token": "<eop>"}
     names = [*(f"<|dit_token_{i}|>" for i in ids), *map(chr, range(32, 127)), *specials.values(), "<pad>", "<unk>"]
@@ -2167,7 +2167,7 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
         tokenizer_object=Tokenizer(models.BPE({t: i for i, t in enumerate(names)}, merges=[], unk_token="<unk>")),
         bos_token=names[TINY_CODEBOOK], eos_token=names[TINY_CODEBOOK + 1], pad_token="<pad>", padding_side="left",
         extra_special_tokens=specials)
-    # the real min_pixels 512^2 would upscale a small source, VAE-encoded at its own size
+    # the real min_pixels 512^2 would upscale a small source (VAE-encoded at its size)
     image_processor = GlmImageImageProcessorPil(**dict(REAL_IMAGE_PROCESSOR, min_pixels=32 * 32),
                                                 image_mean=[0.5] * 3, image_std=[0.5] * 3)
     ar = GlmImageForConditionalGeneration(GlmImageConfig(
@@ -2175,7 +2175,7 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
             vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=2048, initializer_range=ar_init_range,
             vision_vocab_size=TINY_VISION_VOCAB, eos_token_id=TINY_CODEBOOK + 1, pad_token_id=tokenizer.pad_token_id,
-            # mosaic AR: at theta 1e4 (4 rotary frequencies) a grid row turns 0.01 rad, a column 0.001
+            # mosaic AR: at theta 1e4 (4 frequencies) a grid row turns 0.01 rad, a column 0.001
             rope_parameters={"rope_type": "default", "rope_theta": 4.0 if mosaic_ar else 10000.0,
                              "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5}),
         vision_config=dict(depth=1, hidden_size=32, num_heads=2, image_size=64, intermediate_size=32),
@@ -2183,15 +2183,15 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
         image_token_id=tokenizer.convert_tokens_to_ids("<|image|>"), image_start_token_id=TINY_CODEBOOK,
         image_end_token_id=TINY_CODEBOOK + 1)).eval()
     if mosaic_ar:
-        # At init a cell's logits follow the random token before it (its embedding dominates): GRPO learns one
-        # colour for all. Equal image-token embeddings, q/k x16 (sharp attention) let lm_head tell cells apart.
+        # else a cell's logits follow the random token before it: GRPO learns one colour for all. Equal image-token
+        # embeddings, q/k x16 (sharp attention) let lm_head tell cells apart
         with torch.no_grad():
             image_embeddings = ar.model.language_model.embed_tokens.weight[:TINY_VISION_VOCAB]
             image_embeddings[:] = image_embeddings.mean(0)
             for layer in ar.model.language_model.layers:
                 layer.self_attn.q_proj.weight.mul_(16.0)
                 layer.self_attn.k_proj.weight.mul_(16.0)
-    # a T5 from a config is in train mode: dropout would vary a prompt's embedding
+    # a T5 from a config is in train mode: dropout varies a prompt's embedding
     text_encoder = T5EncoderModel(T5Config(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2))
     # patch 2 x VAE 8 = 16 px a DiT token: the AR's 32-px tokens upsampled 2x, as the real model's
     transformer = GlmImageTransformer2DModel(in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16,
@@ -2208,7 +2208,7 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
 def random_mosaics(batch, grid_hw, generator, cell=32):
     """(grids [batch, H*W], mosaics [batch, 3, H*cell, W*cell] in [0, 1]: cells in their token's colour)."""
     H, W = grid_hw
-    def grid():  # k = 1, 2, 4 or all ids, a cell one of them: uniform fields and two-colour shapes, not only confetti
+    def grid():  # 1, 2, 4 or all ids, a cell one of them: uniform fields, two-colour shapes, confetti
         k = [1, 2, 4, TINY_CODEBOOK][int(torch.randint(4, (1,), generator=generator))]
         return torch.randperm(TINY_CODEBOOK, generator=generator)[:k][torch.randint(k, (H * W,), generator=generator)]
     tokens = torch.stack([grid() for _ in range(batch)])
@@ -2217,8 +2217,8 @@ def random_mosaics(batch, grid_hw, generator, cell=32):
 
 
 def colour_vae(carrier=32.0):
-    """A tiny AutoencoderKL whose decoder, set by hand (GroupNorm erases absolute colour: training stalls), paints
-    latent channels 0-2 upsampled 8x: weights 0 (residuals off); a (+carrier, -carrier) pair keeps the mean 0."""
+    """An AutoencoderKL whose decoder paints latent channels 0-2 upsampled 8x, set by hand (GroupNorm erases absolute
+    colour: training stalls): weights 0 (residuals off), a (+carrier, -carrier) pair keeps the mean 0."""
     from diffusers import AutoencoderKL
     vae = AutoencoderKL(block_out_channels=(8,) * 4, down_block_types=["DownEncoderBlock2D"] * 4,
                         up_block_types=["UpDecoderBlock2D"] * 4, norm_num_groups=1, use_post_quant_conv=False,
@@ -2263,7 +2263,7 @@ def tiny_cache():
 
 
 def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
-    """`--model tiny`'s directory, keyed by all that shapes it, built once, saved as a checkpoint is."""
+    """`--model tiny`'s directory (a saved pipeline), keyed by all that shapes it, built once."""
     key = [seed, settings, [*map(inspect.getsource, (build_tiny_pipeline, colour_vae, random_mosaics, dit_schedule,
            train_tiny_renderer, dit_condition, dit_velocity, write_source_caches, policy_generation_config,
            SamplingParams))], TINY_VISION_VOCAB, TINY_PALETTE.tolist(), TINY_CHAT_TEMPLATE, REAL_IMAGE_PROCESSOR,
@@ -2273,12 +2273,12 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
     for library in ("diffusers", "transformers"):  # no loading bars: a toy loads at once
         importlib.import_module(f"{library}.utils.logging").disable_progress_bar()
     root.mkdir(parents=True, exist_ok=True)
-    with FileLock(root / f".{final.name}.lock"):  # a second run waits (released if the process dies)
+    with FileLock(root / f".{final.name}.lock"):  # a second run waits (freed if the process dies)
         if not final.is_dir():  # built neither before nor by the run waited for
             start = time.time()
             print(f"building --model tiny (seed {seed}): {settings['dit_steps']} DiT steps ...", end=" ", flush=True)
             pipe, loss = train_tiny_renderer(seed, settings)
-            partial = root / f".{final.name}.tmp"  # a killed save's: replaced, never loaded
+            partial = root / f".{final.name}.tmp"  # a killed save's is replaced, never loaded
             shutil.rmtree(partial, ignore_errors=True)
             pipe.save_pretrained(partial)
             os.rename(partial, final)  # atomic: only a finished build is final
@@ -2287,13 +2287,13 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
 
 
 # ==== 22. More GPUs: torchrun data parallel (DDP) and sharding (--fsdp) ===========================
-# torchrun --nproc_per_node K: a rank samples, rewards, standardises whole groups (DanceGRPO); only mean gradients and
-# a few scalars cross ranks; rank 0 writes files. 1 and K processes sample alike, train alike up to sums' order.
+# torchrun --nproc_per_node K: a rank samples, rewards, standardises whole groups (DanceGRPO); mean gradients and a
+# few scalars cross ranks; rank 0 writes. 1 and K processes sample alike, train alike up to sums' order.
 
 @functools.cache  # swapped once a process
 def float64_throughout():
-    """--dtype float64: GlmImageRMSNorm and diffusers' apply_rotary_emb round to fp32 (1 vs 2 processes: 1e-9 apart)."""
-    import diffusers.models.embeddings as embeddings
+    """--dtype float64: GlmImageRMSNorm and diffusers' apply_rotary_emb round to fp32 (1 vs 2 processes 1e-9 apart)."""
+    from diffusers.models import embeddings
     from transformers.models.glm_image.modeling_glm_image import GlmImageRMSNorm
     def rms_norm(self, x):
         wide = at_least_fp32(x)
@@ -2309,7 +2309,7 @@ def float64_throughout():
 
 
 def init_distributed(args):
-    """torchrun's gloo or nccl group: a dead or hung rank makes the others raise after --dist-timeout."""
+    """torchrun's gloo or nccl group: a dead or hung rank makes the others raise at --dist-timeout."""
     if world_size() > 1:
         if args.device == "cuda":
             args.device = f"cuda:{os.environ['LOCAL_RANK']}"
@@ -2318,12 +2318,12 @@ def init_distributed(args):
                                 timeout=datetime.timedelta(seconds=args.dist_timeout))
 
 
-def rank():  # torchrun's environment, readable before the group is joined
-    return int(os.environ.get("RANK", "0"))
+def rank():  # torchrun's, readable before joining the group
+    return int(os.getenv("RANK", "0"))
 
 
 def world_size():
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return int(os.getenv("WORLD_SIZE", "1"))
 
 
 def unwrap(model):
@@ -2342,12 +2342,12 @@ def max_over_ranks(value):
 
 
 def all_ranks_agree(flag):
-    """`flag` on every rank? Ranks choose collectives to come (skip an update, stop) together, or one hangs."""
+    """`flag` on every rank? Ranks choose collectives (skip an update, stop) together, or one hangs."""
     return all(from_every_rank(bool(flag)))
 
 
 def reduce_metrics(row):
-    """A metrics row averaged over ranks (*_max: the max): ranks hold equal samples, so means average."""
+    """A metrics row averaged over ranks (*_max: maxed): ranks hold equal samples, so means average."""
     rows = from_every_rank(row)
     return {k: type(v)((max if k.endswith("_max") else np.mean)([float(r[k]) for r in rows])) for k, v in row.items()}
 
@@ -2358,8 +2358,8 @@ def collective_failed(error):
 
 
 def distribute(model, params, args, reference=None):
-    """-> (training forward, AdamW's params). DDP: backward averages gradients. --fsdp (FSDP2) shards `model` and
-    its KL `reference`: a rank keeps 1/K of each weight, gradient, moment; gathers a unit (layer, root) to run."""
+    """-> (training forward, AdamW's params). DDP: backward averages gradients. --fsdp (FSDP2): a rank keeps 1/K of
+    each weight, gradient, moment of `model` and its KL `reference`, gathers a unit (layer, root) to run."""
     if not dist.is_initialized():
         return model, params
     if not args.fsdp:
@@ -2390,7 +2390,7 @@ def fsdp_units(model):  # [] if not sharded
 
 @contextlib.contextmanager
 def whole_weights(model):
-    """Whole weights to sample and in no-grad passes (else each decode step gathers all layers) -> sharded?"""
+    """Whole weights to sample and in no-grad passes (else each decode step gathers all) -> sharded?"""
     units = fsdp_units(model)
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
@@ -2413,14 +2413,14 @@ def training_state(model, optimizer, loaded=None):
 
 
 # ==== 23. Memory plan for the real GLM-Image (arithmetic on the real configs, meta device) ========
-# --plan: the bytes one GPU holds, no download. Checked: README, Measurements; the DiT's are estimates.
+# --plan: a GPU's bytes, no download. Checked: README, Measurements; the DiT's are estimates.
 WEIGHT_BYTES, FP32_BYTES = 2, 4
 # GLM-Image's public image-processor config (the tiny model's min_pixels differs)
 REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, min_pixels=512**2, max_pixels=2048**2)
 
 
 def plan_components(model, seed=0):
-    """(components, image processor) of --model: the tiny model, or on meta a saved pipeline's or GLM-Image's."""
+    """(components, image processor) of --model: the tiny model, or on meta a saved pipeline or GLM-Image."""
     from diffusers import AutoencoderKL, GlmImageTransformer2DModel
     from transformers import (AutoConfig, GlmImageConfig, GlmImageForConditionalGeneration, GlmImageImageProcessorPil,
                               T5Config, T5EncoderModel)
@@ -2451,8 +2451,8 @@ def numel(module):
 
 
 def ar_sequence(mode, height, width, prompt_tokens=64, image_processor=None):
-    """(prompt, L) tokens of an AR sample: the (H/32) x (W/32) grid + an end slot, t2i + a ~16x16 preview
-    (GlmImageProcessor._get_target_shape); i2i's prompt + the source's VQ tokens, image start and end."""
+    """(prompt, L) tokens of an AR sample: the (H/32) x (W/32) grid + an end slot; t2i + a ~16x16 preview
+    (GlmImageProcessor._get_target_shape), i2i's prompt + the source's VQ tokens, image start and end."""
     from transformers import GlmImageImageProcessorPil
     grid = (height // 32) * (width // 32) + 1
     if mode == "t2i":
@@ -2472,37 +2472,37 @@ def trainable_tensors(model, lora_rank, targets=LORA_TARGETS):
 
 
 def state_bytes(trained, total, state, shard=1, adapters=False, reference=False):
-    """Bytes per GPU of `shard` between updates: `total` bf16 weights, the `trained` (LoRA `adapters`: added) in
-    `state` bytes as their grads and AdamW's 2 moments; a KL `reference` copy."""
+    """A GPU of `shard`'s bytes between updates: `total` bf16 weights, the `trained` (`adapters`: added) in `state`
+    bytes, their grads and AdamW's 2 moments; a KL `reference` copy."""
     weights = WEIGHT_BYTES * (total if adapters else total - trained) + state * trained
     return {"weights": weights / shard, "grads": state * trained / shard, "adam": 2 * state * trained / shard,
             "reference": WEIGHT_BYTES * total / shard if reference else 0}
 
 
-def layer_activation_bytes(text_config, lora_rank=0, bytes_per=WEIGHT_BYTES):
+def layer_activation_bytes(text, lora_rank=0, bytes_per=WEIGHT_BYTES):
     """Bytes a decoder layer keeps per token for backward (SDPA, flash on CUDA and CPU: no length^2 matrix)."""
-    h, i, heads = text_config.hidden_size, text_config.intermediate_size, text_config.num_attention_heads
-    kv, d, a = text_config.num_key_value_heads * h // heads, bytes_per, FP32_BYTES
-    kept = (d * (2 * h + 2 * kv + 3 * i)        # q, k, v after RoPE, SDPA's output; gate_up's output, SiLU's
-            + 4 * heads + 4 * (4 * h + 4))      # SDPA's log-sum-exp; the 4 RMSNorms' fp32 inputs and 1 / rms
-    if not lora_rank:                           # the norms' normalised values; inputs of q/k/v, o, gate_up, down
+    h, i, heads = text.hidden_size, text.intermediate_size, text.num_attention_heads
+    kv, d, a = text.num_key_value_heads * h // heads, bytes_per, FP32_BYTES
+    kept = (d * (2 * h + 2 * kv + 3 * i)    # q, k, v after RoPE, SDPA's output; gate_up's output, SiLU's
+            + 4 * heads + 4 * (4 * h + 4))  # SDPA's log-sum-exp; the 4 RMSNorms' fp32 inputs and 1 / rms
+    if not lora_rank:                       # the norms' normalised values; inputs of q/k/v, o, gate_up, down
         return kept + d * (7 * h + i)
-    # the adapters' inputs cast to fp32 (q, k, v each cast theirs; an fp32 model keeps the shared ones), A's outputs
+    # adapters' inputs cast to fp32 (q, k, v each theirs; an fp32 model keeps the shared ones), A's outputs
     return kept + a * (5 * h + i if d != a else 3 * h + i) + len(LORA_TARGETS) * a * lora_rank
 
 
-def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, checkpointing, tensors=(),
+def ar_update_bytes(text, samples, prompt_tokens, generated, lora_rank, checkpointing, tensors=(),
                     head_trainable=0, total_params=0, foreach=True):
     """The AR's state_bytes, each phase of a micro-batch's update, their max "peak". `tensors`: trained numels;
     `head_trainable`: final norm + lm_head (0 under LoRA)."""
-    d, h, V, rows = WEIGHT_BYTES, text_config.hidden_size, text_config.vision_vocab_size, samples * generated
+    d, h, V, rows = WEIGHT_BYTES, text.hidden_size, text.vision_vocab_size, samples * generated
     state = FP32_BYTES if lora_rank else d  # gradients and moments: the parameters' dtype
     tokens = samples * (prompt_tokens + generated - 1)  # teacher-forced input: prompt + generated[:-1]
-    layer = layer_activation_bytes(text_config, lora_rank, d) * tokens
-    kept = text_config.num_hidden_layers * (d * h * tokens if checkpointing else layer)  # ckpt: layer inputs
-    rotary = int(h // text_config.num_attention_heads * text_config.rope_parameters.get("partial_rotary_factor", 1))
-    # a token: the final norm's fp32 input, M-RoPE's cos, sin; full: the norm's output, lm_head's input. Logits
-    # stay till the next micro-batch; a frozen lm_head (LoRA): the CPU's bmm copies it per sample
+    layer = layer_activation_bytes(text, lora_rank, d) * tokens
+    kept = text.num_hidden_layers * (d * h * tokens if checkpointing else layer)  # ckpt: layer inputs
+    rotary = int(h // text.num_attention_heads * text.rope_parameters.get("partial_rotary_factor", 1))
+    # a token: the final norm's fp32 input, M-RoPE's cos, sin; full: its output, lm_head's input. Logits stay till
+    # the next micro-batch; a frozen lm_head (LoRA): the CPU's bmm copies it per sample
     outside, logits = tokens * (4 * h + (0 if lora_rank else 2 * d * h) + 2 * rotary * d), rows * d * V
     head_copy, held = 0 if head_trainable else samples * V * h * d, kept + outside + logits
     s = state_bytes(sum(tensors), total_params, state, adapters=lora_rank > 0)
@@ -2510,15 +2510,15 @@ def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, c
                "forward_logits": held + rows * 24 * V}  # log_softmax (4 V) + the entropy monitor (5 x 4 V)
     backward = max(held + rows * 12 * V,  # the fp32 gradient chain of gather and log_softmax
                    held + logits + head_copy, kept + logits + layer if checkpointing else 0)  # ckpt: 1 recomputed
-    # AdamW's step: an exp_avg_sq copy of all parameters (foreach, CUDA's default), or the 2 largest (CPU)
+    # AdamW's step: exp_avg_sq copies of all (foreach, CUDA's default) or the 2 largest parameters (CPU)
     phases = {**forward, "backward": max(backward + head_trainable * state, s["grads"] + logits),
               "step": s["grads"] + state * (sum(tensors) if foreach else 2 * max(tensors))}
     return {**s, **phases, "activations": max(*forward.values(), backward), "peak": max(phases.values())}
 
 
 def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
-    """No-grad vae.decode's peak: up block i runs at H W / 4^(last - i), its first resnet holding input (block i-1's
-    channels), norm1's and SiLU's outputs: 3 x channels x pixels (3 GiB an image at 1024^2)."""
+    """No-grad vae.decode's peak: up block i runs at H W / 4^(last - i), its first resnet holding its input, norm1's
+    and SiLU's outputs: 3 x channels (block i-1's) x pixels (3 GiB an image at 1024^2)."""
     channels, last = vae.config.block_out_channels[::-1], len(vae.config.block_out_channels) - 1
     return 3 * bytes_per * images * max(channels[max(i - 1, 0)] * height * width // 4 ** (last - i)
                                         for i in range(last + 1))
@@ -2526,33 +2526,33 @@ def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
 
 def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=False, gpus=(), ranks=(64, 16),
                 mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0, dit_rank=64):
-    """--plan's rows ("ar", "dit"; columns + "half": its bytes) on 1 and each K of `gpus` GPUs (`batch` / K samples
-    each), per mode (full, LoRA `ranks` / `dit_rank`, fsdp), without and with checkpointing."""
+    """--plan's rows ("ar", "dit"; columns + "half": its bytes) on 1 and K of `gpus` GPUs (`batch` / K samples each),
+    per mode (full, LoRA `ranks` / `dit_rank`, fsdp), without and with checkpointing."""
     ar, config, d, batch = components["ar"], components["dit"].config, WEIGHT_BYTES, batch or samples
     text, counts = ar.config.text_config, {name: numel(m) for name, m in components.items()}
     frozen = {name: d * counts[name] for name in ("dit", "glyph_t5", "vae")}
     prompt_len, generated = ar_sequence(mode, height, width, prompt_tokens, image_processor)
     hidden, patches = config.num_attention_heads * config.attention_head_dim, (height // 16) * (width // 16)
-    # i2i: write_source_caches' K, V per layer and prompt, alive while the DiT samples and through its backward
+    # i2i: write_source_caches' K, V per layer and prompt, alive through the DiT's sampling and backward
     source_kv = prompts * config.num_layers * 2 * patches * hidden * d if mode == "i2i" else 0
     kv_cache = (prompt_len + generated) * text.num_hidden_layers * 2 * text.num_key_value_heads * text.hidden_size \
         // text.num_attention_heads * d
     decode = vae_decode_bytes(components["vae"], height, width, 1)
 
     def half(name, mode, k, checkpointing):
-        """A trained half on a GPU of k. DDP: all weights; fsdp: state / K, gathered in bf16 the root through backward,
-        2 layers (prefetch), all to sample, a layer's reduce 2 + 4 B. Unseen: copy-outs, reference pass, slack."""
+        """A trained half on a GPU of k. DDP: all weights; fsdp: state / K, bf16 gathers (the root through backward, 2
+        layers, all to sample), reduce 2 + 4 B a layer's. Unseen: copy-outs, reference pass, slack."""
         micro, fsdp, rank, gathered = min(samples, batch // k), mode == "fsdp", int(mode[5:] or 0), 0
         trained = trainable_tensors(components[name], rank, LORA_TARGETS if name == "ar" else DIT_LORA_TARGETS)
         state = state_bytes(sum(trained), counts[name], d if mode == "full" else FP32_BYTES, k if fsdp else 1,
                             rank > 0, beta > 0 and not rank)
-        if name == "ar":    # sampling: generate's KV cache of the GPU's samples, or pi_old's pass over a micro-batch
+        if name == "ar":    # sampling: generate's KV cache of the GPU's samples, or pi_old's pass on a micro-batch
             sampling = max(batch // k * kv_cache, micro * generated * text.vision_vocab_size * 10)  # (10 B a logit)
             head = 0 if rank else numel(ar.model.language_model.norm) + numel(ar.lm_head)  # trained in full
             u = ar_update_bytes(text, micro, prompt_len, generated, rank, checkpointing, () if fsdp else trained, head)
             activations, backward = (u["peak"], 0) if fsdp else (u["activations"], u["peak"] - u["grads"])
-        else:   # a denoising step's micro-batch: ~30 x hidden per block and token (x2 CFG, 64 text tokens), guessed,
-            sampling = source_kv // k       # + the GPU's source caches; backward: the largest frozen part in its turn
+        else:   # a denoising step's micro-batch: ~30 x hidden a block and token (x2 CFG, 64 text tokens), guessed,
+            sampling = source_kv // k       # + the GPU's source caches; backward: the largest frozen part in turn
             blocks = config.num_layers + 30 if checkpointing else config.num_layers * 30
             activations = blocks * (patches + 64) * micro * (2 if cfg else 1) * hidden * d + sampling
             backward = max(frozen["glyph_t5"], frozen["vae"]) + max(activations, state["grads"])
@@ -2565,7 +2565,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
 
     def peaks(halves, beside=0, offloaded=0):
         """(update, sampling, overall) peaks of `halves` trained in turn: resident + `beside` + the max of AdamW's
-        step, half i's backward beside grads so far, sampling, an `offloaded` part's turn (beside all grads)."""
+        step, half i's backward + grads so far, sampling, an `offloaded` part's turn + all grads."""
         resident = beside + sum(h["weights"] + h["adam"] + h["reference"] for h in halves)
         grads = [h["grads"] for h in halves]
         update = max(2 * sum(grads), *(sum(grads[:i + 1]) + h["backward"] for i, h in enumerate(halves)))
@@ -2582,7 +2582,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         if name == "ar":
             return {**r, **dict(zip(("update peak", "sampling peak", "peak, offload"), peaks([h], 0, turn(*frozen)))),
                     "peak, no offload": peaks([h], sum(frozen.values()), max(working.values()))[2]}
-        # 'dit' beside the frozen AR whole; 'both' trains the AR too: sharded, or its first mode checkpointed
+        # 'dit': beside the frozen AR; 'both' trains the AR too: sharded, or its first mode checkpointed
         a = half("ar", mode, k, checkpointing) if mode == "fsdp" else \
             half("ar", f"lora-{ranks[0]}" if ranks else "full", k, True)
         return {**r, "peak, dit": peaks([h], d * counts["ar"], turn("glyph_t5", "vae"))[2],
@@ -2603,8 +2603,8 @@ def plan_of_run(args):
 
 
 def plan_options(args, rows, counts):
-    """The run's table's rows as runs: [(flags changed, row, peak)], fewest changes first, then smallest; the first
-    is the run's own (--fsdp: on --plan-gpus' first K; --offload off unless given)."""
+    """The run's table as runs [(flags changed, row, peak)], fewest changes then smallest first, the run's own
+    first (--fsdp: on --plan-gpus' first K; --offload off unless given)."""
     ar, fsdp, no = args.policy == "ar", args.fsdp and bool(args.plan_gpus), lambda on: "no " * (not on)
     rank, flag = (args.lora_rank, "--lora-rank") if ar else (args.dit_lora_rank, "--dit-lora-rank")
     mine = ("fsdp" if fsdp else f"lora-{rank}" if rank else "full", args.gradient_checkpointing,
@@ -2635,25 +2635,25 @@ def print_memory_plan(args):
     count, count_name = (1e6, "M") if max(counts.values()) >= 1e8 else (1e3, "k")  # the tiny model: MiB, thousands
     size = lambda n: f"{n / unit:.1f} {unit_name}"
     print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count:,.1f} {count_name}" for k, v in counts.items()))
-    source = f" incl. the source's {prompt_len - 66} VQ tokens" if i2i else ""  # 64 text, image start and end
+    source = f" incl. the source's {prompt_len - 66} VQ tokens" * i2i  # 64 text, image start and end
     kl, cfg = ", KL reference copy for full fine-tuning" * (args.beta > 0), "on" if args.guidance_scale > 1 else "off"
     print(f"--mode {args.mode}: {prompts} x {G} samples (prompts x G) of {prompt_len + generated} tokens ({prompt_len} "
           f"prompt{source} + {generated} generated, {args.height}x{args.width}), micro-batches of "
           f"{args.micro_batch_size or G}; estimates in {unit_name} per GPU of K ({prompts} / K groups each){kl}; "
-          f"counted: the VAE's decode, one image at a time ({size(terms['decode'])})" + (
-              f", the DiT's {prompts} source KV caches, one per prompt ({size(terms['source_kv'])})" if i2i else ""))
+          f"counted: the VAE's decode, one image at a time ({size(terms['decode'])})"
+          + f", the DiT's {prompts} source KV caches, one per prompt ({size(terms['source_kv'])})" * i2i)
     titles = ["AR (--policy ar); " + ("fsdp: --fsdp, 16 bytes per trained parameter / K, the bf16 root + 2 layers "
               "gathered" if args.plan_gpus else "--plan-gpus K adds the rows on K GPUs, and --fsdp's"),
               f"\nDiT (Flow-GRPO, --policy dit|both), CFG {cfg}; 'both' trains the AR's lora-{args.lora_rank or 64} "
               "too (fsdp: sharded)" + "; activations incl. the source KV caches" * i2i]
     options = plan_options(args, rows, counts)
-    for title, table in zip(titles, rows.values()):  # markdown: mode, grad ckpt, GPUs, micro-batch, trainable, bytes
+    for title, table in zip(titles, rows.values()):
         columns = [key for key in table[0] if key != "half"]
         print(title + "\n| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
         for r in table:
-            print("| " + " | ".join(map(str, [r[columns[0]] + " (this run)" * (r is options[0][1]), "yes" if r[
-                "grad ckpt"] else "no", r["GPUs"], r["micro-batch"], f"{r['trainable'] / count:.1f} {count_name}",
-                *(f"{r[c] / unit:.1f}" for c in columns[5:])])) + " |")
+            print("| " + " | ".join(map(str, [r[columns[0]] + " (this run)" * (r is options[0][1]),
+                  ("no", "yes")[r["grad ckpt"]], r["GPUs"], r["micro-batch"],
+                  f"{r['trainable'] / count:.1f} {count_name}", *(f"{r[c] / unit:.1f}" for c in columns[5:])])) + " |")
     free = (args.plan_gpu_memory or 0) * 2 ** 30 or torch.cuda.is_available() and torch.cuda.mem_get_info()[0]
     fit = [f"{' '.join(changes)} ({size(peak)})" for changes, _, peak in options if peak <= free][:3]
     verdict = "fits" if options[0][-1] <= free else f"does not fit; it fits with {'; '.join(fit)}" if fit else \
@@ -2687,8 +2687,8 @@ def save_trained_pipeline(pipe, args):
 @torch.no_grad()
 def generate_images(pipe, prompts, sources=None, height=None, width=None, num_inference_steps=None,
                     guidance_scale=None, temperature=None, seed=0):
-    """A PIL image per prompt (an edit of its PIL source, if given) from the saved policy; prompt k's tokens and noise
-    seeded by (seed, k). Unset: the decode `pipe` trained at (else 64, 64, 4, 1) and its temperature."""
+    """A PIL image per prompt (an edit of its PIL source, if given), prompt k's seeded by (seed, k). Unset: the
+    decode `pipe` trained at (else 64, 64, 4, 1), its temperature."""
     trained = getattr(pipe.vision_language_encoder.generation_config, "trained_decode", {})  # save_trained_pipeline's
     height, width = height or trained.get("height", 64), width or trained.get("width", 64)
     num_inference_steps = num_inference_steps or trained.get("num_inference_steps", 4)
@@ -2706,7 +2706,7 @@ def generate_images(pipe, prompts, sources=None, height=None, width=None, num_in
     images = []
     for k, (prompt, latents) in enumerate(zip(prompts, noise.split(1))):
         source = sources and sources[k: k + 1]
-        # sample_groups and decode_images: pipe(prompt, image=[source]) fails (diffusers 0.42.1, transformers 5)
+        # not pipe(prompt, image=[source]): it fails (diffusers 0.42.1, transformers 5)
         rollout = sample_groups(pipe, [prompt], 1, sampling, height, width, "target", source,
                                [seeded(seed, "generate", 0, k, pipe.vision_language_encoder.device)])
         images.append(decode_images(pipe, [prompt], source, rollout, latents, num_inference_steps, guidance_scale))
@@ -2729,11 +2729,11 @@ def main(argv=None):
             print(f"error: {f'rank {rank()}: ' if e.local and world_size() > 1 else ''}{e}", file=sys.stderr)
         sys.exit(2)
     except Exception as e:
-        # CUDA raises torch.OutOfMemoryError, the CPU allocator a RuntimeError
+        # CUDA: torch.OutOfMemoryError; the CPU allocator: a RuntimeError
         if isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e):
             print(f"error: out of memory with {args.prompts_per_step} prompts x {args.group_size} samples per step "
                   f"(micro-batch {args.micro_batch_size}): lower --micro-batch-size, --group-size or --prompts-per-step"
-                  f", or add --gradient-checkpointing; the checkpoints in {args.out} are intact", file=sys.stderr)
+                  f", or add --gradient-checkpointing; checkpoints in {args.out} are intact", file=sys.stderr)
         elif collective_failed(e):
             print(f"error: rank {rank()} lost contact with the other processes ({str(e).splitlines()[0][:160]}): "
                   f"one died or hung past --dist-timeout; its own output says why", file=sys.stderr)
@@ -2747,5 +2747,5 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-    # DDP/FSDP state outlives destroy_process_group; freed at exit, gloo threads lack the GIL: SIGABRT (PR 179291)
+    # DDP/FSDP state outlives destroy_process_group; at exit gloo threads lack the GIL: SIGABRT (PR 179291)
     gc.collect()
