@@ -2415,7 +2415,7 @@ def training_state(model, optimizer, loaded=None):
 # ==== 23. Memory plan for the real GLM-Image (arithmetic on the real configs, meta device) ========
 # --plan: a GPU's bytes, no download. Checked: README, Measurements; the DiT's are estimates.
 WEIGHT_BYTES, FP32_BYTES = 2, 4
-# GLM-Image's public image-processor config (the tiny model's min_pixels differs)
+# GLM-Image's image-processor config (the tiny model's min_pixels differs)
 REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, min_pixels=512**2, max_pixels=2048**2)
 
 
@@ -2502,7 +2502,7 @@ def ar_update_bytes(text, samples, prompt_tokens, generated, lora_rank, checkpoi
     kept = text.num_hidden_layers * (d * h * tokens if checkpointing else layer)  # ckpt: layer inputs
     rotary = int(h // text.num_attention_heads * text.rope_parameters.get("partial_rotary_factor", 1))
     # a token: the final norm's fp32 input, M-RoPE's cos, sin; full: its output, lm_head's input. Logits stay till
-    # the next micro-batch; a frozen lm_head (LoRA): the CPU's bmm copies it per sample
+    # the next micro-batch; a frozen lm_head (LoRA): the CPU's bmm copies it a sample
     outside, logits = tokens * (4 * h + (0 if lora_rank else 2 * d * h) + 2 * rotary * d), rows * d * V
     head_copy, held = 0 if head_trainable else samples * V * h * d, kept + outside + logits
     s = state_bytes(sum(tensors), total_params, state, adapters=lora_rank > 0)
@@ -2679,7 +2679,7 @@ def save_trained_pipeline(pipe, args):
     print(f"writing the trained pipeline to {final} ...", flush=True)
     try:
         pipe.save_pretrained(partial)
-        os.replace(partial, final)  # onto nothing, or the empty directory validate_args allows
+        os.replace(partial, final)  # onto nothing or the empty directory validate_args allows
     finally:
         shutil.rmtree(partial, ignore_errors=True)
 
