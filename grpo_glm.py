@@ -2078,45 +2078,43 @@ class Resume:
 
 
 # ==== 21. The tiny model's renderer: pre-trained once on token mosaics, then cached ===============
-# `--model tiny`: GLM-Image at toy size, the real classes. Its AR stays random (what to paint is GRPO's to learn); its
-# renderer learns once (~15 s of CPU) that codebook id k paints colour k mod 8: many ids a colour, as a real codebook's.
+# `--model tiny`: toy GLM-Image, real classes; its AR random (what to paint is GRPO's to learn), its renderer trained
+# once (~15 s CPU): codebook id k paints colour k mod 8, many ids a colour as a real codebook's.
 
-TINY_CODEBOOK = 64                       # real: 16384
-TINY_VISION_VOCAB = TINY_CODEBOOK + 16   # real: 16512 (codebook + 128 special ids)
+TINY_CODEBOOK = 64  # real: 16384
+TINY_VISION_VOCAB = TINY_CODEBOOK + 16  # real: 16512 (codebook + 128 special ids)
 TINY_PALETTE = (torch.tensor(list(COLOURS.values()), dtype=torch.float32) / 255)[torch.arange(TINY_CODEBOOK) % 8]
-# A chat template: get_rope_index gives a source image 2-D positions by its start and end (a bare <|image|>: text's)
+# get_rope_index gives a source image 2-D positions by its start and end tokens (a bare <|image|>: text's)
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{{ '<|dit_token_16384|><|image|>"
                       "<|dit_token_16385|>' if c['type'] == 'image' else c['text'] }}{% endfor %}{% endfor %}")
 TINY_RENDERER = dict(dit_steps=800, dit_lr=3e-3, batch=8, dit_grids=((2, 2), (3, 3), (4, 4), (3, 2)), inference_steps=4)
 
 
 def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
-    """Toy-size GLM-Image (library configs), seeded, eval mode, DiT untrained. mosaic_ar: --model tiny's AR;
-    ar_init_range > 0.02 sharpens logits (bad M-RoPE positions show in log-probs)."""
+    """Toy GLM-Image, seeded, eval, DiT untrained. mosaic_ar: --model tiny's AR; ar_init_range > 0.02: sharper
+    logits (bad M-RoPE positions show)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, GlmImagePipeline, GlmImageTransformer2DModel
     from tokenizers import Tokenizer, models
     from transformers import (ByT5Tokenizer, GlmImageConfig, GlmImageForConditionalGeneration, GlmImageProcessor,
                               GlmImageImageProcessorPil, PreTrainedTokenizerFast, T5Config, T5EncoderModel)
-
     torch.manual_seed(seed)
-    # Character-level (BPE, no merges); the bos '<|dit_token_16384|>' is image_start_token_id too, as the real one
-    image_ids = [*range(TINY_CODEBOOK), *range(16384, 16384 + TINY_VISION_VOCAB - TINY_CODEBOOK)]
+    # character-level BPE; bos '<|dit_token_16384|>' is image_start_token_id too, as the real one's
+    ids = [*range(TINY_CODEBOOK), *range(16384, 16384 + TINY_VISION_VOCAB - TINY_CODEBOOK)]
     specials = {"image_token": "<|image|>", "grid_bos_token": "<sop>", "grid_eos_token": "<eop>"}
-    names = [f"<|dit_token_{i}|>" for i in image_ids] + [*map(chr, range(32, 127)), *specials.values()]
-    names += ["<pad>", "<unk>"]
+    names = [*(f"<|dit_token_{i}|>" for i in ids), *map(chr, range(32, 127)), *specials.values(), "<pad>", "<unk>"]
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.BPE({t: i for i, t in enumerate(names)}, merges=[], unk_token="<unk>")),
         bos_token=names[TINY_CODEBOOK], eos_token=names[TINY_CODEBOOK + 1], pad_token="<pad>", padding_side="left",
         extra_special_tokens=specials)
-    # The real min_pixels 512^2 would upscale a small source the pipeline VAE-encodes at its own size.
+    # the real min_pixels 512^2 would upscale a small source (VAE-encoded at its size)
     image_processor = GlmImageImageProcessorPil(**dict(REAL_IMAGE_PROCESSOR, min_pixels=32 * 32),
                                                 image_mean=[0.5] * 3, image_std=[0.5] * 3)
     ar = GlmImageForConditionalGeneration(GlmImageConfig(
-        text_config=dict(  # pad_token_id: the default 167841 is outside the vocabulary
+        text_config=dict(  # pad_token_id: the default 167841 is out of vocabulary
             vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=2048, initializer_range=ar_init_range,
             vision_vocab_size=TINY_VISION_VOCAB, eos_token_id=TINY_CODEBOOK + 1, pad_token_id=tokenizer.pad_token_id,
-            # mosaic AR: at theta 1e4 (4 rotary frequencies) a grid row turns 0.01 rad, a column 0.001: too little
+            # mosaic AR: at theta 1e4 (4 frequencies) a grid row turns 0.01 rad, a column 0.001
             rope_parameters={"rope_type": "default", "rope_theta": 4.0 if mosaic_ar else 10000.0,
                              "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5}),
         vision_config=dict(depth=1, hidden_size=32, num_heads=2, image_size=64, intermediate_size=32),
@@ -2124,17 +2122,17 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
         image_token_id=tokenizer.convert_tokens_to_ids("<|image|>"), image_start_token_id=TINY_CODEBOOK,
         image_end_token_id=TINY_CODEBOOK + 1)).eval()
     if mosaic_ar:
-        # At init the random token before a cell sets its logits (its embedding dominates 2 layers): GRPO learns one
-        # colour for all. Equal image-token embeddings and q/k x16 (sharp attention) let lm_head tell cells apart.
+        # else a cell's logits follow the random token before it: GRPO learns one colour for all. Equal image-token
+        # embeddings, q/k x16 (sharp attention) let lm_head tell cells apart
         with torch.no_grad():
             image_embeddings = ar.model.language_model.embed_tokens.weight[:TINY_VISION_VOCAB]
             image_embeddings[:] = image_embeddings.mean(0)
             for layer in ar.model.language_model.layers:
                 layer.self_attn.q_proj.weight.mul_(16.0)
                 layer.self_attn.k_proj.weight.mul_(16.0)
-    # T5 from a config is in train mode: dropout would vary a prompt's embedding
+    # a T5 from a config is in train mode: dropout varies a prompt's embedding
     text_encoder = T5EncoderModel(T5Config(vocab_size=384, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2))
-    # patch 2 x VAE 8 = 16 px per DiT token: the AR's 32-px tokens are upsampled 2x, as the real model's
+    # patch 2 x VAE 8 = 16 px a DiT token: the AR's 32-px tokens upsampled 2x, as the real model's
     transformer = GlmImageTransformer2DModel(in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16,
                                              num_attention_heads=2, text_embed_dim=32, time_embed_dim=16,
                                              condition_dim=8, prior_vq_quantizer_codebook_size=TINY_CODEBOOK)
@@ -2147,11 +2145,9 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
 
 
 def random_mosaics(batch, grid_hw, generator, cell=32):
-    """(grids [batch, H*W], mosaics [batch, 3, H*cell, W*cell] in [0, 1]: cells in their token's colour), each of
-    1, 2, 4 or all ids (uniform fields and two-colour shapes as familiar to the renderer as confetti)."""
+    """(grids [batch, H*W], mosaics [batch, 3, H*cell, W*cell] in [0, 1]: cells in their token's colour)."""
     H, W = grid_hw
-
-    def grid():  # k codebook ids, each cell one of them
+    def grid():  # 1, 2, 4 or all ids, a cell one of them: uniform fields, two-colour shapes, confetti
         k = [1, 2, 4, TINY_CODEBOOK][int(torch.randint(4, (1,), generator=generator))]
         return torch.randperm(TINY_CODEBOOK, generator=generator)[:k][torch.randint(k, (H * W,), generator=generator)]
     tokens = torch.stack([grid() for _ in range(batch)])
@@ -2160,8 +2156,8 @@ def random_mosaics(batch, grid_hw, generator, cell=32):
 
 
 def colour_vae(carrier=32.0):
-    """A tiny AutoencoderKL whose decoder paints latent channels 0-2 upsampled 8x, set by hand (GroupNorm erases
-    absolute colour; training stalls): weights 0 (residuals off); a (+carrier, -carrier) pair keeps the mean 0."""
+    """An AutoencoderKL whose decoder paints latent channels 0-2 upsampled 8x, set by hand (GroupNorm erases absolute
+    colour: training stalls): weights 0 (residuals off), a (+carrier, -carrier) pair keeps the mean 0."""
     from diffusers import AutoencoderKL
     vae = AutoencoderKL(block_out_channels=(8,) * 4, down_block_types=["DownEncoderBlock2D"] * 4,
                         up_block_types=["UpDecoderBlock2D"] * 4, norm_num_groups=1, use_post_quant_conv=False,
@@ -2202,43 +2198,41 @@ def train_tiny_renderer(seed, settings):
 
 
 def tiny_cache():
-    return Path(os.environ.get("GRPO_GLM_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-                / "grpo_glm")
+    return Path(os.getenv("GRPO_GLM_CACHE") or Path(os.getenv("XDG_CACHE_HOME") or Path.home() / ".cache", "grpo_glm"))
 
 
 def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
-    """`--model tiny`'s directory, keyed by all that shapes it, built once, saved as a checkpoint is (section 24)."""
-    code = [inspect.getsource(f) for f in (build_tiny_pipeline, colour_vae, random_mosaics, train_tiny_renderer,
-                                            dit_schedule, dit_condition, dit_velocity, write_source_caches,
-                                            policy_generation_config, SamplingParams)]
-    key = [seed, settings, code, TINY_VISION_VOCAB, TINY_PALETTE.tolist(), TINY_CHAT_TEMPLATE, REAL_IMAGE_PROCESSOR,
+    """`--model tiny`'s directory (a saved pipeline), keyed by all that shapes it, built once."""
+    key = [seed, settings, [*map(inspect.getsource, (build_tiny_pipeline, colour_vae, random_mosaics, dit_schedule,
+           train_tiny_renderer, dit_condition, dit_velocity, write_source_caches, policy_generation_config,
+           SamplingParams))], TINY_VISION_VOCAB, TINY_PALETTE.tolist(), TINY_CHAT_TEMPLATE, REAL_IMAGE_PROCESSOR,
            *(importlib.import_module(m).__version__ for m in ("torch", "diffusers", "transformers"))]
     root = tiny_cache()
     final = root / f"tiny-seed{seed}-{hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:16]}"
     for library in ("diffusers", "transformers"):  # no loading bars: a toy loads at once
         importlib.import_module(f"{library}.utils.logging").disable_progress_bar()
     root.mkdir(parents=True, exist_ok=True)
-    with FileLock(root / f".{final.name}.lock"):  # a second run waits here (released if the process dies)
-        if not final.is_dir():  # built neither before nor by the run we waited for
+    with FileLock(root / f".{final.name}.lock"):  # a second run waits (freed if the process dies)
+        if not final.is_dir():  # built neither before nor by the run waited for
             start = time.time()
             print(f"building --model tiny (seed {seed}): {settings['dit_steps']} DiT steps ...", end=" ", flush=True)
             pipe, loss = train_tiny_renderer(seed, settings)
-            partial = root / f".{final.name}.tmp"  # a killed save's leftover: replaced, never loaded
+            partial = root / f".{final.name}.tmp"  # a killed save's is replaced, never loaded
             shutil.rmtree(partial, ignore_errors=True)
             pipe.save_pretrained(partial)
-            os.rename(partial, final)  # atomic: only a finished build is ever final
+            os.rename(partial, final)  # atomic: only a finished build is final
             print(f"done in {time.time() - start:.0f} s (flow-matching loss {loss:.4f}), cached in {final}", flush=True)
     return final
 
 
 # ==== 22. More GPUs: torchrun data parallel (DDP) and sharding (--fsdp) ===========================
-# torchrun --nproc_per_node K: a rank samples, rewards and standardises whole groups (DanceGRPO); only mean gradients
-# and a few scalars cross ranks; rank 0 writes files. 1 and K processes sample alike, train alike up to sums' order.
+# torchrun --nproc_per_node K: a rank samples, rewards, standardises whole groups (DanceGRPO); mean gradients and a
+# few scalars cross ranks; rank 0 writes. 1 and K processes sample alike, train alike up to sums' order.
 
 @functools.cache  # swapped once a process
 def float64_throughout():
-    """--dtype float64: GlmImageRMSNorm and diffusers' apply_rotary_emb round to fp32 (1 vs 2 processes: 1e-9 apart)."""
-    import diffusers.models.embeddings as embeddings
+    """--dtype float64: GlmImageRMSNorm and diffusers' apply_rotary_emb round to fp32 (1 vs 2 processes 1e-9 apart)."""
+    from diffusers.models import embeddings
     from transformers.models.glm_image.modeling_glm_image import GlmImageRMSNorm
     def rms_norm(self, x):
         wide = at_least_fp32(x)
@@ -2250,12 +2244,11 @@ def float64_throughout():
         cos, sin = (f.to(x.device)[None, :, None, :] for f in freqs_cis)  # the DiT's x: [B, S, heads, D]
         x_real, x_imag = x.reshape(*x.shape[:-1], 2, -1).unbind(-2)  # its use_real_unbind_dim=-2: halves
         return x * cos + torch.cat([-x_imag, x_real], dim=-1) * sin
-
     embeddings.apply_rotary_emb, GlmImageRMSNorm.forward = rotary, rms_norm
 
 
 def init_distributed(args):
-    """torchrun's gloo or nccl group: a dead or hung rank makes the others raise after --dist-timeout."""
+    """torchrun's gloo or nccl group: a dead or hung rank makes the others raise at --dist-timeout."""
     if world_size() > 1:
         if args.device == "cuda":
             args.device = f"cuda:{os.environ['LOCAL_RANK']}"
@@ -2264,12 +2257,12 @@ def init_distributed(args):
                                 timeout=datetime.timedelta(seconds=args.dist_timeout))
 
 
-def rank():  # torchrun's environment, readable before the group is joined
-    return int(os.environ.get("RANK", "0"))
+def rank():  # torchrun's, readable before joining the group
+    return int(os.getenv("RANK", "0"))
 
 
 def world_size():
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return int(os.getenv("WORLD_SIZE", "1"))
 
 
 def unwrap(model):
@@ -2288,12 +2281,12 @@ def max_over_ranks(value):
 
 
 def all_ranks_agree(flag):
-    """`flag` on every rank? Choices of collectives to come (skip an update, stop) are made together, or one hangs."""
+    """`flag` on every rank? Ranks choose collectives (skip an update, stop) together, or one hangs."""
     return all(from_every_rank(bool(flag)))
 
 
 def reduce_metrics(row):
-    """A metrics row averaged over ranks (a *_max: the max): ranks hold equal samples, so means average."""
+    """A metrics row averaged over ranks (*_max: maxed): ranks hold equal samples, so means average."""
     rows = from_every_rank(row)
     return {k: type(v)((max if k.endswith("_max") else np.mean)([float(r[k]) for r in rows])) for k, v in row.items()}
 
@@ -2304,8 +2297,8 @@ def collective_failed(error):
 
 
 def distribute(model, params, args, reference=None):
-    """-> (the training forward, AdamW's params). DDP: backward averages gradients. --fsdp (FSDP2) shards `model`
-    and its KL `reference`: a rank keeps 1/K of each weight, gradient, moment; gathers a unit (layer, root) to run."""
+    """-> (training forward, AdamW's params). DDP: backward averages gradients. --fsdp (FSDP2): a rank keeps 1/K of
+    each weight, gradient, moment of `model` and its KL `reference`, gathers a unit (layer, root) to run."""
     if not dist.is_initialized():
         return model, params
     if not args.fsdp:
@@ -2336,7 +2329,7 @@ def fsdp_units(model):  # [] if not sharded
 
 @contextlib.contextmanager
 def whole_weights(model):
-    """Whole weights to sample and in no-grad passes (else each decode step gathers every layer) -> sharded?"""
+    """Whole weights to sample and in no-grad passes (else each decode step gathers all) -> sharded?"""
     units = fsdp_units(model)
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
@@ -2350,8 +2343,7 @@ def whole_weights(model):
 
 
 def training_state(model, optimizer, loaded=None):
-    """All ranks: (trained weights, AdamW state) by name, whole on rank 0's CPU (others: empty); or loads `loaded`,
-    such a pair of any world size (--fsdp: into each rank's shards). No buffers."""
+    """All ranks: (trained weights, AdamW state) whole on rank 0's CPU (others: {}), or loads one (any world size)."""
     from torch.distributed.checkpoint import state_dict as dsd
     whole = dsd.StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True, strict=False)
     if loaded is None:
@@ -2360,18 +2352,17 @@ def training_state(model, optimizer, loaded=None):
 
 
 # ==== 23. Memory plan for the real GLM-Image (arithmetic on the real configs, meta device) ========
-# --plan: the bytes one GPU holds, without a download. Checked: README, Measurements; the DiT's are estimates.
+# --plan: a GPU's bytes, no download. Checked: README, Measurements; the DiT's are estimates.
 WEIGHT_BYTES, FP32_BYTES = 2, 4
-# GLM-Image's public image-processor config (the tiny model's min_pixels differs)
+# GLM-Image's image-processor config (the tiny model's min_pixels differs)
 REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, min_pixels=512**2, max_pixels=2048**2)
 
 
 def plan_components(model, seed=0):
-    """(components, image processor) of --model: the tiny model, or on meta a saved pipeline's or GLM-Image's."""
+    """(components, image processor) of --model: the tiny model, or on meta a saved pipeline or GLM-Image."""
     from diffusers import AutoencoderKL, GlmImageTransformer2DModel
     from transformers import (AutoConfig, GlmImageConfig, GlmImageForConditionalGeneration, GlmImageImageProcessorPil,
                               T5Config, T5EncoderModel)
-
     if model == TINY:
         pipe = build_tiny_pipeline(seed, mosaic_ar=True)
         return ({"ar": pipe.vision_language_encoder, "dit": pipe.transformer, "glyph_t5": pipe.text_encoder,
@@ -2399,8 +2390,8 @@ def numel(module):
 
 
 def ar_sequence(mode, height, width, prompt_tokens=64, image_processor=None):
-    """(prompt, L) tokens of one AR sample (section 4): the (H/32) x (W/32) grid + 1 end slot; t2i adds a ~16x16
-    preview (GlmImageProcessor._get_target_shape), i2i's prompt the source's VQ tokens + image start and end."""
+    """(prompt, L) tokens of an AR sample: the (H/32) x (W/32) grid + an end slot; t2i + a ~16x16 preview
+    (GlmImageProcessor._get_target_shape), i2i's prompt + the source's VQ tokens, image start and end."""
     from transformers import GlmImageImageProcessorPil
     grid = (height // 32) * (width // 32) + 1
     if mode == "t2i":
@@ -2411,8 +2402,7 @@ def ar_sequence(mode, height, width, prompt_tokens=64, image_processor=None):
 
 
 def trainable_tensors(model, lora_rank, targets=LORA_TARGETS):
-    """Numels add_lora trains: A [r, in] and B [out, r] on each Linear named *.target (peft's match; the AR's vision
-    parts have none of LORA_TARGETS); rank 0: all but the AR's vision encoder and VQ (prepare_policy)."""
+    """Trained numels: add_lora's A [r, in], B [out, r] per Linear *.target; rank 0: all but the AR's visual and VQ."""
     if not lora_rank:
         return [p.numel() for name, p in model.named_parameters() if not name.startswith(("model.visual.", "model.vq"))]
     return [n for name, m in model.named_modules()
@@ -2421,54 +2411,53 @@ def trainable_tensors(model, lora_rank, targets=LORA_TARGETS):
 
 
 def state_bytes(trained, total, state, shard=1, adapters=False, reference=False):
-    """Bytes between updates per GPU of `shard` (--fsdp): `total` bf16 weights but the `trained` (LoRA: `adapters`,
-    added) in `state` bytes, as their grads and AdamW's 2 moments; a KL `reference` copy."""
+    """A GPU of `shard`'s bytes between updates: `total` bf16 weights, the `trained` (`adapters`: added) in `state`
+    bytes, their grads and AdamW's 2 moments; a KL `reference` copy."""
     weights = WEIGHT_BYTES * (total if adapters else total - trained) + state * trained
     return {"weights": weights / shard, "grads": state * trained / shard, "adam": 2 * state * trained / shard,
             "reference": WEIGHT_BYTES * total / shard if reference else 0}
 
 
-def layer_activation_bytes(text_config, lora_rank=0, bytes_per=WEIGHT_BYTES):
-    """Bytes one decoder layer keeps per token for its backward (SDPA, flash on CUDA and CPU: no length^2 matrix)."""
-    h, i, heads = text_config.hidden_size, text_config.intermediate_size, text_config.num_attention_heads
-    kv, d, a = text_config.num_key_value_heads * h // heads, bytes_per, FP32_BYTES
-    kept = (d * (2 * h + 2 * kv + 3 * i)        # q, k, v after RoPE, SDPA's output; gate_up's output, SiLU's
-            + 4 * heads + 4 * (4 * h + 4))      # SDPA's log-sum-exp; the 4 RMSNorms' fp32 inputs and 1 / rms
-    if not lora_rank:                           # the norms' normalised values; inputs of q/k/v, o, gate_up, down
+def layer_activation_bytes(text, lora_rank=0, bytes_per=WEIGHT_BYTES):
+    """Bytes a decoder layer keeps per token for backward (SDPA, flash on CUDA and CPU: no length^2 matrix)."""
+    h, i, heads = text.hidden_size, text.intermediate_size, text.num_attention_heads
+    kv, d, a = text.num_key_value_heads * h // heads, bytes_per, FP32_BYTES
+    kept = (d * (2 * h + 2 * kv + 3 * i)    # q, k, v after RoPE, SDPA's output; gate_up's output, SiLU's
+            + 4 * heads + 4 * (4 * h + 4))  # SDPA's log-sum-exp; the 4 RMSNorms' fp32 inputs and 1 / rms
+    if not lora_rank:                       # the norms' normalised values; inputs of q/k/v, o, gate_up, down
         return kept + d * (7 * h + i)
-    # the adapters' inputs cast to fp32 (q, k, v each cast theirs; an fp32 model keeps the shared ones), A's outputs
+    # adapters' inputs cast to fp32 (q, k, v each theirs; an fp32 model keeps the shared ones), A's outputs
     return kept + a * (5 * h + i if d != a else 3 * h + i) + len(LORA_TARGETS) * a * lora_rank
 
 
-def ar_update_bytes(text_config, samples, prompt_tokens, generated, lora_rank, checkpointing, tensors=(),
+def ar_update_bytes(text, samples, prompt_tokens, generated, lora_rank, checkpointing, tensors=(),
                     head_trainable=0, total_params=0, foreach=True):
-    """The AR's state_bytes, each phase of one micro-batch's update, and their max "peak". `tensors`: the trained
-    numels; `head_trainable`: final norm + lm_head (0 under LoRA)."""
-    d, h, V, rows = WEIGHT_BYTES, text_config.hidden_size, text_config.vision_vocab_size, samples * generated
+    """The AR's state_bytes, each phase of a micro-batch's update, their max "peak". `tensors`: trained numels;
+    `head_trainable`: final norm + lm_head (0 under LoRA)."""
+    d, h, V, rows = WEIGHT_BYTES, text.hidden_size, text.vision_vocab_size, samples * generated
     state = FP32_BYTES if lora_rank else d  # gradients and moments: the parameters' dtype
     tokens = samples * (prompt_tokens + generated - 1)  # teacher-forced input: prompt + generated[:-1]
-    layer = layer_activation_bytes(text_config, lora_rank, d) * tokens
-    # checkpointing: each layer's input (d h per token), and one layer recomputed in full in backward
-    kept = text_config.num_hidden_layers * (d * h * tokens if checkpointing else layer)
-    rotary = int(h // text_config.num_attention_heads * text_config.rope_parameters.get("partial_rotary_factor", 1))
-    # per token: the final norm's fp32 input, M-RoPE's cos and sin; full: the norm's output, lm_head's input.
-    # The logits stay till the next micro-batch; a frozen lm_head (LoRA): the CPU's bmm copies it per sample
+    layer = layer_activation_bytes(text, lora_rank, d) * tokens
+    kept = text.num_hidden_layers * (d * h * tokens if checkpointing else layer)  # ckpt: layer inputs
+    rotary = int(h // text.num_attention_heads * text.rope_parameters.get("partial_rotary_factor", 1))
+    # a token: the final norm's fp32 input, M-RoPE's cos, sin; full: its output, lm_head's input. Logits stay till
+    # the next micro-batch; a frozen lm_head (LoRA): the CPU's bmm copies it a sample
     outside, logits = tokens * (4 * h + (0 if lora_rank else 2 * d * h) + 2 * rotary * d), rows * d * V
     head_copy, held = 0 if head_trainable else samples * V * h * d, kept + outside + logits
     s = state_bytes(sum(tensors), total_params, state, adapters=lora_rank > 0)
     forward = {"forward_model": held + max(head_copy, rows * 8 * V),  # token_logprobs' fp32 copy / temperature
                "forward_logits": held + rows * 24 * V}  # log_softmax (4 V) + the entropy monitor (5 x 4 V)
     backward = max(held + rows * 12 * V,  # the fp32 gradient chain of gather and log_softmax
-                   held + logits + head_copy, kept + logits + layer if checkpointing else 0)
-    # AdamW's step: an exp_avg_sq copy of all parameters (foreach, CUDA's default), or of the 2 largest (CPU)
+                   held + logits + head_copy, kept + logits + layer if checkpointing else 0)  # ckpt: 1 recomputed
+    # AdamW's step: exp_avg_sq copies of all (foreach, CUDA's default) or the 2 largest parameters (CPU)
     phases = {**forward, "backward": max(backward + head_trainable * state, s["grads"] + logits),
               "step": s["grads"] + state * (sum(tensors) if foreach else 2 * max(tensors))}
     return {**s, **phases, "activations": max(*forward.values(), backward), "peak": max(phases.values())}
 
 
 def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
-    """Peak of a no-grad vae.decode: up block i runs at H W / 4^(last - i); its first resnet holds its input (block
-    i - 1's channels, upsampled), norm1's and SiLU's outputs: 3 x channels x pixels (3 GiB an image at 1024^2)."""
+    """No-grad vae.decode's peak: up block i runs at H W / 4^(last - i), its first resnet holding its input, norm1's
+    and SiLU's outputs: 3 x channels (block i-1's) x pixels (3 GiB an image at 1024^2)."""
     channels, last = vae.config.block_out_channels[::-1], len(vae.config.block_out_channels) - 1
     return 3 * bytes_per * images * max(channels[max(i - 1, 0)] * height * width // 4 ** (last - i)
                                         for i in range(last + 1))
@@ -2476,38 +2465,36 @@ def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
 
 def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=False, gpus=(), ranks=(64, 16),
                 mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0, dit_rank=64):
-    """--plan's rows ("ar", "dit") keyed by their columns (+ "half": its bytes), on 1 GPU and on each K of `gpus`
-    (`batch` / K samples each), per mode (full, LoRA: `ranks`, `dit_rank`; fsdp), without and with checkpointing."""
+    """--plan's rows ("ar", "dit"; columns + "half": its bytes) on 1 and K of `gpus` GPUs (`batch` / K samples each),
+    per mode (full, LoRA `ranks` / `dit_rank`, fsdp), without and with checkpointing."""
     ar, config, d, batch = components["ar"], components["dit"].config, WEIGHT_BYTES, batch or samples
     text, counts = ar.config.text_config, {name: numel(m) for name, m in components.items()}
     frozen = {name: d * counts[name] for name in ("dit", "glyph_t5", "vae")}
     prompt_len, generated = ar_sequence(mode, height, width, prompt_tokens, image_processor)
     hidden, patches = config.num_attention_heads * config.attention_head_dim, (height // 16) * (width // 16)
-    # i2i: write_source_caches' K and V per layer and prompt, alive while the DiT samples and through its backward
+    # i2i: write_source_caches' K, V per layer and prompt, alive through the DiT's sampling and backward
     source_kv = prompts * config.num_layers * 2 * patches * hidden * d if mode == "i2i" else 0
     kv_cache = (prompt_len + generated) * text.num_hidden_layers * 2 * text.num_key_value_heads * text.hidden_size \
         // text.num_attention_heads * d
     decode = vae_decode_bytes(components["vae"], height, width, 1)
 
     def half(name, mode, k, checkpointing):
-        """A trained half on one GPU of k: DDP, all weights; --fsdp, state / K, and gathered in bf16 the root through
-        backward, 2 layers (prefetch), the whole to sample; a layer's reduce, 2 + 4 bytes each. Left out: a copy-out's
-        doubled gathers, the reference's pass, allocator slack, the DiT's fp32 latents (1 MiB each)."""
-        micro, fsdp, rank = min(samples, batch // k), mode == "fsdp", int(mode[5:] or 0)
+        """A trained half on a GPU of k. DDP: all weights; fsdp: state / K, bf16 gathers (the root through backward, 2
+        layers, all to sample), reduce 2 + 4 B a layer's. Unseen: copy-outs, reference pass, slack."""
+        micro, fsdp, rank, gathered = min(samples, batch // k), mode == "fsdp", int(mode[5:] or 0), 0
         trained = trainable_tensors(components[name], rank, LORA_TARGETS if name == "ar" else DIT_LORA_TARGETS)
         state = state_bytes(sum(trained), counts[name], d if mode == "full" else FP32_BYTES, k if fsdp else 1,
                             rank > 0, beta > 0 and not rank)
-        if name == "ar":    # sampling: generate's KV cache of the GPU's samples, or pi_old's pass over a micro-batch
+        if name == "ar":    # sampling: generate's KV cache of the GPU's samples, or pi_old's pass on a micro-batch
             sampling = max(batch // k * kv_cache, micro * generated * text.vision_vocab_size * 10)  # (10 B a logit)
             head = 0 if rank else numel(ar.model.language_model.norm) + numel(ar.lm_head)  # trained in full
             u = ar_update_bytes(text, micro, prompt_len, generated, rank, checkpointing, () if fsdp else trained, head)
             activations, backward = (u["peak"], 0) if fsdp else (u["activations"], u["peak"] - u["grads"])
-        else:   # a denoising step's micro-batch: ~30 x hidden per block and token (x2 CFG, 64 text tokens), guessed,
-            sampling = source_kv // k       # + the GPU's source caches; backward: the largest frozen part in its turn
+        else:   # a denoising step's micro-batch: ~30 x hidden a block and token (x2 CFG, 64 text tokens), guessed,
+            sampling = source_kv // k       # + the GPU's source caches; backward: the largest frozen part in turn
             blocks = config.num_layers + 30 if checkpointing else config.num_layers * 30
             activations = blocks * (patches + 64) * micro * (2 if cfg else 1) * hidden * d + sampling
             backward = max(frozen["glyph_t5"], frozen["vae"]) + max(activations, state["grads"])
-        gathered = 0
         if fsdp:
             layers, reduce = [numel(layer) for layer in sharded_layers(components[name])], d + FP32_BYTES
             gathered, sampling = d * (counts[name] - sum(layers) + 2 * max(layers)), d * counts[name] + sampling
@@ -2516,8 +2503,8 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
                 "sampling": sampling, "backward": backward}
 
     def peaks(halves, beside=0, offloaded=0):
-        """(update, sampling, overall) peaks of `halves` trained in turn: resident bytes + `beside` + the largest of
-        AdamW's step, half i's backward beside grads so far, sampling, an `offloaded` part's turn (beside all grads)."""
+        """(update, sampling, overall) peaks of `halves` trained in turn: resident + `beside` + the max of AdamW's
+        step, half i's backward + grads so far, sampling, an `offloaded` part's turn + all grads."""
         resident = beside + sum(h["weights"] + h["adam"] + h["reference"] for h in halves)
         grads = [h["grads"] for h in halves]
         update = max(2 * sum(grads), *(sum(grads[:i + 1]) + h["backward"] for i, h in enumerate(halves)))
@@ -2534,7 +2521,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         if name == "ar":
             return {**r, **dict(zip(("update peak", "sampling peak", "peak, offload"), peaks([h], 0, turn(*frozen)))),
                     "peak, no offload": peaks([h], sum(frozen.values()), max(working.values()))[2]}
-        # 'dit' beside the frozen AR whole; 'both' trains the AR too: sharded, or its first mode checkpointed
+        # 'dit': beside the frozen AR; 'both' trains the AR too: sharded, or its first mode checkpointed
         a = half("ar", mode, k, checkpointing) if mode == "fsdp" else \
             half("ar", f"lora-{ranks[0]}" if ranks else "full", k, True)
         return {**r, "peak, dit": peaks([h], d * counts["ar"], turn("glyph_t5", "vae"))[2],
@@ -2555,11 +2542,10 @@ def plan_of_run(args):
 
 
 def plan_options(args, rows, counts):
-    """The run's table's rows as runs: [(flags changed, row, peak)], fewest changes first, then smallest; the first
-    is the run's own (--fsdp: on --plan-gpus' first K; --offload off unless given)."""
-    ar, fsdp = args.policy == "ar", args.fsdp and bool(args.plan_gpus)
+    """The run's table as runs [(flags changed, row, peak)], fewest changes then smallest first, the run's own
+    first (--fsdp: on --plan-gpus' first K; --offload off unless given)."""
+    ar, fsdp, no = args.policy == "ar", args.fsdp and bool(args.plan_gpus), lambda on: "no " * (not on)
     rank, flag = (args.lora_rank, "--lora-rank") if ar else (args.dit_lora_rank, "--dit-lora-rank")
-    no = lambda on: "no " * (not on)
     mine = ("fsdp" if fsdp else f"lora-{rank}" if rank else "full", args.gradient_checkpointing,
             fsdp and args.plan_gpus[0] or 1)
     frozen = (not ar) * WEIGHT_BYTES * (counts["glyph_t5"] + counts["vae"])  # on the GPU without --offload
@@ -2584,32 +2570,29 @@ def print_memory_plan(args):
             + "; --plan knows 'tiny', zai-org/GLM-Image or a save_pretrained directory of it")
     (rows, counts, terms), i2i, G = plan_of_run(args), args.mode == "i2i", args.group_size
     (prompt_len, generated), prompts = terms["tokens"], args.prompts_per_step
-    big = max(r["peak, no offload"] for r in rows["ar"]) >= 2 ** 30  # the tiny model: MiB, thousands
-    unit, unit_name = (2 ** 30, "GiB") if big else (2 ** 20, "MiB")
-    count, count_name = (1e6, "M") if max(counts.values()) >= 1e8 else (1e3, "k")
+    unit, unit_name = (2 ** 20, "MiB") if max(r["peak, no offload"] for r in rows["ar"]) < 2 ** 30 else (2 ** 30, "GiB")
+    count, count_name = (1e6, "M") if max(counts.values()) >= 1e8 else (1e3, "k")  # the tiny model: MiB, thousands
     size = lambda n: f"{n / unit:.1f} {unit_name}"
     print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count:,.1f} {count_name}" for k, v in counts.items()))
-    source = f" incl. the source's {prompt_len - 66} VQ tokens" if i2i else ""  # 64 text, image start and end
-    kl = ", KL reference copy for full fine-tuning" if args.beta > 0 else ""
+    source = f" incl. the source's {prompt_len - 66} VQ tokens" * i2i  # 64 text, image start and end
+    kl, cfg = ", KL reference copy for full fine-tuning" * (args.beta > 0), "on" if args.guidance_scale > 1 else "off"
     print(f"--mode {args.mode}: {prompts} x {G} samples (prompts x G) of {prompt_len + generated} tokens ({prompt_len} "
           f"prompt{source} + {generated} generated, {args.height}x{args.width}), micro-batches of "
           f"{args.micro_batch_size or G}; estimates in {unit_name} per GPU of K ({prompts} / K groups each){kl}; "
-          f"counted: the VAE's decode, one image at a time ({size(terms['decode'])})" + (
-              f", the DiT's {prompts} source KV caches, one per prompt ({size(terms['source_kv'])})" if i2i else ""))
-    cfg = "on" if args.guidance_scale > 1 else "off"
+          f"counted: the VAE's decode, one image at a time ({size(terms['decode'])})"
+          + f", the DiT's {prompts} source KV caches, one per prompt ({size(terms['source_kv'])})" * i2i)
     titles = ["AR (--policy ar); " + ("fsdp: --fsdp, 16 bytes per trained parameter / K, the bf16 root + 2 layers "
               "gathered" if args.plan_gpus else "--plan-gpus K adds the rows on K GPUs, and --fsdp's"),
               f"\nDiT (Flow-GRPO, --policy dit|both), CFG {cfg}; 'both' trains the AR's lora-{args.lora_rank or 64} "
               "too (fsdp: sharded)" + "; activations incl. the source KV caches" * i2i]
     options = plan_options(args, rows, counts)
-    for title, table in zip(titles, rows.values()):  # markdown: mode, grad ckpt, GPUs, micro-batch, trainable, bytes
+    for title, table in zip(titles, rows.values()):
         columns = [key for key in table[0] if key != "half"]
         print(title + "\n| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
         for r in table:
-            cells = [r[columns[0]] + " (this run)" * (r is options[0][1]), "yes" if r["grad ckpt"] else "no",
-                     r["GPUs"], r["micro-batch"], f"{r['trainable'] / count:.1f} {count_name}",
-                     *(f"{r[c] / unit:.1f}" for c in columns[5:])]
-            print("| " + " | ".join(map(str, cells)) + " |")
+            print("| " + " | ".join(map(str, [r[columns[0]] + " (this run)" * (r is options[0][1]),
+                  ("no", "yes")[r["grad ckpt"]], r["GPUs"], r["micro-batch"],
+                  f"{r['trainable'] / count:.1f} {count_name}", *(f"{r[c] / unit:.1f}" for c in columns[5:])])) + " |")
     free = (args.plan_gpu_memory or 0) * 2 ** 30 or torch.cuda.is_available() and torch.cuda.mem_get_info()[0]
     fit = [f"{' '.join(changes)} ({size(peak)})" for changes, _, peak in options if peak <= free][:3]
     verdict = "fits" if options[0][-1] <= free else f"does not fit; it fits with {'; '.join(fit)}" if fit else \
@@ -2622,8 +2605,7 @@ def print_memory_plan(args):
 # ==== 24. Saving and using the trained model (--save-pipeline, generate_images) ===================
 
 def save_trained_pipeline(pipe, args):
-    """Written whole or not at all, loadable with no adapter code: each LoRA merged, its wrapper swapped back for the
-    base Linear (as diffusers' unload_lora). The AR's generation config: the trained sampler and decode."""
+    """Atomic; LoRAs merged, unwrapped (as diffusers' unload_lora); the AR's generation config: the trained decode."""
     from diffusers.utils import recurse_remove_peft_layers
     for model in (pipe.vision_language_encoder, pipe.transformer):
         for layer in lora_layers(model):
@@ -2636,7 +2618,7 @@ def save_trained_pipeline(pipe, args):
     print(f"writing the trained pipeline to {final} ...", flush=True)
     try:
         pipe.save_pretrained(partial)
-        os.replace(partial, final)  # atomic: onto nothing, or the empty directory validate_args allows
+        os.replace(partial, final)  # onto nothing or the empty directory validate_args allows
     finally:
         shutil.rmtree(partial, ignore_errors=True)
 
@@ -2644,8 +2626,8 @@ def save_trained_pipeline(pipe, args):
 @torch.no_grad()
 def generate_images(pipe, prompts, sources=None, height=None, width=None, num_inference_steps=None,
                     guidance_scale=None, temperature=None, seed=0):
-    """One PIL image per prompt (an edit of its PIL source, if given) from the saved policy (at `temperature` if
-    given); prompt k's tokens and noise seeded by (seed, k). Unset: the decode `pipe` trained at, else 64, 64, 4, 1."""
+    """A PIL image per prompt (an edit of its PIL source, if given), prompt k's seeded by (seed, k). Unset: the
+    decode `pipe` trained at (else 64, 64, 4, 1), its temperature."""
     trained = getattr(pipe.vision_language_encoder.generation_config, "trained_decode", {})  # save_trained_pipeline's
     height, width = height or trained.get("height", 64), width or trained.get("width", 64)
     num_inference_steps = num_inference_steps or trained.get("num_inference_steps", 4)
@@ -2656,14 +2638,14 @@ def generate_images(pipe, prompts, sources=None, height=None, width=None, num_in
         raise ValueError(f"one source per prompt: got {len(sources)} sources for {len(prompts)} prompts")
     sampling = sampling_of(pipe.vision_language_encoder)
     sampling = replace(sampling, temperature=temperature or sampling.temperature)
-    pipe.processor.tokenizer.padding_side = "left"        # as load_pipeline sets it
-    if sources is not None:                               # upright, at the trained size
+    pipe.processor.tokenizer.padding_side = "left"  # as load_pipeline sets it
+    if sources is not None:  # upright, at the trained size
         sources = [to_rgb(ImageOps.exif_transpose(s)).resize((width, height), Image.BICUBIC) for s in sources]
     noise = group_noise(pipe, range(len(prompts)), 1, height, width, seed, 0, "per-prompt")
     images = []
     for k, (prompt, latents) in enumerate(zip(prompts, noise.split(1))):
         source = sources and sources[k: k + 1]
-        # sample_groups and decode_images: pipe(prompt, image=[source]) fails (diffusers 0.42.1, transformers 5)
+        # not pipe(prompt, image=[source]): it fails (diffusers 0.42.1, transformers 5)
         rollout = sample_groups(pipe, [prompt], 1, sampling, height, width, "target", source,
                                [seeded(seed, "generate", 0, k, pipe.vision_language_encoder.device)])
         images.append(decode_images(pipe, [prompt], source, rollout, latents, num_inference_steps, guidance_scale))
@@ -2686,11 +2668,11 @@ def main(argv=None):
             print(f"error: {f'rank {rank()}: ' if e.local and world_size() > 1 else ''}{e}", file=sys.stderr)
         sys.exit(2)
     except Exception as e:
-        # CUDA raises torch.OutOfMemoryError; the CPU allocator a plain RuntimeError
+        # CUDA: torch.OutOfMemoryError; the CPU allocator: a RuntimeError
         if isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e):
             print(f"error: out of memory with {args.prompts_per_step} prompts x {args.group_size} samples per step "
                   f"(micro-batch {args.micro_batch_size}): lower --micro-batch-size, --group-size or --prompts-per-step"
-                  f", or add --gradient-checkpointing; the checkpoints in {args.out} are intact", file=sys.stderr)
+                  f", or add --gradient-checkpointing; checkpoints in {args.out} are intact", file=sys.stderr)
         elif collective_failed(e):
             print(f"error: rank {rank()} lost contact with the other processes ({str(e).splitlines()[0][:160]}): "
                   f"one died or hung past --dist-timeout; its own output says why", file=sys.stderr)
@@ -2704,5 +2686,5 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-    # DDP/FSDP state outlives destroy_process_group; freed at exit, gloo threads lack the GIL: SIGABRT (PR 179291)
+    # DDP/FSDP state outlives destroy_process_group; at exit gloo threads lack the GIL: SIGABRT (PR 179291)
     gc.collect()
