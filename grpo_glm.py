@@ -992,13 +992,13 @@ class FastDecoder:
         compiled = device.type == "cuda" or backend is not None
         self.forward = torch.compile(next_logits, fullgraph=True, **(
             {"backend": backend} if backend else {"mode": "reduce-overhead"})) if compiled else next_logits
-        self.caches, self.compiled = {}, compiled
+        self.caches = {}
 
     def __call__(self, ar, ids, positions, mask, num_tokens, uniforms, sampling):
         cache = self.caches.get(mask.shape)
         if cache is None:  # a new shape (training's, the eval's): a new graph
             cache = self.caches[mask.shape] = static_cache(ar, mask.shape)
-            if self.compiled and rank() == 0:
+            if self.forward is not next_logits and rank() == 0:
                 print(f"compiling the decode step for {mask.shape[0]} rows x {mask.shape[1]} positions, once "
                       "(~1.5 min on an H200, 20 s from inductor's cache)", flush=True)
         else:
@@ -1008,7 +1008,7 @@ class FastDecoder:
         return decode_loop(ar, ids, positions, mask, num_tokens, ticking, sampling, cache, self.forward)
 
 
-def progress(steps, what):
+def progress(steps, what):  # a bar on rank 0's terminal: a real model's phases take seconds
     if not (sys.stderr.isatty() and rank() == 0):
         return steps
     from tqdm.auto import tqdm
