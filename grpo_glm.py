@@ -203,21 +203,22 @@ def gumbel_max(logits, uniform, sampling):
     return token, z.log_softmax(-1).gather(-1, token[:, None])[:, 0]
 
 
-def next_logits(ar, ids, positions, mask, cache):
+def decode_step(ar, ids, positions, mask, cache, uniform, sampling):
     """ids [N, q] at their M-RoPE positions, picked by the cache's length on the device (no host
-    sync) -> logits [N, V] of the next token. mask [N, S+L-1]: the whole run's, as the cache's."""
+    sync) -> the next token [N] by gumbel_max, and its log pi. mask [N, S+L-1]: the whole run's."""
     at = cache.get_seq_length() + torch.arange(ids.shape[1], device=ids.device)
-    return ar(ids, mask, positions.index_select(2, at), cache, logits_to_keep=1).logits[:, -1]
+    logits = ar(ids, mask, positions.index_select(2, at), cache, logits_to_keep=1).logits[:, -1]
+    return gumbel_max(logits, uniform, sampling)
 
 
-def decode_loop(ar, ids, positions, mask, num_tokens, uniforms, sampling, cache, step=next_logits):
+def decode_loop(ar, ids, positions, mask, num_tokens, uniforms, sampling, cache, step=decode_step):
     """The sampler: forward -> Gumbel-max -> append, a token per row a step; the first is the
     prompt's prefill, which fills the KV cache. ids [N, S] -> (tokens [N, L], log pi [N, L]).
-    step: the decode steps' forward (FastDecoder's is compiled)."""
+    step: the decode steps' (FastDecoder's replays a CUDA graph)."""
     drawn = []
     for t in range(num_tokens):
-        logits = (step if t else next_logits)(ar, ids, positions, mask, cache)  # [N, V]
-        drawn.append(gumbel_max(logits, uniforms(), sampling))
+        draw = step if t else decode_step  # the prefill: its own shape, eager
+        drawn.append(draw(ar, ids, positions, mask, cache, uniforms(), sampling))
         ids = drawn[-1][0][:, None]
     return (torch.stack(column, 1) for column in zip(*drawn))
 
@@ -978,34 +979,68 @@ def run_prompt_len(pipe, items, args):
 
 
 def static_cache(ar, shape):
-    """A KV cache of fixed size for `shape` = [N, S + L - 1]: next_logits finds its position on the device."""
+    """A KV cache of fixed size for `shape` = [N, S + L - 1]: decode_step finds its position on the device."""
     from transformers import StaticCache
     return StaticCache(ar.config, max_cache_len=shape[1])
 
 
 class FastDecoder:
-    """decode_loop for a run: a static KV cache per batch shape, reset between steps (a new one would re-record
-    the CUDA graphs); on CUDA the decode step compiled once, its ~1,000 kernels one CUDA graph a token (one shape:
-    sample_tokens pads prompts to the run's length). Its tokens equal decode_loop's on a fresh cache (tested)."""
+    """decode_loop for a run: per batch shape a DecodeGraph, kept and reset between steps. Its tokens equal
+    decode_loop's on a fresh cache (tested)."""
 
-    def __init__(self, device, backend=None):   # backend: a test's, on any device
-        compiled = device.type == "cuda" or backend is not None
-        self.forward = torch.compile(next_logits, fullgraph=True, **(
-            {"backend": backend} if backend else {"mode": "reduce-overhead"})) if compiled else next_logits
-        self.caches = {}
+    def __init__(self, device, capture=None):   # capture: a test's, on any device
+        self.capture = capture or (cuda_graph if device.type == "cuda" else lambda step: (step(), step))
+        self.graphs = {}
 
     def __call__(self, ar, ids, positions, mask, num_tokens, uniforms, sampling):
-        cache = self.caches.get(mask.shape)
-        if cache is None:  # a new shape (training's, the eval's): a new graph
-            cache = self.caches[mask.shape] = static_cache(ar, mask.shape)
-            if self.forward is not next_logits and rank() == 0:
-                print(f"compiling the decode step for {mask.shape[0]} rows x {mask.shape[1]} positions, once "
-                      "(~1.5 min on an H200, 20 s from inductor's cache)", flush=True)
-        else:
-            cache.reset()   # in place: the graph's addresses stay
+        key = (mask.shape, sampling)  # training's, the eval's: sample_tokens pads prompts to the run's length
+        if key not in self.graphs:
+            self.graphs[key] = DecodeGraph(ar, positions, mask, self.capture)
+        graph = self.graphs[key]
+        graph.reset(positions, mask)
         ticks = iter(progress(range(num_tokens), "sampling tokens"))
         ticking = lambda: [next(ticks, None), uniforms()][1]  # drawn once a token
-        return decode_loop(ar, ids, positions, mask, num_tokens, ticking, sampling, cache, self.forward)
+        return decode_loop(ar, ids, graph.positions, graph.mask, num_tokens, ticking, sampling, graph.cache, graph)
+
+
+class DecodeGraph:
+    """A decode step (forward + Gumbel-max, ~1,000 kernels at the real size) captured once as a CUDA graph, then
+    replayed a token: no host work per token and nothing to compile. It reads its inputs from buffers of fixed
+    address: a static KV cache, positions, mask, the last token, the uniforms (each group's generator draws them
+    outside the graph)."""
+
+    def __init__(self, ar, positions, mask, capture):
+        self.cache, self.capture, self.replay = static_cache(ar, mask.shape), capture, None
+        self.positions, self.mask = torch.empty_like(positions), torch.empty_like(mask)
+
+    def reset(self, positions, mask):  # in place: the graph's addresses stay
+        self.cache.reset()
+        self.positions.copy_(positions)
+        self.mask.copy_(mask)
+
+    def __call__(self, ar, ids, positions, mask, cache, uniform, sampling):  # decode_loop's step, t >= 1
+        if self.replay is None:
+            self.ids, self.uniform = ids.clone(), uniform.clone()
+            first, self.replay = self.capture(lambda: decode_step(
+                ar, self.ids, self.positions, self.mask, self.cache, self.uniform, sampling))
+            return first
+        self.ids.copy_(ids)
+        self.uniform.copy_(uniform)
+        return [out.clone() for out in self.replay()]  # the graph's own: its next replay overwrites them
+
+
+def cuda_graph(step):
+    """-> (step(), replay): step's first call is the warm-up torch.cuda.graph's docs ask for (on the stream that
+    then captures it); replay() reruns its kernels on the same tensors and returns its outputs."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        first = step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = step()
+    return first, lambda: graph.replay() or out
 
 
 def progress(steps, what):  # a bar on rank 0's terminal: a real model's phases take seconds
