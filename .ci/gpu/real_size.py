@@ -288,7 +288,40 @@ PHASES = ("load_pipeline", "place_pipeline", "setup_training", "grpo_step", "sam
           "latents_to_images", "compute_rewards", "grpo_update", "save_checkpoint", "ode_images")
 SAMPLING = ("sample_groups", "sample_tokens", "shared_prompt_tokens")
 # Called once per decoded token, outside any compiled region (TOKEN_HOOKS overrides): its calls' spacing is ms/token
-TOKEN_CANDIDATES = os.environ.get("TOKEN_HOOKS", "gumbel_max,decode_step,sample_step,draw_tokens").split(",")
+TOKEN_CANDIDATES = os.environ.get("TOKEN_HOOKS", "decode_step").split(",")
+
+
+def decode_backend(kind):
+    """FastDecoder's decode step for this case: '' (grpo_glm's: eager kernels captured as one CUDA graph), 'none'
+    (eager, no graph) or 'inductor' (the step compiled by inductor, default mode, then captured); 'dit-compiled':
+    grpo_glm's decode, and the frozen DiT's repeated blocks compiled (diffusers' compile_repeated_blocks; --policy
+    ar only). Times each capture and marks each replay (a token) for token_stats."""
+    REC["decode_backend"] = kind or "cuda graph of eager kernels"
+    if kind == "none":
+        fast = g.FastDecoder
+        g.FastDecoder = lambda device, capture=None: fast(device, capture=lambda step: (step(), step))
+    if kind == "dit-compiled":
+        load = g.load_pipeline
+
+        def compiled_dit(args):
+            pipe = load(args)
+            pipe.transformer.compile_repeated_blocks(fullgraph=True, dynamic=True)  # text lengths vary per prompt
+            return pipe
+        g.load_pipeline = compiled_dit
+    if kind == "inductor":   # decode steps only (one row of ids); the prefill stays eager
+        eager, compiled = g.decode_step, torch.compile(g.decode_step, fullgraph=True)
+        g.decode_step = lambda ar, ids, *rest: (compiled if ids.shape[1] == 1 else eager)(ar, ids, *rest)
+    capture = g.cuda_graph
+
+    def timed_capture(step):
+        sync()
+        t0 = time.time()
+        first, replay = capture(step)
+        sync()
+        REC.setdefault("capture_s", []).append(round(time.time() - t0, 2))   # warm-up step (+ compile) + capture
+        dump()
+        return first, token_hook("replay", replay)
+    g.cuda_graph = timed_capture
 
 
 def plan_of(flags):
@@ -325,14 +358,7 @@ def main():
     except ImportError:
         pass
     REC["plan"] = plan_of(flags)
-    if os.environ.get("DECODE_BACKEND"):   # FastDecoder's compile backend for this case (e.g. cudagraphs)
-        import functools
-        REC["decode_backend"] = os.environ["DECODE_BACKEND"]
-        fast = g.FastDecoder
-        eager = type("Eager", (fast,), {"__init__": lambda self, device, backend=None:
-                                        fast.__init__(self, torch.device("cpu"))})
-        g.FastDecoder = eager if os.environ["DECODE_BACKEND"] == "none" else functools.partial(
-            g.FastDecoder, backend=os.environ["DECODE_BACKEND"])
+    decode_backend(os.environ.get("DECODE_BACKEND", ""))
     if not hasattr(g, "pipeline_from_pretrained"):   # the one hook the run cannot do without
         print("[real_size] grpo_glm has no pipeline_from_pretrained: the random-weight model cannot be swapped in",
               flush=True)

@@ -83,6 +83,8 @@ def compile_info(rec, excess):
         bits = ["by step: " + "/".join(fmt(s) for s in rec["phases"]["grpo_step"]["compile_s_so_far"])]
     if excess is not None:
         bits.append(f"1st decode {excess:+.1f} s")
+    if rec.get("capture_s"):   # per DecodeGraph: its warm-up step (any compile in it) + the capture
+        bits.append("capture " + "/".join(fmt(s, 2) for s in rec["capture_s"]) + " s")
     stats = c.get("stats") or {}
     if stats.get("unique_graphs") is not None:
         bits.append(f"{stats['unique_graphs']} graphs")
@@ -116,7 +118,7 @@ def table(outdir):
         result = r.get("result") or ("done" if r.get("status") == "ok" else r.get("status", "?"))
         if r.get("status") not in (None, "ok") and result != "timeout":
             result += f": {str(r['status'])[:120]}"
-        print(f"| {r.get('case')} | {result} | {r.get('wall_s', '-')} / {r.get('limit_s', '-')} | {phases(r)} | {ms} | "
+        print(f"| {r.get('case')} ({r.get('decode_backend', '?')}) | {result} | {r.get('wall_s', '-')} / {r.get('limit_s', '-')} | {phases(r)} | {ms} | "
               f"{compile_info(r, excess)} | {peak(r)} |")
     for r in recs:   # the metrics' diagnostics, one line per case
         rows = r.get("metrics") or []
