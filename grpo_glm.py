@@ -1423,8 +1423,7 @@ def lock_out_dir(out, closing):
                 (path.unlink if path.is_file() else path.rmdir)()
     closing.callback(unmake)  # first: an interrupt from here on leaves --out as found
     out.mkdir(parents=True, exist_ok=True)
-    handle = open(out / ".lock", "a")  # stays empty
-    closing.callback(handle.close)
+    handle = closing.enter_context(open(out / ".lock", "a"))  # stays empty
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -1803,7 +1802,12 @@ class Run:
     def open(self, args, out):
         resolve_runtime(args)
         validate_args(args)
-        init_distributed(args)
+        if world_size() > 1:  # torchrun's group: a dead or hung rank makes the others raise at --dist-timeout
+            if args.device == "cuda":
+                args.device = f"cuda:{os.environ['LOCAL_RANK']}"
+                torch.cuda.set_device(args.device)
+            dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo",
+                                    timeout=datetime.timedelta(seconds=args.dist_timeout))
         if self.lead:
             lock_out_dir(out, self.closing)
         # mse's targets: checked before slow plug-ins (CLIP) load
@@ -1864,7 +1868,9 @@ class Run:
         names = ["lr"] * (args.policy != "dit") + ["dit/lr"] * (args.policy != "ar")  # a param group per half
         row.update(zip(names, trainer.lr_scheduler.get_last_lr()))
         trainer.lr_scheduler.step()
-        row = {**reduce_metrics(row), "seconds": round(time.time() - self.t0, 3)}
+        rows = from_every_rank(row)  # ranks hold equal samples: means average (*_max: maxed)
+        row = {k: type(v)((max if k.endswith("_max") else np.mean)([float(r[k]) for r in rows]))
+               for k, v in row.items()} | {"seconds": round(time.time() - self.t0, 3)}
         stopping = self.agree()
         if self.lead:
             self.log(row, step)
@@ -2083,12 +2089,11 @@ class Resume:
                                  + ("; ".join(changed) or str(e).splitlines()[0][:120]))
             if self.export:
                 return            # the weights alone
-            rng = ckpt["rng"]
-            name, keys, *rest = rng["numpy"]        # rng_state's, in reverse
+            name, keys, *rest = ckpt["rng"]["numpy"]        # rng_state's, in reverse
             np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-            random.setstate(rng["python"])
-            torch.set_rng_state(rng["torch"])
-            torch.cuda.set_rng_state_all(rng["cuda"])  # no CUDA: queued, never run
+            random.setstate(ckpt["rng"]["python"])
+            torch.set_rng_state(ckpt["rng"]["torch"])
+            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])  # no CUDA: queued, never run
         if rank() != 0:
             return
         if ckpt:
@@ -2271,16 +2276,6 @@ def float64_throughout():
     embeddings.apply_rotary_emb, GlmImageRMSNorm.forward = rotary, rms_norm
 
 
-def init_distributed(args):
-    """torchrun's gloo or nccl group: a dead or hung rank makes the others raise at --dist-timeout."""
-    if world_size() > 1:
-        if args.device == "cuda":
-            args.device = f"cuda:{os.environ['LOCAL_RANK']}"
-            torch.cuda.set_device(args.device)
-        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo",
-                                timeout=datetime.timedelta(seconds=args.dist_timeout))
-
-
 def rank():  # torchrun's, readable before joining the group
     return int(os.getenv("RANK", "0"))
 
@@ -2307,12 +2302,6 @@ def max_over_ranks(value):
 def all_ranks_agree(flag):
     """`flag` on every rank? Ranks choose collectives (skip an update, stop) together, or one hangs."""
     return all(from_every_rank(bool(flag)))
-
-
-def reduce_metrics(row):
-    """A metrics row averaged over ranks (*_max: maxed): ranks hold equal samples, so means average."""
-    rows = from_every_rank(row)
-    return {k: type(v)((max if k.endswith("_max") else np.mean)([float(r[k]) for r in rows])) for k, v in row.items()}
 
 
 def collective_failed(error):
@@ -2476,8 +2465,7 @@ def ar_update_bytes(text, samples, prompt_tokens, generated, lora_rank, checkpoi
 
 
 def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
-    """No-grad vae.decode's peak: up block i runs at H W / 4^(last - i), its first resnet holding its input, norm1's
-    and SiLU's outputs: 3 x channels (block i-1's) x pixels (3 GiB an image at 1024^2)."""
+    """No-grad vae.decode's peak: an up block's first resnet keeps its input, norm1's and SiLU's outputs (3 x input)."""
     channels, last = vae.config.block_out_channels[::-1], len(vae.config.block_out_channels) - 1
     return 3 * bytes_per * images * max(channels[max(i - 1, 0)] * height * width // 4 ** (last - i)
                                         for i in range(last + 1))
@@ -2485,8 +2473,7 @@ def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
 
 def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=False, gpus=(), ranks=(64, 16),
                 mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0, dit_rank=64):
-    """--plan's rows ("ar", "dit"; columns + "half": its bytes) on 1 and K of `gpus` GPUs (`batch` / K samples each),
-    per mode (full, LoRA `ranks` / `dit_rank`, fsdp), without and with checkpointing."""
+    """{"ar", "dit": --plan's rows (+ "half": its bytes)}, parameter counts, terms; a GPU of K samples `batch` / K."""
     ar, config, d, batch = components["ar"], components["dit"].config, WEIGHT_BYTES, batch or samples
     text, counts = ar.config.text_config, {name: numel(m) for name, m in components.items()}
     frozen = {name: d * counts[name] for name in ("dit", "glyph_t5", "vae")}
@@ -2499,8 +2486,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
     decode = vae_decode_bytes(components["vae"], height, width, 1)
 
     def half(name, mode, k, checkpointing):
-        """A trained half on a GPU of k. DDP: all weights; fsdp: state / K, bf16 gathers (the root through backward, 2
-        layers, all to sample), reduce 2 + 4 B a layer's. Unseen: copy-outs, reference pass, slack."""
+        """A trained half's bytes on a GPU of k; unseen: copy-outs, the reference's pass, slack."""
         micro, fsdp, rank, gathered = min(samples, batch // k), mode == "fsdp", int(mode[5:] or 0), 0
         trained = trainable_tensors(components[name], rank, LORA_TARGETS if name == "ar" else DIT_LORA_TARGETS)
         state = state_bytes(sum(trained), counts[name], d if mode == "full" else FP32_BYTES, k if fsdp else 1,
@@ -2523,8 +2509,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
                 "sampling": sampling, "backward": backward}
 
     def peaks(halves, beside=0, offloaded=0):
-        """(update, sampling, overall) peaks of `halves` trained in turn: resident + `beside` + the max of AdamW's
-        step, half i's backward + grads so far, sampling, an `offloaded` part's turn + all grads."""
+        """(update, sampling, overall) peaks of `halves` trained in turn; AdamW's step: 2 x grads."""
         resident = beside + sum(h["weights"] + h["adam"] + h["reference"] for h in halves)
         grads = [h["grads"] for h in halves]
         update = max(2 * sum(grads), *(sum(grads[:i + 1]) + h["backward"] for i, h in enumerate(halves)))
