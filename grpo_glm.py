@@ -1988,7 +1988,6 @@ class Run:
 
 
 # ==== 20. CHECKPOINT and --resume =================================================================
-# One format at every world size; loaded weights_only (no pickled code).
 
 def atomic_write(path, write):
     """write(f) to path.tmp, synced, renamed over path: readers see the old file or the new."""
@@ -2032,7 +2031,7 @@ def read_checkpoint(spec, out=None):
         return None
     try:
         with warnings.catch_warnings(action="ignore"):     # junk can look like another pickle protocol's
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)  # no pickled code
     except Exception as e:  # many types for a missing, foreign or truncated file
         raise UsageError(f"--resume {path}: not a readable checkpoint ({type(e).__name__})")
     if not isinstance(ckpt, dict) or not str(ckpt.get("format", "")).startswith("grpo_glm-checkpoint-"):
