@@ -1338,7 +1338,7 @@ def validate_args(args):
     full = (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
     # 'owner/name' with no local parent: a typo in 'runs/x' must not go to the hub
     hub_id = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", args.model) and not model.parent.is_dir()
-    refusals = [  # (refused?, why): the first refused raises
+    refusals = [  # (refused?, why)
         (not args.out, "--out is empty (an unset variable?)"),
         (outdated, f"too old: {outdated}; pip install -r requirements.txt"),
         (args.ar_trainable == "head" and (args.lora_rank or args.fsdp),
@@ -1423,8 +1423,7 @@ def lock_out_dir(out, closing):
                 (path.unlink if path.is_file() else path.rmdir)()
     closing.callback(unmake)  # first: an interrupt from here on leaves --out as found
     out.mkdir(parents=True, exist_ok=True)
-    handle = open(out / ".lock", "a")  # stays empty
-    closing.callback(handle.close)
+    handle = closing.enter_context(open(out / ".lock", "a"))  # stays empty
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -1631,8 +1630,7 @@ def reward_metrics(rewards, per_reward, group_size):
     groups = rewards.view(-1, group_size)  # [P, G]
     kept = groups.isfinite().all(dim=1)  # [P]
     return {"reward_mean": groups[kept].mean().item(),
-            # the mean within-group std (the advantages' divisor; TRL's is the batch std)
-            "reward_std": groups.std(dim=1)[kept].mean().item(),
+            "reward_std": groups.std(dim=1)[kept].mean().item(),  # the advantages' divisor (TRL's: the batch's)
             "frac_reward_zero_std": (groups.amax(dim=1) == groups.amin(dim=1)).float().mean().item(),  # tied
             "frac_reward_nonfinite": 1 - kept.float().mean().item(),  # left out
             **{f"rewards/{k}": v.mean().item() for k, v in per_reward.items()}}
@@ -1695,7 +1693,6 @@ def read_metrics(path):
     return [json.loads(line) for line in lines if line.strip()]
 
 
-# Text: the built-in font at size 12 (at its 10 px some spaces vanish).
 def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, tracker=None,
                      step=None, name="samples"):
     """Per prompt (sorted: it stays put) 8 cells a row: [source,] target, [a=0 decode,] its G samples."""
@@ -1717,7 +1714,7 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
         for i, (image, label) in enumerate([(x[row], name) for name, x in references] + samples):
             x, y = i % columns * (width + gap), b * block + line + 4 + i // columns * (height + line)
             sheet.paste(to_pil(image).resize((width, height), Image.NEAREST), (x, y))
-            draw.text((x + 2, y + height + 2), label, fill="black", font_size=12)
+            draw.text((x + 2, y + height + 2), label, fill="black", font_size=12)  # at 10 px some spaces vanish
     path.parent.mkdir(parents=True, exist_ok=True)
     sheet.save(path)
     if tracker:  # one HWC image (W&B takes no dataformats)
@@ -1782,8 +1779,7 @@ def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
 
 
 # ==== 19. The run: train()'s plumbing, Ctrl+C and SIGTERM =========================================
-# Ctrl+C or SIGTERM saves and exits 128 + signal: a step before its update is dropped (AbandonStep), one whose
-# update began is finished. The ranks agree before each update and each step's end.
+# Ctrl+C/SIGTERM drops a step before its update (AbandonStep), finishes one past it; ranks agree there and at its end.
 
 class AbandonStep(BaseException):
     """BaseException: no plug-in's `except Exception` swallows it."""
@@ -1806,7 +1802,12 @@ class Run:
     def open(self, args, out):
         resolve_runtime(args)
         validate_args(args)
-        init_distributed(args)
+        if world_size() > 1:  # torchrun's group: a dead or hung rank makes the others raise at --dist-timeout
+            if args.device == "cuda":
+                args.device = f"cuda:{os.environ['LOCAL_RANK']}"
+                torch.cuda.set_device(args.device)
+            dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo",
+                                    timeout=datetime.timedelta(seconds=args.dist_timeout))
         if self.lead:
             lock_out_dir(out, self.closing)
         # mse's targets: checked before slow plug-ins (CLIP) load
@@ -1867,13 +1868,14 @@ class Run:
         names = ["lr"] * (args.policy != "dit") + ["dit/lr"] * (args.policy != "ar")  # a param group per half
         row.update(zip(names, trainer.lr_scheduler.get_last_lr()))
         trainer.lr_scheduler.step()
-        row = {**reduce_metrics(row), "seconds": round(time.time() - self.t0, 3)}
+        rows = from_every_rank(row)  # ranks hold equal samples: means average (*_max: maxed)
+        row = {k: type(v)((max if k.endswith("_max") else np.mean)([float(r[k]) for r in rows]))
+               for k, v in row.items()} | {"seconds": round(time.time() - self.t0, 3)}
         stopping = self.agree()
         if self.lead:
             self.log(row, step)
             # entropy's yardstick: log(kept ids), or under top-p step 1's entropy (if > 0)
-            codebook = trainer.pipe.transformer.config.prior_vq_quantizer_codebook_size
-            scale = math.log(min(args.top_k or math.inf, codebook))
+            scale = math.log(min(args.top_k or math.inf, trainer.sampling.codebook))
             if args.top_p < 1:
                 scale = next(r.get("entropy") for r in read_metrics(out / "metrics.jsonl") if "seconds" in r) or scale
             self.warned = warn_if_collapsed(row, self.warned, scale)
@@ -1942,8 +1944,7 @@ class Run:
     def agree(self):
         """True if any rank got a stop signal; all adopt its number (the exit code's)."""
         self.voted = True
-        seen = max_over_ranks(self.signum or 0)
-        if seen and self.signum is None:
+        if (seen := max_over_ranks(self.signum or 0)) and self.signum is None:
             self.signum = seen
             if self.lead:
                 print(f"{signal.Signals(seen).name} on another rank: stopping", file=sys.stderr, flush=True)
@@ -1960,8 +1961,7 @@ class Run:
         finally:
             self.closing.close()
         if kind is None and self.trainer and self.lead:
-            pipeline = self.args.save_pipeline
-            if pipeline:
+            if pipeline := self.args.save_pipeline:
                 save_trained_pipeline(self.trainer.pipe, self.args)
             made = ", ".join(p.name + "/" * p.is_dir() for p in sorted(self.out.iterdir()) if p.name[0] != ".")
             print(f"done: {self.out} holds {made}" + (f"; the trained pipeline: {pipeline}" if pipeline else ""))
@@ -1988,7 +1988,6 @@ class Run:
 
 
 # ==== 20. CHECKPOINT and --resume =================================================================
-# One format at every world size; loaded weights_only (no pickled code).
 
 def atomic_write(path, write):
     """write(f) to path.tmp, synced, renamed over path: readers see the old file or the new."""
@@ -2027,13 +2026,12 @@ def saved_checkpoints(out):
 
 def read_checkpoint(spec, out=None):
     """A checkpoint's checked contents (+ "path"); 'latest': <out>'s newest (None: none yet)."""
-    path = max(saved_checkpoints(out), default=None) if spec == "latest" else Path(spec)
-    if path is None:
+    if (path := max(saved_checkpoints(out), default=None) if spec == "latest" else Path(spec)) is None:
         print(f"--resume latest: no checkpoint in {out / 'checkpoints'} yet; starting from step 0")
         return None
     try:
         with warnings.catch_warnings(action="ignore"):     # junk can look like another pickle protocol's
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)  # no pickled code
     except Exception as e:  # many types for a missing, foreign or truncated file
         raise UsageError(f"--resume {path}: not a readable checkpoint ({type(e).__name__})")
     if not isinstance(ckpt, dict) or not str(ckpt.get("format", "")).startswith("grpo_glm-checkpoint-"):
@@ -2090,12 +2088,11 @@ class Resume:
                                  + ("; ".join(changed) or str(e).splitlines()[0][:120]))
             if self.export:
                 return            # the weights alone
-            rng = ckpt["rng"]
-            name, keys, *rest = rng["numpy"]        # rng_state's, in reverse
+            name, keys, *rest = ckpt["rng"]["numpy"]        # rng_state's, in reverse
             np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
-            random.setstate(rng["python"])
-            torch.set_rng_state(rng["torch"])
-            torch.cuda.set_rng_state_all(rng["cuda"])  # no CUDA: queued, never run
+            random.setstate(ckpt["rng"]["python"])
+            torch.set_rng_state(ckpt["rng"]["torch"])
+            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])  # no CUDA: queued, never run
         if rank() != 0:
             return
         if ckpt:
@@ -2104,8 +2101,7 @@ class Resume:
             path.rename(path.with_name(path.name + ".dropped"))
             print(f"note: renamed {path.name} to {path.name}.dropped")
         step, rows = self.step, read_metrics(out / "metrics.jsonl")
-        dropped = [row for row in rows if row["step"] > step]
-        if dropped:
+        if dropped := [row for row in rows if row["step"] > step]:
             aside = out / f"metrics.dropped_after_step_{step:06d}.jsonl"
             for file, kept in ((aside, dropped), (out / "metrics.jsonl", [r for r in rows if r["step"] <= step])):
                 atomic_write(file, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
@@ -2113,10 +2109,9 @@ class Resume:
 
 
 # ==== 21. The tiny model's renderer: pre-trained once on token mosaics, then cached ===============
-# `--model tiny`: toy GLM-Image, real classes; its AR random (what to paint is GRPO's to learn), its renderer trained
-# once (~15 s CPU): codebook id k paints colour k mod 8, many ids a colour as a real codebook's.
+# Its AR is random (what to paint is GRPO's to learn); its renderer (~15 s CPU) paints id k in colour k mod 8.
 
-TINY_CODEBOOK = 64  # real: 16384
+TINY_CODEBOOK = 64  # real: 16384; 8 ids a colour (a real codebook has many ids per colour too)
 TINY_VISION_VOCAB = TINY_CODEBOOK + 16  # real: 16512 (codebook + 128 special ids)
 TINY_PALETTE = (torch.tensor(list(COLOURS.values()), dtype=torch.float32) / 255)[torch.arange(TINY_CODEBOOK) % 8]
 # get_rope_index gives a source image 2-D positions by its start and end tokens (a bare <|image|>: text's)
@@ -2126,8 +2121,7 @@ TINY_RENDERER = dict(dit_steps=800, dit_lr=3e-3, batch=8, dit_grids=((2, 2), (3,
 
 
 def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
-    """Toy GLM-Image, seeded, eval, DiT untrained. mosaic_ar: --model tiny's AR; ar_init_range > 0.02: sharper
-    logits (bad M-RoPE positions show)."""
+    """Toy GLM-Image (seeded, eval, DiT untrained); mosaic_ar: --model tiny's AR; ar_init_range > 0.02: sharp logits."""
     from diffusers import FlowMatchEulerDiscreteScheduler, GlmImagePipeline, GlmImageTransformer2DModel
     from tokenizers import Tokenizer, models
     from transformers import (ByT5Tokenizer, GlmImageConfig, GlmImageForConditionalGeneration, GlmImageProcessor,
@@ -2191,8 +2185,7 @@ def random_mosaics(batch, grid_hw, generator, cell=32):
 
 
 def colour_vae(carrier=32.0):
-    """An AutoencoderKL whose decoder paints latent channels 0-2 upsampled 8x, set by hand (GroupNorm erases absolute
-    colour: training stalls): weights 0 (residuals off), a (+carrier, -carrier) pair keeps the mean 0."""
+    """A VAE painting latent channels 0-2 upsampled 8x, by hand: GroupNorm erases absolute colour, training stalls."""
     from diffusers import AutoencoderKL
     vae = AutoencoderKL(block_out_channels=(8,) * 4, down_block_types=["DownEncoderBlock2D"] * 4,
                         up_block_types=["UpDecoderBlock2D"] * 4, norm_num_groups=1, use_post_quant_conv=False,
@@ -2200,11 +2193,11 @@ def colour_vae(carrier=32.0):
     decoder, pair = vae.decoder, torch.cat([torch.eye(3), -torch.eye(3)])  # [6, 3]: channel c -> (c, -c)
     with torch.no_grad():
         for weight in decoder.parameters():
-            weight.zero_()
+            weight.zero_()  # residuals off
         for block in decoder.up_blocks[:-1]:  # nearest upsample, then the identity
             torch.nn.init.dirac_(block.upsamplers[0].conv.weight)
         decoder.conv_in.weight[:6, :3, 1, 1] = pair
-        decoder.conv_in.bias[6:] = torch.tensor([carrier, -carrier])
+        decoder.conv_in.bias[6:] = torch.tensor([carrier, -carrier])  # the pair keeps the mean 0
         decoder.conv_norm_out.weight.fill_(carrier / 2)  # the group's std ~ carrier / 2
         decoder.conv_out.weight[:, :6, 1, 1] = pair.T  # SiLU(c) - SiLU(-c) = c
     return vae.eval()
@@ -2282,16 +2275,6 @@ def float64_throughout():
     embeddings.apply_rotary_emb, GlmImageRMSNorm.forward = rotary, rms_norm
 
 
-def init_distributed(args):
-    """torchrun's gloo or nccl group: a dead or hung rank makes the others raise at --dist-timeout."""
-    if world_size() > 1:
-        if args.device == "cuda":
-            args.device = f"cuda:{os.environ['LOCAL_RANK']}"
-            torch.cuda.set_device(args.device)
-        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo",
-                                timeout=datetime.timedelta(seconds=args.dist_timeout))
-
-
 def rank():  # torchrun's, readable before joining the group
     return int(os.getenv("RANK", "0"))
 
@@ -2320,20 +2303,13 @@ def all_ranks_agree(flag):
     return all(from_every_rank(bool(flag)))
 
 
-def reduce_metrics(row):
-    """A metrics row averaged over ranks (*_max: maxed): ranks hold equal samples, so means average."""
-    rows = from_every_rank(row)
-    return {k: type(v)((max if k.endswith("_max") else np.mean)([float(r[k]) for r in rows])) for k, v in row.items()}
-
-
 def collective_failed(error):
     """A peer died or timed out: a DistError, or (gloo, in backward too) a RuntimeError naming gloo or nccl."""
     return dist.is_initialized() and bool(isinstance(error, dist.DistError) or re.search("gloo|nccl", str(error), re.I))
 
 
 def distribute(model, params, args, reference=None):
-    """-> (training forward, AdamW's params). DDP: backward averages gradients. --fsdp (FSDP2): a rank keeps 1/K of
-    each weight, gradient, moment of `model` and its KL `reference`, gathers a unit (layer, root) to run."""
+    """-> (training forward, AdamW's params). --fsdp (FSDP2): a rank keeps 1/K of each weight, gradient and moment."""
     if not dist.is_initialized():
         return model, params
     if not args.fsdp:
@@ -2389,7 +2365,6 @@ def training_state(model, optimizer, loaded=None):
 # ==== 23. Memory plan for the real GLM-Image (arithmetic on the real configs, meta device) ========
 # --plan: a GPU's bytes, no download. Checked: README, Measurements; the DiT's are estimates.
 WEIGHT_BYTES, FP32_BYTES = 2, 4
-# GLM-Image's image-processor config (the tiny model's min_pixels differs)
 REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, min_pixels=512**2, max_pixels=2048**2)
 
 
@@ -2446,8 +2421,7 @@ def trainable_tensors(model, lora_rank, targets=LORA_TARGETS):
 
 
 def state_bytes(trained, total, state, shard=1, adapters=False, reference=False):
-    """A GPU of `shard`'s bytes between updates: `total` bf16 weights, the `trained` (`adapters`: added) in `state`
-    bytes, their grads and AdamW's 2 moments; a KL `reference` copy."""
+    """A GPU of `shard`'s bytes between updates: weights, grads and AdamW's 2 moments (`state` bytes), KL reference."""
     weights = WEIGHT_BYTES * (total if adapters else total - trained) + state * trained
     return {"weights": weights / shard, "grads": state * trained / shard, "adam": 2 * state * trained / shard,
             "reference": WEIGHT_BYTES * total / shard if reference else 0}
@@ -2467,8 +2441,7 @@ def layer_activation_bytes(text, lora_rank=0, bytes_per=WEIGHT_BYTES):
 
 def ar_update_bytes(text, samples, prompt_tokens, generated, lora_rank, checkpointing, tensors=(),
                     head_trainable=0, total_params=0, foreach=True):
-    """The AR's state_bytes, each phase of a micro-batch's update, their max "peak". `tensors`: trained numels;
-    `head_trainable`: final norm + lm_head (0 under LoRA)."""
+    """The AR's state_bytes and each phase of a micro-batch's update, their max "peak"; `tensors`: trained numels."""
     d, h, V, rows = WEIGHT_BYTES, text.hidden_size, text.vision_vocab_size, samples * generated
     state = FP32_BYTES if lora_rank else d  # gradients and moments: the parameters' dtype
     tokens = samples * (prompt_tokens + generated - 1)  # teacher-forced input: prompt + generated[:-1]
@@ -2491,8 +2464,7 @@ def ar_update_bytes(text, samples, prompt_tokens, generated, lora_rank, checkpoi
 
 
 def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
-    """No-grad vae.decode's peak: up block i runs at H W / 4^(last - i), its first resnet holding its input, norm1's
-    and SiLU's outputs: 3 x channels (block i-1's) x pixels (3 GiB an image at 1024^2)."""
+    """No-grad vae.decode's peak: an up block's first resnet keeps its input, norm1's and SiLU's outputs (3 x input)."""
     channels, last = vae.config.block_out_channels[::-1], len(vae.config.block_out_channels) - 1
     return 3 * bytes_per * images * max(channels[max(i - 1, 0)] * height * width // 4 ** (last - i)
                                         for i in range(last + 1))
@@ -2500,8 +2472,7 @@ def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
 
 def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=False, gpus=(), ranks=(64, 16),
                 mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0, dit_rank=64):
-    """--plan's rows ("ar", "dit"; columns + "half": its bytes) on 1 and K of `gpus` GPUs (`batch` / K samples each),
-    per mode (full, LoRA `ranks` / `dit_rank`, fsdp), without and with checkpointing."""
+    """{"ar", "dit": --plan's rows (+ "half": its bytes)}, parameter counts, terms; a GPU of K samples `batch` / K."""
     ar, config, d, batch = components["ar"], components["dit"].config, WEIGHT_BYTES, batch or samples
     text, counts = ar.config.text_config, {name: numel(m) for name, m in components.items()}
     frozen = {name: d * counts[name] for name in ("dit", "glyph_t5", "vae")}
@@ -2514,8 +2485,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
     decode = vae_decode_bytes(components["vae"], height, width, 1)
 
     def half(name, mode, k, checkpointing):
-        """A trained half on a GPU of k. DDP: all weights; fsdp: state / K, bf16 gathers (the root through backward, 2
-        layers, all to sample), reduce 2 + 4 B a layer's. Unseen: copy-outs, reference pass, slack."""
+        """A trained half's bytes on a GPU of k; unseen: copy-outs, the reference's pass, slack."""
         micro, fsdp, rank, gathered = min(samples, batch // k), mode == "fsdp", int(mode[5:] or 0), 0
         trained = trainable_tensors(components[name], rank, LORA_TARGETS if name == "ar" else DIT_LORA_TARGETS)
         state = state_bytes(sum(trained), counts[name], d if mode == "full" else FP32_BYTES, k if fsdp else 1,
@@ -2538,8 +2508,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
                 "sampling": sampling, "backward": backward}
 
     def peaks(halves, beside=0, offloaded=0):
-        """(update, sampling, overall) peaks of `halves` trained in turn: resident + `beside` + the max of AdamW's
-        step, half i's backward + grads so far, sampling, an `offloaded` part's turn + all grads."""
+        """(update, sampling, overall) peaks of `halves` trained in turn; AdamW's step: 2 x grads."""
         resident = beside + sum(h["weights"] + h["adam"] + h["reference"] for h in halves)
         grads = [h["grads"] for h in halves]
         update = max(2 * sum(grads), *(sum(grads[:i + 1]) + h["backward"] for i, h in enumerate(halves)))
@@ -2577,8 +2546,7 @@ def plan_of_run(args):
 
 
 def plan_options(args, rows, counts):
-    """The run's table as runs [(flags changed, row, peak)], fewest changes then smallest first, the run's own
-    first (--fsdp: on --plan-gpus' first K; --offload off unless given)."""
+    """[(flags changed, row, peak)] of the run's table, fewest changes then smallest first: the run's own first."""
     ar, fsdp, no = args.policy == "ar", args.fsdp and bool(args.plan_gpus), lambda on: "no " * (not on)
     rank, flag = (args.lora_rank, "--lora-rank") if ar else (args.dit_lora_rank, "--dit-lora-rank")
     mine = ("fsdp" if fsdp else f"lora-{rank}" if rank else "full", args.gradient_checkpointing,
