@@ -10,7 +10,7 @@ cd "$(dirname "$0")/../.." || exit 1  # the repo root
 P=.ci/gpu
 OUT=${OUT:-/tmp/gpuout}
 mkdir -p "$OUT" /tmp/r
-BUDGET=${BUDGET:-500}
+BUDGET=${BUDGET:-460}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor_cache}  # shared: a later case's same graph hits
 date -u +"%F %T UTC"
@@ -29,17 +29,17 @@ LORA="--lora-rank 64"   # the AR's: not with --policy dit (grpo_glm refuses it)
 # A: every policy of issue 39 item 8, each one step. B: what A leaves open (inductor kernels in the decode graph or
 # none, a compiled frozen DiT: step 2 against A's ar1024).
 A=(
-  "ar512|75||--prompts $T2I --group-size 4 --height 512 --width 512 --steps 2 $LORA --num-inference-steps 10"
-  "ar1024|110||--prompts $T2I --group-size 8 --height 1024 --width 1024 --steps 1 $LORA --num-inference-steps 10"
-  "dit512|70||--prompts $T2I --group-size 4 --height 512 --width 512 --steps 1 --policy dit --dit-lora-rank 64 --num-inference-steps 10 --inner-epochs 1"
+  "ar512|60||--prompts $T2I --group-size 4 --height 512 --width 512 --steps 2 $LORA --num-inference-steps 10"
+  "ar1024|100||--prompts $T2I --group-size 8 --height 1024 --width 1024 --steps 1 $LORA --num-inference-steps 10"
+  "dit512|65||--prompts $T2I --group-size 4 --height 512 --width 512 --steps 1 --policy dit --dit-lora-rank 64 --num-inference-steps 10 --inner-epochs 1"
   "both512|70||--prompts $T2I --group-size 4 --height 512 --width 512 --steps 1 $LORA --policy both --dit-lora-rank 64 --num-inference-steps 10 --inner-epochs 1"
-  "i2i512|65||--prompts $P/edit512.txt --mode i2i --group-size 4 --height 512 --width 512 --steps 1 $LORA --num-inference-steps 10"
-  "offload512|110||--prompts $T2I --group-size 4 --height 512 --width 512 --steps 1 --offload $LORA --num-inference-steps 10"
+  "i2i512|60||--prompts $P/edit512.txt --mode i2i --group-size 4 --height 512 --width 512 --steps 1 $LORA --num-inference-steps 10"
+  "offload512|105||--prompts $T2I --group-size 4 --height 512 --width 512 --steps 1 --offload $LORA --num-inference-steps 10"
 )
 B=(
-  "ar512ind|200|inductor|--prompts $T2I --group-size 4 --height 512 --width 512 --steps 2 $LORA --num-inference-steps 10"
-  "ar512eager|90|none|--prompts $T2I --group-size 4 --height 512 --width 512 --steps 1 $LORA --num-inference-steps 10"
-  "ar1024dc|150|dit-compiled|--prompts $T2I --group-size 8 --height 1024 --width 1024 --steps 2 $LORA --num-inference-steps 10"
+  "ar512ind|150|inductor|--prompts $T2I --group-size 4 --height 512 --width 512 --steps 2 $LORA --num-inference-steps 10"
+  "ar512eager|60|none|--prompts $T2I --group-size 4 --height 512 --width 512 --steps 1 $LORA --num-inference-steps 10"
+  "ar1024dc|120|dit-compiled|--prompts $T2I --group-size 8 --height 1024 --width 1024 --steps 2 $LORA --num-inference-steps 10"
 )
 if [ "$SET" = B ]; then CASES=("${B[@]}"); else CASES=("${A[@]}"); fi
 t_all=$SECONDS
