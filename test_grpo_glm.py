@@ -1984,13 +1984,16 @@ class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.ops = self.syncs = self.from_host = 0
+        self.ops = self.syncs = self.from_host = self.on_host = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
         self.syncs += func.overloadpacket.__name__ in self.SYNCS
         self.from_host += func.overloadpacket.__name__ in self.FROM_HOST
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        tensors = [x for x in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(x, torch.Tensor)]
+        self.on_host += any(x.device.type == "cpu" for x in tensors)   # read by a model on "meta"
+        return out
 
 
 def per_decode_step(ar, sample):
@@ -2009,7 +2012,8 @@ def per_decode_step(ar, sample):
 def test_a_decode_step_reads_nothing_back_to_the_host(sharp_pipe, monkeypatch):
     """No .item(), .tolist(), nonzero or data-dependent branch in a decode step, and no tensor made from
     host data (a suppressed-id list as an index was one): on a GPU the host queues step after step
-    without waiting, which a CUDA graph needs. The plain loop and the FastDecoder alike. And no K/V
+    without waiting, which a CUDA graph needs. The plain loop and the FastDecoder alike; no host tensor on a
+    device (a CPU `arange` moved over passes the counts above: the "meta" run catches it). And no K/V
     copied per query head (GQA: the real AR's 2 KV heads serve 32; transformers folds a KV head's
     query heads into the query length of a one-token step)."""
     kv_heads, attention = [], torch.nn.functional.scaled_dot_product_attention
@@ -2033,6 +2037,24 @@ def test_a_decode_step_reads_nothing_back_to_the_host(sharp_pipe, monkeypatch):
     config = sharp_pipe.vision_language_encoder.config.text_config
     assert config.num_key_value_heads < config.num_attention_heads
     assert kv_heads and set(kv_heads) == {config.num_key_value_heads}
+    # every op of a decode step on the device: on "meta" (LoRA included) a tensor made on the host would show up
+    # as a CPU tensor; on a GPU it is a copy a CUDA graph's capture refuses
+    import transformers.masking_utils
+    pipe, _, _ = _policy(lora_rank=4)
+    ar, (batch, _, grids) = pipe.vision_language_encoder, g.generation_inputs(pipe, prompts, sources, 3, 96, 64)
+    positions = g.rollout_positions(ar, batch, grids)
+    mask = torch.nn.functional.pad(batch["attention_mask"], (0, sum(h * w for h, w in grids)), value=1)
+    with torch.no_grad(), monkeypatch.context() as patch:
+        # the prefill's check reads the mask (eager, never captured): not on meta
+        patch.setattr(transformers.masking_utils, "_ignore_causal_mask_sdpa", lambda *args, **kwargs: False)
+        ar.to("meta")
+        meta = lambda x: x.to("meta")
+        cache, positions, mask, uniform = g.static_cache(ar, mask.shape), meta(positions), meta(mask), meta(
+            torch.rand(len(mask), ar.config.text_config.vision_vocab_size, dtype=torch.float64))
+        ids = g.decode_step(ar, meta(batch["input_ids"]), positions, mask, cache, uniform, sampling)[0]
+        with OpCounter() as ops:
+            g.decode_step(ar, ids[:, None], positions, mask, cache, uniform, sampling)
+    assert ops.ops > 50 and ops.on_host == 0
 
 
 def test_the_fast_decoder_captures_once_per_run_and_draws_the_plain_loops_tokens():
