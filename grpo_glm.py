@@ -985,8 +985,8 @@ def static_cache(ar, shape):
 
 
 class FastDecoder:
-    """decode_loop for a run: per batch shape a DecodeGraph, kept and reset between steps. Its tokens equal
-    decode_loop's on a fresh cache (tested)."""
+    """decode_loop for a run: a DecodeGraph per batch shape and policy, kept and reset between steps (on the CPU:
+    no graph, the step runs as is). Its tokens equal decode_loop's on a fresh cache (tested)."""
 
     def __init__(self, device, capture=None):   # capture: a test's, on any device
         self.capture = capture or (cuda_graph if device.type == "cuda" else lambda step: (step(), step))
@@ -1018,7 +1018,7 @@ class DecodeGraph:
         self.positions.copy_(positions)
         self.mask.copy_(mask)
 
-    def __call__(self, ar, ids, positions, mask, cache, uniform, sampling):  # decode_loop's step, t >= 1
+    def __call__(self, ar, ids, positions, mask, cache, uniform, sampling):  # t >= 1; positions...cache: ours
         if self.replay is None:
             self.ids, self.uniform = ids.clone(), uniform.clone()
             first, self.replay = self.capture(lambda: decode_step(
