@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU check: real-size GLM-Image (random weights) through grpo_glm on one GPU, every case of issue 39 item 8.
-# Each case is its own process under its own `timeout`. The limits come from one budget (BUDGET s, all cases
-# together): a case may use its share plus whatever the cases before it left unused, never more, so the sum of
-# the limits is <= BUDGET. Results: $OUT/<case>.json (phases, written as they finish: a cut case still reports),
+# Each case is its own process under its own `timeout`. The limits come from one budget (the sum of the set's
+# shares): a case may use its share plus whatever the cases before it left unused, never more, so the limits
+# sum to at most the budget. Results: $OUT/<case>.json (phases, written as they finish: a cut case still reports),
 # the log on stdout (the caller tees it to $OUT/log.txt), a summary table at the end (.ci/gpu/summary.py).
 #   OUT=/tmp/o SMALL=1 bash .ci/gpu/cases.sh                 # the CPU dry run (toy widths)
 #   ONLY="ar512 dit512" bash .ci/gpu/cases.sh                 # a subset
@@ -10,7 +10,6 @@ cd "$(dirname "$0")/../.." || exit 1  # the repo root
 P=.ci/gpu
 OUT=${OUT:-/tmp/gpuout}
 mkdir -p "$OUT" /tmp/r
-BUDGET=${BUDGET:-460}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor_cache}  # shared: a later case's same graph hits
 date -u +"%F %T UTC"
@@ -43,6 +42,8 @@ B=(
 )
 if [ "$SET" = B ]; then CASES=("${B[@]}"); else CASES=("${A[@]}"); fi
 t_all=$SECONDS
+budget=0
+for c in "${CASES[@]}"; do IFS='|' read -r _ share _ <<<"$c"; budget=$((budget + share)); done
 spare=0   # what the cases before left of their limits
 for c in "${CASES[@]}"; do
   IFS='|' read -r name share backend flags <<<"$c"
@@ -66,6 +67,6 @@ for c in "${CASES[@]}"; do
   spare=$((limit - (SECONDS - t0))); [ $spare -lt 0 ] && spare=0
 done
 echo
-echo "== all cases: $((SECONDS - t_all)) s of budget $BUDGET"
+echo "== all cases: $((SECONDS - t_all)) s of budget $budget"
 nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null
 python3 $P/summary.py "$OUT"
