@@ -2057,15 +2057,26 @@ def test_a_decode_step_reads_nothing_back_to_the_host(sharp_pipe, monkeypatch):
     assert ops.ops > 50 and ops.on_host == 0
 
 
+def recorded(step):
+    """The CPU's stand-in for cuda_graph -> (step(), replay): make_fx runs the step once (the warm-up) and records
+    its aten ops on the very tensors it touched, every Python value baked in, as a CUDA graph's capture bakes its
+    kernels' arguments; a replay reruns those ops alone."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    first = []
+    record = make_fx(lambda: first.append(step()) or first[0])()
+    return first[0], record
+
+
 def test_the_fast_decoder_captures_once_per_run_and_draws_the_plain_loops_tokens():
     """FastDecoder, LoRA and gradient checkpointing included: 3 steps whose prompts differ in length, each padded
-    to the run's length, capture one graph (the CPU's stand-in for torch.cuda.graph runs the step as it is) over
-    one KV cache reused, and give decode_loop's tokens and log-probs on a fresh cache, bit for bit. A captured
-    step that read anything but its buffers (this step's token, uniforms, positions) would replay stale inputs."""
+    to the run's length, record one graph over one KV cache reused, and give decode_loop's tokens and log-probs on
+    a fresh cache, bit for bit. A step that read anything but its buffers (this step's token, uniforms, positions),
+    or computed on the host what changes per token, replays stale values: a position sliced by a Python counter
+    moved log-probs by 0.03 nats (a rerun of the step, the old stand-in, saw 0)."""
     pipe, _, _ = _policy(lora_rank=4, gradient_checkpointing=True)
     prompts, sources = _two_groups("i2i")
     captures = []
-    fast = g.FastDecoder(torch.device("cpu"), capture=lambda step: captures.append(step) or (step(), step))
+    fast = g.FastDecoder(torch.device("cpu"), capture=lambda step: captures.append(step) or recorded(step))
     sampling = policy(pipe, 0.9, top_p=0.75)
     prompt_len = g.processor_inputs(pipe, prompts, sources, 96, 64, "cpu")["input_ids"].shape[1] + 1
     for step, k in enumerate([0, 1, 0]):     # the short prompt, the long one, the short one
