@@ -961,7 +961,7 @@ def rollout_positions(ar, batch, grids):
 
 
 def run_prompt_len(pipe, items, args):
-    """The longest prompt's length + 1, for every step: one shape (one compiled graph), never unpadded (SDPA's
+    """The longest prompt's length + 1, for every step: one shape (one captured graph), never unpadded (SDPA's
     causal kernel sums in another order). Each prompt must leave the AR's context room for an i2i source, the
     generated tokens and markers (32). The processor pads every prompt alike: the longest text is longest."""
     grid = (args.height // 32) * (args.width // 32)
