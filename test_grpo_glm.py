@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -2197,6 +2198,52 @@ def readme_block(first_line):
     return text[start: text.index("```", start)]
 
 
+def readme_commands():
+    """The argv of every `python grpo_glm.py ...` / `torchrun ... grpo_glm.py ...` in README.md, code
+    blocks and prose alike, in reading order (continued lines joined, comments dropped)."""
+    text = (HERE / "README.md").read_text().replace("\\\n", " ")
+    return [shlex.split(rest.split(" #")[0]) for rest in re.findall(r"(?:python|torchrun)\b[^`\n]*?grpo_glm\.py([^`\n]*)", text)]
+
+
+def readme_written_files():
+    """{path: text} of the files the README's shell blocks write with `printf '...' > path`."""
+    shell = "\n".join(re.findall(r"```bash\n(.*?)```", (HERE / "README.md").read_text(), re.S))
+    return {path: text.replace("\\n", "\n") for text, path in re.findall(r"printf '([^']*)' > (\S+)", shell)}
+
+
+def flag(argv, name):
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def test_readme_commands_parse_and_each_run_has_its_own_out():
+    """A reader runs the README top to bottom: every command's flags parse, and every run names its
+    own --out (the default, runs/grpo_glm, holds one run: a second into it stops with "has a run:
+    pass --resume latest"); only a --resume names an earlier command's. The same command quoted
+    again (prose naming it) is the same run."""
+    commands, seen, outs = readme_commands(), [], set()
+    assert len(commands) >= 10, commands
+    for argv in commands:
+        args = g.parse_args(argv)
+        if args.plan or argv in seen:
+            continue
+        assert "--out" in argv, f"README: {shlex.join(argv)} has no --out"
+        assert (args.out in outs) == bool(args.resume), f"README: {shlex.join(argv)} reuses --out {args.out}"
+        seen.append(argv)
+        outs.add(args.out)
+
+
+def test_readme_prompt_files_exist_or_are_written_by_the_readme():
+    """Every --prompts / --eval-prompts a README command reads is in the repository or written by the
+    README's shell lines before it (a `my_...` file is the reader's own); the held-out eval has one."""
+    written, evals = readme_written_files(), []
+    for argv in readme_commands():
+        for name in ("--prompts", "--eval-prompts"):
+            if (path := flag(argv, name)) and not path.startswith("my_"):
+                assert path in written or (HERE / path).is_file(), f"README: {shlex.join(argv)}: no {path}"
+        evals += [flag(argv, "--eval-prompts")] if "--eval-prompts" in argv else []
+    assert evals and all(written.get(path, "").strip() for path in evals), evals
+
+
 def _reward(name, fn, weight=1.0):
     return g.Reward(name, fn, weight)
 
@@ -2504,7 +2551,9 @@ def test_tensorboard_logs_the_metrics_images_and_flags(tmp_path):
     # and its first, orphaned events must not show next to the new ones
     (out / "checkpoints" / "step_000003.pt").unlink()
     g.main(["--steps", "3", "--resume", "latest", *flags])
-    events = EventAccumulator(str(out / "logs"), size_guidance={"images": 0, "scalars": 0, "tensors": 0})
+    # where the README says the events go: <out>/logs/
+    logs = re.search(r"TensorBoard events to `<out>/(\w+)/`", (HERE / "README.md").read_text()).group(1)
+    events = EventAccumulator(str(out / logs), size_guidance={"images": 0, "scalars": 0, "tensors": 0})
     events.Reload()
     rows = read_metrics(out)
     for key in ("reward_mean", "loss", "rewards/mse", "lr"):
