@@ -21,8 +21,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 # One OpenMP thread unless the caller says otherwise, set before torch is imported, as the README's
-# commands run: the demo's fp32 trajectory depends on the thread count (the sum order), and on 2
-# shared cores a second thread mostly waits.
+# commands run: an fp32 trajectory follows the sums' order, which the thread count can change (the
+# tiny demos measured alike on 1 and 2 threads; the CPU's kernels did not), and on 2 shared cores a
+# second thread mostly waits.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np
@@ -715,16 +716,19 @@ def test_slow_default_run_learns(tmp_path, monkeypatch, capsys):
     assert "collapsed" not in capsys.readouterr().err
     assert all(sheets["step_000040.png"][p] < mse for p, mse in sheets["step_000005.png"].items())
     assert all(shape["step_000040.png", p] > 0.5 for p in sheets["step_000040.png"])
-    # The README's figures, to half their last digit plus what it says other machines move them by.
+    # The README's figures: to half their last digit on the README's machine; elsewhere give or take
+    # what the README says other CPUs' kernels move them by.
     text = (HERE / "README.md").read_text().replace("\u2212", "-")
-    moves = {what: float(re.search(rf"{what} by ≤ ([\d.]+)", text).group(1)) for what in ("rewards", "gains", "held-out step 40")}
+    moves = [float(re.search(pattern, text).group(1))
+             for pattern in (r"≤ ([\d.]+) \(rewards\)", r"≤ ([\d.]+) \(gains", r"step 40's by ≤ ([\d.]+)")]
+    moves = [0.0] * 3 if readme_machine() else moves
     shown = re.search(r"^step   40/40 .* reward (-[\d.]+)", text, re.M).group(1)
     measured = [first, last, (last - first) / std] + [100 * shape[sheet, p] for sheet in ("step_000005.png",
                 "step_000040.png") for p in sheets["step_000005.png"]] + [evals[0], evals[40], rows[-1]["reward_mean"]]
-    slack = [moves["rewards"]] * 2 + [moves["gains"]] + [0] * 4 + [moves["rewards"], moves["held-out step 40"], moves["rewards"]]
+    slack = [moves[0]] * 2 + [moves[1]] + [0] * 4 + [0, moves[2], moves[0]]
     for column, (readme, ours, moved) in enumerate(zip(readme_demo_row(0) + [shown], measured, slack)):
         last_digit = 10.0 ** -len(readme.partition(".")[2])
-        assert abs(float(readme) - ours) <= last_digit / 2 + moved, (column, readme, ours)
+        assert abs(float(readme) - ours) <= last_digit / 2 + moved + 1e-9, (column, readme, ours)
 
 
 # ---------------------------------------------------------------------------------------------
