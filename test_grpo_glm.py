@@ -720,7 +720,7 @@ def test_slow_default_run_learns(tmp_path, monkeypatch, capsys):
     # what the README says other CPUs' kernels move them by.
     text = (HERE / "README.md").read_text().replace("\u2212", "-")
     moves = [float(re.search(pattern, text).group(1))
-             for pattern in (r"≤ ([\d.]+) \(rewards\)", r"≤ ([\d.]+) \(gains", r"step 40's by ≤ ([\d.]+)")]
+             for pattern in (r"≤ ([\d.]+) \(rewards\)", r"≤ ([\d.]+) \(gains", r"step 40's eval by ≤ ([\d.]+)")]
     moves = [0.0] * 3 if readme_machine() else moves
     shown = re.search(r"^step   40/40 .* reward (-[\d.]+)", text, re.M).group(1)
     measured = [first, last, (last - first) / std] + [100 * shape[sheet, p] for sheet in ("step_000005.png",
