@@ -80,20 +80,20 @@ class UsageError(Exception):
 
 
 # PART I. GRPO on the autoregressive half: one read, from the flags to the training loop ##########
-# Stop at its end and you have seen a whole run. GLM-Image's machinery sits in section 14, behind
-# the calls named here.
+# Stop at its end and you have seen a whole run. GLM-Image's machinery sits in section 14,
+# behind the calls named here.
 
 
 # ==== 1. Settings =================================================================================
 # Every flag: parse_args (section 15), or `--help`. GRPO's own, with their defaults:
-#     --group-size G (32)          samples per prompt, compared within their group (sections 4, 7)
+#     --group-size G (32)          samples per prompt (sections 4, 7)
 #     --prompts-per-step P (2)     a step's batch is N = P x G samples
-#     --temperature, --top-k/-p    the sampling policy, which the loss scores alike (sections 4, 8)
+#     --temperature, --top-k/-p    the policy pi (section 4)
 #     --reward (mse)               what an image scores (section 6)
-#     --loss-tokens (target)       which generated tokens the loss covers (section 9)
-#     --clip-eps (0.2), --beta (0) PPO's clip range and the KL penalty's weight (section 9)
-#     --inner-epochs mu (4), --lr  AdamW passes over each batch, their step size (section 10)
-#     --policy (ar)                what trains: the AR, the DiT (Part II), or both
+#     --loss-tokens (target)       the tokens the loss covers (section 9)
+#     --clip-eps (0.2), --beta (0) PPO's clip range, the KL's weight (9)
+#     --inner-epochs mu (4), --lr  AdamW passes over a batch (10)
+#     --policy (ar)                what trains: the AR; dit|both: Part II
 
 
 # ==== 2. Model: GLM-Image = AR (transformers) + DiT/VAE/glyph encoder (diffusers) =================
@@ -105,54 +105,64 @@ DIT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]                  # the D
 
 def load_pipeline(args):
     """The GlmImagePipeline on args.device, its renderer (glyph encoder, DiT, VAE) frozen."""
-    pipe = pipeline_from_pretrained(args, getattr(torch, args.dtype))  # tiny: built once, cached
+    pipe = pipeline_from_pretrained(args, getattr(torch, args.dtype))  # tiny: built, cached
     for name in ("text_encoder", "transformer", "vae"):
         getattr(pipe, name).requires_grad_(False)
     pipe.processor.tokenizer.padding_side = "left"  # every prompt ends at one column
     pipe.set_progress_bar_config(disable=True)      # the run prints a line a step
-    pipe.vae.enable_slicing()  # decode one image at a time: at 1024^2 each holds ~3 GiB
+    pipe.vae.enable_slicing()  # one image at a time: at 1024^2 each holds ~3 GiB
     place_pipeline(pipe, args)  # on the device, or --offload's frozen parts taking turns
     return pipe
 
 
 def prepare_policy(ar, args):
-    """Marks what of the AR trains (LoRA adapters, all its weights or lm_head alone); returns it."""
+    """Marks what of the AR trains (LoRA adapters, all its weights or lm_head alone);
+    returns it."""
     if args.lora_rank:
         add_lora(ar, args.lora_rank, args.lora_alpha, LORA_TARGETS,
                  exclude_modules=r".*visual.*|.*vqmodel.*")
     else:
         ar.requires_grad_(True)
-        ar.model.visual.requires_grad_(False)  # the vision encoder and VQ only read sources
+        ar.model.visual.requires_grad_(False)  # the vision encoder and VQ read sources
         ar.model.vqmodel.requires_grad_(False)
         if args.ar_trainable == "head":
-            # lm_head reads each (prompt, cell) off the body's fixed features. The tiny AR's body
-            # is random: trained along, it paints every cell the background (README).
+            # lm_head reads each (prompt, cell) off the body's fixed features. The tiny
+            # AR's body is random: trained along, it paints every cell alike (README).
             ar.model.requires_grad_(False)
     if args.gradient_checkpointing:
-        ar.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        ar.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         ar.disable_input_require_grads()  # a hook only reentrant checkpointing needs
+    # pi_old's pass and the loss's run in train mode (section 4): dropout would
+    # make each a policy of its own
+    if dropout := active_dropout(ar.model.language_model):
+        raise UsageError(f"--model {args.model}: dropout in {dropout}: set it to 0")
     return [p for p in ar.parameters() if p.requires_grad]
 
 
-# ==== 3. Prompts and targets ======================================================================
-# Run.steps (section 19): a seeded shuffle per pass over the file, the same on a resumed run.
+# ==== 3. A step's prompts, targets and seeds ======================================================
+# Run.steps (section 19) picks the step's prompt lines; here they become batch rows.
 
-def repeat_each(items, group_size):
-    return [x for x in items for _ in range(group_size)]  # [a, b] -> [a x G, b x G]: batch rows
-
-
-def batch_targets(batch):
-    """The step's target images [P, 3, H, W] in [0, 1], or None if any is missing."""
+def step_prompts(items, indices, mode):
+    """(prompts: P str, targets [P, 3, H, W] in [0, 1] | None, i2i sources: P PIL | None)."""
+    batch = [items[i] for i in indices]
     targets = [it.image("target") for it in batch]
     if any(t is None for t in targets):
-        return None
-    return torch.stack([torch.from_numpy(np.asarray(t, dtype=np.float32) / 255.0).permute(2, 0, 1)
-                        for t in targets])
+        targets = None
+    else:  # PIL -> [3, H, W]
+        targets = torch.stack([pil_to_tensor(t) for t in targets])
+    sources = [it.image("source") for it in batch] if mode == "i2i" else None
+    return [it.text for it in batch], targets, sources
+
+
+def repeat_each(items, group_size):
+    return [x for x in items for _ in range(group_size)]  # [a, b] -> [a x G, b x G]
 
 
 def seeded(seed, purpose, step=0, index=0, device="cpu"):
-    """The one rule for every random stream (prompt order, tokens, DiT noise): a generator of its
-    own from (--seed, purpose, step, index), alike on any rank. Hashed: seed * 7919 + i collides."""
+    """The one rule for every random stream (prompt order, tokens, DiT noise): a generator
+    of its own from (--seed, purpose, step, index), alike on any rank. Hashed: a sum such
+    as seed * 7919 + i collides."""
     digest = hashlib.sha256(f"{seed}/{purpose}/{step}/{index}".encode()).digest()
     return torch.Generator(device).manual_seed(int.from_bytes(digest[:8], "little"))
 
@@ -160,122 +170,136 @@ def seeded(seed, purpose, step=0, index=0, device="cpu"):
 # ==== 4. SAMPLE: G token grids per prompt, with the log-prob of every sampled token ===============
 # t2i: after the prompt `text<sop>H W<eop><sop>h w<eop><bos>` the AR writes
 #     h*w preview tokens (a ~16x16 sketch) | H*W target-grid tokens | 1 end slot
-# i2i: after `<start><the source's VQ tokens><end>text<sop>H W<eop><bos>`: H*W target tokens | end.
-# Only the target grid reaches the DiT. Each token sits at an M-RoPE position (time, row, column):
-# text moves all three, grid cell (i, j) sits at (s, s + i, s + j). The loss must feed the very
-# positions the sampler used (Rollout.position_ids): a plain forward numbers the grid like text and
-# scores another policy, so the first pass's ratio would not be 1.
+# i2i: after `<start><source's VQ tokens><end>text<sop>H W<eop><bos>`: H*W target | end.
+# Only the target grid reaches the DiT. Each token sits at an M-RoPE position (time,
+# row, column): text moves all three; grid cell (i, j) sits at (s, s + i, s + j).
+# The loss feeds the positions the sampler used (Rollout.position_ids). A plain forward
+# numbers the grid like text: scored that way, pi_old and the loss would still agree
+# (ratio 1), but they would train a policy other than the one that sampled (a gap of
+# nats a token, which sampler_gap shows).
 
 @dataclass
 class Rollout:
-    sequences: torch.Tensor       # [N, S+L] prompt (left-padded; i2i: source VQ ids) + generated
-    attention_mask: torch.Tensor  # [N, S+L-1] mask of the teacher-forced input, sequences[:, :-1]
-    position_ids: torch.Tensor    # [3, N, S+L-1] its M-RoPE positions, as the sampler used them
-    old_logp: torch.Tensor        # [N, L] log pi_old(token): the loss's own pass (sample_tokens)
-    loss_mask: torch.Tensor       # [N, L] 1 for tokens the loss covers
+    sequences: torch.Tensor       # [N, S+L] prompt (left-padded) + generated tokens
+    attention_mask: torch.Tensor  # [N, S+L-1] of the teacher-forced input, sequences[:, :-1]
+    position_ids: torch.Tensor    # [3, N, S+L-1] its M-RoPE positions, the sampler's
+    sampler_logp: torch.Tensor    # [N, L] log pi(token), as the sampler drew it
+    loss_mask: torch.Tensor       # [N, L] 1 on the tokens the loss covers
     target_tokens: torch.Tensor   # [N, H*W] the target grid, row-major
     grid_hw: tuple                # (H, W) of the target grid in tokens
     prompt_len: int               # S
-    source_prior: list = None     # i2i, per sample: source VQ ids upsampled 2x, grid, for the DiT
-    sampler_gap: dict = None      # |old_logp - the sampler's own| over the loss tokens: max, mean
+    source_prior: list = None     # i2i, per sample: the source's VQ ids for the DiT
+    old_logp: torch.Tensor = None  # [N, L] log pi_old(token): old_logprobs' pass
+
+    @property
+    def generated(self):  # [N, L]
+        return self.sequences[:, self.prompt_len:]
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """The AR policy (vLLM's name): pi = softmax(logits / temperature) over the kept ids, which
-    kept_logits (section 8) finds. The sampler and the loss both read it."""
+    """The AR policy (vLLM's name): pi = softmax(logits / temperature) over the kept ids
+    (kept_logits, section 8). The sampler and the loss both read it."""
     temperature: float = 1.0
     top_k: int = 0          # keep the k likeliest ids (0: all)
-    top_p: float = 1.0      # of those, the fewest whose probability adds up to p (1: all)
+    top_p: float = 1.0      # of those, the fewest whose mass adds up to p (1: all)
     codebook: int = 0       # ids >= it (image start, end...) never drawn: they crash the DiT
 
 
 def at_least_fp32(x):
-    return x.to(torch.promote_types(x.dtype, torch.float32))  # bf16 -> fp32; fp32, fp64 unchanged
+    return x.to(torch.promote_types(x.dtype, torch.float32))  # bf16 -> fp32; fp64 stays
 
 
 def gumbel_max(logits, uniform, sampling):
     """A draw from softmax(z) over the ids where z is finite: argmax_v (z_v - log(-log u_v)),
     u ~ U(0, 1). logits, u [N, V] -> (ids [N], log pi(ids) [N] fp64)."""
     kept = torch.isfinite(kept_logits(logits, sampling))  # the loss's kept set
-    z = (at_least_fp32(logits).double() / sampling.temperature).masked_fill(~kept, float("-inf"))
+    z = at_least_fp32(logits).double() / sampling.temperature
+    z = z.masked_fill(~kept, float("-inf"))
     token = (z - torch.log(-torch.log(uniform))).argmax(-1)  # u = 0: -inf, never drawn
     return token, z.log_softmax(-1).gather(-1, token[:, None])[:, 0]
 
 
 def decode_step(ar, ids, positions, mask, cache, uniform, sampling):
-    """ids [N, q] at their M-RoPE positions, picked by the cache's length on the device (no host
-    sync) -> the next token [N] by gumbel_max, and its log pi. mask [N, S+L-1]: the whole run's."""
+    """ids [N, q] at their M-RoPE positions -> the next token [N] by gumbel_max, and its
+    log pi. The cache's length picks the positions on the device (no host sync).
+    mask [N, S+L-1]: the whole rollout's."""
     at = cache.get_seq_length() + torch.arange(ids.shape[1], device=ids.device)
-    logits = ar(ids, mask, positions.index_select(2, at), cache, logits_to_keep=1).logits[:, -1]
-    return gumbel_max(logits, uniform, sampling)
+    out = ar(ids, mask, positions.index_select(2, at), cache, logits_to_keep=1)
+    return gumbel_max(out.logits[:, -1], uniform, sampling)
 
 
-def decode_loop(ar, ids, positions, mask, num_tokens, uniforms, sampling, cache, step=decode_step):
-    """The sampler: forward -> Gumbel-max -> append, a token per row a step; the first is the
-    prompt's prefill, which fills the KV cache. ids [N, S] -> (tokens [N, L], log pi [N, L]).
-    step: the decode steps' (FastDecoder's replays a CUDA graph)."""
-    drawn = []
+def decode_loop(ar, ids, positions, mask, num_tokens, uniforms, sampling, cache,
+                step=decode_step):
+    """The sampler: forward -> Gumbel-max -> append, a token per row a step. The first
+    step is the prompt's prefill, which fills the KV cache. ids [N, S] ->
+    (tokens [N, L], log pi [N, L]). step: the later steps' (FastDecoder: a CUDA graph)."""
+    tokens, logps = [], []
     for t in range(num_tokens):
         draw = step if t else decode_step  # the prefill: its own shape, eager
-        drawn.append(draw(ar, ids, positions, mask, cache, uniforms(), sampling))
-        ids = drawn[-1][0][:, None]
-    return (torch.stack(column, 1) for column in zip(*drawn))
+        token, logp = draw(ar, ids, positions, mask, cache, uniforms(), sampling)
+        tokens.append(token)
+        logps.append(logp)
+        ids = token[:, None]
+    return torch.stack(tokens, 1), torch.stack(logps, 1)
 
 
 @torch.no_grad()
-def sample_groups(pipe, prompts, group_size, sampling, height, width, loss_tokens, sources=None,
-                  generators=None, prompt_len=None, decoder=None):
-    """G samples per prompt (i2i: edits of `sources`) -> Rollout, old_logp the sampler's own. Group
-    k draws from generators[k] alone (default: seeded off the global RNG). decoder: decode_loop on a
-    fresh static KV cache, or a run's FastDecoder (section 14): the same tokens, faster."""
+def sample_groups(pipe, prompts, group_size, sampling, height, width, loss_tokens,
+                  sources=None, generators=None, prompt_len=None, decoder=None):
+    """G samples per prompt (i2i: edits of `sources`) -> Rollout, without old_logp.
+    Group k draws from generators[k] alone (None: seeded off the global RNG). decoder:
+    a run's FastDecoder (section 14), else decode_loop on a fresh static KV cache."""
     ar = pipe.vision_language_encoder
-    seed = lambda: int(torch.randint(2**62, ()))
-    generators = generators or [torch.Generator(ar.device).manual_seed(seed()) for _ in prompts]
-    batch, source_prior, grids = generation_inputs(pipe, prompts, sources, group_size, height,
-                                                   width, prompt_len)  # left-padded to prompt_len
-    (H, W), L, prompt_len = grids[-1], sum(h * w for h, w in grids) + 1, batch["input_ids"].shape[1]
+    batch, source_prior, grids = generation_inputs(
+        pipe, prompts, sources, group_size, height, width, prompt_len)  # left-padded
+    L = sum(h * w for h, w in grids) + 1  # the grids, then the end slot
     positions = rollout_positions(ar, batch, grids)  # [3, N, S + L - 1]
-    mask = torch.nn.functional.pad(batch["attention_mask"], (0, L - 1), value=1)  # [N, S + L - 1]
-    V = ar.config.text_config.vision_vocab_size
-    uniforms = lambda: torch.cat([torch.rand(group_size, V, generator=gen, device=gen.device,
-                                             dtype=torch.float64) for gen in generators])
-    decoder = decoder or functools.partial(decode_loop, cache=static_cache(ar, mask.shape))
-    generated, old_logp = decoder(ar, batch["input_ids"], positions, mask, L, uniforms, sampling)
-    offset = L - 1 - H * W  # the target grid: last before the end slot
-    loss_mask = torch.zeros_like(generated, dtype=torch.float32)
-    loss_mask[:, (offset if loss_tokens == "target" else 0): offset + H * W] = 1.0  # never the end
-    target = generated[:, offset: offset + H * W]
-    return Rollout(torch.cat([batch["input_ids"], generated], 1), mask, positions, old_logp,
-                   loss_mask, target, (H, W), prompt_len, source_prior)
+    mask = batch["attention_mask"]
+    mask = torch.nn.functional.pad(mask, (0, L - 1), value=1)  # [N, S + L - 1]
+    uniforms = group_uniforms(ar, generators or len(prompts), group_size)  # () -> [N, V]
+    decoder = decoder or eager_decoder(ar, mask)
+    prompt = batch["input_ids"]  # [N, S]
+    tokens, logp = decoder(ar, prompt, positions, mask, L, uniforms, sampling)
+    H, W = grids[-1]
+    target = slice(L - 1 - H * W, L - 1)  # the target grid: last before the end slot
+    covered = target if loss_tokens == "target" else slice(0, target.stop)
+    loss_mask = torch.zeros_like(tokens, dtype=torch.float32)
+    loss_mask[:, covered] = 1.0
+    return Rollout(torch.cat([prompt, tokens], 1), mask, positions, logp, loss_mask,
+                   tokens[:, target], (H, W), prompt.shape[1], source_prior)
 
 
 def sample_tokens(trainer, prompts, sources, slots, step, args):
-    """SAMPLE this rank's groups -> Rollout. Group `slot` draws from seeded(step, slot), padded to
-    the run's prompt length: its tokens are alike on any number of processes, beside any prompts."""
-    ar = trainer.pipe.vision_language_encoder
-    generators = [seeded(args.seed, "tokens", step, slot, ar.device) for slot in slots]
+    """SAMPLE this rank's groups -> Rollout with pi_old. Group `slot` draws from
+    seeded(step, slot), padded to the run's prompt length: its tokens are alike on any
+    number of processes, beside any prompts."""
+    ar, sampling = trainer.ar.model, trainer.sampling
+    generators = [seeded(args.seed, "tokens", step, s, ar.device) for s in slots]
     ar.eval()
-    with whole_weights(ar) as sharded:  # --fsdp: sampled eagerly, through its hooks
-        rollout = sample_groups(trainer.pipe, prompts, args.group_size, trainer.sampling,
-                                args.height, args.width, args.loss_tokens, sources, generators,
-                                trainer.prompt_len, None if sharded else trainer.decoder)
-        # pi_old is the loss's own pass, micro-batch for micro-batch, so the first pass's ratio is 1
-        # bit for bit. The sampler's kernels differ (~1e-2 in bf16, ~1e-6 in fp32): logged as a gap.
-        sampler_logp = rollout.old_logp
-        rollout.old_logp = logprobs_by_micro_batch(ar, rollout, trainer.sampling,
-                                                   args.micro_batch_size)
-    gap = (rollout.old_logp - sampler_logp).abs()[rollout.loss_mask.bool()]
-    rollout.sampler_gap = {"sampler_gap_max": gap.max().item(),
-                           "sampler_gap_mean": gap.mean().item()}
-    return rollout
+    with whole_weights(ar) as sharded:  # --fsdp: gathered, sampled eagerly
+        decoder = None if sharded else trainer.decoder
+        rollout = sample_groups(trainer.pipe, prompts, args.group_size, sampling,
+                                args.height, args.width, args.loss_tokens, sources,
+                                generators, trainer.prompt_len, decoder)
+        ar.model.train()  # the loss's mode (gradient checkpointing)
+        old_logp = old_logprobs(ar, rollout, sampling, args.micro_batch_size)
+    return replace(rollout, old_logp=old_logp)
+
+
+def sampler_gap(rollout):
+    """|old_logp - sampler_logp| on the loss tokens: the sampler's kernels (a KV cache, a
+    token a step) round otherwise than the loss's pass: ~1e-6 in fp32, ~1e-2 in bf16.
+    Large, it says the loss trains another policy than the sampler's."""
+    gap = (rollout.old_logp - rollout.sampler_logp).abs()[rollout.loss_mask.bool()]
+    return {"sampler_gap_max": gap.max().item(), "sampler_gap_mean": gap.mean().item()}
 
 
 # ==== 5. DECODE: target-grid tokens -> DiT -> VAE -> pixels =======================================
 
 def group_noise(pipe, prompt_indices, group_size, height, width, seed, step, mode):
-    """Initial DiT latents [N, C, h, w]: one draw per prompt, shared by its G samples, so that only
-    the tokens differ. --dit-noise per-prompt: the same every step, a fixed renderer."""
+    """Initial DiT latents [N, C, h, w]: one draw per prompt, shared by its G samples, so
+    that only the tokens differ. --dit-noise per-prompt: the same every step."""
     shape = (pipe.transformer.config.in_channels, height // pipe.vae_scale_factor,
              width // pipe.vae_scale_factor)
     step = 0 if mode == "per-prompt" else step
@@ -285,35 +309,43 @@ def group_noise(pipe, prompt_indices, group_size, height, width, seed, step, mod
 
 
 @torch.no_grad()
-def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps, guidance_scale):
-    """DECODE: images [N, 3, H, W] from the target grids: the pipeline's schedule, conditioning and
-    Euler steps, as Part II's loop at a = 0 (tested equal to the pipeline). Not `pipe(...)`: that
-    batches prompts and re-hooks CPU offload at its end (moving the trained AR off the GPU)."""
+def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps,
+                  guidance_scale):
+    """DECODE: images [N, 3, H, W] from the target grids, with the pipeline's schedule,
+    conditioning and Euler steps: Part II's loop at a = 0 (tested equal to the
+    pipeline). Not `pipe(...)`: it batches prompts, and re-hooks CPU offload at its end
+    (moving the trained AR off the GPU)."""
     G = rollout.target_tokens.shape[0] // len(prompts)
-    cond = dit_condition(pipe, prompts, G, rollout.target_tokens, rollout.grid_hw, guidance_scale,
-                         sources, rollout.source_prior and rollout.source_prior[::G])  # Part II
+    priors = rollout.source_prior and rollout.source_prior[::G]  # i2i: per prompt
+    cond = dit_condition(pipe, prompts, G, rollout.target_tokens, rollout.grid_hw,
+                         guidance_scale, sources, priors)
     H, W = rollout.grid_hw
     schedule = dit_schedule(pipe, 32 * H, 32 * W, num_inference_steps)
-    latents = sample_dit(pipe.transformer, cond, noise, schedule).states[:, -1]  # Part II
+    latents = sample_dit(pipe.transformer, cond, noise, schedule).states[:, -1]
     return latents_to_images(pipe, latents)
 
 
 # ==== 6. REWARD ===================================================================================
-# A reward is any fn(images [N, 3, H, W] in [0, 1], prompts: N str, targets [N, 3, H, W] | None)
-# -> [N], higher = better, row i of each the same sample. --reward module:fn or file.py:fn, with
-# '=WEIGHT', picks them (section 17); one that reads targets says so: `fn.uses_targets = True`.
+# A reward plug-in is fn(images [N, 3, H, W] in [0, 1], prompts: N str,
+# targets [N, 3, H, W] | None) -> [N], higher = better; row i of each is one sample.
+# --reward module:fn or file.py:fn, with '=WEIGHT', picks them (section 17); one
+# that reads targets says so: `fn.uses_targets = True`. The demo's is mse_reward,
+# as the plug-in `mse` (section 17).
 
 def mse_reward(images, targets):
     """r = -mean((image - target)^2) over channels and pixels, the demo's reward.
-    images, targets: float [N, 3, H, W] in [0, 1]  ->  rewards [N] in [-1, 0]; 0 = perfect."""
-    wide = images.to(torch.promote_types(images.dtype, torch.float32))  # bf16 -> fp32; fp64 stays
+    images, targets: float [N, 3, H, W] in [0, 1] -> rewards [N] in [-1, 0]; 0: perfect."""
+    wide = images.to(torch.promote_types(images.dtype, torch.float32))  # bf16 -> fp32
     return -((wide - targets) ** 2).mean(dim=(1, 2, 3))
 
 
-def compute_rewards(rewards, images, prompts, targets):
-    """(total [N] = sum_k w_k r_k, {name: r_k [N]}) over the --reward plug-ins (name, fn, weight).
-    call_reward runs fn on a copy (an edit in place must not reach the next) and checks its [N].
-    Summed, then standardised, as TRL: a reward weighs by weight x its spread within a group."""
+def compute_rewards(rewards, images, prompts, targets, group_size):
+    """(total [N] = sum_k w_k r_k, {name: r_k [N]}) over the --reward plug-ins (name, fn,
+    weight); prompts (P) and targets [P, ...] repeat for the G rows of each group.
+    Summed, then standardised, as TRL: a reward weighs by weight x its spread."""
+    prompts = repeat_each(prompts, group_size)
+    if targets is not None:
+        targets = targets.repeat_interleave(group_size, 0)
     values = [call_reward(reward, images, prompts, targets) for reward in rewards]
     total = sum(reward.weight * value for reward, value in zip(rewards, values))
     return total, {reward.name: value for reward, value in zip(rewards, values)}
@@ -322,48 +354,33 @@ def compute_rewards(rewards, images, prompts, targets):
 # ==== 7. ADVANTAGE ================================================================================
 
 def group_advantages(rewards, group_size, eps=1e-4):
-    """A_i = (r_i - mean_group(r)) / (std_group(r) + eps): rewards [N] in groups of G -> [N];
-    unbiased std, as TRL. A tied group gets exactly 0 (not ~3e-4 from an fp32 mean an ulp off), as
-    does one with a NaN or inf (left out: the others train). eps is not tiny on purpose: MSE
-    rewards in a group can differ by 1e-4."""
+    """A_i = (r_i - mean_group(r)) / (std_group(r) + eps): rewards [N] in groups of G ->
+    [N]; unbiased std, as TRL. A tied group gets exactly 0 (not ~3e-4 from an fp32 mean an
+    ulp off), as does one with a NaN or inf (left out: the others train). eps is not tiny
+    on purpose: MSE rewards in a group can differ by 1e-4."""
     if rewards.ndim != 1 or rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards: not a multiple of group_size={group_size}")
+        raise ValueError(f"{rewards.numel()} rewards: not a multiple of {group_size=}")
     groups = rewards.view(-1, group_size)
     centred = groups - groups.mean(dim=1, keepdim=True)
     advantages = centred / (groups.std(dim=1, keepdim=True) + eps)
     tied = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)
-    return torch.where(tied | ~groups.isfinite().all(1, True), 0.0, advantages).view(-1)
+    left_out = tied | ~groups.isfinite().all(1, True)
+    return torch.where(left_out, 0.0, advantages).view(-1)
 
 
 # ==== 8. Log-probs with gradients =================================================================
 
 def kept_logits(logits, sampling, keep=None):
-    """z [..., V], pi = softmax(z): logits / temperature in at least fp32 (a bf16 log-softmax loses
-    ~1e-2), -inf past the codebook and on the ids transformers' top-k / top-p warpers drop (so a
-    saved pipeline's generate() samples this policy). `keep` [...]: ids kept whatever: after an
-    update a sampled id may drop out, and log 0 has no gradient."""
-    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / sampling.temperature
+    """z [..., V] with pi = softmax(z): logits / temperature in at least fp32 (a bf16
+    log-softmax loses ~1e-2); -inf past the codebook and off the top-k / top-p kept set.
+    keep [...]: ids kept whatever (after an update a sampled id may drop out of the
+    set, and log 0 has no gradient)."""
+    z = at_least_fp32(logits) / sampling.temperature
     if sampling.codebook:
-        z[..., sampling.codebook:].fill_(float("-inf"))  # fill_: no scalar tensor from the host
-    k, p = sampling.top_k, sampling.top_p
-    if not (k or p < 1):
-        return z
-    with torch.no_grad():  # 1,024 rows at a time: sorting all [N, L, V] holds ~23 bytes a logit
-        parts = []
-        for rows in z.detach().reshape(-1, z.shape[-1]).split(1024):
-            dropped = torch.zeros_like(rows, dtype=torch.bool)
-            if k:  # keep z >= the k-th largest
-                dropped |= rows < torch.topk(rows, min(k, rows.shape[-1]), dim=-1).values[..., -1:]
-            if p < 1:  # ascending (the warper's tie order): drop while the mass so far is <= 1 - p
-                ascending, order = torch.sort(rows.masked_fill(dropped, float("-inf")), dim=-1)
-                tail = ascending.softmax(-1).cumsum(-1) <= 1 - p
-                tail[..., -1].fill_(False)  # never the largest
-                dropped |= tail.scatter(-1, order, tail)
-            parts.append(dropped)
-        dropped = torch.cat(parts).view_as(z)
-        if keep is not None:
-            dropped.scatter_(-1, keep.unsqueeze(-1), False)
-    return z.masked_fill(dropped, float("-inf"))
+        z[..., sampling.codebook:].fill_(float("-inf"))  # fill_: no host tensor
+    if sampling.top_k or sampling.top_p < 1:  # the set transformers' warpers keep
+        z = z.masked_fill(dropped_by_warpers(z, sampling, keep), float("-inf"))
+    return z
 
 
 def token_logprobs(logits, tokens, sampling):
@@ -374,27 +391,40 @@ def token_logprobs(logits, tokens, sampling):
 
 def token_entropy(logits, sampling):
     """Entropy of pi, [N, L, V] -> [N, L] nats: log(kept ids) at uniform."""
-    return torch.distributions.Categorical(logits=kept_logits(logits, sampling)).entropy()
+    z = kept_logits(logits, sampling)
+    return torch.distributions.Categorical(logits=z).entropy()
 
 
 def policy_logits(ar, rollout):
-    """A teacher-forced forward at the rollout's M-RoPE positions -> logits [N, L, V] of the L
-    generated tokens."""
-    num_generated = rollout.sequences.shape[1] - rollout.prompt_len
+    """A teacher-forced forward at the rollout's M-RoPE positions -> logits [N, L, V]
+    of the L generated tokens."""
+    num_generated = rollout.generated.shape[1]
     return ar(input_ids=rollout.sequences[:, :-1], attention_mask=rollout.attention_mask,
               position_ids=rollout.position_ids, logits_to_keep=num_generated,
               use_cache=False).logits
 
 
-def policy_logprobs(ar, rollout, sampling):
-    generated = rollout.sequences[:, rollout.prompt_len:]
-    return token_logprobs(policy_logits(ar, rollout), generated, sampling)
+def micro_batches(rollout, size):
+    """[(rows, the rollout's rows)], `size` rows at a time. slice_rollout (section 14)
+    also drops the padding columns none of them needs: a row's forward sees the same
+    tensors however the batch is cut."""
+    N = rollout.sequences.shape[0]
+    return [(rows, slice_rollout(rollout, rows)) for rows in row_slices(N, size)]
+
+
+@torch.no_grad()
+def old_logprobs(ar, rollout, sampling, size):
+    """log pi_old [N, L]: before any update, the loss's own pass (policy_logits,
+    token_logprobs, the same micro-batches, the same mode). Pass 1's logp is then this
+    tensor bit for bit: ratio = exp(logp - old_logp) = 1 exactly (logp_diff_max: 0)."""
+    return torch.cat([token_logprobs(policy_logits(ar, part), part.generated, sampling)
+                      for _, part in micro_batches(rollout, size)])
 
 
 # ==== 9. Loss =====================================================================================
-# --loss-tokens: the reward depends only on the H*W target-grid tokens, which the preview tokens
-# condition. Training those too ('all') is the unbiased gradient, plus h*w ~ 256 tokens of
-# near-pure noise; 'target' (the default) trades that bias for a far less noisy gradient.
+# --loss-tokens: the reward depends only on the H*W target-grid tokens, which the preview
+# tokens condition. Training those too ('all') is the unbiased gradient, plus h*w ~ 256
+# tokens of near-pure noise; 'target' (the default) trades that bias for a calmer gradient.
 
 def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=None):
     """PPO-clipped GRPO objective, per token. Returns (loss, metrics).
@@ -403,12 +433,13 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
         pg_loss1 = -A * ratio
         pg_loss2 = -A * clip(ratio, 1 - eps, 1 + eps)
         pg_loss  = max(pg_loss1, pg_loss2)                = -min(rho A, clip(rho) A)
-        kl       = exp(ref - logp) - (ref - logp) - 1     k3 estimator of KL(pi || pi_ref), >= 0
+        kl       = exp(ref - logp) - (ref - logp) - 1     k3 estimator of KL(pi || pi_ref)
         loss     = masked_mean(pg_loss + beta * kl)
 
-    logp, old_logp, ref_logp (needed when beta > 0), mask: [N, L]; advantages: [N]. k3 is unbiased
-    where the tokens come from pi (the first pass). The masked mean over the batch's tokens is
-    TRL's 'bnpo' (every sample has as many tokens: 'grpo' and 'dapo' agree)."""
+    logp, old_logp, ref_logp (needed when beta > 0), mask: [N, L]; advantages: [N]. k3 is
+    unbiased where the tokens come from pi (the first pass). The masked mean over the
+    batch's tokens is TRL's 'bnpo' (every sample has as many tokens: 'grpo' and 'dapo'
+    agree)."""
     if beta > 0 and ref_logp is None:
         raise ValueError("beta > 0 needs ref_logp, the reference policy's log-probs [N, L]")
     adv = advantages.unsqueeze(1)  # [N, 1]
@@ -423,7 +454,8 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
         per_token = per_token + beta * kl
     n = mask.sum().clamp(min=1)
     masked_mean = lambda x: (x * mask).sum() / n
-    clipped = ((ratio < 1 - clip_eps) & (adv < 0)) | ((ratio > 1 + clip_eps) & (adv > 0))
+    low, high = ratio < 1 - clip_eps, ratio > 1 + clip_eps
+    clipped = (low & (adv < 0)) | (high & (adv > 0))
     return masked_mean(per_token), {"ratio_mean": masked_mean(ratio).item(),
                                     "clip_ratio": masked_mean(clipped.float()).item(),
                                     "kl": masked_mean(kl).item()}
@@ -431,140 +463,110 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
 
 # ==== 10. UPDATE: mu passes of clipped-surrogate ascent over the same batch =======================
 
-def grpo_update(trainer, rollout, advantages, args, learns=True, dit=None):
-    """mu = --inner-epochs AdamW steps on one batch -> the step's metrics. rollout: the AR's (None:
-    it does not train); dit: (DiT rollout, its advantages) if it trains (Part II adds its loss)."""
-    ar, sampling, optimizer, passes = trainer.ar, trainer.sampling, trainer.optimizer, []
-    if rollout is not None:
-        ref_logp = reference_logprobs(trainer, rollout, args) if args.beta > 0 else None  # [N, L]
-        advantages, tokens = advantages.to(rollout.old_logp.device), rollout.loss_mask.sum()
-        ar.model.train()  # gradient checkpointing on; no dropout, so pass 1 still gives pi_old
+def grpo_update(trainer, rollout, advantages, args, learns=True):
+    """mu = --inner-epochs AdamW steps on one batch -> the step's metrics. learns: some
+    rank has a reward to learn from."""
+    ar, sampling, optimizer = trainer.ar, trainer.sampling, trainer.optimizer
+    ref_logp = reference_logprobs(trainer, rollout, args) if args.beta > 0 else None
+    advantages = advantages.to(rollout.old_logp.device)  # [N]
+    tokens = rollout.loss_mask.sum()
+    log = UpdateLog()  # section 14: how micro-batches and passes add up
     for epoch in range(args.inner_epochs):
         optimizer.zero_grad(set_to_none=True)
-        metrics = {}  # this pass's, each micro-batch's weighted by its share of the loss tokens
-        for rows in micro_batches(ar, rollout, args.micro_batch_size):  # [] if rollout is None
-            part = slice_rollout(rollout, rows)  # its rows, less padding none of them needs
+        micro = []  # (share, metrics) of each micro-batch
+        batches = micro_batches(rollout, args.micro_batch_size)
+        for rows, part in sync_on_last(ar.forward, batches):  # DDP syncs the last
             logits = policy_logits(ar.forward, part)  # [n, L, V]
-            logp = token_logprobs(logits, part.sequences[:, part.prompt_len:], sampling)  # [n, L]
+            logp = token_logprobs(logits, part.generated, sampling)  # [n, L]
             ref = None if ref_logp is None else ref_logp[rows]
-            loss, terms = grpo_loss(logp, part.old_logp, advantages[rows], part.loss_mask,
-                                    args.clip_eps, args.beta, ref)
-            if epoch == 0:  # at pi_old: a live check of the bookkeeping, and entropy collapse
-                terms.update(first_pass_metrics(logits, logp, part, sampling))
-            weight = (part.loss_mask.sum() / tokens).item()  # the shares add up to 1
-            (loss * weight).backward()  # one micro-batch's graph alive at a time
-            add_weighted(metrics, {**terms, "loss": loss.item()}, weight)
-        if rollout is not None:  # each half clips its own gradient: their losses' scales differ
-            norm = torch.nn.utils.clip_grad_norm_(ar.params, args.max_grad_norm)
-            add_weighted(metrics, {"grad_norm": norm.item()})
-        if dit is not None:
-            dit_backward(trainer, *dit, epoch, metrics, args)  # Part II: the same, per step
-        stepped = update_allowed(metrics, learns)
+            loss, terms = grpo_loss(logp, part.old_logp, advantages[rows],
+                                    part.loss_mask, args.clip_eps, args.beta, ref)
+            if epoch == 0:  # at pi_old: the ratio check, and entropy collapse
+                terms |= first_pass_checks(logits, logp, part, sampling)
+            share = (part.loss_mask.sum() / tokens).item()  # the shares add up to 1
+            (loss * share).backward()  # one micro-batch's graph alive at a time
+            micro.append((share, {**terms, "loss": loss.item()}))
+        norm = torch.nn.utils.clip_grad_norm_(ar.params, args.max_grad_norm).item()
+        losses = [m["loss"] for _, m in micro]
+        stepped = update_allowed(all(map(math.isfinite, [*losses, norm])), learns)
         if stepped:
             optimizer.step()
             check_weights_finite(optimizer)
-        passes.append((metrics, stepped))
-    return update_row(passes)
+        log.add_pass(micro, norm, stepped)
+    return log.row()
 
 
-def add_weighted(metrics, new, weight=1.0, prefix=""):
-    """metrics[k] += new[k] x weight (the micro-batches' weights add up to 1); a *_max: the most."""
-    for key, value in new.items():
-        key = prefix + key
-        if key.endswith("_max"):
-            metrics[key] = max(metrics.get(key, value), value)
-        else:
-            metrics[key] = metrics.get(key, 0.0) + value * weight
+def update_allowed(finite, learns):
+    """The guard before optimizer.step(), voted by every rank: every rank's loss and
+    gradient norm are finite (a NaN would reach every weight), and some rank `learns`."""
+    votes = from_every_rank((finite, learns))
+    return all(f for f, _ in votes) and any(l for _, l in votes)
 
 
-def update_allowed(metrics, learns):
-    """The guard before optimizer.step(), voted by every rank: no loss or gradient norm is NaN or
-    inf (one would reach every weight), and some rank has a reward to learn from (`learns`)."""
-    finite = all(math.isfinite(v) for k, v in metrics.items() if k.endswith(("loss", "grad_norm")))
-    return max_over_ranks(2 * (not finite) + learns) == 1
-
-
-def update_row(passes):
-    """The step's metrics: the stepped passes' means, first-pass-only ones of pass 1, skips."""
-    done = [m for m, stepped in passes if stepped]
-    first_only = ("logp_diff_max", "entropy")
-    row = {k: sum(m[k] for m in done) / len(done) if done else float("nan")
-           for k in passes[-1][0] if not k.endswith(first_only)}
-    row.update({k: v for k, v in passes[0][0].items() if k.endswith(first_only)})
-    finite_loss = lambda m: all(math.isfinite(v) for k, v in m.items() if k.endswith("loss"))
-    return {**row, "skipped_updates": len(passes) - len(done),
-            "skipped_nonfinite_loss": sum(not (s or finite_loss(m)) for m, s in passes)}
-
-
-def first_pass_metrics(logits, logp, part, sampling):
-    """|logp - old_logp|, 0 by construction, and the entropy: near 0 a group's G samples are alike,
-    every reward ties, every advantage is 0 and learning stops for good."""
+def first_pass_checks(logits, logp, part, sampling):
+    """|logp - old_logp|, 0 by construction, and the entropy: near 0 a group's G samples
+    are alike, every reward ties, every advantage is 0 and learning stops for good."""
+    mask = part.loss_mask
     with torch.no_grad():
-        entropy = (token_entropy(logits, sampling) * part.loss_mask).sum() / part.loss_mask.sum()
-    return {"logp_diff_max": ((logp - part.old_logp).abs() * part.loss_mask).max().item(),
-            "entropy": entropy.item()}
+        entropy = (token_entropy(logits, sampling) * mask).sum() / mask.sum()
+    diff = ((logp - part.old_logp).abs() * mask).max()
+    return {"logp_diff_max": diff.item(), "entropy": entropy.item()}
 
 
 # ==== 11. One GRPO step, and the training loop ====================================================
 
+@dataclass
+class StepRecord:
+    """What a step hands the log (Run.record, section 19)."""
+    row: dict               # the step's metrics
+    prompts: list           # P str
+    images: torch.Tensor    # [N, 3, H, W], a prompt's G consecutive
+    rewards: torch.Tensor   # [N] (Part II with --dit-reward: [N, 2])
+    targets: torch.Tensor   # [P, 3, H, W] | None
+    sources: list           # i2i: P PIL images | None
+    ode: torch.Tensor = None  # Part II: the updated DiT's a = 0 decodes [P, 3, H, W]
+
+
 def grpo_step(trainer, items, indices, step, args, slots=None, before_update=lambda: None):
-    """One GRPO step on items[indices], this rank's `slots` of the step's prompts (default all) ->
-    (metrics row, rewards [N] (--dit-reward: [N, 2]), images [N, 3, H, W], targets | None, sources,
-    the DiT's a = 0 decode | None). before_update: the run's stop check (section 19)."""
-    batch, G, pipe = [items[i] for i in indices], args.group_size, trainer.pipe
-    prompts, targets = [it.text for it in batch], batch_targets(batch)
-    sources = [it.image("source") for it in batch] if args.mode == "i2i" else None
+    """One GRPO step on items[indices], this rank's `slots` of the step's prompts (default:
+    all) -> StepRecord. before_update: the run's stop check (section 19)."""
+    prompts, targets, sources = step_prompts(items, indices, args.mode)
     slots = range(len(indices)) if slots is None else slots
-    # ---- SAMPLE: G token grids per prompt (--policy dit: one per prompt, its group shares it) ----
-    rollout = (sample_tokens(trainer, prompts, sources, slots, step, args) if trainer.ar else
-               shared_prompt_tokens(trainer, prompts, sources, indices, slots, step, args))
-    noise = group_noise(pipe, indices, G, args.height, args.width, args.seed, step, args.dit_noise)
-    # ---- DECODE: images [N, 3, H, W] (--policy dit|both: G SDE trajectories, Part II) ----
-    if trainer.dit:
-        dit_run = sample_dit_trajectories(pipe, prompts, sources, rollout, noise, indices, step,
-                                          args)
-        images = dit_run.images
-    else:
-        images = decode_images(pipe, prompts, sources, rollout, noise, args.num_inference_steps,
-                               args.guidance_scale)
+    G, pipe = args.group_size, trainer.pipe
+    # ---- SAMPLE: G token grids per prompt, and pi_old ----
+    rollout = sample_tokens(trainer, prompts, sources, slots, step, args)
+    # ---- DECODE: images [N, 3, H, W] by the frozen renderer ----
+    noise = group_noise(pipe, indices, G, args.height, args.width, args.seed, step,
+                        args.dit_noise)
+    images = decode_images(pipe, prompts, sources, rollout, noise,
+                           args.num_inference_steps, args.guidance_scale)
     # ---- REWARD: r [N], one per image ----
-    scored = (repeat_each(prompts, G), None if targets is None else targets.repeat_interleave(G, 0))
-    rewards, per_reward = compute_rewards(trainer.rewards, images, *scored)
+    rewards, per_reward = compute_rewards(trainer.rewards, images, prompts, targets, G)
+    row = {"step": step, **reward_metrics(rewards, per_reward, G), **sampler_gap(rollout)}
     # ---- ADVANTAGE: A [N], each reward standardised within its group ----
-    advantages = dit_advantages = group_advantages(rewards, G)
-    row = {"step": step, **reward_metrics(rewards, per_reward, G)}  # LOG (section 18)
-    row.update(rollout.sampler_gap if trainer.ar else {})
-    if trainer.dit_rewards:  # --dit-reward: the DiT's own (decoupled RL, section 12)
-        dit_rewards, dit_per_reward = compute_rewards(trainer.dit_rewards, images, *scored)
-        dit_advantages = group_advantages(dit_rewards, G)
-        dit_row = reward_metrics(dit_rewards, dit_per_reward, G)
-        row.update({"dit/" + k: v for k, v in dit_row.items()})
-    # ---- UPDATE: mu passes over the batch, each trained half adding its loss ----
+    advantages = group_advantages(rewards, G)
+    # ---- UPDATE: mu passes over the batch ----
     before_update()  # a stop signal before this point drops the step (section 19)
-    learns = min(row["frac_reward_nonfinite"], row.get("dit/frac_reward_nonfinite", 1)) < 1
-    row.update(grpo_update(trainer, rollout if trainer.ar else None, advantages, args, learns,
-                           (dit_run, dit_advantages) if trainer.dit else None))
-    sheet_due = args.sample_every and (step % args.sample_every == 0 or step == args.steps)
-    ode = ode_images(pipe, prompts, sources, rollout, noise, args) if trainer.dit and sheet_due \
-        else None
-    if trainer.dit_rewards:  # the sheet's captions: AR / DiT
-        rewards = torch.stack([rewards, dit_rewards], 1)
-    return row, rewards, images, targets, sources, ode
+    learns = row["frac_reward_nonfinite"] < 1
+    row |= grpo_update(trainer, rollout, advantages, args, learns)
+    return StepRecord(row, prompts, images, rewards, targets, sources)
 
 
 def train(args):
-    """The training loop. Run (section 19) is its plumbing: it opens the run (flags, --out, prompts,
-    rewards, the model, --resume), records each step (LOG, sample sheet, CHECKPOINT) and stops on
-    Ctrl+C / SIGTERM."""
+    """The training loop. Run (section 19) is its plumbing: it opens the run (flags,
+    --out, prompts, rewards, the model, --resume), records each step (LOG, sample
+    sheet, CHECKPOINT) and stops on Ctrl+C / SIGTERM."""
+    step_fn = grpo_step if args.policy == "ar" else flow_grpo_step  # Part II
     with Run(args) as run:
-        for step, indices, slots in run.steps():  # this rank's share of the step's prompts
-            result = grpo_step(run.trainer, run.items, indices, step, args, slots, run.vote)
-            run.record(step, indices, *result)
+        for step, indices, slots in run.steps():  # this rank's share of the prompts
+            result = step_fn(run.trainer, run.items, indices, step, args, slots, run.vote)
+            run.record(step, result)
     return run.trainer and run.trainer.pipe  # None: nothing to do
 
 
 # PART II. Flow-GRPO: the DiT as a policy over denoising steps (--policy dit|both) #################
-# It reuses Part I's grpo_step, advantages, grpo_loss and grpo_update: a denoising step plays a token's role.
+# Its step, flow_grpo_step (section 13), reads as grpo_step and reuses sample_tokens, group_advantages,
+# grpo_loss and grpo_update's loop: a denoising step plays a token's role.
 
 
 # ==== 12. The SDE step, the DiT rollout and its loss ==============================================
@@ -576,7 +578,8 @@ def train(args):
 #     mean  = x * (1 + std_t^2 / (2 sigma) * dt) + v * (1 + std_t^2 (1 - sigma) / (2 sigma)) * dt
 #     x'    = mean + std_t * sqrt(-dt) * eps,      dt = sigma' - sigma < 0;   a = 0: Euler's step
 # T trained steps are T actions: logp [N, T], mask all ones. A step's log-prob is the MEAN over latent dims
-# (as flow_grpo; a sum over 65536 would dwarf a token's): ratios stay ~1e-3 from 1, hence --dit-clip-eps 1e-4.
+# (as flow_grpo; a sum over 65536 would dwarf a token's), so an update moves a step's ratio by ~1e-3
+# (dit/ratio): PPO's 0.2 would never clip; flow_grpo's 1e-4 (--dit-clip-eps) clips a good share (dit/clip).
 # The first --dit-train-steps T steps run the SDE, the rest the ODE (untrained SDE noise: reward noise no one is
 # credited for); the last, onto sigma' = 0, never trains (as flow_grpo): its Gaussian is the sharpest.
 
@@ -651,8 +654,10 @@ def latents_to_images(pipe, latents):
 
 
 def dit_velocity(dit, latents, t, cond, caches):
-    """The pipeline's guided velocity [N, C, h, w] (fp32) at t (the DiT gets t - 1; CFG v_u drops prior tokens).
-    A call per prompt: a batch pads glyph embeddings with zeros the DiT attends to (diffusers issue 13587)."""
+    """The pipeline's guided velocity [N, C, h, w] (fp32) at t (the DiT gets t - 1). CFG: v_u + w (v_c - v_u), v_u
+    without prior tokens and source; both branches run the trained DiT with gradients, as flow_grpo's training
+    forward (one batch of both there): the policy is the guided velocity. A call per prompt: a batch pads glyph
+    embeddings with zeros the DiT attends to (diffusers issue 13587)."""
     dtype = unwrap(dit).dtype
 
     def branch(rows, embeds, drop, cache):
@@ -726,7 +731,8 @@ def dit_step_logprob(dit, cond, rollout, i, noise_level):
 
 
 def dit_kl(mean, ref_mean, std):
-    """Exact KL of policy and reference step Gaussians (same std), [N, C, h, w] -> [N], mean over dims as logp."""
+    """KL of the policy's and the reference's step Gaussians (same std, std_t sqrt(-dt)): |mean - ref|^2 / (2 std^2),
+    [N, C, h, w] -> [N], mean over dims as logp. flow_grpo divides by std_t^2 (no |dt|): 1 / |dt| times weaker."""
     return ((mean - ref_mean) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * std ** 2)
 
 
@@ -742,39 +748,49 @@ def condition_rows(cond, rows):
                    source_latents=pick(cond.source_latents), source_prior=pick(cond.source_prior))
 
 
-def dit_backward(trainer, run, advantages, epoch, metrics, args):
-    """The DiT's grpo_update pass: grpo_loss (+ beta x dit_kl) per trained step and micro-batch (flow_grpo's step
-    at a time), weighted rows / (N T) to sum to grpo_loss over [N, T]; then its clip."""
-    dit, cond, rollout = trainer.dit, run.cond, run.trajectories
-    N, steps = rollout.old_logp.shape
+def dit_update(trainer, run, advantages, args, learns=True):
+    """grpo_update for the DiT: mu passes of grpo_loss (+ beta x dit_kl) per trained step and micro-batch (a step at
+    a time, as flow_grpo), weighted rows / (N T): a pass's loss is grpo_loss over [N, T]."""
+    dit, optimizer, rollout = trainer.dit, trainer.optimizer, run.trajectories
+    (N, T), size = rollout.old_logp.shape, args.micro_batch_size
     advantages = advantages.to(rollout.old_logp.device)
-    parts = {rows.start: (condition_rows(cond, rows), replace(rollout, states=rollout.states[rows],
-                                                             old_logp=rollout.old_logp[rows]))
-             for rows in row_slices(N, args.micro_batch_size)}
-    for i, rows in sync_on_last(dit.forward, [(i, rows) for i in range(steps)
-                                              for rows in row_slices(N, args.micro_batch_size)]):
-        condition, part = parts[rows.start]
-        logp, mean, std = dit_step_logprob(dit.forward, condition, part, i, args.dit_noise_level)
-        old_logp = part.old_logp[:, i:i + 1]
-        loss, terms = grpo_loss(logp[:, None], old_logp, advantages[rows], torch.ones_like(old_logp), args.dit_clip_eps)
-        if args.beta > 0:
-            with torch.no_grad(), reference_weights(dit.model, dit.reference) as ref:
-                ref_mean = dit_step_logprob(ref, condition, part, i, args.dit_noise_level)[1]
-            kl = dit_kl(mean, ref_mean, std).mean()
-            loss = loss + args.beta * kl
-            terms["kl"] = kl.item()
-        if epoch == 0:
-            terms["logp_diff_max"] = (logp.detach() - old_logp[:, 0]).abs().max().item()
-        weight = len(old_logp) / (N * steps)
-        (loss * weight).backward()
-        add_weighted(metrics, {**terms, "loss": loss.item()}, weight, prefix="dit/")
-    norm = torch.nn.utils.clip_grad_norm_(dit.params, args.max_grad_norm)
-    add_weighted(metrics, {"grad_norm": norm.item()}, prefix="dit/")
+    parts = {rows.start: (condition_rows(run.cond, rows), replace(rollout, states=rollout.states[rows],
+                                                                 old_logp=rollout.old_logp[rows]))
+             for rows in row_slices(N, size)}
+    log = UpdateLog("dit/")
+    for epoch in range(args.inner_epochs):
+        optimizer.zero_grad(set_to_none=True)
+        micro = []
+        for i, rows in sync_on_last(dit.forward, [(i, rows) for i in range(T) for rows in row_slices(N, size)]):
+            condition, part = parts[rows.start]
+            logp, mean, std = dit_step_logprob(dit.forward, condition, part, i, args.dit_noise_level)
+            old_logp = part.old_logp[:, i:i + 1]
+            loss, terms = grpo_loss(logp[:, None], old_logp, advantages[rows], torch.ones_like(old_logp),
+                                    args.dit_clip_eps)
+            if args.beta > 0:
+                with torch.no_grad(), reference_weights(dit.model, dit.reference) as ref:
+                    ref_mean = dit_step_logprob(ref, condition, part, i, args.dit_noise_level)[1]
+                kl = dit_kl(mean, ref_mean, std).mean()
+                loss = loss + args.beta * kl
+                terms["kl"] = kl.item()
+            if epoch == 0:
+                terms["logp_diff_max"] = (logp.detach() - old_logp[:, 0]).abs().max().item()
+            share = len(old_logp) / (N * T)
+            (loss * share).backward()
+            micro.append((share, {**terms, "loss": loss.item()}))
+        norm = torch.nn.utils.clip_grad_norm_(dit.params, args.max_grad_norm).item()
+        stepped = update_allowed(all(map(math.isfinite, [*(m["loss"] for _, m in micro), norm])), learns)
+        if stepped:
+            optimizer.step()
+            check_weights_finite(optimizer)
+        log.add_pass(micro, norm, stepped)
+    return log.row()
 
 
-# ==== 13. The DiT's training step =================================================================
-# grpo_step runs it. --policy dit: a prompt's G samples share AR tokens and initial noise, differ by SDE noise
-# alone: the advantage credits the DiT alone. --policy both: each sample's one advantage trains both halves.
+# ==== 13. The Flow-GRPO step ======================================================================
+# --policy dit: a prompt's G samples share AR tokens and initial noise, differ by SDE noise alone: the advantage
+# credits the DiT alone. --policy both: each sample's one advantage (or each half's, --dit-reward) trains both
+# halves. They touch disjoint weights with independent losses, so each updates on its own, the AR first.
 
 def prepare_dit_policy(dit, args):
     """Marks what of the DiT trains, and returns it: LoRA on its attention, or all its weights."""
@@ -785,6 +801,40 @@ def prepare_dit_policy(dit, args):
     if args.gradient_checkpointing:
         dit.enable_gradient_checkpointing()
     return [p for p in dit.parameters() if p.requires_grad]
+
+
+def flow_grpo_step(trainer, items, indices, step, args, slots=None, before_update=lambda: None):
+    """grpo_step for --policy dit|both -> StepRecord, with the updated DiT's a = 0 decodes for the sheet."""
+    prompts, targets, sources = step_prompts(items, indices, args.mode)
+    slots = range(len(indices)) if slots is None else slots
+    G, pipe = args.group_size, trainer.pipe
+    # ---- SAMPLE tokens: both: G per prompt (Part I); dit: one per prompt, shared by its group ----
+    if trainer.ar:
+        rollout = sample_tokens(trainer, prompts, sources, slots, step, args)
+    else:
+        rollout = shared_prompt_tokens(trainer, prompts, sources, indices, slots, step, args)
+    # ---- SAMPLE the DiT (and DECODE): G SDE trajectories per prompt from its initial noise ----
+    noise = group_noise(pipe, indices, G, args.height, args.width, args.seed, step, args.dit_noise)
+    run = sample_dit_trajectories(pipe, prompts, sources, rollout, noise, indices, step, args)
+    # ---- REWARD: the AR's from --reward; the DiT's from --dit-reward, else the same ----
+    rewards, per_reward = compute_rewards(trainer.rewards, run.images, prompts, targets, G)
+    row, dit_rewards = {"step": step, **reward_metrics(rewards, per_reward, G)}, rewards
+    if trainer.dit_rewards:  # decoupled RL (section 12)
+        dit_rewards, dit_per_reward = compute_rewards(trainer.dit_rewards, run.images, prompts, targets, G)
+        row |= {"dit/" + k: v for k, v in reward_metrics(dit_rewards, dit_per_reward, G).items()}
+    # ---- ADVANTAGE and UPDATE: each half its own mu passes ----
+    before_update()  # a stop signal before this point drops the step (section 19)
+    if trainer.ar:
+        row |= sampler_gap(rollout)
+        learns = row["frac_reward_nonfinite"] < 1
+        row |= grpo_update(trainer, rollout, group_advantages(rewards, G), args, learns)
+    learns = row.get("dit/frac_reward_nonfinite", row["frac_reward_nonfinite"]) < 1
+    row |= dit_update(trainer, run, group_advantages(dit_rewards, G), args, learns)
+    sheet_due = args.sample_every and (step % args.sample_every == 0 or step == args.steps)
+    ode = ode_images(pipe, prompts, sources, rollout, noise, args) if sheet_due else None
+    if trainer.dit_rewards:  # the sheet's captions: AR / DiT
+        rewards = torch.stack([rewards, dit_rewards], 1)
+    return StepRecord(row, prompts, run.images, rewards, targets, sources, ode)
 
 
 def shared_prompt_tokens(trainer, prompts, sources, indices, slots, step, args):
@@ -978,6 +1028,20 @@ def run_prompt_len(pipe, items, args):
     return processor_inputs(pipe, [item.text], source, args.height, args.width, "cpu")["input_ids"].shape[1] + 1
 
 
+def group_uniforms(ar, generators, group_size):
+    """() -> a token's uniforms [N, V] fp64 (gumbel_max's u), group k's G rows from generators[k] alone; an int of
+    groups instead: generators seeded off the global RNG."""
+    if isinstance(generators, int):
+        generators = [torch.Generator(ar.device).manual_seed(int(torch.randint(2**62, ()))) for _ in range(generators)]
+    V = ar.config.text_config.vision_vocab_size
+    return lambda: torch.cat([torch.rand(group_size, V, generator=gen, device=gen.device, dtype=torch.float64)
+                              for gen in generators])
+
+
+def eager_decoder(ar, mask):
+    return functools.partial(decode_loop, cache=static_cache(ar, mask.shape))
+
+
 def static_cache(ar, shape):
     """A KV cache of fixed size for `shape` = [N, S + L - 1]: decode_step finds its position on the device."""
     from transformers import StaticCache
@@ -1050,7 +1114,37 @@ def progress(steps, what):  # a bar on rank 0's terminal: a real model's phases 
     return tqdm(steps, desc=what, leave=False)
 
 
-# ---- For sections 8-11: micro-batches, the reference, the trainer ----
+# ---- For sections 8-11: the kept set, micro-batches, the reference, the trainer ----
+@torch.no_grad()
+def dropped_by_warpers(z, sampling, keep=None):
+    """[..., V] True where transformers' top-k / top-p warpers drop an id of z (ties and order as theirs), but `keep`'s;
+    1,024 rows at a time: sorting all [N, L, V] holds ~23 bytes a logit."""
+    k, p, parts = sampling.top_k, sampling.top_p, []
+    for rows in z.detach().reshape(-1, z.shape[-1]).split(1024):
+        dropped = torch.zeros_like(rows, dtype=torch.bool)
+        if k:  # keep z >= the k-th largest
+            dropped |= rows < torch.topk(rows, min(k, rows.shape[-1]), dim=-1).values[..., -1:]
+        if p < 1:  # ascending (the warper's tie order): drop while the mass so far is <= 1 - p
+            ascending, order = torch.sort(rows.masked_fill(dropped, float("-inf")), dim=-1)
+            tail = ascending.softmax(-1).cumsum(-1) <= 1 - p
+            tail[..., -1].fill_(False)  # never the largest
+            dropped |= tail.scatter(-1, order, tail)
+        parts.append(dropped)
+    dropped = torch.cat(parts).view_as(z)
+    if keep is not None:
+        dropped.scatter_(-1, keep.unsqueeze(-1), False)
+    return dropped
+
+
+def active_dropout(model):
+    """The first module whose dropout a train-mode forward applies (nn.Dropout's p, attention_dropout), or None."""
+    return next((name for name, m in model.named_modules()
+                 if getattr(m, "p" if isinstance(m, torch.nn.Dropout) else "attention_dropout", 0) > 0), None)
+
+
+def pil_to_tensor(image):  # [3, H, W] in [0, 1]
+    return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
+
 def row_slices(num_samples, size):
     return [slice(start, min(start + size, num_samples)) for start in range(0, num_samples, size)]
 
@@ -1059,25 +1153,15 @@ def slice_rollout(rollout, rows):
     """The Rollout's `rows` less padding columns none needs: a group's forward sees the same tensors in any batch."""
     mask = rollout.attention_mask[rows]
     first = int(mask.any(dim=0).nonzero()[0])  # only prompt columns can be all padding
-    per_row = {name: getattr(rollout, name) for name in ("old_logp", "loss_mask", "target_tokens", "source_prior")}
+    per_row = {name: getattr(rollout, name) for name in ("sampler_logp", "old_logp", "loss_mask", "target_tokens",
+                                                           "source_prior")}
     return replace(rollout, sequences=rollout.sequences[rows, first:], attention_mask=mask[:, first:],
                    position_ids=rollout.position_ids[:, rows, first:], prompt_len=rollout.prompt_len - first,
                    **{name: None if value is None else value[rows] for name, value in per_row.items()})
 
 
-@torch.no_grad()
-def logprobs_by_micro_batch(model, rollout, sampling, size=None):
-    """policy_logprobs [N, L] without gradients, `size` samples per forward (default: all)."""
-    return torch.cat([policy_logprobs(model, slice_rollout(rollout, rows), sampling)
-                      for rows in row_slices(rollout.sequences.shape[0], size or rollout.sequences.shape[0])])
-
-
-def micro_batches(half, rollout, size):
-    """grpo_update's row slices of `rollout` (none: []); DDP syncs the last. Every rank runs as many, or they hang."""
-    return [] if rollout is None else sync_on_last(half.forward, row_slices(rollout.old_logp.shape[0], size))
-
-
 def sync_on_last(forward, batches):
+    """DDP: no gradient all-reduce but on the last batch. Every rank runs as many, or they hang."""
     batches = list(batches)
     for k, batch in enumerate(batches):
         with forward.no_sync() if hasattr(forward, "no_sync") and k < len(batches) - 1 else contextlib.nullcontext():
@@ -1097,9 +1181,37 @@ def reference_weights(model, reference):
             layer.enable_adapters(True)
 
 
-def reference_logprobs(trainer, rollout, args):
+def reference_logprobs(trainer, rollout, args):  # pi_ref [N, L]: pi_old's pass on the reference's weights
     with reference_weights(trainer.ar.model, trainer.ar.reference) as reference:
-        return logprobs_by_micro_batch(reference, rollout, trainer.sampling, args.micro_batch_size)
+        return old_logprobs(reference, rollout, trainer.sampling, args.micro_batch_size)
+
+
+class UpdateLog:
+    """grpo_update's bookkeeping, all of it. A pass: its micro-batches' metrics summed by their shares of the loss
+    (logp_diff_max: their max). The step's row: the mean over the passes that stepped, the first-pass checks of pass
+    1, and how many passes were skipped (and of those, by a non-finite loss)."""
+    FIRST_PASS = ("logp_diff_max", "entropy")
+
+    def __init__(self, prefix=""):
+        self.prefix, self.passes = prefix, []
+
+    def add_pass(self, micro_batches, grad_norm, stepped):
+        metrics = {}
+        for share, terms in micro_batches:
+            for key, value in terms.items():
+                metrics[key] = max(metrics.get(key, value), value) if key == "logp_diff_max" else \
+                    metrics.get(key, 0.0) + value * share
+        self.passes.append(({**metrics, "grad_norm": grad_norm}, stepped))
+
+    def row(self):
+        done = [m for m, stepped in self.passes if stepped]
+        first = self.passes[0][0]
+        row = {k: sum(m[k] for m in done) / len(done) if done else float("nan")
+               for k in first if k not in self.FIRST_PASS}
+        row |= {k: first[k] for k in self.FIRST_PASS if k in first}
+        row |= {"skipped_updates": len(self.passes) - len(done),
+                "skipped_nonfinite_loss": sum(not (s or math.isfinite(m["loss"])) for m, s in self.passes)}
+        return {self.prefix + k: v for k, v in row.items()}
 
 
 def check_weights_finite(optimizer):      # a sum per tensor (no big temporary), of this rank's --fsdp shards
@@ -1173,14 +1285,15 @@ def setup_training(args, rewards, dit_rewards=()):
 # ---- For section 19: a run of non-finite steps ----
 def non_finite_streak(bad_steps, row, out, args, start):
     """Rows of the last steps in a row that updated nothing: 5 (or all of a shorter run) stop the run."""
-    bad_steps = bad_steps + [row] if row["skipped_updates"] == args.inner_epochs else []
+    stuck = [h for h in ("", "dit/") if row.get(h + "skipped_updates") == args.inner_epochs]  # a half updated nothing
+    bad_steps = bad_steps + [row] if stuck else []
     if len(bad_steps) < min(5, args.steps - start):
         return bad_steps
     causes = {}
     for r in bad_steps:
         bad = [k[len("rewards/"):] for k, v in r.items() if k.startswith("rewards/") and not math.isfinite(v)]
         causes[f"reward {', '.join(bad)} (fix the reward)" if bad else "loss (the policy's log-probs overflowed: try "
-               "a lower --lr)" if r["skipped_nonfinite_loss"] else "gradient (try a lower --lr or --max-grad-norm)"] = 1
+               "a lower --lr)" if r.get("skipped_nonfinite_loss") or r.get("dit/skipped_nonfinite_loss") else "gradient (try a lower --lr or --max-grad-norm)"] = 1
     found = saved_checkpoints(out)
     saved = f"the last checkpoint is {found[-1]}" if found else "no checkpoint was written yet"
     raise UsageError(f"stopping: no update since step {bad_steps[0]['step']}: non-finite "
@@ -1862,9 +1975,9 @@ class Run:
             yield step, [int(torch.randperm(count, generator=seeded(args.seed, "prompt order", epoch))[offset])
                          for epoch, offset in places], slots
 
-    def record(self, step, indices, row, rewards, images, targets, sources, ode):
-        """After grpo_step: LOG, sample sheet, CHECKPOINT; a stop signal (any rank's) saves and exits."""
-        args, out, trainer = self.args, self.out, self.trainer
+    def record(self, step, result):
+        """After a step (its StepRecord): LOG, sample sheet, CHECKPOINT; a stop signal (any rank's) saves and exits."""
+        args, out, trainer, row = self.args, self.out, self.trainer, result.row
         names = ["lr"] * (args.policy != "dit") + ["dit/lr"] * (args.policy != "ar")  # a param group per half
         row.update(zip(names, trainer.lr_scheduler.get_last_lr()))
         trainer.lr_scheduler.step()
@@ -1881,8 +1994,8 @@ class Run:
             self.warned = warn_if_collapsed(row, self.warned, scale)
         self.bad_steps = non_finite_streak(self.bad_steps, row, out, args, self.start)
         if self.lead and args.sample_every and (step % args.sample_every == 0 or step == args.steps):
-            save_sample_grid(out / "samples" / f"step_{step:06d}.png", [self.items[i].text for i in indices],
-                             targets, images, rewards, args.group_size, sources, ode, self.tracker, step)
+            save_sample_grid(out / "samples" / f"step_{step:06d}.png", result.prompts, result.targets, result.images,
+                             result.rewards, args.group_size, result.sources, result.ode, self.tracker, step)
         if self.eval_items and not stopping and (step % args.eval_every == 0 or step == args.steps):
             self.evaluate(step)  # before the save: a checkpoint's step has its row (stopping: the resume's)
         if step % args.save_every == 0 or step == args.steps:
@@ -1917,8 +2030,8 @@ class Run:
                                     self.eval_prompt_len, None if sharded else self.trainer.decoder)
         noise = group_noise(pipe, mine, G, args.height, args.width, args.seed, -1, "per-step")  # [n, C, h, w]
         images = decode_images(pipe, prompts, own, rollout, noise, args.eval_num_inference_steps, args.guidance_scale)
-        targets = batch_targets(items)    # [n, 3, H, W] | None
-        scored = (repeat_each(prompts, G), None if targets is None else targets[mine].repeat_interleave(G, 0))
+        targets = step_prompts(items, range(len(items)), "t2i")[1]    # [n, 3, H, W] | None
+        scored = (prompts, None if targets is None else targets[mine], G)
         parts = from_every_rank((images, *compute_rewards(self.trainer.rewards, images, *scored)))
         if self.lead:    # the ranks' blocks, in prompt order
             images, rewards = (torch.cat([p[i] for p in parts]) for i in (0, 1))
