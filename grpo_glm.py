@@ -375,7 +375,7 @@ def kept_logits(logits, sampling, keep=None):
     log-softmax loses ~1e-2); -inf past the codebook and off the top-k / top-p kept set.
     keep [...]: ids kept whatever (after an update a sampled id may drop out of the
     set, and log 0 has no gradient)."""
-    z = at_least_fp32(logits) / sampling.temperature
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / sampling.temperature
     if sampling.codebook:
         z[..., sampling.codebook:].fill_(float("-inf"))  # fill_: no host tensor
     if sampling.top_k or sampling.top_p < 1:  # the set transformers' warpers keep
@@ -412,13 +412,18 @@ def micro_batches(rollout, size):
     return [(rows, slice_rollout(rollout, rows)) for rows in row_slices(N, size)]
 
 
+def policy_logprobs(ar, rollout, sampling):
+    """log pi(generated token) [N, L], teacher-forced."""
+    return token_logprobs(policy_logits(ar, rollout), rollout.generated, sampling)
+
+
 @torch.no_grad()
 def old_logprobs(ar, rollout, sampling, size):
     """log pi_old [N, L]: before any update, the loss's own pass (policy_logits,
-    token_logprobs, the same micro-batches, the same mode). Pass 1's logp is then this
+    token_logprobs, the same micro-batches, the same train mode). Pass 1's logp is then this
     tensor bit for bit: ratio = exp(logp - old_logp) = 1 exactly (logp_diff_max: 0)."""
-    return torch.cat([token_logprobs(policy_logits(ar, part), part.generated, sampling)
-                      for _, part in micro_batches(rollout, size)])
+    parts = micro_batches(rollout, size)
+    return torch.cat([policy_logprobs(ar, part, sampling) for _, part in parts])
 
 
 # ==== 9. Loss =====================================================================================

@@ -128,7 +128,7 @@ def test_pure_functions_copy_out():
              g.dit_kl: (x, v, torch.tensor(0.3))}
     for fn, args in calls.items():
         namespace = {"torch": torch}
-        for source in [g.kept_logits] * (fn is g.token_logprobs) + [fn]:
+        for source in [g.kept_logits, g.dropped_by_warpers] * (fn is g.token_logprobs) + [fn]:
             exec(inspect.getsource(source), namespace)
         copied, in_file = namespace[fn.__name__](*args), fn(*args)
         flat = lambda out: out if isinstance(out, tuple) else (out,)
@@ -265,7 +265,7 @@ def _logprob_gap(pipe, prompts, group_size):
         naive_logits = ar(input_ids=rollout.sequences[:, :-1], attention_mask=rollout.attention_mask,
                           logits_to_keep=recomputed.shape[1]).logits
         naive = g.token_logprobs(naive_logits, rollout.sequences[:, rollout.prompt_len:], sampling)
-    return rollout, (recomputed - rollout.old_logp).abs().max().item(), (naive - rollout.old_logp).abs().max().item()
+    return rollout, (recomputed - rollout.sampler_logp).abs().max().item(), (naive - rollout.sampler_logp).abs().max().item()
 
 
 def test_recomputed_logprobs_match_sampling_logprobs_for_a_group(sharp_pipe):
@@ -1079,8 +1079,9 @@ def test_lora_trains_only_adapters_and_reference_is_the_base_model():
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
     with g.reference_weights(ar, None) as reference:
-        ref_logp = g.logprobs_by_micro_batch(reference, rollout, suppressed)
+        ref_logp = g.old_logprobs(reference, rollout, suppressed, 4)
     torch.testing.assert_close(ref_logp, base_logp, atol=1e-5, rtol=0)
+    rollout.old_logp = g.old_logprobs(ar, rollout, suppressed, 4)
     g.grpo_update(_trainer(pipe, suppressed, optimizer, params), rollout, advantages, args)   # its own ref_logp
     changed = {n for n, p in ar.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all("lora_" in n for n in changed)
@@ -1088,7 +1089,7 @@ def test_lora_trains_only_adapters_and_reference_is_the_base_model():
     with torch.no_grad():
         assert (g.policy_logprobs(ar, rollout, suppressed) - base_logp).abs().max() > 1e-4
     with g.reference_weights(ar, None) as reference:
-        torch.testing.assert_close(g.logprobs_by_micro_batch(reference, rollout, suppressed), base_logp,
+        torch.testing.assert_close(g.old_logprobs(reference, rollout, suppressed, 4), base_logp,
                                    atol=1e-5, rtol=0)
 
 
@@ -1208,7 +1209,7 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
         rollout = g.sample_groups(pipe, ["a red circle"], 3, policy(pipe), 64, 64, "all")
         ar.train()
         logp = g.policy_logprobs(ar, rollout, policy(pipe))
-        loss, _ = g.grpo_loss(logp, rollout.old_logp, torch.tensor([1.0, -0.5, -0.5]), rollout.loss_mask, 0.2)
+        loss, _ = g.grpo_loss(logp, rollout.sampler_logp, torch.tensor([1.0, -0.5, -0.5]), rollout.loss_mask, 0.2)
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in params]))
     (loss0, grads0), (loss1, grads1) = results
@@ -1625,8 +1626,8 @@ def test_i2i_recomputed_logprobs_match_sampling_logprobs(sharp_pipe):
             naive = g.token_logprobs(ar(input_ids=rollout.sequences[:, :-1], attention_mask=rollout.attention_mask,
                                         logits_to_keep=recomputed.shape[1]).logits,
                                      rollout.sequences[:, rollout.prompt_len:], sampling)
-        assert (recomputed - rollout.old_logp).abs().max() <= 1e-5
-        assert (naive - rollout.old_logp).abs().max() > 1.0
+        assert (recomputed - rollout.sampler_logp).abs().max() <= 1e-5
+        assert (naive - rollout.sampler_logp).abs().max() > 1.0
     assert (rollout.attention_mask[:, 0] == 0).any()            # the second case is left-padded
 
 
@@ -1746,7 +1747,7 @@ def test_offload_hooks_only_the_frozen_parts_and_keep_training_exact():
         items = g.read_prompts(HERE / "prompts.txt", 64, 64)
         moves, to = [], pipe.vision_language_encoder.to       # the trained AR must never move under AdamW
         pipe.vision_language_encoder.to = lambda *a, **k: moves.append(a) or to(*a, **k)
-        rows[offload] = [g.grpo_step(trainer, items, [0], step, args)[0] for step in (1, 2)]
+        rows[offload] = [g.grpo_step(trainer, items, [0], step, args).row for step in (1, 2)]
         assert moves == []
         ar_device = next(pipe.vision_language_encoder.parameters()).device
         assert all(p.device == ar_device for p in trainer.ar.params)
@@ -1840,7 +1841,7 @@ def test_special_ids_are_never_sampled_inside_a_grid(sharp_pipe):
     rollout = g.sample_groups(sharp_pipe, ["a red circle"], 4, policy(sharp_pipe, 5.0), 64, 64, "all")
     generated = rollout.sequences[:, rollout.prompt_len:]
     assert generated.numel() > 1000 and (generated < g.TINY_CODEBOOK).all()
-    assert torch.isfinite(rollout.old_logp).all()
+    assert torch.isfinite(rollout.sampler_logp).all()
 
 
 def chi_square(counts, p):
@@ -1930,7 +1931,7 @@ def test_truncated_sampling_has_ratio_one(sharp_pipe):
         kept = torch.isfinite(g.kept_logits(logits, sampling))
     tokens = rollout.sequences[:, rollout.prompt_len:]
     assert kept.gather(-1, tokens[..., None]).all() and (kept.sum(-1) < g.TINY_CODEBOOK).float().mean() > 0.5
-    assert (recomputed - rollout.old_logp).abs().max() <= 1e-5
+    assert (recomputed - rollout.sampler_logp).abs().max() <= 1e-5
 
 def generate_reference(pipe, prompts, group_size, sampling, height, width, sources, generators):
     """The sampler before issue 32, kept here to hold the new one against: generate()'s greedy argmax over
@@ -2084,7 +2085,7 @@ def test_the_fast_decoder_captures_once_per_run_and_draws_the_plain_loops_tokens
                                                  [torch.Generator().manual_seed(step)], prompt_len, decoder)
         eager, fast_rollout = sample(None), sample(fast)
         assert torch.equal(fast_rollout.sequences, eager.sequences)
-        assert torch.equal(fast_rollout.old_logp, eager.old_logp)
+        assert torch.equal(fast_rollout.sampler_logp, eager.sampler_logp)
     assert len(captures) == 1 and len(fast.graphs) == 1 and fast_rollout.sequences.shape[1] - prompt_len == 7
 
 
@@ -2668,8 +2669,7 @@ def test_dit_gradient_raises_the_logprob_of_a_positive_advantage_trajectory():
     trajectories = g.sample_dit(dit, cond, noise, schedule, 0.7, 3, g.sde_generators(0, 1, [0]))
     advantages = torch.tensor([1.0, -1.0])
     trainer = g.Trainer(pipe, None, torch.optim.SGD(params, lr=1e-2), dit=g.Half(dit, dit, params, reference))
-    update = g.grpo_update(trainer, None, None, args, dit=(SimpleNamespace(cond=cond, trajectories=trajectories),
-                                                           advantages))
+    update = g.dit_update(trainer, SimpleNamespace(cond=cond, trajectories=trajectories), advantages, args)
     assert update["dit/kl"] == 0.0 and update["dit/logp_diff_max"] <= 1e-5    # first pass: policy = reference
     with torch.no_grad():
         moved = _dit_logprobs(dit, cond, trajectories, 0.7).sum(1) - trajectories.old_logp.sum(1)
@@ -2760,15 +2760,18 @@ def test_dit_reward_trains_each_half_on_its_own_reward(tmp_path, monkeypatch):
             steps = range(run.trajectories.old_logp.shape[1])
             return sum(g.dit_step_logprob(trainer.pipe.transformer, run.cond, run.trajectories, i, 0.7)[0] for i in steps)
 
-    update = g.grpo_update
+    updates = {"ar": (g.grpo_update, ar_logp), "dit": (g.dit_update, dit_logp)}
 
-    def spy(trainer, rollout, advantages, args, learns, dit):
-        (run, dit_advantages) = dit
-        seen["ar"] = (advantages.clone(), ar_logp(rollout), lambda: ar_logp(rollout))
-        seen["dit"] = (dit_advantages.clone(), dit_logp(run), lambda: dit_logp(run))
-        return update(trainer, rollout, advantages, args, learns, dit)
-    monkeypatch.setattr(g, "grpo_update", spy)
-    row = g.grpo_step(trainer, g.read_prompts(HERE / "prompts.txt", 64, 64), [0], 1, args)[0]
+    def spy(half):
+        update, logp = updates[half]
+
+        def spied(trainer, rollout, advantages, args, learns):
+            seen[half] = (advantages.clone(), logp(rollout), lambda: logp(rollout))
+            return update(trainer, rollout, advantages, args, learns)
+        return spied
+    monkeypatch.setattr(g, "grpo_update", spy("ar"))
+    monkeypatch.setattr(g, "dit_update", spy("dit"))
+    row = g.flow_grpo_step(trainer, g.read_prompts(HERE / "prompts.txt", 64, 64), [0], 1, args).row
     (ar_adv, ar_before, ar_after), (dit_adv, dit_before, dit_after) = seen["ar"], seen["dit"]
     torch.testing.assert_close(dit_adv, -ar_adv)                      # each half got its own reward's
     assert ar_adv.abs().sum() > 0
@@ -2887,8 +2890,8 @@ def test_dit_micro_batches_give_the_full_batch_update(monkeypatch):
     for size in (6, 4, 1):
         args.micro_batch_size, sizes[:] = size, []
         trainer = g.Trainer(pipe, None, torch.optim.SGD(params, lr=0.0), dit=g.Half(dit, dit, params, reference))
-        update = g.grpo_update(trainer, None, None, args,        # lr 0: keeps the weights
-                               dit=(SimpleNamespace(cond=cond, trajectories=trajectories), advantages))
+        run = SimpleNamespace(cond=cond, trajectories=trajectories)
+        update = g.dit_update(trainer, run, advantages, args)        # lr 0: keeps the weights
         assert max(sizes) == size and sum(sizes) == 2 * 3 * 6        # policy and reference, 3 steps, 6 samples
         results[size] = (update, torch.cat([p.grad.flatten() for p in params]))
     full_update, full_grad = results[6]
@@ -2918,7 +2921,7 @@ def test_policy_both_honours_micro_batch_size(monkeypatch):
                                                "--dit-lr", "1e-9", "--sample-every", "0"]))
         trainer = g.setup_training(args, g.load_rewards(args.reward))
         sizes.clear()
-        g.grpo_step(trainer, items, [0], 1, args)
+        g.flow_grpo_step(trainer, items, [0], 1, args)
         assert max(sizes) <= int(micro) and sum(sizes) == 4, sizes
         grads[micro] = torch.cat([p.grad.flatten() for p in trainer.ar.params])
     assert grads["4"].norm() > 0
@@ -2957,7 +2960,7 @@ def test_a_group_samples_the_same_whatever_else_its_rank_holds(sharp_pipe, mode,
     bare, padded = sampler(longest["input_ids"].shape[1]), sampler(both.prompt_len)
     assert not (bare.attention_mask == 0).any() and torch.equal(padded.sequences, rank0.sequences)
     assert torch.equal(bare.sequences[:, bare.prompt_len:], rank0.sequences[:, rank0.prompt_len:])
-    assert 0 < (bare.old_logp - padded.old_logp).abs().max() < 1e-4
+    assert 0 < (bare.sampler_logp - padded.sampler_logp).abs().max() < 1e-4
     other_step = sample([long], sources(green), range(1, 2), step=6)
     assert not torch.equal(other_step.sequences, rank1.sequences)
 
@@ -3287,22 +3290,22 @@ def _shard_bytes_worker(rank, world, port, argv, dump):
     local = lambda t: t.to_local() if isinstance(t, DTensor) else t
     nbytes = lambda tensors: sum(local(t).numel() * local(t).element_size() for t in tensors)
     trainers, held = [], {}
-    setup, update = g.setup_training, g.grpo_update
+    setup = g.setup_training
 
-    def update_and_count(trainer, *args, **kwargs):
-        row, optimizer = update(trainer, *args, **kwargs), trainer.optimizer
-        for half, model, reference, group in [("ar", trainer.pipe.vision_language_encoder, trainer.ar.reference, 0),
-                                              ("dit", trainer.pipe.transformer, trainer.dit.reference, 1)]:
+    def counted(update, half, group):  # each half updates on its own: its bytes right after its update
+        def update_and_count(trainer, *args, **kwargs):
+            row, optimizer, trained = update(trainer, *args, **kwargs), trainer.optimizer, getattr(trainer, half)
             params = optimizer.param_groups[group]["params"]
-            held[half] = {"weights": nbytes(model.parameters()), "reference": nbytes(reference.parameters()),
+            held[half] = {"weights": nbytes(trained.model.parameters()), "reference": nbytes(trained.reference.parameters()),
                           "grads": nbytes(p.grad for p in params),
                           "adam": nbytes(t for p in params for t in optimizer.state[p].values() if t.ndim)}
-            with g.whole_weights(model):
-                held[half]["whole"] = nbytes(model.parameters())
-        return row
+            with g.whole_weights(trained.model):
+                held[half]["whole"] = nbytes(trained.model.parameters())
+            return row
+        return update_and_count
 
     g.setup_training = lambda *a, **k: trainers.append(setup(*a, **k)) or trainers[-1]
-    g.grpo_update = update_and_count
+    g.grpo_update, g.dit_update = counted(g.grpo_update, "ar", 0), counted(g.dit_update, "dit", 1)
     g.main(argv)
     models = [trainers[0].pipe.vision_language_encoder, trainers[0].pipe.transformer, trainers[0].ar.reference,
               trainers[0].dit.reference]
@@ -3476,7 +3479,8 @@ def measure_update(lora_rank, checkpointing, layout=None):
     sequences = torch.randint(0, 16384, (n, P + G), generator=gen)
     rollout = g.Rollout(
         sequences=sequences, attention_mask=torch.ones(n, P + G - 1, dtype=torch.long),
-        position_ids=torch.arange(P + G - 1).expand(3, n, -1).contiguous(), old_logp=torch.full((n, G), -9.7),
+        position_ids=torch.arange(P + G - 1).expand(3, n, -1).contiguous(), sampler_logp=torch.full((n, G), -9.7),
+        old_logp=torch.full((n, G), -9.7),
         loss_mask=torch.ones(n, G), target_tokens=sequences[:, P:], grid_hw=(1, G), prompt_len=P)
     suppressed = g.SamplingParams(codebook=16384)
     rss_before = _status_bytes("VmRSS")
