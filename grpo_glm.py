@@ -1336,12 +1336,27 @@ def write_source_caches(dit, cond):
 # ==== 15. Starting a run: the flags, their checks (one-line errors before anything loads), --out ====
 
 def parse_args(argv=None):
+    p = flag_parser()
+    if (known := p.parse_known_args(argv)[0]).model != TINY:
+        p.set_defaults(**pretrained_defaults(known))  # those above are the tiny demo's
+    args = p.parse_args(argv)
+    if not args.eval_prompts and (args.eval_every or args.eval_num_inference_steps):
+        raise UsageError("--eval-every and --eval-num-inference-steps need --eval-prompts")
+    args.reward, args.eval_every = args.reward or ["mse"], args.eval_every or args.save_every
+    args.eval_num_inference_steps = args.eval_num_inference_steps or p.get_default("num_inference_steps")
+    return args
+
+
+SAME_ON_RESUME = "a resume must match"  # in a group's title: its flags change the algorithm (Resume)
+
+
+def flag_parser():
     p = Parser(description="GRPO for GLM-Image on image rewards.", formatter_class=HelpFormatter, allow_abbrev=False)
     p._negative_number_matcher = re.compile(r"-[\d.]+(e[-+]?\d+)?$", re.I)  # '--lr -1e-3': a value, as in Python 3.14
     count, non_negative_int = number(int, least=1), number(int, least=0)
     positive, non_negative, clip = number(float, above=0), number(float, least=0), number(float, above=0, below=1)
     pixels, draws = number(int, least=32, multiple=32), ["per-prompt", "per-step"]
-    a = p.add_argument_group("GRPO").add_argument
+    a = p.add_argument_group(f"GRPO ({SAME_ON_RESUME})").add_argument
     a("--group-size", type=number(int, least=2), default=32, help="G: samples per prompt.")
     a("--prompts-per-step", type=count, default=2, help="Prompts per step.")
     a("--temperature", type=positive, default=1.0, help="Sampling temperature; the loss scores logits / T.")
@@ -1354,13 +1369,12 @@ def parse_args(argv=None):
     a("--lr", type=positive, default=2e-2, help="AdamW learning rate.")
     a("--policy", choices=["ar", "dit", "both"], default="ar", help="What trains: AR, DiT or both.")
     a("--reward", action="append", metavar="SPEC", help="mse|module:fn|file.py:fn[=WEIGHT]; repeats sum. Default: mse.")
-    a("--steps", type=count, default=10, help="Steps in all, resumed ones included.")
     a("--seed", type=number(int, least=0, most=2**32 - 1), default=0, help="Seed of all randomness.")
     a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="Schedule over --steps.")
     a("--lr-warmup-steps", type=non_negative_int, default=0, help="Linear warm-up steps from lr 0.")
     a("--weight-decay", type=non_negative, default=0.0, help="AdamW weight decay.")
     a("--max-grad-norm", type=positive, default=1.0, help="Gradient norm clip.")
-    a = p.add_argument_group("model and data").add_argument
+    a = p.add_argument_group(f"model and data ({SAME_ON_RESUME})").add_argument
     a("--model", default=TINY, help="'tiny' (a toy GLM-Image), a hub id or a save_pretrained dir.")
     a("--mode", choices=["t2i", "i2i"], default="t2i", help="t2i: text to image; i2i: edit a source image.")
     a("--prompts", default="prompts.txt", help="Lines 'prompt[ | target.png[ | source.png (i2i)]]'.")
@@ -1372,7 +1386,8 @@ def parse_args(argv=None):
     a("--lora-rank", type=non_negative_int, default=0, help="AR LoRA rank (0 = full fine-tuning).")
     a("--lora-alpha", type=positive, help="LoRA alpha (default: --lora-rank).")
     a("--ar-trainable", choices=["auto", "all", "head"], default="auto", help="auto: head (output layer) for tiny.")
-    a = p.add_argument_group("the DiT: --policy dit|both (Flow-GRPO)").add_argument
+    a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto", help="auto=bf16 if CUDA, not tiny")
+    a = p.add_argument_group(f"the DiT: --policy dit|both, Flow-GRPO ({SAME_ON_RESUME})").add_argument
     a("--dit-lr", type=positive, default=3e-3, help="The DiT's AdamW learning rate.")
     a("--dit-clip-eps", type=clip, default=1e-4, help="--clip-eps of the DiT's per-step ratio.")
     a("--dit-noise-level", type=positive, default=0.7, help="a in the SDE's std_t = a sqrt(sigma / (1 - sigma)).")
@@ -1381,6 +1396,7 @@ def parse_args(argv=None):
     a("--dit-reward", action="append", metavar="SPEC", help="--policy both: the DiT's own reward (as --reward).")
     a("--dit-lora-rank", type=non_negative_int, default=0, help="DiT LoRA rank (0 = full fine-tuning).")
     a = p.add_argument_group("logging and checkpoints").add_argument
+    a("--steps", type=count, default=10, help="Steps in all, resumed ones included.")
     a("--out", default="runs/grpo_glm", help="For metrics.jsonl, samples/ and checkpoints/.")
     a("--save-every", type=count, default=10, help="Checkpoint every N steps and at the end.")
     a("--checkpoints-total-limit", type=count, help="Keep the newest K (default: all).")
@@ -1394,7 +1410,6 @@ def parse_args(argv=None):
     a("--eval-num-inference-steps", type=count, help="Eval DiT steps (default: the model's own).")
     a = p.add_argument_group("hardware and memory").add_argument
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
-    a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto", help="auto=bf16 if CUDA, not tiny")
     a("--micro-batch-size", type=count, help="Samples per forward/backward (default: G).")
     a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in backward.")
     a("--offload", action=argparse.BooleanOptionalAction, help="Frozen parts on CPU between uses (default: by --plan).")
@@ -1403,14 +1418,7 @@ def parse_args(argv=None):
     a("--plan", action="store_true", help="Print --model's memory plan at --height x --width; exit.")
     a("--plan-gpus", type=number(int, least=2), nargs="+", metavar="K", help="--plan: --fsdp's bytes/GPU on K GPUs.")
     a("--plan-gpu-memory", type=positive, metavar="GiB", help="--plan: GiB to fit in (default: free GPU memory).")
-    if (known := p.parse_known_args(argv)[0]).model != TINY:
-        p.set_defaults(**pretrained_defaults(known))  # those above are the tiny demo's
-    args = p.parse_args(argv)
-    if not args.eval_prompts and (args.eval_every or args.eval_num_inference_steps):
-        raise UsageError("--eval-every and --eval-num-inference-steps need --eval-prompts")
-    args.reward, args.eval_every = args.reward or ["mse"], args.eval_every or args.save_every
-    args.eval_num_inference_steps = args.eval_num_inference_steps or p.get_default("num_inference_steps")
-    return args
+    return p
 
 
 class Parser(argparse.ArgumentParser):
@@ -2159,13 +2167,6 @@ def read_checkpoint(spec, out=None):
     return {**ckpt, "path": path}
 
 
-# Flags that change the algorithm: resuming with others splices two runs into one log.
-ALGORITHM_FLAGS = """mode model prompts_sha256 seed group_size prompts_per_step inner_epochs lr max_grad_norm clip_eps
-beta temperature top_k top_p height width num_inference_steps guidance_scale dit_noise loss_tokens lora_rank lora_alpha
-ar_trainable dtype reward weight_decay lr_scheduler lr_warmup_steps policy dit_lr dit_clip_eps dit_noise_level
-dit_train_steps dit_lora_rank dit_prior dit_reward""".split()
-
-
 class Resume:
     """Resumed rows equal an unstopped run's bit for bit; restore() loads `step` (0: new), sets later files aside."""
 
@@ -2175,11 +2176,15 @@ class Resume:
         ckpt = self.ckpt = read_checkpoint(args.resume, out) if args.resume else None
         step = self.step = ckpt["step"] if ckpt else 0
         self.export = step >= args.steps  # --save-pipeline of the checkpoint, or nothing to do
-        saved = ckpt["args"] if ckpt else vars(args)  # the prompts compare by their hash
+        saved = ckpt["args"] if ckpt else vars(args)
+        # the flags that change the algorithm (resuming with others splices two runs into one log): their groups'
+        # titles say so; a flag added since the checkpoint matches its default; the prompts compare by their hash
+        same = {a.dest: a.default for group in flag_parser()._action_groups if SAME_ON_RESUME in (group.title or "")
+                for a in group._group_actions if a.dest != "prompts"} | {"prompts_sha256": None}
         changed = self.changed = [
             f"--prompts {saved.get('prompts')} -> {args.prompts}: contents differ" if k == "prompts_sha256"
-            else f"--{k.replace('_', '-')} {saved.get(k)} -> {getattr(args, k)}"
-            for k in ALGORITHM_FLAGS if saved.get(k) != getattr(args, k)]
+            else f"--{k.replace('_', '-')} {saved.get(k, default)} -> {getattr(args, k)}"
+            for k, default in same.items() if saved.get(k, default) != getattr(args, k)]
         if changed and not args.resume_force:
             raise UsageError(f"--resume {ckpt['path']}: flags differ (--resume-force accepts): {'; '.join(changed)}")
         if self.export:

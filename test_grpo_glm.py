@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from dataclasses import replace
 from types import SimpleNamespace
 
 # One OpenMP thread unless the caller says otherwise, set before torch is imported, as the README's
@@ -601,7 +602,7 @@ def test_export_from_a_finished_checkpoint_is_its_weights_whole_or_nothing(finis
     assert decoded == [(2, 3.0)]
 
 
-def test_resume_compares_the_prompt_file_by_content(tmp_path, capsys, monkeypatch):
+def test_resume_compares_the_prompt_file_by_content_and_new_flags_by_default(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "p.txt").write_text("a red circle on a white background\n")
     g.main(["--steps", "1", "--out", "run", "--prompts", "p.txt", *SMALL])
@@ -611,6 +612,17 @@ def test_resume_compares_the_prompt_file_by_content(tmp_path, capsys, monkeypatc
     with pytest.raises(SystemExit):
         g.main(["--steps", "2", "--out", "run", "--prompts", "p.txt", "--resume", "latest", *SMALL])
     assert "--prompts p.txt -> p.txt: contents differ" in capsys.readouterr().err
+    # a checkpoint written before a flag existed resumes with that flag's default, and only with it
+    (tmp_path / "p.txt").write_text("a red circle on a white background\n")
+    path = tmp_path / "run" / "checkpoints" / "step_000001.pt"
+    ckpt = torch.load(path, weights_only=True)
+    del ckpt["args"]["clip_eps"]
+    torch.save(ckpt, path)
+    g.main(["--steps", "1", "--out", "run", "--prompts", "p.txt", "--resume", "latest", *SMALL])
+    assert "nothing to do" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        g.main(["--steps", "1", "--out", "run", "--prompts", "p.txt", "--resume", "latest", "--clip-eps", "0.3", *SMALL])
+    assert "--clip-eps 0.2 -> 0.3" in capsys.readouterr().err
 
 
 def test_two_runs_cannot_share_an_out_dir(tmp_path, capsys):
@@ -2737,6 +2749,98 @@ def test_dit_resume_is_bit_identical(tmp_path, policy, capsys):
         assert g.warn_if_collapsed({**rows[0], "frac_reward_zero_std": 1.0}, warned=False)
 
 
+def _both_trainer(*flags):
+    args = g.resolve_runtime(g.parse_args(["--policy", "both", "--group-size", "4", "--prompts-per-step", "1",
+                                           "--height", "64", "--width", "64", "--sample-every", "0", *flags]))
+    return g.setup_training(args, g.load_rewards(args.reward)), args
+
+
+def _braided_update(trainer, rollout, advantages, run, dit_advantages, args):
+    """The update loop before the halves were split: each pass runs the AR's micro-batches, then the DiT's,
+    each half clips its own gradient, and one optimizer.step() moves both. -> {metric: mean over passes}."""
+    N, T = run.trajectories.old_logp.shape
+    sums = {"loss": 0.0, "grad_norm": 0.0, "dit/loss": 0.0, "dit/grad_norm": 0.0}
+    for _ in range(args.inner_epochs):
+        trainer.optimizer.zero_grad(set_to_none=True)
+        for rows, part in g.micro_batches(rollout, args.micro_batch_size):
+            logp = g.policy_logprobs(trainer.ar.forward, part, trainer.sampling)
+            loss = g.grpo_loss(logp, part.old_logp, advantages[rows], part.loss_mask, args.clip_eps)[0]
+            share = (part.loss_mask.sum() / rollout.loss_mask.sum()).item()
+            (loss * share).backward()
+            sums["loss"] += loss.item() * share
+        sums["grad_norm"] += torch.nn.utils.clip_grad_norm_(trainer.ar.params, args.max_grad_norm).item()
+        for i in range(T):
+            for rows in g.row_slices(N, args.micro_batch_size):
+                part = replace(run.trajectories, states=run.trajectories.states[rows],
+                                 old_logp=run.trajectories.old_logp[rows])
+                logp = g.dit_step_logprob(trainer.dit.forward, g.condition_rows(run.cond, rows), part, i,
+                                          args.dit_noise_level)[0]
+                old = part.old_logp[:, i:i + 1]
+                loss = g.grpo_loss(logp[:, None], old, dit_advantages[rows], torch.ones_like(old), args.dit_clip_eps)[0]
+                (loss * (len(old) / (N * T))).backward()
+                sums["dit/loss"] += loss.item() * len(old) / (N * T)
+        sums["dit/grad_norm"] += torch.nn.utils.clip_grad_norm_(trainer.dit.params, args.max_grad_norm).item()
+        trainer.optimizer.step()
+    return {k: v / args.inner_epochs for k, v in sums.items()}
+
+
+def test_both_halves_update_apart_as_the_braided_loop_did(monkeypatch):
+    """--policy both: the AR's mu passes, then the DiT's, give the weights (bit for bit) and the losses and
+    gradient norms of the loop that braided them, a pass of each half and one optimizer.step(). They touch
+    disjoint weights with independent losses, AdamW is per parameter, and each half clips its own gradient.
+    Micro-batches of 3 cut the group of 4 unevenly, AdamW's moments are live (mu 2)."""
+    flags = ["--inner-epochs", "2", "--micro-batch-size", "3", "--lr", "1e-2", "--dit-lr", "1e-3"]
+    items = g.read_prompts(HERE / "prompts.txt", 64, 64)
+    apart, args = _both_trainer(*flags)
+    row = g.flow_grpo_step(apart, items, [1], 1, args).row
+    braided, _ = _both_trainer(*flags)
+    seen = {}
+    monkeypatch.setattr(g, "grpo_update", lambda trainer, rollout, advantages, *_: seen.update(ar=(rollout, advantages))
+                        or {})
+    monkeypatch.setattr(g, "dit_update", lambda trainer, run, advantages, *_: seen.update(dit=(run, advantages)) or {})
+    g.flow_grpo_step(braided, items, [1], 1, args)
+    metrics = _braided_update(braided, *seen["ar"], *seen["dit"], args)
+    assert row["skipped_updates"] == row["dit/skipped_updates"] == 0
+    for key, value in metrics.items():
+        assert row[key] == value, key
+    weights = lambda trainer: dict(trainer.trained.named_parameters())
+    moved = [name for name, p in weights(apart).items() if p.requires_grad and not torch.equal(p, weights(braided)[name])]
+    assert not moved
+    assert any(not torch.equal(p, q) for p, q in zip(apart.ar.params, _both_trainer(*flags)[0].ar.params))  # it trained
+
+
+def test_a_non_finite_loss_skips_only_its_own_halfs_update(monkeypatch):
+    """--policy both, the DiT's step log-probs NaN: the DiT skips its passes (its guard votes for it alone) and
+    keeps its weights; the AR updates as without the NaN."""
+    items = g.read_prompts(HERE / "prompts.txt", 64, 64)
+    clean, args = _both_trainer("--inner-epochs", "2")
+    expected = g.flow_grpo_step(clean, items, [0], 1, args).row
+    trainer, _ = _both_trainer("--inner-epochs", "2")
+    dit_before = [p.detach().clone() for p in trainer.dit.params]
+    scored = g.dit_step_logprob
+
+    def nan_in_training(dit, cond, rollout, i, level):
+        logp, mean, std = scored(dit, cond, rollout, i, level)
+        return (logp * float("nan") if torch.is_grad_enabled() else logp), mean, std
+    monkeypatch.setattr(g, "dit_step_logprob", nan_in_training)
+    row = g.flow_grpo_step(trainer, items, [0], 1, args).row
+    assert row["dit/skipped_updates"] == row["dit/skipped_nonfinite_loss"] == 2 and row["skipped_updates"] == 0
+    assert all(torch.equal(p, q) for p, q in zip(trainer.dit.params, dit_before))
+    assert all(torch.equal(p, q) for p, q in zip(trainer.ar.params, clean.ar.params))
+    assert row["loss"] == expected["loss"]
+
+
+def test_a_policy_with_dropout_is_refused():
+    """pi_old's pass and the loss's run in train mode: dropout there would make pi_old another policy."""
+    pipe = g.build_tiny_pipeline(seed=0)
+    args = g.resolve_runtime(g.parse_args([]))
+    assert g.prepare_policy(pipe.vision_language_encoder, args)
+    layer = pipe.vision_language_encoder.model.language_model.layers[1].self_attn
+    layer.attention_dropout = 0.1
+    with pytest.raises(g.UsageError, match="dropout in layers.1.self_attn"):
+        g.prepare_policy(pipe.vision_language_encoder, args)
+
+
 def test_dit_reward_trains_each_half_on_its_own_reward(tmp_path, monkeypatch):
     """--policy both with opposite rewards: the AR's on redness, the DiT's (--dit-reward) on its
     negative. After one small update each half's summed log-prob moved with its own advantages
@@ -3458,9 +3562,9 @@ def measure_update(lora_rank, checkpointing, layout=None):
     torch.set_num_threads(1)
     L = layout or MEASURED_LAYOUT
     ar = _real_width_ar(L["layers"])
-    args = SimpleNamespace(lora_rank=lora_rank, lora_alpha=lora_rank, gradient_checkpointing=checkpointing, ar_trainable="all",
-                           micro_batch_size=L["samples"], inner_epochs=1, temperature=1.0, clip_eps=0.2, beta=0.0,
-                           max_grad_norm=1.0)
+    args = g.resolve_runtime(g.parse_args(["--lora-rank", str(lora_rank), "--ar-trainable", "all", "--inner-epochs", "1",
+                                           "--micro-batch-size", str(L["samples"])]
+                                          + ["--gradient-checkpointing"] * checkpointing))
     tensors = g.trainable_tensors(ar, lora_rank)                       # counted on the bare model, as the plan does
     params = g.prepare_policy(ar, args)
     if not lora_rank:
