@@ -21,9 +21,9 @@ pushes the policy up on better-than-average samples with PPO's clipped surrogate
 2017), optionally with a KL penalty towards the initial model.
 
 Reading map: Part I (sections 1-11) is GRPO on the AR in the order a step runs; Part II (12-13)
-Flow-GRPO on the DiT (--policy dit|both); Part III (14-25) is plumbing, GLM-Image's machinery first. The pure
-functions (mse_reward, group_advantages, token_logprobs with kept_logits, grpo_loss, sde_step, dit_kl) need only
-torch: copy them out (tested).
+Flow-GRPO's step (--policy dit|both); Part III (14-25) is plumbing, GLM-Image's machinery first. Copy out
+(tested): mse_reward, group_advantages, grpo_loss, sde_step, dit_kl need only torch; token_logprobs also
+kept_logits, dropped_by_warpers and a SamplingParams (any object with its 4 fields).
 Symbols: N samples in a batch (P x G), P prompts, G group size, S prompt tokens (padded), L generated tokens,
 H x W target grid in tokens (image side / 32), V vocabulary, K denoising steps, T of them trained.
 """
@@ -105,13 +105,13 @@ DIT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]                  # the D
 
 def load_pipeline(args):
     """The GlmImagePipeline on args.device, its renderer (glyph encoder, DiT, VAE) frozen."""
-    pipe = pipeline_from_pretrained(args, getattr(torch, args.dtype))  # tiny: built, cached
+    pipe = pipeline_from_pretrained(args, getattr(torch, args.dtype))
     for name in ("text_encoder", "transformer", "vae"):
         getattr(pipe, name).requires_grad_(False)
     pipe.processor.tokenizer.padding_side = "left"  # every prompt ends at one column
     pipe.set_progress_bar_config(disable=True)      # the run prints a line a step
     pipe.vae.enable_slicing()  # one image at a time: at 1024^2 each holds ~3 GiB
-    place_pipeline(pipe, args)  # on the device, or --offload's frozen parts taking turns
+    place_pipeline(pipe, args)  # on the device; --offload: frozen parts take turns
     return pipe
 
 
@@ -144,7 +144,7 @@ def prepare_policy(ar, args):
 # Run.steps (section 19) picks the step's prompt lines; here they become batch rows.
 
 def step_prompts(items, indices, mode):
-    """(prompts: P str, targets [P, 3, H, W] in [0, 1] | None, i2i sources: P PIL | None)."""
+    """-> prompts (P str), targets [P, 3, H, W] in [0, 1] | None, i2i sources (PIL)."""
     batch = [items[i] for i in indices]
     targets = [it.image("target") for it in batch]
     if any(t is None for t in targets):
@@ -181,7 +181,7 @@ def seeded(seed, purpose, step=0, index=0, device="cpu"):
 @dataclass
 class Rollout:
     sequences: torch.Tensor       # [N, S+L] prompt (left-padded) + generated tokens
-    attention_mask: torch.Tensor  # [N, S+L-1] of the teacher-forced input, sequences[:, :-1]
+    attention_mask: torch.Tensor  # [N, S+L-1] of the forward's input, sequences[:, :-1]
     position_ids: torch.Tensor    # [3, N, S+L-1] its M-RoPE positions, the sampler's
     sampler_logp: torch.Tensor    # [N, L] log pi(token), as the sampler drew it
     loss_mask: torch.Tensor       # [N, L] 1 on the tokens the loss covers
@@ -203,7 +203,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0          # keep the k likeliest ids (0: all)
     top_p: float = 1.0      # of those, the fewest whose mass adds up to p (1: all)
-    codebook: int = 0       # ids >= it (image start, end...) never drawn: they crash the DiT
+    codebook: int = 0       # ids >= it (image start, end...) crash the DiT: never drawn
 
 
 def at_least_fp32(x):
@@ -257,7 +257,7 @@ def sample_groups(pipe, prompts, group_size, sampling, height, width, loss_token
     positions = rollout_positions(ar, batch, grids)  # [3, N, S + L - 1]
     mask = batch["attention_mask"]
     mask = torch.nn.functional.pad(mask, (0, L - 1), value=1)  # [N, S + L - 1]
-    uniforms = group_uniforms(ar, generators or len(prompts), group_size)  # () -> [N, V]
+    uniforms = group_uniforms(ar, generators or len(prompts), group_size)
     decoder = decoder or eager_decoder(ar, mask)
     prompt = batch["input_ids"]  # [N, S]
     tokens, logp = decoder(ar, prompt, positions, mask, L, uniforms, sampling)
@@ -288,8 +288,8 @@ def sample_tokens(trainer, prompts, sources, slots, step, args):
 
 
 def sampler_gap(rollout):
-    """|old_logp - sampler_logp| on the loss tokens: the sampler's kernels (a KV cache, a
-    token a step) round otherwise than the loss's pass: ~1e-6 in fp32, ~1e-2 in bf16.
+    """|old_logp - sampler_logp| on the loss tokens: the sampler's kernels (KV cache, a
+    token a step) round otherwise than the loss's: ~1e-6 in fp32, ~1e-2 in bf16.
     Large, it says the loss trains another policy than the sampler's."""
     gap = (rollout.old_logp - rollout.sampler_logp).abs()[rollout.loss_mask.bool()]
     return {"sampler_gap_max": gap.max().item(), "sampler_gap_mean": gap.mean().item()}
@@ -384,7 +384,7 @@ def kept_logits(logits, sampling, keep=None):
 
 
 def token_logprobs(logits, tokens, sampling):
-    """log pi(token) under kept_logits' pi: logits [N, L, V], tokens [N, L] -> [N, L]."""
+    """log pi(token): logits [N, L, V], tokens [N, L] -> [N, L]."""
     z = kept_logits(logits, sampling, keep=tokens)
     return torch.log_softmax(z, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
@@ -420,7 +420,7 @@ def policy_logprobs(ar, rollout, sampling):
 @torch.no_grad()
 def old_logprobs(ar, rollout, sampling, size):
     """log pi_old [N, L]: before any update, the loss's own pass (policy_logits,
-    token_logprobs, the same micro-batches, the same train mode). Pass 1's logp is then this
+    token_logprobs, the same micro-batches and train mode). Pass 1's logp is then this
     tensor bit for bit: ratio = exp(logp - old_logp) = 1 exactly (logp_diff_max: 0)."""
     parts = micro_batches(rollout, size)
     return torch.cat([policy_logprobs(ar, part, sampling) for _, part in parts])
@@ -446,7 +446,7 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
     batch's tokens is TRL's 'bnpo' (every sample has as many tokens: 'grpo' and 'dapo'
     agree)."""
     if beta > 0 and ref_logp is None:
-        raise ValueError("beta > 0 needs ref_logp, the reference policy's log-probs [N, L]")
+        raise ValueError("beta > 0 needs ref_logp, the reference's log-probs [N, L]")
     adv = advantages.unsqueeze(1)  # [N, 1]
     ratio = torch.exp(logp - old_logp)
     pg_loss1 = -adv * ratio
@@ -547,7 +547,8 @@ def grpo_step(trainer, items, indices, step, args, slots=None, before_update=lam
                            args.num_inference_steps, args.guidance_scale)
     # ---- REWARD: r [N], one per image ----
     rewards, per_reward = compute_rewards(trainer.rewards, images, prompts, targets, G)
-    row = {"step": step, **reward_metrics(rewards, per_reward, G), **sampler_gap(rollout)}
+    row = {"step": step, **reward_metrics(rewards, per_reward, G)}  # LOG (section 18)
+    row |= sampler_gap(rollout)
     # ---- ADVANTAGE: A [N], each reward standardised within its group ----
     advantages = group_advantages(rewards, G)
     # ---- UPDATE: mu passes over the batch ----
