@@ -271,9 +271,9 @@ def sample_groups(pipe, prompts, group_size, sampling, height, width, loss_token
 
 
 def sample_tokens(trainer, prompts, sources, slots, step, args):
-    """SAMPLE this rank's groups -> Rollout with pi_old. Group `slot` draws from
-    seeded(step, slot), padded to the run's prompt length: its tokens are alike on any
-    number of processes, beside any prompts."""
+    """SAMPLE this rank's groups -> Rollout with pi_old: the loss's own pass, not the
+    sampler's log-probs (sampler_gap). Group `slot` draws from seeded(step, slot), padded
+    to the run's prompt length: its tokens are alike on any number of processes."""
     ar, sampling = trainer.ar.model, trainer.sampling
     generators = [seeded(args.seed, "tokens", step, s, ar.device) for s in slots]
     ar.eval()
@@ -469,8 +469,9 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
 # ==== 10. UPDATE: mu passes of clipped-surrogate ascent over the same batch =======================
 
 def grpo_update(trainer, rollout, advantages, args, learns=True):
-    """mu = --inner-epochs AdamW steps on one batch -> the step's metrics. learns: some
-    rank has a reward to learn from."""
+    """mu = --inner-epochs AdamW steps on one batch -> the step's metrics. trainer.ar: the
+    trained AR (.model; .forward: it or its DDP wrapper; .params). learns: some rank has
+    a reward to learn from."""
     ar, sampling, optimizer = trainer.ar, trainer.sampling, trainer.optimizer
     ref_logp = reference_logprobs(trainer, rollout, args) if args.beta > 0 else None
     advantages = advantages.to(rollout.old_logp.device)  # [N]
