@@ -25,7 +25,7 @@ Flow-GRPO's step (--policy dit|both); Part III (14-25) is plumbing, GLM-Image's 
 (tested): mse_reward, group_advantages, grpo_loss, sde_step, dit_kl need only torch; token_logprobs also
 kept_logits, dropped_by_warpers and a SamplingParams (any object with its 4 fields).
 Symbols: N samples in a batch (P x G), P prompts, G group size, S prompt tokens (padded), L generated tokens,
-H x W target grid in tokens (image side / 32), V vocabulary, K denoising steps, T of them trained.
+H x W target grid in tokens (images: 32H x 32W px), V vocabulary, K denoising steps, T of them trained.
 """
 
 import argparse
@@ -80,24 +80,27 @@ class UsageError(Exception):
 
 
 # PART I. GRPO on the autoregressive half: one read, from the flags to the training loop ##########
-# Stop at its end and you have seen a whole run. GLM-Image's machinery sits in section 14,
-# behind the calls named here.
+# A whole run. GLM-Image's machinery sits in section 14, behind the calls named here.
 
 
 # ==== 1. Settings =================================================================================
-# Every flag: parse_args (section 15), or `--help`. GRPO's own, with their defaults:
+# Every flag: flag_parser (section 15), or `--help`. GRPO's own, with their defaults:
 #     --group-size G (32)          samples per prompt (sections 4, 7)
 #     --prompts-per-step P (2)     a step's batch is N = P x G samples
 #     --temperature, --top-k/-p    the policy pi (section 4)
-#     --reward (mse)               what an image scores (section 6)
-#     --loss-tokens (target)       the tokens the loss covers (section 9)
+#     --reward (mse)               what an image scores; repeated: a sum (6)
+#     --loss-tokens (target)       the tokens the loss covers (sections 4, 9)
 #     --clip-eps (0.2), --beta (0) PPO's clip range, the KL's weight (9)
 #     --inner-epochs mu (4), --lr  AdamW passes over a batch (10)
+#     --micro-batch-size (G)       samples a forward (8, 10)
 #     --policy (ar)                what trains: the AR; dit|both: Part II
+# A resume must match the flags of the groups titled so (a flag newer than the
+# checkpoint: its parser default).
 
 
 # ==== 2. Model: GLM-Image = AR (transformers) + DiT/VAE/glyph encoder (diffusers) =================
-# `--model tiny` (section 21) builds the real checkpoint's classes at toy size: the real code path.
+# `--model tiny` (section 21): the real classes at toy size, the real code path.
+# In the pipeline the AR is `vision_language_encoder`, the DiT `transformer`.
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]  # AR Linears
 DIT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]                  # the DiT's attention
@@ -116,8 +119,8 @@ def load_pipeline(args):
 
 
 def prepare_policy(ar, args):
-    """Marks what of the AR trains (LoRA adapters, all its weights or lm_head alone);
-    returns it."""
+    """Marks what of the AR trains (LoRA adapters, all its weights, or lm_head alone:
+    --ar-trainable, 'head' for the tiny model) -> the trained parameters."""
     if args.lora_rank:
         add_lora(ar, args.lora_rank, args.lora_alpha, LORA_TARGETS,
                  exclude_modules=r".*visual.*|.*vqmodel.*")
@@ -144,7 +147,7 @@ def prepare_policy(ar, args):
 # Run.steps (section 19) picks the step's prompt lines; here they become batch rows.
 
 def step_prompts(items, indices, mode):
-    """-> prompts (P str), targets [P, 3, H, W] in [0, 1] | None, i2i sources (PIL)."""
+    """-> prompts (P str), targets [P, 3, 32H, 32W] in [0, 1] | None, i2i sources (PIL)."""
     batch = [items[i] for i in indices]
     targets = [it.image("target") for it in batch]
     if any(t is None for t in targets):
@@ -160,9 +163,8 @@ def repeat_each(items, group_size):
 
 
 def seeded(seed, purpose, step=0, index=0, device="cpu"):
-    """The one rule for every random stream (prompt order, tokens, DiT noise): a generator
-    of its own from (--seed, purpose, step, index), alike on any rank. Hashed: a sum such
-    as seed * 7919 + i collides."""
+    """Every random stream (prompt order, tokens, DiT noise): a generator of its own,
+    seeded by (--seed, purpose, step, index), alike on any rank. Hashed: sums collide."""
     digest = hashlib.sha256(f"{seed}/{purpose}/{step}/{index}".encode()).digest()
     return torch.Generator(device).manual_seed(int.from_bytes(digest[:8], "little"))
 
@@ -170,13 +172,11 @@ def seeded(seed, purpose, step=0, index=0, device="cpu"):
 # ==== 4. SAMPLE: G token grids per prompt, with the log-prob of every sampled token ===============
 # t2i: after the prompt `text<sop>H W<eop><sop>h w<eop><bos>` the AR writes
 #     h*w preview tokens (a ~16x16 sketch) | H*W target-grid tokens | 1 end slot
+# (the end slot: generate()'s end-of-image position, sampled, never trained or drawn).
 # i2i: after `<start><source's VQ tokens><end>text<sop>H W<eop><bos>`: H*W target | end.
 # Only the target grid reaches the DiT. Each token sits at an M-RoPE position (time,
 # row, column): text moves all three; grid cell (i, j) sits at (s, s + i, s + j).
-# The loss feeds the positions the sampler used (Rollout.position_ids). A plain forward
-# numbers the grid like text: scored that way, pi_old and the loss would still agree
-# (ratio 1), but they would train a policy other than the one that sampled (a gap of
-# nats a token, which sampler_gap shows).
+# pi_old and the loss read these positions (Rollout.position_ids): see old_logprobs.
 
 @dataclass
 class Rollout:
@@ -211,8 +211,8 @@ def at_least_fp32(x):
 
 
 def gumbel_max(logits, uniform, sampling):
-    """A draw from softmax(z) over the ids where z is finite: argmax_v (z_v - log(-log u_v)),
-    u ~ U(0, 1). logits, u [N, V] -> (ids [N], log pi(ids) [N] fp64)."""
+    """A draw from softmax(z) over the finite z: argmax_v (z_v - log(-log u_v)), u ~ U(0, 1).
+    logits, u [N, V] -> (ids [N], log pi(ids) [N] fp64)."""
     kept = torch.isfinite(kept_logits(logits, sampling))  # the loss's kept set
     z = at_least_fp32(logits).double() / sampling.temperature
     z = z.masked_fill(~kept, float("-inf"))
@@ -250,7 +250,7 @@ def sample_groups(pipe, prompts, group_size, sampling, height, width, loss_token
     """G samples per prompt (i2i: edits of `sources`) -> Rollout, without old_logp.
     Group k draws from generators[k] alone (None: seeded off the global RNG). decoder:
     a run's FastDecoder (section 14), else decode_loop on a fresh static KV cache."""
-    ar = pipe.vision_language_encoder
+    ar = pipe.vision_language_encoder  # the AR
     batch, source_prior, grids = generation_inputs(
         pipe, prompts, sources, group_size, height, width, prompt_len)  # left-padded
     L = sum(h * w for h, w in grids) + 1  # the grids, then the end slot
@@ -271,9 +271,9 @@ def sample_groups(pipe, prompts, group_size, sampling, height, width, loss_token
 
 
 def sample_tokens(trainer, prompts, sources, slots, step, args):
-    """SAMPLE this rank's groups -> Rollout with pi_old: the loss's own pass, not the
-    sampler's log-probs (sampler_gap). Group `slot` draws from seeded(step, slot), padded
-    to the run's prompt length: its tokens are alike on any number of processes."""
+    """SAMPLE this rank's groups -> Rollout with pi_old (old_logprobs). Group `slot`
+    draws from seeded(step, slot), padded to the run's prompt length: its tokens are
+    alike on any number of processes."""
     ar, sampling = trainer.ar.model, trainer.sampling
     generators = [seeded(args.seed, "tokens", step, s, ar.device) for s in slots]
     ar.eval()
@@ -288,9 +288,8 @@ def sample_tokens(trainer, prompts, sources, slots, step, args):
 
 
 def sampler_gap(rollout):
-    """|old_logp - sampler_logp| on the loss tokens: the sampler's kernels (KV cache, a
-    token a step) round otherwise than the loss's: ~1e-6 in fp32, ~1e-2 in bf16.
-    Large, it says the loss trains another policy than the sampler's."""
+    """|old_logp - sampler_logp| on the loss tokens, logged: rounding (old_logprobs)
+    unless the loss's forward scores another policy than the sampler's."""
     gap = (rollout.old_logp - rollout.sampler_logp).abs()[rollout.loss_mask.bool()]
     return {"sampler_gap_max": gap.max().item(), "sampler_gap_mean": gap.mean().item()}
 
@@ -311,10 +310,11 @@ def group_noise(pipe, prompt_indices, group_size, height, width, seed, step, mod
 @torch.no_grad()
 def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps,
                   guidance_scale):
-    """DECODE: images [N, 3, H, W] from the target grids, with the pipeline's schedule,
-    conditioning and Euler steps: Part II's loop at a = 0 (tested equal to the
-    pipeline). Not `pipe(...)`: it batches prompts, and re-hooks CPU offload at its end
-    (moving the trained AR off the GPU)."""
+    """DECODE: images [N, 3, 32H, 32W] from the target grids, with the pipeline's
+    schedule, conditioning and Euler steps: Part II's loop without its noise (tested
+    equal to the pipeline). Not `pipe(...)`: it pads prompts' glyph embeddings together
+    (the DiT attends to the zeros), and re-hooks CPU offload at its end (moving the
+    trained AR off the GPU)."""
     G = rollout.target_tokens.shape[0] // len(prompts)
     priors = rollout.source_prior and rollout.source_prior[::G]  # i2i: per prompt
     cond = dit_condition(pipe, prompts, G, rollout.target_tokens, rollout.grid_hw,
@@ -326,15 +326,15 @@ def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps,
 
 
 # ==== 6. REWARD ===================================================================================
-# A reward plug-in is fn(images [N, 3, H, W] in [0, 1], prompts: N str,
-# targets [N, 3, H, W] | None) -> [N], higher = better; row i of each is one sample.
+# A reward plug-in is fn(images [N, 3, 32H, 32W] in [0, 1], prompts: N str,
+# targets [N, 3, 32H, 32W] | None) -> [N], higher = better; row i: one sample.
 # --reward module:fn or file.py:fn, with '=WEIGHT', picks them (section 17); one
-# that reads targets says so: `fn.uses_targets = True`. The demo's is mse_reward,
-# as the plug-in `mse` (section 17).
+# that reads targets says so: `fn.uses_targets = True`. The demo's, --reward mse,
+# is the plug-in mse(images, prompts, targets) = mse_reward(images, targets).
 
 def mse_reward(images, targets):
     """r = -mean((image - target)^2) over channels and pixels, the demo's reward.
-    images, targets: float [N, 3, H, W] in [0, 1] -> rewards [N] in [-1, 0]; 0: perfect."""
+    images, targets: float [N, 3, 32H, 32W] in [0, 1] -> [N] in [-1, 0]; 0: perfect."""
     wide = images.to(torch.promote_types(images.dtype, torch.float32))  # bf16 -> fp32
     return -((wide - targets) ** 2).mean(dim=(1, 2, 3))
 
@@ -342,7 +342,8 @@ def mse_reward(images, targets):
 def compute_rewards(rewards, images, prompts, targets, group_size):
     """(total [N] = sum_k w_k r_k, {name: r_k [N]}) over the --reward plug-ins (name, fn,
     weight); prompts (P) and targets [P, ...] repeat for the G rows of each group.
-    Summed, then standardised, as TRL: a reward weighs by weight x its spread."""
+    Summed, then standardised (TRL's order): a reward's pull is weight x its spread.
+    call_reward (section 17) checks each returns [N] and warns of NaN."""
     prompts = repeat_each(prompts, group_size)
     if targets is not None:
         targets = targets.repeat_interleave(group_size, 0)
@@ -354,12 +355,12 @@ def compute_rewards(rewards, images, prompts, targets, group_size):
 # ==== 7. ADVANTAGE ================================================================================
 
 def group_advantages(rewards, group_size, eps=1e-4):
-    """A_i = (r_i - mean_group(r)) / (std_group(r) + eps): rewards [N] in groups of G ->
-    [N]; unbiased std, as TRL. A tied group gets exactly 0 (not ~3e-4 from an fp32 mean an
-    ulp off), as does one with a NaN or inf (left out: the others train). eps is not tiny
-    on purpose: MSE rewards in a group can differ by 1e-4."""
+    """A_i = (r_i - mean_group(r)) / (std_group(r) + eps), rewards [N] in groups of G.
+    Unbiased std, as TRL. A tied group gets exactly 0 (an fp32 mean is an ulp off), as
+    does one with a NaN or inf (left out: the others train). eps is not tiny: MSE
+    rewards 1e-4 apart are not blown up to +-1."""
     if rewards.ndim != 1 or rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards: not a multiple of {group_size=}")
+        raise ValueError(f"rewards {list(rewards.shape)}: not [N], N a multiple of {group_size}")
     groups = rewards.view(-1, group_size)
     centred = groups - groups.mean(dim=1, keepdim=True)
     advantages = centred / (groups.std(dim=1, keepdim=True) + eps)
@@ -390,7 +391,7 @@ def token_logprobs(logits, tokens, sampling):
 
 
 def token_entropy(logits, sampling):
-    """Entropy of pi, [N, L, V] -> [N, L] nats: log(kept ids) at uniform."""
+    """Entropy of pi, [N, L, V] -> [N, L] nats; at most log(#kept ids)."""
     z = kept_logits(logits, sampling)
     return torch.distributions.Categorical(logits=z).entropy()
 
@@ -405,9 +406,8 @@ def policy_logits(ar, rollout):
 
 
 def micro_batches(rollout, size):
-    """[(rows, the rollout's rows)], `size` rows at a time. slice_rollout (section 14)
-    also drops the padding columns none of them needs: a row's forward sees the same
-    tensors however the batch is cut."""
+    """[(rows, the rollout's rows)], `size` rows at a time, less the padding columns
+    none of them needs (slice_rollout, section 14)."""
     N = rollout.sequences.shape[0]
     return [(rows, slice_rollout(rollout, rows)) for rows in row_slices(N, size)]
 
@@ -419,9 +419,14 @@ def policy_logprobs(ar, rollout, sampling):
 
 @torch.no_grad()
 def old_logprobs(ar, rollout, sampling, size):
-    """log pi_old [N, L]: before any update, the loss's own pass (policy_logits,
-    token_logprobs, the same micro-batches and train mode). Pass 1's logp is then this
-    tensor bit for bit: ratio = exp(logp - old_logp) = 1 exactly (logp_diff_max: 0)."""
+    """log pi_old [N, L]: before any update, the loss's own pass: policy_logits at the
+    sampler's positions, token_logprobs, the same micro-batches, the same train mode.
+    So pass 1's logp is this tensor, bit for bit (no_grad changes no kernel): the ratio
+    exp(logp - old_logp) is exactly 1 (logp_diff_max: 0). Two near misses:
+    - the sampler's own log-probs (sampler_logp) come from other kernels (a KV cache, a
+      token a step) and round otherwise: ~1e-6 in fp32, ~1e-2 in bf16 (sampler_gap);
+    - a plain forward numbers the grid like text: pi_old and the loss would still agree
+      (ratio 1) but score another policy than the sampler's, nats a token apart."""
     parts = micro_batches(rollout, size)
     return torch.cat([policy_logprobs(ar, part, sampling) for _, part in parts])
 
@@ -429,7 +434,7 @@ def old_logprobs(ar, rollout, sampling, size):
 # ==== 9. Loss =====================================================================================
 # --loss-tokens: the reward depends only on the H*W target-grid tokens, which the preview
 # tokens condition. Training those too ('all') is the unbiased gradient, plus h*w ~ 256
-# tokens of near-pure noise; 'target' (the default) trades that bias for a calmer gradient.
+# tokens of near-pure noise; 'target' (the default) accepts that bias for less noise.
 
 def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=None):
     """PPO-clipped GRPO objective, per token. Returns (loss, metrics).
@@ -441,10 +446,9 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
         kl       = exp(ref - logp) - (ref - logp) - 1     k3 estimator of KL(pi || pi_ref)
         loss     = masked_mean(pg_loss + beta * kl)
 
-    logp, old_logp, ref_logp (needed when beta > 0), mask: [N, L]; advantages: [N]. k3 is
-    unbiased where the tokens come from pi (the first pass). The masked mean over the
-    batch's tokens is TRL's 'bnpo' (every sample has as many tokens: 'grpo' and 'dapo'
-    agree)."""
+    logp, old_logp, ref_logp (when beta > 0), mask: [N, L]; advantages: [N]. k3 is
+    unbiased on tokens drawn from pi (the first pass). The mean over the batch's
+    tokens is TRL's 'bnpo' ('grpo' and 'dapo' agree: the samples are equally long)."""
     if beta > 0 and ref_logp is None:
         raise ValueError("beta > 0 needs ref_logp, the reference's log-probs [N, L]")
     adv = advantages.unsqueeze(1)  # [N, 1]
@@ -471,8 +475,8 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
 def grpo_update(trainer, rollout, advantages, args, learns=True):
     """mu = --inner-epochs AdamW steps on one batch -> the step's metrics. trainer.ar: the
     trained AR (.model; .forward: it or its DDP wrapper; .params). learns: some rank has
-    a reward to learn from."""
-    ar, sampling, optimizer = trainer.ar, trainer.sampling, trainer.optimizer
+    finite rewards."""
+    policy, sampling, optimizer = trainer.ar, trainer.sampling, trainer.optimizer
     ref_logp = reference_logprobs(trainer, rollout, args) if args.beta > 0 else None
     advantages = advantages.to(rollout.old_logp.device)  # [N]
     tokens = rollout.loss_mask.sum()
@@ -481,8 +485,8 @@ def grpo_update(trainer, rollout, advantages, args, learns=True):
         optimizer.zero_grad(set_to_none=True)
         micro = []  # (share, metrics) of each micro-batch
         batches = micro_batches(rollout, args.micro_batch_size)
-        for rows, part in sync_on_last(ar.forward, batches):  # DDP syncs the last
-            logits = policy_logits(ar.forward, part)  # [n, L, V]
+        for rows, part in sync_on_last(policy.forward, batches):  # DDP syncs the last
+            logits = policy_logits(policy.forward, part)  # [n, L, V]
             logp = token_logprobs(logits, part.generated, sampling)  # [n, L]
             ref = None if ref_logp is None else ref_logp[rows]
             loss, terms = grpo_loss(logp, part.old_logp, advantages[rows],
@@ -492,7 +496,7 @@ def grpo_update(trainer, rollout, advantages, args, learns=True):
             share = (part.loss_mask.sum() / tokens).item()  # the shares add up to 1
             (loss * share).backward()  # one micro-batch's graph alive at a time
             micro.append((share, {**terms, "loss": loss.item()}))
-        norm = torch.nn.utils.clip_grad_norm_(ar.params, args.max_grad_norm).item()
+        norm = torch.nn.utils.clip_grad_norm_(policy.params, args.max_grad_norm).item()
         losses = [m["loss"] for _, m in micro]
         stepped = update_allowed(all(map(math.isfinite, [*losses, norm])), learns)
         if stepped:
@@ -510,8 +514,8 @@ def update_allowed(finite, learns):
 
 
 def first_pass_checks(logits, logp, part, sampling):
-    """|logp - old_logp|, 0 by construction, and the entropy: near 0 a group's G samples
-    are alike, every reward ties, every advantage is 0 and learning stops for good."""
+    """|logp - old_logp|, 0 by construction, and the entropy: near 0 a group's samples
+    are alike, rewards tie, advantages are 0 and learning stops for good."""
     mask = part.loss_mask
     with torch.no_grad():
         entropy = (token_entropy(logits, sampling) * mask).sum() / mask.sum()
@@ -526,22 +530,22 @@ class StepRecord:
     """What a step hands the log (Run.record, section 19)."""
     row: dict               # the step's metrics
     prompts: list           # P str
-    images: torch.Tensor    # [N, 3, H, W], a prompt's G consecutive
+    images: torch.Tensor    # [N, 3, 32H, 32W], a prompt's G consecutive
     rewards: torch.Tensor   # [N] (Part II with --dit-reward: [N, 2])
-    targets: torch.Tensor   # [P, 3, H, W] | None
+    targets: torch.Tensor   # [P, 3, 32H, 32W] | None
     sources: list           # i2i: P PIL images | None
-    ode: torch.Tensor = None  # Part II: the updated DiT's a = 0 decodes [P, 3, H, W]
+    ode: torch.Tensor = None  # Part II: the updated DiT's noise-free decodes
 
 
 def grpo_step(trainer, items, indices, step, args, slots=None, before_update=lambda: None):
-    """One GRPO step on items[indices], this rank's `slots` of the step's prompts (default:
-    all) -> StepRecord. before_update: the run's stop check (section 19)."""
+    """One GRPO step on items[indices], this rank's `slots` of the step's prompts
+    (default: all) -> StepRecord. before_update: the run's stop check (section 19)."""
     prompts, targets, sources = step_prompts(items, indices, args.mode)
     slots = range(len(indices)) if slots is None else slots
     G, pipe = args.group_size, trainer.pipe
     # ---- SAMPLE: G token grids per prompt, and pi_old ----
     rollout = sample_tokens(trainer, prompts, sources, slots, step, args)
-    # ---- DECODE: images [N, 3, H, W] by the frozen renderer ----
+    # ---- DECODE: images [N, 3, 32H, 32W] by the frozen renderer ----
     noise = group_noise(pipe, indices, G, args.height, args.width, args.seed, step,
                         args.dit_noise)
     images = decode_images(pipe, prompts, sources, rollout, noise,
@@ -566,7 +570,8 @@ def train(args):
     step_fn = grpo_step if args.policy == "ar" else flow_grpo_step  # Part II
     with Run(args) as run:
         for step, indices, slots in run.steps():  # this rank's share of the prompts
-            result = step_fn(run.trainer, run.items, indices, step, args, slots, run.vote)
+            result = step_fn(run.trainer, run.items, indices, step, args, slots,
+                             run.vote)
             run.record(step, result)
     return run.trainer and run.trainer.pipe  # None: nothing to do
 
