@@ -94,8 +94,9 @@ class UsageError(Exception):
 #     --inner-epochs mu (4), --lr  AdamW passes over a batch (10)
 #     --micro-batch-size (G)       samples a forward (8, 10)
 #     --policy (ar)                what trains: the AR; dit|both: Part II
-# A resume must match the flags of the groups titled so (a flag newer than the
-# checkpoint: its parser default).
+# A new flag: add it to its group in flag_parser, read it where it is used. A resume
+# must match the groups titled so; a flag newer than a checkpoint matches its parser
+# default (one that follows another flag, None there, is resolved where used).
 
 
 # ==== 2. Model: GLM-Image = AR (transformers) + DiT/VAE/glyph encoder (diffusers) =================
