@@ -80,7 +80,8 @@ class UsageError(Exception):
 
 
 # PART I. GRPO on the autoregressive half: one read, from the flags to the training loop ##########
-# A whole run. GLM-Image's machinery sits in section 14, behind the calls named here.
+# A whole run. GLM-Image's machinery sits in section 14 (the DiT's loop in Part II),
+# behind the calls named here.
 
 
 # ==== 1. Settings =================================================================================
@@ -95,8 +96,9 @@ class UsageError(Exception):
 #     --micro-batch-size (G)       samples a forward (8, 10)
 #     --policy (ar)                what trains: the AR; dit|both: Part II
 # A new flag: add it to its group in flag_parser, read it where it is used. A resume
-# must match the groups titled so; a flag newer than a checkpoint matches its parser
-# default (one that follows another flag, None there, is resolved where used).
+# must match the flags of --help's groups titled "(a resume must match)"; a flag newer
+# than a checkpoint matches its parser default (one that follows another flag: None
+# there, resolved where used).
 
 
 # ==== 2. Model: GLM-Image = AR (transformers) + DiT/VAE/glyph encoder (diffusers) =================
@@ -153,7 +155,7 @@ def step_prompts(items, indices, mode):
     targets = [it.image("target") for it in batch]
     if any(t is None for t in targets):
         targets = None
-    else:  # PIL -> [3, H, W]
+    else:  # PIL -> [3, 32H, 32W]
         targets = torch.stack([pil_to_tensor(t) for t in targets])
     sources = [it.image("source") for it in batch] if mode == "i2i" else None
     return [it.text for it in batch], targets, sources
@@ -174,6 +176,7 @@ def seeded(seed, purpose, step=0, index=0, device="cpu"):
 # t2i: after the prompt `text<sop>H W<eop><sop>h w<eop><bos>` the AR writes
 #     h*w preview tokens (a ~16x16 sketch) | H*W target-grid tokens | 1 end slot
 # (the end slot: generate()'s end-of-image position, sampled, never trained or drawn).
+# At 128 px: 16x16 + 4x4 + 1 = 273 tokens.
 # i2i: after `<start><source's VQ tokens><end>text<sop>H W<eop><bos>`: H*W target | end.
 # Only the target grid reaches the DiT. Each token sits at an M-RoPE position (time,
 # row, column): text moves all three; grid cell (i, j) sits at (s, s + i, s + j).
@@ -283,7 +286,7 @@ def sample_tokens(trainer, prompts, sources, slots, step, args):
         rollout = sample_groups(trainer.pipe, prompts, args.group_size, sampling,
                                 args.height, args.width, args.loss_tokens, sources,
                                 generators, trainer.prompt_len, decoder)
-        ar.model.train()  # the loss's mode (gradient checkpointing)
+        ar.model.train()  # the body's mode in the loss (gradient checkpointing)
         old_logp = old_logprobs(ar, rollout, sampling, args.micro_batch_size)
     return replace(rollout, old_logp=old_logp)
 
@@ -298,8 +301,8 @@ def sampler_gap(rollout):
 # ==== 5. DECODE: target-grid tokens -> DiT -> VAE -> pixels =======================================
 
 def group_noise(pipe, prompt_indices, group_size, height, width, seed, step, mode):
-    """Initial DiT latents [N, C, h, w]: one draw per prompt, shared by its G samples, so
-    that only the tokens differ. --dit-noise per-prompt: the same every step."""
+    """Initial DiT latents [N, C, 4H, 4W]: one draw per prompt, shared by its G samples,
+    so that only the tokens differ. --dit-noise per-prompt: the same every step."""
     shape = (pipe.transformer.config.in_channels, height // pipe.vae_scale_factor,
              width // pipe.vae_scale_factor)
     step = 0 if mode == "per-prompt" else step
@@ -327,8 +330,9 @@ def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps,
 
 
 # ==== 6. REWARD ===================================================================================
-# A reward plug-in is fn(images [N, 3, 32H, 32W] in [0, 1], prompts: N str,
-# targets [N, 3, 32H, 32W] | None) -> [N], higher = better; row i: one sample.
+# A reward plug-in is fn(images [N, 3, 32H, 32W] fp32 in [0, 1] on the CPU, prompts:
+# N str, targets [N, 3, 32H, 32W] | None) -> [N], higher = better; row i: one sample.
+# Any --reward replaces the default, mse.
 # --reward module:fn or file.py:fn, with '=WEIGHT', picks them (section 17); one
 # that reads targets says so: `fn.uses_targets = True`. The demo's, --reward mse,
 # is the plug-in mse(images, prompts, targets) = mse_reward(images, targets).
@@ -399,7 +403,7 @@ def token_entropy(logits, sampling):
 
 def policy_logits(ar, rollout):
     """A teacher-forced forward at the rollout's M-RoPE positions -> logits [N, L, V]
-    of the L generated tokens."""
+    of the L generated tokens (input sequences[:, :-1]: position t predicts t + 1)."""
     num_generated = rollout.generated.shape[1]
     return ar(input_ids=rollout.sequences[:, :-1], attention_mask=rollout.attention_mask,
               position_ids=rollout.position_ids, logits_to_keep=num_generated,
@@ -423,11 +427,11 @@ def old_logprobs(ar, rollout, sampling, size):
     """log pi_old [N, L]: before any update, the loss's own pass: policy_logits at the
     sampler's positions, token_logprobs, the same micro-batches, the same train mode.
     So pass 1's logp is this tensor, bit for bit (no_grad changes no kernel): the ratio
-    exp(logp - old_logp) is exactly 1 (logp_diff_max: 0). Two near misses:
+    exp(logp - old_logp) is exactly 1 (logp_diff_max: 0). Two ways to get it wrong:
     - the sampler's own log-probs (sampler_logp) come from other kernels (a KV cache, a
       token a step) and round otherwise: ~1e-6 in fp32, ~1e-2 in bf16 (sampler_gap);
-    - a plain forward numbers the grid like text: pi_old and the loss would still agree
-      (ratio 1) but score another policy than the sampler's, nats a token apart."""
+    - a forward without the sampler's position_ids numbers the grid like text: pi_old
+      and the loss agree (ratio 1) but score another policy, nats a token apart."""
     parts = micro_batches(rollout, size)
     return torch.cat([policy_logprobs(ar, part, sampling) for _, part in parts])
 
@@ -436,9 +440,10 @@ def old_logprobs(ar, rollout, sampling, size):
 # --loss-tokens: the reward depends only on the H*W target-grid tokens, which the preview
 # tokens condition. Training those too ('all') is the unbiased gradient, plus h*w ~ 256
 # tokens of near-pure noise; 'target' (the default) accepts that bias for less noise.
+# Part II's DiT calls grpo_loss too.
 
 def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=None):
-    """PPO-clipped GRPO objective, per token. Returns (loss, metrics).
+    """PPO-clipped GRPO objective, averaged over the loss tokens -> (loss, metrics).
 
         ratio    = exp(logp - old_logp)                   rho_t in the papers
         pg_loss1 = -A * ratio
@@ -475,13 +480,13 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
 
 def grpo_update(trainer, rollout, advantages, args, learns=True):
     """mu = --inner-epochs AdamW steps on one batch -> the step's metrics. trainer.ar: the
-    trained AR (.model; .forward: it or its DDP wrapper; .params). learns: some rank has
-    finite rewards."""
+    trained AR, a Half (section 14: .model; .forward: it or its DDP wrapper; .params).
+    learns: some rank has finite rewards."""
     policy, sampling, optimizer = trainer.ar, trainer.sampling, trainer.optimizer
     ref_logp = reference_logprobs(trainer, rollout, args) if args.beta > 0 else None
     advantages = advantages.to(rollout.old_logp.device)  # [N]
     tokens = rollout.loss_mask.sum()
-    log = UpdateLog()  # section 14: how micro-batches and passes add up
+    log = UpdateLog()  # section 14: metrics by share, averaged over stepped passes
     for epoch in range(args.inner_epochs):
         optimizer.zero_grad(set_to_none=True)
         micro = []  # (share, metrics) of each micro-batch
@@ -494,7 +499,8 @@ def grpo_update(trainer, rollout, advantages, args, learns=True):
                                     part.loss_mask, args.clip_eps, args.beta, ref)
             if epoch == 0:  # at pi_old: the ratio check, and entropy collapse
                 terms |= first_pass_checks(logits, logp, part, sampling)
-            share = (part.loss_mask.sum() / tokens).item()  # the shares add up to 1
+            # shares add up to 1: the pass's loss is the batch's token mean, as TRL's
+            share = (part.loss_mask.sum() / tokens).item()
             (loss * share).backward()  # one micro-batch's graph alive at a time
             micro.append((share, {**terms, "loss": loss.item()}))
         norm = torch.nn.utils.clip_grad_norm_(policy.params, args.max_grad_norm).item()
