@@ -1837,7 +1837,7 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
                      step=None, name="samples"):
     """Per prompt (sorted: it stays put) 8 cells a row: [source,] target, [a=0 decode,] its G samples."""
     scale = max(1, 128 // images.shape[-1])  # cells at least 128 px wide
-    width, height = images.shape[-1] * scale, images.shape[-2] * scale
+    height, width = (n * scale for n in images.shape[-2:])
     line, gap = 18, 6  # a line of text, white between cells
     to_pil = lambda x: x if isinstance(x, Image.Image) else Image.fromarray(  # sources: PIL already
         (x.clamp(0, 1).permute(1, 2, 0).numpy() * 255).astype(np.uint8))
@@ -1871,7 +1871,7 @@ def shorten(text, chars):
 def drawable(text):
     """As the built-in font draws it: 'é' -> 'e', emoji or CJK -> '?', not a 'no glyph' box."""
     font = ImageFont.load_default(size=12)
-    glyph = lambda ch: (lambda m: (m.size, bytes(m)))(font.getmask(ch))
+    glyph = lambda ch: ((mask := font.getmask(ch)).size, bytes(mask))
     box = glyph("\U0010FFFD")  # a private-use code point has no glyph
     drawn = lambda s: bool(s) and all(c == " " or glyph(c) != box for c in s)
     plain = [unicodedata.normalize("NFKD", ch).encode("ascii", "ignore").decode() for ch in text]
@@ -1896,15 +1896,15 @@ def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
     y0, y1 = (means - stds).min() - 1e-6, (means + stds).max() + 1e-6  # a flat curve's range has a height
     to_xy = lambda s, y: (margin + (s - x0) / (x1 - x0) * (w - 2 * margin),
                           h - margin - (y - y0) / (y1 - y0) * (h - 2 * margin))
+    points = lambda s, y: list(zip(*to_xy(s, y)))
     image = Image.new("RGB", (w, h), "white")
     draw = ImageDraw.Draw(image)
-    band = to_xy(np.r_[steps, steps[::-1]], np.r_[means + stds, (means - stds)[::-1]])
-    draw.polygon(list(zip(*band)), fill=(190, 210, 240))
-    draw.line(list(zip(*to_xy(steps, means))), fill=(110, 140, 220), width=1)
+    draw.polygon(points(np.r_[steps, steps[::-1]], np.r_[means + stds, (means - stds)[::-1]]), fill=(190, 210, 240))
+    draw.line(points(steps, means), fill=(110, 140, 220))
     title = "reward per step: mean +- within-group std"
     if 1 < window < len(rows):
         average = [np.mean(means[max(0, i - window + 1): i + 1]) for i in range(len(means))]
-        draw.line(list(zip(*to_xy(steps, np.array(average)))), fill=(20, 40, 140), width=3)
+        draw.line(points(steps, np.array(average)), fill=(20, 40, 140), width=3)
         title += f"; thick: moving average over {window} steps"
     draw.rectangle((margin, margin, w - margin, h - margin), outline="black")
     ticks = [(to_xy(x0, v), (-4, 0), "rm", v) for v in round_ticks(y0, y1)]  # left axis
@@ -2248,7 +2248,7 @@ class Resume:
 # ==== 21. The tiny model's renderer: pre-trained once on token mosaics, then cached ===============
 # Its AR is random (what to paint is GRPO's to learn); its renderer (~15 s CPU) paints id k in colour k mod 8.
 
-TINY_CODEBOOK = 64  # real: 16384; 8 ids a colour (a real codebook has many ids per colour too)
+TINY_CODEBOOK = 64  # real: 16384; 8 ids a colour (a real codebook has many too)
 TINY_VISION_VOCAB = TINY_CODEBOOK + 16  # real: 16512 (codebook + 128 special ids)
 TINY_PALETTE = (torch.tensor(list(COLOURS.values()), dtype=torch.float32) / 255)[torch.arange(TINY_CODEBOOK) % 8]
 # get_rope_index gives a source image 2-D positions by its start and end tokens (a bare <|image|>: text's)
@@ -2288,8 +2288,7 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
         image_token_id=tokenizer.convert_tokens_to_ids("<|image|>"), image_start_token_id=TINY_CODEBOOK,
         image_end_token_id=TINY_CODEBOOK + 1)).eval()
     if mosaic_ar:
-        # else a cell's logits follow the random token before it: GRPO learns one colour for all. Equal image-token
-        # embeddings, q/k x16 (sharp attention) let lm_head tell cells apart
+        # a cell's logits must not follow the random token before it (GRPO learns one colour): equal embeddings, q/k x16
         with torch.no_grad():
             image_embeddings = ar.model.language_model.embed_tokens.weight[:TINY_VISION_VOCAB]
             image_embeddings[:] = image_embeddings.mean(0)
@@ -2766,9 +2765,9 @@ def save_trained_pipeline(pipe, args):
 @torch.no_grad()
 def generate_images(pipe, prompts, sources=None, height=None, width=None, num_inference_steps=None,
                     guidance_scale=None, temperature=None, seed=0):
-    """A PIL image per prompt (an edit of its PIL source, if given), prompt k's seeded by (seed, k). Unset: the
-    decode `pipe` trained at (else 64, 64, 4, 1), its temperature."""
-    trained = getattr(pipe.vision_language_encoder.generation_config, "trained_decode", {})  # save_trained_pipeline's
+    """A PIL image per prompt (an edit of sources[k]), seeded by (seed, k); unset: as trained (else 64, 64, 4, 1)."""
+    ar = pipe.vision_language_encoder
+    trained = getattr(ar.generation_config, "trained_decode", {})  # save_trained_pipeline's
     height, width = height or trained.get("height", 64), width or trained.get("width", 64)
     num_inference_steps = num_inference_steps or trained.get("num_inference_steps", 4)
     guidance_scale = guidance_scale or trained.get("guidance_scale", 1.0)
@@ -2776,8 +2775,7 @@ def generate_images(pipe, prompts, sources=None, height=None, width=None, num_in
         raise ValueError(f"height and width must be multiples of 32, got {height}x{width}")
     if sources is not None and len(sources) != len(prompts):
         raise ValueError(f"one source per prompt: got {len(sources)} sources for {len(prompts)} prompts")
-    sampling = sampling_of(pipe.vision_language_encoder)
-    sampling = replace(sampling, temperature=temperature or sampling.temperature)
+    sampling = replace(sampling_of(ar), temperature=temperature or ar.generation_config.temperature)
     pipe.processor.tokenizer.padding_side = "left"  # as load_pipeline sets it
     if sources is not None:  # upright, at the trained size
         sources = [to_rgb(ImageOps.exif_transpose(s)).resize((width, height), Image.BICUBIC) for s in sources]
@@ -2787,7 +2785,7 @@ def generate_images(pipe, prompts, sources=None, height=None, width=None, num_in
         source = sources and sources[k: k + 1]
         # not pipe(prompt, image=[source]): it fails (diffusers 0.42.1, transformers 5)
         rollout = sample_groups(pipe, [prompt], 1, sampling, height, width, "target", source,
-                               [seeded(seed, "generate", 0, k, pipe.vision_language_encoder.device)])
+                               [seeded(seed, "generate", 0, k, ar.device)])
         images.append(decode_images(pipe, [prompt], source, rollout, latents, num_inference_steps, guidance_scale))
     return pipe.image_processor.numpy_to_pil(torch.cat(images).clamp(0, 1).permute(0, 2, 3, 1).numpy())
 
