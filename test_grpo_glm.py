@@ -2219,7 +2219,7 @@ def test_compute_rewards_weighted_sum_and_per_name():
     brightness = lambda im, p, t: im.mean(dim=(1, 2, 3))
     length = lambda im, p, t: [float(len(x)) * 0.1 for x in p]
     total, parts = g.compute_rewards([_reward("bright", brightness, 2.0), _reward("len", length, -0.5)],
-                                     images, prompts, None)
+                                     images, prompts, None, 1)
     assert set(parts) == {"bright", "len"}
     torch.testing.assert_close(total, 2.0 * images.mean(dim=(1, 2, 3)) - 0.5 * torch.full((4,), 0.1))
 
@@ -2229,7 +2229,7 @@ def test_a_reward_that_edits_images_in_place_changes_nothing_for_the_next():
     before = images.clone()
     mutate = lambda im, p, t: (im.mul_(0), t.mul_(0), p.clear(), [0.0] * 4)[-1]
     mse = g.Reward("mse", g.mse, 1.0)
-    _, parts = g.compute_rewards([_reward("mutate", mutate), mse], images, list("abcd"), targets)
+    _, parts = g.compute_rewards([_reward("mutate", mutate), mse], images, list("abcd"), targets, 1)
     torch.testing.assert_close(parts["mse"], g.mse_reward(before, targets))
     assert torch.equal(images, before)
 
@@ -2243,7 +2243,7 @@ def test_a_reward_that_edits_images_in_place_changes_nothing_for_the_next():
 def test_broken_reward_is_named_in_one_line(fn, needle):
     with pytest.raises(g.UsageError) as error:
         g.compute_rewards([_reward("ok", lambda im, p, t: [0.0] * 4), _reward("bad", fn)],
-                          torch.rand(4, 3, 8, 8), list("abcd"), None)
+                          torch.rand(4, 3, 8, 8), list("abcd"), None, 1)
     assert needle in str(error.value) and "\n" not in str(error.value)
 
 
@@ -2404,9 +2404,9 @@ def decoded(monkeypatch):
     one per micro-batch, concatenated): (per-sample prompts, images)."""
     seen, real = [], g.compute_rewards
 
-    def spy(rewards, images, prompts, targets):
-        seen.append((list(prompts), images.clone()))
-        return real(rewards, images, prompts, targets)
+    def spy(rewards, images, prompts, targets, group_size):
+        seen.append((g.repeat_each(prompts, group_size), images.clone()))
+        return real(rewards, images, prompts, targets, group_size)
     monkeypatch.setattr(g, "compute_rewards", spy)
     return seen
 
