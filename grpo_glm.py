@@ -79,12 +79,12 @@ class UsageError(Exception):
         self.local = local
 
 
-# PART I. GRPO on the autoregressive half: one read, from the flags to the training loop ##########
+# PART I. GRPO on the autoregressive half: one read, from the flags to the training loop
 # A whole run. GLM-Image's machinery sits in section 14 (the DiT's loop in Part II),
 # behind the calls named here.
 
 
-# ==== 1. Settings =================================================================================
+# ==== 1. Settings
 # Every flag: flag_parser (section 15), or `--help`. GRPO's own, with their defaults:
 #     --group-size G (32)          samples per prompt (sections 4, 7)
 #     --prompts-per-step P (2)     a step's batch is N = P x G samples
@@ -101,7 +101,7 @@ class UsageError(Exception):
 # there, resolved where used).
 
 
-# ==== 2. Model: GLM-Image = AR (transformers) + DiT/VAE/glyph encoder (diffusers) =================
+# ==== 2. Model: GLM-Image = AR (transformers) + DiT/VAE/glyph encoder (diffusers)
 # `--model tiny` (section 21): the real classes at toy size, the real code path.
 # In the pipeline the AR is `vision_language_encoder`, the DiT `transformer`.
 
@@ -146,7 +146,7 @@ def prepare_policy(ar, args):
     return [p for p in ar.parameters() if p.requires_grad]
 
 
-# ==== 3. A step's prompts, targets and seeds ======================================================
+# ==== 3. A step's prompts, targets and seeds
 # Run.steps (section 19) picks the step's prompt lines; here they become batch rows.
 
 def step_prompts(items, indices, mode):
@@ -172,7 +172,7 @@ def seeded(seed, purpose, step=0, index=0, device="cpu"):
     return torch.Generator(device).manual_seed(int.from_bytes(digest[:8], "little"))
 
 
-# ==== 4. SAMPLE: G token grids per prompt, with the log-prob of every sampled token ===============
+# ==== 4. SAMPLE: G token grids per prompt, with the log-prob of every sampled token
 # t2i: after the prompt `text<sop>H W<eop><sop>h w<eop><bos>` the AR writes
 #     h*w preview tokens (a ~16x16 sketch) | H*W target-grid tokens | 1 end slot
 # (the end slot: generate()'s end-of-image position, sampled, never trained or drawn).
@@ -298,7 +298,7 @@ def sampler_gap(rollout):
     return {"sampler_gap_max": gap.max().item(), "sampler_gap_mean": gap.mean().item()}
 
 
-# ==== 5. DECODE: target-grid tokens -> DiT -> VAE -> pixels =======================================
+# ==== 5. DECODE: target-grid tokens -> DiT -> VAE -> pixels
 
 def group_noise(pipe, prompt_indices, group_size, height, width, seed, step, mode):
     """Initial DiT latents [N, C, 4H, 4W]: one draw per prompt, shared by its G samples,
@@ -329,7 +329,7 @@ def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps,
     return latents_to_images(pipe, latents)
 
 
-# ==== 6. REWARD ===================================================================================
+# ==== 6. REWARD
 # A reward plug-in is fn(images [N, 3, 32H, 32W] fp32 in [0, 1] on the CPU, prompts:
 # N str, targets [N, 3, 32H, 32W] | None) -> [N], higher = better; row i: one sample.
 # Any --reward replaces the default, mse.
@@ -357,7 +357,7 @@ def compute_rewards(rewards, images, prompts, targets, group_size):
     return total, {reward.name: value for reward, value in zip(rewards, values)}
 
 
-# ==== 7. ADVANTAGE ================================================================================
+# ==== 7. ADVANTAGE
 
 def group_advantages(rewards, group_size, eps=1e-4):
     """A_i = (r_i - mean_group(r)) / (std_group(r) + eps), rewards [N] in groups of G.
@@ -374,7 +374,7 @@ def group_advantages(rewards, group_size, eps=1e-4):
     return torch.where(left_out, 0.0, advantages).view(-1)
 
 
-# ==== 8. Log-probs with gradients =================================================================
+# ==== 8. Log-probs with gradients
 
 def kept_logits(logits, sampling, keep=None):
     """z [..., V] with pi = softmax(z): logits / temperature in at least fp32 (a bf16
@@ -436,7 +436,7 @@ def old_logprobs(ar, rollout, sampling, size):
     return torch.cat([policy_logprobs(ar, part, sampling) for _, part in parts])
 
 
-# ==== 9. Loss =====================================================================================
+# ==== 9. Loss
 # --loss-tokens: the reward depends only on the H*W target-grid tokens, which the preview
 # tokens condition. Training those too ('all') is the unbiased gradient, plus h*w ~ 256
 # tokens of near-pure noise; 'target' (the default) accepts that bias for less noise.
@@ -476,7 +476,7 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
                                     "kl": masked_mean(kl).item()}
 
 
-# ==== 10. UPDATE: mu passes of clipped-surrogate ascent over the same batch =======================
+# ==== 10. UPDATE: mu passes of clipped-surrogate ascent over the same batch
 
 def grpo_update(trainer, rollout, advantages, args, learns=True):
     """mu = --inner-epochs AdamW steps on one batch -> the step's metrics. trainer.ar: the
@@ -530,7 +530,7 @@ def first_pass_checks(logits, logp, part, sampling):
     return {"logp_diff_max": diff.item(), "entropy": entropy.item()}
 
 
-# ==== 11. One GRPO step, and the training loop ====================================================
+# ==== 11. One GRPO step, and the training loop
 
 @dataclass
 class StepRecord:
@@ -583,12 +583,12 @@ def train(args):
     return run.trainer and run.trainer.pipe  # None: nothing to do
 
 
-# PART II. Flow-GRPO: the DiT as a policy over denoising steps (--policy dit|both) #################
+# PART II. Flow-GRPO: the DiT as a policy over denoising steps (--policy dit|both)
 # Its step, flow_grpo_step (section 13), reads as grpo_step and reuses sample_tokens, group_advantages,
 # grpo_loss and grpo_update's loop: a denoising step plays a token's role.
 
 
-# ==== 12. The SDE step, the DiT rollout and its loss ==============================================
+# ==== 12. The SDE step, the DiT rollout and its loss
 # GLM-Image's authors post-train both halves ("decoupled RL"): AR for layout and semantics, DiT for detail and
 # text. grpo_loss needs the sampled step's probability; Euler's x' = x + v dt has none. Flow-GRPO (Liu et al.
 # 2025, yifan123/flow_grpo's `sde_step_with_logprob`) swaps it for an SDE of the same marginals, a Gaussian policy
@@ -806,7 +806,7 @@ def dit_update(trainer, run, advantages, args, learns=True):
     return log.row()
 
 
-# ==== 13. The Flow-GRPO step ======================================================================
+# ==== 13. The Flow-GRPO step
 # --policy dit: a prompt's G samples share AR tokens and initial noise, differ by SDE noise alone: the advantage
 # credits the DiT alone. --policy both: each sample's one advantage (or each half's, --dit-reward) trains both
 # halves. They touch disjoint weights with independent losses, so each updates on its own, the AR first.
