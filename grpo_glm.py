@@ -969,11 +969,12 @@ def run_prompt_len(pipe, items, args):
     context = pipe.vision_language_encoder.config.text_config.max_position_embeddings
     lengths = [len(ids) for ids in pipe.processor.tokenizer([it.text for it in items], add_special_tokens=False)
                ["input_ids"]]
-    for item, length in zip(items, lengths):
-        if length > context - others:
-            raise UsageError(f"{item.where}: the prompt is {length} tokens; the model's context of {context} "
-                             f"leaves {context - others} for a prompt at {args.height}x{args.width}")
-    item = items[lengths.index(max(lengths))]
+    item = items[lengths.index(longest := max(lengths))]
+    if longest > context - others:
+        raise UsageError(f"--height {args.height} --width {args.width}: the images' {others} tokens exceed the "
+                         f"model's context of {context}" if others >= context else f"{item.where}: the prompt is "
+                         f"{longest} tokens; the model's context of {context} leaves {context - others} for a prompt "
+                         f"at {args.height}x{args.width}")
     source = [item.image("source")] if args.mode == "i2i" else None
     return processor_inputs(pipe, [item.text], source, args.height, args.width, "cpu")["input_ids"].shape[1] + 1
 
@@ -1278,7 +1279,7 @@ def parse_args(argv=None):
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
     a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto", help="auto=bf16 if CUDA, not tiny")
     a("--micro-batch-size", type=count, help="Samples per forward/backward (default: G).")
-    a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in backward.")
+    a("--gradient-checkpointing", action="store_true", help="Recompute activations (AR's, DiT's) in backward.")
     a("--offload", action=argparse.BooleanOptionalAction, help="Frozen parts on CPU between uses (default: by --plan).")
     a("--fsdp", action="store_true", help="torchrun: shard trained weights and AdamW state (FSDP2).")
     a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others.")
@@ -1338,14 +1339,17 @@ def validate_args(args):
     full = (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
     # 'owner/name' with no local parent: a typo in 'runs/x' must not go to the hub
     hub_id = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", args.model) and not model.parent.is_dir()
+    empty = [f"--{k.replace('_', '-')}" for k in ("out", "prompts", "model", "resume", "eval_prompts", "save_pipeline")
+             if getattr(args, k) == ""]
     refusals = [  # (refused?, why)
-        (not args.out, "--out is empty (an unset variable?)"),
+        (empty, f"{' and '.join(empty)} is empty (an unset variable?)"),
         (outdated, f"too old: {outdated}; pip install -r requirements.txt"),
         (args.ar_trainable == "head" and (args.lora_rank or args.fsdp),
          "--ar-trainable head takes neither --lora-rank nor --fsdp (it trains one layer)"),
         (args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline),
          "--fsdp shards full fine-tuning, no LoRA; for --save-pipeline resume in one process"),
-        (args.fsdp and world_size() == 1, "--fsdp needs torchrun: one process has nothing to shard"),
+        (args.fsdp and world_size() == 1 and not args.plan, "--fsdp needs torchrun: one process has nothing to shard"),
+        (args.plan and args.fsdp and not args.plan_gpus, "--plan --fsdp needs --plan-gpus K: its rows are on K GPUs"),
         ((args.plan_gpus or args.plan_gpu_memory) and not args.plan, "--plan-gpus and --plan-gpu-memory: add --plan"),
         ((args.dit_train_steps or 0) > args.num_inference_steps,
          f"--dit-train-steps {args.dit_train_steps} exceeds --num-inference-steps {args.num_inference_steps}"),
@@ -1367,22 +1371,31 @@ def validate_args(args):
     ]
     if why := next((why for refused, why in refusals if refused), None):
         raise UsageError(why)
-    paths = {"--out": args.out, "--save-pipeline": args.save_pipeline,
+    torchrun = " ".join(f"{k}={os.environ[k]}" for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in os.environ)
+    if torchrun and (not re.fullmatch(r"(\w+=\d+ ?)+", torchrun) or rank() >= world_size()
+                     or world_size() > 1 and not os.getenv("MASTER_ADDR")):
+        raise UsageError(f"{torchrun}: not as torchrun sets them (numbers, RANK < WORLD_SIZE, MASTER_ADDR); run "
+                         "torchrun or unset them", local=True)
+    paths = {"--out": Path(args.out, "checkpoints"), "--save-pipeline": args.save_pipeline,
              "the tiny model's cache (GRPO_GLM_CACHE)": args.model == TINY and tiny_cache()}
-    for flag, path in ((flag, path) for flag, path in paths.items() if path):  # or its nearest parent: writable?
+    for flag, path in ((flag, path) for flag, path in paths.items() if path and not args.plan):  # or nearest parent
         parent = next(p for p in [Path(path).absolute(), *Path(path).absolute().parents] if p.exists())
         if not parent.is_dir():
-            raise UsageError(f"{flag} {path}: {parent} is a file, not a directory")
+            raise UsageError(f"{flag}: {parent} is a file, not a directory")
         try:
             tempfile.TemporaryFile(dir=parent).close()
         except OSError as e:
-            raise UsageError(f"{flag} {path}: cannot write in {parent} ({e.strerror})")
+            raise UsageError(f"{flag}: cannot write in {parent} ({e.strerror})")
 
 
 def pretrained_defaults(args):
-    """Any --model but tiny: the model card's sampler and decode; DanceGRPO's (full) or flow_grpo's (LoRA) lr."""
+    """Any --model but tiny: the model card's sampler and decode, or a saved pipeline's own (save_trained_pipeline's);
+    DanceGRPO's (full) or flow_grpo's (LoRA) lr."""
+    config = Path(getattr(args, "model", TINY), "vision_language_encoder", "generation_config.json")
+    saved = json.loads(config.read_text()) if config.is_file() else {}
+    own = {k: v for k, v in saved.items() if k in ("temperature", "top_k", "top_p") and "trained_decode" in saved}
     return dict(lr=1e-5, dit_lr=3e-4 if args.dit_lora_rank else 1e-5, temperature=0.9, top_p=0.75,
-                num_inference_steps=30, guidance_scale=1.5, height=1024, width=1024)
+                num_inference_steps=30, guidance_scale=1.5, height=1024, width=1024) | own | saved.get("trained_decode", {})
 
 
 def resolve_runtime(args):
@@ -1456,7 +1469,8 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",), flag="-
     """Lines `prompt[ | target.png[ | source.png (i2i)]]`, paths relative to the file; `\\|` is a '|'."""
     path, items, resized = Path(path), [], False
     if not path.is_file():
-        raise UsageError(f"{flag} {path}: " + ("is a directory, not a file" if path.is_dir() else "file not found"))
+        raise UsageError(f"{flag} {path}: " + ("is a directory, not a file" if path.is_dir() else
+                                                "not a regular file" if path.exists() else "file not found"))
     try:
         lines = path.read_text(encoding="utf-8-sig").splitlines()  # -sig: drops a BOM (Windows editors)
     except UnicodeDecodeError as e:  # e.object: the bytes after a BOM
@@ -1513,8 +1527,9 @@ def read_image(path, where, kind, size=None):
     except FileNotFoundError:
         later = " (it was there at start-up)" if size else ""
         raise UsageError(f"{where}: {kind} image {path} not found{later}", local=bool(size))
-    except (UnidentifiedImageError, OSError, SyntaxError) as e:
-        raise UsageError(f"{where}: {kind} {path} is not a readable image ({type(e).__name__})", local=bool(size))
+    except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as e:
+        why = str(e).split(",")[0] if isinstance(e, Image.DecompressionBombError) else type(e).__name__
+        raise UsageError(f"{where}: {kind} {path} is not a readable image ({why})", local=bool(size))
 
 
 def to_rgb(image):
@@ -1566,37 +1581,37 @@ def mse(images, prompts, targets):  # the built-in reward as a plug-in
 mse.uses_targets = True
 
 
-def load_reward(spec):
+def load_reward(spec, flag="--reward"):
     where, _, text = spec.rpartition("=") if "=" in spec else (spec, "", "1")
     try:
         weight = number(float)(text)  # the flags' check: a finite float
     except (ValueError, argparse.ArgumentTypeError):
-        raise UsageError(f"--reward {spec}: weight after '=' must be a finite number, got {text!r}")
+        raise UsageError(f"{flag} {spec}: weight after '=' must be a finite number, got {text!r}")
     if weight == 0:
-        raise UsageError(f"--reward {spec}: a weight of 0 adds nothing")
+        raise UsageError(f"{flag} {spec}: a weight of 0 adds nothing")
     if where == "mse":
         return Reward("mse", mse, weight)
     module_name, _, fn_name = where.rpartition(":")
     if not module_name or not fn_name:
-        raise UsageError(f"--reward {spec}: expected 'mse', 'module:function' or 'file.py:function'")
+        raise UsageError(f"{flag} {spec}: expected 'mse', 'module:function' or 'file.py:function'")
     sys.path.insert(0, os.getcwd())  # cwd first, as `python -m` does
     try:
         namespace = (runpy.run_path(module_name) if module_name.endswith(".py")
                      else vars(importlib.import_module(module_name)))
     except (Exception, SystemExit) as e:  # sys.exit() in the plug-in too
-        raise UsageError(f"--reward {spec}: importing {module_name} failed: {type(e).__name__}: "
+        raise UsageError(f"{flag} {spec}: importing {module_name} failed: {type(e).__name__}: "
                          f"{(str(e).splitlines() or [''])[0]}")
     finally:
         sys.path.remove(os.getcwd())
     if not callable(fn := namespace.get(fn_name)):
-        raise UsageError(f"--reward {spec}: {module_name} has no function {fn_name}")
+        raise UsageError(f"{flag} {spec}: {module_name} has no function {fn_name}")
     return Reward(fn_name, fn, weight)
 
 
-def load_rewards(specs):
-    rewards = [load_reward(spec) for spec in specs]
+def load_rewards(specs, flag="--reward"):
+    rewards = [load_reward(spec, flag) for spec in specs]
     if len({r.name for r in rewards}) < len(rewards):
-        raise UsageError(f"--reward: two rewards share a name ({', '.join(r.name for r in rewards)}); rename one")
+        raise UsageError(f"{flag}: two rewards share a name ({', '.join(r.name for r in rewards)}); rename one")
     return rewards
 
 
@@ -1689,8 +1704,14 @@ def warn_if_collapsed(row, warned, max_entropy=None):
 
 
 def read_metrics(path):
-    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
-    return [json.loads(line) for line in lines if line.strip()]
+    """Its rows; a line that is not JSON (a kill during an append tears the last) as its text."""
+    rows = []
+    for line in filter(str.strip, path.read_text(encoding="utf-8").splitlines() if path.exists() else []):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            rows.append(line)
+    return rows
 
 
 def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, tracker=None,
@@ -1820,7 +1841,7 @@ class Run:
         if args.prompts_per_step > len(items) and self.lead:
             print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} lines of {args.prompts}: "
                   "steps repeat lines of the file")
-        rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [])
+        rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [], "--dit-reward")
         readers = [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)]
         require_targets(items + self.eval_items, readers)
         args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
@@ -1963,8 +1984,9 @@ class Run:
         if kind is None and self.trainer and self.lead:
             if pipeline := self.args.save_pipeline:
                 save_trained_pipeline(self.trainer.pipe, self.args)
-            made = ", ".join(p.name + "/" * p.is_dir() for p in sorted(self.out.iterdir()) if p.name[0] != ".")
-            print(f"done: {self.out} holds {made}" + (f"; the trained pipeline: {pipeline}" if pipeline else ""))
+            made = ", ".join(p.name + "/" * p.is_dir() for p in sorted(self.out.glob("[!.]*")))  # an export: none
+            said = [f"{self.out} holds {made}"] * bool(made) + [f"the trained pipeline: {pipeline}"] * bool(pipeline)
+            print("done: " + "; ".join(said))
 
     def stop(self, done):
         """Exits 128 + signal with step `done` saved (step_rng: the RNG states it left)."""
@@ -2032,8 +2054,9 @@ def read_checkpoint(spec, out=None):
     try:
         with warnings.catch_warnings(action="ignore"):     # junk can look like another pickle protocol's
             ckpt = torch.load(path, map_location="cpu", weights_only=True)  # no pickled code
-    except Exception as e:  # many types for a missing, foreign or truncated file
-        raise UsageError(f"--resume {path}: not a readable checkpoint ({type(e).__name__})")
+    except Exception:  # many types for a missing, foreign or truncated file
+        why = "no such file" if not path.exists() else "a directory" if path.is_dir() else "not torch.save's, or cut"
+        raise UsageError(f"--resume {path}: not a readable checkpoint ({why})")
     if not isinstance(ckpt, dict) or not str(ckpt.get("format", "")).startswith("grpo_glm-checkpoint-"):
         raise UsageError(f"--resume {path}: not a checkpoint of grpo_glm.py")
     if ckpt["format"] != CHECKPOINT_FORMAT:
@@ -2054,6 +2077,10 @@ class Resume:
     def __init__(self, args, out):
         if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
             raise UsageError(f"--out {out} has a run: pass --resume latest to continue it, or another --out")
+        rows = self.rows = read_metrics(out / "metrics.jsonl")
+        self.torn = [rows.pop()] if rows and isinstance(rows[-1], str) else []  # by a kill: dropped as a later row
+        if torn := [n for n, row in enumerate(rows, 1) if isinstance(row, str)]:
+            raise UsageError(f"{out / 'metrics.jsonl'}: row {torn[0]} is not JSON (only a last one is torn by a kill)")
         ckpt = self.ckpt = read_checkpoint(args.resume, out) if args.resume else None
         step = self.step = ckpt["step"] if ckpt else 0
         self.export = step >= args.steps  # --save-pipeline of the checkpoint, or nothing to do
@@ -2100,12 +2127,13 @@ class Resume:
         for path in self.later:
             path.rename(path.with_name(path.name + ".dropped"))
             print(f"note: renamed {path.name} to {path.name}.dropped")
-        step, rows = self.step, read_metrics(out / "metrics.jsonl")
-        if dropped := [row for row in rows if row["step"] > step]:
+        step, torn, rows = self.step, self.torn, self.rows
+        if (later := [row for row in rows if row["step"] > step]) or torn:
             aside = out / f"metrics.dropped_after_step_{step:06d}.jsonl"
-            for file, kept in ((aside, dropped), (out / "metrics.jsonl", [r for r in rows if r["step"] <= step])):
+            for file, kept in ((aside, later + torn), (out / "metrics.jsonl", [r for r in rows if r["step"] <= step])):
                 atomic_write(file, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
-            print(f"note: resuming drops metrics rows of steps {dropped[0]['step']}..{dropped[-1]['step']} to {aside}")
+            what = [f"steps {later[0]['step']}..{later[-1]['step']}"] * bool(later) + ["a torn last line"] * bool(torn)
+            print(f"note: resuming drops metrics rows of {' and '.join(what)} to {aside}")
 
 
 # ==== 21. The tiny model's renderer: pre-trained once on token mosaics, then cached ===============
@@ -2275,12 +2303,12 @@ def float64_throughout():
     embeddings.apply_rotary_emb, GlmImageRMSNorm.forward = rotary, rms_norm
 
 
-def rank():  # torchrun's, readable before joining the group
-    return int(os.getenv("RANK", "0"))
+def rank():  # torchrun's, readable before joining the group; not a number: 0 (validate_args refuses it)
+    return int(n) if (n := os.getenv("RANK", "0")).isdecimal() else 0
 
 
 def world_size():
-    return int(os.getenv("WORLD_SIZE", "1"))
+    return int(n) if (n := os.getenv("WORLD_SIZE", "1")).isdecimal() else 1
 
 
 def unwrap(model):
@@ -2377,7 +2405,7 @@ def plan_components(model, seed=0):
         pipe = build_tiny_pipeline(seed, mosaic_ar=True)
         return ({"ar": pipe.vision_language_encoder, "dit": pipe.transformer, "glyph_t5": pipe.text_encoder,
                  "vae": pipe.vae}, pipe.processor.image_processor)
-    saved, processor = Path(model), None
+    saved, processor = Path(model), GlmImageImageProcessorPil(**REAL_IMAGE_PROCESSOR)
     if saved.is_dir():
         ar, glyph_t5 = (AutoConfig.from_pretrained(saved / p) for p in ("vision_language_encoder", "text_encoder"))
         dit = GlmImageTransformer2DModel.load_config(saved / "transformer")
@@ -2471,8 +2499,9 @@ def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
 
 
 def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=False, gpus=(), ranks=(64, 16),
-                mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0, dit_rank=64):
-    """{"ar", "dit": --plan's rows (+ "half": its bytes)}, parameter counts, terms; a GPU of K samples `batch` / K."""
+                mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0, dit_rank=64, ar_rank=0):
+    """{"ar", "dit": --plan's rows (+ "half": its bytes)}, parameter counts, terms; a GPU of K samples `batch` / K;
+    'both' trains the AR at ar_rank (0: full) with the row's checkpointing."""
     ar, config, d, batch = components["ar"], components["dit"].config, WEIGHT_BYTES, batch or samples
     text, counts = ar.config.text_config, {name: numel(m) for name, m in components.items()}
     frozen = {name: d * counts[name] for name in ("dit", "glyph_t5", "vae")}
@@ -2525,9 +2554,8 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         if name == "ar":
             return {**r, **dict(zip(("update peak", "sampling peak", "peak, offload"), peaks([h], 0, turn(*frozen)))),
                     "peak, no offload": peaks([h], sum(frozen.values()), max(working.values()))[2]}
-        # 'dit': beside the frozen AR; 'both' trains the AR too: sharded, or its first mode checkpointed
-        a = half("ar", mode, k, checkpointing) if mode == "fsdp" else \
-            half("ar", f"lora-{ranks[0]}" if ranks else "full", k, True)
+        # 'dit': beside the frozen AR; 'both' trains the AR too: sharded, or as ar_rank says
+        a = half("ar", mode if mode == "fsdp" else f"lora-{ar_rank}" if ar_rank else "full", k, checkpointing)
         return {**r, "peak, dit": peaks([h], d * counts["ar"], turn("glyph_t5", "vae"))[2],
                 "peak, both": peaks([a, h], 0, turn("glyph_t5", "vae"))[2]}
 
@@ -2539,10 +2567,13 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
 
 def plan_of_run(args):
     components, processor = plan_components(args.model, args.seed)
+    if args.mode == "i2i":  # as training refuses it
+        check_source_size(processor, args.height, args.width)
     return memory_plan(components, args.height, args.width, args.micro_batch_size or args.group_size,
                        args.group_size * args.prompts_per_step, args.prompts_per_step, args.guidance_scale > 1,
                        args.plan_gpus or (), (args.lora_rank,) if args.lora_rank else (64, 16), args.mode,
-                       image_processor=processor, beta=args.beta, dit_rank=args.dit_lora_rank or 64)
+                       image_processor=processor, beta=args.beta, dit_rank=args.dit_lora_rank or 64,
+                       ar_rank=args.lora_rank)
 
 
 def plan_options(args, rows, counts):
@@ -2564,6 +2595,7 @@ def plan_options(args, rows, counts):
 
 
 def print_memory_plan(args):
+    validate_args(args)  # training's checks
     index = Path(args.model) / "model_index.json"
     kind = index.is_file() and json.loads(index.read_text()).get("_class_name")
     if args.model not in (TINY, "zai-org/GLM-Image") and kind != "GlmImagePipeline":
@@ -2586,8 +2618,9 @@ def print_memory_plan(args):
           + f", the DiT's {prompts} source KV caches, one per prompt ({size(terms['source_kv'])})" * i2i)
     titles = ["AR (--policy ar); " + ("fsdp: --fsdp, 16 bytes per trained parameter / K, the bf16 root + 2 layers "
               "gathered" if args.plan_gpus else "--plan-gpus K adds the rows on K GPUs, and --fsdp's"),
-              f"\nDiT (Flow-GRPO, --policy dit|both), CFG {cfg}; 'both' trains the AR's lora-{args.lora_rank or 64} "
-              "too (fsdp: sharded)" + "; activations incl. the source KV caches" * i2i]
+              f"\nDiT (Flow-GRPO, --policy dit|both), CFG {cfg}; 'both' trains the AR too, as the run ("
+              f"{f'lora-{args.lora_rank}' if args.lora_rank else 'full'}; fsdp: sharded)"
+              + "; activations incl. the source KV caches" * i2i]
     options = plan_options(args, rows, counts)
     for title, table in zip(titles, rows.values()):
         columns = [key for key in table[0] if key != "half"]
@@ -2597,11 +2630,14 @@ def print_memory_plan(args):
                   ("no", "yes")[r["grad ckpt"]], r["GPUs"], r["micro-batch"],
                   f"{r['trainable'] / count:.1f} {count_name}", *(f"{r[c] / unit:.1f}" for c in columns[5:])])) + " |")
     free = (args.plan_gpu_memory or 0) * 2 ** 30 or torch.cuda.is_available() and torch.cuda.mem_get_info()[0]
+    mine, peak = options[0][1:]  # dit|both without --offload: + the glyph encoder and VAE, not in the row
+    beside = peak - mine[f"peak, {args.policy}"] if args.policy != "ar" else 0
     fit = [f"{' '.join(changes)} ({size(peak)})" for changes, _, peak in options if peak <= free][:3]
-    verdict = "fits" if options[0][-1] <= free else f"does not fit; it fits with {'; '.join(fit)}" if fit else \
+    verdict = "fits" if peak <= free else f"does not fit; it fits with {'; '.join(fit)}" if fit else \
         "does not fit in any row: lower --micro-batch-size or the image size, or plan GPUs for --fsdp"
     print(f"verdict: --policy {args.policy}, this run's row {'with' if args.offload else 'without'} --offload: "
-          f"{size(options[0][-1])} of {size(free)} free: {verdict}" if free else
+          f"{size(peak)}{f' (its {size(peak - beside)} + {size(beside)} glyph encoder, VAE)' * (beside > 0)} of "
+          f"{size(free)} free: {verdict}" if free else
           "verdict: no CUDA GPU here: add --plan-gpu-memory GiB")
 
 
@@ -2675,7 +2711,8 @@ def main(argv=None):
         if isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e):
             print(f"error: out of memory with {args.prompts_per_step} prompts x {args.group_size} samples per step "
                   f"(micro-batch {args.micro_batch_size}): lower --micro-batch-size, --group-size or --prompts-per-step"
-                  f", or add --gradient-checkpointing; checkpoints in {args.out} are intact", file=sys.stderr)
+                  f", or add --gradient-checkpointing; " + (f"the checkpoints in {args.out} are intact" if
+                  saved_checkpoints(Path(args.out)) else "no checkpoint was written"), file=sys.stderr)
         elif collective_failed(e):
             print(f"error: rank {rank()} lost contact with the other processes ({str(e).splitlines()[0][:160]}): "
                   f"one died or hung past --dist-timeout; its own output says why", file=sys.stderr)
