@@ -2132,7 +2132,7 @@ class Resume:
             aside = out / f"metrics.dropped_after_step_{step:06d}.jsonl"
             for file, kept in ((aside, later + torn), (out / "metrics.jsonl", [r for r in rows if r["step"] <= step])):
                 atomic_write(file, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
-            what = [f"steps {later[0]['step']}..{later[-1]['step']}"] * bool(later) + ["a torn last line"] * bool(torn)
+            what = [f"steps {later[0]['step']}..{later[-1]['step']}" for _ in later[:1]] + ["a torn last line"] * len(torn)
             print(f"note: resuming drops metrics rows of {' and '.join(what)} to {aside}")
 
 
