@@ -1339,8 +1339,7 @@ def validate_args(args):
     full = (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
     # 'owner/name' with no local parent: a typo in 'runs/x' must not go to the hub
     hub_id = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", args.model) and not model.parent.is_dir()
-    empty = [f"--{k.replace('_', '-')}" for k in ("out", "prompts", "model", "resume", "eval_prompts", "save_pipeline")
-             if getattr(args, k) == ""]
+    empty = [f"--{k.replace('_', '-')}" for k, v in vars(args).items() if v == ""]  # --out, --prompts, ...
     refusals = [  # (refused?, why)
         (empty, f"{' and '.join(empty)} is empty (an unset variable?)"),
         (outdated, f"too old: {outdated}; pip install -r requirements.txt"),
@@ -1372,10 +1371,8 @@ def validate_args(args):
     if why := next((why for refused, why in refusals if refused), None):
         raise UsageError(why)
     torchrun = " ".join(f"{k}={os.environ[k]}" for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in os.environ)
-    if torchrun and (not re.fullmatch(r"(\w+=\d+ ?)+", torchrun) or rank() >= world_size()
-                     or world_size() > 1 and not os.getenv("MASTER_ADDR")):
-        raise UsageError(f"{torchrun}: not as torchrun sets them (numbers, RANK < WORLD_SIZE, MASTER_ADDR); run "
-                         "torchrun or unset them", local=True)
+    if not re.fullmatch(r"(\w+=\d+ ?)*", torchrun) or world_size() > 1 and not os.getenv("MASTER_ADDR"):
+        raise UsageError(f"{torchrun}: not as torchrun sets them (numbers, MASTER_ADDR): use torchrun", local=True)
     paths = {"--out": Path(args.out, "checkpoints"), "--save-pipeline": args.save_pipeline,
              "the tiny model's cache (GRPO_GLM_CACHE)": args.model == TINY and tiny_cache()}
     for flag, path in ((flag, path) for flag, path in paths.items() if path and not args.plan):  # or nearest parent
@@ -1389,13 +1386,11 @@ def validate_args(args):
 
 
 def pretrained_defaults(args):
-    """Any --model but tiny: the model card's sampler and decode, or a saved pipeline's own (save_trained_pipeline's);
-    DanceGRPO's (full) or flow_grpo's (LoRA) lr."""
-    config = Path(getattr(args, "model", TINY), "vision_language_encoder", "generation_config.json")
-    saved = json.loads(config.read_text()) if config.is_file() else {}
-    own = {k: v for k, v in saved.items() if k in ("temperature", "top_k", "top_p") and "trained_decode" in saved}
+    """Not tiny: the model card's sampler and decode (a saved pipeline: its own); DanceGRPO's or flow_grpo's lr."""
+    saved = Path(getattr(args, "model", TINY), "vision_language_encoder", "generation_config.json")
     return dict(lr=1e-5, dit_lr=3e-4 if args.dit_lora_rank else 1e-5, temperature=0.9, top_p=0.75,
-                num_inference_steps=30, guidance_scale=1.5, height=1024, width=1024) | own | saved.get("trained_decode", {})
+                num_inference_steps=30, guidance_scale=1.5, height=1024, width=1024) | (
+        json.loads(saved.read_text()).get("trained_decode", {}) if saved.is_file() else {})  # save_trained_pipeline's
 
 
 def resolve_runtime(args):
@@ -1704,14 +1699,11 @@ def warn_if_collapsed(row, warned, max_entropy=None):
 
 
 def read_metrics(path):
-    """Its rows; a line that is not JSON (a kill during an append tears the last) as its text."""
-    rows = []
-    for line in filter(str.strip, path.read_text(encoding="utf-8").splitlines() if path.exists() else []):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            rows.append(line)
-    return rows
+    """Its rows; a last line cut short (kill -9 in an append: no '}') as its text, for Resume to set aside."""
+    lines = [line for line in (path.read_text(encoding="utf-8").splitlines() if path.exists() else []) if line.strip()]
+    if torn := [n for n, line in enumerate(lines[:-1], 1) if not line.endswith("}")]:
+        raise UsageError(f"{path}: row {torn[0]} is cut short (only a last one can be, by a kill)")
+    return [json.loads(line) if line.endswith("}") else line for line in lines]
 
 
 def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, tracker=None,
@@ -2055,8 +2047,7 @@ def read_checkpoint(spec, out=None):
         with warnings.catch_warnings(action="ignore"):     # junk can look like another pickle protocol's
             ckpt = torch.load(path, map_location="cpu", weights_only=True)  # no pickled code
     except Exception:  # many types for a missing, foreign or truncated file
-        why = "no such file" if not path.exists() else "a directory" if path.is_dir() else "not torch.save's, or cut"
-        raise UsageError(f"--resume {path}: not a readable checkpoint ({why})")
+        raise UsageError(f"--resume {path}: {'not a readable checkpoint file' if path.exists() else 'no such file'}")
     if not isinstance(ckpt, dict) or not str(ckpt.get("format", "")).startswith("grpo_glm-checkpoint-"):
         raise UsageError(f"--resume {path}: not a checkpoint of grpo_glm.py")
     if ckpt["format"] != CHECKPOINT_FORMAT:
@@ -2077,10 +2068,7 @@ class Resume:
     def __init__(self, args, out):
         if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
             raise UsageError(f"--out {out} has a run: pass --resume latest to continue it, or another --out")
-        rows = self.rows = read_metrics(out / "metrics.jsonl")
-        self.torn = [rows.pop()] if rows and isinstance(rows[-1], str) else []  # by a kill: dropped as a later row
-        if torn := [n for n, row in enumerate(rows, 1) if isinstance(row, str)]:
-            raise UsageError(f"{out / 'metrics.jsonl'}: row {torn[0]} is not JSON (only a last one is torn by a kill)")
+        self.rows = read_metrics(out / "metrics.jsonl")  # checked before the model loads
         ckpt = self.ckpt = read_checkpoint(args.resume, out) if args.resume else None
         step = self.step = ckpt["step"] if ckpt else 0
         self.export = step >= args.steps  # --save-pipeline of the checkpoint, or nothing to do
@@ -2127,13 +2115,12 @@ class Resume:
         for path in self.later:
             path.rename(path.with_name(path.name + ".dropped"))
             print(f"note: renamed {path.name} to {path.name}.dropped")
-        step, torn, rows = self.step, self.torn, self.rows
-        if (later := [row for row in rows if row["step"] > step]) or torn:
+        step, rows = self.step, self.rows
+        if dropped := [row for row in rows if isinstance(row, str) or row["step"] > step]:  # a cut-short row too
             aside = out / f"metrics.dropped_after_step_{step:06d}.jsonl"
-            for file, kept in ((aside, later + torn), (out / "metrics.jsonl", [r for r in rows if r["step"] <= step])):
+            for file, kept in ((aside, dropped), (out / "metrics.jsonl", [r for r in rows if r not in dropped])):
                 atomic_write(file, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
-            what = [f"steps {later[0]['step']}..{later[-1]['step']}" for _ in later[:1]] + ["a torn last line"] * len(torn)
-            print(f"note: resuming drops metrics rows of {' and '.join(what)} to {aside}")
+            print(f"note: resuming sets the {len(dropped)} metrics rows past step {step} aside in {aside}")
 
 
 # ==== 21. The tiny model's renderer: pre-trained once on token mosaics, then cached ===============
@@ -2303,8 +2290,8 @@ def float64_throughout():
     embeddings.apply_rotary_emb, GlmImageRMSNorm.forward = rotary, rms_norm
 
 
-def rank():  # torchrun's, readable before joining the group; not a number: 0 (validate_args refuses it)
-    return int(n) if (n := os.getenv("RANK", "0")).isdecimal() else 0
+def rank():  # torchrun's, readable before joining the group; no WORLD_SIZE or not a number (refused): 0
+    return int(n) if (n := os.getenv("RANK", "0")).isdecimal() and world_size() > 1 else 0
 
 
 def world_size():
@@ -2500,8 +2487,7 @@ def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
 
 def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=False, gpus=(), ranks=(64, 16),
                 mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0, dit_rank=64, ar_rank=0):
-    """{"ar", "dit": --plan's rows (+ "half": its bytes)}, parameter counts, terms; a GPU of K samples `batch` / K;
-    'both' trains the AR at ar_rank (0: full) with the row's checkpointing."""
+    """{"ar", "dit": --plan's rows (+ "half": its bytes)}, parameter counts, terms; a GPU of K samples `batch` / K."""
     ar, config, d, batch = components["ar"], components["dit"].config, WEIGHT_BYTES, batch or samples
     text, counts = ar.config.text_config, {name: numel(m) for name, m in components.items()}
     frozen = {name: d * counts[name] for name in ("dit", "glyph_t5", "vae")}
@@ -2554,12 +2540,13 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         if name == "ar":
             return {**r, **dict(zip(("update peak", "sampling peak", "peak, offload"), peaks([h], 0, turn(*frozen)))),
                     "peak, no offload": peaks([h], sum(frozen.values()), max(working.values()))[2]}
-        # 'dit': beside the frozen AR; 'both' trains the AR too: sharded, or as ar_rank says
+        # 'dit': beside the frozen AR; 'both' trains the AR too: sharded, or at ar_rank (0: full), checkpointed alike
         a = half("ar", mode if mode == "fsdp" else f"lora-{ar_rank}" if ar_rank else "full", k, checkpointing)
         return {**r, "peak, dit": peaks([h], d * counts["ar"], turn("glyph_t5", "vae"))[2],
                 "peak, both": peaks([a, h], 0, turn("glyph_t5", "vae"))[2]}
 
-    modes = {"ar": ["full", *(f"lora-{rank}" for rank in ranks)], "dit": ["full", f"lora-{dit_rank}"]}
+    modes = {"ar": ["full", *(f"lora-{r}" for r in ((ar_rank,) if ar_rank else ranks))],  # ar_rank: the run's
+             "dit": ["full", f"lora-{dit_rank}"]}
     return {name: [row(name, mode, k, c) for k in (1, *gpus) for mode in modes[name] + ["fsdp"] * (k > 1)
                    for c in (False, True)] for name in modes}, counts, \
         {"tokens": (prompt_len, generated), "decode": decode, "source_kv": source_kv}
@@ -2571,9 +2558,8 @@ def plan_of_run(args):
         check_source_size(processor, args.height, args.width)
     return memory_plan(components, args.height, args.width, args.micro_batch_size or args.group_size,
                        args.group_size * args.prompts_per_step, args.prompts_per_step, args.guidance_scale > 1,
-                       args.plan_gpus or (), (args.lora_rank,) if args.lora_rank else (64, 16), args.mode,
-                       image_processor=processor, beta=args.beta, dit_rank=args.dit_lora_rank or 64,
-                       ar_rank=args.lora_rank)
+                       args.plan_gpus or (), mode=args.mode, image_processor=processor, beta=args.beta,
+                       dit_rank=args.dit_lora_rank or 64, ar_rank=args.lora_rank)
 
 
 def plan_options(args, rows, counts):
@@ -2596,13 +2582,11 @@ def plan_options(args, rows, counts):
 
 def print_memory_plan(args):
     validate_args(args)  # training's checks
-    index = Path(args.model) / "model_index.json"
+    index = Path(args.model) / "model_index.json"  # validate_args: a hub id, or a directory with it
     kind = index.is_file() and json.loads(index.read_text()).get("_class_name")
     if args.model not in (TINY, "zai-org/GLM-Image") and kind != "GlmImagePipeline":
-        raise UsageError(f"--plan --model {args.model}: " + (
-            f"a {kind}, not GLM-Image" if kind else "not a directory with model_index.json" if index.parent.exists()
-            else "no such directory" if index.parent.parent.is_dir() else "not GLM-Image's hub id")
-            + "; --plan knows 'tiny', zai-org/GLM-Image or a save_pretrained directory of it")
+        why = f"a {kind}, not GLM-Image" if kind else "not GLM-Image's hub id"
+        raise UsageError(f"--plan --model {args.model}: {why}; --plan knows 'tiny', zai-org/GLM-Image or a saved copy")
     (rows, counts, terms), i2i, G = plan_of_run(args), args.mode == "i2i", args.group_size
     (prompt_len, generated), prompts = terms["tokens"], args.prompts_per_step
     unit, unit_name = (2 ** 20, "MiB") if max(r["peak, no offload"] for r in rows["ar"]) < 2 ** 30 else (2 ** 30, "GiB")
@@ -2630,8 +2614,7 @@ def print_memory_plan(args):
                   ("no", "yes")[r["grad ckpt"]], r["GPUs"], r["micro-batch"],
                   f"{r['trainable'] / count:.1f} {count_name}", *(f"{r[c] / unit:.1f}" for c in columns[5:])])) + " |")
     free = (args.plan_gpu_memory or 0) * 2 ** 30 or torch.cuda.is_available() and torch.cuda.mem_get_info()[0]
-    mine, peak = options[0][1:]  # dit|both without --offload: + the glyph encoder and VAE, not in the row
-    beside = peak - mine[f"peak, {args.policy}"] if args.policy != "ar" else 0
+    beside = (peak := options[0][-1]) - options[0][1].get(f"peak, {args.policy}", peak)  # dit|both, not offloaded
     fit = [f"{' '.join(changes)} ({size(peak)})" for changes, _, peak in options if peak <= free][:3]
     verdict = "fits" if peak <= free else f"does not fit; it fits with {'; '.join(fit)}" if fit else \
         "does not fit in any row: lower --micro-batch-size or the image size, or plan GPUs for --fsdp"
@@ -2650,8 +2633,8 @@ def save_trained_pipeline(pipe, args):
         for layer in lora_layers(model):
             layer.merge()
         recurse_remove_peft_layers(model)
-    pipe.vision_language_encoder.generation_config.trained_decode = {
-        k: getattr(args, k) for k in ("height", "width", "num_inference_steps", "guidance_scale")}
+    pipe.vision_language_encoder.generation_config.trained_decode = {  # also --model DIR's defaults
+        k: getattr(args, k) for k in "height width num_inference_steps guidance_scale temperature top_k top_p".split()}
     final = Path(args.save_pipeline)
     partial = final.with_name(f".{final.name}.partial")
     print(f"writing the trained pipeline to {final} ...", flush=True)

@@ -540,11 +540,11 @@ def test_resume_drops_rows_of_the_killed_future(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         g.main(["--steps", "4", "--out", str(out), "--resume", "latest", *flags])
     err = capsys.readouterr().err.splitlines()
-    assert stop.value.code == 2 and len(err) == 1 and f"{metrics}: row 3 is not JSON" in err[0], err
+    assert stop.value.code == 2 and len(err) == 1 and f"{metrics}: row 3 is cut short" in err[0], err
     metrics.write_text("".join(line + "\n" for line in lines) + torn)
     g.main(["--steps", "4", "--out", str(out), "--resume", "latest", *flags])
     printed = capsys.readouterr().out
-    assert "Resuming from step 2" in printed and "drops metrics rows of steps 3..3 and a torn last line" in printed
+    assert "Resuming from step 2" in printed and f"sets the {len(old_rows[4:]) + 1} metrics rows past step 2 aside" in printed
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 2, 3, 4, 4] and rows[3] in eval_rows(rows)
     assert rows[:4] == old_rows[:4] and "eval at step 2" not in printed and "eval at step 4" in printed
@@ -617,11 +617,10 @@ def test_export_from_a_finished_checkpoint_is_its_weights_whole_or_nothing(finis
     trained = g.read_checkpoint(finished_run / "checkpoints" / "step_000001.pt")["trainable"]
     assert trained and all(torch.equal(weights[name], value) for name, value in trained.items())
     config = loaded.vision_language_encoder.generation_config
-    assert config.trained_decode == {"height": 64, "width": 64, "num_inference_steps": 4, "guidance_scale": 1.0}
+    assert config.trained_decode == {"height": 64, "width": 64, "num_inference_steps": 4, "guidance_scale": 1.0,
+                                     "temperature": 1.0, "top_k": 0, "top_p": 1.0}     # the tiny defaults
     # issue 49 item 10: as --model, its own decode and sampler are the defaults (not a pretrained model's); flags win
-    saved = g.parse_args(["--model", str(pipe)])
-    assert {k: getattr(saved, k) for k in config.trained_decode} == config.trained_decode
-    assert (saved.temperature, saved.top_k, saved.top_p) == (config.temperature, config.top_k, config.top_p)
+    assert {k: getattr(g.parse_args(["--model", str(pipe)]), k) for k in config.trained_decode} == config.trained_decode
     assert g.parse_args(["--model", str(pipe), "--height", "128"]).height == 128
     config.trained_decode.update(num_inference_steps=2, guidance_scale=3.0)
     decoded = []
@@ -772,8 +771,8 @@ def _bad_cases(tmp, run):
         "width 100": (["--width", "100", "--out", fresh], "--width"),
         "width 0": (["--width", "0", "--out", fresh], "--width"),
         "temperature 0": (["--temperature", "0", "--out", fresh], "--temperature"),
-        "resume path missing": (["--resume", str(tmp / "none.pt"), "--out", str(run)], "(no such file)"),
-        "resume a text file": (["--resume", str(tmp / "undrawable.txt"), "--out", str(run)], "(not torch.save's"),
+        "resume path missing": (["--resume", str(tmp / "none.pt"), "--out", str(run)], "none.pt: no such file"),
+        "resume a text file": (["--resume", str(tmp / "undrawable.txt"), "--out", str(run)], "checkpoint file"),
         "target too large": (["--prompts", str(tmp / "huge_target.txt"), "--out", fresh],
                              "huge.png is not a readable image (Image size (400000000 pixels) exceeds limit"),
         "out's checkpoints a file": (["--out", str(tmp / "checkpoints_file"), "--steps", "1", *SMALL],
@@ -3077,9 +3076,9 @@ def test_under_torchrun_a_bad_input_is_printed_by_rank_0_only(tmp_path, monkeypa
     assert capsys.readouterr().err == "error: rank 1: reward score raised ValueError: x\n"
 
 
-@pytest.mark.parametrize("env", ["WORLD_SIZE=2 RANK=0 LOCAL_RANK=0", "WORLD_SIZE=two", "RANK=1"])
+@pytest.mark.parametrize("env", ["WORLD_SIZE=2 RANK=0 LOCAL_RANK=0", "WORLD_SIZE=two", "WORLD_SIZE=2 RANK=1"])
 def test_torchruns_variables_without_torchrun_are_one_line(env, tmp_path, monkeypatch, capsys):
-    """Issue 49: no rendezvous traceback (MASTER_ADDR expected), no int()'s, no silent run as a rank 1."""
+    """Issue 49: no rendezvous traceback (MASTER_ADDR expected) nor int()'s; a rank 1 says it too."""
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR"):
         monkeypatch.delenv(name, raising=False)
     for pair in env.split():
