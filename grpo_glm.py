@@ -971,10 +971,9 @@ def run_prompt_len(pipe, items, args):
                ["input_ids"]]
     item = items[lengths.index(longest := max(lengths))]
     if longest > context - others:
-        raise UsageError(f"--height {args.height} --width {args.width}: the images' {others} tokens exceed the "
-                         f"model's context of {context}" if others >= context else f"{item.where}: the prompt is "
-                         f"{longest} tokens; the model's context of {context} leaves {context - others} for a prompt "
-                         f"at {args.height}x{args.width}")
+        raise UsageError(f"--height {args.height} --width {args.width}: {others} tokens, over the model's context "
+                         f"of {context}" if others >= context else f"{item.where}: the prompt is {longest} tokens; the "
+                         f"model's context of {context} leaves {context - others} at {args.height}x{args.width}")
     source = [item.image("source")] if args.mode == "i2i" else None
     return processor_inputs(pipe, [item.text], source, args.height, args.width, "cpu")["input_ids"].shape[1] + 1
 
@@ -1339,7 +1338,7 @@ def validate_args(args):
     full = (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
     # 'owner/name' with no local parent: a typo in 'runs/x' must not go to the hub
     hub_id = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", args.model) and not model.parent.is_dir()
-    empty = [f"--{k.replace('_', '-')}" for k, v in vars(args).items() if v == ""]  # --out, --prompts, ...
+    empty = [f"--{k.replace('_', '-')}" for k, v in vars(args).items() if v == ""]
     refusals = [  # (refused?, why)
         (empty, f"{' and '.join(empty)} is empty (an unset variable?)"),
         (outdated, f"too old: {outdated}; pip install -r requirements.txt"),
@@ -1347,8 +1346,8 @@ def validate_args(args):
          "--ar-trainable head takes neither --lora-rank nor --fsdp (it trains one layer)"),
         (args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline),
          "--fsdp shards full fine-tuning, no LoRA; for --save-pipeline resume in one process"),
-        (args.fsdp and world_size() == 1 and not args.plan, "--fsdp needs torchrun: one process has nothing to shard"),
-        (args.plan and args.fsdp and not args.plan_gpus, "--plan --fsdp needs --plan-gpus K: its rows are on K GPUs"),
+        (args.fsdp and not (args.plan_gpus if args.plan else world_size() > 1),
+         "--fsdp needs torchrun: one process has nothing to shard (--plan: add --plan-gpus K)"),
         ((args.plan_gpus or args.plan_gpu_memory) and not args.plan, "--plan-gpus and --plan-gpu-memory: add --plan"),
         ((args.dit_train_steps or 0) > args.num_inference_steps,
          f"--dit-train-steps {args.dit_train_steps} exceeds --num-inference-steps {args.num_inference_steps}"),
@@ -1372,7 +1371,7 @@ def validate_args(args):
         raise UsageError(why)
     torchrun = " ".join(f"{k}={os.environ[k]}" for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in os.environ)
     if not re.fullmatch(r"(\w+=\d+ ?)*", torchrun) or world_size() > 1 and not os.getenv("MASTER_ADDR"):
-        raise UsageError(f"{torchrun}: not as torchrun sets them (numbers, MASTER_ADDR): use torchrun", local=True)
+        raise UsageError(f"{torchrun}: set, but not by torchrun", local=True)
     paths = {"--out": Path(args.out, "checkpoints"), "--save-pipeline": args.save_pipeline,
              "the tiny model's cache (GRPO_GLM_CACHE)": args.model == TINY and tiny_cache()}
     for flag, path in ((flag, path) for flag, path in paths.items() if path and not args.plan):  # or nearest parent
@@ -1387,7 +1386,7 @@ def validate_args(args):
 
 def pretrained_defaults(args):
     """Not tiny: the model card's sampler and decode (a saved pipeline: its own); DanceGRPO's or flow_grpo's lr."""
-    saved = Path(getattr(args, "model", TINY), "vision_language_encoder", "generation_config.json")
+    saved = Path(getattr(args, "model", TINY), "vision_language_encoder/generation_config.json")
     return dict(lr=1e-5, dit_lr=3e-4 if args.dit_lora_rank else 1e-5, temperature=0.9, top_p=0.75,
                 num_inference_steps=30, guidance_scale=1.5, height=1024, width=1024) | (
         json.loads(saved.read_text()).get("trained_decode", {}) if saved.is_file() else {})  # save_trained_pipeline's
@@ -1523,8 +1522,7 @@ def read_image(path, where, kind, size=None):
         later = " (it was there at start-up)" if size else ""
         raise UsageError(f"{where}: {kind} image {path} not found{later}", local=bool(size))
     except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as e:
-        why = str(e).split(",")[0] if isinstance(e, Image.DecompressionBombError) else type(e).__name__
-        raise UsageError(f"{where}: {kind} {path} is not a readable image ({why})", local=bool(size))
+        raise UsageError(f"{where}: {kind} {path} is not a readable image ({type(e).__name__})", local=bool(size))
 
 
 def to_rgb(image):
@@ -1698,12 +1696,11 @@ def warn_if_collapsed(row, warned, max_entropy=None):
     return True
 
 
-def read_metrics(path):
-    """Its rows; a last line cut short (kill -9 in an append: no '}') as its text, for Resume to set aside."""
-    lines = [line for line in (path.read_text(encoding="utf-8").splitlines() if path.exists() else []) if line.strip()]
-    if torn := [n for n, line in enumerate(lines[:-1], 1) if not line.endswith("}")]:
-        raise UsageError(f"{path}: row {torn[0]} is cut short (only a last one can be, by a kill)")
-    return [json.loads(line) if line.endswith("}") else line for line in lines]
+def read_metrics(path):  # a last row cut short by a kill (no '}'): its text
+    rows = [row for row in path.read_text(encoding="utf-8").splitlines() if row.strip()] if path.exists() else []
+    if torn := [n for n, row in enumerate(rows[:-1], 1) if not row.endswith("}")]:
+        raise UsageError(f"{path}: row {torn[0]} is cut short")
+    return [json.loads(row) if row.endswith("}") else row for row in rows]
 
 
 def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, tracker=None,
@@ -2290,7 +2287,7 @@ def float64_throughout():
     embeddings.apply_rotary_emb, GlmImageRMSNorm.forward = rotary, rms_norm
 
 
-def rank():  # torchrun's, readable before joining the group; no WORLD_SIZE or not a number (refused): 0
+def rank():  # torchrun's, readable before joining the group
     return int(n) if (n := os.getenv("RANK", "0")).isdecimal() and world_size() > 1 else 0
 
 
@@ -2554,7 +2551,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
 
 def plan_of_run(args):
     components, processor = plan_components(args.model, args.seed)
-    if args.mode == "i2i":  # as training refuses it
+    if args.mode == "i2i":
         check_source_size(processor, args.height, args.width)
     return memory_plan(components, args.height, args.width, args.micro_batch_size or args.group_size,
                        args.group_size * args.prompts_per_step, args.prompts_per_step, args.guidance_scale > 1,
@@ -2602,9 +2599,8 @@ def print_memory_plan(args):
           + f", the DiT's {prompts} source KV caches, one per prompt ({size(terms['source_kv'])})" * i2i)
     titles = ["AR (--policy ar); " + ("fsdp: --fsdp, 16 bytes per trained parameter / K, the bf16 root + 2 layers "
               "gathered" if args.plan_gpus else "--plan-gpus K adds the rows on K GPUs, and --fsdp's"),
-              f"\nDiT (Flow-GRPO, --policy dit|both), CFG {cfg}; 'both' trains the AR too, as the run ("
-              f"{f'lora-{args.lora_rank}' if args.lora_rank else 'full'}; fsdp: sharded)"
-              + "; activations incl. the source KV caches" * i2i]
+              f"\nDiT (Flow-GRPO, --policy dit|both), CFG {cfg}; 'both' trains the AR too (full, or --lora-rank's; "
+              "fsdp: sharded)" + "; activations incl. the source KV caches" * i2i]
     options = plan_options(args, rows, counts)
     for title, table in zip(titles, rows.values()):
         columns = [key for key in table[0] if key != "half"]
@@ -2694,7 +2690,7 @@ def main(argv=None):
         if isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e):
             print(f"error: out of memory with {args.prompts_per_step} prompts x {args.group_size} samples per step "
                   f"(micro-batch {args.micro_batch_size}): lower --micro-batch-size, --group-size or --prompts-per-step"
-                  f", or add --gradient-checkpointing; " + (f"the checkpoints in {args.out} are intact" if
+                  f", or add --gradient-checkpointing; " + (f"{args.out}'s checkpoints are intact" if
                   saved_checkpoints(Path(args.out)) else "no checkpoint was written"), file=sys.stderr)
         elif collective_failed(e):
             print(f"error: rank {rank()} lost contact with the other processes ({str(e).splitlines()[0][:160]}): "

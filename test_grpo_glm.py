@@ -938,7 +938,7 @@ def test_a_prompt_longer_than_the_context_is_a_one_line_error(tmp_path, capsys):
         g.main(["--prompts", str(tmp_path / "p.txt"), "--out", str(out), "--height", "32768"])
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --height 32768 --width 128: the images' ") and \
-        err[0].endswith("tokens exceed the model's context of 2048"), err
+        err[0].endswith("tokens, over the model's context of 2048"), err
 
 
 def test_prompt_file_comments_bom_and_hash_in_text(tmp_path):
@@ -2352,7 +2352,7 @@ def test_bad_reward_spec_fails_before_the_model_loads(spec, needle, plugins, cap
     (["--plan", "--policy", "dit", "--lora-rank", "64"], "--policy dit trains no AR: drop --lora-rank"),  # as training
     (["--plan", "--model", "zai-org/GLM-Image", "--mode", "i2i", "--height", "256", "--width", "256"],
      "resizes a source to 512x512; use --height 512 --width 512"),
-    (["--plan", "--fsdp"], "--plan --fsdp needs --plan-gpus K"),
+    (["--plan", "--fsdp"], "(--plan: add --plan-gpus K)"),
 ])
 def test_bad_flags_are_one_line_before_anything_loads_or_is_written(flags, needle, tmp_path, monkeypatch, capsys):
     """Issue 40's careless user. Run in an empty directory: --out '' would write there."""
