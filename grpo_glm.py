@@ -848,14 +848,13 @@ def pipeline_from_pretrained(args, dtype):
     if dtype == torch.float64:
         float64_throughout()
     verbosity = diffusers_logging.get_verbosity()
-    diffusers_logging.set_verbosity_error()      # offline it warns "Couldn't connect to the Hub" before our line
+    diffusers_logging.set_verbosity_error()  # offline it warns "Couldn't connect to the Hub" before our line
     try:
         return GlmImagePipeline.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-        if not Path(path).is_dir():
-            raise UsageError(f"--model {args.model}: not in the local Hugging Face cache nor downloadable here; fetch "
-                             f"it once with `hf download {args.model}` where the hub is reachable, or pass a directory")
-        raise UsageError(f"--model {args.model} could not be loaded as a GlmImagePipeline: {str(e).splitlines()[0]}")
+        raise UsageError(f"--model {args.model}: " + (f"not a GlmImagePipeline: {str(e).splitlines()[0]}" if Path(
+            path).is_dir() else f"not in the local Hugging Face cache nor downloadable here; fetch it once with `hf "
+            f"download {args.model}` where the hub is reachable, or pass a directory"))
     finally:
         diffusers_logging.set_verbosity(verbosity)
 
@@ -886,8 +885,7 @@ def add_lora(model, r, alpha, targets, **config):
     from peft import LoraConfig, inject_adapter_in_model
     model.requires_grad_(False)
     # peft's own injection, not the models' add_adapter: transformers 5.24's refuses every peft released
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, **config)
-    inject_adapter_in_model(config, model)
+    inject_adapter_in_model(LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, **config), model)
     cast_training_params(model, dtype=torch.promote_types(model.dtype, torch.float32))
 
 
@@ -961,9 +959,8 @@ def rollout_positions(ar, batch, grids):
 
 
 def run_prompt_len(pipe, items, args):
-    """The longest prompt's length + 1, for every step: one shape (one captured graph), never unpadded (SDPA's
-    causal kernel sums in another order). Each prompt must leave the AR's context room for an i2i source, the
-    generated tokens and markers (32). The processor pads every prompt alike: the longest text is longest."""
+    """The longest prompt's length + 1, for every step: one shape (one captured graph), never unpadded (SDPA's causal
+    kernel sums in another order). Each must leave room in the context for the images and 32 markers."""
     grid = (args.height // 32) * (args.width // 32)
     others = (2 * grid + 1 if args.mode == "i2i" else ar_sequence("t2i", args.height, args.width)[1]) + 32
     context = pipe.vision_language_encoder.config.text_config.max_position_embeddings
@@ -988,15 +985,14 @@ class FastDecoder:
     """decode_loop for a run: a DecodeGraph per batch shape and policy, kept and reset between steps (on the CPU:
     no graph, the step runs as is). Its tokens equal decode_loop's on a fresh cache (tested)."""
 
-    def __init__(self, device, capture=None):   # capture: a test's, on any device
+    def __init__(self, device, capture=None):  # capture: a test's, on any device
         self.capture = capture or (cuda_graph if device.type == "cuda" else lambda step: (step(), step))
         self.graphs = {}
 
     def __call__(self, ar, ids, positions, mask, num_tokens, uniforms, sampling):
         key = (mask.shape, sampling)  # training's, the eval's: sample_tokens pads prompts to the run's length
-        if key not in self.graphs:
-            self.graphs[key] = DecodeGraph(ar, positions, mask, self.capture)
-        graph = self.graphs[key]
+        if (graph := self.graphs.get(key)) is None:
+            graph = self.graphs[key] = DecodeGraph(ar, positions, mask, self.capture)
         graph.reset(positions, mask)
         ticks = iter(progress(range(num_tokens), "sampling tokens"))
         ticking = lambda: [next(ticks, None), uniforms()][1]  # drawn once a token
@@ -1005,9 +1001,8 @@ class FastDecoder:
 
 class DecodeGraph:
     """A decode step (forward + Gumbel-max, ~1,000 kernels at the real size) captured once as a CUDA graph, then
-    replayed a token: no host work per token and nothing to compile. It reads its inputs from buffers of fixed
-    address: a static KV cache, positions, mask, the last token, the uniforms (each group's generator draws them
-    outside the graph)."""
+    replayed a token: no host work per token, nothing to compile. Its inputs are buffers of fixed address: a static
+    KV cache, positions, mask, the last token, the uniforms (each group's generator draws them outside the graph)."""
 
     def __init__(self, ar, positions, mask, capture):
         self.cache, self.capture, self.replay = static_cache(ar, mask.shape), capture, None
@@ -1102,7 +1097,7 @@ def reference_logprobs(trainer, rollout, args):
         return logprobs_by_micro_batch(reference, rollout, trainer.sampling, args.micro_batch_size)
 
 
-def check_weights_finite(optimizer):      # a sum per tensor (no big temporary), of this rank's --fsdp shards
+def check_weights_finite(optimizer):  # a sum per tensor (no big temporary), of this rank's --fsdp shards
     from torch.distributed.tensor import DTensor
     params = [p for group in optimizer.param_groups for p in group["params"]]
     sums = [(p.to_local() if isinstance(p, DTensor) else p).detach().sum().float() for p in params]
@@ -1126,14 +1121,14 @@ class Trainer:
     sampling: SamplingParams
     optimizer: torch.optim.Optimizer = None
     lr_scheduler: object = None
-    trained: torch.nn.Module = None       # what checkpoints hold: the AR, or {AR, DiT}
-    ar: Half = None                       # None: --policy dit
-    dit: Half = None                      # None: --policy ar
-    rewards: list = None                  # the --reward plug-ins (section 6)
-    dit_rewards: list = None              # the --dit-reward ones (none: the DiT trains on `rewards`)
-    prompt_len: int = None                # run_prompt_len
-    decoder: object = None                # a FastDecoder
-    prompt_tokens: dict = None            # --policy dit: prompt index -> its token grid (shared_prompt_tokens)
+    trained: torch.nn.Module = None  # what checkpoints hold: the AR, or {AR, DiT}
+    ar: Half = None  # None: --policy dit
+    dit: Half = None  # None: --policy ar
+    rewards: list = None  # the --reward plug-ins (section 6)
+    dit_rewards: list = None  # the --dit-reward ones (none: the DiT trains on `rewards`)
+    prompt_len: int = None  # run_prompt_len
+    decoder: object = None  # a FastDecoder
+    prompt_tokens: dict = None  # --policy dit: prompt index -> its token grid (shared_prompt_tokens)
 
 
 def setup_training(args, rewards, dit_rewards=()):
@@ -1150,18 +1145,15 @@ def setup_training(args, rewards, dit_rewards=()):
     ar.generation_config = policy_generation_config(ar, sampling)
     # beta > 0, full fine-tuning: a frozen copy is the KL reference (at 9B use LoRA instead)
     frozen_copy = lambda model, lora: copy.deepcopy(model).requires_grad_(False) if args.beta > 0 and not lora else None
-    groups, trained = [], {}
-    if args.policy != "dit":
-        reference = frozen_copy(ar, args.lora_rank)
-        trainer.ar = Half(ar, *distribute(ar, prepare_policy(ar, args), args, reference), reference)
-        groups.append({"params": trainer.ar.params, "lr": args.lr})
-        trained["vision_language_encoder"] = ar
-    if args.policy != "ar":
-        reference = frozen_copy(dit, args.dit_lora_rank)
-        trainer.dit = Half(dit, *distribute(dit, prepare_dit_policy(dit, args), args, reference), reference)
-        groups.append({"params": trainer.dit.params, "lr": args.dit_lr})
-        trained["transformer"] = dit
+    trained = {}
+    for half, name, prepare, lora in (("ar", "vision_language_encoder", prepare_policy, args.lora_rank),
+                                      ("dit", "transformer", prepare_dit_policy, args.dit_lora_rank)):
+        if args.policy in (half, "both"):
+            model = trained[name] = getattr(pipe, name)
+            reference = frozen_copy(model, lora)
+            setattr(trainer, half, Half(model, *distribute(model, prepare(model, args), args, reference), reference))
     trainer.trained = ar if args.policy == "ar" else torch.nn.ModuleDict(trained)
+    groups = [{"params": h.params, "lr": lr} for h, lr in ((trainer.ar, args.lr), (trainer.dit, args.dit_lr)) if h]
     trainer.optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay)
     # stepped once per GRPO step; diffusers' 'constant' ignores warm-up, 'constant_with_warmup' does not
     warmup = args.lr_scheduler == "constant" and args.lr_warmup_steps
@@ -1339,9 +1331,12 @@ def validate_args(args):
     # 'owner/name' with no local parent: a typo in 'runs/x' must not go to the hub
     hub_id = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", args.model) and not model.parent.is_dir()
     empty = [f"--{k.replace('_', '-')}" for k, v in vars(args).items() if v == ""]
+    k = next((k for k in (args.plan_gpus or () if args.plan else [world_size()]) if args.prompts_per_step % k), 0)
     refusals = [  # (refused?, why)
         (empty, f"{' and '.join(empty)} is empty (an unset variable?)"),
         (outdated, f"too old: {outdated}; pip install -r requirements.txt"),
+        (k, f"--prompts-per-step {args.prompts_per_step} must be divisible by "
+            f"{f'--plan-gpus {k}' if args.plan else f'the number of processes ({k})'}: each rank trains whole groups"),
         (args.ar_trainable == "head" and (args.lora_rank or args.fsdp),
          "--ar-trainable head takes neither --lora-rank nor --fsdp (it trains one layer)"),
         (args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline),
@@ -1463,8 +1458,7 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",), flag="-
     """Lines `prompt[ | target.png[ | source.png (i2i)]]`, paths relative to the file; `\\|` is a '|'."""
     path, items, resized = Path(path), [], False
     if not path.is_file():
-        raise UsageError(f"{flag} {path}: " + ("is a directory, not a file" if path.is_dir() else
-                                                "not a regular file" if path.exists() else "file not found"))
+        raise UsageError(f"{flag} {path}: " + ("not a regular file" if path.exists() else "file not found"))
     try:
         lines = path.read_text(encoding="utf-8-sig").splitlines()  # -sig: drops a BOM (Windows editors)
     except UnicodeDecodeError as e:  # e.object: the bytes after a BOM
@@ -1537,8 +1531,7 @@ def to_rgb(image):
 
 
 def draw_shape(shape, colour, background, height, width):
-    image = Image.new("RGB", (width, height), COLOURS[background])
-    draw = ImageDraw.Draw(image)
+    draw = ImageDraw.Draw(image := Image.new("RGB", (width, height), COLOURS[background]))
     box = (width * 0.2, height * 0.2, width * 0.8, height * 0.8)
     if shape == "triangle":
         draw.polygon([(width / 2, box[1]), box[2:], (box[0], box[3])], fill=COLOURS[colour])
@@ -1686,7 +1679,7 @@ def warn_if_collapsed(row, warned, max_entropy=None):
     """Once per run: most groups tied (advantages 0), and why; not on a non-finite step (call_reward warned)."""
     if warned or row["frac_reward_zero_std"] <= 0.5 or row["frac_reward_nonfinite"]:
         return warned
-    why = "the reward does not separate the samples"     # --policy dit: the SDE keeps them apart
+    why = "the reward does not separate the samples"  # --policy dit: the SDE keeps them apart
     if "entropy" in row:
         why = f"entropy {row['entropy']:.3f} of {max_entropy:.2f}: " + (
             "the policy has collapsed; lower --lr or raise --temperature" if row["entropy"] < 0.5 * max_entropy
@@ -1715,11 +1708,10 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
     cells = len(references) + group_size
     columns = min(8, cells)
     block = 2 * line + math.ceil(cells / columns) * (height + line)  # heading, rows of cells, space
-    sheet = Image.new("RGB", (columns * (width + gap), len(prompts) * block), "white")
-    draw = ImageDraw.Draw(sheet)
+    draw = ImageDraw.Draw(sheet := Image.new("RGB", (columns * (width + gap), len(prompts) * block), "white"))
     for b, row in enumerate(sorted(range(len(prompts)), key=lambda r: prompts[r])):
         draw.text((0, b * block), shorten(prompts[row], sheet.width // 9), fill="black", font_size=16)
-        samples = [(images[i], " / ".join(f"{r:.4f}" for r in rewards[i].view(-1).tolist()))    # [N] or [N, k]
+        samples = [(images[i], " / ".join(f"{r:.4f}" for r in rewards[i].view(-1).tolist()))  # [N] or [N, k]
                    for i in range(row * group_size, (row + 1) * group_size)]
         for i, (image, label) in enumerate([(x[row], name) for name, x in references] + samples):
             x, y = i % columns * (width + gap), b * block + line + 4 + i // columns * (height + line)
@@ -1766,8 +1758,7 @@ def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
     y0, y1 = (means - stds).min() - 1e-6, (means + stds).max() + 1e-6  # a flat curve's range has a height
     to_xy = lambda s, y: (margin + (s - x0) / (x1 - x0) * (w - 2 * margin),
                           h - margin - (y - y0) / (y1 - y0) * (h - 2 * margin))
-    image = Image.new("RGB", (w, h), "white")
-    draw = ImageDraw.Draw(image)
+    draw = ImageDraw.Draw(image := Image.new("RGB", (w, h), "white"))
     band = to_xy(np.r_[steps, steps[::-1]], np.r_[means + stds, (means - stds)[::-1]])
     draw.polygon(list(zip(*band)), fill=(190, 210, 240))
     draw.line(list(zip(*to_xy(steps, means))), fill=(110, 140, 220), width=1)
@@ -1804,7 +1795,7 @@ class Run:
         self.voted, self.bad_steps, self.warned, self.closing = True, [], False, contextlib.ExitStack()
 
     def __enter__(self):
-        with self.closing:    # a failed open closes what it opened
+        with self.closing:  # a failed open closes what it opened
             self.open(self.args, self.out)
             self.closing = self.closing.pop_all()
         return self
@@ -1844,7 +1835,7 @@ class Run:
         if args.mode == "i2i":
             check_source_size(trainer.pipe.processor.image_processor, args.height, args.width)
         resume.restore(trainer, out)
-        if resume.export:      # --save-pipeline only (in __exit__)
+        if resume.export:  # --save-pipeline only (in __exit__)
             return
         if self.lead:  # the curve's window: a pass over the prompts
             window = min(20, math.ceil(len(items) / args.prompts_per_step))
@@ -1858,7 +1849,7 @@ class Run:
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
         if self.eval_items and self.start % args.eval_every == 0 and max_over_ranks(self.lead and not any(
                 "eval/seconds" in r and r["step"] == self.start for r in read_metrics(out / "metrics.jsonl"))):
-            self.evaluate(self.start)     # unless a run before the resume did
+            self.evaluate(self.start)  # unless a run before the resume did
 
     def steps(self):
         """Yields (step, indices, slots): this rank's block of the step's prompts, seeded order per pass."""
@@ -1866,7 +1857,7 @@ class Run:
         slots = np.array_split(range(args.prompts_per_step), world_size())[rank()].tolist()
         for step in range(self.start + 1, args.steps + 1):
             self.step, self.t0, self.step_rng, self.voted = step, time.time(), rng_state(), False
-            if self.signum is not None:      # came after the last step's vote
+            if self.signum is not None:  # came after the last step's vote
                 raise AbandonStep
             places = [divmod((step - 1) * args.prompts_per_step + slot, count) for slot in slots]
             yield step, [int(torch.randperm(count, generator=seeded(args.seed, "prompt order", epoch))[offset])
@@ -1927,10 +1918,10 @@ class Run:
                                     self.eval_prompt_len, None if sharded else self.trainer.decoder)
         noise = group_noise(pipe, mine, G, args.height, args.width, args.seed, -1, "per-step")  # [n, C, h, w]
         images = decode_images(pipe, prompts, own, rollout, noise, args.eval_num_inference_steps, args.guidance_scale)
-        targets = batch_targets(items)    # [n, 3, H, W] | None
+        targets = batch_targets(items)  # [n, 3, H, W] | None
         scored = (repeat_each(prompts, G), None if targets is None else targets[mine].repeat_interleave(G, 0))
         parts = from_every_rank((images, *compute_rewards(self.trainer.rewards, images, *scored)))
-        if self.lead:    # the ranks' blocks, in prompt order
+        if self.lead:  # the ranks' blocks, in prompt order
             images, rewards = (torch.cat([p[i] for p in parts]) for i in (0, 1))
             per_reward = {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}
             row = {"eval/" + k: v for k, v in reward_metrics(rewards, per_reward, G).items()}
@@ -1966,7 +1957,7 @@ class Run:
 
     def __exit__(self, kind, error, traceback):
         try:
-            if kind is AbandonStep:       # the weights are step - 1's
+            if kind is AbandonStep:  # the weights are step - 1's
                 self.stop(self.step - 1)
         finally:
             self.closing.close()
@@ -1989,7 +1980,7 @@ class Run:
         if not saved and (peers or self.lead):
             save_checkpoint(self.out, done, self.trainer, self.args, self.step_rng if done < self.step else None)
         if peers:
-            all_ranks_agree(True)     # the others wait for rank 0's file
+            all_ranks_agree(True)  # the others wait for rank 0's file
         when = f"in step {self.step} before its update" if done < self.step else f"after step {done}"
         where = (f"step {done} is saved in {self.out / 'checkpoints' / f'step_{done:06d}.pt'}; continue with "
                  f"--resume latest --out {self.out}" if done else "no step finished, nothing to save")
@@ -2011,7 +2002,7 @@ def atomic_write(path, write):
 
 
 def rng_state():
-    name, keys, *rest = np.random.get_state()      # numpy's uint32 keys as an int64 tensor: weights_only loads it
+    name, keys, *rest = np.random.get_state()  # numpy's uint32 keys as an int64 tensor: weights_only loads it
     return {"python": random.getstate(), "numpy": [name, torch.from_numpy(keys.astype(np.int64)), *rest],
             "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all()}  # no GPU: []
 
@@ -2041,7 +2032,7 @@ def read_checkpoint(spec, out=None):
         print(f"--resume latest: no checkpoint in {out / 'checkpoints'} yet; starting from step 0")
         return None
     try:
-        with warnings.catch_warnings(action="ignore"):     # junk can look like another pickle protocol's
+        with warnings.catch_warnings(action="ignore"):  # junk can look like another pickle protocol's
             ckpt = torch.load(path, map_location="cpu", weights_only=True)  # no pickled code
     except Exception:  # many types for a missing, foreign or truncated file
         raise UsageError(f"--resume {path}: {'not a readable checkpoint file' if path.exists() else 'no such file'}")
@@ -2099,8 +2090,8 @@ class Resume:
                 raise UsageError(f"--resume {ckpt['path']}: weights do not fit this model: "
                                  + ("; ".join(changed) or str(e).splitlines()[0][:120]))
             if self.export:
-                return            # the weights alone
-            name, keys, *rest = ckpt["rng"]["numpy"]        # rng_state's, in reverse
+                return  # the weights alone
+            name, keys, *rest = ckpt["rng"]["numpy"]  # rng_state's, in reverse
             np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
             random.setstate(ckpt["rng"]["python"])
             torch.set_rng_state(ckpt["rng"]["torch"])
@@ -2443,9 +2434,9 @@ def layer_activation_bytes(text, lora_rank=0, bytes_per=WEIGHT_BYTES):
     """Bytes a decoder layer keeps per token for backward (SDPA, flash on CUDA and CPU: no length^2 matrix)."""
     h, i, heads = text.hidden_size, text.intermediate_size, text.num_attention_heads
     kv, d, a = text.num_key_value_heads * h // heads, bytes_per, FP32_BYTES
-    kept = (d * (2 * h + 2 * kv + 3 * i)    # q, k, v after RoPE, SDPA's output; gate_up's output, SiLU's
+    kept = (d * (2 * h + 2 * kv + 3 * i)  # q, k, v after RoPE, SDPA's output; gate_up's output, SiLU's
             + 4 * heads + 4 * (4 * h + 4))  # SDPA's log-sum-exp; the 4 RMSNorms' fp32 inputs and 1 / rms
-    if not lora_rank:                       # the norms' normalised values; inputs of q/k/v, o, gate_up, down
+    if not lora_rank:  # the norms' normalised values; inputs of q/k/v, o, gate_up, down
         return kept + d * (7 * h + i)
     # adapters' inputs cast to fp32 (q, k, v each theirs; an fp32 model keeps the shared ones), A's outputs
     return kept + a * (5 * h + i if d != a else 3 * h + i) + len(LORA_TARGETS) * a * lora_rank
@@ -2502,13 +2493,13 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         trained = trainable_tensors(components[name], rank, LORA_TARGETS if name == "ar" else DIT_LORA_TARGETS)
         state = state_bytes(sum(trained), counts[name], d if mode == "full" else FP32_BYTES, k if fsdp else 1,
                             rank > 0, beta > 0 and not rank)
-        if name == "ar":    # sampling: generate's KV cache of the GPU's samples, or pi_old's pass on a micro-batch
+        if name == "ar":  # sampling: generate's KV cache of the GPU's samples, or pi_old's pass on a micro-batch
             sampling = max(batch // k * kv_cache, micro * generated * text.vision_vocab_size * 10)  # (10 B a logit)
             head = 0 if rank else numel(ar.model.language_model.norm) + numel(ar.lm_head)  # trained in full
             u = ar_update_bytes(text, micro, prompt_len, generated, rank, checkpointing, () if fsdp else trained, head)
             activations, backward = (u["peak"], 0) if fsdp else (u["activations"], u["peak"] - u["grads"])
-        else:   # a denoising step's micro-batch: ~30 x hidden a block and token (x2 CFG, 64 text tokens), guessed,
-            sampling = source_kv // k       # + the GPU's source caches; backward: the largest frozen part in turn
+        else:  # a denoising step's micro-batch: ~30 x hidden a block and token (x2 CFG, 64 text tokens), guessed,
+            sampling = source_kv // k  # + the GPU's source caches; backward: the largest frozen part in turn
             blocks = config.num_layers + 30 if checkpointing else config.num_layers * 30
             activations = blocks * (patches + 64) * micro * (2 if cfg else 1) * hidden * d + sampling
             backward = max(frozen["glyph_t5"], frozen["vae"]) + max(activations, state["grads"])
@@ -2631,8 +2622,7 @@ def save_trained_pipeline(pipe, args):
         recurse_remove_peft_layers(model)
     pipe.vision_language_encoder.generation_config.trained_decode = {  # also --model DIR's defaults
         k: getattr(args, k) for k in "height width num_inference_steps guidance_scale temperature top_k top_p".split()}
-    final = Path(args.save_pipeline)
-    partial = final.with_name(f".{final.name}.partial")
+    partial = (final := Path(args.save_pipeline)).with_name(f".{final.name}.partial")
     print(f"writing the trained pipeline to {final} ...", flush=True)
     try:
         pipe.save_pretrained(partial)
@@ -2654,8 +2644,7 @@ def generate_images(pipe, prompts, sources=None, height=None, width=None, num_in
         raise ValueError(f"height and width must be multiples of 32, got {height}x{width}")
     if sources is not None and len(sources) != len(prompts):
         raise ValueError(f"one source per prompt: got {len(sources)} sources for {len(prompts)} prompts")
-    sampling = sampling_of(pipe.vision_language_encoder)
-    sampling = replace(sampling, temperature=temperature or sampling.temperature)
+    sampling = replace(saved := sampling_of(pipe.vision_language_encoder), temperature=temperature or saved.temperature)
     pipe.processor.tokenizer.padding_side = "left"  # as load_pipeline sets it
     if sources is not None:  # upright, at the trained size
         sources = [to_rgb(ImageOps.exif_transpose(s)).resize((width, height), Image.BICUBIC) for s in sources]
@@ -2675,11 +2664,6 @@ def generate_images(pipe, prompts, sources=None, height=None, width=None, num_in
 def main(argv=None):
     try:
         args = parse_args(argv)
-        for k in args.plan_gpus or () if args.plan else [world_size()]:
-            if args.prompts_per_step % k:
-                by = f"--plan-gpus {k}" if args.plan else f"the number of processes ({k})"
-                raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by {by}: each rank "
-                                 "trains whole groups")
         return print_memory_plan(args) if args.plan else train(args)
     except UsageError as e:
         if rank() == 0 or e.local:

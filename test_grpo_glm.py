@@ -809,7 +809,7 @@ def _bad_cases(tmp, run):
         "beta nan": (["--beta", "nan", "--out", fresh], "--beta must be finite, got nan"),
         "seed too large": (["--seed", str(2**32), "--out", fresh], "--seed must be at most 4294967295"),
         "seed negative": (["--seed", "-1", "--out", fresh], "--seed must be at least 0, got -1"),
-        "prompts is a directory": (["--prompts", str(tmp), "--out", fresh], "is a directory"),
+        "prompts is a directory": (["--prompts", str(tmp), "--out", fresh], "not a regular file"),
         "steps not a number": (["--steps", "ten", "--out", fresh], "--steps invalid int value: 'ten'"),
         "eval flag without eval prompts": (["--eval-every", "2", "--out", fresh], "need --eval-prompts"),
         "eval prompts missing": (["--eval-prompts", str(tmp / "nope.txt"), "--out", fresh], "--eval-prompts"),
@@ -937,7 +937,7 @@ def test_a_prompt_longer_than_the_context_is_a_one_line_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         g.main(["--prompts", str(tmp_path / "p.txt"), "--out", str(out), "--height", "32768"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: --height 32768 --width 128: the images' ") and \
+    assert len(err) == 1 and err[0].startswith("error: --height 32768 --width 128: ") and \
         err[0].endswith("tokens, over the model's context of 2048"), err
 
 
