@@ -853,8 +853,8 @@ def pipeline_from_pretrained(args, dtype):
         return GlmImagePipeline.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
         raise UsageError(f"--model {args.model}: " + (f"not a GlmImagePipeline: {str(e).splitlines()[0]}" if Path(
-            path).is_dir() else f"not in the local Hugging Face cache nor downloadable here; fetch it once with `hf "
-            f"download {args.model}` where the hub is reachable, or pass a directory"))
+            path).is_dir() else f"not in the local Hugging Face cache nor downloadable here; `hf download "
+            f"{args.model}` where the hub is reachable, or pass a directory"))
     finally:
         diffusers_logging.set_verbosity(verbosity)
 
@@ -862,8 +862,7 @@ def pipeline_from_pretrained(args, dtype):
 def place_pipeline(pipe, args):
     """--offload: diffusers moves model_cpu_offload_seq's models to the GPU in turn; a trained half never moves."""
     if not args.offload:
-        pipe.to(args.device)
-        return
+        return pipe.to(args.device)
     trains_dit = args.policy != "ar"
     pipe.model_cpu_offload_seq = "text_encoder->vae" if trains_dit else "text_encoder->transformer->vae"
     pipe._exclude_from_cpu_offload = ["vision_language_encoder"] + (["transformer"] if trains_dit else [])
@@ -884,7 +883,7 @@ def add_lora(model, r, alpha, targets, **config):
     from diffusers.training_utils import cast_training_params
     from peft import LoraConfig, inject_adapter_in_model
     model.requires_grad_(False)
-    # peft's own injection, not the models' add_adapter: transformers 5.24's refuses every peft released
+    # peft's injection: transformers 5.24's add_adapter refuses every peft released
     inject_adapter_in_model(LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, **config), model)
     cast_training_params(model, dtype=torch.promote_types(model.dtype, torch.float32))
 
@@ -894,7 +893,7 @@ def lora_layers(model):
     return [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
 
 
-# ---- For section 4: the AR's inputs, its M-RoPE positions, its policy and the fast decoder ----
+# ---- For section 4: the AR's inputs, M-RoPE positions, policy and fast decoder ----
 def policy_generation_config(ar, sampling):
     """The policy as the AR's generation config, so that a saved pipeline samples the policy trained."""
     from transformers import GenerationConfig
@@ -908,8 +907,7 @@ def policy_generation_config(ar, sampling):
 
 def sampling_of(ar):
     """policy_generation_config's inverse: a saved pipeline's policy."""
-    config = ar.generation_config
-    return SamplingParams(config.temperature, config.top_k, config.top_p, min(config.suppress_tokens or [0]))
+    return SamplingParams((c := ar.generation_config).temperature, c.top_k, c.top_p, min(c.suppress_tokens or [0]))
 
 
 def processor_inputs(pipe, prompts, sources, height, width, device):
@@ -990,7 +988,7 @@ class FastDecoder:
         self.graphs = {}
 
     def __call__(self, ar, ids, positions, mask, num_tokens, uniforms, sampling):
-        key = (mask.shape, sampling)  # training's, the eval's: sample_tokens pads prompts to the run's length
+        key = (mask.shape, sampling)  # sample_tokens pads prompts to the run's length
         if (graph := self.graphs.get(key)) is None:
             graph = self.graphs[key] = DecodeGraph(ar, positions, mask, self.capture)
         graph.reset(positions, mask)
@@ -1032,13 +1030,12 @@ def cuda_graph(step):
     with torch.cuda.stream(stream):
         first = step()
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+    with torch.cuda.graph(graph := torch.cuda.CUDAGraph(), stream=stream):
         out = step()
     return first, lambda: graph.replay() or out
 
 
-def progress(steps, what):  # a bar on rank 0's terminal: a real model's phases take seconds
+def progress(steps, what):  # a real model's phases take seconds
     if not (sys.stderr.isatty() and rank() == 0):
         return steps
     from tqdm.auto import tqdm
@@ -1097,7 +1094,7 @@ def reference_logprobs(trainer, rollout, args):
         return logprobs_by_micro_batch(reference, rollout, trainer.sampling, args.micro_batch_size)
 
 
-def check_weights_finite(optimizer):  # a sum per tensor (no big temporary), of this rank's --fsdp shards
+def check_weights_finite(optimizer):  # a sum per tensor: no big temporary
     from torch.distributed.tensor import DTensor
     params = [p for group in optimizer.param_groups for p in group["params"]]
     sums = [(p.to_local() if isinstance(p, DTensor) else p).detach().sum().float() for p in params]
@@ -1155,7 +1152,7 @@ def setup_training(args, rewards, dit_rewards=()):
     trainer.trained = ar if args.policy == "ar" else torch.nn.ModuleDict(trained)
     groups = [{"params": h.params, "lr": lr} for h, lr in ((trainer.ar, args.lr), (trainer.dit, args.dit_lr)) if h]
     trainer.optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay)
-    # stepped once per GRPO step; diffusers' 'constant' ignores warm-up, 'constant_with_warmup' does not
+    # once per GRPO step; diffusers' 'constant' ignores warm-up, 'constant_with_warmup' does not
     warmup = args.lr_scheduler == "constant" and args.lr_warmup_steps
     trainer.lr_scheduler = get_scheduler("constant_with_warmup" if warmup else args.lr_scheduler, trainer.optimizer,
                                          num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.steps)
@@ -1384,15 +1381,14 @@ def pretrained_defaults(args):
     saved = Path(getattr(args, "model", TINY), "vision_language_encoder/generation_config.json")
     return dict(lr=1e-5, dit_lr=3e-4 if args.dit_lora_rank else 1e-5, temperature=0.9, top_p=0.75,
                 num_inference_steps=30, guidance_scale=1.5, height=1024, width=1024) | (
-        json.loads(saved.read_text()).get("trained_decode", {}) if saved.is_file() else {})  # save_trained_pipeline's
+        json.loads(saved.read_text()).get("trained_decode", {}) if saved.is_file() else {})
 
 
 def resolve_runtime(args):
     """The flags' derived values, printed as 'running with'."""
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.dtype == "auto":
-        args.dtype = "bfloat16" if args.device == "cuda" and args.model != TINY else "float32"
+    args.device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    args.dtype = ("bfloat16" if args.device == "cuda" and args.model != TINY else "float32") \
+        if args.dtype == "auto" else args.dtype
     if args.ar_trainable == "auto":
         args.ar_trainable = "head" if args.model == TINY and not (args.lora_rank or args.fsdp) else "all"
     if args.dit_train_steps is None and args.policy != "ar":
@@ -1513,8 +1509,7 @@ def read_image(path, where, kind, size=None):
             image.verify()  # reads the whole file, decodes nothing, leaves it unusable: last
             return image.size[::-1] if turned else image.size
     except FileNotFoundError:
-        later = " (it was there at start-up)" if size else ""
-        raise UsageError(f"{where}: {kind} image {path} not found{later}", local=bool(size))
+        raise UsageError(f"{where}: {kind} {path} {'gone since start-up' if size else 'not found'}", local=bool(size))
     except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as e:
         raise UsageError(f"{where}: {kind} {path} is not a readable image ({type(e).__name__})", local=bool(size))
 
@@ -1659,11 +1654,9 @@ def start_logging(args, trainer, out, start):
     if args.report_to == "none":
         return None
     from accelerate.tracking import TensorBoardTracker, WandBTracker
-    if args.report_to == "wandb":  # WANDB_MODE=offline: <out>/wandb, for `wandb sync`
-        tracker = WandBTracker("grpo_glm", name=out.name, dir=str(out), config=vars(args))
-    else:  # purge_step: a resume drops later events
-        tracker = TensorBoardTracker("logs", out, purge_step=start + 1 if start else None)
-    tracker.start()
+    tracker = WandBTracker("grpo_glm", name=out.name, dir=str(out), config=vars(args)) if args.report_to == "wandb" \
+        else TensorBoardTracker("logs", out, purge_step=start + 1 if start else None)  # a resume drops later events
+    tracker.start()  # W&B: WANDB_MODE=offline writes <out>/wandb, for `wandb sync`
     if args.report_to == "tensorboard":
         flags = "\n".join(f"| --{k.replace('_', '-')} | {v} |" for k, v in sorted(vars(args).items()))
         tracker.writer.add_text("flags", "| flag | value |\n|---|---|\n" + flags, global_step=start)
@@ -1705,8 +1698,7 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
     to_pil = lambda x: x if isinstance(x, Image.Image) else Image.fromarray(  # sources: PIL already
         (x.clamp(0, 1).permute(1, 2, 0).numpy() * 255).astype(np.uint8))
     references = [(n, x) for n, x in [("source", sources), ("target", targets), ("a=0 (ODE)", ode)] if x is not None]
-    cells = len(references) + group_size
-    columns = min(8, cells)
+    columns = min(8, cells := len(references) + group_size)
     block = 2 * line + math.ceil(cells / columns) * (height + line)  # heading, rows of cells, space
     draw = ImageDraw.Draw(sheet := Image.new("RGB", (columns * (width + gap), len(prompts) * block), "white"))
     for b, row in enumerate(sorted(range(len(prompts)), key=lambda r: prompts[r])):
@@ -1891,7 +1883,7 @@ class Run:
         if stopping:
             self.stop(step)
 
-    def log(self, row, step):  # a step's row or an eval's (eval/ keys)
+    def log(self, row, step):
         finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
         with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:  # NaN, inf -> null: JSON has no NaN
             f.write(json.dumps(finite, allow_nan=False) + "\n")
@@ -1964,9 +1956,8 @@ class Run:
         if kind is None and self.trainer and self.lead:
             if pipeline := self.args.save_pipeline:
                 save_trained_pipeline(self.trainer.pipe, self.args)
-            made = ", ".join(p.name + "/" * p.is_dir() for p in sorted(self.out.glob("[!.]*")))  # an export: none
-            said = [f"{self.out} holds {made}"] * bool(made) + [f"the trained pipeline: {pipeline}"] * bool(pipeline)
-            print("done: " + "; ".join(said))
+            said = [f"{self.out} holds " + ", ".join(p.name + "/" * p.is_dir() for p in sorted(self.out.glob("[!.]*")))]
+            print("done:", "; ".join(said * self.out.is_dir() + [f"the trained pipeline: {pipeline}"] * bool(pipeline)))
 
     def stop(self, done):
         """Exits 128 + signal with step `done` saved (step_rng: the RNG states it left)."""
@@ -2012,8 +2003,7 @@ def save_checkpoint(out, step, trainer, args, rng=None):
     weights, optimizer_state = training_state(trainer.trained, trainer.optimizer)
     if rank() != 0:
         return None
-    path = out / "checkpoints" / f"step_{step:06d}.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    (path := out / "checkpoints" / f"step_{step:06d}.pt").parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": CHECKPOINT_FORMAT, "step": step, "trainable": weights, "optimizer": optimizer_state,
                "lr_scheduler": trainer.lr_scheduler.state_dict(), "rng": rng or rng_state(), "args": vars(args)}
     atomic_write(path, functools.partial(torch.save, payload))
@@ -2114,7 +2104,7 @@ class Resume:
 # ==== 21. The tiny model's renderer: pre-trained once on token mosaics, then cached ===============
 # Its AR is random (what to paint is GRPO's to learn); its renderer (~15 s CPU) paints id k in colour k mod 8.
 
-TINY_CODEBOOK = 64  # real: 16384; 8 ids a colour (a real codebook has many ids per colour too)
+TINY_CODEBOOK = 64  # real: 16384; 8 ids a colour (a real codebook too has many a colour)
 TINY_VISION_VOCAB = TINY_CODEBOOK + 16  # real: 16512 (codebook + 128 special ids)
 TINY_PALETTE = (torch.tensor(list(COLOURS.values()), dtype=torch.float32) / 255)[torch.arange(TINY_CODEBOOK) % 8]
 # get_rope_index gives a source image 2-D positions by its start and end tokens (a bare <|image|>: text's)
@@ -2528,12 +2518,12 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         if name == "ar":
             return {**r, **dict(zip(("update peak", "sampling peak", "peak, offload"), peaks([h], 0, turn(*frozen)))),
                     "peak, no offload": peaks([h], sum(frozen.values()), max(working.values()))[2]}
-        # 'dit': beside the frozen AR; 'both' trains the AR too: sharded, or at ar_rank (0: full), checkpointed alike
+        # 'dit': beside the frozen AR; 'both' trains the AR too: sharded, or at ar_rank (0: full)
         a = half("ar", mode if mode == "fsdp" else f"lora-{ar_rank}" if ar_rank else "full", k, checkpointing)
         return {**r, "peak, dit": peaks([h], d * counts["ar"], turn("glyph_t5", "vae"))[2],
                 "peak, both": peaks([a, h], 0, turn("glyph_t5", "vae"))[2]}
 
-    modes = {"ar": ["full", *(f"lora-{r}" for r in ((ar_rank,) if ar_rank else ranks))],  # ar_rank: the run's
+    modes = {"ar": ["full", *(f"lora-{r}" for r in ((ar_rank,) if ar_rank else ranks))],
              "dit": ["full", f"lora-{dit_rank}"]}
     return {name: [row(name, mode, k, c) for k in (1, *gpus) for mode in modes[name] + ["fsdp"] * (k > 1)
                    for c in (False, True)] for name in modes}, counts, \
@@ -2570,11 +2560,11 @@ def plan_options(args, rows, counts):
 
 def print_memory_plan(args):
     validate_args(args)  # training's checks
-    index = Path(args.model) / "model_index.json"  # validate_args: a hub id, or a directory with it
+    index = Path(args.model) / "model_index.json"
     kind = index.is_file() and json.loads(index.read_text()).get("_class_name")
     if args.model not in (TINY, "zai-org/GLM-Image") and kind != "GlmImagePipeline":
-        why = f"a {kind}, not GLM-Image" if kind else "not GLM-Image's hub id"
-        raise UsageError(f"--plan --model {args.model}: {why}; --plan knows 'tiny', zai-org/GLM-Image or a saved copy")
+        raise UsageError(f"--plan --model {args.model}: {f'a {kind}' if kind else 'a hub id'}, not GLM-Image's; --plan "
+                         "knows 'tiny', zai-org/GLM-Image or a saved copy")
     (rows, counts, terms), i2i, G = plan_of_run(args), args.mode == "i2i", args.group_size
     (prompt_len, generated), prompts = terms["tokens"], args.prompts_per_step
     unit, unit_name = (2 ** 20, "MiB") if max(r["peak, no offload"] for r in rows["ar"]) < 2 ** 30 else (2 ** 30, "GiB")

@@ -2341,8 +2341,8 @@ def test_bad_reward_spec_fails_before_the_model_loads(spec, needle, plugins, cap
     (["--dit-clip-eps", "1"], "--dit-clip-eps must be < 1, got 1.0"),
     (["--pol", "dit"], "unrecognized arguments: --pol dit"),       # no abbreviations
     (["--plan-gpu-memory", "80"], "--plan-gpus and --plan-gpu-memory: add --plan"),
-    (["--plan", "--model", "black-forest-labs/FLUX.1-dev"], "not GLM-Image's hub id; --plan knows 'tiny', zai-org/"),
-    (["--plan", "--model", "zai-org/GLM-Imag"], "zai-org/GLM-Imag: not GLM-Image's hub id"),
+    (["--plan", "--model", "black-forest-labs/FLUX.1-dev"], "a hub id, not GLM-Image's; --plan knows 'tiny', zai-org/"),
+    (["--plan", "--model", "zai-org/GLM-Imag"], "zai-org/GLM-Imag: a hub id, not GLM-Image's"),
     (["--plan", "--model", "{tmp}/no_model"], "no such directory"),
     (["--plan", "--model", "{tmp}"], "not a directory with model_index.json"),
     (["--plan", "--model", "{tmp}/flux"], "a FluxPipeline, not GLM-Image"),
