@@ -830,11 +830,11 @@ def ode_images(pipe, prompts, sources, rollout, noise, args):
     return decode_images(pipe, prompts, sources, firsts, noise[::G], args.num_inference_steps, args.guidance_scale)
 
 
-# PART III. Plumbing: skip on first read ###########################################################
+# PART III. Plumbing: skip on first read
 # Nothing below is GRPO: how a run starts, stops, logs and saves, and more GPUs; Part I calls each in a line.
 
 
-# ==== 14. The GRPO step's plumbing ================================================================
+# ==== 14. The GRPO step's plumbing
 
 # ---- For section 2: the model ----
 def pipeline_from_pretrained(args, dtype):
@@ -1118,14 +1118,14 @@ class Trainer:
     sampling: SamplingParams
     optimizer: torch.optim.Optimizer = None
     lr_scheduler: object = None
-    trained: torch.nn.Module = None  # what checkpoints hold: the AR, or {AR, DiT}
+    trained: torch.nn.Module = None  # what checkpoints hold: AR, or {AR, DiT}
     ar: Half = None  # None: --policy dit
     dit: Half = None  # None: --policy ar
-    rewards: list = None  # the --reward plug-ins (section 6)
-    dit_rewards: list = None  # the --dit-reward ones (none: the DiT trains on `rewards`)
+    rewards: list = None  # --reward's plug-ins (section 6)
+    dit_rewards: list = None  # --dit-reward's (none: the DiT trains on `rewards`)
     prompt_len: int = None  # run_prompt_len
     decoder: object = None  # a FastDecoder
-    prompt_tokens: dict = None  # --policy dit: prompt index -> its token grid (shared_prompt_tokens)
+    prompt_tokens: dict = None  # --policy dit: prompt index -> token grid (shared_prompt_tokens)
 
 
 def setup_training(args, rewards, dit_rewards=()):
@@ -1133,14 +1133,14 @@ def setup_training(args, rewards, dit_rewards=()):
     from diffusers.optimization import get_scheduler
     from diffusers.training_utils import set_seed
     pipe = load_pipeline(args)
-    set_seed(args.seed)  # after loading: the same sampling stream however the model was made
+    set_seed(args.seed)  # after loading: one sampling stream however the model was made
     ar, dit = pipe.vision_language_encoder, pipe.transformer
     # codebook bound: a mid-grid end id would crash the DiT
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, dit.config.prior_vq_quantizer_codebook_size)
     trainer = Trainer(pipe, sampling, rewards=rewards, dit_rewards=dit_rewards, decoder=FastDecoder(ar.device),
                       prompt_tokens={})
     ar.generation_config = policy_generation_config(ar, sampling)
-    # beta > 0, full fine-tuning: a frozen copy is the KL reference (at 9B use LoRA instead)
+    # beta > 0, full fine-tuning: a frozen copy is the KL reference (at 9B: LoRA)
     frozen_copy = lambda model, lora: copy.deepcopy(model).requires_grad_(False) if args.beta > 0 and not lora else None
     trained = {}
     for half, name, prepare, lora in (("ar", "vision_language_encoder", prepare_policy, args.lora_rank),
@@ -1152,7 +1152,7 @@ def setup_training(args, rewards, dit_rewards=()):
     trainer.trained = ar if args.policy == "ar" else torch.nn.ModuleDict(trained)
     groups = [{"params": h.params, "lr": lr} for h, lr in ((trainer.ar, args.lr), (trainer.dit, args.dit_lr)) if h]
     trainer.optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay)
-    # once per GRPO step; diffusers' 'constant' ignores warm-up, 'constant_with_warmup' does not
+    # diffusers' 'constant' ignores warm-up, 'constant_with_warmup' does not
     warmup = args.lr_scheduler == "constant" and args.lr_warmup_steps
     trainer.lr_scheduler = get_scheduler("constant_with_warmup" if warmup else args.lr_scheduler, trainer.optimizer,
                                          num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.steps)
@@ -1204,7 +1204,7 @@ def write_source_caches(dit, cond):
     return caches
 
 
-# ==== 15. Starting a run: the flags, their checks (one-line errors before anything loads), --out ====
+# ==== 15. Starting a run: the flags, their checks (one-line errors before anything loads), --out
 
 def parse_args(argv=None):
     p = Parser(description="GRPO for GLM-Image on image rewards.", formatter_class=HelpFormatter, allow_abbrev=False)
@@ -1313,7 +1313,7 @@ def number(kind, least=None, above=None, most=None, below=None, multiple=None):
     return parse
 
 
-# requirements.txt's lower bounds (tested equal): older releases fail deep into a run.
+# requirements.txt's lower bounds (tested equal): older ones fail deep in a run.
 LEAST_VERSIONS = {"transformers": "5.23", "diffusers": "0.42.1", "peft": "0.20", "accelerate": "1.10"}
 
 
@@ -1325,7 +1325,7 @@ def validate_args(args):
                          if Version(version(name)) < Version(least))
     model, save = Path(args.model), Path(args.save_pipeline or ".")
     full = (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
-    # 'owner/name' with no local parent: a typo in 'runs/x' must not go to the hub
+    # 'owner/name', no local parent: a 'runs/x' typo must not go to the hub
     hub_id = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", args.model) and not model.parent.is_dir()
     empty = [f"--{k.replace('_', '-')}" for k, v in vars(args).items() if v == ""]
     k = next((k for k in (args.plan_gpus or () if args.plan else [world_size()]) if args.prompts_per_step % k), 0)
@@ -1339,7 +1339,7 @@ def validate_args(args):
         (args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline),
          "--fsdp shards full fine-tuning, no LoRA; for --save-pipeline resume in one process"),
         (args.fsdp and not (args.plan_gpus if args.plan else world_size() > 1),
-         "--fsdp needs torchrun: one process has nothing to shard (--plan: add --plan-gpus K)"),
+         "--fsdp needs torchrun: one process has nothing to shard (--plan: --plan-gpus K)"),
         ((args.plan_gpus or args.plan_gpu_memory) and not args.plan, "--plan-gpus and --plan-gpu-memory: add --plan"),
         ((args.dit_train_steps or 0) > args.num_inference_steps,
          f"--dit-train-steps {args.dit_train_steps} exceeds --num-inference-steps {args.num_inference_steps}"),
@@ -1428,7 +1428,7 @@ def lock_out_dir(out, closing):
         raise UsageError(f"--out {out} is in use by another run")
 
 
-# ==== 16. Prompt files, images and the demo's targets =============================================
+# ==== 16. Prompt files, images and the demo's targets
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (240, 210, 40),
            "white": (255, 255, 255), "black": (0, 0, 0), "orange": (245, 140, 30), "purple": (140, 60, 180)}
@@ -1552,7 +1552,7 @@ def demo_scene(prompt, where, mode, role="target", why=""):
     return edit[2], edit[1] if role == "source" else edit[3], "white"
 
 
-# ==== 17. Reward plug-ins: --reward module:fn | file.py:fn ========================================
+# ==== 17. Reward plug-ins: --reward module:fn | file.py:fn
 
 Reward = make_dataclass("Reward", ["name", "fn", "weight"])  # name: logged as rewards/<name>
 
@@ -1615,7 +1615,7 @@ def call_reward(reward, images, prompts, targets):
     return value
 
 
-# ==== 18. LOG: the console, metrics.jsonl, sample sheets, the reward curve, TensorBoard / W&B =====
+# ==== 18. LOG: the console, metrics.jsonl, sample sheets, the reward curve, TensorBoard / W&B
 CONSOLE_FIELDS = ("loss {loss:+.4f}|dit loss {dit/loss:+.3e}|reward {reward_mean:.5f} ± {reward_std:.5f}|dit reward "
                   "{dit/reward_mean:.5f} ± {dit/reward_std:.5f}|ratio {ratio_mean:.4f}|clip {clip_ratio:.3f}|"
                   "kl {kl:.2e}|dit/ratio {dit/ratio_mean:.4f}|dit/clip {dit/clip_ratio:.3f}|dit/kl {dit/kl:.2e}|"
@@ -1682,7 +1682,7 @@ def warn_if_collapsed(row, warned, max_entropy=None):
     return True
 
 
-def read_metrics(path):  # a last row cut short by a kill (no '}'): its text
+def read_metrics(path):  # a last row cut short by a kill: its text
     rows = [row for row in path.read_text(encoding="utf-8").splitlines() if row.strip()] if path.exists() else []
     if torn := [n for n, row in enumerate(rows[:-1], 1) if not row.endswith("}")]:
         raise UsageError(f"{path}: row {torn[0]} is cut short")
@@ -1771,7 +1771,7 @@ def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
     image.save(path)
 
 
-# ==== 19. The run: train()'s plumbing, Ctrl+C and SIGTERM =========================================
+# ==== 19. The run: train()'s plumbing, Ctrl+C and SIGTERM
 # Ctrl+C/SIGTERM drops a step before its update (AbandonStep), finishes one past it; ranks agree there and at its end.
 
 class AbandonStep(BaseException):
@@ -1805,9 +1805,9 @@ class Run:
             lock_out_dir(out, self.closing)
         # mse's targets: checked before slow plug-ins (CLIP) load
         builtin = ["mse"] if "mse" in [s.partition("=")[0] for s in args.reward + (args.dit_reward or [])] else []
-        items = self.items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
-        self.eval_items = args.eval_prompts and read_prompts(args.eval_prompts, args.height, args.width, args.mode,
-                                                             builtin, "--eval-prompts") or []
+        read = lambda path, flag="--prompts": read_prompts(path, args.height, args.width, args.mode, builtin, flag)
+        items = self.items = read(args.prompts)
+        self.eval_items = args.eval_prompts and read(args.eval_prompts, "--eval-prompts") or []
         if 0 < len(self.eval_items) < world_size():  # a block of at least one a rank
             raise UsageError(f"--eval-prompts {args.eval_prompts}: {len(self.eval_items)} for {world_size()} processes")
         if args.prompts_per_step > len(items) and self.lead:
@@ -1831,8 +1831,8 @@ class Run:
             return
         if self.lead:  # the curve's window: a pass over the prompts
             window = min(20, math.ceil(len(items) / args.prompts_per_step))
-            self.closing.callback(lambda: save_reward_curve(out / "reward_curve.png",
-                                                            read_metrics(out / "metrics.jsonl"), window))
+            self.closing.callback(lambda: save_reward_curve(
+                out / "reward_curve.png", read_metrics(out / "metrics.jsonl"), window))
             self.tracker = start_logging(args, trainer, out, self.start)
             self.closing.callback(self.tracker.finish if self.tracker else lambda: None)
         for s in (signal.SIGINT, signal.SIGTERM):
@@ -1980,7 +1980,7 @@ class Run:
         sys.exit(128 + self.signum)
 
 
-# ==== 20. CHECKPOINT and --resume =================================================================
+# ==== 20. CHECKPOINT and --resume
 
 def atomic_write(path, write):
     """write(f) to path.tmp, synced, renamed over path: readers see the old file or the new."""
@@ -2046,7 +2046,7 @@ class Resume:
     def __init__(self, args, out):
         if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
             raise UsageError(f"--out {out} has a run: pass --resume latest to continue it, or another --out")
-        self.rows = read_metrics(out / "metrics.jsonl")  # checked before the model loads
+        self.rows = read_metrics(out / "metrics.jsonl")  # before the model loads
         ckpt = self.ckpt = read_checkpoint(args.resume, out) if args.resume else None
         step = self.step = ckpt["step"] if ckpt else 0
         self.export = step >= args.steps  # --save-pipeline of the checkpoint, or nothing to do
@@ -2101,10 +2101,10 @@ class Resume:
             print(f"note: resuming sets the {len(dropped)} metrics rows past step {step} aside in {aside}")
 
 
-# ==== 21. The tiny model's renderer: pre-trained once on token mosaics, then cached ===============
+# ==== 21. The tiny model's renderer: pre-trained once on token mosaics, then cached
 # Its AR is random (what to paint is GRPO's to learn); its renderer (~15 s CPU) paints id k in colour k mod 8.
 
-TINY_CODEBOOK = 64  # real: 16384; 8 ids a colour (a real codebook too has many a colour)
+TINY_CODEBOOK = 64  # real: 16384; 8 ids a colour, as in a real codebook
 TINY_VISION_VOCAB = TINY_CODEBOOK + 16  # real: 16512 (codebook + 128 special ids)
 TINY_PALETTE = (torch.tensor(list(COLOURS.values()), dtype=torch.float32) / 255)[torch.arange(TINY_CODEBOOK) % 8]
 # get_rope_index gives a source image 2-D positions by its start and end tokens (a bare <|image|>: text's)
@@ -2246,7 +2246,7 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
     return final
 
 
-# ==== 22. More GPUs: torchrun data parallel (DDP) and sharding (--fsdp) ===========================
+# ==== 22. More GPUs: torchrun data parallel (DDP) and sharding (--fsdp)
 # torchrun --nproc_per_node K: a rank samples, rewards, standardises whole groups (DanceGRPO); mean gradients and a
 # few scalars cross ranks; rank 0 writes. 1 and K processes sample alike, train alike up to sums' order.
 
@@ -2355,7 +2355,7 @@ def training_state(model, optimizer, loaded=None):
     dsd.set_state_dict(model, optimizer, model_state_dict=loaded[0], optim_state_dict=loaded[1], options=whole)
 
 
-# ==== 23. Memory plan for the real GLM-Image (arithmetic on the real configs, meta device) ========
+# ==== 23. Memory plan for the real GLM-Image (arithmetic on the real configs, meta device)
 # --plan: a GPU's bytes, no download. Checked: README, Measurements; the DiT's are estimates.
 WEIGHT_BYTES, FP32_BYTES = 2, 4
 REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, min_pixels=512**2, max_pixels=2048**2)
@@ -2471,7 +2471,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
     frozen = {name: d * counts[name] for name in ("dit", "glyph_t5", "vae")}
     prompt_len, generated = ar_sequence(mode, height, width, prompt_tokens, image_processor)
     hidden, patches = config.num_attention_heads * config.attention_head_dim, (height // 16) * (width // 16)
-    # i2i: write_source_caches' K, V per layer and prompt, alive through the DiT's sampling and backward
+    # i2i: write_source_caches' K, V per layer and prompt, alive through sampling and backward
     source_kv = prompts * config.num_layers * 2 * patches * hidden * d if mode == "i2i" else 0
     kv_cache = (prompt_len + generated) * text.num_hidden_layers * 2 * text.num_key_value_heads * text.hidden_size \
         // text.num_attention_heads * d
@@ -2559,7 +2559,7 @@ def plan_options(args, rows, counts):
 
 
 def print_memory_plan(args):
-    validate_args(args)  # training's checks
+    validate_args(args)
     index = Path(args.model) / "model_index.json"
     kind = index.is_file() and json.loads(index.read_text()).get("_class_name")
     if args.model not in (TINY, "zai-org/GLM-Image") and kind != "GlmImagePipeline":
@@ -2591,17 +2591,17 @@ def print_memory_plan(args):
                   ("no", "yes")[r["grad ckpt"]], r["GPUs"], r["micro-batch"],
                   f"{r['trainable'] / count:.1f} {count_name}", *(f"{r[c] / unit:.1f}" for c in columns[5:])])) + " |")
     free = (args.plan_gpu_memory or 0) * 2 ** 30 or torch.cuda.is_available() and torch.cuda.mem_get_info()[0]
-    beside = (peak := options[0][-1]) - options[0][1].get(f"peak, {args.policy}", peak)  # dit|both, not offloaded
+    beside = (peak := options[0][-1]) - options[0][1].get(f"peak, {args.policy}", peak)
     fit = [f"{' '.join(changes)} ({size(peak)})" for changes, _, peak in options if peak <= free][:3]
     verdict = "fits" if peak <= free else f"does not fit; it fits with {'; '.join(fit)}" if fit else \
         "does not fit in any row: lower --micro-batch-size or the image size, or plan GPUs for --fsdp"
     print(f"verdict: --policy {args.policy}, this run's row {'with' if args.offload else 'without'} --offload: "
-          f"{size(peak)}{f' (its {size(peak - beside)} + {size(beside)} glyph encoder, VAE)' * (beside > 0)} of "
+          f"{size(peak)}{f' (the row + {size(beside)} glyph encoder, VAE)' * (beside > 0)} of "
           f"{size(free)} free: {verdict}" if free else
           "verdict: no CUDA GPU here: add --plan-gpu-memory GiB")
 
 
-# ==== 24. Saving and using the trained model (--save-pipeline, generate_images) ===================
+# ==== 24. Saving and using the trained model (--save-pipeline, generate_images)
 
 def save_trained_pipeline(pipe, args):
     """Atomic; LoRAs merged, unwrapped (as diffusers' unload_lora); the AR's generation config: the trained decode."""
@@ -2649,7 +2649,7 @@ def generate_images(pipe, prompts, sources=None, height=None, width=None, num_in
     return pipe.image_processor.numpy_to_pil(torch.cat(images).clamp(0, 1).permute(0, 2, 3, 1).numpy())
 
 
-# ==== 25. Entry point =============================================================================
+# ==== 25. Entry point
 
 def main(argv=None):
     try:
