@@ -1509,7 +1509,7 @@ def read_image(path, where, kind, size=None):
             image.verify()  # reads the whole file, decodes nothing, leaves it unusable: last
             return image.size[::-1] if turned else image.size
     except FileNotFoundError:
-        raise UsageError(f"{where}: {kind} {path} {'gone since start-up' if size else 'not found'}", local=bool(size))
+        raise UsageError(f"{where}: {kind} image {path} {'is gone' if size else 'not found'}", local=bool(size))
     except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as e:
         raise UsageError(f"{where}: {kind} {path} is not a readable image ({type(e).__name__})", local=bool(size))
 
