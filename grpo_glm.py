@@ -830,7 +830,7 @@ def ode_images(pipe, prompts, sources, rollout, noise, args):
     return decode_images(pipe, prompts, sources, firsts, noise[::G], args.num_inference_steps, args.guidance_scale)
 
 
-# PART III. Plumbing: skip on first read
+# PART III. Plumbing: skip on first read ###########################################################
 # Nothing below is GRPO: how a run starts, stops, logs and saves, and more GPUs; Part I calls each in a line.
 
 
@@ -848,7 +848,7 @@ def pipeline_from_pretrained(args, dtype):
     if dtype == torch.float64:
         float64_throughout()
     verbosity = diffusers_logging.get_verbosity()
-    diffusers_logging.set_verbosity_error()  # offline it warns "Couldn't connect to the Hub" before our line
+    diffusers_logging.set_verbosity_error()  # offline it warns "Couldn't connect to the Hub" first
     try:
         return GlmImagePipeline.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
@@ -1042,7 +1042,7 @@ def progress(steps, what):  # a real model's phases take seconds
     return tqdm(steps, desc=what, leave=False)
 
 
-# ---- For sections 8-11: micro-batches, the reference, the trainer ----
+# ---- For sections 8-11: micro-batches, reference, trainer ----
 def row_slices(num_samples, size):
     return [slice(start, min(start + size, num_samples)) for start in range(0, num_samples, size)]
 
@@ -1204,7 +1204,7 @@ def write_source_caches(dit, cond):
     return caches
 
 
-# ==== 15. Starting a run: the flags, their checks (one-line errors before anything loads), --out
+# ==== 15. Starting a run: flags, their checks (one-line errors before loading), --out
 
 def parse_args(argv=None):
     p = Parser(description="GRPO for GLM-Image on image rewards.", formatter_class=HelpFormatter, allow_abbrev=False)
@@ -1615,7 +1615,7 @@ def call_reward(reward, images, prompts, targets):
     return value
 
 
-# ==== 18. LOG: the console, metrics.jsonl, sample sheets, the reward curve, TensorBoard / W&B
+# ==== 18. LOG: console, metrics.jsonl, sample sheets, reward curve, TensorBoard / W&B
 CONSOLE_FIELDS = ("loss {loss:+.4f}|dit loss {dit/loss:+.3e}|reward {reward_mean:.5f} ± {reward_std:.5f}|dit reward "
                   "{dit/reward_mean:.5f} ± {dit/reward_std:.5f}|ratio {ratio_mean:.4f}|clip {clip_ratio:.3f}|"
                   "kl {kl:.2e}|dit/ratio {dit/ratio_mean:.4f}|dit/clip {dit/clip_ratio:.3f}|dit/kl {dit/kl:.2e}|"
@@ -2107,7 +2107,7 @@ class Resume:
 TINY_CODEBOOK = 64  # real: 16384; 8 ids a colour, as in a real codebook
 TINY_VISION_VOCAB = TINY_CODEBOOK + 16  # real: 16512 (codebook + 128 special ids)
 TINY_PALETTE = (torch.tensor(list(COLOURS.values()), dtype=torch.float32) / 255)[torch.arange(TINY_CODEBOOK) % 8]
-# get_rope_index gives a source image 2-D positions by its start and end tokens (a bare <|image|>: text's)
+# get_rope_index places a source image in 2-D by its start and end tokens (a bare <|image|>: as text)
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{{ '<|dit_token_16384|><|image|>"
                       "<|dit_token_16385|>' if c['type'] == 'image' else c['text'] }}{% endfor %}{% endfor %}")
 TINY_RENDERER = dict(dit_steps=800, dit_lr=3e-3, batch=8, dit_grids=((2, 2), (3, 3), (4, 4), (3, 2)), inference_steps=4)
@@ -2230,7 +2230,7 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
            *(importlib.import_module(m).__version__ for m in ("torch", "diffusers", "transformers"))]
     root = tiny_cache()
     final = root / f"tiny-seed{seed}-{hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:16]}"
-    for library in ("diffusers", "transformers"):  # no loading bars: a toy loads at once
+    for library in ("diffusers", "transformers"):  # a toy loads at once: no bars
         importlib.import_module(f"{library}.utils.logging").disable_progress_bar()
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(root / f".{final.name}.lock"):  # a second run waits (freed if the process dies)
@@ -2355,7 +2355,7 @@ def training_state(model, optimizer, loaded=None):
     dsd.set_state_dict(model, optimizer, model_state_dict=loaded[0], optim_state_dict=loaded[1], options=whole)
 
 
-# ==== 23. Memory plan for the real GLM-Image (arithmetic on the real configs, meta device)
+# ==== 23. Memory plan for the real GLM-Image (arithmetic on its configs, meta device)
 # --plan: a GPU's bytes, no download. Checked: README, Measurements; the DiT's are estimates.
 WEIGHT_BYTES, FP32_BYTES = 2, 4
 REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, min_pixels=512**2, max_pixels=2048**2)
