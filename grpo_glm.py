@@ -852,9 +852,9 @@ def pipeline_from_pretrained(args, dtype):
     try:
         return GlmImagePipeline.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-        raise UsageError(f"--model {args.model}: " + (f"not a GlmImagePipeline: {str(e).splitlines()[0]}" if Path(
-            path).is_dir() else f"not in the local Hugging Face cache nor downloadable here; `hf download "
-            f"{args.model}` where the hub is reachable, or pass a directory"))
+        why = f"could not be loaded: {str(e).splitlines()[0]}" if Path(path).is_dir() else "not in the local Hugging " \
+            f"Face cache nor downloadable here; `hf download {args.model}` where the hub is reachable, or a directory"
+        raise UsageError(f"--model {args.model}: {why}")
     finally:
         diffusers_logging.set_verbosity(verbosity)
 
