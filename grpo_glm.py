@@ -903,7 +903,7 @@ def ode_images(pipe, prompts, sources, rollout, noise, args):
 # Nothing below is GRPO: how a run starts, stops, logs and saves, and more GPUs; Part I calls each in a line.
 
 
-# ==== 14. The GRPO step's plumbing ================================================================
+# ==== 14. The GRPO step's plumbing
 
 # ---- For section 2: the model ----
 def pipeline_from_pretrained(args, dtype):
@@ -917,14 +917,13 @@ def pipeline_from_pretrained(args, dtype):
     if dtype == torch.float64:
         float64_throughout()
     verbosity = diffusers_logging.get_verbosity()
-    diffusers_logging.set_verbosity_error()      # offline it warns "Couldn't connect to the Hub" before our line
+    diffusers_logging.set_verbosity_error()  # offline it warns "Couldn't connect to the Hub" first
     try:
         return GlmImagePipeline.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-        if not Path(path).is_dir():
-            raise UsageError(f"--model {args.model}: not in the local Hugging Face cache nor downloadable here; fetch "
-                             f"it once with `hf download {args.model}` where the hub is reachable, or pass a directory")
-        raise UsageError(f"--model {args.model} could not be loaded as a GlmImagePipeline: {str(e).splitlines()[0]}")
+        why = f"could not be loaded: {str(e).splitlines()[0]}" if Path(path).is_dir() else "not in the local Hugging " \
+            f"Face cache nor downloadable here; `hf download {args.model}` where the hub is reachable, or a directory"
+        raise UsageError(f"--model {args.model}: {why}")
     finally:
         diffusers_logging.set_verbosity(verbosity)
 
@@ -932,8 +931,7 @@ def pipeline_from_pretrained(args, dtype):
 def place_pipeline(pipe, args):
     """--offload: diffusers moves model_cpu_offload_seq's models to the GPU in turn; a trained half never moves."""
     if not args.offload:
-        pipe.to(args.device)
-        return
+        return pipe.to(args.device)
     trains_dit = args.policy != "ar"
     pipe.model_cpu_offload_seq = "text_encoder->vae" if trains_dit else "text_encoder->transformer->vae"
     pipe._exclude_from_cpu_offload = ["vision_language_encoder"] + (["transformer"] if trains_dit else [])
@@ -954,9 +952,8 @@ def add_lora(model, r, alpha, targets, **config):
     from diffusers.training_utils import cast_training_params
     from peft import LoraConfig, inject_adapter_in_model
     model.requires_grad_(False)
-    # peft's own injection, not the models' add_adapter: transformers 5.24's refuses every peft released
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, **config)
-    inject_adapter_in_model(config, model)
+    # peft's injection: transformers 5.24's add_adapter refuses every peft released
+    inject_adapter_in_model(LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, **config), model)
     cast_training_params(model, dtype=torch.promote_types(model.dtype, torch.float32))
 
 
@@ -965,7 +962,7 @@ def lora_layers(model):
     return [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
 
 
-# ---- For section 4: the AR's inputs, its M-RoPE positions, its policy and the fast decoder ----
+# ---- For section 4: the AR's inputs, M-RoPE positions, policy and fast decoder ----
 def policy_generation_config(ar, sampling):
     """The policy as the AR's generation config, so that a saved pipeline samples the policy trained."""
     from transformers import GenerationConfig
@@ -979,8 +976,7 @@ def policy_generation_config(ar, sampling):
 
 def sampling_of(ar):
     """policy_generation_config's inverse: a saved pipeline's policy."""
-    config = ar.generation_config
-    return SamplingParams(config.temperature, config.top_k, config.top_p, min(config.suppress_tokens or [0]))
+    return SamplingParams((c := ar.generation_config).temperature, c.top_k, c.top_p, min(c.suppress_tokens or [0]))
 
 
 def processor_inputs(pipe, prompts, sources, height, width, device):
@@ -1030,19 +1026,18 @@ def rollout_positions(ar, batch, grids):
 
 
 def run_prompt_len(pipe, items, args):
-    """The longest prompt's length + 1, for every step: one shape (one captured graph), never unpadded (SDPA's
-    causal kernel sums in another order). Each prompt must leave the AR's context room for an i2i source, the
-    generated tokens and markers (32). The processor pads every prompt alike: the longest text is longest."""
+    """The longest prompt's length + 1, for every step: one shape (one captured graph), never unpadded (SDPA's causal
+    kernel sums in another order). Each must leave room in the context for the images and 32 markers."""
     grid = (args.height // 32) * (args.width // 32)
     others = (2 * grid + 1 if args.mode == "i2i" else ar_sequence("t2i", args.height, args.width)[1]) + 32
     context = pipe.vision_language_encoder.config.text_config.max_position_embeddings
     lengths = [len(ids) for ids in pipe.processor.tokenizer([it.text for it in items], add_special_tokens=False)
                ["input_ids"]]
-    for item, length in zip(items, lengths):
-        if length > context - others:
-            raise UsageError(f"{item.where}: the prompt is {length} tokens; the model's context of {context} "
-                             f"leaves {context - others} for a prompt at {args.height}x{args.width}")
-    item = items[lengths.index(max(lengths))]
+    item = items[lengths.index(longest := max(lengths))]
+    if longest > context - others:
+        raise UsageError(f"--height {args.height} --width {args.width}: {others} tokens, over the model's context "
+                         f"of {context}" if others >= context else f"{item.where}: the prompt is {longest} tokens; the "
+                         f"model's context of {context} leaves {context - others} at {args.height}x{args.width}")
     source = [item.image("source")] if args.mode == "i2i" else None
     return processor_inputs(pipe, [item.text], source, args.height, args.width, "cpu")["input_ids"].shape[1] + 1
 
@@ -1071,15 +1066,14 @@ class FastDecoder:
     """decode_loop for a run: a DecodeGraph per batch shape and policy, kept and reset between steps (on the CPU:
     no graph, the step runs as is). Its tokens equal decode_loop's on a fresh cache (tested)."""
 
-    def __init__(self, device, capture=None):   # capture: a test's, on any device
+    def __init__(self, device, capture=None):  # capture: a test's, on any device
         self.capture = capture or (cuda_graph if device.type == "cuda" else lambda step: (step(), step))
         self.graphs = {}
 
     def __call__(self, ar, ids, positions, mask, num_tokens, uniforms, sampling):
-        key = (mask.shape, sampling)  # training's, the eval's: sample_tokens pads prompts to the run's length
-        if key not in self.graphs:
-            self.graphs[key] = DecodeGraph(ar, positions, mask, self.capture)
-        graph = self.graphs[key]
+        key = (mask.shape, sampling)  # sample_tokens pads prompts to the run's length
+        if (graph := self.graphs.get(key)) is None:
+            graph = self.graphs[key] = DecodeGraph(ar, positions, mask, self.capture)
         graph.reset(positions, mask)
         ticks = iter(progress(range(num_tokens), "sampling tokens"))
         ticking = lambda: [next(ticks, None), uniforms()][1]  # drawn once a token
@@ -1088,9 +1082,8 @@ class FastDecoder:
 
 class DecodeGraph:
     """A decode step (forward + Gumbel-max, ~1,000 kernels at the real size) captured once as a CUDA graph, then
-    replayed a token: no host work per token and nothing to compile. It reads its inputs from buffers of fixed
-    address: a static KV cache, positions, mask, the last token, the uniforms (each group's generator draws them
-    outside the graph)."""
+    replayed a token: no host work per token, nothing to compile. Its inputs are buffers of fixed address: a static
+    KV cache, positions, mask, the last token, the uniforms (each group's generator draws them outside the graph)."""
 
     def __init__(self, ar, positions, mask, capture):
         self.cache, self.capture, self.replay = static_cache(ar, mask.shape), capture, None
@@ -1120,20 +1113,19 @@ def cuda_graph(step):
     with torch.cuda.stream(stream):
         first = step()
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
+    with torch.cuda.graph(graph := torch.cuda.CUDAGraph(), stream=stream):
         out = step()
     return first, lambda: graph.replay() or out
 
 
-def progress(steps, what):  # a bar on rank 0's terminal: a real model's phases take seconds
+def progress(steps, what):  # a real model's phases take seconds
     if not (sys.stderr.isatty() and rank() == 0):
         return steps
     from tqdm.auto import tqdm
     return tqdm(steps, desc=what, leave=False)
 
 
-# ---- For sections 8-11: the kept set, micro-batches, the reference, the trainer ----
+# ---- For sections 8-11: the kept set, micro-batches, reference, trainer ----
 @torch.no_grad()
 def dropped_by_warpers(z, sampling, keep=None):
     """[..., V] True where transformers' top-k / top-p warpers drop an id of z (ties and order as theirs), but `keep`'s;
@@ -1233,7 +1225,7 @@ class UpdateLog:
         return {self.prefix + k: v for k, v in row.items()}
 
 
-def check_weights_finite(optimizer):      # a sum per tensor (no big temporary), of this rank's --fsdp shards
+def check_weights_finite(optimizer):  # a sum per tensor: no big temporary
     from torch.distributed.tensor import DTensor
     params = [p for group in optimizer.param_groups for p in group["params"]]
     sums = [(p.to_local() if isinstance(p, DTensor) else p).detach().sum().float() for p in params]
@@ -1257,14 +1249,14 @@ class Trainer:
     sampling: SamplingParams
     optimizer: torch.optim.Optimizer = None
     lr_scheduler: object = None
-    trained: torch.nn.Module = None       # what checkpoints hold: the AR, or {AR, DiT}
-    ar: Half = None                       # None: --policy dit
-    dit: Half = None                      # None: --policy ar
-    rewards: list = None                  # the --reward plug-ins (section 6)
-    dit_rewards: list = None              # the --dit-reward ones (none: the DiT trains on `rewards`)
-    prompt_len: int = None                # run_prompt_len
-    decoder: object = None                # a FastDecoder
-    prompt_tokens: dict = None            # --policy dit: prompt index -> its token grid (shared_prompt_tokens)
+    trained: torch.nn.Module = None  # what checkpoints hold: AR, or {AR, DiT}
+    ar: Half = None  # None: --policy dit
+    dit: Half = None  # None: --policy ar
+    rewards: list = None  # --reward's plug-ins (section 6)
+    dit_rewards: list = None  # --dit-reward's (none: the DiT trains on `rewards`)
+    prompt_len: int = None  # run_prompt_len
+    decoder: object = None  # a FastDecoder
+    prompt_tokens: dict = None  # --policy dit: prompt index -> token grid (shared_prompt_tokens)
 
 
 def setup_training(args, rewards, dit_rewards=()):
@@ -1272,29 +1264,26 @@ def setup_training(args, rewards, dit_rewards=()):
     from diffusers.optimization import get_scheduler
     from diffusers.training_utils import set_seed
     pipe = load_pipeline(args)
-    set_seed(args.seed)  # after loading: the same sampling stream however the model was made
+    set_seed(args.seed)  # after loading: one sampling stream however the model was made
     ar, dit = pipe.vision_language_encoder, pipe.transformer
     # codebook bound: a mid-grid end id would crash the DiT
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, dit.config.prior_vq_quantizer_codebook_size)
     trainer = Trainer(pipe, sampling, rewards=rewards, dit_rewards=dit_rewards, decoder=FastDecoder(ar.device),
                       prompt_tokens={})
     ar.generation_config = policy_generation_config(ar, sampling)
-    # beta > 0, full fine-tuning: a frozen copy is the KL reference (at 9B use LoRA instead)
+    # beta > 0, full fine-tuning: a frozen copy is the KL reference (at 9B: LoRA)
     frozen_copy = lambda model, lora: copy.deepcopy(model).requires_grad_(False) if args.beta > 0 and not lora else None
-    groups, trained = [], {}
-    if args.policy != "dit":
-        reference = frozen_copy(ar, args.lora_rank)
-        trainer.ar = Half(ar, *distribute(ar, prepare_policy(ar, args), args, reference), reference)
-        groups.append({"params": trainer.ar.params, "lr": args.lr})
-        trained["vision_language_encoder"] = ar
-    if args.policy != "ar":
-        reference = frozen_copy(dit, args.dit_lora_rank)
-        trainer.dit = Half(dit, *distribute(dit, prepare_dit_policy(dit, args), args, reference), reference)
-        groups.append({"params": trainer.dit.params, "lr": args.dit_lr})
-        trained["transformer"] = dit
+    trained = {}
+    for half, name, prepare, lora in (("ar", "vision_language_encoder", prepare_policy, args.lora_rank),
+                                      ("dit", "transformer", prepare_dit_policy, args.dit_lora_rank)):
+        if args.policy in (half, "both"):
+            model = trained[name] = getattr(pipe, name)
+            reference = frozen_copy(model, lora)
+            setattr(trainer, half, Half(model, *distribute(model, prepare(model, args), args, reference), reference))
     trainer.trained = ar if args.policy == "ar" else torch.nn.ModuleDict(trained)
+    groups = [{"params": h.params, "lr": lr} for h, lr in ((trainer.ar, args.lr), (trainer.dit, args.dit_lr)) if h]
     trainer.optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay)
-    # stepped once per GRPO step; diffusers' 'constant' ignores warm-up, 'constant_with_warmup' does not
+    # diffusers' 'constant' ignores warm-up, 'constant_with_warmup' does not
     warmup = args.lr_scheduler == "constant" and args.lr_warmup_steps
     trainer.lr_scheduler = get_scheduler("constant_with_warmup" if warmup else args.lr_scheduler, trainer.optimizer,
                                          num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.steps)
@@ -1347,7 +1336,7 @@ def write_source_caches(dit, cond):
     return caches
 
 
-# ==== 15. Starting a run: the flags, their checks (one-line errors before anything loads), --out ====
+# ==== 15. Starting a run: flags, their checks (one-line errors before loading), --out
 
 def parse_args(argv=None):
     p = flag_parser()
@@ -1425,7 +1414,7 @@ def flag_parser():
     a = p.add_argument_group("hardware and memory").add_argument
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
     a("--micro-batch-size", type=count, help="Samples per forward/backward (default: G).")
-    a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in backward.")
+    a("--gradient-checkpointing", action="store_true", help="Recompute activations (AR's, DiT's) in backward.")
     a("--offload", action=argparse.BooleanOptionalAction, help="Frozen parts on CPU between uses (default: by --plan).")
     a("--fsdp", action="store_true", help="torchrun: shard trained weights and AdamW state (FSDP2).")
     a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others.")
@@ -1464,7 +1453,7 @@ def number(kind, least=None, above=None, most=None, below=None, multiple=None):
     return parse
 
 
-# requirements.txt's lower bounds (tested equal): older releases fail deep into a run.
+# requirements.txt's lower bounds (tested equal): older ones fail deep in a run.
 LEAST_VERSIONS = {"transformers": "5.23", "diffusers": "0.42.1", "peft": "0.20", "accelerate": "1.10"}
 
 
@@ -1476,16 +1465,21 @@ def validate_args(args):
                          if Version(version(name)) < Version(least))
     model, save = Path(args.model), Path(args.save_pipeline or ".")
     full = (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
-    # 'owner/name' with no local parent: a typo in 'runs/x' must not go to the hub
+    # 'owner/name', no local parent: a 'runs/x' typo must not go to the hub
     hub_id = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", args.model) and not model.parent.is_dir()
+    empty = [f"--{k.replace('_', '-')}" for k, v in vars(args).items() if v == ""]
+    k = next((k for k in (args.plan_gpus or () if args.plan else [world_size()]) if args.prompts_per_step % k), 0)
     refusals = [  # (refused?, why)
-        (not args.out, "--out is empty (an unset variable?)"),
+        (empty, f"{' and '.join(empty)} is empty (an unset variable?)"),
         (outdated, f"too old: {outdated}; pip install -r requirements.txt"),
+        (k, f"--prompts-per-step {args.prompts_per_step} must be divisible by "
+            f"{f'--plan-gpus {k}' if args.plan else f'the number of processes ({k})'}: each rank trains whole groups"),
         (args.ar_trainable == "head" and (args.lora_rank or args.fsdp),
          "--ar-trainable head takes neither --lora-rank nor --fsdp (it trains one layer)"),
         (args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline),
          "--fsdp shards full fine-tuning, no LoRA; for --save-pipeline resume in one process"),
-        (args.fsdp and world_size() == 1, "--fsdp needs torchrun: one process has nothing to shard"),
+        (args.fsdp and not (args.plan_gpus if args.plan else world_size() > 1),
+         "--fsdp needs torchrun: one process has nothing to shard (--plan: --plan-gpus K)"),
         ((args.plan_gpus or args.plan_gpu_memory) and not args.plan, "--plan-gpus and --plan-gpu-memory: add --plan"),
         ((args.dit_train_steps or 0) > args.num_inference_steps,
          f"--dit-train-steps {args.dit_train_steps} exceeds --num-inference-steps {args.num_inference_steps}"),
@@ -1507,30 +1501,34 @@ def validate_args(args):
     ]
     if why := next((why for refused, why in refusals if refused), None):
         raise UsageError(why)
-    paths = {"--out": args.out, "--save-pipeline": args.save_pipeline,
+    torchrun = " ".join(f"{k}={os.environ[k]}" for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in os.environ)
+    if not re.fullmatch(r"(\w+=\d+ ?)*", torchrun) or world_size() > 1 and not os.getenv("MASTER_ADDR"):
+        raise UsageError(f"{torchrun}: set, but not by torchrun", local=True)
+    paths = {"--out": Path(args.out, "checkpoints"), "--save-pipeline": args.save_pipeline,
              "the tiny model's cache (GRPO_GLM_CACHE)": args.model == TINY and tiny_cache()}
-    for flag, path in ((flag, path) for flag, path in paths.items() if path):  # or its nearest parent: writable?
+    for flag, path in ((flag, path) for flag, path in paths.items() if path and not args.plan):  # or nearest parent
         parent = next(p for p in [Path(path).absolute(), *Path(path).absolute().parents] if p.exists())
         if not parent.is_dir():
-            raise UsageError(f"{flag} {path}: {parent} is a file, not a directory")
+            raise UsageError(f"{flag}: {parent} is a file, not a directory")
         try:
             tempfile.TemporaryFile(dir=parent).close()
         except OSError as e:
-            raise UsageError(f"{flag} {path}: cannot write in {parent} ({e.strerror})")
+            raise UsageError(f"{flag}: cannot write in {parent} ({e.strerror})")
 
 
 def pretrained_defaults(args):
-    """Any --model but tiny: the model card's sampler and decode; DanceGRPO's (full) or flow_grpo's (LoRA) lr."""
+    """Not tiny: the model card's sampler and decode (a saved pipeline: its own); DanceGRPO's or flow_grpo's lr."""
+    saved = Path(getattr(args, "model", TINY), "vision_language_encoder/generation_config.json")
     return dict(lr=1e-5, dit_lr=3e-4 if args.dit_lora_rank else 1e-5, temperature=0.9, top_p=0.75,
-                num_inference_steps=30, guidance_scale=1.5, height=1024, width=1024)
+                num_inference_steps=30, guidance_scale=1.5, height=1024, width=1024) | (
+        json.loads(saved.read_text()).get("trained_decode", {}) if saved.is_file() else {})
 
 
 def resolve_runtime(args):
     """The flags' derived values, printed as 'running with'."""
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.dtype == "auto":
-        args.dtype = "bfloat16" if args.device == "cuda" and args.model != TINY else "float32"
+    args.device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    args.dtype = ("bfloat16" if args.device == "cuda" and args.model != TINY else "float32") \
+        if args.dtype == "auto" else args.dtype
     if args.ar_trainable == "auto":
         args.ar_trainable = "head" if args.model == TINY and not (args.lora_rank or args.fsdp) else "all"
     if args.dit_train_steps is None and args.policy != "ar":
@@ -1570,7 +1568,7 @@ def lock_out_dir(out, closing):
         raise UsageError(f"--out {out} is in use by another run")
 
 
-# ==== 16. Prompt files, images and the demo's targets =============================================
+# ==== 16. Prompt files, images and the demo's targets
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (240, 210, 40),
            "white": (255, 255, 255), "black": (0, 0, 0), "orange": (245, 140, 30), "purple": (140, 60, 180)}
@@ -1596,7 +1594,7 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",), flag="-
     """Lines `prompt[ | target.png[ | source.png (i2i)]]`, paths relative to the file; `\\|` is a '|'."""
     path, items, resized = Path(path), [], False
     if not path.is_file():
-        raise UsageError(f"{flag} {path}: " + ("is a directory, not a file" if path.is_dir() else "file not found"))
+        raise UsageError(f"{flag} {path}: " + ("not a regular file" if path.exists() else "file not found"))
     try:
         lines = path.read_text(encoding="utf-8-sig").splitlines()  # -sig: drops a BOM (Windows editors)
     except UnicodeDecodeError as e:  # e.object: the bytes after a BOM
@@ -1651,9 +1649,8 @@ def read_image(path, where, kind, size=None):
             image.verify()  # reads the whole file, decodes nothing, leaves it unusable: last
             return image.size[::-1] if turned else image.size
     except FileNotFoundError:
-        later = " (it was there at start-up)" if size else ""
-        raise UsageError(f"{where}: {kind} image {path} not found{later}", local=bool(size))
-    except (UnidentifiedImageError, OSError, SyntaxError) as e:
+        raise UsageError(f"{where}: {kind} image {path} {'is gone' if size else 'not found'}", local=bool(size))
+    except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as e:
         raise UsageError(f"{where}: {kind} {path} is not a readable image ({type(e).__name__})", local=bool(size))
 
 
@@ -1669,8 +1666,7 @@ def to_rgb(image):
 
 
 def draw_shape(shape, colour, background, height, width):
-    image = Image.new("RGB", (width, height), COLOURS[background])
-    draw = ImageDraw.Draw(image)
+    draw = ImageDraw.Draw(image := Image.new("RGB", (width, height), COLOURS[background]))
     box = (width * 0.2, height * 0.2, width * 0.8, height * 0.8)
     if shape == "triangle":
         draw.polygon([(width / 2, box[1]), box[2:], (box[0], box[3])], fill=COLOURS[colour])
@@ -1696,7 +1692,7 @@ def demo_scene(prompt, where, mode, role="target", why=""):
     return edit[2], edit[1] if role == "source" else edit[3], "white"
 
 
-# ==== 17. Reward plug-ins: --reward module:fn | file.py:fn ========================================
+# ==== 17. Reward plug-ins: --reward module:fn | file.py:fn
 
 Reward = make_dataclass("Reward", ["name", "fn", "weight"])  # name: logged as rewards/<name>
 
@@ -1706,37 +1702,37 @@ def mse(images, prompts, targets):  # the built-in reward as a plug-in
 mse.uses_targets = True
 
 
-def load_reward(spec):
+def load_reward(spec, flag="--reward"):
     where, _, text = spec.rpartition("=") if "=" in spec else (spec, "", "1")
     try:
         weight = number(float)(text)  # the flags' check: a finite float
     except (ValueError, argparse.ArgumentTypeError):
-        raise UsageError(f"--reward {spec}: weight after '=' must be a finite number, got {text!r}")
+        raise UsageError(f"{flag} {spec}: weight after '=' must be a finite number, got {text!r}")
     if weight == 0:
-        raise UsageError(f"--reward {spec}: a weight of 0 adds nothing")
+        raise UsageError(f"{flag} {spec}: a weight of 0 adds nothing")
     if where == "mse":
         return Reward("mse", mse, weight)
     module_name, _, fn_name = where.rpartition(":")
     if not module_name or not fn_name:
-        raise UsageError(f"--reward {spec}: expected 'mse', 'module:function' or 'file.py:function'")
+        raise UsageError(f"{flag} {spec}: expected 'mse', 'module:function' or 'file.py:function'")
     sys.path.insert(0, os.getcwd())  # cwd first, as `python -m` does
     try:
         namespace = (runpy.run_path(module_name) if module_name.endswith(".py")
                      else vars(importlib.import_module(module_name)))
     except (Exception, SystemExit) as e:  # sys.exit() in the plug-in too
-        raise UsageError(f"--reward {spec}: importing {module_name} failed: {type(e).__name__}: "
+        raise UsageError(f"{flag} {spec}: importing {module_name} failed: {type(e).__name__}: "
                          f"{(str(e).splitlines() or [''])[0]}")
     finally:
         sys.path.remove(os.getcwd())
     if not callable(fn := namespace.get(fn_name)):
-        raise UsageError(f"--reward {spec}: {module_name} has no function {fn_name}")
+        raise UsageError(f"{flag} {spec}: {module_name} has no function {fn_name}")
     return Reward(fn_name, fn, weight)
 
 
-def load_rewards(specs):
-    rewards = [load_reward(spec) for spec in specs]
+def load_rewards(specs, flag="--reward"):
+    rewards = [load_reward(spec, flag) for spec in specs]
     if len({r.name for r in rewards}) < len(rewards):
-        raise UsageError(f"--reward: two rewards share a name ({', '.join(r.name for r in rewards)}); rename one")
+        raise UsageError(f"{flag}: two rewards share a name ({', '.join(r.name for r in rewards)}); rename one")
     return rewards
 
 
@@ -1759,7 +1755,7 @@ def call_reward(reward, images, prompts, targets):
     return value
 
 
-# ==== 18. LOG: the console, metrics.jsonl, sample sheets, the reward curve, TensorBoard / W&B =====
+# ==== 18. LOG: console, metrics.jsonl, sample sheets, reward curve, TensorBoard / W&B
 CONSOLE_FIELDS = ("loss {loss:+.4f}|dit loss {dit/loss:+.3e}|reward {reward_mean:.5f} ± {reward_std:.5f}|dit reward "
                   "{dit/reward_mean:.5f} ± {dit/reward_std:.5f}|ratio {ratio_mean:.4f}|clip {clip_ratio:.3f}|"
                   "kl {kl:.2e}|dit/ratio {dit/ratio_mean:.4f}|dit/clip {dit/clip_ratio:.3f}|dit/kl {dit/kl:.2e}|"
@@ -1798,11 +1794,9 @@ def start_logging(args, trainer, out, start):
     if args.report_to == "none":
         return None
     from accelerate.tracking import TensorBoardTracker, WandBTracker
-    if args.report_to == "wandb":  # WANDB_MODE=offline: <out>/wandb, for `wandb sync`
-        tracker = WandBTracker("grpo_glm", name=out.name, dir=str(out), config=vars(args))
-    else:  # purge_step: a resume drops later events
-        tracker = TensorBoardTracker("logs", out, purge_step=start + 1 if start else None)
-    tracker.start()
+    tracker = WandBTracker("grpo_glm", name=out.name, dir=str(out), config=vars(args)) if args.report_to == "wandb" \
+        else TensorBoardTracker("logs", out, purge_step=start + 1 if start else None)  # a resume drops later events
+    tracker.start()  # W&B: WANDB_MODE=offline writes <out>/wandb, for `wandb sync`
     if args.report_to == "tensorboard":
         flags = "\n".join(f"| --{k.replace('_', '-')} | {v} |" for k, v in sorted(vars(args).items()))
         tracker.writer.add_text("flags", "| flag | value |\n|---|---|\n" + flags, global_step=start)
@@ -1818,7 +1812,7 @@ def warn_if_collapsed(row, warned, max_entropy=None):
     """Once per run: most groups tied (advantages 0), and why; not on a non-finite step (call_reward warned)."""
     if warned or row["frac_reward_zero_std"] <= 0.5 or row["frac_reward_nonfinite"]:
         return warned
-    why = "the reward does not separate the samples"     # --policy dit: the SDE keeps them apart
+    why = "the reward does not separate the samples"  # --policy dit: the SDE keeps them apart
     if "entropy" in row:
         why = f"entropy {row['entropy']:.3f} of {max_entropy:.2f}: " + (
             "the policy has collapsed; lower --lr or raise --temperature" if row["entropy"] < 0.5 * max_entropy
@@ -1828,9 +1822,11 @@ def warn_if_collapsed(row, warned, max_entropy=None):
     return True
 
 
-def read_metrics(path):
-    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
-    return [json.loads(line) for line in lines if line.strip()]
+def read_metrics(path):  # a last row cut short by a kill: its text
+    rows = [row for row in path.read_text(encoding="utf-8").splitlines() if row.strip()] if path.exists() else []
+    if torn := [n for n, row in enumerate(rows[:-1], 1) if not row.endswith("}")]:
+        raise UsageError(f"{path}: row {torn[0]} is cut short")
+    return [json.loads(row) if row.endswith("}") else row for row in rows]
 
 
 def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, tracker=None,
@@ -1842,14 +1838,12 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
     to_pil = lambda x: x if isinstance(x, Image.Image) else Image.fromarray(  # sources: PIL already
         (x.clamp(0, 1).permute(1, 2, 0).numpy() * 255).astype(np.uint8))
     references = [(n, x) for n, x in [("source", sources), ("target", targets), ("a=0 (ODE)", ode)] if x is not None]
-    cells = len(references) + group_size
-    columns = min(8, cells)
+    columns = min(8, cells := len(references) + group_size)
     block = 2 * line + math.ceil(cells / columns) * (height + line)  # heading, rows of cells, space
-    sheet = Image.new("RGB", (columns * (width + gap), len(prompts) * block), "white")
-    draw = ImageDraw.Draw(sheet)
+    draw = ImageDraw.Draw(sheet := Image.new("RGB", (columns * (width + gap), len(prompts) * block), "white"))
     for b, row in enumerate(sorted(range(len(prompts)), key=lambda r: prompts[r])):
         draw.text((0, b * block), shorten(prompts[row], sheet.width // 9), fill="black", font_size=16)
-        samples = [(images[i], " / ".join(f"{r:.4f}" for r in rewards[i].view(-1).tolist()))    # [N] or [N, k]
+        samples = [(images[i], " / ".join(f"{r:.4f}" for r in rewards[i].view(-1).tolist()))  # [N] or [N, k]
                    for i in range(row * group_size, (row + 1) * group_size)]
         for i, (image, label) in enumerate([(x[row], name) for name, x in references] + samples):
             x, y = i % columns * (width + gap), b * block + line + 4 + i // columns * (height + line)
@@ -1918,7 +1912,7 @@ def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
     image.save(path)
 
 
-# ==== 19. The run: train()'s plumbing, Ctrl+C and SIGTERM =========================================
+# ==== 19. The run: train()'s plumbing, Ctrl+C and SIGTERM
 # Ctrl+C/SIGTERM drops a step before its update (AbandonStep), finishes one past it; ranks agree there and at its end.
 
 class AbandonStep(BaseException):
@@ -1934,7 +1928,7 @@ class Run:
         self.voted, self.bad_steps, self.warned, self.closing = True, [], False, contextlib.ExitStack()
 
     def __enter__(self):
-        with self.closing:    # a failed open closes what it opened
+        with self.closing:  # a failed open closes what it opened
             self.open(self.args, self.out)
             self.closing = self.closing.pop_all()
         return self
@@ -1952,15 +1946,15 @@ class Run:
             lock_out_dir(out, self.closing)
         # mse's targets: checked before slow plug-ins (CLIP) load
         builtin = ["mse"] if "mse" in [s.partition("=")[0] for s in args.reward + (args.dit_reward or [])] else []
-        items = self.items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
-        self.eval_items = args.eval_prompts and read_prompts(args.eval_prompts, args.height, args.width, args.mode,
-                                                             builtin, "--eval-prompts") or []
+        read = lambda path, flag="--prompts": read_prompts(path, args.height, args.width, args.mode, builtin, flag)
+        items = self.items = read(args.prompts)
+        self.eval_items = args.eval_prompts and read(args.eval_prompts, "--eval-prompts") or []
         if 0 < len(self.eval_items) < world_size():  # a block of at least one a rank
             raise UsageError(f"--eval-prompts {args.eval_prompts}: {len(self.eval_items)} for {world_size()} processes")
         if args.prompts_per_step > len(items) and self.lead:
             print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} lines of {args.prompts}: "
                   "steps repeat lines of the file")
-        rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [])
+        rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [], "--dit-reward")
         readers = [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)]
         require_targets(items + self.eval_items, readers)
         args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
@@ -1974,12 +1968,12 @@ class Run:
         if args.mode == "i2i":
             check_source_size(trainer.pipe.processor.image_processor, args.height, args.width)
         resume.restore(trainer, out)
-        if resume.export:      # --save-pipeline only (in __exit__)
+        if resume.export:  # --save-pipeline only (in __exit__)
             return
         if self.lead:  # the curve's window: a pass over the prompts
             window = min(20, math.ceil(len(items) / args.prompts_per_step))
-            self.closing.callback(lambda: save_reward_curve(out / "reward_curve.png",
-                                                            read_metrics(out / "metrics.jsonl"), window))
+            self.closing.callback(lambda: save_reward_curve(
+                out / "reward_curve.png", read_metrics(out / "metrics.jsonl"), window))
             self.tracker = start_logging(args, trainer, out, self.start)
             self.closing.callback(self.tracker.finish if self.tracker else lambda: None)
         for s in (signal.SIGINT, signal.SIGTERM):
@@ -1988,7 +1982,7 @@ class Run:
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
         if self.eval_items and self.start % args.eval_every == 0 and max_over_ranks(self.lead and not any(
                 "eval/seconds" in r and r["step"] == self.start for r in read_metrics(out / "metrics.jsonl"))):
-            self.evaluate(self.start)     # unless a run before the resume did
+            self.evaluate(self.start)  # unless a run before the resume did
 
     def steps(self):
         """Yields (step, indices, slots): this rank's block of the step's prompts, seeded order per pass."""
@@ -1996,7 +1990,7 @@ class Run:
         slots = np.array_split(range(args.prompts_per_step), world_size())[rank()].tolist()
         for step in range(self.start + 1, args.steps + 1):
             self.step, self.t0, self.step_rng, self.voted = step, time.time(), rng_state(), False
-            if self.signum is not None:      # came after the last step's vote
+            if self.signum is not None:  # came after the last step's vote
                 raise AbandonStep
             places = [divmod((step - 1) * args.prompts_per_step + slot, count) for slot in slots]
             yield step, [int(torch.randperm(count, generator=seeded(args.seed, "prompt order", epoch))[offset])
@@ -2030,7 +2024,7 @@ class Run:
         if stopping:
             self.stop(step)
 
-    def log(self, row, step):  # a step's row or an eval's (eval/ keys)
+    def log(self, row, step):
         finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
         with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:  # NaN, inf -> null: JSON has no NaN
             f.write(json.dumps(finite, allow_nan=False) + "\n")
@@ -2060,7 +2054,7 @@ class Run:
         targets = step_prompts(items, range(len(items)), "t2i")[1]    # [n, 3, H, W] | None
         scored = (prompts, None if targets is None else targets[mine], G)
         parts = from_every_rank((images, *compute_rewards(self.trainer.rewards, images, *scored)))
-        if self.lead:    # the ranks' blocks, in prompt order
+        if self.lead:  # the ranks' blocks, in prompt order
             images, rewards = (torch.cat([p[i] for p in parts]) for i in (0, 1))
             per_reward = {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}
             row = {"eval/" + k: v for k, v in reward_metrics(rewards, per_reward, G).items()}
@@ -2096,15 +2090,15 @@ class Run:
 
     def __exit__(self, kind, error, traceback):
         try:
-            if kind is AbandonStep:       # the weights are step - 1's
+            if kind is AbandonStep:  # the weights are step - 1's
                 self.stop(self.step - 1)
         finally:
             self.closing.close()
         if kind is None and self.trainer and self.lead:
             if pipeline := self.args.save_pipeline:
                 save_trained_pipeline(self.trainer.pipe, self.args)
-            made = ", ".join(p.name + "/" * p.is_dir() for p in sorted(self.out.iterdir()) if p.name[0] != ".")
-            print(f"done: {self.out} holds {made}" + (f"; the trained pipeline: {pipeline}" if pipeline else ""))
+            said = [f"{self.out} holds " + ", ".join(p.name + "/" * p.is_dir() for p in sorted(self.out.glob("[!.]*")))]
+            print("done:", "; ".join(said * self.out.is_dir() + [f"the trained pipeline: {pipeline}"] * bool(pipeline)))
 
     def stop(self, done):
         """Exits 128 + signal with step `done` saved (step_rng: the RNG states it left)."""
@@ -2118,7 +2112,7 @@ class Run:
         if not saved and (peers or self.lead):
             save_checkpoint(self.out, done, self.trainer, self.args, self.step_rng if done < self.step else None)
         if peers:
-            all_ranks_agree(True)     # the others wait for rank 0's file
+            all_ranks_agree(True)  # the others wait for rank 0's file
         when = f"in step {self.step} before its update" if done < self.step else f"after step {done}"
         where = (f"step {done} is saved in {self.out / 'checkpoints' / f'step_{done:06d}.pt'}; continue with "
                  f"--resume latest --out {self.out}" if done else "no step finished, nothing to save")
@@ -2127,7 +2121,7 @@ class Run:
         sys.exit(128 + self.signum)
 
 
-# ==== 20. CHECKPOINT and --resume =================================================================
+# ==== 20. CHECKPOINT and --resume
 
 def atomic_write(path, write):
     """write(f) to path.tmp, synced, renamed over path: readers see the old file or the new."""
@@ -2140,7 +2134,7 @@ def atomic_write(path, write):
 
 
 def rng_state():
-    name, keys, *rest = np.random.get_state()      # numpy's uint32 keys as an int64 tensor: weights_only loads it
+    name, keys, *rest = np.random.get_state()  # numpy's uint32 keys as an int64 tensor: weights_only loads it
     return {"python": random.getstate(), "numpy": [name, torch.from_numpy(keys.astype(np.int64)), *rest],
             "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all()}  # no GPU: []
 
@@ -2150,8 +2144,7 @@ def save_checkpoint(out, step, trainer, args, rng=None):
     weights, optimizer_state = training_state(trainer.trained, trainer.optimizer)
     if rank() != 0:
         return None
-    path = out / "checkpoints" / f"step_{step:06d}.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    (path := out / "checkpoints" / f"step_{step:06d}.pt").parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": CHECKPOINT_FORMAT, "step": step, "trainable": weights, "optimizer": optimizer_state,
                "lr_scheduler": trainer.lr_scheduler.state_dict(), "rng": rng or rng_state(), "args": vars(args)}
     atomic_write(path, functools.partial(torch.save, payload))
@@ -2170,10 +2163,10 @@ def read_checkpoint(spec, out=None):
         print(f"--resume latest: no checkpoint in {out / 'checkpoints'} yet; starting from step 0")
         return None
     try:
-        with warnings.catch_warnings(action="ignore"):     # junk can look like another pickle protocol's
+        with warnings.catch_warnings(action="ignore"):  # junk can look like another pickle protocol's
             ckpt = torch.load(path, map_location="cpu", weights_only=True)  # no pickled code
-    except Exception as e:  # many types for a missing, foreign or truncated file
-        raise UsageError(f"--resume {path}: not a readable checkpoint ({type(e).__name__})")
+    except Exception:  # many types for a missing, foreign or truncated file
+        raise UsageError(f"--resume {path}: {'not a readable checkpoint file' if path.exists() else 'no such file'}")
     if not isinstance(ckpt, dict) or not str(ckpt.get("format", "")).startswith("grpo_glm-checkpoint-"):
         raise UsageError(f"--resume {path}: not a checkpoint of grpo_glm.py")
     if ckpt["format"] != CHECKPOINT_FORMAT:
@@ -2187,6 +2180,7 @@ class Resume:
     def __init__(self, args, out):
         if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
             raise UsageError(f"--out {out} has a run: pass --resume latest to continue it, or another --out")
+        self.rows = read_metrics(out / "metrics.jsonl")  # before the model loads
         ckpt = self.ckpt = read_checkpoint(args.resume, out) if args.resume else None
         step = self.step = ckpt["step"] if ckpt else 0
         self.export = step >= args.steps  # --save-pipeline of the checkpoint, or nothing to do
@@ -2224,8 +2218,8 @@ class Resume:
                 raise UsageError(f"--resume {ckpt['path']}: weights do not fit this model: "
                                  + ("; ".join(changed) or str(e).splitlines()[0][:120]))
             if self.export:
-                return            # the weights alone
-            name, keys, *rest = ckpt["rng"]["numpy"]        # rng_state's, in reverse
+                return  # the weights alone
+            name, keys, *rest = ckpt["rng"]["numpy"]  # rng_state's, in reverse
             np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
             random.setstate(ckpt["rng"]["python"])
             torch.set_rng_state(ckpt["rng"]["torch"])
@@ -2237,21 +2231,21 @@ class Resume:
         for path in self.later:
             path.rename(path.with_name(path.name + ".dropped"))
             print(f"note: renamed {path.name} to {path.name}.dropped")
-        step, rows = self.step, read_metrics(out / "metrics.jsonl")
-        if dropped := [row for row in rows if row["step"] > step]:
+        step, rows = self.step, self.rows
+        if dropped := [row for row in rows if isinstance(row, str) or row["step"] > step]:  # a cut-short row too
             aside = out / f"metrics.dropped_after_step_{step:06d}.jsonl"
-            for file, kept in ((aside, dropped), (out / "metrics.jsonl", [r for r in rows if r["step"] <= step])):
+            for file, kept in ((aside, dropped), (out / "metrics.jsonl", [r for r in rows if r not in dropped])):
                 atomic_write(file, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
-            print(f"note: resuming drops metrics rows of steps {dropped[0]['step']}..{dropped[-1]['step']} to {aside}")
+            print(f"note: resuming sets the {len(dropped)} metrics rows past step {step} aside in {aside}")
 
 
-# ==== 21. The tiny model's renderer: pre-trained once on token mosaics, then cached ===============
+# ==== 21. The tiny model's renderer: pre-trained once on token mosaics, then cached
 # Its AR is random (what to paint is GRPO's to learn); its renderer (~15 s CPU) paints id k in colour k mod 8.
 
 TINY_CODEBOOK = 64  # real: 16384; 8 ids a colour (a real codebook has many too)
 TINY_VISION_VOCAB = TINY_CODEBOOK + 16  # real: 16512 (codebook + 128 special ids)
 TINY_PALETTE = (torch.tensor(list(COLOURS.values()), dtype=torch.float32) / 255)[torch.arange(TINY_CODEBOOK) % 8]
-# get_rope_index gives a source image 2-D positions by its start and end tokens (a bare <|image|>: text's)
+# get_rope_index places a source image in 2-D by its start and end tokens (a bare <|image|>: as text)
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{{ '<|dit_token_16384|><|image|>"
                       "<|dit_token_16385|>' if c['type'] == 'image' else c['text'] }}{% endfor %}{% endfor %}")
 TINY_RENDERER = dict(dit_steps=800, dit_lr=3e-3, batch=8, dit_grids=((2, 2), (3, 3), (4, 4), (3, 2)), inference_steps=4)
@@ -2373,7 +2367,7 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
            *(importlib.import_module(m).__version__ for m in ("torch", "diffusers", "transformers"))]
     root = tiny_cache()
     final = root / f"tiny-seed{seed}-{hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:16]}"
-    for library in ("diffusers", "transformers"):  # no loading bars: a toy loads at once
+    for library in ("diffusers", "transformers"):  # a toy loads at once: no bars
         importlib.import_module(f"{library}.utils.logging").disable_progress_bar()
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(root / f".{final.name}.lock"):  # a second run waits (freed if the process dies)
@@ -2389,7 +2383,7 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
     return final
 
 
-# ==== 22. More GPUs: torchrun data parallel (DDP) and sharding (--fsdp) ===========================
+# ==== 22. More GPUs: torchrun data parallel (DDP) and sharding (--fsdp)
 # torchrun --nproc_per_node K: a rank samples, rewards, standardises whole groups (DanceGRPO); mean gradients and a
 # few scalars cross ranks; rank 0 writes. 1 and K processes sample alike, train alike up to sums' order.
 
@@ -2412,11 +2406,11 @@ def float64_throughout():
 
 
 def rank():  # torchrun's, readable before joining the group
-    return int(os.getenv("RANK", "0"))
+    return int(n) if (n := os.getenv("RANK", "0")).isdecimal() and world_size() > 1 else 0
 
 
 def world_size():
-    return int(os.getenv("WORLD_SIZE", "1"))
+    return int(n) if (n := os.getenv("WORLD_SIZE", "1")).isdecimal() else 1
 
 
 def unwrap(model):
@@ -2498,7 +2492,7 @@ def training_state(model, optimizer, loaded=None):
     dsd.set_state_dict(model, optimizer, model_state_dict=loaded[0], optim_state_dict=loaded[1], options=whole)
 
 
-# ==== 23. Memory plan for the real GLM-Image (arithmetic on the real configs, meta device) ========
+# ==== 23. Memory plan for the real GLM-Image (arithmetic on its configs, meta device)
 # --plan: a GPU's bytes, no download. Checked: README, Measurements; the DiT's are estimates.
 WEIGHT_BYTES, FP32_BYTES = 2, 4
 REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, min_pixels=512**2, max_pixels=2048**2)
@@ -2513,7 +2507,7 @@ def plan_components(model, seed=0):
         pipe = build_tiny_pipeline(seed, mosaic_ar=True)
         return ({"ar": pipe.vision_language_encoder, "dit": pipe.transformer, "glyph_t5": pipe.text_encoder,
                  "vae": pipe.vae}, pipe.processor.image_processor)
-    saved, processor = Path(model), None
+    saved, processor = Path(model), GlmImageImageProcessorPil(**REAL_IMAGE_PROCESSOR)
     if saved.is_dir():
         ar, glyph_t5 = (AutoConfig.from_pretrained(saved / p) for p in ("vision_language_encoder", "text_encoder"))
         dit = GlmImageTransformer2DModel.load_config(saved / "transformer")
@@ -2567,9 +2561,9 @@ def layer_activation_bytes(text, lora_rank=0, bytes_per=WEIGHT_BYTES):
     """Bytes a decoder layer keeps per token for backward (SDPA, flash on CUDA and CPU: no length^2 matrix)."""
     h, i, heads = text.hidden_size, text.intermediate_size, text.num_attention_heads
     kv, d, a = text.num_key_value_heads * h // heads, bytes_per, FP32_BYTES
-    kept = (d * (2 * h + 2 * kv + 3 * i)    # q, k, v after RoPE, SDPA's output; gate_up's output, SiLU's
+    kept = (d * (2 * h + 2 * kv + 3 * i)  # q, k, v after RoPE, SDPA's output; gate_up's output, SiLU's
             + 4 * heads + 4 * (4 * h + 4))  # SDPA's log-sum-exp; the 4 RMSNorms' fp32 inputs and 1 / rms
-    if not lora_rank:                       # the norms' normalised values; inputs of q/k/v, o, gate_up, down
+    if not lora_rank:  # the norms' normalised values; inputs of q/k/v, o, gate_up, down
         return kept + d * (7 * h + i)
     # adapters' inputs cast to fp32 (q, k, v each theirs; an fp32 model keeps the shared ones), A's outputs
     return kept + a * (5 * h + i if d != a else 3 * h + i) + len(LORA_TARGETS) * a * lora_rank
@@ -2607,14 +2601,14 @@ def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
 
 
 def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=False, gpus=(), ranks=(64, 16),
-                mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0, dit_rank=64):
+                mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0, dit_rank=64, ar_rank=0):
     """{"ar", "dit": --plan's rows (+ "half": its bytes)}, parameter counts, terms; a GPU of K samples `batch` / K."""
     ar, config, d, batch = components["ar"], components["dit"].config, WEIGHT_BYTES, batch or samples
     text, counts = ar.config.text_config, {name: numel(m) for name, m in components.items()}
     frozen = {name: d * counts[name] for name in ("dit", "glyph_t5", "vae")}
     prompt_len, generated = ar_sequence(mode, height, width, prompt_tokens, image_processor)
     hidden, patches = config.num_attention_heads * config.attention_head_dim, (height // 16) * (width // 16)
-    # i2i: write_source_caches' K, V per layer and prompt, alive through the DiT's sampling and backward
+    # i2i: write_source_caches' K, V per layer and prompt, alive through sampling and backward
     source_kv = prompts * config.num_layers * 2 * patches * hidden * d if mode == "i2i" else 0
     kv_cache = (prompt_len + generated) * text.num_hidden_layers * 2 * text.num_key_value_heads * text.hidden_size \
         // text.num_attention_heads * d
@@ -2626,13 +2620,13 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         trained = trainable_tensors(components[name], rank, LORA_TARGETS if name == "ar" else DIT_LORA_TARGETS)
         state = state_bytes(sum(trained), counts[name], d if mode == "full" else FP32_BYTES, k if fsdp else 1,
                             rank > 0, beta > 0 and not rank)
-        if name == "ar":    # sampling: generate's KV cache of the GPU's samples, or pi_old's pass on a micro-batch
+        if name == "ar":  # sampling: generate's KV cache of the GPU's samples, or pi_old's pass on a micro-batch
             sampling = max(batch // k * kv_cache, micro * generated * text.vision_vocab_size * 10)  # (10 B a logit)
             head = 0 if rank else numel(ar.model.language_model.norm) + numel(ar.lm_head)  # trained in full
             u = ar_update_bytes(text, micro, prompt_len, generated, rank, checkpointing, () if fsdp else trained, head)
             activations, backward = (u["peak"], 0) if fsdp else (u["activations"], u["peak"] - u["grads"])
-        else:   # a denoising step's micro-batch: ~30 x hidden a block and token (x2 CFG, 64 text tokens), guessed,
-            sampling = source_kv // k       # + the GPU's source caches; backward: the largest frozen part in turn
+        else:  # a denoising step's micro-batch: ~30 x hidden a block and token (x2 CFG, 64 text tokens), guessed,
+            sampling = source_kv // k  # + the GPU's source caches; backward: the largest frozen part in turn
             blocks = config.num_layers + 30 if checkpointing else config.num_layers * 30
             activations = blocks * (patches + 64) * micro * (2 if cfg else 1) * hidden * d + sampling
             backward = max(frozen["glyph_t5"], frozen["vae"]) + max(activations, state["grads"])
@@ -2661,13 +2655,13 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         if name == "ar":
             return {**r, **dict(zip(("update peak", "sampling peak", "peak, offload"), peaks([h], 0, turn(*frozen)))),
                     "peak, no offload": peaks([h], sum(frozen.values()), max(working.values()))[2]}
-        # 'dit': beside the frozen AR; 'both' trains the AR too: sharded, or its first mode checkpointed
-        a = half("ar", mode, k, checkpointing) if mode == "fsdp" else \
-            half("ar", f"lora-{ranks[0]}" if ranks else "full", k, True)
+        # 'dit': beside the frozen AR; 'both' trains the AR too: sharded, or at ar_rank (0: full)
+        a = half("ar", mode if mode == "fsdp" else f"lora-{ar_rank}" if ar_rank else "full", k, checkpointing)
         return {**r, "peak, dit": peaks([h], d * counts["ar"], turn("glyph_t5", "vae"))[2],
                 "peak, both": peaks([a, h], 0, turn("glyph_t5", "vae"))[2]}
 
-    modes = {"ar": ["full", *(f"lora-{rank}" for rank in ranks)], "dit": ["full", f"lora-{dit_rank}"]}
+    modes = {"ar": ["full", *(f"lora-{r}" for r in ((ar_rank,) if ar_rank else ranks))],
+             "dit": ["full", f"lora-{dit_rank}"]}
     return {name: [row(name, mode, k, c) for k in (1, *gpus) for mode in modes[name] + ["fsdp"] * (k > 1)
                    for c in (False, True)] for name in modes}, counts, \
         {"tokens": (prompt_len, generated), "decode": decode, "source_kv": source_kv}
@@ -2675,10 +2669,12 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
 
 def plan_of_run(args):
     components, processor = plan_components(args.model, args.seed)
+    if args.mode == "i2i":
+        check_source_size(processor, args.height, args.width)
     return memory_plan(components, args.height, args.width, args.micro_batch_size or args.group_size,
                        args.group_size * args.prompts_per_step, args.prompts_per_step, args.guidance_scale > 1,
-                       args.plan_gpus or (), (args.lora_rank,) if args.lora_rank else (64, 16), args.mode,
-                       image_processor=processor, beta=args.beta, dit_rank=args.dit_lora_rank or 64)
+                       args.plan_gpus or (), mode=args.mode, image_processor=processor, beta=args.beta,
+                       dit_rank=args.dit_lora_rank or 64, ar_rank=args.lora_rank)
 
 
 def plan_options(args, rows, counts):
@@ -2700,13 +2696,12 @@ def plan_options(args, rows, counts):
 
 
 def print_memory_plan(args):
+    validate_args(args)
     index = Path(args.model) / "model_index.json"
     kind = index.is_file() and json.loads(index.read_text()).get("_class_name")
     if args.model not in (TINY, "zai-org/GLM-Image") and kind != "GlmImagePipeline":
-        raise UsageError(f"--plan --model {args.model}: " + (
-            f"a {kind}, not GLM-Image" if kind else "not a directory with model_index.json" if index.parent.exists()
-            else "no such directory" if index.parent.parent.is_dir() else "not GLM-Image's hub id")
-            + "; --plan knows 'tiny', zai-org/GLM-Image or a save_pretrained directory of it")
+        raise UsageError(f"--plan --model {args.model}: {f'a {kind}' if kind else 'a hub id'}, not GLM-Image's; --plan "
+                         "knows 'tiny', zai-org/GLM-Image or a saved copy")
     (rows, counts, terms), i2i, G = plan_of_run(args), args.mode == "i2i", args.group_size
     (prompt_len, generated), prompts = terms["tokens"], args.prompts_per_step
     unit, unit_name = (2 ** 20, "MiB") if max(r["peak, no offload"] for r in rows["ar"]) < 2 ** 30 else (2 ** 30, "GiB")
@@ -2722,8 +2717,8 @@ def print_memory_plan(args):
           + f", the DiT's {prompts} source KV caches, one per prompt ({size(terms['source_kv'])})" * i2i)
     titles = ["AR (--policy ar); " + ("fsdp: --fsdp, 16 bytes per trained parameter / K, the bf16 root + 2 layers "
               "gathered" if args.plan_gpus else "--plan-gpus K adds the rows on K GPUs, and --fsdp's"),
-              f"\nDiT (Flow-GRPO, --policy dit|both), CFG {cfg}; 'both' trains the AR's lora-{args.lora_rank or 64} "
-              "too (fsdp: sharded)" + "; activations incl. the source KV caches" * i2i]
+              f"\nDiT (Flow-GRPO, --policy dit|both), CFG {cfg}; 'both' trains the AR too (full, or --lora-rank's; "
+              "fsdp: sharded)" + "; activations incl. the source KV caches" * i2i]
     options = plan_options(args, rows, counts)
     for title, table in zip(titles, rows.values()):
         columns = [key for key in table[0] if key != "half"]
@@ -2733,15 +2728,17 @@ def print_memory_plan(args):
                   ("no", "yes")[r["grad ckpt"]], r["GPUs"], r["micro-batch"],
                   f"{r['trainable'] / count:.1f} {count_name}", *(f"{r[c] / unit:.1f}" for c in columns[5:])])) + " |")
     free = (args.plan_gpu_memory or 0) * 2 ** 30 or torch.cuda.is_available() and torch.cuda.mem_get_info()[0]
+    beside = (peak := options[0][-1]) - options[0][1].get(f"peak, {args.policy}", peak)
     fit = [f"{' '.join(changes)} ({size(peak)})" for changes, _, peak in options if peak <= free][:3]
-    verdict = "fits" if options[0][-1] <= free else f"does not fit; it fits with {'; '.join(fit)}" if fit else \
+    verdict = "fits" if peak <= free else f"does not fit; it fits with {'; '.join(fit)}" if fit else \
         "does not fit in any row: lower --micro-batch-size or the image size, or plan GPUs for --fsdp"
     print(f"verdict: --policy {args.policy}, this run's row {'with' if args.offload else 'without'} --offload: "
-          f"{size(options[0][-1])} of {size(free)} free: {verdict}" if free else
+          f"{size(peak)}{f' (the row + {size(beside)} glyph encoder, VAE)' * (beside > 0)} of "
+          f"{size(free)} free: {verdict}" if free else
           "verdict: no CUDA GPU here: add --plan-gpu-memory GiB")
 
 
-# ==== 24. Saving and using the trained model (--save-pipeline, generate_images) ===================
+# ==== 24. Saving and using the trained model (--save-pipeline, generate_images)
 
 def save_trained_pipeline(pipe, args):
     """Atomic; LoRAs merged, unwrapped (as diffusers' unload_lora); the AR's generation config: the trained decode."""
@@ -2750,10 +2747,9 @@ def save_trained_pipeline(pipe, args):
         for layer in lora_layers(model):
             layer.merge()
         recurse_remove_peft_layers(model)
-    pipe.vision_language_encoder.generation_config.trained_decode = {
-        k: getattr(args, k) for k in ("height", "width", "num_inference_steps", "guidance_scale")}
-    final = Path(args.save_pipeline)
-    partial = final.with_name(f".{final.name}.partial")
+    pipe.vision_language_encoder.generation_config.trained_decode = {  # also --model DIR's defaults
+        k: getattr(args, k) for k in "height width num_inference_steps guidance_scale temperature top_k top_p".split()}
+    partial = (final := Path(args.save_pipeline)).with_name(f".{final.name}.partial")
     print(f"writing the trained pipeline to {final} ...", flush=True)
     try:
         pipe.save_pretrained(partial)
@@ -2790,16 +2786,11 @@ def generate_images(pipe, prompts, sources=None, height=None, width=None, num_in
     return pipe.image_processor.numpy_to_pil(torch.cat(images).clamp(0, 1).permute(0, 2, 3, 1).numpy())
 
 
-# ==== 25. Entry point =============================================================================
+# ==== 25. Entry point
 
 def main(argv=None):
     try:
         args = parse_args(argv)
-        for k in args.plan_gpus or () if args.plan else [world_size()]:
-            if args.prompts_per_step % k:
-                by = f"--plan-gpus {k}" if args.plan else f"the number of processes ({k})"
-                raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by {by}: each rank "
-                                 "trains whole groups")
         return print_memory_plan(args) if args.plan else train(args)
     except UsageError as e:
         if rank() == 0 or e.local:
@@ -2810,7 +2801,8 @@ def main(argv=None):
         if isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e):
             print(f"error: out of memory with {args.prompts_per_step} prompts x {args.group_size} samples per step "
                   f"(micro-batch {args.micro_batch_size}): lower --micro-batch-size, --group-size or --prompts-per-step"
-                  f", or add --gradient-checkpointing; checkpoints in {args.out} are intact", file=sys.stderr)
+                  f", or add --gradient-checkpointing; " + (f"{args.out}'s checkpoints are intact" if
+                  saved_checkpoints(Path(args.out)) else "no checkpoint was written"), file=sys.stderr)
         elif collective_failed(e):
             print(f"error: rank {rank()} lost contact with the other processes ({str(e).splitlines()[0][:160]}): "
                   f"one died or hung past --dist-timeout; its own output says why", file=sys.stderr)
