@@ -262,7 +262,7 @@ def sample_groups(pipe, prompts, group_size, sampling, height, width, loss_token
     mask = batch["attention_mask"]
     mask = torch.nn.functional.pad(mask, (0, L - 1), value=1)  # [N, S + L - 1]
     uniforms = group_uniforms(ar, generators or len(prompts), group_size)
-    decoder = decoder or eager_decoder(ar, mask)
+    decoder = decoder or functools.partial(decode_loop, cache=static_cache(ar, mask.shape))
     prompt = batch["input_ids"]  # [N, S]
     tokens, logp = decoder(ar, prompt, positions, mask, L, uniforms, sampling)
     H, W = grids[-1]
@@ -1052,10 +1052,6 @@ def group_uniforms(ar, generators, group_size):
                               for gen in generators])
 
 
-def eager_decoder(ar, mask):
-    return functools.partial(decode_loop, cache=static_cache(ar, mask.shape))
-
-
 def static_cache(ar, shape):
     """A KV cache of fixed size for `shape` = [N, S + L - 1]: decode_step finds its position on the device."""
     from transformers import StaticCache
@@ -1198,9 +1194,8 @@ def reference_logprobs(trainer, rollout, args):  # pi_ref [N, L]: pi_old's pass 
 
 
 class UpdateLog:
-    """grpo_update's bookkeeping, all of it. A pass: its micro-batches' metrics summed by their shares of the loss
-    (logp_diff_max: their max). The step's row: the mean over the passes that stepped, the first-pass checks of pass
-    1, and how many passes were skipped (and of those, by a non-finite loss)."""
+    """grpo_update's bookkeeping, all of it: a pass sums its micro-batches' metrics by share (logp_diff_max: their
+    max); the row averages the passes that stepped, takes the first-pass checks of pass 1, counts the skipped."""
     FIRST_PASS = ("logp_diff_max", "entropy")
 
     def __init__(self, prefix=""):
@@ -1210,13 +1205,12 @@ class UpdateLog:
         metrics = {}
         for share, terms in micro_batches:
             for key, value in terms.items():
-                metrics[key] = max(metrics.get(key, value), value) if key == "logp_diff_max" else \
-                    metrics.get(key, 0.0) + value * share
+                summed = metrics.get(key, 0.0) + value * share
+                metrics[key] = max(metrics.get(key, value), value) if key == "logp_diff_max" else summed
         self.passes.append(({**metrics, "grad_norm": grad_norm}, stepped))
 
     def row(self):
-        done = [m for m, stepped in self.passes if stepped]
-        first = self.passes[0][0]
+        done, first = [m for m, stepped in self.passes if stepped], self.passes[0][0]
         row = {k: sum(m[k] for m in done) / len(done) if done else float("nan")
                for k in first if k not in self.FIRST_PASS}
         row |= {k: first[k] for k in self.FIRST_PASS if k in first}
@@ -1300,8 +1294,9 @@ def non_finite_streak(bad_steps, row, out, args, start):
     causes = {}
     for r in bad_steps:
         bad = [k[len("rewards/"):] for k, v in r.items() if k.startswith("rewards/") and not math.isfinite(v)]
+        loss = r.get("skipped_nonfinite_loss") or r.get("dit/skipped_nonfinite_loss")
         causes[f"reward {', '.join(bad)} (fix the reward)" if bad else "loss (the policy's log-probs overflowed: try "
-               "a lower --lr)" if r.get("skipped_nonfinite_loss") or r.get("dit/skipped_nonfinite_loss") else "gradient (try a lower --lr or --max-grad-norm)"] = 1
+               "a lower --lr)" if loss else "gradient (try a lower --lr or --max-grad-norm)"] = 1
     found = saved_checkpoints(out)
     saved = f"the last checkpoint is {found[-1]}" if found else "no checkpoint was written yet"
     raise UsageError(f"stopping: no update since step {bad_steps[0]['step']}: non-finite "
