@@ -1675,13 +1675,13 @@ def demo_scene(prompt, where, mode, role="target", why=""):
     words = re.findall(r"[a-z]+", prompt.lower())
     if mode == "t2i":
         colours, shape = [w for w in words if w in COLOURS], next((w for w in words if w in SHAPES), None)
-        if not colours or shape is None:
+        if not (colours and shape):
             raise UsageError(f"{where}: no target image given and no colour+shape words to draw one "
                              f"({why and why + '; '}write 'prompt | target.png')")
         return shape, colours[0], (colours + ["white"])[1]
     colour = "|".join(COLOURS)
     edit = re.search(rf"\b({colour}) ({'|'.join(SHAPES)})\b.*\b({colour})\b(?! background)", " ".join(words))
-    if edit is None:  # e.g. a t2i line: 'a red circle on a white background'
+    if not edit:  # e.g. a t2i line: 'a red circle on a white background'
         raise UsageError(f"{where}: '{prompt}' is no edit{why and f' ({why})'}: --mode i2i needs 'prompt | target.png"
                          " | source.png' or '<colour> <shape> ... <new colour>' (e.g. 'make the red circle blue')")
     return edit[2], edit[1] if role == "source" else edit[3], "white"
