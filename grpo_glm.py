@@ -1503,7 +1503,7 @@ def validate_args(args):
     paths = {"--out": Path(args.out, "checkpoints"), "--save-pipeline": args.save_pipeline,
              "the tiny model's cache (GRPO_GLM_CACHE)": args.model == TINY and tiny_cache()}
     for flag, path in ((flag, Path(path).absolute()) for flag, path in paths.items() if path and not args.plan):
-        parent = next(p for p in [path, *path.parents] if p.exists())  # or the nearest that exists
+        parent = next(p for p in [path, *path.parents] if p.exists())
         if not parent.is_dir():
             raise UsageError(f"{flag}: {parent} is a file, not a directory")
         try:
