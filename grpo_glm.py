@@ -1333,6 +1333,11 @@ def write_source_caches(dit, cond):
 
 # ==== 15. Starting a run: flags, their checks (one-line errors before loading), --out
 
+SAME_ON_RESUME = "a resume must match"  # in a group's title: its flags change the algorithm (Resume)
+# requirements.txt's lower bounds (tested equal): older ones fail deep in a run.
+LEAST_VERSIONS = {"transformers": "5.23", "diffusers": "0.42.1", "peft": "0.20", "accelerate": "1.10"}
+
+
 def parse_args(argv=None):
     p = flag_parser()
     if (known := p.parse_known_args(argv)[0]).model != TINY:
@@ -1343,9 +1348,6 @@ def parse_args(argv=None):
     args.reward, args.eval_every = args.reward or ["mse"], args.eval_every or args.save_every
     args.eval_num_inference_steps = args.eval_num_inference_steps or p.get_default("num_inference_steps")
     return args
-
-
-SAME_ON_RESUME = "a resume must match"  # in a group's title: its flags change the algorithm (Resume)
 
 
 def flag_parser():
@@ -1433,23 +1435,18 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)[:-1] + also + (f", {lora:g} with LoRA" if lora != plain else "") + ")"
 
 
-def number(kind, least=None, above=None, most=None, below=None, multiple=None):
+def number(kind, least=-math.inf, above=-math.inf, most=math.inf, below=math.inf, multiple=None):
     """An argparse type: a finite `kind` within the bounds."""
     def parse(text):
         value = kind(text)
-        rules = {"finite": math.isfinite(value), f"at least {least}": least is None or value >= least,
-                 f"> {above}": above is None or value > above, f"at most {most}": most is None or value <= most,
-                 f"< {below}": below is None or value < below,
+        rules = {"finite": math.isfinite(value), f"at least {least}": value >= least, f"> {above}": value > above,
+                 f"at most {most}": value <= most, f"< {below}": value < below,
                  f"a multiple of {multiple}": not multiple or value % multiple == 0}
         if broken := [rule for rule, holds in rules.items() if not holds]:
             raise argparse.ArgumentTypeError(f"must be {broken[0]}, got {value}")
         return value
     parse.__name__ = kind.__name__  # for argparse's "invalid float value: 'abc'"
     return parse
-
-
-# requirements.txt's lower bounds (tested equal): older ones fail deep in a run.
-LEAST_VERSIONS = {"transformers": "5.23", "diffusers": "0.42.1", "peft": "0.20", "accelerate": "1.10"}
 
 
 def validate_args(args):
@@ -1460,11 +1457,10 @@ def validate_args(args):
                          if Version(version(name)) < Version(least))
     model, save = Path(args.model), Path(args.save_pipeline or ".")
     full = (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
-    # 'owner/name', no local parent: a 'runs/x' typo must not go to the hub
-    hub_id = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", args.model) and not model.parent.is_dir()
+    hub_id = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", args.model) and not model.parent.is_dir()  # 'runs/x' typo: no hub
     empty = [f"--{k.replace('_', '-')}" for k, v in vars(args).items() if v == ""]
     k = next((k for k in (args.plan_gpus or () if args.plan else [world_size()]) if args.prompts_per_step % k), 0)
-    refusals = [  # (refused?, why)
+    refusals = [
         (empty, f"{' and '.join(empty)} is empty (an unset variable?)"),
         (outdated, f"too old: {outdated}; pip install -r requirements.txt"),
         (k, f"--prompts-per-step {args.prompts_per_step} must be divisible by "
@@ -1501,8 +1497,8 @@ def validate_args(args):
         raise UsageError(f"{torchrun}: set, but not by torchrun", local=True)
     paths = {"--out": Path(args.out, "checkpoints"), "--save-pipeline": args.save_pipeline,
              "the tiny model's cache (GRPO_GLM_CACHE)": args.model == TINY and tiny_cache()}
-    for flag, path in ((flag, path) for flag, path in paths.items() if path and not args.plan):  # or nearest parent
-        parent = next(p for p in [Path(path).absolute(), *Path(path).absolute().parents] if p.exists())
+    for flag, path in ((flag, Path(path).absolute()) for flag, path in paths.items() if path and not args.plan):
+        parent = next(p for p in [path, *path.parents] if p.exists())
         if not parent.is_dir():
             raise UsageError(f"{flag}: {parent} is a file, not a directory")
         try:
@@ -1522,14 +1518,14 @@ def pretrained_defaults(args):
 def resolve_runtime(args):
     """The flags' derived values, printed as 'running with'."""
     args.device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    args.dtype = ("bfloat16" if args.device == "cuda" and args.model != TINY else "float32") \
-        if args.dtype == "auto" else args.dtype
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if args.device == "cuda" and args.model != TINY else "float32"
     if args.ar_trainable == "auto":
         args.ar_trainable = "head" if args.model == TINY and not (args.lora_rank or args.fsdp) else "all"
     if args.dit_train_steps is None and args.policy != "ar":
         args.dit_train_steps = max(args.num_inference_steps - 1, 1)
     args.offload, args.offload_note = offload_by_plan(args) if args.offload is None else (args.offload, args.offload)
-    args.lora_alpha = float(args.lora_rank) if args.lora_alpha is None else args.lora_alpha
+    args.lora_alpha = args.lora_alpha or float(args.lora_rank)
     args.micro_batch_size = args.micro_batch_size or args.group_size
     return args
 
@@ -1556,9 +1552,8 @@ def lock_out_dir(out, closing):
                 (path.unlink if path.is_file() else path.rmdir)()
     closing.callback(unmake)  # first: an interrupt from here on leaves --out as found
     out.mkdir(parents=True, exist_ok=True)
-    handle = closing.enter_context(open(out / ".lock", "a"))  # stays empty
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(closing.enter_context(open(out / ".lock", "a")), fcntl.LOCK_EX | fcntl.LOCK_NB)  # stays empty
     except BlockingIOError:
         raise UsageError(f"--out {out} is in use by another run")
 
@@ -1576,8 +1571,8 @@ class PromptItem:
     text: str
     where: str  # 'prompts.txt:3', for messages
     size: tuple  # (height, width) images are resized to
-    mode: str = "t2i"
-    image_from: dict = None  # 'target' / 'source' -> a Path, or draw_shape's arguments
+    mode: str
+    image_from: dict  # 'target' / 'source' -> a Path, or draw_shape's arguments
 
     def image(self, kind):  # RGB at `size`, or None
         if isinstance(origin := self.image_from.get(kind), Path):
@@ -1675,13 +1670,13 @@ def demo_scene(prompt, where, mode, role="target", why=""):
     words = re.findall(r"[a-z]+", prompt.lower())
     if mode == "t2i":
         colours, shape = [w for w in words if w in COLOURS], next((w for w in words if w in SHAPES), None)
-        if not colours or shape is None:
+        if not (colours and shape):
             raise UsageError(f"{where}: no target image given and no colour+shape words to draw one "
                              f"({why and why + '; '}write 'prompt | target.png')")
         return shape, colours[0], (colours + ["white"])[1]
     colour = "|".join(COLOURS)
     edit = re.search(rf"\b({colour}) ({'|'.join(SHAPES)})\b.*\b({colour})\b(?! background)", " ".join(words))
-    if edit is None:  # e.g. a t2i line: 'a red circle on a white background'
+    if not edit:  # e.g. a t2i line: 'a red circle on a white background'
         raise UsageError(f"{where}: '{prompt}' is no edit{why and f' ({why})'}: --mode i2i needs 'prompt | target.png"
                          " | source.png' or '<colour> <shape> ... <new colour>' (e.g. 'make the red circle blue')")
     return edit[2], edit[1] if role == "source" else edit[3], "white"
@@ -1707,21 +1702,20 @@ def load_reward(spec, flag="--reward"):
         raise UsageError(f"{flag} {spec}: a weight of 0 adds nothing")
     if where == "mse":
         return Reward("mse", mse, weight)
-    module_name, _, fn_name = where.rpartition(":")
-    if not module_name or not fn_name:
+    module, _, name = where.rpartition(":")
+    if not (module and name):
         raise UsageError(f"{flag} {spec}: expected 'mse', 'module:function' or 'file.py:function'")
     sys.path.insert(0, os.getcwd())  # cwd first, as `python -m` does
     try:
-        namespace = (runpy.run_path(module_name) if module_name.endswith(".py")
-                     else vars(importlib.import_module(module_name)))
+        namespace = runpy.run_path(module) if module.endswith(".py") else vars(importlib.import_module(module))
     except (Exception, SystemExit) as e:  # sys.exit() in the plug-in too
-        raise UsageError(f"{flag} {spec}: importing {module_name} failed: {type(e).__name__}: "
+        raise UsageError(f"{flag} {spec}: importing {module} failed: {type(e).__name__}: "
                          f"{(str(e).splitlines() or [''])[0]}")
     finally:
         sys.path.remove(os.getcwd())
-    if not callable(fn := namespace.get(fn_name)):
-        raise UsageError(f"{flag} {spec}: {module_name} has no function {fn_name}")
-    return Reward(fn_name, fn, weight)
+    if not callable(fn := namespace.get(name)):
+        raise UsageError(f"{flag} {spec}: {module} has no function {name}")
+    return Reward(name, fn, weight)
 
 
 def load_rewards(specs, flag="--reward"):
