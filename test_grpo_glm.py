@@ -2030,9 +2030,11 @@ def test_a_decode_step_reads_nothing_back_to_the_host(sharp_pipe, monkeypatch):
     assert control.syncs == 1 and control.from_host == 0 and listed.from_host > 0
     prompts, sources = _two_groups("i2i")
     sampling = policy(sharp_pipe, 0.9, top_k=20, top_p=0.75)
-    for decoder in (None, g.FastDecoder(torch.device("cpu"))):
-        ops, syncs, from_host = per_decode_step(sharp_pipe.vision_language_encoder, lambda: g.sample_groups(
-            sharp_pipe, prompts, 3, sampling, 96, 64, "all", sources, decoder=decoder))
+    sample = lambda decoder: g.sample_groups(sharp_pipe, prompts, 3, sampling, 96, 64, "all", sources, decoder=decoder)
+    fast = g.FastDecoder(torch.device("cpu"))
+    sample(fast)        # its first call makes the graph (a trial run): the one counted replays it
+    for decoder in (None, fast):
+        ops, syncs, from_host = per_decode_step(sharp_pipe.vision_language_encoder, lambda: sample(decoder))
         assert syncs == 0 and from_host == 0 and ops > 50
     config = sharp_pipe.vision_language_encoder.config.text_config
     assert config.num_key_value_heads < config.num_attention_heads
@@ -2086,6 +2088,41 @@ def test_the_fast_decoder_captures_once_per_run_and_draws_the_plain_loops_tokens
         assert torch.equal(fast_rollout.sequences, eager.sequences)
         assert torch.equal(fast_rollout.old_logp, eager.old_logp)
     assert len(captures) == 1 and len(fast.graphs) == 1 and fast_rollout.sequences.shape[1] - prompt_len == 7
+
+
+@pytest.mark.parametrize("failure", ["capture", "first replay", "another rank"])
+def test_a_fast_decoder_whose_graph_fails_draws_the_plain_loops_tokens_and_warns_once(sharp_pipe, failure,
+                                                                                       monkeypatch, capsys):
+    """A capture that raises (as torch.cuda.graph's exit does, over the op's error), a first replay that raises, or
+    another rank's failure (the vote): from then on every call gives decode_loop's tokens and log-probs on a fresh
+    cache, bit for bit (a graph that failed after drawing uniforms would shift them), and the run gets one line."""
+    def capture(step):
+        if failure == "capture":
+            try:
+                raise RuntimeError("operation not permitted when stream is capturing\nCompile with TORCH_USE_CUDA_DSA")
+            finally:
+                raise RuntimeError("operation failed due to a previous error during capture")
+        first, replay = recorded(step)
+        return first, (lambda: 1 / 0) if failure == "first replay" else replay
+    votes = []
+    monkeypatch.setattr(g, "from_every_rank", lambda why: votes.append(why) or [why, "OutOfMemoryError: rank 1's"
+                                                                                  if failure == "another rank" else None])
+    fast, sampling = g.FastDecoder(torch.device("cpu"), capture), policy(sharp_pipe, 0.9, top_p=0.75)
+    prompts, sources = _two_groups("i2i")
+    prompt_len = g.processor_inputs(sharp_pipe, prompts, sources, 96, 64, "cpu")["input_ids"].shape[1] + 1
+    for step, k in enumerate([0, 1, 0]):
+        sample = lambda decoder: g.sample_groups(sharp_pipe, prompts[k:k + 1], 2, sampling, 96, 64, "all",
+                                                 sources[k:k + 1], [torch.Generator().manual_seed(step)], prompt_len,
+                                                 decoder)
+        eager, fast_rollout = sample(None), sample(fast)
+        assert torch.equal(fast_rollout.sequences, eager.sequences)
+        assert torch.equal(fast_rollout.old_logp, eager.old_logp)
+    why = {"capture": "RuntimeError: operation not permitted when stream is capturing",
+           "first replay": "ZeroDivisionError: division by zero", "another rank": "OutOfMemoryError: rank 1's"}[failure]
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: the decode step's CUDA graph failed ({why}); sampling step by step from here on "
+        "(--disable-cuda-graph skips the graph)"]
+    assert len(votes) == 1 and fast.graphs is None      # one vote: eager from then on, no graph kept
 
 
 def test_offload_follows_the_memory_plan(monkeypatch):
