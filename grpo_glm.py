@@ -986,61 +986,51 @@ def static_cache(ar, shape):
 
 class FastDecoder:
     """decode_loop for a run: a DecodeGraph per batch shape and policy, kept and reset between steps (on the CPU:
-    no graph, the step runs as is). Its tokens equal decode_loop's on a fresh cache (tested). If a graph fails on a
-    rank (its capture or first replay), every rank samples with decode_loop from then on (tested)."""
+    no graph, the step runs as is); decode_loop's own if one failed. Its tokens equal decode_loop's (tested)."""
 
     def __init__(self, device, capture=None):   # capture: a test's, on any device
         self.capture = capture or (cuda_graph if device.type == "cuda" else lambda step: (step(), step))
-        self.graphs = {}  # None once a graph failed: decode_loop for the rest of the run
+        self.graphs = {}  # None once one failed: decode_loop from then on
 
     def __call__(self, ar, ids, positions, mask, num_tokens, uniforms, sampling):
-        graph = self.graphs is not None and self.graph_for(ar, ids, positions, mask, sampling)
-        if not graph:
+        if not (graph := self.graphs is not None and self.graph(ar, ids, positions, mask, sampling)):
             return decode_loop(ar, ids, positions, mask, num_tokens, uniforms, sampling, static_cache(ar, mask.shape))
-        graph.reset(positions, mask)
+        graph.cache.reset()  # the graph's buffers, in place: its addresses stay
+        graph.positions.copy_(positions)
+        graph.mask.copy_(mask)
         ticks = iter(progress(range(num_tokens), "sampling tokens"))
         ticking = lambda: [next(ticks, None), uniforms()][1]  # drawn once a token
         return decode_loop(ar, ids, graph.positions, graph.mask, num_tokens, ticking, sampling, graph.cache, graph)
 
-    def graph_for(self, ar, ids, positions, mask, sampling):
-        """The shape's DecodeGraph, made at its first call; None if one failed on any rank. Every call votes, before
-        any token is drawn (nothing to redo): ranks meet new shapes at different calls (eval splits prompts unevenly)."""
+    def graph(self, ar, ids, positions, mask, sampling):  # the shape's DecodeGraph; None if one failed on any rank
         key, failure = (mask.shape, sampling), None  # training's, the eval's: prompts padded to the run's length
         try:
             self.graphs[key] = self.graphs.get(key) or DecodeGraph(ar, ids, positions, mask, sampling, self.capture)
         except Exception as error:
-            while error.__context__:  # a failed capture's own exit raises too: the first error says why
+            while error.__context__:  # the capture's exit raises over the op's error
                 error = error.__context__
-            failure = f"{type(error).__name__}: {str(error).partition(chr(10))[0]}"
+            failure = f"{type(error).__name__}: {error}".partition("\n")[0]
+        # a vote every call, before any draw: ranks meet new shapes at different calls (uneven eval splits)
         if not (failures := [why for why in from_every_rank(failure) if why]):
             return self.graphs[key]
         self.graphs = None  # frees the graphs' KV caches and memory pools
         if rank() == 0:
-            print(f"warning: the decode step's CUDA graph failed ({failures[0]}); sampling step by step from here on "
-                  "(--disable-cuda-graph skips the graph)", file=sys.stderr, flush=True)
-        return None
+            print(f"warning: the decode step's CUDA graph failed ({failures[0]}); eager steps from now on "
+                  "(--disable-cuda-graph skips it)", file=sys.stderr)
 
 
 class DecodeGraph:
-    """A decode step (forward + Gumbel-max, ~1,000 kernels at the real size) captured once as a CUDA graph, then
-    replayed a token: no host work per token and nothing to compile. It reads its inputs from buffers of fixed
-    address: a static KV cache, positions, mask, the last token, the uniforms (each group's generator draws them
-    outside the graph). A trial on the first prompts (prefill, capture, one replay; u = 0.5) makes it: a graph
-    that fails does so before any token is drawn."""
+    """A decode step (forward + Gumbel-max, ~1,000 kernels at the real size) as one CUDA graph, replayed a token: no
+    host work per token, nothing to compile. Its inputs sit in buffers of fixed address (static KV cache, positions,
+    mask, last token, uniforms). A trial on its first prompts makes it (u = 0.5: prefill, capture, a replay)."""
 
     def __init__(self, ar, ids, positions, mask, sampling, capture):
         self.cache, self.positions, self.mask = static_cache(ar, mask.shape), positions.clone(), mask.clone()
-        vocab = ar.config.text_config.vision_vocab_size  # [N, V] fp64, as sample_groups' uniforms
-        self.uniform = torch.full((len(ids), vocab), 0.5, dtype=torch.float64, device=ids.device)
+        self.uniform = ids.new_full((len(ids), ar.config.text_config.vision_vocab_size), 0.5, dtype=torch.float64)
         self.ids = decode_step(ar, ids, self.positions, self.mask, self.cache, self.uniform, sampling)[0][:, None]
         _, self.replay = capture(lambda: decode_step(
             ar, self.ids, self.positions, self.mask, self.cache, self.uniform, sampling))
         self.replay()
-
-    def reset(self, positions, mask):  # in place: the graph's addresses stay
-        self.cache.reset()
-        self.positions.copy_(positions)
-        self.mask.copy_(mask)
 
     def __call__(self, ar, ids, positions, mask, cache, uniform, sampling):  # t >= 1; positions...cache: ours
         self.ids.copy_(ids)
@@ -1053,7 +1043,7 @@ def cuda_graph(step):
     then captures it); replay() reruns its kernels on the same tensors and returns its outputs."""
     stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # restores the stream also when the capture fails (graph's exit then skips it)
+    with torch.cuda.stream(stream):  # restores the stream if the capture fails (torch.cuda.graph's exit does not)
         first = step()
         with torch.cuda.graph(graph, stream=stream):
             out = step()
@@ -1150,7 +1140,7 @@ class Trainer:
     rewards: list = None                  # the --reward plug-ins (section 6)
     dit_rewards: list = None              # the --dit-reward ones (none: the DiT trains on `rewards`)
     prompt_len: int = None                # run_prompt_len
-    decoder: object = None                # a FastDecoder (None: decode_loop)
+    decoder: object = None                # a FastDecoder
     prompt_tokens: dict = None            # --policy dit: prompt index -> its token grid (shared_prompt_tokens)
 
 
@@ -1298,8 +1288,8 @@ def parse_args(argv=None):
     a("--micro-batch-size", type=count, help="Samples per forward/backward (default: G).")
     a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in backward.")
     a("--offload", action=argparse.BooleanOptionalAction, help="Frozen parts on CPU between uses (default: by --plan).")
-    # SGLang's name: it says what goes; vLLM's --enforce-eager also means no torch.compile, which grpo_glm never runs
-    a("--disable-cuda-graph", action="store_true", help="Decode tokens by eager steps, not a captured CUDA graph.")
+    # SGLang's name says what goes; vLLM's --enforce-eager also means no torch.compile, which is never used here
+    a("--disable-cuda-graph", action="store_true", help="Sample tokens by eager steps, no CUDA graph.")
     a("--fsdp", action="store_true", help="torchrun: shard trained weights and AdamW state (FSDP2).")
     a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others.")
     a("--plan", action="store_true", help="Print --model's memory plan at --height x --width; exit.")
