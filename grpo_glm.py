@@ -836,7 +836,7 @@ def ode_images(pipe, prompts, sources, rollout, noise, args):
 
 # ==== 14. The GRPO step's plumbing ================================================================
 
-# ---- For section 2: the model ----
+# ---- For section 2: the model and LoRA ----
 def pipeline_from_pretrained(args, dtype):
     """--model's GlmImagePipeline ('tiny': built and cached on first use, section 21)."""
     from diffusers import GlmImagePipeline
@@ -848,7 +848,7 @@ def pipeline_from_pretrained(args, dtype):
     if dtype == torch.float64:
         float64_throughout()
     verbosity = diffusers_logging.get_verbosity()
-    diffusers_logging.set_verbosity_error()      # offline it warns "Couldn't connect to the Hub" before our line
+    diffusers_logging.set_verbosity_error()  # offline it warns "Couldn't connect to the Hub" before our line
     try:
         return GlmImagePipeline.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
@@ -879,13 +879,12 @@ def offload_by_plan(args):
     return peak > free, f"{peak > free} (auto: plan {peak / 2**30:.1f} GiB, free {free / 2**30:.1f} GiB)"
 
 
-# ---- For section 2: LoRA ----
 def add_lora(model, r, alpha, targets, **config):
     """PEFT LoRA on `targets`, base frozen; fp32 on a bf16 base (cast_training_params): bf16 rounds off AdamW steps."""
     from diffusers.training_utils import cast_training_params
     from peft import LoraConfig, inject_adapter_in_model
     model.requires_grad_(False)
-    # peft's own injection, not the models' add_adapter: transformers 5.24's refuses every peft released
+    # peft's injection, not add_adapter: transformers 5.24's refuses every peft released
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, **config)
     inject_adapter_in_model(config, model)
     cast_training_params(model, dtype=torch.promote_types(model.dtype, torch.float32))
@@ -896,7 +895,7 @@ def lora_layers(model):
     return [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
 
 
-# ---- For section 4: the AR's inputs, its M-RoPE positions, its policy and the fast decoder ----
+# ---- For section 4: the AR's inputs, M-RoPE positions and policy; the fast decoder ----
 def policy_generation_config(ar, sampling):
     """The policy as the AR's generation config, so that a saved pipeline samples the policy trained."""
     from transformers import GenerationConfig
@@ -961,14 +960,12 @@ def rollout_positions(ar, batch, grids):
 
 
 def run_prompt_len(pipe, items, args):
-    """The longest prompt's length + 1, for every step: one shape (one captured graph), never unpadded (SDPA's
-    causal kernel sums in another order). Each prompt must leave the AR's context room for an i2i source, the
-    generated tokens and markers (32). The processor pads every prompt alike: the longest text is longest."""
+    """The longest prompt's length + 1, every step's: one shape (one graph), never unpadded (SDPA's causal kernel sums
+    otherwise). A prompt leaves context for an i2i source, generated tokens, 32 markers. Longest text: longest input."""
     grid = (args.height // 32) * (args.width // 32)
     others = (2 * grid + 1 if args.mode == "i2i" else ar_sequence("t2i", args.height, args.width)[1]) + 32
     context = pipe.vision_language_encoder.config.text_config.max_position_embeddings
-    lengths = [len(ids) for ids in pipe.processor.tokenizer([it.text for it in items], add_special_tokens=False)
-               ["input_ids"]]
+    lengths = list(map(len, pipe.processor.tokenizer([it.text for it in items], add_special_tokens=False)["input_ids"]))
     for item, length in zip(items, lengths):
         if length > context - others:
             raise UsageError(f"{item.where}: the prompt is {length} tokens; the model's context of {context} "
@@ -988,9 +985,9 @@ class FastDecoder:
     """decode_loop for a run: a DecodeGraph per batch shape and policy, kept and reset between steps (on the CPU:
     no graph, the step runs as is); decode_loop's own if one failed. Its tokens equal decode_loop's (tested)."""
 
-    def __init__(self, device, capture=None):   # capture: a test's, on any device
+    def __init__(self, device, capture=None):  # capture: a test's, on any device
         self.capture = capture or (cuda_graph if device.type == "cuda" else lambda step: (step(), step))
-        self.graphs = {}  # None once one failed: decode_loop from then on
+        self.graphs = {}
 
     def __call__(self, ar, ids, positions, mask, num_tokens, uniforms, sampling):
         if not (graph := self.graphs is not None and self.graph(ar, ids, positions, mask, sampling)):
@@ -1002,34 +999,30 @@ class FastDecoder:
         ticking = lambda: [next(ticks, None), uniforms()][1]  # drawn once a token
         return decode_loop(ar, ids, graph.positions, graph.mask, num_tokens, ticking, sampling, graph.cache, graph)
 
-    def graph(self, ar, ids, positions, mask, sampling):  # the shape's DecodeGraph; None if one failed on any rank
-        key, failure = (mask.shape, sampling), None  # training's, the eval's: prompts padded to the run's length
+    def graph(self, ar, ids, positions, mask, sampling):  # None if one failed on any rank
+        key = (mask.shape, sampling)  # training's, the eval's: prompts padded to the run's length
         try:
             self.graphs[key] = self.graphs.get(key) or DecodeGraph(ar, ids, positions, mask, sampling, self.capture)
         except Exception as error:
             while error.__context__:  # the capture's exit raises over the op's error
                 error = error.__context__
-            failure = f"{type(error).__name__}: {error}".partition("\n")[0]
-        # a vote every call, before any draw: ranks meet new shapes at different calls (uneven eval splits)
-        if not (failures := [why for why in from_every_rank(failure) if why]):
+            print(f"warning: the decode step's CUDA graph failed ({type(error).__name__}: {error}".partition("\n")[0]
+                  + "); eager steps from now on (--disable-cuda-graph skips it)", file=sys.stderr)
+        if all_ranks_agree(key in self.graphs):  # every call votes: uneven eval splits give ranks shapes their own
             return self.graphs[key]
-        self.graphs = None  # frees the graphs' KV caches and memory pools
-        if rank() == 0:
-            print(f"warning: the decode step's CUDA graph failed ({failures[0]}); eager steps from now on "
-                  "(--disable-cuda-graph skips it)", file=sys.stderr)
+        self.graphs = None  # frees their KV caches and memory pools
 
 
 class DecodeGraph:
-    """A decode step (forward + Gumbel-max, ~1,000 kernels at the real size) as one CUDA graph, replayed a token: no
-    host work per token, nothing to compile. Its inputs sit in buffers of fixed address (static KV cache, positions,
-    mask, last token, uniforms). A trial on its first prompts makes it (u = 0.5: prefill, capture, a replay)."""
+    """A decode step (forward + Gumbel-max, ~1,000 kernels at the real size) as one CUDA graph on fixed buffers (KV
+    cache, positions, mask, last token, uniforms): no host work a token. A trial makes it (prefill, capture, replay)."""
 
     def __init__(self, ar, ids, positions, mask, sampling, capture):
         self.cache, self.positions, self.mask = static_cache(ar, mask.shape), positions.clone(), mask.clone()
         self.uniform = ids.new_full((len(ids), ar.config.text_config.vision_vocab_size), 0.5, dtype=torch.float64)
-        self.ids = decode_step(ar, ids, self.positions, self.mask, self.cache, self.uniform, sampling)[0][:, None]
-        _, self.replay = capture(lambda: decode_step(
-            ar, self.ids, self.positions, self.mask, self.cache, self.uniform, sampling))
+        step = lambda ids: decode_step(ar, ids, self.positions, self.mask, self.cache, self.uniform, sampling)
+        self.ids = step(ids)[0][:, None]  # the prefill's token: the step's input buffer
+        _, self.replay = capture(lambda: step(self.ids))
         self.replay()
 
     def __call__(self, ar, ids, positions, mask, cache, uniform, sampling):  # t >= 1; positions...cache: ours
@@ -1039,11 +1032,10 @@ class DecodeGraph:
 
 
 def cuda_graph(step):
-    """-> (step(), replay): step's first call is the warm-up torch.cuda.graph's docs ask for (on the stream that
-    then captures it); replay() reruns its kernels on the same tensors and returns its outputs."""
+    """-> (step(), replay): the warm-up torch.cuda.graph's docs ask for (on the capture's stream), a rerun of it."""
     stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # restores the stream if the capture fails (torch.cuda.graph's exit does not)
+    with torch.cuda.stream(stream):  # restores the stream if capture fails (graph's exit would not)
         first = step()
         with torch.cuda.graph(graph, stream=stream):
             out = step()
@@ -1110,7 +1102,7 @@ def reference_logprobs(trainer, rollout, args):
         return logprobs_by_micro_batch(reference, rollout, trainer.sampling, args.micro_batch_size)
 
 
-def check_weights_finite(optimizer):      # a sum per tensor (no big temporary), of this rank's --fsdp shards
+def check_weights_finite(optimizer):  # a sum per tensor (no big temporary), of this rank's --fsdp shards
     from torch.distributed.tensor import DTensor
     params = [p for group in optimizer.param_groups for p in group["params"]]
     sums = [(p.to_local() if isinstance(p, DTensor) else p).detach().sum().float() for p in params]
@@ -1151,12 +1143,10 @@ def setup_training(args, rewards, dit_rewards=()):
     pipe = load_pipeline(args)
     set_seed(args.seed)  # after loading: the same sampling stream however the model was made
     ar, dit = pipe.vision_language_encoder, pipe.transformer
-    # codebook bound: a mid-grid end id would crash the DiT
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, dit.config.prior_vq_quantizer_codebook_size)
     trainer = Trainer(pipe, sampling, rewards=rewards, dit_rewards=dit_rewards, prompt_tokens={},
                       decoder=None if args.disable_cuda_graph else FastDecoder(ar.device))
     ar.generation_config = policy_generation_config(ar, sampling)
-    # beta > 0, full fine-tuning: a frozen copy is the KL reference (at 9B use LoRA instead)
     frozen_copy = lambda model, lora: copy.deepcopy(model).requires_grad_(False) if args.beta > 0 and not lora else None
     groups, trained = [], {}
     if args.policy != "dit":
@@ -1288,7 +1278,7 @@ def parse_args(argv=None):
     a("--micro-batch-size", type=count, help="Samples per forward/backward (default: G).")
     a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in backward.")
     a("--offload", action=argparse.BooleanOptionalAction, help="Frozen parts on CPU between uses (default: by --plan).")
-    # SGLang's name says what goes; vLLM's --enforce-eager also means no torch.compile, which is never used here
+    # SGLang's name says what goes (vLLM's --enforce-eager also means no torch.compile, unused here)
     a("--disable-cuda-graph", action="store_true", help="Sample tokens by eager steps, no CUDA graph.")
     a("--fsdp", action="store_true", help="torchrun: shard trained weights and AdamW state (FSDP2).")
     a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others.")
@@ -1688,7 +1678,7 @@ def warn_if_collapsed(row, warned, max_entropy=None):
     """Once per run: most groups tied (advantages 0), and why; not on a non-finite step (call_reward warned)."""
     if warned or row["frac_reward_zero_std"] <= 0.5 or row["frac_reward_nonfinite"]:
         return warned
-    why = "the reward does not separate the samples"     # --policy dit: the SDE keeps them apart
+    why = "the reward does not separate the samples"  # --policy dit: the SDE keeps them apart
     if "entropy" in row:
         why = f"entropy {row['entropy']:.3f} of {max_entropy:.2f}: " + (
             "the policy has collapsed; lower --lr or raise --temperature" if row["entropy"] < 0.5 * max_entropy
@@ -1804,7 +1794,7 @@ class Run:
         self.voted, self.bad_steps, self.warned, self.closing = True, [], False, contextlib.ExitStack()
 
     def __enter__(self):
-        with self.closing:    # a failed open closes what it opened
+        with self.closing:  # a failed open closes what it opened
             self.open(self.args, self.out)
             self.closing = self.closing.pop_all()
         return self
@@ -1844,7 +1834,7 @@ class Run:
         if args.mode == "i2i":
             check_source_size(trainer.pipe.processor.image_processor, args.height, args.width)
         resume.restore(trainer, out)
-        if resume.export:      # --save-pipeline only (in __exit__)
+        if resume.export:  # --save-pipeline only (in __exit__)
             return
         if self.lead:  # the curve's window: a pass over the prompts
             window = min(20, math.ceil(len(items) / args.prompts_per_step))
@@ -1858,7 +1848,7 @@ class Run:
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
         if self.eval_items and self.start % args.eval_every == 0 and max_over_ranks(self.lead and not any(
                 "eval/seconds" in r and r["step"] == self.start for r in read_metrics(out / "metrics.jsonl"))):
-            self.evaluate(self.start)     # unless a run before the resume did
+            self.evaluate(self.start)  # unless a run before the resume did
 
     def steps(self):
         """Yields (step, indices, slots): this rank's block of the step's prompts, seeded order per pass."""
@@ -1866,7 +1856,7 @@ class Run:
         slots = np.array_split(range(args.prompts_per_step), world_size())[rank()].tolist()
         for step in range(self.start + 1, args.steps + 1):
             self.step, self.t0, self.step_rng, self.voted = step, time.time(), rng_state(), False
-            if self.signum is not None:      # came after the last step's vote
+            if self.signum is not None:  # came after the last step's vote
                 raise AbandonStep
             places = [divmod((step - 1) * args.prompts_per_step + slot, count) for slot in slots]
             yield step, [int(torch.randperm(count, generator=seeded(args.seed, "prompt order", epoch))[offset])
@@ -1927,10 +1917,10 @@ class Run:
                                     self.eval_prompt_len, None if sharded else self.trainer.decoder)
         noise = group_noise(pipe, mine, G, args.height, args.width, args.seed, -1, "per-step")  # [n, C, h, w]
         images = decode_images(pipe, prompts, own, rollout, noise, args.eval_num_inference_steps, args.guidance_scale)
-        targets = batch_targets(items)    # [n, 3, H, W] | None
+        targets = batch_targets(items)  # [n, 3, H, W] | None
         scored = (repeat_each(prompts, G), None if targets is None else targets[mine].repeat_interleave(G, 0))
         parts = from_every_rank((images, *compute_rewards(self.trainer.rewards, images, *scored)))
-        if self.lead:    # the ranks' blocks, in prompt order
+        if self.lead:  # the ranks' blocks, in prompt order
             images, rewards = (torch.cat([p[i] for p in parts]) for i in (0, 1))
             per_reward = {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}
             row = {"eval/" + k: v for k, v in reward_metrics(rewards, per_reward, G).items()}
@@ -1966,7 +1956,7 @@ class Run:
 
     def __exit__(self, kind, error, traceback):
         try:
-            if kind is AbandonStep:       # the weights are step - 1's
+            if kind is AbandonStep:  # the weights are step - 1's
                 self.stop(self.step - 1)
         finally:
             self.closing.close()
@@ -1988,7 +1978,7 @@ class Run:
         if not saved and (peers or self.lead):
             save_checkpoint(self.out, done, self.trainer, self.args, self.step_rng if done < self.step else None)
         if peers:
-            all_ranks_agree(True)     # the others wait for rank 0's file
+            all_ranks_agree(True)  # the others wait for rank 0's file
         when = f"in step {self.step} before its update" if done < self.step else f"after step {done}"
         where = (f"step {done} is saved in {self.out / 'checkpoints' / f'step_{done:06d}.pt'}; continue with "
                  f"--resume latest --out {self.out}" if done else "no step finished, nothing to save")
@@ -2010,7 +2000,7 @@ def atomic_write(path, write):
 
 
 def rng_state():
-    name, keys, *rest = np.random.get_state()      # numpy's uint32 keys as an int64 tensor: weights_only loads it
+    name, keys, *rest = np.random.get_state()  # numpy's uint32 keys as an int64 tensor: weights_only loads it
     return {"python": random.getstate(), "numpy": [name, torch.from_numpy(keys.astype(np.int64)), *rest],
             "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all()}  # no GPU: []
 
@@ -2040,7 +2030,7 @@ def read_checkpoint(spec, out=None):
         print(f"--resume latest: no checkpoint in {out / 'checkpoints'} yet; starting from step 0")
         return None
     try:
-        with warnings.catch_warnings(action="ignore"):     # junk can look like another pickle protocol's
+        with warnings.catch_warnings(action="ignore"):  # junk can look like another pickle protocol's
             ckpt = torch.load(path, map_location="cpu", weights_only=True)  # no pickled code
     except Exception as e:  # many types for a missing, foreign or truncated file
         raise UsageError(f"--resume {path}: not a readable checkpoint ({type(e).__name__})")
@@ -2097,8 +2087,8 @@ class Resume:
                 raise UsageError(f"--resume {ckpt['path']}: weights do not fit this model: "
                                  + ("; ".join(changed) or str(e).splitlines()[0][:120]))
             if self.export:
-                return            # the weights alone
-            name, keys, *rest = ckpt["rng"]["numpy"]        # rng_state's, in reverse
+                return  # the weights alone
+            name, keys, *rest = ckpt["rng"]["numpy"]  # rng_state's, in reverse
             np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
             random.setstate(ckpt["rng"]["python"])
             torch.set_rng_state(ckpt["rng"]["torch"])
