@@ -831,12 +831,12 @@ def ode_images(pipe, prompts, sources, rollout, noise, args):
 
 
 # PART III. Plumbing: skip on first read ###########################################################
-# Nothing below is GRPO: how a run starts, stops, logs and saves, and more GPUs; Part I calls each in a line.
+# Not GRPO: how a run starts, stops, logs and saves, and more GPUs; Part I calls each in a line.
 
 
 # ==== 14. The GRPO step's plumbing ================================================================
 
-# ---- For section 2: the model and LoRA ----
+# ---- For section 2: model and LoRA ----
 def pipeline_from_pretrained(args, dtype):
     """--model's GlmImagePipeline ('tiny': built and cached on first use, section 21)."""
     from diffusers import GlmImagePipeline
@@ -855,7 +855,7 @@ def pipeline_from_pretrained(args, dtype):
         if not Path(path).is_dir():
             raise UsageError(f"--model {args.model}: not in the local Hugging Face cache nor downloadable here; fetch "
                              f"it once with `hf download {args.model}` where the hub is reachable, or pass a directory")
-        raise UsageError(f"--model {args.model} could not be loaded as a GlmImagePipeline: {str(e).splitlines()[0]}")
+        raise UsageError(f"--model {args.model} could not be loaded as a GlmImagePipeline: {e}".partition("\n")[0])
     finally:
         diffusers_logging.set_verbosity(verbosity)
 
@@ -867,7 +867,7 @@ def place_pipeline(pipe, args):
         return
     trains_dit = args.policy != "ar"
     pipe.model_cpu_offload_seq = "text_encoder->vae" if trains_dit else "text_encoder->transformer->vae"
-    pipe._exclude_from_cpu_offload = ["vision_language_encoder"] + (["transformer"] if trains_dit else [])
+    pipe._exclude_from_cpu_offload = ["vision_language_encoder"] + ["transformer"] * trains_dit
     pipe.enable_model_cpu_offload(device=args.device)
 
 
@@ -895,7 +895,7 @@ def lora_layers(model):
     return [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
 
 
-# ---- For section 4: the AR's inputs, M-RoPE positions and policy; the fast decoder ----
+# ---- For section 4: the AR's inputs, positions and policy; FastDecoder ----
 def policy_generation_config(ar, sampling):
     """The policy as the AR's generation config, so that a saved pipeline samples the policy trained."""
     from transformers import GenerationConfig
@@ -929,7 +929,7 @@ def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_
     inputs = processor_inputs(pipe, prompts, sources, height, width, ar.device)
     ids, per_sample, source_prior = inputs["input_ids"], inputs["images_per_sample"], None
     if sources is not None:
-        # i2i: vision encoder + VQ once per prompt, its ids into the image placeholders: no pass reruns them
+        # i2i: vision encoder + VQ once a prompt, ids into the image placeholders: no pass reruns them
         source_grids = ar.model.get_image_grids_for_generation(per_sample, inputs["image_grid_thw"])
         features = list(ar.get_image_features(inputs["pixel_values"], source_grids).pooler_output)
         tokens = torch.split(ar.get_image_tokens(features), source_grids.prod(-1).tolist())
@@ -976,14 +976,14 @@ def run_prompt_len(pipe, items, args):
 
 
 def static_cache(ar, shape):
-    """A KV cache of fixed size for `shape` = [N, S + L - 1]: decode_step finds its position on the device."""
+    """A fixed-size KV cache for `shape` = [N, S + L - 1]: decode_step finds its position on the device."""
     from transformers import StaticCache
     return StaticCache(ar.config, max_cache_len=shape[1])
 
 
 class FastDecoder:
-    """decode_loop for a run: a DecodeGraph per batch shape and policy, kept and reset between steps (on the CPU:
-    no graph, the step runs as is); decode_loop's own if one failed. Its tokens equal decode_loop's (tested)."""
+    """decode_loop for a run: a DecodeGraph per batch shape and policy, kept and reset between steps, or decode_loop
+    itself once one failed: same tokens (tested)."""
 
     def __init__(self, device, capture=None):  # capture: a test's, on any device
         self.capture = capture or (cuda_graph if device.type == "cuda" else lambda step: (step(), step))
@@ -992,36 +992,35 @@ class FastDecoder:
     def __call__(self, ar, ids, positions, mask, num_tokens, uniforms, sampling):
         if not (graph := self.graphs is not None and self.graph(ar, ids, positions, mask, sampling)):
             return decode_loop(ar, ids, positions, mask, num_tokens, uniforms, sampling, static_cache(ar, mask.shape))
-        graph.cache.reset()  # the graph's buffers, in place: its addresses stay
+        graph.cache.reset()  # in place: graph addresses stay
         graph.positions.copy_(positions)
         graph.mask.copy_(mask)
         ticks = iter(progress(range(num_tokens), "sampling tokens"))
         ticking = lambda: [next(ticks, None), uniforms()][1]  # drawn once a token
         return decode_loop(ar, ids, graph.positions, graph.mask, num_tokens, ticking, sampling, graph.cache, graph)
 
-    def graph(self, ar, ids, positions, mask, sampling):  # None if one failed on any rank
-        key = (mask.shape, sampling)  # training's, the eval's: prompts padded to the run's length
+    def graph(self, ar, ids, positions, mask, sampling):
+        key = (mask.shape, sampling)
         try:
             self.graphs[key] = self.graphs.get(key) or DecodeGraph(ar, ids, positions, mask, sampling, self.capture)
         except Exception as error:
-            while error.__context__:  # the capture's exit raises over the op's error
-                error = error.__context__
-            print(f"warning: the decode step's CUDA graph failed ({type(error).__name__}: {error}".partition("\n")[0]
-                  + "); eager steps from now on (--disable-cuda-graph skips it)", file=sys.stderr)
-        if all_ranks_agree(key in self.graphs):  # every call votes: uneven eval splits give ranks shapes their own
+            cause = error.__context__ or error  # the capture's exit raises over the op's error
+            print(f"warning: the decode step's CUDA graph failed ({type(cause).__name__}: {cause}".partition("\n")[0]
+                  + "): eager steps from now on; --disable-cuda-graph skips it", file=sys.stderr)
+        if all_ranks_agree(key in self.graphs):  # every call: uneven eval splits give ranks own shapes
             return self.graphs[key]
-        self.graphs = None  # frees their KV caches and memory pools
+        self.graphs = None  # frees their memory
 
 
 class DecodeGraph:
-    """A decode step (forward + Gumbel-max, ~1,000 kernels at the real size) as one CUDA graph on fixed buffers (KV
-    cache, positions, mask, last token, uniforms): no host work a token. A trial makes it (prefill, capture, replay)."""
+    """A decode step (forward + Gumbel-max: ~1,000 kernels) as one CUDA graph on fixed buffers (KV cache, positions,
+    mask, last token, uniforms): no host work a token. A trial run makes it, before any draw."""
 
     def __init__(self, ar, ids, positions, mask, sampling, capture):
         self.cache, self.positions, self.mask = static_cache(ar, mask.shape), positions.clone(), mask.clone()
         self.uniform = ids.new_full((len(ids), ar.config.text_config.vision_vocab_size), 0.5, dtype=torch.float64)
         step = lambda ids: decode_step(ar, ids, self.positions, self.mask, self.cache, self.uniform, sampling)
-        self.ids = step(ids)[0][:, None]  # the prefill's token: the step's input buffer
+        self.ids = step(ids)[0][:, None]  # the prefill; then the step's input
         _, self.replay = capture(lambda: step(self.ids))
         self.replay()
 
@@ -1032,7 +1031,7 @@ class DecodeGraph:
 
 
 def cuda_graph(step):
-    """-> (step(), replay): the warm-up torch.cuda.graph's docs ask for (on the capture's stream), a rerun of it."""
+    """-> (step(), replay): the warm-up torch.cuda.graph's docs ask for, on the capture's stream; a rerun."""
     stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # restores the stream if capture fails (graph's exit would not)
@@ -1043,7 +1042,7 @@ def cuda_graph(step):
     return first, lambda: graph.replay() or out
 
 
-def progress(steps, what):  # a bar on rank 0's terminal: a real model's phases take seconds
+def progress(steps, what):  # a bar on rank 0's terminal: real-model phases take seconds
     if not (sys.stderr.isatty() and rank() == 0):
         return steps
     from tqdm.auto import tqdm
@@ -1121,19 +1120,19 @@ class Half:
 
 @dataclass
 class Trainer:
-    """What the loop carries: the pipeline, the sampled policy, AdamW and its schedule, each trained Half."""
+    """What the training loop carries."""
     pipe: object  # GlmImagePipeline
     sampling: SamplingParams
     optimizer: torch.optim.Optimizer = None
     lr_scheduler: object = None
-    trained: torch.nn.Module = None       # what checkpoints hold: the AR, or {AR, DiT}
-    ar: Half = None                       # None: --policy dit
-    dit: Half = None                      # None: --policy ar
-    rewards: list = None                  # the --reward plug-ins (section 6)
-    dit_rewards: list = None              # the --dit-reward ones (none: the DiT trains on `rewards`)
-    prompt_len: int = None                # run_prompt_len
-    decoder: object = None                # a FastDecoder
-    prompt_tokens: dict = None            # --policy dit: prompt index -> its token grid (shared_prompt_tokens)
+    trained: torch.nn.Module = None  # what checkpoints hold: the AR, or {AR, DiT}
+    ar: Half = None                  # None: --policy dit
+    dit: Half = None                 # None: --policy ar
+    rewards: list = None             # the --reward plug-ins
+    dit_rewards: list = None         # the --dit-reward ones (none: the DiT trains on `rewards`)
+    prompt_len: int = None           # run_prompt_len
+    decoder: object = None           # a FastDecoder
+    prompt_tokens: dict = None       # --policy dit: prompt index -> its token grid (shared_prompt_tokens)
 
 
 def setup_training(args, rewards, dit_rewards=()):
@@ -1161,7 +1160,7 @@ def setup_training(args, rewards, dit_rewards=()):
         trained["transformer"] = dit
     trainer.trained = ar if args.policy == "ar" else torch.nn.ModuleDict(trained)
     trainer.optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay)
-    # stepped once per GRPO step; diffusers' 'constant' ignores warm-up, 'constant_with_warmup' does not
+    # a step a GRPO step; diffusers' 'constant' ignores warm-up, 'constant_with_warmup' does not
     warmup = args.lr_scheduler == "constant" and args.lr_warmup_steps
     trainer.lr_scheduler = get_scheduler("constant_with_warmup" if warmup else args.lr_scheduler, trainer.optimizer,
                                          num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.steps)
@@ -1278,8 +1277,8 @@ def parse_args(argv=None):
     a("--micro-batch-size", type=count, help="Samples per forward/backward (default: G).")
     a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in backward.")
     a("--offload", action=argparse.BooleanOptionalAction, help="Frozen parts on CPU between uses (default: by --plan).")
-    # SGLang's name says what goes (vLLM's --enforce-eager also means no torch.compile, unused here)
-    a("--disable-cuda-graph", action="store_true", help="Sample tokens by eager steps, no CUDA graph.")
+    # SGLang's name says what goes (vLLM's --enforce-eager also means no compile)
+    a("--disable-cuda-graph", action="store_true", help="Eager decode steps, no CUDA graph.")
     a("--fsdp", action="store_true", help="torchrun: shard trained weights and AdamW state (FSDP2).")
     a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others.")
     a("--plan", action="store_true", help="Print --model's memory plan at --height x --width; exit.")
@@ -1338,7 +1337,7 @@ def validate_args(args):
     full = (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
     # 'owner/name' with no local parent: a typo in 'runs/x' must not go to the hub
     hub_id = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", args.model) and not model.parent.is_dir()
-    refusals = [  # (refused?, why)
+    refusals = [
         (not args.out, "--out is empty (an unset variable?)"),
         (outdated, f"too old: {outdated}; pip install -r requirements.txt"),
         (args.ar_trainable == "head" and (args.lora_rank or args.fsdp),
@@ -1584,8 +1583,7 @@ def load_reward(spec):
         namespace = (runpy.run_path(module_name) if module_name.endswith(".py")
                      else vars(importlib.import_module(module_name)))
     except (Exception, SystemExit) as e:  # sys.exit() in the plug-in too
-        raise UsageError(f"--reward {spec}: importing {module_name} failed: {type(e).__name__}: "
-                         f"{(str(e).splitlines() or [''])[0]}")
+        raise UsageError(f"--reward {spec}: importing {module_name} failed: {type(e).__name__}: {e}".partition("\n")[0])
     finally:
         sys.path.remove(os.getcwd())
     if not callable(fn := namespace.get(fn_name)):
@@ -1606,7 +1604,7 @@ def call_reward(reward, images, prompts, targets):
     try:
         value = reward.fn(images.clone(), list(prompts), None if targets is None else targets.clone())
     except (Exception, SystemExit) as e:  # sys.exit(0) too: not a silent exit 0
-        raise UsageError(f"reward {name} raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}", local=True)
+        raise UsageError(f"reward {name} raised {type(e).__name__}: {e}".partition("\n")[0], local=True)
     try:
         value = torch.as_tensor(value, dtype=images.dtype).detach().cpu()
     except (TypeError, ValueError, RuntimeError):
@@ -1709,7 +1707,7 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
     draw = ImageDraw.Draw(sheet)
     for b, row in enumerate(sorted(range(len(prompts)), key=lambda r: prompts[r])):
         draw.text((0, b * block), shorten(prompts[row], sheet.width // 9), fill="black", font_size=16)
-        samples = [(images[i], " / ".join(f"{r:.4f}" for r in rewards[i].view(-1).tolist()))    # [N] or [N, k]
+        samples = [(images[i], " / ".join(f"{r:.4f}" for r in rewards[i].view(-1).tolist()))  # [N] or [N, k]
                    for i in range(row * group_size, (row + 1) * group_size)]
         for i, (image, label) in enumerate([(x[row], name) for name, x in references] + samples):
             x, y = i % columns * (width + gap), b * block + line + 4 + i // columns * (height + line)
@@ -1811,7 +1809,7 @@ class Run:
         if self.lead:
             lock_out_dir(out, self.closing)
         # mse's targets: checked before slow plug-ins (CLIP) load
-        builtin = ["mse"] if "mse" in [s.partition("=")[0] for s in args.reward + (args.dit_reward or [])] else []
+        builtin = ["mse"] * ("mse" in [s.partition("=")[0] for s in args.reward + (args.dit_reward or [])])
         items = self.items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
         self.eval_items = args.eval_prompts and read_prompts(args.eval_prompts, args.height, args.width, args.mode,
                                                              builtin, "--eval-prompts") or []
@@ -1829,7 +1827,7 @@ class Run:
         if resume.export and not args.save_pipeline:
             return
         trainer = self.trainer = setup_training(args, rewards, dit_rewards)
-        trainer.prompt_len = run_prompt_len(trainer.pipe, items, args)  # checked against the context
+        trainer.prompt_len = run_prompt_len(trainer.pipe, items, args)
         self.eval_prompt_len = self.eval_items and run_prompt_len(trainer.pipe, self.eval_items, args)
         if args.mode == "i2i":
             check_source_size(trainer.pipe.processor.image_processor, args.height, args.width)
@@ -2054,7 +2052,7 @@ class Resume:
     def __init__(self, args, out):
         if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
             raise UsageError(f"--out {out} has a run: pass --resume latest to continue it, or another --out")
-        ckpt = self.ckpt = read_checkpoint(args.resume, out) if args.resume else None
+        ckpt = self.ckpt = args.resume and read_checkpoint(args.resume, out)
         step = self.step = ckpt["step"] if ckpt else 0
         self.export = step >= args.steps  # --save-pipeline of the checkpoint, or nothing to do
         saved = ckpt["args"] if ckpt else vars(args)  # the prompts compare by their hash
@@ -2111,7 +2109,7 @@ class Resume:
 # ==== 21. The tiny model's renderer: pre-trained once on token mosaics, then cached ===============
 # Its AR is random (what to paint is GRPO's to learn); its renderer (~15 s CPU) paints id k in colour k mod 8.
 
-TINY_CODEBOOK = 64  # real: 16384; 8 ids a colour (a real codebook has many ids per colour too)
+TINY_CODEBOOK = 64  # real: 16384; 8 ids a colour (real codebooks have many a colour too)
 TINY_VISION_VOCAB = TINY_CODEBOOK + 16  # real: 16512 (codebook + 128 special ids)
 TINY_PALETTE = (torch.tensor(list(COLOURS.values()), dtype=torch.float32) / 255)[torch.arange(TINY_CODEBOOK) % 8]
 # get_rope_index gives a source image 2-D positions by its start and end tokens (a bare <|image|>: text's)
@@ -2678,7 +2676,7 @@ def main(argv=None):
                   f", or add --gradient-checkpointing; checkpoints in {args.out} are intact", file=sys.stderr)
         elif collective_failed(e):
             print(f"error: rank {rank()} lost contact with the other processes ({str(e).splitlines()[0][:160]}): "
-                  f"one died or hung past --dist-timeout; its own output says why", file=sys.stderr)
+                  "one died or hung past --dist-timeout; its own output says why", file=sys.stderr)
         else:
             raise
         sys.exit(1)
