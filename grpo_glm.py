@@ -985,7 +985,7 @@ class FastDecoder:
     """decode_loop for a run: a DecodeGraph per batch shape and policy, kept and reset between steps, or decode_loop
     itself once one failed: same tokens (tested)."""
 
-    def __init__(self, device, capture=None):  # capture: a test's, on any device
+    def __init__(self, device, capture=None):  # capture: a test's, any device
         self.capture = capture or (cuda_graph if device.type == "cuda" else lambda step: (step(), step))
         self.graphs = {}
 
@@ -1005,16 +1005,16 @@ class FastDecoder:
             self.graphs[key] = self.graphs.get(key) or DecodeGraph(ar, ids, positions, mask, sampling, self.capture)
         except Exception as error:
             cause = error.__context__ or error  # the capture's exit raises over the op's error
-            print(f"warning: the decode step's CUDA graph failed ({type(cause).__name__}: {cause}".partition("\n")[0]
+            print(f"warning: the decode CUDA graph failed ({type(cause).__name__}: {cause}".partition("\n")[0]
                   + "): eager steps from now on; --disable-cuda-graph skips it", file=sys.stderr)
-        if all_ranks_agree(key in self.graphs):  # every call: uneven eval splits give ranks own shapes
+        if all_ranks_agree(key in self.graphs):  # every call: ranks meet new shapes at different calls (eval splits)
             return self.graphs[key]
         self.graphs = None  # frees their memory
 
 
 class DecodeGraph:
     """A decode step (forward + Gumbel-max: ~1,000 kernels) as one CUDA graph on fixed buffers (KV cache, positions,
-    mask, last token, uniforms): no host work a token. A trial run makes it, before any draw."""
+    mask, last token, uniforms): no host work a token. A trial run makes it before any draw."""
 
     def __init__(self, ar, ids, positions, mask, sampling, capture):
         self.cache, self.positions, self.mask = static_cache(ar, mask.shape), positions.clone(), mask.clone()
@@ -1034,7 +1034,7 @@ def cuda_graph(step):
     """-> (step(), replay): the warm-up torch.cuda.graph's docs ask for, on the capture's stream; a rerun."""
     stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # restores the stream if capture fails (graph's exit would not)
+    with torch.cuda.stream(stream):  # restores the stream if capture fails (graph's exit won't)
         first = step()
         with torch.cuda.graph(graph, stream=stream):
             out = step()
