@@ -983,7 +983,7 @@ def static_cache(ar, shape):
 
 class FastDecoder:
     """decode_loop for a run: a DecodeGraph per batch shape and policy, kept and reset between steps, or decode_loop
-    itself once one failed: same tokens (tested)."""
+    itself once one failed: same tokens (tested). Ranks make graphs at the same calls: a decoder per caller."""
 
     def __init__(self, device, capture=None):  # capture: a test's, any device
         self.capture = capture or (cuda_graph if device.type == "cuda" else lambda step: (step(), step))
@@ -1000,14 +1000,15 @@ class FastDecoder:
         return decode_loop(ar, ids, graph.positions, graph.mask, num_tokens, ticking, sampling, graph.cache, graph)
 
     def graph(self, ar, ids, positions, mask, sampling):
-        key = (mask.shape, sampling)
+        if (key := (mask.shape, sampling)) in self.graphs:
+            return self.graphs[key]
         try:
-            self.graphs[key] = self.graphs.get(key) or DecodeGraph(ar, ids, positions, mask, sampling, self.capture)
+            self.graphs[key] = DecodeGraph(ar, ids, positions, mask, sampling, self.capture)
         except Exception as error:
             cause = error.__context__ or error  # the capture's exit raises over the op's error
             print(f"warning: the decode CUDA graph failed ({type(cause).__name__}: {cause}".partition("\n")[0]
                   + "): eager steps from now on; --disable-cuda-graph skips it", file=sys.stderr)
-        if all_ranks_agree(key in self.graphs):  # every call: ranks meet new shapes at different calls (eval splits)
+        if all_ranks_agree(key in self.graphs):  # one rank's failure turns all to decode_loop
             return self.graphs[key]
         self.graphs = None  # frees their memory
 
@@ -1034,7 +1035,7 @@ def cuda_graph(step):
     """-> (step(), replay): the warm-up torch.cuda.graph's docs ask for, on the capture's stream; a rerun."""
     stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # restores the stream if capture fails (graph's exit won't)
+    with torch.cuda.stream(stream):  # restores the stream if capture fails
         first = step()
         with torch.cuda.graph(graph, stream=stream):
             out = step()
@@ -1131,7 +1132,7 @@ class Trainer:
     rewards: list = None             # the --reward plug-ins
     dit_rewards: list = None         # the --dit-reward ones (none: the DiT trains on `rewards`)
     prompt_len: int = None           # run_prompt_len
-    decoder: object = None           # a FastDecoder
+    decoder: object = None           # the steps' FastDecoder
     prompt_tokens: dict = None       # --policy dit: prompt index -> its token grid (shared_prompt_tokens)
 
 
@@ -1143,8 +1144,8 @@ def setup_training(args, rewards, dit_rewards=()):
     set_seed(args.seed)  # after loading: the same sampling stream however the model was made
     ar, dit = pipe.vision_language_encoder, pipe.transformer
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, dit.config.prior_vq_quantizer_codebook_size)
-    trainer = Trainer(pipe, sampling, rewards=rewards, dit_rewards=dit_rewards, prompt_tokens={},
-                      decoder=None if args.disable_cuda_graph else FastDecoder(ar.device))
+    trainer = Trainer(pipe, sampling, rewards=rewards, dit_rewards=dit_rewards, prompt_tokens={}, decoder=None if
+                      args.disable_cuda_graph or args.fsdp or args.policy == "dit" else FastDecoder(ar.device))
     ar.generation_config = policy_generation_config(ar, sampling)
     frozen_copy = lambda model, lora: copy.deepcopy(model).requires_grad_(False) if args.beta > 0 and not lora else None
     groups, trained = [], {}
@@ -1828,6 +1829,8 @@ class Run:
             return
         trainer = self.trainer = setup_training(args, rewards, dit_rewards)
         trainer.prompt_len = run_prompt_len(trainer.pipe, items, args)
+        # eval's own: split unevenly, its shapes may be training's on some ranks only
+        self.eval_decoder = None if args.disable_cuda_graph else FastDecoder(torch.device(args.device))
         self.eval_prompt_len = self.eval_items and run_prompt_len(trainer.pipe, self.eval_items, args)
         if args.mode == "i2i":
             check_source_size(trainer.pipe.processor.image_processor, args.height, args.width)
@@ -1912,7 +1915,7 @@ class Run:
         with whole_weights(ar) as sharded:
             rollout = sample_groups(pipe, prompts, G, self.trainer.sampling, args.height, args.width, "target", own,
                                     [seeded(args.seed, "tokens", -1, i, ar.device) for i in mine],
-                                    self.eval_prompt_len, None if sharded else self.trainer.decoder)
+                                    self.eval_prompt_len, None if sharded else self.eval_decoder)
         noise = group_noise(pipe, mine, G, args.height, args.width, args.seed, -1, "per-step")  # [n, C, h, w]
         images = decode_images(pipe, prompts, own, rollout, noise, args.eval_num_inference_steps, args.guidance_scale)
         targets = batch_targets(items)  # [n, 3, H, W] | None
@@ -1967,6 +1970,8 @@ class Run:
     def stop(self, done):
         """Exits 128 + signal with step `done` saved (step_rng: the RNG states it left)."""
         try:
+            if not self.voted and self.trainer.decoder and self.trainer.decoder.graphs == {}:
+                all_ranks_agree(True)  # the others' vote on the decoder's first graph
             peers = self.voted or self.agree()  # a rank that left its step early still votes
         except Exception as e:
             if not collective_failed(e):

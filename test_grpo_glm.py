@@ -1757,10 +1757,12 @@ def test_offload_hooks_only_the_frozen_parts_and_keep_training_exact():
     assert rows[True] == rows[False]
 
 
-SIGNAL_REWARD = """import os, signal, time
+SIGNAL_REWARD = """import os, signal, time, __main__
 import grpo_glm
 calls = []
-def score(images, prompts, targets):
+def fire(where):  # at the SIGNAL_AT_CALL-th call of SIGNAL_IN: the reward (default) or sampling
+    if where != os.environ.get("SIGNAL_IN", "reward"):
+        return
     calls.append(1)
     if len(calls) == int(os.environ.get("SIGNAL_AT_CALL", "0")):
         if os.environ.get("RANK", "0") == os.environ.get("KILL_RANK"):
@@ -1768,9 +1770,14 @@ def score(images, prompts, targets):
         if os.environ.get("RANK", "0") == os.environ.get("SIGNAL_RANK", "0"):
             if "KILL_RANK" in os.environ:
                 time.sleep(2)                     # torchrun notices the dead rank, then SIGTERMs the others
-            signal.raise_signal(signal.SIGTERM)   # as Slurm or Kubernetes would, while the step computes rewards
+            signal.raise_signal(signal.SIGTERM)   # as Slurm or Kubernetes would, while the step computes
+def score(images, prompts, targets):
+    fire("reward")
     return grpo_glm.mse_reward(images, targets)
 score.uses_targets = True
+if hasattr(__main__, "generation_inputs"):        # the CLI's own module: its sampling, before the decoder's call
+    inputs = __main__.generation_inputs
+    __main__.generation_inputs = lambda *args, **kwargs: fire("sampling") or inputs(*args, **kwargs)
 """
 
 
@@ -3587,9 +3594,10 @@ def two_cli_ranks_with_signals(tmp_path, **signals):
 def test_slow_sigterm_to_one_rank_stops_both(tmp_path):
     """Rank 1 alone gets SIGTERM in step 1, before the update: both ranks drop the step together
     (no rank waits in an update the other never starts) and exit 143. (Saving the previous step on
-    a stop before the update is checked in-process above.)"""
+    a stop before the update is checked in-process above.) The signal comes in sampling, before the
+    decoder's vote on its first graph, which rank 0 casts and rank 1, leaving, must cast too."""
     out = tmp_path / "run"
-    codes, errs = two_cli_ranks_with_signals(tmp_path, SIGNAL_AT_CALL="1", SIGNAL_RANK="1")
+    codes, errs = two_cli_ranks_with_signals(tmp_path, SIGNAL_AT_CALL="1", SIGNAL_RANK="1", SIGNAL_IN="sampling")
     assert codes == [143, 143], errs
     assert "SIGTERM on another rank: stopping" in errs[0] and "Traceback" not in errs[0] + errs[1]
     assert "interrupted in step 1 before its update: no step finished, nothing to save" in errs[0]
