@@ -961,7 +961,7 @@ def rollout_positions(ar, batch, grids):
 
 def run_prompt_len(pipe, items, args):
     """The longest prompt's length + 1, every step's: one shape (one graph), never unpadded (SDPA's causal kernel sums
-    otherwise). A prompt leaves context for an i2i source, generated tokens, 32 markers. Longest text: longest input."""
+    otherwise). A prompt leaves context for an i2i source, generated tokens, 32 markers."""
     grid = (args.height // 32) * (args.width // 32)
     others = (2 * grid + 1 if args.mode == "i2i" else ar_sequence("t2i", args.height, args.width)[1]) + 32
     context = pipe.vision_language_encoder.config.text_config.max_position_embeddings
@@ -982,8 +982,8 @@ def static_cache(ar, shape):
 
 
 class FastDecoder:
-    """decode_loop for a run: a DecodeGraph per batch shape and policy, kept and reset between steps, or decode_loop
-    itself once one failed: same tokens (tested). Ranks make graphs at the same calls: a decoder per caller."""
+    """decode_loop for a run: a DecodeGraph per shape and policy, reset between steps, or decode_loop once one
+    failed: same tokens. Ranks make graphs at the same calls: a decoder per caller (eval splits unevenly)."""
 
     def __init__(self, device, capture=None):  # capture: a test's, any device
         self.capture = capture or (cuda_graph if device.type == "cuda" else lambda step: (step(), step))
@@ -992,36 +992,33 @@ class FastDecoder:
     def __call__(self, ar, ids, positions, mask, num_tokens, uniforms, sampling):
         if not (graph := self.graphs is not None and self.graph(ar, ids, positions, mask, sampling)):
             return decode_loop(ar, ids, positions, mask, num_tokens, uniforms, sampling, static_cache(ar, mask.shape))
-        graph.cache.reset()  # in place: graph addresses stay
+        graph.cache.reset()  # in place: its addresses stay
         graph.positions.copy_(positions)
         graph.mask.copy_(mask)
         ticks = iter(progress(range(num_tokens), "sampling tokens"))
-        ticking = lambda: [next(ticks, None), uniforms()][1]  # drawn once a token
+        ticking = lambda: [next(ticks, None), uniforms()][1]
         return decode_loop(ar, ids, graph.positions, graph.mask, num_tokens, ticking, sampling, graph.cache, graph)
 
     def graph(self, ar, ids, positions, mask, sampling):
-        if (key := (mask.shape, sampling)) in self.graphs:
-            return self.graphs[key]
-        try:
-            self.graphs[key] = DecodeGraph(ar, ids, positions, mask, sampling, self.capture)
-        except Exception as error:
-            cause = error.__context__ or error  # the capture's exit raises over the op's error
-            print(f"warning: the decode CUDA graph failed ({type(cause).__name__}: {cause}".partition("\n")[0]
-                  + "): eager steps from now on; --disable-cuda-graph skips it", file=sys.stderr)
-        if all_ranks_agree(key in self.graphs):  # one rank's failure turns all to decode_loop
-            return self.graphs[key]
-        self.graphs = None  # frees their memory
+        if (key := (mask.shape, sampling)) not in self.graphs:
+            try:
+                self.graphs[key] = DecodeGraph(ar, ids, positions, mask, sampling, self.capture)
+            except Exception as error:
+                print(f"warning: decode CUDA graph failed ({type(error).__name__}: {error}".partition("\n")[0]
+                      + "): eager steps from now on; --disable-cuda-graph skips it", file=sys.stderr)
+            self.graphs = self.graphs if all_ranks_agree(key in self.graphs) else None  # a rank's failure: all eager
+        return self.graphs and self.graphs[key]
 
 
 class DecodeGraph:
-    """A decode step (forward + Gumbel-max: ~1,000 kernels) as one CUDA graph on fixed buffers (KV cache, positions,
-    mask, last token, uniforms): no host work a token. A trial run makes it before any draw."""
+    """A decode step (forward + Gumbel-max: ~1,000 kernels) as one CUDA graph on fixed buffers: no host work a token.
+    A trial run makes it before any draw."""
 
     def __init__(self, ar, ids, positions, mask, sampling, capture):
         self.cache, self.positions, self.mask = static_cache(ar, mask.shape), positions.clone(), mask.clone()
         self.uniform = ids.new_full((len(ids), ar.config.text_config.vision_vocab_size), 0.5, dtype=torch.float64)
         step = lambda ids: decode_step(ar, ids, self.positions, self.mask, self.cache, self.uniform, sampling)
-        self.ids = step(ids)[0][:, None]  # the prefill; then the step's input
+        self.ids = step(ids)[0][:, None]  # the prefill
         _, self.replay = capture(lambda: step(self.ids))
         self.replay()
 
@@ -1121,7 +1118,7 @@ class Half:
 
 @dataclass
 class Trainer:
-    """What the training loop carries."""
+    """What the loop carries."""
     pipe: object  # GlmImagePipeline
     sampling: SamplingParams
     optimizer: torch.optim.Optimizer = None
@@ -1278,7 +1275,7 @@ def parse_args(argv=None):
     a("--micro-batch-size", type=count, help="Samples per forward/backward (default: G).")
     a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in backward.")
     a("--offload", action=argparse.BooleanOptionalAction, help="Frozen parts on CPU between uses (default: by --plan).")
-    # SGLang's name says what goes (vLLM's --enforce-eager also means no compile)
+    # SGLang's name says what goes; vLLM's --enforce-eager also means no compile
     a("--disable-cuda-graph", action="store_true", help="Eager decode steps, no CUDA graph.")
     a("--fsdp", action="store_true", help="torchrun: shard trained weights and AdamW state (FSDP2).")
     a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others.")
@@ -1324,7 +1321,7 @@ def number(kind, least=None, above=None, most=None, below=None, multiple=None):
     return parse
 
 
-# requirements.txt's lower bounds (tested equal): older releases fail deep into a run.
+# requirements.txt's lower bounds: older releases fail deep into a run.
 LEAST_VERSIONS = {"transformers": "5.23", "diffusers": "0.42.1", "peft": "0.20", "accelerate": "1.10"}
 
 
@@ -1723,7 +1720,6 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
 
 
 def shorten(text, chars):
-    """At most `chars` characters, cut between words, then '…'."""
     return drawable(text if len(text) <= chars else text[:chars - 1].rsplit(" ", 1)[0] + "…")
 
 
@@ -1829,7 +1825,6 @@ class Run:
             return
         trainer = self.trainer = setup_training(args, rewards, dit_rewards)
         trainer.prompt_len = run_prompt_len(trainer.pipe, items, args)
-        # eval's own: split unevenly, its shapes may be training's on some ranks only
         self.eval_decoder = None if args.disable_cuda_graph else FastDecoder(torch.device(args.device))
         self.eval_prompt_len = self.eval_items and run_prompt_len(trainer.pipe, self.eval_items, args)
         if args.mode == "i2i":
@@ -1970,8 +1965,8 @@ class Run:
     def stop(self, done):
         """Exits 128 + signal with step `done` saved (step_rng: the RNG states it left)."""
         try:
-            if not self.voted and self.trainer.decoder and self.trainer.decoder.graphs == {}:
-                all_ranks_agree(True)  # the others' vote on the decoder's first graph
+            if not self.voted and getattr(self.trainer.decoder, "graphs", 0) == {}:
+                all_ranks_agree(True)  # the others' vote on its first graph
             peers = self.voted or self.agree()  # a rank that left its step early still votes
         except Exception as e:
             if not collective_failed(e):
@@ -2692,5 +2687,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-    # DDP/FSDP state outlives destroy_process_group; at exit gloo threads lack the GIL: SIGABRT (PR 179291)
-    gc.collect()
+    gc.collect()  # DDP/FSDP state outlives destroy_process_group; at exit gloo threads lack the GIL: SIGABRT, PR 179291
