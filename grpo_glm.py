@@ -961,7 +961,7 @@ def rollout_positions(ar, batch, grids):
 
 def run_prompt_len(pipe, items, args):
     """The longest prompt's length + 1, every step's: one shape (one graph), never unpadded (SDPA's causal kernel sums
-    otherwise). A prompt leaves context for an i2i source, generated tokens, 32 markers."""
+    otherwise). A prompt must leave context for an i2i source, generated tokens, 32 markers."""
     grid = (args.height // 32) * (args.width // 32)
     others = (2 * grid + 1 if args.mode == "i2i" else ar_sequence("t2i", args.height, args.width)[1]) + 32
     context = pipe.vision_language_encoder.config.text_config.max_position_embeddings
@@ -985,7 +985,7 @@ class FastDecoder:
     """decode_loop for a run: a DecodeGraph per shape and policy, reset between steps, or decode_loop once one
     failed: same tokens. Ranks make graphs at the same calls: a decoder per caller (eval splits unevenly)."""
 
-    def __init__(self, device, capture=None):  # capture: a test's, any device
+    def __init__(self, device, capture=None):
         self.capture = capture or (cuda_graph if device.type == "cuda" else lambda step: (step(), step))
         self.graphs = {}
 
@@ -1158,7 +1158,7 @@ def setup_training(args, rewards, dit_rewards=()):
         trained["transformer"] = dit
     trainer.trained = ar if args.policy == "ar" else torch.nn.ModuleDict(trained)
     trainer.optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay)
-    # a step a GRPO step; diffusers' 'constant' ignores warm-up, 'constant_with_warmup' does not
+    # stepped once per GRPO step; diffusers' 'constant' ignores warm-up, 'constant_with_warmup' does not
     warmup = args.lr_scheduler == "constant" and args.lr_warmup_steps
     trainer.lr_scheduler = get_scheduler("constant_with_warmup" if warmup else args.lr_scheduler, trainer.optimizer,
                                          num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.steps)
@@ -1966,7 +1966,7 @@ class Run:
         """Exits 128 + signal with step `done` saved (step_rng: the RNG states it left)."""
         try:
             if not self.voted and getattr(self.trainer.decoder, "graphs", 0) == {}:
-                all_ranks_agree(True)  # the others' vote on its first graph
+                all_ranks_agree(True)  # the others vote on the decoder's first graph
             peers = self.voted or self.agree()  # a rank that left its step early still votes
         except Exception as e:
             if not collective_failed(e):
@@ -2109,7 +2109,7 @@ class Resume:
 # ==== 21. The tiny model's renderer: pre-trained once on token mosaics, then cached ===============
 # Its AR is random (what to paint is GRPO's to learn); its renderer (~15 s CPU) paints id k in colour k mod 8.
 
-TINY_CODEBOOK = 64  # real: 16384; 8 ids a colour (real codebooks have many a colour too)
+TINY_CODEBOOK = 64  # real: 16384; 8 ids a colour (a real codebook has many ids per colour too)
 TINY_VISION_VOCAB = TINY_CODEBOOK + 16  # real: 16512 (codebook + 128 special ids)
 TINY_PALETTE = (torch.tensor(list(COLOURS.values()), dtype=torch.float32) / 255)[torch.arange(TINY_CODEBOOK) % 8]
 # get_rope_index gives a source image 2-D positions by its start and end tokens (a bare <|image|>: text's)
