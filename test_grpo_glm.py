@@ -71,10 +71,10 @@ def deterministic(rows):
     return [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in rows]     # eval/seconds too
 
 
-def eval_flags(tmp_path, lines=1):
+def eval_flags(tmp_path, lines=1, held_out=("a blue square on a yellow background",
+                                            "a green triangle on a black background")):
     """--eval-prompts: held-out lines (their targets drawn from the words), evaluated every 2 steps."""
     path = tmp_path / "held_out.txt"
-    held_out = ["a blue square on a yellow background", "a green triangle on a black background"]
     path.write_text("".join(line + "\n" for line in held_out[:lines]))
     return ["--eval-prompts", str(path), "--eval-every", "2"]
 
@@ -3167,8 +3167,12 @@ def test_slow_two_processes_train_like_one_and_resume_exactly(tmp_path):
     """2 ranks x 1 group == 1 process x 2 groups (float64, ACROSS_PROCESSES): same weights on both
     ranks, equal to the 1-process run's, same metrics rows; a 2-process resume is bit-identical to the
     uninterrupted 2-process run, and a 1-process resume of a 2-process checkpoint stays on its track."""
+    # 3 held-out lines on 2 ranks: rank 1's eval batch has the steps' shape (as long as prompts.txt's longest), rank
+    # 0's not; a decoder shared by both callers would make a graph (and vote) on rank 0 alone, and the ranks hang
+    held_out = ["a red square on a black background", "a blue circle on a red background",
+                "a green circle on a red background"]
     flags = ["--steps", "2", "--save-every", "1", "--sample-every", "0", "--group-size", "4", "--inner-epochs", "2",
-             "--height", "64", "--width", "64", "--ar-trainable", "all", *FLOAT64, *eval_flags(tmp_path, lines=2)]
+             "--height", "64", "--width", "64", "--ar-trainable", "all", *FLOAT64, *eval_flags(tmp_path, 3, held_out)]
     one = one_process_reference(flags + ["--out", str(tmp_path / "one")])
     rank0, rank1 = run_two_ranks(flags + ["--out", str(tmp_path / "two")], tmp_path)
     assert all(t.dtype == torch.float64 for t in one.values())
