@@ -900,12 +900,12 @@ def ode_images(pipe, prompts, sources, rollout, noise, args):
 
 
 # PART III. Plumbing: skip on first read ###########################################################
-# Nothing below is GRPO: how a run starts, stops, logs and saves, and more GPUs; Part I calls each in a line.
+# Not GRPO: how a run starts, stops, logs and saves, and more GPUs; Part I calls each in a line.
 
 
 # ==== 14. The GRPO step's plumbing
 
-# ---- For section 2: the model ----
+# ---- For section 2: model and LoRA ----
 def pipeline_from_pretrained(args, dtype):
     """--model's GlmImagePipeline ('tiny': built and cached on first use, section 21)."""
     from diffusers import GlmImagePipeline
@@ -921,7 +921,7 @@ def pipeline_from_pretrained(args, dtype):
     try:
         return GlmImagePipeline.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-        why = f"could not be loaded: {str(e).splitlines()[0]}" if Path(path).is_dir() else "not in the local Hugging " \
+        why = f"could not be loaded: {e}".partition("\n")[0] if Path(path).is_dir() else "not in the local Hugging " \
             f"Face cache nor downloadable here; `hf download {args.model}` where the hub is reachable, or a directory"
         raise UsageError(f"--model {args.model}: {why}")
     finally:
@@ -934,7 +934,7 @@ def place_pipeline(pipe, args):
         return pipe.to(args.device)
     trains_dit = args.policy != "ar"
     pipe.model_cpu_offload_seq = "text_encoder->vae" if trains_dit else "text_encoder->transformer->vae"
-    pipe._exclude_from_cpu_offload = ["vision_language_encoder"] + (["transformer"] if trains_dit else [])
+    pipe._exclude_from_cpu_offload = ["vision_language_encoder"] + ["transformer"] * trains_dit
     pipe.enable_model_cpu_offload(device=args.device)
 
 
@@ -946,7 +946,6 @@ def offload_by_plan(args):
     return peak > free, f"{peak > free} (auto: plan {peak / 2**30:.1f} GiB, free {free / 2**30:.1f} GiB)"
 
 
-# ---- For section 2: LoRA ----
 def add_lora(model, r, alpha, targets, **config):
     """PEFT LoRA on `targets`, base frozen; fp32 on a bf16 base (cast_training_params): bf16 rounds off AdamW steps."""
     from diffusers.training_utils import cast_training_params
@@ -995,7 +994,7 @@ def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_
     inputs = processor_inputs(pipe, prompts, sources, height, width, ar.device)
     ids, per_sample, source_prior = inputs["input_ids"], inputs["images_per_sample"], None
     if sources is not None:
-        # i2i: vision encoder + VQ once per prompt, its ids into the image placeholders: no pass reruns them
+        # i2i: vision encoder + VQ once a prompt, ids into the image placeholders: no pass reruns them
         source_grids = ar.model.get_image_grids_for_generation(per_sample, inputs["image_grid_thw"])
         features = list(ar.get_image_features(inputs["pixel_values"], source_grids).pooler_output)
         tokens = torch.split(ar.get_image_tokens(features), source_grids.prod(-1).tolist())
@@ -1053,68 +1052,71 @@ def group_uniforms(ar, generators, group_size):
 
 
 def static_cache(ar, shape):
-    """A KV cache of fixed size for `shape` = [N, S + L - 1]: decode_step finds its position on the device."""
+    """A fixed-size KV cache for `shape` = [N, S + L - 1]: decode_step finds its position on the device."""
     from transformers import StaticCache
     return StaticCache(ar.config, max_cache_len=shape[1])
 
 
 class FastDecoder:
-    """decode_loop for a run: a DecodeGraph per batch shape and policy, kept and reset between steps (on the CPU:
-    no graph, the step runs as is). Its tokens equal decode_loop's on a fresh cache (tested)."""
+    """decode_loop for a run: a DecodeGraph per shape and policy, reset between steps, or decode_loop once one
+    failed: same tokens. Ranks make graphs at the same calls: a decoder per caller (eval splits unevenly)."""
 
-    def __init__(self, device, capture=None):  # capture: a test's, on any device
+    def __init__(self, device, capture=None):
         self.capture = capture or (cuda_graph if device.type == "cuda" else lambda step: (step(), step))
         self.graphs = {}
 
     def __call__(self, ar, ids, positions, mask, num_tokens, uniforms, sampling):
-        key = (mask.shape, sampling)  # sample_tokens pads prompts to the run's length
-        if (graph := self.graphs.get(key)) is None:
-            graph = self.graphs[key] = DecodeGraph(ar, positions, mask, self.capture)
-        graph.reset(positions, mask)
+        if not (graph := self.graphs is not None and self.graph(ar, ids, positions, mask, sampling)):
+            return decode_loop(ar, ids, positions, mask, num_tokens, uniforms, sampling, static_cache(ar, mask.shape))
+        graph.cache.reset()  # in place: its addresses stay
+        graph.positions.copy_(positions)
+        graph.mask.copy_(mask)
         ticks = iter(progress(range(num_tokens), "sampling tokens"))
-        ticking = lambda: [next(ticks, None), uniforms()][1]  # drawn once a token
+        ticking = lambda: [next(ticks, None), uniforms()][1]
         return decode_loop(ar, ids, graph.positions, graph.mask, num_tokens, ticking, sampling, graph.cache, graph)
+
+    def graph(self, ar, ids, positions, mask, sampling):
+        if (key := (mask.shape, sampling)) not in self.graphs:
+            try:
+                self.graphs[key] = DecodeGraph(ar, ids, positions, mask, sampling, self.capture)
+            except Exception as error:
+                print(f"warning: decode CUDA graph failed ({type(error).__name__}: {error}".partition("\n")[0]
+                      + "): eager steps from now on; --disable-cuda-graph skips it", file=sys.stderr)
+            self.graphs = self.graphs if all_ranks_agree(key in self.graphs) else None  # a rank's failure: all eager
+        return self.graphs and self.graphs[key]
 
 
 class DecodeGraph:
-    """A decode step (forward + Gumbel-max, ~1,000 kernels at the real size) captured once as a CUDA graph, then
-    replayed a token: no host work per token, nothing to compile. Its inputs are buffers of fixed address: a static
-    KV cache, positions, mask, the last token, the uniforms (each group's generator draws them outside the graph)."""
+    """A decode step (forward + Gumbel-max: ~1,000 kernels) as one CUDA graph on fixed buffers: no host work a token.
+    A trial run makes it before any draw."""
 
-    def __init__(self, ar, positions, mask, capture):
-        self.cache, self.capture, self.replay = static_cache(ar, mask.shape), capture, None
-        self.positions, self.mask = torch.empty_like(positions), torch.empty_like(mask)
-
-    def reset(self, positions, mask):  # in place: the graph's addresses stay
-        self.cache.reset()
-        self.positions.copy_(positions)
-        self.mask.copy_(mask)
+    def __init__(self, ar, ids, positions, mask, sampling, capture):
+        self.cache, self.positions, self.mask = static_cache(ar, mask.shape), positions.clone(), mask.clone()
+        self.uniform = ids.new_full((len(ids), ar.config.text_config.vision_vocab_size), 0.5, dtype=torch.float64)
+        step = lambda ids: decode_step(ar, ids, self.positions, self.mask, self.cache, self.uniform, sampling)
+        self.ids = step(ids)[0][:, None]  # the prefill
+        _, self.replay = capture(lambda: step(self.ids))
+        self.replay()
 
     def __call__(self, ar, ids, positions, mask, cache, uniform, sampling):  # t >= 1; positions...cache: ours
-        if self.replay is None:
-            self.ids, self.uniform = ids.clone(), uniform.clone()
-            first, self.replay = self.capture(lambda: decode_step(
-                ar, self.ids, self.positions, self.mask, self.cache, self.uniform, sampling))
-            return first
         self.ids.copy_(ids)
         self.uniform.copy_(uniform)
         return [out.clone() for out in self.replay()]  # the graph's own: its next replay overwrites them
 
 
 def cuda_graph(step):
-    """-> (step(), replay): step's first call is the warm-up torch.cuda.graph's docs ask for (on the stream that
-    then captures it); replay() reruns its kernels on the same tensors and returns its outputs."""
-    stream = torch.cuda.Stream()
+    """-> (step(), replay): the warm-up torch.cuda.graph's docs ask for, on the capture's stream; a rerun."""
+    stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream):  # restores the stream if capture fails
         first = step()
+        with torch.cuda.graph(graph, stream=stream):
+            out = step()
     torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph := torch.cuda.CUDAGraph(), stream=stream):
-        out = step()
     return first, lambda: graph.replay() or out
 
 
-def progress(steps, what):  # a real model's phases take seconds
+def progress(steps, what):  # a bar on rank 0's terminal: real-model phases take seconds
     if not (sys.stderr.isatty() and rank() == 0):
         return steps
     from tqdm.auto import tqdm
@@ -1238,7 +1240,7 @@ class Half:
 
 @dataclass
 class Trainer:
-    """What the loop carries: the pipeline, the sampled policy, AdamW and its schedule, each trained Half."""
+    """What the loop carries."""
     pipe: object  # GlmImagePipeline
     sampling: SamplingParams
     optimizer: torch.optim.Optimizer = None
@@ -1260,12 +1262,10 @@ def setup_training(args, rewards, dit_rewards=()):
     pipe = load_pipeline(args)
     set_seed(args.seed)  # after loading: one sampling stream however the model was made
     ar, dit = pipe.vision_language_encoder, pipe.transformer
-    # codebook bound: a mid-grid end id would crash the DiT
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, dit.config.prior_vq_quantizer_codebook_size)
-    trainer = Trainer(pipe, sampling, rewards=rewards, dit_rewards=dit_rewards, decoder=FastDecoder(ar.device),
-                      prompt_tokens={})
+    trainer = Trainer(pipe, sampling, rewards=rewards, dit_rewards=dit_rewards, prompt_tokens={}, decoder=None if
+                      args.disable_cuda_graph or args.fsdp or args.policy == "dit" else FastDecoder(ar.device))
     ar.generation_config = policy_generation_config(ar, sampling)
-    # beta > 0, full fine-tuning: a frozen copy is the KL reference (at 9B: LoRA)
     frozen_copy = lambda model, lora: copy.deepcopy(model).requires_grad_(False) if args.beta > 0 and not lora else None
     trained = {}
     for half, name, prepare, lora in (("ar", "vision_language_encoder", prepare_policy, args.lora_rank),
@@ -1413,6 +1413,8 @@ def flag_parser():
     a("--micro-batch-size", type=count, help="Samples per forward/backward (default: G).")
     a("--gradient-checkpointing", action="store_true", help="Recompute activations (AR's, DiT's) in backward.")
     a("--offload", action=argparse.BooleanOptionalAction, help="Frozen parts on CPU between uses (default: by --plan).")
+    # SGLang's name says what goes; vLLM's --enforce-eager also means no compile
+    a("--disable-cuda-graph", action="store_true", help="Eager decode steps, no CUDA graph.")
     a("--fsdp", action="store_true", help="torchrun: shard trained weights and AdamW state (FSDP2).")
     a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others.")
     a("--plan", action="store_true", help="Print --model's memory plan at --height x --width; exit.")
@@ -1709,8 +1711,7 @@ def load_reward(spec, flag="--reward"):
     try:
         namespace = runpy.run_path(module) if module.endswith(".py") else vars(importlib.import_module(module))
     except (Exception, SystemExit) as e:  # sys.exit() in the plug-in too
-        raise UsageError(f"{flag} {spec}: importing {module} failed: {type(e).__name__}: "
-                         f"{(str(e).splitlines() or [''])[0]}")
+        raise UsageError(f"{flag} {spec}: importing {module} failed: {type(e).__name__}: {e}".partition("\n")[0])
     finally:
         sys.path.remove(os.getcwd())
     if not callable(fn := namespace.get(name)):
@@ -1731,7 +1732,7 @@ def call_reward(reward, images, prompts, targets):
     try:
         value = reward.fn(images.clone(), list(prompts), None if targets is None else targets.clone())
     except (Exception, SystemExit) as e:  # sys.exit(0) too: not a silent exit 0
-        raise UsageError(f"reward {name} raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}", local=True)
+        raise UsageError(f"reward {name} raised {type(e).__name__}: {e}".partition("\n")[0], local=True)
     try:
         value = torch.as_tensor(value, dtype=images.dtype).detach().cpu()
     except (TypeError, ValueError, RuntimeError):
@@ -1847,7 +1848,6 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
 
 
 def shorten(text, chars):
-    """At most `chars` characters, cut between words, then '…'."""
     return drawable(text if len(text) <= chars else text[:chars - 1].rsplit(" ", 1)[0] + "…")
 
 
@@ -1952,7 +1952,8 @@ class Run:
         if resume.export and not args.save_pipeline:
             return
         trainer = self.trainer = setup_training(args, rewards, dit_rewards)
-        trainer.prompt_len = run_prompt_len(trainer.pipe, items, args)  # checked against the context
+        trainer.prompt_len = run_prompt_len(trainer.pipe, items, args)
+        self.eval_decoder = None if args.disable_cuda_graph else FastDecoder(torch.device(args.device))
         self.eval_prompt_len = self.eval_items and run_prompt_len(trainer.pipe, self.eval_items, args)
         if args.mode == "i2i":
             check_source_size(trainer.pipe.processor.image_processor, args.height, args.width)
@@ -2037,7 +2038,7 @@ class Run:
         with whole_weights(ar) as sharded:
             rollout = sample_groups(pipe, prompts, G, self.trainer.sampling, args.height, args.width, "target", own,
                                     [seeded(args.seed, "tokens", -1, i, ar.device) for i in mine],
-                                    self.eval_prompt_len, None if sharded else self.trainer.decoder)
+                                    self.eval_prompt_len, None if sharded else self.eval_decoder)
         noise = group_noise(pipe, mine, G, args.height, args.width, args.seed, -1, "per-step")  # [n, C, h, w]
         images = decode_images(pipe, prompts, own, rollout, noise, args.eval_num_inference_steps, args.guidance_scale)
         targets = step_prompts(items, range(len(items)), "t2i")[1]    # [n, 3, H, W] | None
@@ -2092,6 +2093,8 @@ class Run:
     def stop(self, done):
         """Exits 128 + signal with step `done` saved (step_rng: the RNG states it left)."""
         try:
+            if not self.voted and getattr(self.trainer.decoder, "graphs", 0) == {}:
+                all_ranks_agree(True)  # the others vote on the decoder's first graph
             peers = self.voted or self.agree()  # a rank that left its step early still votes
         except Exception as e:
             if not collective_failed(e):
@@ -2794,7 +2797,7 @@ def main(argv=None):
                   saved_checkpoints(Path(args.out)) else "no checkpoint was written"), file=sys.stderr)
         elif collective_failed(e):
             print(f"error: rank {rank()} lost contact with the other processes ({str(e).splitlines()[0][:160]}): "
-                  f"one died or hung past --dist-timeout; its own output says why", file=sys.stderr)
+                  "one died or hung past --dist-timeout; its own output says why", file=sys.stderr)
         else:
             raise
         sys.exit(1)
@@ -2805,5 +2808,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-    # DDP/FSDP state outlives destroy_process_group; at exit gloo threads lack the GIL: SIGABRT (PR 179291)
-    gc.collect()
+    gc.collect()  # DDP/FSDP state outlives destroy_process_group; at exit gloo threads lack the GIL: SIGABRT, PR 179291

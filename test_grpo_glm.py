@@ -91,10 +91,10 @@ def deterministic(rows):
     return [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in rows]     # eval/seconds too
 
 
-def eval_flags(tmp_path, lines=1):
+def eval_flags(tmp_path, lines=1, held_out=("a blue square on a yellow background",
+                                            "a green triangle on a black background")):
     """--eval-prompts: held-out lines (their targets drawn from the words), evaluated every 2 steps."""
     path = tmp_path / "held_out.txt"
-    held_out = ["a blue square on a yellow background", "a green triangle on a black background"]
     path.write_text("".join(line + "\n" for line in held_out[:lines]))
     return ["--eval-prompts", str(path), "--eval-every", "2"]
 
@@ -531,14 +531,16 @@ def test_each_pass_over_the_prompts_has_its_own_seeded_order(tmp_path):
     assert passes(0) == orders and passes(1) != orders
 
 
-def test_resume_is_bit_identical(tmp_path):
+def test_resume_is_bit_identical(tmp_path, monkeypatch):
     """Also the held-out eval: it draws no training randomness (training rows equal with and without it), and
-    its fixed seeds give equal rows in two runs (a resume evaluates the step it missed)."""
+    its fixed seeds give equal rows in two runs (a resume evaluates the step it missed). The resume samples with
+    --disable-cuda-graph (no FastDecoder at all: decode_loop), a flag it need not match, to the same rows."""
     straight, split = tmp_path / "straight", tmp_path / "split"
     g.main(["--steps", "4", "--out", str(straight), "--save-every", "2", *SMALL, *eval_flags(tmp_path)])
     g.main(["--steps", "2", "--out", str(split), "--save-every", "2", *SMALL])
+    monkeypatch.setattr(g, "FastDecoder", None)
     g.main(["--steps", "4", "--out", str(split), "--save-every", "2", "--resume", "latest", *SMALL,
-            *eval_flags(tmp_path)])
+            *eval_flags(tmp_path), "--disable-cuda-graph"])
     rows, expected = deterministic(read_metrics(split)), deterministic(read_metrics(straight))
     assert [r["step"] for r in eval_rows(expected)] == [0, 2, 4] and eval_rows(rows) == eval_rows(expected)[1:]
     assert [r for r in rows if r not in eval_rows(rows)] == [r for r in expected if r not in eval_rows(expected)]
@@ -1874,10 +1876,12 @@ def test_offload_hooks_only_the_frozen_parts_and_keep_training_exact():
     assert rows[True] == rows[False]
 
 
-SIGNAL_REWARD = """import os, signal, time
+SIGNAL_REWARD = """import os, signal, time, __main__
 import grpo_glm
 calls = []
-def score(images, prompts, targets):
+def fire(where):  # at the SIGNAL_AT_CALL-th call of SIGNAL_IN: the reward (default) or sampling
+    if where != os.environ.get("SIGNAL_IN", "reward"):
+        return
     calls.append(1)
     if len(calls) == int(os.environ.get("SIGNAL_AT_CALL", "0")):
         if os.environ.get("RANK", "0") == os.environ.get("KILL_RANK"):
@@ -1885,9 +1889,14 @@ def score(images, prompts, targets):
         if os.environ.get("RANK", "0") == os.environ.get("SIGNAL_RANK", "0"):
             if "KILL_RANK" in os.environ:
                 time.sleep(2)                     # torchrun notices the dead rank, then SIGTERMs the others
-            signal.raise_signal(signal.SIGTERM)   # as Slurm or Kubernetes would, while the step computes rewards
+            signal.raise_signal(signal.SIGTERM)   # as Slurm or Kubernetes would, while the step computes
+def score(images, prompts, targets):
+    fire("reward")
     return grpo_glm.mse_reward(images, targets)
 score.uses_targets = True
+if hasattr(__main__, "generation_inputs"):        # the CLI's own module: its sampling, before the decoder's call
+    inputs = __main__.generation_inputs
+    __main__.generation_inputs = lambda *args, **kwargs: fire("sampling") or inputs(*args, **kwargs)
 """
 
 
@@ -2149,9 +2158,11 @@ def test_a_decode_step_reads_nothing_back_to_the_host(sharp_pipe, monkeypatch):
     assert control.syncs == 1 and control.from_host == 0 and listed.from_host > 0
     prompts, sources = _two_groups("i2i")
     sampling = policy(sharp_pipe, 0.9, top_k=20, top_p=0.75)
-    for decoder in (None, g.FastDecoder(torch.device("cpu"))):
-        ops, syncs, from_host = per_decode_step(sharp_pipe.vision_language_encoder, lambda: g.sample_groups(
-            sharp_pipe, prompts, 3, sampling, 96, 64, "all", sources, decoder=decoder))
+    sample = lambda decoder: g.sample_groups(sharp_pipe, prompts, 3, sampling, 96, 64, "all", sources, decoder=decoder)
+    fast = g.FastDecoder(torch.device("cpu"))
+    sample(fast)        # its first call makes the graph (a trial run): the one counted replays it
+    for decoder in (None, fast):
+        ops, syncs, from_host = per_decode_step(sharp_pipe.vision_language_encoder, lambda: sample(decoder))
         assert syncs == 0 and from_host == 0 and ops > 50
     config = sharp_pipe.vision_language_encoder.config.text_config
     assert config.num_key_value_heads < config.num_attention_heads
@@ -2205,6 +2216,37 @@ def test_the_fast_decoder_captures_once_per_run_and_draws_the_plain_loops_tokens
         assert torch.equal(fast_rollout.sequences, eager.sequences)
         assert torch.equal(fast_rollout.sampler_logp, eager.sampler_logp)
     assert len(captures) == 1 and len(fast.graphs) == 1 and fast_rollout.sequences.shape[1] - prompt_len == 7
+
+
+@pytest.mark.parametrize("failure", ["capture", "first replay", "another rank"])
+def test_a_fast_decoder_whose_graph_fails_draws_the_plain_loops_tokens_and_warns_once(sharp_pipe, failure,
+                                                                                       monkeypatch, capsys):
+    """A capture that raises, a first replay that raises, or another rank's failure (the vote): from then on every
+    call gives decode_loop's tokens and log-probs on a fresh cache, bit for bit (a graph that failed after drawing
+    uniforms would shift them); the rank that failed says why in one line."""
+    def capture(step):
+        if failure == "capture":
+            raise RuntimeError("operation not permitted when stream is capturing\nCompile with TORCH_USE_CUDA_DSA")
+        first, replay = recorded(step)
+        return first, (lambda: 1 / 0) if failure == "first replay" else replay
+    votes = []      # the other rank's: its capture failed, or not
+    monkeypatch.setattr(g, "from_every_rank", lambda ok: votes.append(ok) or [ok, failure != "another rank"])
+    fast, sampling = g.FastDecoder(torch.device("cpu"), capture), policy(sharp_pipe, 0.9, top_p=0.75)
+    prompts, sources = _two_groups("i2i")
+    prompt_len = g.processor_inputs(sharp_pipe, prompts, sources, 96, 64, "cpu")["input_ids"].shape[1] + 1
+    for step, k in enumerate([0, 1, 0]):
+        sample = lambda decoder: g.sample_groups(sharp_pipe, prompts[k:k + 1], 2, sampling, 96, 64, "all",
+                                                 sources[k:k + 1], [torch.Generator().manual_seed(step)], prompt_len,
+                                                 decoder)
+        eager, fast_rollout = sample(None), sample(fast)
+        assert torch.equal(fast_rollout.sequences, eager.sequences)
+        assert torch.equal(fast_rollout.old_logp, eager.old_logp)
+    why = {"capture": "RuntimeError: operation not permitted when stream is capturing",
+           "first replay": "ZeroDivisionError: division by zero"}.get(failure)
+    lines = capsys.readouterr().err.splitlines()     # the rank that failed says why, and what skips the graph
+    assert len(lines) == (why is not None) and all(line.startswith("warning: ") and f"({why})" in line
+                                                   and "--disable-cuda-graph" in line for line in lines)
+    assert votes == [failure == "another rank"] and fast.graphs is None   # one vote: eager from then on
 
 
 def test_offload_follows_the_memory_plan(monkeypatch):
@@ -3418,8 +3460,12 @@ def test_slow_two_processes_train_like_one_and_resume_exactly(tmp_path):
     """2 ranks x 1 group == 1 process x 2 groups (float64, ACROSS_PROCESSES): same weights on both
     ranks, equal to the 1-process run's, same metrics rows; a 2-process resume is bit-identical to the
     uninterrupted 2-process run, and a 1-process resume of a 2-process checkpoint stays on its track."""
+    # 3 held-out lines on 2 ranks: rank 1's eval batch has the steps' shape (as long as prompts.txt's longest), rank
+    # 0's not; a decoder shared by both callers would make a graph (and vote) on rank 0 alone, and the ranks hang
+    held_out = ["a red square on a black background", "a blue circle on a red background",
+                "a green circle on a red background"]
     flags = ["--steps", "2", "--save-every", "1", "--sample-every", "0", "--group-size", "4", "--inner-epochs", "2",
-             "--height", "64", "--width", "64", "--ar-trainable", "all", *FLOAT64, *eval_flags(tmp_path, lines=2)]
+             "--height", "64", "--width", "64", "--ar-trainable", "all", *FLOAT64, *eval_flags(tmp_path, 3, held_out)]
     one = one_process_reference(flags + ["--out", str(tmp_path / "one")])
     rank0, rank1 = run_two_ranks(flags + ["--out", str(tmp_path / "two")], tmp_path)
     assert all(t.dtype == torch.float64 for t in one.values())
@@ -3843,9 +3889,10 @@ def two_cli_ranks_with_signals(tmp_path, **signals):
 def test_slow_sigterm_to_one_rank_stops_both(tmp_path):
     """Rank 1 alone gets SIGTERM in step 1, before the update: both ranks drop the step together
     (no rank waits in an update the other never starts) and exit 143. (Saving the previous step on
-    a stop before the update is checked in-process above.)"""
+    a stop before the update is checked in-process above.) The signal comes in sampling, before the
+    decoder's vote on its first graph, which rank 0 casts and rank 1, leaving, must cast too."""
     out = tmp_path / "run"
-    codes, errs = two_cli_ranks_with_signals(tmp_path, SIGNAL_AT_CALL="1", SIGNAL_RANK="1")
+    codes, errs = two_cli_ranks_with_signals(tmp_path, SIGNAL_AT_CALL="1", SIGNAL_RANK="1", SIGNAL_IN="sampling")
     assert codes == [143, 143], errs
     assert "SIGTERM on another rank: stopping" in errs[0] and "Traceback" not in errs[0] + errs[1]
     assert "interrupted in step 1 before its update: no step finished, nothing to save" in errs[0]
