@@ -2240,7 +2240,7 @@ def test_a_fast_decoder_whose_graph_fails_draws_the_plain_loops_tokens_and_warns
                                                  decoder)
         eager, fast_rollout = sample(None), sample(fast)
         assert torch.equal(fast_rollout.sequences, eager.sequences)
-        assert torch.equal(fast_rollout.old_logp, eager.old_logp)
+        assert torch.equal(fast_rollout.sampler_logp, eager.sampler_logp)
     why = {"capture": "RuntimeError: operation not permitted when stream is capturing",
            "first replay": "ZeroDivisionError: division by zero"}.get(failure)
     lines = capsys.readouterr().err.splitlines()     # the rank that failed says why, and what skips the graph
