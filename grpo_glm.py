@@ -2679,14 +2679,13 @@ def plan_options(args, rows, counts):
     """[(flags changed, row, peak)] of the run's table, fewest changes then smallest first: the run's own first."""
     ar, fsdp, no = args.policy == "ar", args.fsdp and bool(args.plan_gpus), lambda on: "no " * (not on)
     rank, flag = (args.lora_rank, "--lora-rank") if ar else (args.dit_lora_rank, "--dit-lora-rank")
-    mine = ("fsdp" if fsdp else f"lora-{rank}" if rank else "full", args.gradient_checkpointing,
-            fsdp and args.plan_gpus[0] or 1)
+    flags = lambda mode, ckpt, k: ("--fsdp" if mode == "fsdp" else f"{flag} {mode[5:] or 0}",
+                                   f"{no(ckpt)}--gradient-checkpointing", f"{k} GPUs")
+    mine = flags("fsdp" if fsdp else f"lora-{rank}", args.gradient_checkpointing, fsdp and args.plan_gpus[0] or 1)
     frozen = (not ar) * WEIGHT_BYTES * (counts["glyph_t5"] + counts["vae"])  # on the GPU without --offload
     options = []
     for r in rows["ar" if ar else "dit"]:
-        mode, ckpt, k = theirs = r["mode" if ar else "DiT mode"], r["grad ckpt"], r["GPUs"]
-        named = "--fsdp" if mode == "fsdp" else f"{flag} {mode[5:] or 0}", f"{no(ckpt)}--gradient-checkpointing"
-        changes = [c for c, a, b in zip((*named, f"{k} GPUs"), mine, theirs) if a != b]
+        changes = [c for c, m in zip(flags(r["mode" if ar else "DiT mode"], r["grad ckpt"], r["GPUs"]), mine) if c != m]
         for offload in [False, True] if args.offload is None else [args.offload]:
             peak = r[f"peak, {no(offload)}offload" if ar else f"peak, {args.policy}"] + frozen * (not offload)
             options.append((changes + ["--offload"] * (offload and args.offload is None), r, peak))
@@ -2695,8 +2694,7 @@ def plan_options(args, rows, counts):
 
 def print_memory_plan(args):
     validate_args(args)
-    index = Path(args.model) / "model_index.json"
-    kind = index.is_file() and json.loads(index.read_text()).get("_class_name")
+    kind = (path := Path(args.model, "model_index.json")).is_file() and json.loads(path.read_text()).get("_class_name")
     if args.model not in (TINY, "zai-org/GLM-Image") and kind != "GlmImagePipeline":
         raise UsageError(f"--plan --model {args.model}: {f'a {kind}' if kind else 'a hub id'}, not GLM-Image's; --plan "
                          "knows 'tiny', zai-org/GLM-Image or a saved copy")
