@@ -2595,9 +2595,8 @@ def ar_update_bytes(text, samples, prompt_tokens, generated, lora_rank, checkpoi
 
 def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
     """No-grad vae.decode's peak: an up block's first resnet keeps its input, norm1's and SiLU's outputs (3 x input)."""
-    channels, last = vae.config.block_out_channels[::-1], len(vae.config.block_out_channels) - 1
-    return 3 * bytes_per * images * max(channels[max(i - 1, 0)] * height * width // 4 ** (last - i)
-                                        for i in range(last + 1))
+    channels, last = vae.config.block_out_channels, len(vae.config.block_out_channels) - 1
+    return 3 * bytes_per * images * max(channels[min(i + 1, last)] * height * width // 4 ** i for i in range(last + 1))
 
 
 def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=False, gpus=(), ranks=(64, 16),
@@ -2729,9 +2728,8 @@ def print_memory_plan(args):
     verdict = "fits" if peak <= free else f"does not fit; it fits with {'; '.join(fit)}" if fit else \
         "does not fit in any row: lower --micro-batch-size or the image size, or plan GPUs for --fsdp"
     print(f"verdict: --policy {args.policy}, this run's row {'with' if args.offload else 'without'} --offload: "
-          f"{size(peak)}{f' (the row + {size(beside)} glyph encoder, VAE)' * (beside > 0)} of "
-          f"{size(free)} free: {verdict}" if free else
-          "verdict: no CUDA GPU here: add --plan-gpu-memory GiB")
+          f"{size(peak)}{f' (the row + {size(beside)} glyph encoder, VAE)' * (beside > 0)} of {size(free)} free: "
+          f"{verdict}" if free else "verdict: no CUDA GPU here: add --plan-gpu-memory GiB")
 
 
 # ==== 24. Saving and using the trained model (--save-pipeline, generate_images)
