@@ -2522,7 +2522,7 @@ def numel(module):
 
 
 def ar_sequence(mode, height, width, prompt_tokens=64, image_processor=None):
-    """(prompt, L) tokens of an AR sample: the (H/32) x (W/32) grid + an end slot; t2i + a ~16x16 preview
+    """(prompt, L) tokens: the (H/32) x (W/32) grid + an end slot; t2i + a ~16x16 preview
     (GlmImageProcessor._get_target_shape), i2i's prompt + the source's VQ tokens, image start and end."""
     from transformers import GlmImageImageProcessorPil
     grid = (height // 32) * (width // 32) + 1
@@ -2587,9 +2587,8 @@ def ar_update_bytes(text, samples, prompt_tokens, generated, lora_rank, checkpoi
 
 def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
     """No-grad vae.decode's peak: an up block's first resnet keeps its input, norm1's and SiLU's outputs (3 x input)."""
-    channels, last = vae.config.block_out_channels[::-1], len(vae.config.block_out_channels) - 1
-    return 3 * bytes_per * images * max(channels[max(i - 1, 0)] * height * width // 4 ** (last - i)
-                                        for i in range(last + 1))
+    channels, last = vae.config.block_out_channels, len(vae.config.block_out_channels) - 1
+    return 3 * bytes_per * images * max(channels[min(i + 1, last)] * height * width // 4 ** i for i in range(last + 1))
 
 
 def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=False, gpus=(), ranks=(64, 16),
@@ -2601,12 +2600,13 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
     prompt_len, generated = ar_sequence(mode, height, width, prompt_tokens, image_processor)
     hidden, patches = config.num_attention_heads * config.attention_head_dim, (height // 16) * (width // 16)
     # i2i: write_source_caches' K, V per layer and prompt, alive through sampling and backward
-    source_kv = prompts * config.num_layers * 2 * patches * hidden * d if mode == "i2i" else 0
+    source_kv = prompts * config.num_layers * 2 * patches * hidden * d * (mode == "i2i")
     kv_cache = (prompt_len + generated) * text.num_hidden_layers * 2 * text.num_key_value_heads * text.hidden_size \
         // text.num_attention_heads * d
     decode = vae_decode_bytes(components["vae"], height, width, 1)
+    turn = max(frozen["glyph_t5"], frozen["vae"] + decode)  # offloaded parts take turns, the VAE with its decode
 
-    def half(name, mode, k, checkpointing):
+    def half(name, mode, k, ckpt):
         """A trained half's bytes on a GPU of k; unseen: copy-outs, the reference's pass, slack."""
         micro, fsdp, rank, gathered = min(samples, batch // k), mode == "fsdp", int(mode[5:] or 0), 0
         trained = trainable_tensors(components[name], rank, LORA_TARGETS if name == "ar" else DIT_LORA_TARGETS)
@@ -2615,12 +2615,12 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         if name == "ar":  # sampling: generate's KV cache of the GPU's samples, or pi_old's pass on a micro-batch
             sampling = max(batch // k * kv_cache, micro * generated * text.vision_vocab_size * 10)  # (10 B a logit)
             head = 0 if rank else numel(ar.model.language_model.norm) + numel(ar.lm_head)  # trained in full
-            u = ar_update_bytes(text, micro, prompt_len, generated, rank, checkpointing, () if fsdp else trained, head)
-            activations, backward = (u["peak"], 0) if fsdp else (u["activations"], u["peak"] - u["grads"])
+            u = ar_update_bytes(text, micro, prompt_len, generated, rank, ckpt, () if fsdp else trained, head)
+            activations, backward = u["peak" if fsdp else "activations"], u["peak"] - u["grads"]  # fsdp: below
         else:  # a denoising step's micro-batch: ~30 x hidden a block and token (x2 CFG, 64 text tokens), guessed,
             sampling = source_kv // k  # + the GPU's source caches; backward: the largest frozen part in turn
-            blocks = config.num_layers + 30 if checkpointing else config.num_layers * 30
-            activations = blocks * (patches + 64) * micro * (2 if cfg else 1) * hidden * d + sampling
+            blocks = config.num_layers + 30 if ckpt else config.num_layers * 30
+            activations = blocks * (patches + 64) * micro * (1 + cfg) * hidden * d + sampling
             backward = max(frozen["glyph_t5"], frozen["vae"]) + max(activations, state["grads"])
         if fsdp:
             layers, reduce = [numel(layer) for layer in sharded_layers(components[name])], d + FP32_BYTES
@@ -2629,7 +2629,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         return {"trainable": sum(trained), **state, "gathered": gathered, "activations": activations,
                 "sampling": sampling, "backward": backward}
 
-    def peaks(halves, beside=0, offloaded=0):
+    def peaks(halves, beside, offloaded):
         """(update, sampling, overall) peaks of `halves` trained in turn; AdamW's step: 2 x grads."""
         resident = beside + sum(h["weights"] + h["adam"] + h["reference"] for h in halves)
         grads = [h["grads"] for h in halves]
@@ -2637,25 +2637,22 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         sampling = sum(grads) + max(h["sampling"] for h in halves)
         return resident + update, resident + sampling, resident + max(update, sampling, sum(grads) + offloaded)
 
-    def row(name, mode, k, checkpointing):
-        h, working = half(name, mode, k, checkpointing), {"vae": decode, "dit": source_kv // k, "glyph_t5": 0}
-        turn = lambda *parts: max(frozen[p] + working[p] for p in parts)  # frozen parts take turns with their work
-        r = {"mode" if name == "ar" else "DiT mode": mode, "grad ckpt": checkpointing, "GPUs": k,
-             "micro-batch": min(samples, batch // k), "trainable": h["trainable"], "half": h,
-             f"{'AR' if name == 'ar' else 'DiT'} weights": h["weights"] + h["reference"], "grads": h["grads"],
-             "AdamW": h["adam"], "activations": h["activations"]}
-        if name == "ar":
-            return {**r, **dict(zip(("update peak", "sampling peak", "peak, offload"), peaks([h], 0, turn(*frozen)))),
-                    "peak, no offload": peaks([h], sum(frozen.values()), max(working.values()))[2]}
-        # 'dit': beside the frozen AR; 'both' trains the AR too: sharded, or at ar_rank (0: full)
-        a = half("ar", mode if mode == "fsdp" else f"lora-{ar_rank}" if ar_rank else "full", k, checkpointing)
-        return {**r, "peak, dit": peaks([h], d * counts["ar"], turn("glyph_t5", "vae"))[2],
-                "peak, both": peaks([a, h], 0, turn("glyph_t5", "vae"))[2]}
+    def row(name, mode, k, ckpt):
+        h, dit = half(name, mode, k, ckpt), name == "dit"
+        r = {f"{'DiT ' * dit}mode": mode, "grad ckpt": ckpt, "GPUs": k, "micro-batch": min(samples, batch // k),
+             "trainable": h["trainable"], "half": h, f"{'DiT' if dit else 'AR'} weights": h["weights"] + h["reference"],
+             "grads": h["grads"], "AdamW": h["adam"], "activations": h["activations"]}
+        if not dit:  # offloaded, the DiT takes its turn with the GPU's source caches
+            update, sampling, peak = peaks([h], 0, max(frozen["dit"] + source_kv // k, turn))
+            return {**r, "update peak": update, "sampling peak": sampling, "peak, offload": peak,
+                    "peak, no offload": peaks([h], sum(frozen.values()), max(decode, source_kv // k))[2]}
+        a = half("ar", mode if mode == "fsdp" else f"lora-{ar_rank}" if ar_rank else "full", k, ckpt)
+        return {**r, "peak, dit": peaks([h], d * counts["ar"], turn)[2],  # beside the frozen AR
+                "peak, both": peaks([a, h], 0, turn)[2]}  # the AR trains too: sharded, or at ar_rank (0: full)
 
-    modes = {"ar": ["full", *(f"lora-{r}" for r in ((ar_rank,) if ar_rank else ranks))],
-             "dit": ["full", f"lora-{dit_rank}"]}
-    return {name: [row(name, mode, k, c) for k in (1, *gpus) for mode in modes[name] + ["fsdp"] * (k > 1)
-                   for c in (False, True)] for name in modes}, counts, \
+    loras = {"ar": [f"lora-{r}" for r in ([ar_rank] if ar_rank else ranks)], "dit": [f"lora-{dit_rank}"]}
+    return {name: [row(name, mode, k, c) for k in (1, *gpus) for mode in ["full", *loras[name]] + ["fsdp"] * (k > 1)
+                   for c in (False, True)] for name in loras}, counts, \
         {"tokens": (prompt_len, generated), "decode": decode, "source_kv": source_kv}
 
 
@@ -2673,14 +2670,13 @@ def plan_options(args, rows, counts):
     """[(flags changed, row, peak)] of the run's table, fewest changes then smallest first: the run's own first."""
     ar, fsdp, no = args.policy == "ar", args.fsdp and bool(args.plan_gpus), lambda on: "no " * (not on)
     rank, flag = (args.lora_rank, "--lora-rank") if ar else (args.dit_lora_rank, "--dit-lora-rank")
-    mine = ("fsdp" if fsdp else f"lora-{rank}" if rank else "full", args.gradient_checkpointing,
-            fsdp and args.plan_gpus[0] or 1)
+    flags = lambda mode, ckpt, k: ("--fsdp" if mode == "fsdp" else f"{flag} {mode[5:] or 0}",
+                                   f"{no(ckpt)}--gradient-checkpointing", f"{k} GPUs")
+    mine = flags("fsdp" if fsdp else f"lora-{rank}", args.gradient_checkpointing, fsdp and args.plan_gpus[0] or 1)
     frozen = (not ar) * WEIGHT_BYTES * (counts["glyph_t5"] + counts["vae"])  # on the GPU without --offload
     options = []
     for r in rows["ar" if ar else "dit"]:
-        mode, ckpt, k = theirs = r["mode" if ar else "DiT mode"], r["grad ckpt"], r["GPUs"]
-        named = "--fsdp" if mode == "fsdp" else f"{flag} {mode[5:] or 0}", f"{no(ckpt)}--gradient-checkpointing"
-        changes = [c for c, a, b in zip((*named, f"{k} GPUs"), mine, theirs) if a != b]
+        changes = [c for c, m in zip(flags(r["mode" if ar else "DiT mode"], r["grad ckpt"], r["GPUs"]), mine) if c != m]
         for offload in [False, True] if args.offload is None else [args.offload]:
             peak = r[f"peak, {no(offload)}offload" if ar else f"peak, {args.policy}"] + frozen * (not offload)
             options.append((changes + ["--offload"] * (offload and args.offload is None), r, peak))
@@ -2689,8 +2685,7 @@ def plan_options(args, rows, counts):
 
 def print_memory_plan(args):
     validate_args(args)
-    index = Path(args.model) / "model_index.json"
-    kind = index.is_file() and json.loads(index.read_text()).get("_class_name")
+    kind = (path := Path(args.model, "model_index.json")).is_file() and json.loads(path.read_text()).get("_class_name")
     if args.model not in (TINY, "zai-org/GLM-Image") and kind != "GlmImagePipeline":
         raise UsageError(f"--plan --model {args.model}: {f'a {kind}' if kind else 'a hub id'}, not GLM-Image's; --plan "
                          "knows 'tiny', zai-org/GLM-Image or a saved copy")
@@ -2701,7 +2696,7 @@ def print_memory_plan(args):
     size = lambda n: f"{n / unit:.1f} {unit_name}"
     print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count:,.1f} {count_name}" for k, v in counts.items()))
     source = f" incl. the source's {prompt_len - 66} VQ tokens" * i2i  # 64 text, image start and end
-    kl, cfg = ", KL reference copy for full fine-tuning" * (args.beta > 0), "on" if args.guidance_scale > 1 else "off"
+    kl = ", KL reference copy for full fine-tuning" * (args.beta > 0)
     print(f"--mode {args.mode}: {prompts} x {G} samples (prompts x G) of {prompt_len + generated} tokens ({prompt_len} "
           f"prompt{source} + {generated} generated, {args.height}x{args.width}), micro-batches of "
           f"{args.micro_batch_size or G}; estimates in {unit_name} per GPU of K ({prompts} / K groups each){kl}; "
@@ -2709,8 +2704,8 @@ def print_memory_plan(args):
           + f", the DiT's {prompts} source KV caches, one per prompt ({size(terms['source_kv'])})" * i2i)
     titles = ["AR (--policy ar); " + ("fsdp: --fsdp, 16 bytes per trained parameter / K, the bf16 root + 2 layers "
               "gathered" if args.plan_gpus else "--plan-gpus K adds the rows on K GPUs, and --fsdp's"),
-              f"\nDiT (Flow-GRPO, --policy dit|both), CFG {cfg}; 'both' trains the AR too (full, or --lora-rank's; "
-              "fsdp: sharded)" + "; activations incl. the source KV caches" * i2i]
+              f"\nDiT (Flow-GRPO, --policy dit|both), CFG {'on' if args.guidance_scale > 1 else 'off'}; 'both' trains "
+              "the AR too (full, or --lora-rank's; fsdp: sharded)" + "; activations incl. the source KV caches" * i2i]
     options = plan_options(args, rows, counts)
     for title, table in zip(titles, rows.values()):
         columns = [key for key in table[0] if key != "half"]
@@ -2725,9 +2720,8 @@ def print_memory_plan(args):
     verdict = "fits" if peak <= free else f"does not fit; it fits with {'; '.join(fit)}" if fit else \
         "does not fit in any row: lower --micro-batch-size or the image size, or plan GPUs for --fsdp"
     print(f"verdict: --policy {args.policy}, this run's row {'with' if args.offload else 'without'} --offload: "
-          f"{size(peak)}{f' (the row + {size(beside)} glyph encoder, VAE)' * (beside > 0)} of "
-          f"{size(free)} free: {verdict}" if free else
-          "verdict: no CUDA GPU here: add --plan-gpu-memory GiB")
+          f"{size(peak)}{f' (the row + {size(beside)} glyph encoder, VAE)' * (beside > 0)} of {size(free)} free: "
+          f"{verdict}" if free else "verdict: no CUDA GPU here: add --plan-gpu-memory GiB")
 
 
 # ==== 24. Saving and using the trained model (--save-pipeline, generate_images)
