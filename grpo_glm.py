@@ -21,11 +21,11 @@ pushes the policy up on better-than-average samples with PPO's clipped surrogate
 2017), optionally with a KL penalty towards the initial model.
 
 Reading map: Part I (sections 1-11) is GRPO on the AR in the order a step runs; Part II (12-13)
-Flow-GRPO on the DiT (--policy dit|both); Part III (14-25) is plumbing, GLM-Image's machinery first. The pure
-functions (mse_reward, group_advantages, token_logprobs with kept_logits, grpo_loss, sde_step, dit_kl) need only
-torch: copy them out (tested).
+Flow-GRPO's step (--policy dit|both); Part III (14-25) is plumbing, GLM-Image's machinery first. Copy out
+(tested): mse_reward, group_advantages, grpo_loss, sde_step, dit_kl need only torch; token_logprobs also
+kept_logits, dropped_by_warpers and a SamplingParams (any object with its 4 fields).
 Symbols: N samples in a batch (P x G), P prompts, G group size, S prompt tokens (padded), L generated tokens,
-H x W target grid in tokens (image side / 32), V vocabulary, K denoising steps, T of them trained.
+H x W target grid in tokens (images: 32H x 32W px), V vocabulary, K denoising steps, T of them trained.
 """
 
 import argparse
@@ -79,25 +79,31 @@ class UsageError(Exception):
         self.local = local
 
 
-# PART I. GRPO on the autoregressive half: one read, from the flags to the training loop ##########
-# Stop at its end and you have seen a whole run. GLM-Image's machinery sits in section 14, behind
-# the calls named here.
+# PART I. GRPO on the autoregressive half: one read, from the flags to the training loop
+# A whole run. GLM-Image's machinery sits in section 14 (the DiT's loop in Part II),
+# behind the calls named here.
 
 
-# ==== 1. Settings =================================================================================
-# Every flag: parse_args (section 15), or `--help`. GRPO's own, with their defaults:
-#     --group-size G (32)          samples per prompt, compared within their group (sections 4, 7)
+# ==== 1. Settings
+# Every flag: flag_parser (section 15), or `--help`. GRPO's own, with their defaults:
+#     --group-size G (32)          samples per prompt (sections 4, 7)
 #     --prompts-per-step P (2)     a step's batch is N = P x G samples
-#     --temperature, --top-k/-p    the sampling policy, which the loss scores alike (sections 4, 8)
-#     --reward (mse)               what an image scores (section 6)
-#     --loss-tokens (target)       which generated tokens the loss covers (section 9)
-#     --clip-eps (0.2), --beta (0) PPO's clip range and the KL penalty's weight (section 9)
-#     --inner-epochs mu (4), --lr  AdamW passes over each batch, their step size (section 10)
-#     --policy (ar)                what trains: the AR, the DiT (Part II), or both
+#     --temperature, --top-k/-p    the policy pi (section 4)
+#     --reward (mse)               what an image scores; repeated: a sum (6)
+#     --loss-tokens (target)       the tokens the loss covers (sections 4, 9)
+#     --clip-eps (0.2), --beta (0) PPO's clip range, the KL's weight (9)
+#     --inner-epochs mu (4), --lr  AdamW passes over a batch (10)
+#     --micro-batch-size (G)       samples a forward (8, 10)
+#     --policy (ar)                what trains: the AR; dit|both: Part II
+# A new flag: add it to its group in flag_parser, read it where it is used. A resume
+# must match the flags of --help's groups titled "(a resume must match)"; a flag newer
+# than a checkpoint matches its parser default (one that follows another flag: None
+# there, resolved where used).
 
 
-# ==== 2. Model: GLM-Image = AR (transformers) + DiT/VAE/glyph encoder (diffusers) =================
-# `--model tiny` (section 21) builds the real checkpoint's classes at toy size: the real code path.
+# ==== 2. Model: GLM-Image = AR (transformers) + DiT/VAE/glyph encoder (diffusers)
+# `--model tiny` (section 21): the real classes at toy size, the real code path.
+# In the pipeline the AR is `vision_language_encoder`, the DiT `transformer`.
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]  # AR Linears
 DIT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]                  # the DiT's attention
@@ -105,177 +111,198 @@ DIT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]                  # the D
 
 def load_pipeline(args):
     """The GlmImagePipeline on args.device, its renderer (glyph encoder, DiT, VAE) frozen."""
-    pipe = pipeline_from_pretrained(args, getattr(torch, args.dtype))  # tiny: built once, cached
+    pipe = pipeline_from_pretrained(args, getattr(torch, args.dtype))
     for name in ("text_encoder", "transformer", "vae"):
         getattr(pipe, name).requires_grad_(False)
     pipe.processor.tokenizer.padding_side = "left"  # every prompt ends at one column
     pipe.set_progress_bar_config(disable=True)      # the run prints a line a step
-    pipe.vae.enable_slicing()  # decode one image at a time: at 1024^2 each holds ~3 GiB
-    place_pipeline(pipe, args)  # on the device, or --offload's frozen parts taking turns
+    pipe.vae.enable_slicing()  # one image at a time: at 1024^2 each holds ~3 GiB
+    place_pipeline(pipe, args)  # on the device; --offload: frozen parts take turns
     return pipe
 
 
 def prepare_policy(ar, args):
-    """Marks what of the AR trains (LoRA adapters, all its weights or lm_head alone); returns it."""
+    """Marks what of the AR trains (LoRA adapters, all its weights, or lm_head alone:
+    --ar-trainable, 'head' for the tiny model) -> the trained parameters."""
     if args.lora_rank:
         add_lora(ar, args.lora_rank, args.lora_alpha, LORA_TARGETS,
                  exclude_modules=r".*visual.*|.*vqmodel.*")
     else:
         ar.requires_grad_(True)
-        ar.model.visual.requires_grad_(False)  # the vision encoder and VQ only read sources
+        ar.model.visual.requires_grad_(False)  # the vision encoder and VQ read sources
         ar.model.vqmodel.requires_grad_(False)
         if args.ar_trainable == "head":
-            # lm_head reads each (prompt, cell) off the body's fixed features. The tiny AR's body
-            # is random: trained along, it paints every cell the background (README).
+            # lm_head reads each (prompt, cell) off the body's fixed features. The tiny
+            # AR's body is random: trained along, it paints every cell alike (README).
             ar.model.requires_grad_(False)
     if args.gradient_checkpointing:
-        ar.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        ar.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         ar.disable_input_require_grads()  # a hook only reentrant checkpointing needs
+    # pi_old's pass and the loss's run in train mode (section 4): dropout would
+    # make each a policy of its own
+    if dropout := active_dropout(ar.model.language_model):
+        raise UsageError(f"--model {args.model}: dropout in {dropout}: set it to 0")
     return [p for p in ar.parameters() if p.requires_grad]
 
 
-# ==== 3. Prompts and targets ======================================================================
-# Run.steps (section 19): a seeded shuffle per pass over the file, the same on a resumed run.
+# ==== 3. A step's prompts, targets and seeds
+# Run.steps (section 19) picks the step's prompt lines; here they become batch rows.
 
-def repeat_each(items, group_size):
-    return [x for x in items for _ in range(group_size)]  # [a, b] -> [a x G, b x G]: batch rows
-
-
-def batch_targets(batch):
-    """The step's target images [P, 3, H, W] in [0, 1], or None if any is missing."""
+def step_prompts(items, indices, mode):
+    """-> prompts (P str), targets [P, 3, 32H, 32W] in [0, 1] | None, i2i sources (PIL)."""
+    batch = [items[i] for i in indices]
     targets = [it.image("target") for it in batch]
     if any(t is None for t in targets):
-        return None
-    return torch.stack([torch.from_numpy(np.asarray(t, dtype=np.float32) / 255.0).permute(2, 0, 1)
-                        for t in targets])
+        targets = None
+    else:  # PIL -> [3, 32H, 32W]
+        targets = torch.stack([pil_to_tensor(t) for t in targets])
+    sources = [it.image("source") for it in batch] if mode == "i2i" else None
+    return [it.text for it in batch], targets, sources
+
+
+def repeat_each(items, group_size):
+    return [x for x in items for _ in range(group_size)]  # [a, b] -> [a x G, b x G]
 
 
 def seeded(seed, purpose, step=0, index=0, device="cpu"):
-    """The one rule for every random stream (prompt order, tokens, DiT noise): a generator of its
-    own from (--seed, purpose, step, index), alike on any rank. Hashed: seed * 7919 + i collides."""
+    """Every random stream (prompt order, tokens, DiT noise): a generator of its own,
+    seeded by (--seed, purpose, step, index), alike on any rank. Hashed: sums collide."""
     digest = hashlib.sha256(f"{seed}/{purpose}/{step}/{index}".encode()).digest()
     return torch.Generator(device).manual_seed(int.from_bytes(digest[:8], "little"))
 
 
-# ==== 4. SAMPLE: G token grids per prompt, with the log-prob of every sampled token ===============
+# ==== 4. SAMPLE: G token grids per prompt, with the log-prob of every sampled token
 # t2i: after the prompt `text<sop>H W<eop><sop>h w<eop><bos>` the AR writes
 #     h*w preview tokens (a ~16x16 sketch) | H*W target-grid tokens | 1 end slot
-# i2i: after `<start><the source's VQ tokens><end>text<sop>H W<eop><bos>`: H*W target tokens | end.
-# Only the target grid reaches the DiT. Each token sits at an M-RoPE position (time, row, column):
-# text moves all three, grid cell (i, j) sits at (s, s + i, s + j). The loss must feed the very
-# positions the sampler used (Rollout.position_ids): a plain forward numbers the grid like text and
-# scores another policy, so the first pass's ratio would not be 1.
+# (the end slot: generate()'s end-of-image position, sampled, never trained or drawn).
+# At 128 px: 16x16 + 4x4 + 1 = 273 tokens.
+# i2i: after `<start><source's VQ tokens><end>text<sop>H W<eop><bos>`: H*W target | end.
+# Only the target grid reaches the DiT. Each token sits at an M-RoPE position (time,
+# row, column): text moves all three; grid cell (i, j) sits at (s, s + i, s + j).
+# pi_old and the loss read these positions (Rollout.position_ids): see old_logprobs.
 
 @dataclass
 class Rollout:
-    sequences: torch.Tensor       # [N, S+L] prompt (left-padded; i2i: source VQ ids) + generated
-    attention_mask: torch.Tensor  # [N, S+L-1] mask of the teacher-forced input, sequences[:, :-1]
-    position_ids: torch.Tensor    # [3, N, S+L-1] its M-RoPE positions, as the sampler used them
-    old_logp: torch.Tensor        # [N, L] log pi_old(token): the loss's own pass (sample_tokens)
-    loss_mask: torch.Tensor       # [N, L] 1 for tokens the loss covers
+    sequences: torch.Tensor       # [N, S+L] prompt (left-padded) + generated tokens
+    attention_mask: torch.Tensor  # [N, S+L-1] of the forward's input, sequences[:, :-1]
+    position_ids: torch.Tensor    # [3, N, S+L-1] its M-RoPE positions, the sampler's
+    sampler_logp: torch.Tensor    # [N, L] log pi(token), as the sampler drew it
+    loss_mask: torch.Tensor       # [N, L] 1 on the tokens the loss covers
     target_tokens: torch.Tensor   # [N, H*W] the target grid, row-major
     grid_hw: tuple                # (H, W) of the target grid in tokens
     prompt_len: int               # S
-    source_prior: list = None     # i2i, per sample: source VQ ids upsampled 2x, grid, for the DiT
-    sampler_gap: dict = None      # |old_logp - the sampler's own| over the loss tokens: max, mean
+    source_prior: list = None     # i2i, per sample: the source's VQ ids for the DiT
+    old_logp: torch.Tensor = None  # [N, L] log pi_old(token): old_logprobs' pass
+
+    @property
+    def generated(self):  # [N, L]
+        return self.sequences[:, self.prompt_len:]
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """The AR policy (vLLM's name): pi = softmax(logits / temperature) over the kept ids, which
-    kept_logits (section 8) finds. The sampler and the loss both read it."""
+    """The AR policy (vLLM's name): pi = softmax(logits / temperature) over the kept ids
+    (kept_logits, section 8). The sampler and the loss both read it."""
     temperature: float = 1.0
     top_k: int = 0          # keep the k likeliest ids (0: all)
-    top_p: float = 1.0      # of those, the fewest whose probability adds up to p (1: all)
-    codebook: int = 0       # ids >= it (image start, end...) never drawn: they crash the DiT
+    top_p: float = 1.0      # of those, the fewest whose mass adds up to p (1: all)
+    codebook: int = 0       # ids >= it (image start, end...) crash the DiT: never drawn
 
 
 def at_least_fp32(x):
-    return x.to(torch.promote_types(x.dtype, torch.float32))  # bf16 -> fp32; fp32, fp64 unchanged
+    return x.to(torch.promote_types(x.dtype, torch.float32))  # bf16 -> fp32; fp64 stays
 
 
 def gumbel_max(logits, uniform, sampling):
-    """A draw from softmax(z) over the ids where z is finite: argmax_v (z_v - log(-log u_v)),
-    u ~ U(0, 1). logits, u [N, V] -> (ids [N], log pi(ids) [N] fp64)."""
+    """A draw from softmax(z) over the finite z: argmax_v (z_v - log(-log u_v)), u ~ U(0, 1).
+    logits, u [N, V] -> (ids [N], log pi(ids) [N] fp64)."""
     kept = torch.isfinite(kept_logits(logits, sampling))  # the loss's kept set
-    z = (at_least_fp32(logits).double() / sampling.temperature).masked_fill(~kept, float("-inf"))
+    z = at_least_fp32(logits).double() / sampling.temperature
+    z = z.masked_fill(~kept, float("-inf"))
     token = (z - torch.log(-torch.log(uniform))).argmax(-1)  # u = 0: -inf, never drawn
     return token, z.log_softmax(-1).gather(-1, token[:, None])[:, 0]
 
 
 def decode_step(ar, ids, positions, mask, cache, uniform, sampling):
-    """ids [N, q] at their M-RoPE positions, picked by the cache's length on the device (no host
-    sync) -> the next token [N] by gumbel_max, and its log pi. mask [N, S+L-1]: the whole run's."""
+    """ids [N, q] at their M-RoPE positions -> the next token [N] by gumbel_max, and its
+    log pi. The cache's length picks the positions on the device (no host sync).
+    mask [N, S+L-1]: the whole rollout's."""
     at = cache.get_seq_length() + torch.arange(ids.shape[1], device=ids.device)
-    logits = ar(ids, mask, positions.index_select(2, at), cache, logits_to_keep=1).logits[:, -1]
-    return gumbel_max(logits, uniform, sampling)
+    out = ar(ids, mask, positions.index_select(2, at), cache, logits_to_keep=1)
+    return gumbel_max(out.logits[:, -1], uniform, sampling)
 
 
-def decode_loop(ar, ids, positions, mask, num_tokens, uniforms, sampling, cache, step=decode_step):
-    """The sampler: forward -> Gumbel-max -> append, a token per row a step; the first is the
-    prompt's prefill, which fills the KV cache. ids [N, S] -> (tokens [N, L], log pi [N, L]).
-    step: the decode steps' (FastDecoder's replays a CUDA graph)."""
-    drawn = []
+def decode_loop(ar, ids, positions, mask, num_tokens, uniforms, sampling, cache,
+                step=decode_step):
+    """The sampler: forward -> Gumbel-max -> append, a token per row a step. The first
+    step is the prompt's prefill, which fills the KV cache. ids [N, S] ->
+    (tokens [N, L], log pi [N, L]). step: the later steps' (FastDecoder: a CUDA graph)."""
+    tokens, logps = [], []
     for t in range(num_tokens):
         draw = step if t else decode_step  # the prefill: its own shape, eager
-        drawn.append(draw(ar, ids, positions, mask, cache, uniforms(), sampling))
-        ids = drawn[-1][0][:, None]
-    return (torch.stack(column, 1) for column in zip(*drawn))
+        token, logp = draw(ar, ids, positions, mask, cache, uniforms(), sampling)
+        tokens.append(token)
+        logps.append(logp)
+        ids = token[:, None]
+    return torch.stack(tokens, 1), torch.stack(logps, 1)
 
 
 @torch.no_grad()
-def sample_groups(pipe, prompts, group_size, sampling, height, width, loss_tokens, sources=None,
-                  generators=None, prompt_len=None, decoder=None):
-    """G samples per prompt (i2i: edits of `sources`) -> Rollout, old_logp the sampler's own. Group
-    k draws from generators[k] alone (default: seeded off the global RNG). decoder: decode_loop on a
-    fresh static KV cache, or a run's FastDecoder (section 14): the same tokens, faster."""
-    ar = pipe.vision_language_encoder
-    seed = lambda: int(torch.randint(2**62, ()))
-    generators = generators or [torch.Generator(ar.device).manual_seed(seed()) for _ in prompts]
-    batch, source_prior, grids = generation_inputs(pipe, prompts, sources, group_size, height,
-                                                   width, prompt_len)  # left-padded to prompt_len
-    (H, W), L, prompt_len = grids[-1], sum(h * w for h, w in grids) + 1, batch["input_ids"].shape[1]
+def sample_groups(pipe, prompts, group_size, sampling, height, width, loss_tokens,
+                  sources=None, generators=None, prompt_len=None, decoder=None):
+    """G samples per prompt (i2i: edits of `sources`) -> Rollout, without old_logp.
+    Group k draws from generators[k] alone (None: seeded off the global RNG). decoder:
+    a run's FastDecoder (section 14), else decode_loop on a fresh static KV cache."""
+    ar = pipe.vision_language_encoder  # the AR
+    batch, source_prior, grids = generation_inputs(
+        pipe, prompts, sources, group_size, height, width, prompt_len)  # left-padded
+    L = sum(h * w for h, w in grids) + 1  # the grids, then the end slot
     positions = rollout_positions(ar, batch, grids)  # [3, N, S + L - 1]
-    mask = torch.nn.functional.pad(batch["attention_mask"], (0, L - 1), value=1)  # [N, S + L - 1]
-    V = ar.config.text_config.vision_vocab_size
-    uniforms = lambda: torch.cat([torch.rand(group_size, V, generator=gen, device=gen.device,
-                                             dtype=torch.float64) for gen in generators])
+    mask = batch["attention_mask"]
+    mask = torch.nn.functional.pad(mask, (0, L - 1), value=1)  # [N, S + L - 1]
+    uniforms = group_uniforms(ar, generators or len(prompts), group_size)
     decoder = decoder or functools.partial(decode_loop, cache=static_cache(ar, mask.shape))
-    generated, old_logp = decoder(ar, batch["input_ids"], positions, mask, L, uniforms, sampling)
-    offset = L - 1 - H * W  # the target grid: last before the end slot
-    loss_mask = torch.zeros_like(generated, dtype=torch.float32)
-    loss_mask[:, (offset if loss_tokens == "target" else 0): offset + H * W] = 1.0  # never the end
-    target = generated[:, offset: offset + H * W]
-    return Rollout(torch.cat([batch["input_ids"], generated], 1), mask, positions, old_logp,
-                   loss_mask, target, (H, W), prompt_len, source_prior)
+    prompt = batch["input_ids"]  # [N, S]
+    tokens, logp = decoder(ar, prompt, positions, mask, L, uniforms, sampling)
+    H, W = grids[-1]
+    target = slice(L - 1 - H * W, L - 1)  # the target grid: last before the end slot
+    covered = target if loss_tokens == "target" else slice(0, target.stop)
+    loss_mask = torch.zeros_like(tokens, dtype=torch.float32)
+    loss_mask[:, covered] = 1.0
+    return Rollout(torch.cat([prompt, tokens], 1), mask, positions, logp, loss_mask,
+                   tokens[:, target], (H, W), prompt.shape[1], source_prior)
 
 
 def sample_tokens(trainer, prompts, sources, slots, step, args):
-    """SAMPLE this rank's groups -> Rollout. Group `slot` draws from seeded(step, slot), padded to
-    the run's prompt length: its tokens are alike on any number of processes, beside any prompts."""
-    ar = trainer.pipe.vision_language_encoder
-    generators = [seeded(args.seed, "tokens", step, slot, ar.device) for slot in slots]
+    """SAMPLE this rank's groups -> Rollout with pi_old (old_logprobs). Group `slot`
+    draws from seeded(step, slot), padded to the run's prompt length: its tokens are
+    alike on any number of processes."""
+    ar, sampling = trainer.ar.model, trainer.sampling
+    generators = [seeded(args.seed, "tokens", step, s, ar.device) for s in slots]
     ar.eval()
-    with whole_weights(ar) as sharded:  # --fsdp: sampled eagerly, through its hooks
-        rollout = sample_groups(trainer.pipe, prompts, args.group_size, trainer.sampling,
-                                args.height, args.width, args.loss_tokens, sources, generators,
-                                trainer.prompt_len, None if sharded else trainer.decoder)
-        # pi_old is the loss's own pass, micro-batch for micro-batch, so the first pass's ratio is 1
-        # bit for bit. The sampler's kernels differ (~1e-2 in bf16, ~1e-6 in fp32): logged as a gap.
-        sampler_logp = rollout.old_logp
-        rollout.old_logp = logprobs_by_micro_batch(ar, rollout, trainer.sampling,
-                                                   args.micro_batch_size)
-    gap = (rollout.old_logp - sampler_logp).abs()[rollout.loss_mask.bool()]
-    rollout.sampler_gap = {"sampler_gap_max": gap.max().item(),
-                           "sampler_gap_mean": gap.mean().item()}
-    return rollout
+    with whole_weights(ar) as sharded:  # --fsdp: gathered, sampled eagerly
+        decoder = None if sharded else trainer.decoder
+        rollout = sample_groups(trainer.pipe, prompts, args.group_size, sampling,
+                                args.height, args.width, args.loss_tokens, sources,
+                                generators, trainer.prompt_len, decoder)
+        ar.model.train()  # the body's mode in the loss (gradient checkpointing)
+        old_logp = old_logprobs(ar, rollout, sampling, args.micro_batch_size)
+    return replace(rollout, old_logp=old_logp)
 
 
-# ==== 5. DECODE: target-grid tokens -> DiT -> VAE -> pixels =======================================
+def sampler_gap(rollout):
+    """|old_logp - sampler_logp| on the loss tokens, logged: rounding (old_logprobs)
+    unless the loss's forward scores another policy than the sampler's."""
+    gap = (rollout.old_logp - rollout.sampler_logp).abs()[rollout.loss_mask.bool()]
+    return {"sampler_gap_max": gap.max().item(), "sampler_gap_mean": gap.mean().item()}
+
+
+# ==== 5. DECODE: target-grid tokens -> DiT -> VAE -> pixels
 
 def group_noise(pipe, prompt_indices, group_size, height, width, seed, step, mode):
-    """Initial DiT latents [N, C, h, w]: one draw per prompt, shared by its G samples, so that only
-    the tokens differ. --dit-noise per-prompt: the same every step, a fixed renderer."""
+    """Initial DiT latents [N, C, 4H, 4W]: one draw per prompt, shared by its G samples,
+    so that only the tokens differ. --dit-noise per-prompt: the same every step."""
     shape = (pipe.transformer.config.in_channels, height // pipe.vae_scale_factor,
              width // pipe.vae_scale_factor)
     step = 0 if mode == "per-prompt" else step
@@ -285,132 +312,151 @@ def group_noise(pipe, prompt_indices, group_size, height, width, seed, step, mod
 
 
 @torch.no_grad()
-def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps, guidance_scale):
-    """DECODE: images [N, 3, H, W] from the target grids: the pipeline's schedule, conditioning and
-    Euler steps, as Part II's loop at a = 0 (tested equal to the pipeline). Not `pipe(...)`: that
-    batches prompts and re-hooks CPU offload at its end (moving the trained AR off the GPU)."""
+def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps,
+                  guidance_scale):
+    """DECODE: images [N, 3, 32H, 32W] from the target grids, with the pipeline's
+    schedule, conditioning and Euler steps: Part II's loop without its noise (tested
+    equal to the pipeline). Not `pipe(...)`: it pads prompts' glyph embeddings together
+    (the DiT attends to the zeros), and re-hooks CPU offload at its end (moving the
+    trained AR off the GPU)."""
     G = rollout.target_tokens.shape[0] // len(prompts)
-    cond = dit_condition(pipe, prompts, G, rollout.target_tokens, rollout.grid_hw, guidance_scale,
-                         sources, rollout.source_prior and rollout.source_prior[::G])  # Part II
+    priors = rollout.source_prior and rollout.source_prior[::G]  # i2i: per prompt
+    cond = dit_condition(pipe, prompts, G, rollout.target_tokens, rollout.grid_hw,
+                         guidance_scale, sources, priors)
     H, W = rollout.grid_hw
     schedule = dit_schedule(pipe, 32 * H, 32 * W, num_inference_steps)
-    latents = sample_dit(pipe.transformer, cond, noise, schedule).states[:, -1]  # Part II
+    latents = sample_dit(pipe.transformer, cond, noise, schedule).states[:, -1]
     return latents_to_images(pipe, latents)
 
 
-# ==== 6. REWARD ===================================================================================
-# A reward is any fn(images [N, 3, H, W] in [0, 1], prompts: N str, targets [N, 3, H, W] | None)
-# -> [N], higher = better, row i of each the same sample. --reward module:fn or file.py:fn, with
-# '=WEIGHT', picks them (section 17); one that reads targets says so: `fn.uses_targets = True`.
+# ==== 6. REWARD
+# A reward plug-in is fn(images [N, 3, 32H, 32W] fp32 in [0, 1] on the CPU, prompts:
+# N str, targets [N, 3, 32H, 32W] | None) -> [N], higher = better; row i: one sample.
+# Any --reward replaces the default, mse.
+# --reward module:fn or file.py:fn, with '=WEIGHT', picks them (section 17); one
+# that reads targets says so: `fn.uses_targets = True`. The demo's, --reward mse,
+# is the plug-in mse(images, prompts, targets) = mse_reward(images, targets).
 
 def mse_reward(images, targets):
     """r = -mean((image - target)^2) over channels and pixels, the demo's reward.
-    images, targets: float [N, 3, H, W] in [0, 1]  ->  rewards [N] in [-1, 0]; 0 = perfect."""
-    wide = images.to(torch.promote_types(images.dtype, torch.float32))  # bf16 -> fp32; fp64 stays
+    images, targets: float [N, 3, 32H, 32W] in [0, 1] -> [N] in [-1, 0]; 0: perfect."""
+    wide = images.to(torch.promote_types(images.dtype, torch.float32))  # bf16 -> fp32
     return -((wide - targets) ** 2).mean(dim=(1, 2, 3))
 
 
-def compute_rewards(rewards, images, prompts, targets):
-    """(total [N] = sum_k w_k r_k, {name: r_k [N]}) over the --reward plug-ins (name, fn, weight).
-    call_reward runs fn on a copy (an edit in place must not reach the next) and checks its [N].
-    Summed, then standardised, as TRL: a reward weighs by weight x its spread within a group."""
+def compute_rewards(rewards, images, prompts, targets, group_size):
+    """(total [N] = sum_k w_k r_k, {name: r_k [N]}) over the --reward plug-ins (name, fn,
+    weight); prompts (P) and targets [P, ...] repeat for the G rows of each group.
+    Summed, then standardised (TRL's order): a reward's pull is weight x its spread.
+    call_reward (section 17) checks each returns [N] and warns of NaN."""
+    prompts = repeat_each(prompts, group_size)
+    if targets is not None:
+        targets = targets.repeat_interleave(group_size, 0)
     values = [call_reward(reward, images, prompts, targets) for reward in rewards]
     total = sum(reward.weight * value for reward, value in zip(rewards, values))
     return total, {reward.name: value for reward, value in zip(rewards, values)}
 
 
-# ==== 7. ADVANTAGE ================================================================================
+# ==== 7. ADVANTAGE
 
 def group_advantages(rewards, group_size, eps=1e-4):
-    """A_i = (r_i - mean_group(r)) / (std_group(r) + eps): rewards [N] in groups of G -> [N];
-    unbiased std, as TRL. A tied group gets exactly 0 (not ~3e-4 from an fp32 mean an ulp off), as
-    does one with a NaN or inf (left out: the others train). eps is not tiny on purpose: MSE
-    rewards in a group can differ by 1e-4."""
+    """A_i = (r_i - mean_group(r)) / (std_group(r) + eps), rewards [N] in groups of G.
+    Unbiased std, as TRL. A tied group gets exactly 0 (an fp32 mean is an ulp off), as
+    does one with a NaN or inf (left out: the others train). eps is not tiny: MSE
+    rewards 1e-4 apart are not blown up to +-1."""
     if rewards.ndim != 1 or rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards: not a multiple of group_size={group_size}")
+        raise ValueError(f"rewards {list(rewards.shape)}: not [N], N a multiple of {group_size}")
     groups = rewards.view(-1, group_size)
     centred = groups - groups.mean(dim=1, keepdim=True)
     advantages = centred / (groups.std(dim=1, keepdim=True) + eps)
     tied = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)
-    return torch.where(tied | ~groups.isfinite().all(1, True), 0.0, advantages).view(-1)
+    left_out = tied | ~groups.isfinite().all(1, True)
+    return torch.where(left_out, 0.0, advantages).view(-1)
 
 
-# ==== 8. Log-probs with gradients =================================================================
+# ==== 8. Log-probs with gradients
 
 def kept_logits(logits, sampling, keep=None):
-    """z [..., V], pi = softmax(z): logits / temperature in at least fp32 (a bf16 log-softmax loses
-    ~1e-2), -inf past the codebook and on the ids transformers' top-k / top-p warpers drop (so a
-    saved pipeline's generate() samples this policy). `keep` [...]: ids kept whatever: after an
-    update a sampled id may drop out, and log 0 has no gradient."""
+    """z [..., V] with pi = softmax(z): logits / temperature in at least fp32 (a bf16
+    log-softmax loses ~1e-2); -inf past the codebook and off the top-k / top-p kept set.
+    keep [...]: ids kept whatever (after an update a sampled id may drop out of the
+    set, and log 0 has no gradient)."""
     z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / sampling.temperature
     if sampling.codebook:
-        z[..., sampling.codebook:].fill_(float("-inf"))  # fill_: no scalar tensor from the host
-    k, p = sampling.top_k, sampling.top_p
-    if not (k or p < 1):
-        return z
-    with torch.no_grad():  # 1,024 rows at a time: sorting all [N, L, V] holds ~23 bytes a logit
-        parts = []
-        for rows in z.detach().reshape(-1, z.shape[-1]).split(1024):
-            dropped = torch.zeros_like(rows, dtype=torch.bool)
-            if k:  # keep z >= the k-th largest
-                dropped |= rows < torch.topk(rows, min(k, rows.shape[-1]), dim=-1).values[..., -1:]
-            if p < 1:  # ascending (the warper's tie order): drop while the mass so far is <= 1 - p
-                ascending, order = torch.sort(rows.masked_fill(dropped, float("-inf")), dim=-1)
-                tail = ascending.softmax(-1).cumsum(-1) <= 1 - p
-                tail[..., -1].fill_(False)  # never the largest
-                dropped |= tail.scatter(-1, order, tail)
-            parts.append(dropped)
-        dropped = torch.cat(parts).view_as(z)
-        if keep is not None:
-            dropped.scatter_(-1, keep.unsqueeze(-1), False)
-    return z.masked_fill(dropped, float("-inf"))
+        z[..., sampling.codebook:].fill_(float("-inf"))  # fill_: no host tensor
+    if sampling.top_k or sampling.top_p < 1:  # the set transformers' warpers keep
+        z = z.masked_fill(dropped_by_warpers(z, sampling, keep), float("-inf"))
+    return z
 
 
 def token_logprobs(logits, tokens, sampling):
-    """log pi(token) under kept_logits' pi: logits [N, L, V], tokens [N, L] -> [N, L]."""
+    """log pi(token): logits [N, L, V], tokens [N, L] -> [N, L]."""
     z = kept_logits(logits, sampling, keep=tokens)
     return torch.log_softmax(z, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 def token_entropy(logits, sampling):
-    """Entropy of pi, [N, L, V] -> [N, L] nats: log(kept ids) at uniform."""
-    return torch.distributions.Categorical(logits=kept_logits(logits, sampling)).entropy()
+    """Entropy of pi, [N, L, V] -> [N, L] nats; at most log(#kept ids)."""
+    z = kept_logits(logits, sampling)
+    return torch.distributions.Categorical(logits=z).entropy()
 
 
 def policy_logits(ar, rollout):
-    """A teacher-forced forward at the rollout's M-RoPE positions -> logits [N, L, V] of the L
-    generated tokens."""
-    num_generated = rollout.sequences.shape[1] - rollout.prompt_len
+    """A teacher-forced forward at the rollout's M-RoPE positions -> logits [N, L, V]
+    of the L generated tokens (input sequences[:, :-1]: position t predicts t + 1)."""
+    num_generated = rollout.generated.shape[1]
     return ar(input_ids=rollout.sequences[:, :-1], attention_mask=rollout.attention_mask,
               position_ids=rollout.position_ids, logits_to_keep=num_generated,
               use_cache=False).logits
 
 
+def micro_batches(rollout, size):
+    """[(rows, the rollout's rows)], `size` rows at a time, less the padding columns
+    none of them needs (slice_rollout, section 14)."""
+    N = rollout.sequences.shape[0]
+    return [(rows, slice_rollout(rollout, rows)) for rows in row_slices(N, size)]
+
+
 def policy_logprobs(ar, rollout, sampling):
-    generated = rollout.sequences[:, rollout.prompt_len:]
-    return token_logprobs(policy_logits(ar, rollout), generated, sampling)
+    """log pi(generated token) [N, L], teacher-forced."""
+    return token_logprobs(policy_logits(ar, rollout), rollout.generated, sampling)
 
 
-# ==== 9. Loss =====================================================================================
-# --loss-tokens: the reward depends only on the H*W target-grid tokens, which the preview tokens
-# condition. Training those too ('all') is the unbiased gradient, plus h*w ~ 256 tokens of
-# near-pure noise; 'target' (the default) trades that bias for a far less noisy gradient.
+@torch.no_grad()
+def old_logprobs(ar, rollout, sampling, size):
+    """log pi_old [N, L]: before any update, the loss's own pass: policy_logits at the
+    sampler's positions, token_logprobs, the same micro-batches, the same train mode.
+    So pass 1's logp is this tensor, bit for bit (no_grad changes no kernel): the ratio
+    exp(logp - old_logp) is exactly 1 (logp_diff_max: 0). Two ways to get it wrong:
+    - the sampler's own log-probs (sampler_logp) come from other kernels (a KV cache, a
+      token a step) and round otherwise: ~1e-6 in fp32, ~1e-2 in bf16 (sampler_gap);
+    - a forward without the sampler's position_ids numbers the grid like text: pi_old
+      and the loss agree (ratio 1) but score another policy, nats a token apart."""
+    parts = micro_batches(rollout, size)
+    return torch.cat([policy_logprobs(ar, part, sampling) for _, part in parts])
+
+
+# ==== 9. Loss
+# --loss-tokens: the reward depends only on the H*W target-grid tokens, which the preview
+# tokens condition. Training those too ('all') is the unbiased gradient, plus h*w ~ 256
+# tokens of near-pure noise; 'target' (the default) accepts that bias for less noise.
+# Part II's DiT calls grpo_loss too.
 
 def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=None):
-    """PPO-clipped GRPO objective, per token. Returns (loss, metrics).
+    """PPO-clipped GRPO objective, averaged over the loss tokens -> (loss, metrics).
 
         ratio    = exp(logp - old_logp)                   rho_t in the papers
         pg_loss1 = -A * ratio
         pg_loss2 = -A * clip(ratio, 1 - eps, 1 + eps)
         pg_loss  = max(pg_loss1, pg_loss2)                = -min(rho A, clip(rho) A)
-        kl       = exp(ref - logp) - (ref - logp) - 1     k3 estimator of KL(pi || pi_ref), >= 0
+        kl       = exp(ref - logp) - (ref - logp) - 1     k3 estimator of KL(pi || pi_ref)
         loss     = masked_mean(pg_loss + beta * kl)
 
-    logp, old_logp, ref_logp (needed when beta > 0), mask: [N, L]; advantages: [N]. k3 is unbiased
-    where the tokens come from pi (the first pass). The masked mean over the batch's tokens is
-    TRL's 'bnpo' (every sample has as many tokens: 'grpo' and 'dapo' agree)."""
+    logp, old_logp, ref_logp (when beta > 0), mask: [N, L]; advantages: [N]. k3 is
+    unbiased on tokens drawn from pi (the first pass). The mean over the batch's
+    tokens is TRL's 'bnpo' ('grpo' and 'dapo' agree: the samples are equally long)."""
     if beta > 0 and ref_logp is None:
-        raise ValueError("beta > 0 needs ref_logp, the reference policy's log-probs [N, L]")
+        raise ValueError("beta > 0 needs ref_logp, the reference's log-probs [N, L]")
     adv = advantages.unsqueeze(1)  # [N, 1]
     ratio = torch.exp(logp - old_logp)
     pg_loss1 = -adv * ratio
@@ -423,151 +469,126 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
         per_token = per_token + beta * kl
     n = mask.sum().clamp(min=1)
     masked_mean = lambda x: (x * mask).sum() / n
-    clipped = ((ratio < 1 - clip_eps) & (adv < 0)) | ((ratio > 1 + clip_eps) & (adv > 0))
+    low, high = ratio < 1 - clip_eps, ratio > 1 + clip_eps
+    clipped = (low & (adv < 0)) | (high & (adv > 0))
     return masked_mean(per_token), {"ratio_mean": masked_mean(ratio).item(),
                                     "clip_ratio": masked_mean(clipped.float()).item(),
                                     "kl": masked_mean(kl).item()}
 
 
-# ==== 10. UPDATE: mu passes of clipped-surrogate ascent over the same batch =======================
+# ==== 10. UPDATE: mu passes of clipped-surrogate ascent over the same batch
 
-def grpo_update(trainer, rollout, advantages, args, learns=True, dit=None):
-    """mu = --inner-epochs AdamW steps on one batch -> the step's metrics. rollout: the AR's (None:
-    it does not train); dit: (DiT rollout, its advantages) if it trains (Part II adds its loss)."""
-    ar, sampling, optimizer, passes = trainer.ar, trainer.sampling, trainer.optimizer, []
-    if rollout is not None:
-        ref_logp = reference_logprobs(trainer, rollout, args) if args.beta > 0 else None  # [N, L]
-        advantages, tokens = advantages.to(rollout.old_logp.device), rollout.loss_mask.sum()
-        ar.model.train()  # gradient checkpointing on; no dropout, so pass 1 still gives pi_old
+def grpo_update(trainer, rollout, advantages, args, learns=True):
+    """mu = --inner-epochs AdamW steps on one batch -> the step's metrics. trainer.ar: the
+    trained AR, a Half (section 14: .model; .forward: it or its DDP wrapper; .params).
+    learns: some rank has finite rewards."""
+    policy, sampling, optimizer = trainer.ar, trainer.sampling, trainer.optimizer
+    ref_logp = reference_logprobs(trainer, rollout, args) if args.beta > 0 else None
+    advantages = advantages.to(rollout.old_logp.device)  # [N]
+    tokens = rollout.loss_mask.sum()
+    log = UpdateLog()  # section 14: metrics by share, averaged over stepped passes
     for epoch in range(args.inner_epochs):
         optimizer.zero_grad(set_to_none=True)
-        metrics = {}  # this pass's, each micro-batch's weighted by its share of the loss tokens
-        for rows in micro_batches(ar, rollout, args.micro_batch_size):  # [] if rollout is None
-            part = slice_rollout(rollout, rows)  # its rows, less padding none of them needs
-            logits = policy_logits(ar.forward, part)  # [n, L, V]
-            logp = token_logprobs(logits, part.sequences[:, part.prompt_len:], sampling)  # [n, L]
+        micro = []  # (share, metrics) of each micro-batch
+        batches = micro_batches(rollout, args.micro_batch_size)
+        for rows, part in sync_on_last(policy.forward, batches):  # DDP syncs the last
+            logits = policy_logits(policy.forward, part)  # [n, L, V]
+            logp = token_logprobs(logits, part.generated, sampling)  # [n, L]
             ref = None if ref_logp is None else ref_logp[rows]
-            loss, terms = grpo_loss(logp, part.old_logp, advantages[rows], part.loss_mask,
-                                    args.clip_eps, args.beta, ref)
-            if epoch == 0:  # at pi_old: a live check of the bookkeeping, and entropy collapse
-                terms.update(first_pass_metrics(logits, logp, part, sampling))
-            weight = (part.loss_mask.sum() / tokens).item()  # the shares add up to 1
-            (loss * weight).backward()  # one micro-batch's graph alive at a time
-            add_weighted(metrics, {**terms, "loss": loss.item()}, weight)
-        if rollout is not None:  # each half clips its own gradient: their losses' scales differ
-            norm = torch.nn.utils.clip_grad_norm_(ar.params, args.max_grad_norm)
-            add_weighted(metrics, {"grad_norm": norm.item()})
-        if dit is not None:
-            dit_backward(trainer, *dit, epoch, metrics, args)  # Part II: the same, per step
-        stepped = update_allowed(metrics, learns)
+            loss, terms = grpo_loss(logp, part.old_logp, advantages[rows],
+                                    part.loss_mask, args.clip_eps, args.beta, ref)
+            if epoch == 0:  # at pi_old: the ratio check, and entropy collapse
+                terms |= first_pass_checks(logits, logp, part, sampling)
+            # shares add up to 1: the pass's loss is the batch's token mean, as TRL's
+            share = (part.loss_mask.sum() / tokens).item()
+            (loss * share).backward()  # one micro-batch's graph alive at a time
+            micro.append((share, {**terms, "loss": loss.item()}))
+        norm = torch.nn.utils.clip_grad_norm_(policy.params, args.max_grad_norm).item()
+        losses = [m["loss"] for _, m in micro]
+        stepped = update_allowed(all(map(math.isfinite, [*losses, norm])), learns)
         if stepped:
             optimizer.step()
             check_weights_finite(optimizer)
-        passes.append((metrics, stepped))
-    return update_row(passes)
+        log.add_pass(micro, norm, stepped)
+    return log.row()
 
 
-def add_weighted(metrics, new, weight=1.0, prefix=""):
-    """metrics[k] += new[k] x weight (the micro-batches' weights add up to 1); a *_max: the most."""
-    for key, value in new.items():
-        key = prefix + key
-        if key.endswith("_max"):
-            metrics[key] = max(metrics.get(key, value), value)
-        else:
-            metrics[key] = metrics.get(key, 0.0) + value * weight
+def update_allowed(finite, learns):
+    """The guard before optimizer.step(), voted by every rank: every rank's loss and
+    gradient norm are finite (a NaN would reach every weight), and some rank `learns`."""
+    votes = from_every_rank((finite, learns))
+    return all(f for f, _ in votes) and any(l for _, l in votes)
 
 
-def update_allowed(metrics, learns):
-    """The guard before optimizer.step(), voted by every rank: no loss or gradient norm is NaN or
-    inf (one would reach every weight), and some rank has a reward to learn from (`learns`)."""
-    finite = all(math.isfinite(v) for k, v in metrics.items() if k.endswith(("loss", "grad_norm")))
-    return max_over_ranks(2 * (not finite) + learns) == 1
-
-
-def update_row(passes):
-    """The step's metrics: the stepped passes' means, first-pass-only ones of pass 1, skips."""
-    done = [m for m, stepped in passes if stepped]
-    first_only = ("logp_diff_max", "entropy")
-    row = {k: sum(m[k] for m in done) / len(done) if done else float("nan")
-           for k in passes[-1][0] if not k.endswith(first_only)}
-    row.update({k: v for k, v in passes[0][0].items() if k.endswith(first_only)})
-    finite_loss = lambda m: all(math.isfinite(v) for k, v in m.items() if k.endswith("loss"))
-    return {**row, "skipped_updates": len(passes) - len(done),
-            "skipped_nonfinite_loss": sum(not (s or finite_loss(m)) for m, s in passes)}
-
-
-def first_pass_metrics(logits, logp, part, sampling):
-    """|logp - old_logp|, 0 by construction, and the entropy: near 0 a group's G samples are alike,
-    every reward ties, every advantage is 0 and learning stops for good."""
+def first_pass_checks(logits, logp, part, sampling):
+    """|logp - old_logp|, 0 by construction, and the entropy: near 0 a group's samples
+    are alike, rewards tie, advantages are 0 and learning stops for good."""
+    mask = part.loss_mask
     with torch.no_grad():
-        entropy = (token_entropy(logits, sampling) * part.loss_mask).sum() / part.loss_mask.sum()
-    return {"logp_diff_max": ((logp - part.old_logp).abs() * part.loss_mask).max().item(),
-            "entropy": entropy.item()}
+        entropy = (token_entropy(logits, sampling) * mask).sum() / mask.sum()
+    diff = ((logp - part.old_logp).abs() * mask).max()
+    return {"logp_diff_max": diff.item(), "entropy": entropy.item()}
 
 
-# ==== 11. One GRPO step, and the training loop ====================================================
+# ==== 11. One GRPO step, and the training loop
+
+@dataclass
+class StepRecord:
+    """What a step hands the log (Run.record, section 19)."""
+    row: dict               # the step's metrics
+    prompts: list           # P str
+    images: torch.Tensor    # [N, 3, 32H, 32W], a prompt's G consecutive
+    rewards: torch.Tensor   # [N] (Part II with --dit-reward: [N, 2])
+    targets: torch.Tensor   # [P, 3, 32H, 32W] | None
+    sources: list           # i2i: P PIL images | None
+    ode: torch.Tensor = None  # Part II: the updated DiT's noise-free decodes
+
 
 def grpo_step(trainer, items, indices, step, args, slots=None, before_update=lambda: None):
-    """One GRPO step on items[indices], this rank's `slots` of the step's prompts (default all) ->
-    (metrics row, rewards [N] (--dit-reward: [N, 2]), images [N, 3, H, W], targets | None, sources,
-    the DiT's a = 0 decode | None). before_update: the run's stop check (section 19)."""
-    batch, G, pipe = [items[i] for i in indices], args.group_size, trainer.pipe
-    prompts, targets = [it.text for it in batch], batch_targets(batch)
-    sources = [it.image("source") for it in batch] if args.mode == "i2i" else None
+    """One GRPO step on items[indices], this rank's `slots` of the step's prompts
+    (default: all) -> StepRecord. before_update: the run's stop check (section 19)."""
+    prompts, targets, sources = step_prompts(items, indices, args.mode)
     slots = range(len(indices)) if slots is None else slots
-    # ---- SAMPLE: G token grids per prompt (--policy dit: one per prompt, its group shares it) ----
-    rollout = (sample_tokens(trainer, prompts, sources, slots, step, args) if trainer.ar else
-               shared_prompt_tokens(trainer, prompts, sources, indices, slots, step, args))
-    noise = group_noise(pipe, indices, G, args.height, args.width, args.seed, step, args.dit_noise)
-    # ---- DECODE: images [N, 3, H, W] (--policy dit|both: G SDE trajectories, Part II) ----
-    if trainer.dit:
-        dit_run = sample_dit_trajectories(pipe, prompts, sources, rollout, noise, indices, step,
-                                          args)
-        images = dit_run.images
-    else:
-        images = decode_images(pipe, prompts, sources, rollout, noise, args.num_inference_steps,
-                               args.guidance_scale)
+    G, pipe = args.group_size, trainer.pipe
+    # ---- SAMPLE: G token grids per prompt, and pi_old ----
+    rollout = sample_tokens(trainer, prompts, sources, slots, step, args)
+    # ---- DECODE: images [N, 3, 32H, 32W] by the frozen renderer ----
+    noise = group_noise(pipe, indices, G, args.height, args.width, args.seed, step,
+                        args.dit_noise)
+    images = decode_images(pipe, prompts, sources, rollout, noise,
+                           args.num_inference_steps, args.guidance_scale)
     # ---- REWARD: r [N], one per image ----
-    scored = (repeat_each(prompts, G), None if targets is None else targets.repeat_interleave(G, 0))
-    rewards, per_reward = compute_rewards(trainer.rewards, images, *scored)
-    # ---- ADVANTAGE: A [N], each reward standardised within its group ----
-    advantages = dit_advantages = group_advantages(rewards, G)
+    rewards, per_reward = compute_rewards(trainer.rewards, images, prompts, targets, G)
     row = {"step": step, **reward_metrics(rewards, per_reward, G)}  # LOG (section 18)
-    row.update(rollout.sampler_gap if trainer.ar else {})
-    if trainer.dit_rewards:  # --dit-reward: the DiT's own (decoupled RL, section 12)
-        dit_rewards, dit_per_reward = compute_rewards(trainer.dit_rewards, images, *scored)
-        dit_advantages = group_advantages(dit_rewards, G)
-        dit_row = reward_metrics(dit_rewards, dit_per_reward, G)
-        row.update({"dit/" + k: v for k, v in dit_row.items()})
-    # ---- UPDATE: mu passes over the batch, each trained half adding its loss ----
+    row |= sampler_gap(rollout)
+    # ---- ADVANTAGE: A [N], each reward standardised within its group ----
+    advantages = group_advantages(rewards, G)
+    # ---- UPDATE: mu passes over the batch ----
     before_update()  # a stop signal before this point drops the step (section 19)
-    learns = min(row["frac_reward_nonfinite"], row.get("dit/frac_reward_nonfinite", 1)) < 1
-    row.update(grpo_update(trainer, rollout if trainer.ar else None, advantages, args, learns,
-                           (dit_run, dit_advantages) if trainer.dit else None))
-    sheet_due = args.sample_every and (step % args.sample_every == 0 or step == args.steps)
-    ode = ode_images(pipe, prompts, sources, rollout, noise, args) if trainer.dit and sheet_due \
-        else None
-    if trainer.dit_rewards:  # the sheet's captions: AR / DiT
-        rewards = torch.stack([rewards, dit_rewards], 1)
-    return row, rewards, images, targets, sources, ode
+    learns = row["frac_reward_nonfinite"] < 1
+    row |= grpo_update(trainer, rollout, advantages, args, learns)
+    return StepRecord(row, prompts, images, rewards, targets, sources)
 
 
 def train(args):
-    """The training loop. Run (section 19) is its plumbing: it opens the run (flags, --out, prompts,
-    rewards, the model, --resume), records each step (LOG, sample sheet, CHECKPOINT) and stops on
-    Ctrl+C / SIGTERM."""
+    """The training loop. Run (section 19) is its plumbing: it opens the run (flags,
+    --out, prompts, rewards, the model, --resume), records each step (LOG, sample
+    sheet, CHECKPOINT) and stops on Ctrl+C / SIGTERM."""
+    step_fn = grpo_step if args.policy == "ar" else flow_grpo_step  # Part II
     with Run(args) as run:
-        for step, indices, slots in run.steps():  # this rank's share of the step's prompts
-            result = grpo_step(run.trainer, run.items, indices, step, args, slots, run.vote)
-            run.record(step, indices, *result)
+        for step, indices, slots in run.steps():  # this rank's share of the prompts
+            result = step_fn(run.trainer, run.items, indices, step, args, slots,
+                             run.vote)
+            run.record(step, result)
     return run.trainer and run.trainer.pipe  # None: nothing to do
 
 
-# PART II. Flow-GRPO: the DiT as a policy over denoising steps (--policy dit|both) #################
-# It reuses Part I's grpo_step, advantages, grpo_loss and grpo_update: a denoising step plays a token's role.
+# PART II. Flow-GRPO: the DiT as a policy over denoising steps (--policy dit|both)
+# Its step, flow_grpo_step (section 13), reads as grpo_step and reuses sample_tokens, group_advantages,
+# grpo_loss and grpo_update's loop: a denoising step plays a token's role.
 
 
-# ==== 12. The SDE step, the DiT rollout and its loss ==============================================
+# ==== 12. The SDE step, the DiT rollout and its loss
 # GLM-Image's authors post-train both halves ("decoupled RL"): AR for layout and semantics, DiT for detail and
 # text. grpo_loss needs the sampled step's probability; Euler's x' = x + v dt has none. Flow-GRPO (Liu et al.
 # 2025, yifan123/flow_grpo's `sde_step_with_logprob`) swaps it for an SDE of the same marginals, a Gaussian policy
@@ -576,7 +597,8 @@ def train(args):
 #     mean  = x * (1 + std_t^2 / (2 sigma) * dt) + v * (1 + std_t^2 (1 - sigma) / (2 sigma)) * dt
 #     x'    = mean + std_t * sqrt(-dt) * eps,      dt = sigma' - sigma < 0;   a = 0: Euler's step
 # T trained steps are T actions: logp [N, T], mask all ones. A step's log-prob is the MEAN over latent dims
-# (as flow_grpo; a sum over 65536 would dwarf a token's): ratios stay ~1e-3 from 1, hence --dit-clip-eps 1e-4.
+# (as flow_grpo; a sum over 65536 would dwarf a token's), so an update moves a step's ratio by ~1e-3
+# (dit/ratio): PPO's 0.2 would never clip; flow_grpo's 1e-4 (--dit-clip-eps) clips a good share (dit/clip).
 # The first --dit-train-steps T steps run the SDE, the rest the ODE (untrained SDE noise: reward noise no one is
 # credited for); the last, onto sigma' = 0, never trains (as flow_grpo): its Gaussian is the sharpest.
 
@@ -651,8 +673,10 @@ def latents_to_images(pipe, latents):
 
 
 def dit_velocity(dit, latents, t, cond, caches):
-    """The pipeline's guided velocity [N, C, h, w] (fp32) at t (the DiT gets t - 1; CFG v_u drops prior tokens).
-    A call per prompt: a batch pads glyph embeddings with zeros the DiT attends to (diffusers issue 13587)."""
+    """The pipeline's guided velocity [N, C, h, w] (fp32) at t (the DiT gets t - 1). CFG: v_u + w (v_c - v_u), v_u
+    without prior tokens and source; both branches run the trained DiT with gradients, as flow_grpo's training
+    forward (one batch of both there): the policy is the guided velocity. A call per prompt: a batch pads glyph
+    embeddings with zeros the DiT attends to (diffusers issue 13587)."""
     dtype = unwrap(dit).dtype
 
     def branch(rows, embeds, drop, cache):
@@ -726,7 +750,8 @@ def dit_step_logprob(dit, cond, rollout, i, noise_level):
 
 
 def dit_kl(mean, ref_mean, std):
-    """Exact KL of policy and reference step Gaussians (same std), [N, C, h, w] -> [N], mean over dims as logp."""
+    """KL of the policy's and the reference's step Gaussians (same std, std_t sqrt(-dt)): |mean - ref|^2 / (2 std^2),
+    [N, C, h, w] -> [N], mean over dims as logp. flow_grpo divides by std_t^2 (no |dt|): 1 / |dt| times weaker."""
     return ((mean - ref_mean) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * std ** 2)
 
 
@@ -742,39 +767,49 @@ def condition_rows(cond, rows):
                    source_latents=pick(cond.source_latents), source_prior=pick(cond.source_prior))
 
 
-def dit_backward(trainer, run, advantages, epoch, metrics, args):
-    """The DiT's grpo_update pass: grpo_loss (+ beta x dit_kl) per trained step and micro-batch (flow_grpo's step
-    at a time), weighted rows / (N T) to sum to grpo_loss over [N, T]; then its clip."""
-    dit, cond, rollout = trainer.dit, run.cond, run.trajectories
-    N, steps = rollout.old_logp.shape
+def dit_update(trainer, run, advantages, args, learns=True):
+    """grpo_update for the DiT: mu passes of grpo_loss (+ beta x dit_kl) per trained step and micro-batch (a step at
+    a time, as flow_grpo), weighted rows / (N T): a pass's loss is grpo_loss over [N, T]."""
+    dit, optimizer, rollout = trainer.dit, trainer.optimizer, run.trajectories
+    (N, T), size = rollout.old_logp.shape, args.micro_batch_size
     advantages = advantages.to(rollout.old_logp.device)
-    parts = {rows.start: (condition_rows(cond, rows), replace(rollout, states=rollout.states[rows],
-                                                             old_logp=rollout.old_logp[rows]))
-             for rows in row_slices(N, args.micro_batch_size)}
-    for i, rows in sync_on_last(dit.forward, [(i, rows) for i in range(steps)
-                                              for rows in row_slices(N, args.micro_batch_size)]):
-        condition, part = parts[rows.start]
-        logp, mean, std = dit_step_logprob(dit.forward, condition, part, i, args.dit_noise_level)
-        old_logp = part.old_logp[:, i:i + 1]
-        loss, terms = grpo_loss(logp[:, None], old_logp, advantages[rows], torch.ones_like(old_logp), args.dit_clip_eps)
-        if args.beta > 0:
-            with torch.no_grad(), reference_weights(dit.model, dit.reference) as ref:
-                ref_mean = dit_step_logprob(ref, condition, part, i, args.dit_noise_level)[1]
-            kl = dit_kl(mean, ref_mean, std).mean()
-            loss = loss + args.beta * kl
-            terms["kl"] = kl.item()
-        if epoch == 0:
-            terms["logp_diff_max"] = (logp.detach() - old_logp[:, 0]).abs().max().item()
-        weight = len(old_logp) / (N * steps)
-        (loss * weight).backward()
-        add_weighted(metrics, {**terms, "loss": loss.item()}, weight, prefix="dit/")
-    norm = torch.nn.utils.clip_grad_norm_(dit.params, args.max_grad_norm)
-    add_weighted(metrics, {"grad_norm": norm.item()}, prefix="dit/")
+    parts = {rows.start: (condition_rows(run.cond, rows), replace(rollout, states=rollout.states[rows],
+                                                                 old_logp=rollout.old_logp[rows]))
+             for rows in row_slices(N, size)}
+    log = UpdateLog("dit/")
+    for epoch in range(args.inner_epochs):
+        optimizer.zero_grad(set_to_none=True)
+        micro = []
+        for i, rows in sync_on_last(dit.forward, [(i, rows) for i in range(T) for rows in row_slices(N, size)]):
+            condition, part = parts[rows.start]
+            logp, mean, std = dit_step_logprob(dit.forward, condition, part, i, args.dit_noise_level)
+            old_logp = part.old_logp[:, i:i + 1]
+            loss, terms = grpo_loss(logp[:, None], old_logp, advantages[rows], torch.ones_like(old_logp),
+                                    args.dit_clip_eps)
+            if args.beta > 0:
+                with torch.no_grad(), reference_weights(dit.model, dit.reference) as ref:
+                    ref_mean = dit_step_logprob(ref, condition, part, i, args.dit_noise_level)[1]
+                kl = dit_kl(mean, ref_mean, std).mean()
+                loss = loss + args.beta * kl
+                terms["kl"] = kl.item()
+            if epoch == 0:
+                terms["logp_diff_max"] = (logp.detach() - old_logp[:, 0]).abs().max().item()
+            share = len(old_logp) / (N * T)
+            (loss * share).backward()
+            micro.append((share, {**terms, "loss": loss.item()}))
+        norm = torch.nn.utils.clip_grad_norm_(dit.params, args.max_grad_norm).item()
+        stepped = update_allowed(all(map(math.isfinite, [*(m["loss"] for _, m in micro), norm])), learns)
+        if stepped:
+            optimizer.step()
+            check_weights_finite(optimizer)
+        log.add_pass(micro, norm, stepped)
+    return log.row()
 
 
-# ==== 13. The DiT's training step =================================================================
-# grpo_step runs it. --policy dit: a prompt's G samples share AR tokens and initial noise, differ by SDE noise
-# alone: the advantage credits the DiT alone. --policy both: each sample's one advantage trains both halves.
+# ==== 13. The Flow-GRPO step
+# --policy dit: a prompt's G samples share AR tokens and initial noise, differ by SDE noise alone: the advantage
+# credits the DiT alone. --policy both: each sample's one advantage (or each half's, --dit-reward) trains both
+# halves. They touch disjoint weights with independent losses, so each updates on its own, the AR first.
 
 def prepare_dit_policy(dit, args):
     """Marks what of the DiT trains, and returns it: LoRA on its attention, or all its weights."""
@@ -785,6 +820,40 @@ def prepare_dit_policy(dit, args):
     if args.gradient_checkpointing:
         dit.enable_gradient_checkpointing()
     return [p for p in dit.parameters() if p.requires_grad]
+
+
+def flow_grpo_step(trainer, items, indices, step, args, slots=None, before_update=lambda: None):
+    """grpo_step for --policy dit|both -> StepRecord, with the updated DiT's a = 0 decodes for the sheet."""
+    prompts, targets, sources = step_prompts(items, indices, args.mode)
+    slots = range(len(indices)) if slots is None else slots
+    G, pipe = args.group_size, trainer.pipe
+    # ---- SAMPLE tokens: both: G per prompt (Part I); dit: one per prompt, shared by its group ----
+    if trainer.ar:
+        rollout = sample_tokens(trainer, prompts, sources, slots, step, args)
+    else:
+        rollout = shared_prompt_tokens(trainer, prompts, sources, indices, slots, step, args)
+    # ---- SAMPLE the DiT (and DECODE): G SDE trajectories per prompt from its initial noise ----
+    noise = group_noise(pipe, indices, G, args.height, args.width, args.seed, step, args.dit_noise)
+    run = sample_dit_trajectories(pipe, prompts, sources, rollout, noise, indices, step, args)
+    # ---- REWARD: the AR's from --reward; the DiT's from --dit-reward, else the same ----
+    rewards, per_reward = compute_rewards(trainer.rewards, run.images, prompts, targets, G)
+    row, dit_rewards = {"step": step, **reward_metrics(rewards, per_reward, G)}, rewards
+    if trainer.dit_rewards:  # decoupled RL (section 12)
+        dit_rewards, dit_per_reward = compute_rewards(trainer.dit_rewards, run.images, prompts, targets, G)
+        row |= {"dit/" + k: v for k, v in reward_metrics(dit_rewards, dit_per_reward, G).items()}
+    # ---- ADVANTAGE and UPDATE: each half its own mu passes ----
+    before_update()  # a stop signal before this point drops the step (section 19)
+    if trainer.ar:
+        row |= sampler_gap(rollout)
+        learns = row["frac_reward_nonfinite"] < 1
+        row |= grpo_update(trainer, rollout, group_advantages(rewards, G), args, learns)
+    learns = row.get("dit/frac_reward_nonfinite", row["frac_reward_nonfinite"]) < 1
+    row |= dit_update(trainer, run, group_advantages(dit_rewards, G), args, learns)
+    sheet_due = args.sample_every and (step % args.sample_every == 0 or step == args.steps)
+    ode = ode_images(pipe, prompts, sources, rollout, noise, args) if sheet_due else None
+    if trainer.dit_rewards:  # the sheet's captions: AR / DiT
+        rewards = torch.stack([rewards, dit_rewards], 1)
+    return StepRecord(row, prompts, run.images, rewards, targets, sources, ode)
 
 
 def shared_prompt_tokens(trainer, prompts, sources, indices, slots, step, args):
@@ -831,12 +900,12 @@ def ode_images(pipe, prompts, sources, rollout, noise, args):
 
 
 # PART III. Plumbing: skip on first read ###########################################################
-# Nothing below is GRPO: how a run starts, stops, logs and saves, and more GPUs; Part I calls each in a line.
+# Not GRPO: how a run starts, stops, logs and saves, and more GPUs; Part I calls each in a line.
 
 
-# ==== 14. The GRPO step's plumbing ================================================================
+# ==== 14. The GRPO step's plumbing
 
-# ---- For section 2: the model ----
+# ---- For section 2: model and LoRA ----
 def pipeline_from_pretrained(args, dtype):
     """--model's GlmImagePipeline ('tiny': built and cached on first use, section 21)."""
     from diffusers import GlmImagePipeline
@@ -848,14 +917,13 @@ def pipeline_from_pretrained(args, dtype):
     if dtype == torch.float64:
         float64_throughout()
     verbosity = diffusers_logging.get_verbosity()
-    diffusers_logging.set_verbosity_error()      # offline it warns "Couldn't connect to the Hub" before our line
+    diffusers_logging.set_verbosity_error()  # offline it warns "Couldn't connect to the Hub" first
     try:
         return GlmImagePipeline.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
-        if not Path(path).is_dir():
-            raise UsageError(f"--model {args.model}: not in the local Hugging Face cache nor downloadable here; fetch "
-                             f"it once with `hf download {args.model}` where the hub is reachable, or pass a directory")
-        raise UsageError(f"--model {args.model} could not be loaded as a GlmImagePipeline: {str(e).splitlines()[0]}")
+        why = f"could not be loaded: {e}".partition("\n")[0] if Path(path).is_dir() else "not in the local Hugging " \
+            f"Face cache nor downloadable here; `hf download {args.model}` where the hub is reachable, or a directory"
+        raise UsageError(f"--model {args.model}: {why}")
     finally:
         diffusers_logging.set_verbosity(verbosity)
 
@@ -863,11 +931,10 @@ def pipeline_from_pretrained(args, dtype):
 def place_pipeline(pipe, args):
     """--offload: diffusers moves model_cpu_offload_seq's models to the GPU in turn; a trained half never moves."""
     if not args.offload:
-        pipe.to(args.device)
-        return
+        return pipe.to(args.device)
     trains_dit = args.policy != "ar"
     pipe.model_cpu_offload_seq = "text_encoder->vae" if trains_dit else "text_encoder->transformer->vae"
-    pipe._exclude_from_cpu_offload = ["vision_language_encoder"] + (["transformer"] if trains_dit else [])
+    pipe._exclude_from_cpu_offload = ["vision_language_encoder"] + ["transformer"] * trains_dit
     pipe.enable_model_cpu_offload(device=args.device)
 
 
@@ -879,15 +946,13 @@ def offload_by_plan(args):
     return peak > free, f"{peak > free} (auto: plan {peak / 2**30:.1f} GiB, free {free / 2**30:.1f} GiB)"
 
 
-# ---- For section 2: LoRA ----
 def add_lora(model, r, alpha, targets, **config):
     """PEFT LoRA on `targets`, base frozen; fp32 on a bf16 base (cast_training_params): bf16 rounds off AdamW steps."""
     from diffusers.training_utils import cast_training_params
     from peft import LoraConfig, inject_adapter_in_model
     model.requires_grad_(False)
-    # peft's own injection, not the models' add_adapter: transformers 5.24's refuses every peft released
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, **config)
-    inject_adapter_in_model(config, model)
+    # peft's injection: transformers 5.24's add_adapter refuses every peft released
+    inject_adapter_in_model(LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, **config), model)
     cast_training_params(model, dtype=torch.promote_types(model.dtype, torch.float32))
 
 
@@ -896,7 +961,7 @@ def lora_layers(model):
     return [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
 
 
-# ---- For section 4: the AR's inputs, its M-RoPE positions, its policy and the fast decoder ----
+# ---- For section 4: the AR's inputs, M-RoPE positions, policy and fast decoder ----
 def policy_generation_config(ar, sampling):
     """The policy as the AR's generation config, so that a saved pipeline samples the policy trained."""
     from transformers import GenerationConfig
@@ -910,8 +975,7 @@ def policy_generation_config(ar, sampling):
 
 def sampling_of(ar):
     """policy_generation_config's inverse: a saved pipeline's policy."""
-    config = ar.generation_config
-    return SamplingParams(config.temperature, config.top_k, config.top_p, min(config.suppress_tokens or [0]))
+    return SamplingParams((c := ar.generation_config).temperature, c.top_k, c.top_p, min(c.suppress_tokens or [0]))
 
 
 def processor_inputs(pipe, prompts, sources, height, width, device):
@@ -930,7 +994,7 @@ def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_
     inputs = processor_inputs(pipe, prompts, sources, height, width, ar.device)
     ids, per_sample, source_prior = inputs["input_ids"], inputs["images_per_sample"], None
     if sources is not None:
-        # i2i: vision encoder + VQ once per prompt, its ids into the image placeholders: no pass reruns them
+        # i2i: vision encoder + VQ once a prompt, ids into the image placeholders: no pass reruns them
         source_grids = ar.model.get_image_grids_for_generation(per_sample, inputs["image_grid_thw"])
         features = list(ar.get_image_features(inputs["pixel_values"], source_grids).pooler_output)
         tokens = torch.split(ar.get_image_tokens(features), source_grids.prod(-1).tolist())
@@ -961,96 +1025,135 @@ def rollout_positions(ar, batch, grids):
 
 
 def run_prompt_len(pipe, items, args):
-    """The longest prompt's length + 1, for every step: one shape (one captured graph), never unpadded (SDPA's
-    causal kernel sums in another order). Each prompt must leave the AR's context room for an i2i source, the
-    generated tokens and markers (32). The processor pads every prompt alike: the longest text is longest."""
+    """The longest prompt's length + 1, for every step: one shape (one captured graph), never unpadded (SDPA's causal
+    kernel sums in another order). Each must leave room in the context for the images and 32 markers."""
     grid = (args.height // 32) * (args.width // 32)
     others = (2 * grid + 1 if args.mode == "i2i" else ar_sequence("t2i", args.height, args.width)[1]) + 32
     context = pipe.vision_language_encoder.config.text_config.max_position_embeddings
     lengths = [len(ids) for ids in pipe.processor.tokenizer([it.text for it in items], add_special_tokens=False)
                ["input_ids"]]
-    for item, length in zip(items, lengths):
-        if length > context - others:
-            raise UsageError(f"{item.where}: the prompt is {length} tokens; the model's context of {context} "
-                             f"leaves {context - others} for a prompt at {args.height}x{args.width}")
-    item = items[lengths.index(max(lengths))]
+    item = items[lengths.index(longest := max(lengths))]
+    if longest > context - others:
+        raise UsageError(f"--height {args.height} --width {args.width}: {others} tokens, over the model's context "
+                         f"of {context}" if others >= context else f"{item.where}: the prompt is {longest} tokens; the "
+                         f"model's context of {context} leaves {context - others} at {args.height}x{args.width}")
     source = [item.image("source")] if args.mode == "i2i" else None
     return processor_inputs(pipe, [item.text], source, args.height, args.width, "cpu")["input_ids"].shape[1] + 1
 
 
+def group_uniforms(ar, generators, group_size):
+    """() -> a token's uniforms [N, V] fp64 (gumbel_max's u), group k's G rows from generators[k] alone; an int of
+    groups instead: generators seeded off the global RNG."""
+    if isinstance(generators, int):
+        generators = [torch.Generator(ar.device).manual_seed(int(torch.randint(2**62, ()))) for _ in range(generators)]
+    V = ar.config.text_config.vision_vocab_size
+    return lambda: torch.cat([torch.rand(group_size, V, generator=gen, device=gen.device, dtype=torch.float64)
+                              for gen in generators])
+
+
 def static_cache(ar, shape):
-    """A KV cache of fixed size for `shape` = [N, S + L - 1]: decode_step finds its position on the device."""
+    """A fixed-size KV cache for `shape` = [N, S + L - 1]: decode_step finds its position on the device."""
     from transformers import StaticCache
     return StaticCache(ar.config, max_cache_len=shape[1])
 
 
 class FastDecoder:
-    """decode_loop for a run: a DecodeGraph per batch shape and policy, kept and reset between steps (on the CPU:
-    no graph, the step runs as is). Its tokens equal decode_loop's on a fresh cache (tested)."""
+    """decode_loop for a run: a DecodeGraph per shape and policy, reset between steps, or decode_loop once one
+    failed: same tokens. Ranks make graphs at the same calls: a decoder per caller (eval splits unevenly)."""
 
-    def __init__(self, device, capture=None):   # capture: a test's, on any device
+    def __init__(self, device, capture=None):
         self.capture = capture or (cuda_graph if device.type == "cuda" else lambda step: (step(), step))
         self.graphs = {}
 
     def __call__(self, ar, ids, positions, mask, num_tokens, uniforms, sampling):
-        key = (mask.shape, sampling)  # training's, the eval's: sample_tokens pads prompts to the run's length
-        if key not in self.graphs:
-            self.graphs[key] = DecodeGraph(ar, positions, mask, self.capture)
-        graph = self.graphs[key]
-        graph.reset(positions, mask)
+        if not (graph := self.graphs is not None and self.graph(ar, ids, positions, mask, sampling)):
+            return decode_loop(ar, ids, positions, mask, num_tokens, uniforms, sampling, static_cache(ar, mask.shape))
+        graph.cache.reset()  # in place: its addresses stay
+        graph.positions.copy_(positions)
+        graph.mask.copy_(mask)
         ticks = iter(progress(range(num_tokens), "sampling tokens"))
-        ticking = lambda: [next(ticks, None), uniforms()][1]  # drawn once a token
+        ticking = lambda: [next(ticks, None), uniforms()][1]
         return decode_loop(ar, ids, graph.positions, graph.mask, num_tokens, ticking, sampling, graph.cache, graph)
+
+    def graph(self, ar, ids, positions, mask, sampling):
+        if (key := (mask.shape, sampling)) not in self.graphs:
+            try:
+                self.graphs[key] = DecodeGraph(ar, ids, positions, mask, sampling, self.capture)
+            except Exception as error:
+                print(f"warning: decode CUDA graph failed ({type(error).__name__}: {error}".partition("\n")[0]
+                      + "): eager steps from now on; --disable-cuda-graph skips it", file=sys.stderr)
+            self.graphs = self.graphs if all_ranks_agree(key in self.graphs) else None  # a rank's failure: all eager
+        return self.graphs and self.graphs[key]
 
 
 class DecodeGraph:
-    """A decode step (forward + Gumbel-max, ~1,000 kernels at the real size) captured once as a CUDA graph, then
-    replayed a token: no host work per token and nothing to compile. It reads its inputs from buffers of fixed
-    address: a static KV cache, positions, mask, the last token, the uniforms (each group's generator draws them
-    outside the graph)."""
+    """A decode step (forward + Gumbel-max: ~1,000 kernels) as one CUDA graph on fixed buffers: no host work a token.
+    A trial run makes it before any draw."""
 
-    def __init__(self, ar, positions, mask, capture):
-        self.cache, self.capture, self.replay = static_cache(ar, mask.shape), capture, None
-        self.positions, self.mask = torch.empty_like(positions), torch.empty_like(mask)
-
-    def reset(self, positions, mask):  # in place: the graph's addresses stay
-        self.cache.reset()
-        self.positions.copy_(positions)
-        self.mask.copy_(mask)
+    def __init__(self, ar, ids, positions, mask, sampling, capture):
+        self.cache, self.positions, self.mask = static_cache(ar, mask.shape), positions.clone(), mask.clone()
+        self.uniform = ids.new_full((len(ids), ar.config.text_config.vision_vocab_size), 0.5, dtype=torch.float64)
+        step = lambda ids: decode_step(ar, ids, self.positions, self.mask, self.cache, self.uniform, sampling)
+        self.ids = step(ids)[0][:, None]  # the prefill
+        _, self.replay = capture(lambda: step(self.ids))
+        self.replay()
 
     def __call__(self, ar, ids, positions, mask, cache, uniform, sampling):  # t >= 1; positions...cache: ours
-        if self.replay is None:
-            self.ids, self.uniform = ids.clone(), uniform.clone()
-            first, self.replay = self.capture(lambda: decode_step(
-                ar, self.ids, self.positions, self.mask, self.cache, self.uniform, sampling))
-            return first
         self.ids.copy_(ids)
         self.uniform.copy_(uniform)
         return [out.clone() for out in self.replay()]  # the graph's own: its next replay overwrites them
 
 
 def cuda_graph(step):
-    """-> (step(), replay): step's first call is the warm-up torch.cuda.graph's docs ask for (on the stream that
-    then captures it); replay() reruns its kernels on the same tensors and returns its outputs."""
-    stream = torch.cuda.Stream()
+    """-> (step(), replay): the warm-up torch.cuda.graph's docs ask for, on the capture's stream; a rerun."""
+    stream, graph = torch.cuda.Stream(), torch.cuda.CUDAGraph()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream):  # restores the stream if capture fails
         first = step()
+        with torch.cuda.graph(graph, stream=stream):
+            out = step()
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        out = step()
     return first, lambda: graph.replay() or out
 
 
-def progress(steps, what):  # a bar on rank 0's terminal: a real model's phases take seconds
+def progress(steps, what):  # a bar on rank 0's terminal: real-model phases take seconds
     if not (sys.stderr.isatty() and rank() == 0):
         return steps
     from tqdm.auto import tqdm
     return tqdm(steps, desc=what, leave=False)
 
 
-# ---- For sections 8-11: micro-batches, the reference, the trainer ----
+# ---- For sections 8-11: the kept set, micro-batches, reference, trainer ----
+@torch.no_grad()
+def dropped_by_warpers(z, sampling, keep=None):
+    """[..., V] True where transformers' top-k / top-p warpers drop an id of z (ties and order as theirs), but `keep`'s;
+    1,024 rows at a time: sorting all [N, L, V] holds ~23 bytes a logit."""
+    k, p, parts = sampling.top_k, sampling.top_p, []
+    for rows in z.detach().reshape(-1, z.shape[-1]).split(1024):
+        dropped = torch.zeros_like(rows, dtype=torch.bool)
+        if k:  # keep z >= the k-th largest
+            dropped |= rows < torch.topk(rows, min(k, rows.shape[-1]), dim=-1).values[..., -1:]
+        if p < 1:  # ascending (the warper's tie order): drop while the mass so far is <= 1 - p
+            ascending, order = torch.sort(rows.masked_fill(dropped, float("-inf")), dim=-1)
+            tail = ascending.softmax(-1).cumsum(-1) <= 1 - p
+            tail[..., -1].fill_(False)  # never the largest
+            dropped |= tail.scatter(-1, order, tail)
+        parts.append(dropped)
+    dropped = torch.cat(parts).view_as(z)
+    if keep is not None:
+        dropped.scatter_(-1, keep.unsqueeze(-1), False)
+    return dropped
+
+
+def active_dropout(model):
+    """The first module whose dropout a train-mode forward applies (nn.Dropout's p, attention_dropout), or None."""
+    return next((name for name, m in model.named_modules()
+                 if getattr(m, "p" if isinstance(m, torch.nn.Dropout) else "attention_dropout", 0) > 0), None)
+
+
+def pil_to_tensor(image):  # [3, H, W] in [0, 1]
+    return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
+
 def row_slices(num_samples, size):
     return [slice(start, min(start + size, num_samples)) for start in range(0, num_samples, size)]
 
@@ -1059,25 +1162,15 @@ def slice_rollout(rollout, rows):
     """The Rollout's `rows` less padding columns none needs: a group's forward sees the same tensors in any batch."""
     mask = rollout.attention_mask[rows]
     first = int(mask.any(dim=0).nonzero()[0])  # only prompt columns can be all padding
-    per_row = {name: getattr(rollout, name) for name in ("old_logp", "loss_mask", "target_tokens", "source_prior")}
+    per_row = {name: getattr(rollout, name) for name in ("sampler_logp", "old_logp", "loss_mask", "target_tokens",
+                                                           "source_prior")}
     return replace(rollout, sequences=rollout.sequences[rows, first:], attention_mask=mask[:, first:],
                    position_ids=rollout.position_ids[:, rows, first:], prompt_len=rollout.prompt_len - first,
                    **{name: None if value is None else value[rows] for name, value in per_row.items()})
 
 
-@torch.no_grad()
-def logprobs_by_micro_batch(model, rollout, sampling, size=None):
-    """policy_logprobs [N, L] without gradients, `size` samples per forward (default: all)."""
-    return torch.cat([policy_logprobs(model, slice_rollout(rollout, rows), sampling)
-                      for rows in row_slices(rollout.sequences.shape[0], size or rollout.sequences.shape[0])])
-
-
-def micro_batches(half, rollout, size):
-    """grpo_update's row slices of `rollout` (none: []); DDP syncs the last. Every rank runs as many, or they hang."""
-    return [] if rollout is None else sync_on_last(half.forward, row_slices(rollout.old_logp.shape[0], size))
-
-
 def sync_on_last(forward, batches):
+    """DDP: no gradient all-reduce but on the last batch. Every rank runs as many, or they hang."""
     batches = list(batches)
     for k, batch in enumerate(batches):
         with forward.no_sync() if hasattr(forward, "no_sync") and k < len(batches) - 1 else contextlib.nullcontext():
@@ -1097,12 +1190,38 @@ def reference_weights(model, reference):
             layer.enable_adapters(True)
 
 
-def reference_logprobs(trainer, rollout, args):
+def reference_logprobs(trainer, rollout, args):  # pi_ref [N, L]: pi_old's pass on the reference's weights
     with reference_weights(trainer.ar.model, trainer.ar.reference) as reference:
-        return logprobs_by_micro_batch(reference, rollout, trainer.sampling, args.micro_batch_size)
+        return old_logprobs(reference, rollout, trainer.sampling, args.micro_batch_size)
 
 
-def check_weights_finite(optimizer):      # a sum per tensor (no big temporary), of this rank's --fsdp shards
+class UpdateLog:
+    """grpo_update's bookkeeping, all of it: a pass sums its micro-batches' metrics by share (logp_diff_max: their
+    max); the row averages the passes that stepped, takes the first-pass checks of pass 1, counts the skipped."""
+    FIRST_PASS = ("logp_diff_max", "entropy")
+
+    def __init__(self, prefix=""):
+        self.prefix, self.passes = prefix, []
+
+    def add_pass(self, micro_batches, grad_norm, stepped):
+        metrics = {}
+        for share, terms in micro_batches:
+            for key, value in terms.items():
+                summed = metrics.get(key, 0.0) + value * share
+                metrics[key] = max(metrics.get(key, value), value) if key == "logp_diff_max" else summed
+        self.passes.append(({**metrics, "grad_norm": grad_norm}, stepped))
+
+    def row(self):
+        done, first = [m for m, stepped in self.passes if stepped], self.passes[0][0]
+        row = {k: sum(m[k] for m in done) / len(done) if done else float("nan")
+               for k in first if k not in self.FIRST_PASS}
+        row |= {k: first[k] for k in self.FIRST_PASS if k in first}
+        row |= {"skipped_updates": len(self.passes) - len(done),
+                "skipped_nonfinite_loss": sum(not (s or math.isfinite(m["loss"])) for m, s in self.passes)}
+        return {self.prefix + k: v for k, v in row.items()}
+
+
+def check_weights_finite(optimizer):  # a sum per tensor: no big temporary
     from torch.distributed.tensor import DTensor
     params = [p for group in optimizer.param_groups for p in group["params"]]
     sums = [(p.to_local() if isinstance(p, DTensor) else p).detach().sum().float() for p in params]
@@ -1121,19 +1240,19 @@ class Half:
 
 @dataclass
 class Trainer:
-    """What the loop carries: the pipeline, the sampled policy, AdamW and its schedule, each trained Half."""
+    """What the loop carries."""
     pipe: object  # GlmImagePipeline
     sampling: SamplingParams
     optimizer: torch.optim.Optimizer = None
     lr_scheduler: object = None
-    trained: torch.nn.Module = None       # what checkpoints hold: the AR, or {AR, DiT}
-    ar: Half = None                       # None: --policy dit
-    dit: Half = None                      # None: --policy ar
-    rewards: list = None                  # the --reward plug-ins (section 6)
-    dit_rewards: list = None              # the --dit-reward ones (none: the DiT trains on `rewards`)
-    prompt_len: int = None                # run_prompt_len
-    decoder: object = None                # a FastDecoder
-    prompt_tokens: dict = None            # --policy dit: prompt index -> its token grid (shared_prompt_tokens)
+    trained: torch.nn.Module = None  # what checkpoints hold: AR, or {AR, DiT}
+    ar: Half = None  # None: --policy dit
+    dit: Half = None  # None: --policy ar
+    rewards: list = None  # --reward's plug-ins (section 6)
+    dit_rewards: list = None  # --dit-reward's (none: the DiT trains on `rewards`)
+    prompt_len: int = None  # run_prompt_len
+    decoder: object = None  # a FastDecoder
+    prompt_tokens: dict = None  # --policy dit: prompt index -> token grid (shared_prompt_tokens)
 
 
 def setup_training(args, rewards, dit_rewards=()):
@@ -1141,29 +1260,24 @@ def setup_training(args, rewards, dit_rewards=()):
     from diffusers.optimization import get_scheduler
     from diffusers.training_utils import set_seed
     pipe = load_pipeline(args)
-    set_seed(args.seed)  # after loading: the same sampling stream however the model was made
+    set_seed(args.seed)  # after loading: one sampling stream however the model was made
     ar, dit = pipe.vision_language_encoder, pipe.transformer
-    # codebook bound: a mid-grid end id would crash the DiT
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, dit.config.prior_vq_quantizer_codebook_size)
-    trainer = Trainer(pipe, sampling, rewards=rewards, dit_rewards=dit_rewards, decoder=FastDecoder(ar.device),
-                      prompt_tokens={})
+    trainer = Trainer(pipe, sampling, rewards=rewards, dit_rewards=dit_rewards, prompt_tokens={}, decoder=None if
+                      args.disable_cuda_graph or args.fsdp or args.policy == "dit" else FastDecoder(ar.device))
     ar.generation_config = policy_generation_config(ar, sampling)
-    # beta > 0, full fine-tuning: a frozen copy is the KL reference (at 9B use LoRA instead)
     frozen_copy = lambda model, lora: copy.deepcopy(model).requires_grad_(False) if args.beta > 0 and not lora else None
-    groups, trained = [], {}
-    if args.policy != "dit":
-        reference = frozen_copy(ar, args.lora_rank)
-        trainer.ar = Half(ar, *distribute(ar, prepare_policy(ar, args), args, reference), reference)
-        groups.append({"params": trainer.ar.params, "lr": args.lr})
-        trained["vision_language_encoder"] = ar
-    if args.policy != "ar":
-        reference = frozen_copy(dit, args.dit_lora_rank)
-        trainer.dit = Half(dit, *distribute(dit, prepare_dit_policy(dit, args), args, reference), reference)
-        groups.append({"params": trainer.dit.params, "lr": args.dit_lr})
-        trained["transformer"] = dit
+    trained = {}
+    for half, name, prepare, lora in (("ar", "vision_language_encoder", prepare_policy, args.lora_rank),
+                                      ("dit", "transformer", prepare_dit_policy, args.dit_lora_rank)):
+        if args.policy in (half, "both"):
+            model = trained[name] = getattr(pipe, name)
+            reference = frozen_copy(model, lora)
+            setattr(trainer, half, Half(model, *distribute(model, prepare(model, args), args, reference), reference))
     trainer.trained = ar if args.policy == "ar" else torch.nn.ModuleDict(trained)
+    groups = [{"params": h.params, "lr": lr} for h, lr in ((trainer.ar, args.lr), (trainer.dit, args.dit_lr)) if h]
     trainer.optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay)
-    # stepped once per GRPO step; diffusers' 'constant' ignores warm-up, 'constant_with_warmup' does not
+    # diffusers' 'constant' ignores warm-up, 'constant_with_warmup' does not
     warmup = args.lr_scheduler == "constant" and args.lr_warmup_steps
     trainer.lr_scheduler = get_scheduler("constant_with_warmup" if warmup else args.lr_scheduler, trainer.optimizer,
                                          num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.steps)
@@ -1173,14 +1287,16 @@ def setup_training(args, rewards, dit_rewards=()):
 # ---- For section 19: a run of non-finite steps ----
 def non_finite_streak(bad_steps, row, out, args, start):
     """Rows of the last steps in a row that updated nothing: 5 (or all of a shorter run) stop the run."""
-    bad_steps = bad_steps + [row] if row["skipped_updates"] == args.inner_epochs else []
+    stuck = [h for h in ("", "dit/") if row.get(h + "skipped_updates") == args.inner_epochs]  # a half updated nothing
+    bad_steps = bad_steps + [row] if stuck else []
     if len(bad_steps) < min(5, args.steps - start):
         return bad_steps
     causes = {}
     for r in bad_steps:
         bad = [k[len("rewards/"):] for k, v in r.items() if k.startswith("rewards/") and not math.isfinite(v)]
+        loss = r.get("skipped_nonfinite_loss") or r.get("dit/skipped_nonfinite_loss")
         causes[f"reward {', '.join(bad)} (fix the reward)" if bad else "loss (the policy's log-probs overflowed: try "
-               "a lower --lr)" if r["skipped_nonfinite_loss"] else "gradient (try a lower --lr or --max-grad-norm)"] = 1
+               "a lower --lr)" if loss else "gradient (try a lower --lr or --max-grad-norm)"] = 1
     found = saved_checkpoints(out)
     saved = f"the last checkpoint is {found[-1]}" if found else "no checkpoint was written yet"
     raise UsageError(f"stopping: no update since step {bad_steps[0]['step']}: non-finite "
@@ -1215,15 +1331,32 @@ def write_source_caches(dit, cond):
     return caches
 
 
-# ==== 15. Starting a run: the flags, their checks (one-line errors before anything loads), --out ====
+# ==== 15. Starting a run: flags, their checks (one-line errors before loading), --out
+
+SAME_ON_RESUME = "a resume must match"  # in a group's title: its flags change the algorithm (Resume)
+# requirements.txt's lower bounds (tested equal): older ones fail deep in a run.
+LEAST_VERSIONS = {"transformers": "5.23", "diffusers": "0.42.1", "peft": "0.20", "accelerate": "1.10"}
+
 
 def parse_args(argv=None):
+    p = flag_parser()
+    if (known := p.parse_known_args(argv)[0]).model != TINY:
+        p.set_defaults(**pretrained_defaults(known))  # those above are the tiny demo's
+    args = p.parse_args(argv)
+    if not args.eval_prompts and (args.eval_every or args.eval_num_inference_steps):
+        raise UsageError("--eval-every and --eval-num-inference-steps need --eval-prompts")
+    args.reward, args.eval_every = args.reward or ["mse"], args.eval_every or args.save_every
+    args.eval_num_inference_steps = args.eval_num_inference_steps or p.get_default("num_inference_steps")
+    return args
+
+
+def flag_parser():
     p = Parser(description="GRPO for GLM-Image on image rewards.", formatter_class=HelpFormatter, allow_abbrev=False)
     p._negative_number_matcher = re.compile(r"-[\d.]+(e[-+]?\d+)?$", re.I)  # '--lr -1e-3': a value, as in Python 3.14
     count, non_negative_int = number(int, least=1), number(int, least=0)
     positive, non_negative, clip = number(float, above=0), number(float, least=0), number(float, above=0, below=1)
     pixels, draws = number(int, least=32, multiple=32), ["per-prompt", "per-step"]
-    a = p.add_argument_group("GRPO").add_argument
+    a = p.add_argument_group(f"GRPO ({SAME_ON_RESUME})").add_argument
     a("--group-size", type=number(int, least=2), default=32, help="G: samples per prompt.")
     a("--prompts-per-step", type=count, default=2, help="Prompts per step.")
     a("--temperature", type=positive, default=1.0, help="Sampling temperature; the loss scores logits / T.")
@@ -1236,13 +1369,12 @@ def parse_args(argv=None):
     a("--lr", type=positive, default=2e-2, help="AdamW learning rate.")
     a("--policy", choices=["ar", "dit", "both"], default="ar", help="What trains: AR, DiT or both.")
     a("--reward", action="append", metavar="SPEC", help="mse|module:fn|file.py:fn[=WEIGHT]; repeats sum. Default: mse.")
-    a("--steps", type=count, default=10, help="Steps in all, resumed ones included.")
     a("--seed", type=number(int, least=0, most=2**32 - 1), default=0, help="Seed of all randomness.")
     a("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant", help="Schedule over --steps.")
     a("--lr-warmup-steps", type=non_negative_int, default=0, help="Linear warm-up steps from lr 0.")
     a("--weight-decay", type=non_negative, default=0.0, help="AdamW weight decay.")
     a("--max-grad-norm", type=positive, default=1.0, help="Gradient norm clip.")
-    a = p.add_argument_group("model and data").add_argument
+    a = p.add_argument_group(f"model and data ({SAME_ON_RESUME})").add_argument
     a("--model", default=TINY, help="'tiny' (a toy GLM-Image), a hub id or a save_pretrained dir.")
     a("--mode", choices=["t2i", "i2i"], default="t2i", help="t2i: text to image; i2i: edit a source image.")
     a("--prompts", default="prompts.txt", help="Lines 'prompt[ | target.png[ | source.png (i2i)]]'.")
@@ -1254,7 +1386,8 @@ def parse_args(argv=None):
     a("--lora-rank", type=non_negative_int, default=0, help="AR LoRA rank (0 = full fine-tuning).")
     a("--lora-alpha", type=positive, help="LoRA alpha (default: --lora-rank).")
     a("--ar-trainable", choices=["auto", "all", "head"], default="auto", help="auto: head (output layer) for tiny.")
-    a = p.add_argument_group("the DiT: --policy dit|both (Flow-GRPO)").add_argument
+    a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto", help="auto=bf16 if CUDA, not tiny")
+    a = p.add_argument_group(f"the DiT: --policy dit|both, Flow-GRPO ({SAME_ON_RESUME})").add_argument
     a("--dit-lr", type=positive, default=3e-3, help="The DiT's AdamW learning rate.")
     a("--dit-clip-eps", type=clip, default=1e-4, help="--clip-eps of the DiT's per-step ratio.")
     a("--dit-noise-level", type=positive, default=0.7, help="a in the SDE's std_t = a sqrt(sigma / (1 - sigma)).")
@@ -1263,6 +1396,7 @@ def parse_args(argv=None):
     a("--dit-reward", action="append", metavar="SPEC", help="--policy both: the DiT's own reward (as --reward).")
     a("--dit-lora-rank", type=non_negative_int, default=0, help="DiT LoRA rank (0 = full fine-tuning).")
     a = p.add_argument_group("logging and checkpoints").add_argument
+    a("--steps", type=count, default=10, help="Steps in all, resumed ones included.")
     a("--out", default="runs/grpo_glm", help="For metrics.jsonl, samples/ and checkpoints/.")
     a("--save-every", type=count, default=10, help="Checkpoint every N steps and at the end.")
     a("--checkpoints-total-limit", type=count, help="Keep the newest K (default: all).")
@@ -1276,23 +1410,17 @@ def parse_args(argv=None):
     a("--eval-num-inference-steps", type=count, help="Eval DiT steps (default: the model's own).")
     a = p.add_argument_group("hardware and memory").add_argument
     a("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda if available, else cpu.")
-    a("--dtype", choices=["auto", "float32", "bfloat16", "float64"], default="auto", help="auto=bf16 if CUDA, not tiny")
     a("--micro-batch-size", type=count, help="Samples per forward/backward (default: G).")
-    a("--gradient-checkpointing", action="store_true", help="Recompute AR activations in backward.")
+    a("--gradient-checkpointing", action="store_true", help="Recompute activations (AR's, DiT's) in backward.")
     a("--offload", action=argparse.BooleanOptionalAction, help="Frozen parts on CPU between uses (default: by --plan).")
+    # SGLang's name says what goes; vLLM's --enforce-eager also means no compile
+    a("--disable-cuda-graph", action="store_true", help="Eager decode steps, no CUDA graph.")
     a("--fsdp", action="store_true", help="torchrun: shard trained weights and AdamW state (FSDP2).")
     a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others.")
     a("--plan", action="store_true", help="Print --model's memory plan at --height x --width; exit.")
     a("--plan-gpus", type=number(int, least=2), nargs="+", metavar="K", help="--plan: --fsdp's bytes/GPU on K GPUs.")
     a("--plan-gpu-memory", type=positive, metavar="GiB", help="--plan: GiB to fit in (default: free GPU memory).")
-    if (known := p.parse_known_args(argv)[0]).model != TINY:
-        p.set_defaults(**pretrained_defaults(known))  # those above are the tiny demo's
-    args = p.parse_args(argv)
-    if not args.eval_prompts and (args.eval_every or args.eval_num_inference_steps):
-        raise UsageError("--eval-every and --eval-num-inference-steps need --eval-prompts")
-    args.reward, args.eval_every = args.reward or ["mse"], args.eval_every or args.save_every
-    args.eval_num_inference_steps = args.eval_num_inference_steps or p.get_default("num_inference_steps")
-    return args
+    return p
 
 
 class Parser(argparse.ArgumentParser):
@@ -1309,23 +1437,18 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)[:-1] + also + (f", {lora:g} with LoRA" if lora != plain else "") + ")"
 
 
-def number(kind, least=None, above=None, most=None, below=None, multiple=None):
+def number(kind, least=-math.inf, above=-math.inf, most=math.inf, below=math.inf, multiple=None):
     """An argparse type: a finite `kind` within the bounds."""
     def parse(text):
         value = kind(text)
-        rules = {"finite": math.isfinite(value), f"at least {least}": least is None or value >= least,
-                 f"> {above}": above is None or value > above, f"at most {most}": most is None or value <= most,
-                 f"< {below}": below is None or value < below,
+        rules = {"finite": math.isfinite(value), f"at least {least}": value >= least, f"> {above}": value > above,
+                 f"at most {most}": value <= most, f"< {below}": value < below,
                  f"a multiple of {multiple}": not multiple or value % multiple == 0}
         if broken := [rule for rule, holds in rules.items() if not holds]:
             raise argparse.ArgumentTypeError(f"must be {broken[0]}, got {value}")
         return value
     parse.__name__ = kind.__name__  # for argparse's "invalid float value: 'abc'"
     return parse
-
-
-# requirements.txt's lower bounds (tested equal): older releases fail deep into a run.
-LEAST_VERSIONS = {"transformers": "5.23", "diffusers": "0.42.1", "peft": "0.20", "accelerate": "1.10"}
 
 
 def validate_args(args):
@@ -1336,16 +1459,20 @@ def validate_args(args):
                          if Version(version(name)) < Version(least))
     model, save = Path(args.model), Path(args.save_pipeline or ".")
     full = (args.policy != "dit" and not args.lora_rank) or (args.policy != "ar" and not args.dit_lora_rank)
-    # 'owner/name' with no local parent: a typo in 'runs/x' must not go to the hub
-    hub_id = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", args.model) and not model.parent.is_dir()
-    refusals = [  # (refused?, why)
-        (not args.out, "--out is empty (an unset variable?)"),
+    hub_id = re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", args.model) and not model.parent.is_dir()  # 'runs/x' typo: no hub
+    empty = [f"--{k.replace('_', '-')}" for k, v in vars(args).items() if v == ""]
+    k = next((k for k in (args.plan_gpus or () if args.plan else [world_size()]) if args.prompts_per_step % k), 0)
+    refusals = [
+        (empty, f"{' and '.join(empty)} is empty (an unset variable?)"),
         (outdated, f"too old: {outdated}; pip install -r requirements.txt"),
+        (k, f"--prompts-per-step {args.prompts_per_step} must be divisible by "
+            f"{f'--plan-gpus {k}' if args.plan else f'the number of processes ({k})'}: each rank trains whole groups"),
         (args.ar_trainable == "head" and (args.lora_rank or args.fsdp),
          "--ar-trainable head takes neither --lora-rank nor --fsdp (it trains one layer)"),
         (args.fsdp and (args.lora_rank or args.dit_lora_rank or args.save_pipeline),
          "--fsdp shards full fine-tuning, no LoRA; for --save-pipeline resume in one process"),
-        (args.fsdp and world_size() == 1, "--fsdp needs torchrun: one process has nothing to shard"),
+        (args.fsdp and not (args.plan_gpus if args.plan else world_size() > 1),
+         "--fsdp needs torchrun: one process has nothing to shard (--plan: --plan-gpus K)"),
         ((args.plan_gpus or args.plan_gpu_memory) and not args.plan, "--plan-gpus and --plan-gpu-memory: add --plan"),
         ((args.dit_train_steps or 0) > args.num_inference_steps,
          f"--dit-train-steps {args.dit_train_steps} exceeds --num-inference-steps {args.num_inference_steps}"),
@@ -1367,28 +1494,32 @@ def validate_args(args):
     ]
     if why := next((why for refused, why in refusals if refused), None):
         raise UsageError(why)
-    paths = {"--out": args.out, "--save-pipeline": args.save_pipeline,
+    torchrun = " ".join(f"{k}={os.environ[k]}" for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK") if k in os.environ)
+    if not re.fullmatch(r"(\w+=\d+ ?)*", torchrun) or world_size() > 1 and not os.getenv("MASTER_ADDR"):
+        raise UsageError(f"{torchrun}: set, but not by torchrun", local=True)
+    paths = {"--out": Path(args.out, "checkpoints"), "--save-pipeline": args.save_pipeline,
              "the tiny model's cache (GRPO_GLM_CACHE)": args.model == TINY and tiny_cache()}
-    for flag, path in ((flag, path) for flag, path in paths.items() if path):  # or its nearest parent: writable?
-        parent = next(p for p in [Path(path).absolute(), *Path(path).absolute().parents] if p.exists())
+    for flag, path in ((flag, Path(path).absolute()) for flag, path in paths.items() if path and not args.plan):
+        parent = next(p for p in [path, *path.parents] if p.exists())
         if not parent.is_dir():
-            raise UsageError(f"{flag} {path}: {parent} is a file, not a directory")
+            raise UsageError(f"{flag}: {parent} is a file, not a directory")
         try:
             tempfile.TemporaryFile(dir=parent).close()
         except OSError as e:
-            raise UsageError(f"{flag} {path}: cannot write in {parent} ({e.strerror})")
+            raise UsageError(f"{flag}: cannot write in {parent} ({e.strerror})")
 
 
 def pretrained_defaults(args):
-    """Any --model but tiny: the model card's sampler and decode; DanceGRPO's (full) or flow_grpo's (LoRA) lr."""
+    """Not tiny: the model card's sampler and decode (a saved pipeline: its own); DanceGRPO's or flow_grpo's lr."""
+    saved = Path(getattr(args, "model", TINY), "vision_language_encoder/generation_config.json")
     return dict(lr=1e-5, dit_lr=3e-4 if args.dit_lora_rank else 1e-5, temperature=0.9, top_p=0.75,
-                num_inference_steps=30, guidance_scale=1.5, height=1024, width=1024)
+                num_inference_steps=30, guidance_scale=1.5, height=1024, width=1024) | (
+        json.loads(saved.read_text()).get("trained_decode", {}) if saved.is_file() else {})
 
 
 def resolve_runtime(args):
     """The flags' derived values, printed as 'running with'."""
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if args.dtype == "auto":
         args.dtype = "bfloat16" if args.device == "cuda" and args.model != TINY else "float32"
     if args.ar_trainable == "auto":
@@ -1396,7 +1527,7 @@ def resolve_runtime(args):
     if args.dit_train_steps is None and args.policy != "ar":
         args.dit_train_steps = max(args.num_inference_steps - 1, 1)
     args.offload, args.offload_note = offload_by_plan(args) if args.offload is None else (args.offload, args.offload)
-    args.lora_alpha = float(args.lora_rank) if args.lora_alpha is None else args.lora_alpha
+    args.lora_alpha = args.lora_alpha or float(args.lora_rank)
     args.micro_batch_size = args.micro_batch_size or args.group_size
     return args
 
@@ -1423,14 +1554,13 @@ def lock_out_dir(out, closing):
                 (path.unlink if path.is_file() else path.rmdir)()
     closing.callback(unmake)  # first: an interrupt from here on leaves --out as found
     out.mkdir(parents=True, exist_ok=True)
-    handle = closing.enter_context(open(out / ".lock", "a"))  # stays empty
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(closing.enter_context(open(out / ".lock", "a")), fcntl.LOCK_EX | fcntl.LOCK_NB)  # stays empty
     except BlockingIOError:
         raise UsageError(f"--out {out} is in use by another run")
 
 
-# ==== 16. Prompt files, images and the demo's targets =============================================
+# ==== 16. Prompt files, images and the demo's targets
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 220), "yellow": (240, 210, 40),
            "white": (255, 255, 255), "black": (0, 0, 0), "orange": (245, 140, 30), "purple": (140, 60, 180)}
@@ -1443,8 +1573,8 @@ class PromptItem:
     text: str
     where: str  # 'prompts.txt:3', for messages
     size: tuple  # (height, width) images are resized to
-    mode: str = "t2i"
-    image_from: dict = None  # 'target' / 'source' -> a Path, or draw_shape's arguments
+    mode: str
+    image_from: dict  # 'target' / 'source' -> a Path, or draw_shape's arguments
 
     def image(self, kind):  # RGB at `size`, or None
         if isinstance(origin := self.image_from.get(kind), Path):
@@ -1456,7 +1586,7 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",), flag="-
     """Lines `prompt[ | target.png[ | source.png (i2i)]]`, paths relative to the file; `\\|` is a '|'."""
     path, items, resized = Path(path), [], False
     if not path.is_file():
-        raise UsageError(f"{flag} {path}: " + ("is a directory, not a file" if path.is_dir() else "file not found"))
+        raise UsageError(f"{flag} {path}: " + ("not a regular file" if path.exists() else "file not found"))
     try:
         lines = path.read_text(encoding="utf-8-sig").splitlines()  # -sig: drops a BOM (Windows editors)
     except UnicodeDecodeError as e:  # e.object: the bytes after a BOM
@@ -1511,9 +1641,8 @@ def read_image(path, where, kind, size=None):
             image.verify()  # reads the whole file, decodes nothing, leaves it unusable: last
             return image.size[::-1] if turned else image.size
     except FileNotFoundError:
-        later = " (it was there at start-up)" if size else ""
-        raise UsageError(f"{where}: {kind} image {path} not found{later}", local=bool(size))
-    except (UnidentifiedImageError, OSError, SyntaxError) as e:
+        raise UsageError(f"{where}: {kind} image {path} {'is gone' if size else 'not found'}", local=bool(size))
+    except (UnidentifiedImageError, OSError, SyntaxError, Image.DecompressionBombError) as e:
         raise UsageError(f"{where}: {kind} {path} is not a readable image ({type(e).__name__})", local=bool(size))
 
 
@@ -1529,8 +1658,7 @@ def to_rgb(image):
 
 
 def draw_shape(shape, colour, background, height, width):
-    image = Image.new("RGB", (width, height), COLOURS[background])
-    draw = ImageDraw.Draw(image)
+    draw = ImageDraw.Draw(image := Image.new("RGB", (width, height), COLOURS[background]))
     box = (width * 0.2, height * 0.2, width * 0.8, height * 0.8)
     if shape == "triangle":
         draw.polygon([(width / 2, box[1]), box[2:], (box[0], box[3])], fill=COLOURS[colour])
@@ -1544,19 +1672,19 @@ def demo_scene(prompt, where, mode, role="target", why=""):
     words = re.findall(r"[a-z]+", prompt.lower())
     if mode == "t2i":
         colours, shape = [w for w in words if w in COLOURS], next((w for w in words if w in SHAPES), None)
-        if not colours or shape is None:
+        if not (colours and shape):
             raise UsageError(f"{where}: no target image given and no colour+shape words to draw one "
                              f"({why and why + '; '}write 'prompt | target.png')")
         return shape, colours[0], (colours + ["white"])[1]
     colour = "|".join(COLOURS)
     edit = re.search(rf"\b({colour}) ({'|'.join(SHAPES)})\b.*\b({colour})\b(?! background)", " ".join(words))
-    if edit is None:  # e.g. a t2i line: 'a red circle on a white background'
+    if not edit:  # e.g. a t2i line: 'a red circle on a white background'
         raise UsageError(f"{where}: '{prompt}' is no edit{why and f' ({why})'}: --mode i2i needs 'prompt | target.png"
                          " | source.png' or '<colour> <shape> ... <new colour>' (e.g. 'make the red circle blue')")
     return edit[2], edit[1] if role == "source" else edit[3], "white"
 
 
-# ==== 17. Reward plug-ins: --reward module:fn | file.py:fn ========================================
+# ==== 17. Reward plug-ins: --reward module:fn | file.py:fn
 
 Reward = make_dataclass("Reward", ["name", "fn", "weight"])  # name: logged as rewards/<name>
 
@@ -1566,37 +1694,35 @@ def mse(images, prompts, targets):  # the built-in reward as a plug-in
 mse.uses_targets = True
 
 
-def load_reward(spec):
+def load_reward(spec, flag="--reward"):
     where, _, text = spec.rpartition("=") if "=" in spec else (spec, "", "1")
     try:
         weight = number(float)(text)  # the flags' check: a finite float
     except (ValueError, argparse.ArgumentTypeError):
-        raise UsageError(f"--reward {spec}: weight after '=' must be a finite number, got {text!r}")
+        raise UsageError(f"{flag} {spec}: weight after '=' must be a finite number, got {text!r}")
     if weight == 0:
-        raise UsageError(f"--reward {spec}: a weight of 0 adds nothing")
+        raise UsageError(f"{flag} {spec}: a weight of 0 adds nothing")
     if where == "mse":
         return Reward("mse", mse, weight)
-    module_name, _, fn_name = where.rpartition(":")
-    if not module_name or not fn_name:
-        raise UsageError(f"--reward {spec}: expected 'mse', 'module:function' or 'file.py:function'")
+    module, _, name = where.rpartition(":")
+    if not (module and name):
+        raise UsageError(f"{flag} {spec}: expected 'mse', 'module:function' or 'file.py:function'")
     sys.path.insert(0, os.getcwd())  # cwd first, as `python -m` does
     try:
-        namespace = (runpy.run_path(module_name) if module_name.endswith(".py")
-                     else vars(importlib.import_module(module_name)))
+        namespace = runpy.run_path(module) if module.endswith(".py") else vars(importlib.import_module(module))
     except (Exception, SystemExit) as e:  # sys.exit() in the plug-in too
-        raise UsageError(f"--reward {spec}: importing {module_name} failed: {type(e).__name__}: "
-                         f"{(str(e).splitlines() or [''])[0]}")
+        raise UsageError(f"{flag} {spec}: importing {module} failed: {type(e).__name__}: {e}".partition("\n")[0])
     finally:
         sys.path.remove(os.getcwd())
-    if not callable(fn := namespace.get(fn_name)):
-        raise UsageError(f"--reward {spec}: {module_name} has no function {fn_name}")
-    return Reward(fn_name, fn, weight)
+    if not callable(fn := namespace.get(name)):
+        raise UsageError(f"{flag} {spec}: {module} has no function {name}")
+    return Reward(name, fn, weight)
 
 
-def load_rewards(specs):
-    rewards = [load_reward(spec) for spec in specs]
+def load_rewards(specs, flag="--reward"):
+    rewards = [load_reward(spec, flag) for spec in specs]
     if len({r.name for r in rewards}) < len(rewards):
-        raise UsageError(f"--reward: two rewards share a name ({', '.join(r.name for r in rewards)}); rename one")
+        raise UsageError(f"{flag}: two rewards share a name ({', '.join(r.name for r in rewards)}); rename one")
     return rewards
 
 
@@ -1606,7 +1732,7 @@ def call_reward(reward, images, prompts, targets):
     try:
         value = reward.fn(images.clone(), list(prompts), None if targets is None else targets.clone())
     except (Exception, SystemExit) as e:  # sys.exit(0) too: not a silent exit 0
-        raise UsageError(f"reward {name} raised {type(e).__name__}: {(str(e).splitlines() or [''])[0]}", local=True)
+        raise UsageError(f"reward {name} raised {type(e).__name__}: {e}".partition("\n")[0], local=True)
     try:
         value = torch.as_tensor(value, dtype=images.dtype).detach().cpu()
     except (TypeError, ValueError, RuntimeError):
@@ -1619,7 +1745,7 @@ def call_reward(reward, images, prompts, targets):
     return value
 
 
-# ==== 18. LOG: the console, metrics.jsonl, sample sheets, the reward curve, TensorBoard / W&B =====
+# ==== 18. LOG: console, metrics.jsonl, sample sheets, reward curve, TensorBoard / W&B
 CONSOLE_FIELDS = ("loss {loss:+.4f}|dit loss {dit/loss:+.3e}|reward {reward_mean:.5f} ± {reward_std:.5f}|dit reward "
                   "{dit/reward_mean:.5f} ± {dit/reward_std:.5f}|ratio {ratio_mean:.4f}|clip {clip_ratio:.3f}|"
                   "kl {kl:.2e}|dit/ratio {dit/ratio_mean:.4f}|dit/clip {dit/clip_ratio:.3f}|dit/kl {dit/kl:.2e}|"
@@ -1658,11 +1784,9 @@ def start_logging(args, trainer, out, start):
     if args.report_to == "none":
         return None
     from accelerate.tracking import TensorBoardTracker, WandBTracker
-    if args.report_to == "wandb":  # WANDB_MODE=offline: <out>/wandb, for `wandb sync`
-        tracker = WandBTracker("grpo_glm", name=out.name, dir=str(out), config=vars(args))
-    else:  # purge_step: a resume drops later events
-        tracker = TensorBoardTracker("logs", out, purge_step=start + 1 if start else None)
-    tracker.start()
+    tracker = WandBTracker("grpo_glm", name=out.name, dir=str(out), config=vars(args)) if args.report_to == "wandb" \
+        else TensorBoardTracker("logs", out, purge_step=start + 1 if start else None)  # a resume drops later events
+    tracker.start()  # W&B: WANDB_MODE=offline writes <out>/wandb, for `wandb sync`
     if args.report_to == "tensorboard":
         flags = "\n".join(f"| --{k.replace('_', '-')} | {v} |" for k, v in sorted(vars(args).items()))
         tracker.writer.add_text("flags", "| flag | value |\n|---|---|\n" + flags, global_step=start)
@@ -1678,7 +1802,7 @@ def warn_if_collapsed(row, warned, max_entropy=None):
     """Once per run: most groups tied (advantages 0), and why; not on a non-finite step (call_reward warned)."""
     if warned or row["frac_reward_zero_std"] <= 0.5 or row["frac_reward_nonfinite"]:
         return warned
-    why = "the reward does not separate the samples"     # --policy dit: the SDE keeps them apart
+    why = "the reward does not separate the samples"  # --policy dit: the SDE keeps them apart
     if "entropy" in row:
         why = f"entropy {row['entropy']:.3f} of {max_entropy:.2f}: " + (
             "the policy has collapsed; lower --lr or raise --temperature" if row["entropy"] < 0.5 * max_entropy
@@ -1688,28 +1812,28 @@ def warn_if_collapsed(row, warned, max_entropy=None):
     return True
 
 
-def read_metrics(path):
-    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
-    return [json.loads(line) for line in lines if line.strip()]
+def read_metrics(path):  # a last row cut short by a kill: its text
+    rows = [row for row in path.read_text(encoding="utf-8").splitlines() if row.strip()] if path.exists() else []
+    if torn := [n for n, row in enumerate(rows[:-1], 1) if not row.endswith("}")]:
+        raise UsageError(f"{path}: row {torn[0]} is cut short")
+    return [json.loads(row) if row.endswith("}") else row for row in rows]
 
 
 def save_sample_grid(path, prompts, targets, images, rewards, group_size, sources=None, ode=None, tracker=None,
                      step=None, name="samples"):
     """Per prompt (sorted: it stays put) 8 cells a row: [source,] target, [a=0 decode,] its G samples."""
     scale = max(1, 128 // images.shape[-1])  # cells at least 128 px wide
-    width, height = images.shape[-1] * scale, images.shape[-2] * scale
+    height, width = (n * scale for n in images.shape[-2:])
     line, gap = 18, 6  # a line of text, white between cells
     to_pil = lambda x: x if isinstance(x, Image.Image) else Image.fromarray(  # sources: PIL already
         (x.clamp(0, 1).permute(1, 2, 0).numpy() * 255).astype(np.uint8))
     references = [(n, x) for n, x in [("source", sources), ("target", targets), ("a=0 (ODE)", ode)] if x is not None]
-    cells = len(references) + group_size
-    columns = min(8, cells)
+    columns = min(8, cells := len(references) + group_size)
     block = 2 * line + math.ceil(cells / columns) * (height + line)  # heading, rows of cells, space
-    sheet = Image.new("RGB", (columns * (width + gap), len(prompts) * block), "white")
-    draw = ImageDraw.Draw(sheet)
+    draw = ImageDraw.Draw(sheet := Image.new("RGB", (columns * (width + gap), len(prompts) * block), "white"))
     for b, row in enumerate(sorted(range(len(prompts)), key=lambda r: prompts[r])):
         draw.text((0, b * block), shorten(prompts[row], sheet.width // 9), fill="black", font_size=16)
-        samples = [(images[i], " / ".join(f"{r:.4f}" for r in rewards[i].view(-1).tolist()))    # [N] or [N, k]
+        samples = [(images[i], " / ".join(f"{r:.4f}" for r in rewards[i].view(-1).tolist()))  # [N] or [N, k]
                    for i in range(row * group_size, (row + 1) * group_size)]
         for i, (image, label) in enumerate([(x[row], name) for name, x in references] + samples):
             x, y = i % columns * (width + gap), b * block + line + 4 + i // columns * (height + line)
@@ -1724,14 +1848,13 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
 
 
 def shorten(text, chars):
-    """At most `chars` characters, cut between words, then '…'."""
     return drawable(text if len(text) <= chars else text[:chars - 1].rsplit(" ", 1)[0] + "…")
 
 
 def drawable(text):
     """As the built-in font draws it: 'é' -> 'e', emoji or CJK -> '?', not a 'no glyph' box."""
     font = ImageFont.load_default(size=12)
-    glyph = lambda ch: (lambda m: (m.size, bytes(m)))(font.getmask(ch))
+    glyph = lambda ch: ((mask := font.getmask(ch)).size, bytes(mask))
     box = glyph("\U0010FFFD")  # a private-use code point has no glyph
     drawn = lambda s: bool(s) and all(c == " " or glyph(c) != box for c in s)
     plain = [unicodedata.normalize("NFKD", ch).encode("ascii", "ignore").decode() for ch in text]
@@ -1756,15 +1879,15 @@ def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
     y0, y1 = (means - stds).min() - 1e-6, (means + stds).max() + 1e-6  # a flat curve's range has a height
     to_xy = lambda s, y: (margin + (s - x0) / (x1 - x0) * (w - 2 * margin),
                           h - margin - (y - y0) / (y1 - y0) * (h - 2 * margin))
+    points = lambda s, y: list(zip(*to_xy(s, y)))
     image = Image.new("RGB", (w, h), "white")
     draw = ImageDraw.Draw(image)
-    band = to_xy(np.r_[steps, steps[::-1]], np.r_[means + stds, (means - stds)[::-1]])
-    draw.polygon(list(zip(*band)), fill=(190, 210, 240))
-    draw.line(list(zip(*to_xy(steps, means))), fill=(110, 140, 220), width=1)
+    draw.polygon(points(np.r_[steps, steps[::-1]], np.r_[means + stds, (means - stds)[::-1]]), fill=(190, 210, 240))
+    draw.line(points(steps, means), fill=(110, 140, 220))
     title = "reward per step: mean +- within-group std"
     if 1 < window < len(rows):
         average = [np.mean(means[max(0, i - window + 1): i + 1]) for i in range(len(means))]
-        draw.line(list(zip(*to_xy(steps, np.array(average)))), fill=(20, 40, 140), width=3)
+        draw.line(points(steps, np.array(average)), fill=(20, 40, 140), width=3)
         title += f"; thick: moving average over {window} steps"
     draw.rectangle((margin, margin, w - margin, h - margin), outline="black")
     ticks = [(to_xy(x0, v), (-4, 0), "rm", v) for v in round_ticks(y0, y1)]  # left axis
@@ -1778,7 +1901,7 @@ def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
     image.save(path)
 
 
-# ==== 19. The run: train()'s plumbing, Ctrl+C and SIGTERM =========================================
+# ==== 19. The run: train()'s plumbing, Ctrl+C and SIGTERM
 # Ctrl+C/SIGTERM drops a step before its update (AbandonStep), finishes one past it; ranks agree there and at its end.
 
 class AbandonStep(BaseException):
@@ -1794,7 +1917,7 @@ class Run:
         self.voted, self.bad_steps, self.warned, self.closing = True, [], False, contextlib.ExitStack()
 
     def __enter__(self):
-        with self.closing:    # a failed open closes what it opened
+        with self.closing:  # a failed open closes what it opened
             self.open(self.args, self.out)
             self.closing = self.closing.pop_all()
         return self
@@ -1812,15 +1935,15 @@ class Run:
             lock_out_dir(out, self.closing)
         # mse's targets: checked before slow plug-ins (CLIP) load
         builtin = ["mse"] if "mse" in [s.partition("=")[0] for s in args.reward + (args.dit_reward or [])] else []
-        items = self.items = read_prompts(args.prompts, args.height, args.width, args.mode, need_targets=builtin)
-        self.eval_items = args.eval_prompts and read_prompts(args.eval_prompts, args.height, args.width, args.mode,
-                                                             builtin, "--eval-prompts") or []
+        read = lambda path, flag="--prompts": read_prompts(path, args.height, args.width, args.mode, builtin, flag)
+        items = self.items = read(args.prompts)
+        self.eval_items = args.eval_prompts and read(args.eval_prompts, "--eval-prompts") or []
         if 0 < len(self.eval_items) < world_size():  # a block of at least one a rank
             raise UsageError(f"--eval-prompts {args.eval_prompts}: {len(self.eval_items)} for {world_size()} processes")
         if args.prompts_per_step > len(items) and self.lead:
             print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} lines of {args.prompts}: "
                   "steps repeat lines of the file")
-        rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [])
+        rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [], "--dit-reward")
         readers = [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)]
         require_targets(items + self.eval_items, readers)
         args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
@@ -1829,17 +1952,18 @@ class Run:
         if resume.export and not args.save_pipeline:
             return
         trainer = self.trainer = setup_training(args, rewards, dit_rewards)
-        trainer.prompt_len = run_prompt_len(trainer.pipe, items, args)  # checked against the context
+        trainer.prompt_len = run_prompt_len(trainer.pipe, items, args)
+        self.eval_decoder = None if args.disable_cuda_graph else FastDecoder(torch.device(args.device))
         self.eval_prompt_len = self.eval_items and run_prompt_len(trainer.pipe, self.eval_items, args)
         if args.mode == "i2i":
             check_source_size(trainer.pipe.processor.image_processor, args.height, args.width)
         resume.restore(trainer, out)
-        if resume.export:      # --save-pipeline only (in __exit__)
+        if resume.export:  # --save-pipeline only (in __exit__)
             return
         if self.lead:  # the curve's window: a pass over the prompts
             window = min(20, math.ceil(len(items) / args.prompts_per_step))
-            self.closing.callback(lambda: save_reward_curve(out / "reward_curve.png",
-                                                            read_metrics(out / "metrics.jsonl"), window))
+            self.closing.callback(lambda: save_reward_curve(
+                out / "reward_curve.png", read_metrics(out / "metrics.jsonl"), window))
             self.tracker = start_logging(args, trainer, out, self.start)
             self.closing.callback(self.tracker.finish if self.tracker else lambda: None)
         for s in (signal.SIGINT, signal.SIGTERM):
@@ -1848,7 +1972,7 @@ class Run:
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
         if self.eval_items and self.start % args.eval_every == 0 and max_over_ranks(self.lead and not any(
                 "eval/seconds" in r and r["step"] == self.start for r in read_metrics(out / "metrics.jsonl"))):
-            self.evaluate(self.start)     # unless a run before the resume did
+            self.evaluate(self.start)  # unless a run before the resume did
 
     def steps(self):
         """Yields (step, indices, slots): this rank's block of the step's prompts, seeded order per pass."""
@@ -1856,15 +1980,15 @@ class Run:
         slots = np.array_split(range(args.prompts_per_step), world_size())[rank()].tolist()
         for step in range(self.start + 1, args.steps + 1):
             self.step, self.t0, self.step_rng, self.voted = step, time.time(), rng_state(), False
-            if self.signum is not None:      # came after the last step's vote
+            if self.signum is not None:  # came after the last step's vote
                 raise AbandonStep
             places = [divmod((step - 1) * args.prompts_per_step + slot, count) for slot in slots]
             yield step, [int(torch.randperm(count, generator=seeded(args.seed, "prompt order", epoch))[offset])
                          for epoch, offset in places], slots
 
-    def record(self, step, indices, row, rewards, images, targets, sources, ode):
-        """After grpo_step: LOG, sample sheet, CHECKPOINT; a stop signal (any rank's) saves and exits."""
-        args, out, trainer = self.args, self.out, self.trainer
+    def record(self, step, result):
+        """After a step (its StepRecord): LOG, sample sheet, CHECKPOINT; a stop signal (any rank's) saves and exits."""
+        args, out, trainer, row = self.args, self.out, self.trainer, result.row
         names = ["lr"] * (args.policy != "dit") + ["dit/lr"] * (args.policy != "ar")  # a param group per half
         row.update(zip(names, trainer.lr_scheduler.get_last_lr()))
         trainer.lr_scheduler.step()
@@ -1881,8 +2005,8 @@ class Run:
             self.warned = warn_if_collapsed(row, self.warned, scale)
         self.bad_steps = non_finite_streak(self.bad_steps, row, out, args, self.start)
         if self.lead and args.sample_every and (step % args.sample_every == 0 or step == args.steps):
-            save_sample_grid(out / "samples" / f"step_{step:06d}.png", [self.items[i].text for i in indices],
-                             targets, images, rewards, args.group_size, sources, ode, self.tracker, step)
+            save_sample_grid(out / "samples" / f"step_{step:06d}.png", result.prompts, result.targets, result.images,
+                             result.rewards, args.group_size, result.sources, result.ode, self.tracker, step)
         if self.eval_items and not stopping and (step % args.eval_every == 0 or step == args.steps):
             self.evaluate(step)  # before the save: a checkpoint's step has its row (stopping: the resume's)
         if step % args.save_every == 0 or step == args.steps:
@@ -1890,7 +2014,7 @@ class Run:
         if stopping:
             self.stop(step)
 
-    def log(self, row, step):  # a step's row or an eval's (eval/ keys)
+    def log(self, row, step):
         finite = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
         with open(self.out / "metrics.jsonl", "a", encoding="utf-8") as f:  # NaN, inf -> null: JSON has no NaN
             f.write(json.dumps(finite, allow_nan=False) + "\n")
@@ -1914,13 +2038,13 @@ class Run:
         with whole_weights(ar) as sharded:
             rollout = sample_groups(pipe, prompts, G, self.trainer.sampling, args.height, args.width, "target", own,
                                     [seeded(args.seed, "tokens", -1, i, ar.device) for i in mine],
-                                    self.eval_prompt_len, None if sharded else self.trainer.decoder)
+                                    self.eval_prompt_len, None if sharded else self.eval_decoder)
         noise = group_noise(pipe, mine, G, args.height, args.width, args.seed, -1, "per-step")  # [n, C, h, w]
         images = decode_images(pipe, prompts, own, rollout, noise, args.eval_num_inference_steps, args.guidance_scale)
-        targets = batch_targets(items)    # [n, 3, H, W] | None
-        scored = (repeat_each(prompts, G), None if targets is None else targets[mine].repeat_interleave(G, 0))
+        targets = step_prompts(items, range(len(items)), "t2i")[1]    # [n, 3, H, W] | None
+        scored = (prompts, None if targets is None else targets[mine], G)
         parts = from_every_rank((images, *compute_rewards(self.trainer.rewards, images, *scored)))
-        if self.lead:    # the ranks' blocks, in prompt order
+        if self.lead:  # the ranks' blocks, in prompt order
             images, rewards = (torch.cat([p[i] for p in parts]) for i in (0, 1))
             per_reward = {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}
             row = {"eval/" + k: v for k, v in reward_metrics(rewards, per_reward, G).items()}
@@ -1956,19 +2080,21 @@ class Run:
 
     def __exit__(self, kind, error, traceback):
         try:
-            if kind is AbandonStep:       # the weights are step - 1's
+            if kind is AbandonStep:  # the weights are step - 1's
                 self.stop(self.step - 1)
         finally:
             self.closing.close()
         if kind is None and self.trainer and self.lead:
             if pipeline := self.args.save_pipeline:
                 save_trained_pipeline(self.trainer.pipe, self.args)
-            made = ", ".join(p.name + "/" * p.is_dir() for p in sorted(self.out.iterdir()) if p.name[0] != ".")
-            print(f"done: {self.out} holds {made}" + (f"; the trained pipeline: {pipeline}" if pipeline else ""))
+            said = [f"{self.out} holds " + ", ".join(p.name + "/" * p.is_dir() for p in sorted(self.out.glob("[!.]*")))]
+            print("done:", "; ".join(said * self.out.is_dir() + [f"the trained pipeline: {pipeline}"] * bool(pipeline)))
 
     def stop(self, done):
         """Exits 128 + signal with step `done` saved (step_rng: the RNG states it left)."""
         try:
+            if not self.voted and getattr(self.trainer.decoder, "graphs", 0) == {}:
+                all_ranks_agree(True)  # the others vote on the decoder's first graph
             peers = self.voted or self.agree()  # a rank that left its step early still votes
         except Exception as e:
             if not collective_failed(e):
@@ -1978,7 +2104,7 @@ class Run:
         if not saved and (peers or self.lead):
             save_checkpoint(self.out, done, self.trainer, self.args, self.step_rng if done < self.step else None)
         if peers:
-            all_ranks_agree(True)     # the others wait for rank 0's file
+            all_ranks_agree(True)  # the others wait for rank 0's file
         when = f"in step {self.step} before its update" if done < self.step else f"after step {done}"
         where = (f"step {done} is saved in {self.out / 'checkpoints' / f'step_{done:06d}.pt'}; continue with "
                  f"--resume latest --out {self.out}" if done else "no step finished, nothing to save")
@@ -1987,7 +2113,7 @@ class Run:
         sys.exit(128 + self.signum)
 
 
-# ==== 20. CHECKPOINT and --resume =================================================================
+# ==== 20. CHECKPOINT and --resume
 
 def atomic_write(path, write):
     """write(f) to path.tmp, synced, renamed over path: readers see the old file or the new."""
@@ -2000,7 +2126,7 @@ def atomic_write(path, write):
 
 
 def rng_state():
-    name, keys, *rest = np.random.get_state()      # numpy's uint32 keys as an int64 tensor: weights_only loads it
+    name, keys, *rest = np.random.get_state()  # numpy's uint32 keys as an int64 tensor: weights_only loads it
     return {"python": random.getstate(), "numpy": [name, torch.from_numpy(keys.astype(np.int64)), *rest],
             "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all()}  # no GPU: []
 
@@ -2010,8 +2136,7 @@ def save_checkpoint(out, step, trainer, args, rng=None):
     weights, optimizer_state = training_state(trainer.trained, trainer.optimizer)
     if rank() != 0:
         return None
-    path = out / "checkpoints" / f"step_{step:06d}.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    (path := out / "checkpoints" / f"step_{step:06d}.pt").parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": CHECKPOINT_FORMAT, "step": step, "trainable": weights, "optimizer": optimizer_state,
                "lr_scheduler": trainer.lr_scheduler.state_dict(), "rng": rng or rng_state(), "args": vars(args)}
     atomic_write(path, functools.partial(torch.save, payload))
@@ -2030,22 +2155,15 @@ def read_checkpoint(spec, out=None):
         print(f"--resume latest: no checkpoint in {out / 'checkpoints'} yet; starting from step 0")
         return None
     try:
-        with warnings.catch_warnings(action="ignore"):     # junk can look like another pickle protocol's
+        with warnings.catch_warnings(action="ignore"):  # junk can look like another pickle protocol's
             ckpt = torch.load(path, map_location="cpu", weights_only=True)  # no pickled code
-    except Exception as e:  # many types for a missing, foreign or truncated file
-        raise UsageError(f"--resume {path}: not a readable checkpoint ({type(e).__name__})")
+    except Exception:  # many types for a missing, foreign or truncated file
+        raise UsageError(f"--resume {path}: {'not a readable checkpoint file' if path.exists() else 'no such file'}")
     if not isinstance(ckpt, dict) or not str(ckpt.get("format", "")).startswith("grpo_glm-checkpoint-"):
         raise UsageError(f"--resume {path}: not a checkpoint of grpo_glm.py")
     if ckpt["format"] != CHECKPOINT_FORMAT:
         raise UsageError(f"--resume {path}: {ckpt['format']} is an older grpo_glm.py's format; start a new run")
     return {**ckpt, "path": path}
-
-
-# Flags that change the algorithm: resuming with others splices two runs into one log.
-ALGORITHM_FLAGS = """mode model prompts_sha256 seed group_size prompts_per_step inner_epochs lr max_grad_norm clip_eps
-beta temperature top_k top_p height width num_inference_steps guidance_scale dit_noise loss_tokens lora_rank lora_alpha
-ar_trainable dtype reward weight_decay lr_scheduler lr_warmup_steps policy dit_lr dit_clip_eps dit_noise_level
-dit_train_steps dit_lora_rank dit_prior dit_reward""".split()
 
 
 class Resume:
@@ -2054,14 +2172,19 @@ class Resume:
     def __init__(self, args, out):
         if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
             raise UsageError(f"--out {out} has a run: pass --resume latest to continue it, or another --out")
+        self.rows = read_metrics(out / "metrics.jsonl")  # before the model loads
         ckpt = self.ckpt = read_checkpoint(args.resume, out) if args.resume else None
         step = self.step = ckpt["step"] if ckpt else 0
         self.export = step >= args.steps  # --save-pipeline of the checkpoint, or nothing to do
-        saved = ckpt["args"] if ckpt else vars(args)  # the prompts compare by their hash
+        saved = ckpt["args"] if ckpt else vars(args)
+        # the flags that change the algorithm (resuming with others splices two runs into one log): their groups'
+        # titles say so; a flag added since the checkpoint matches its default; the prompts compare by their hash
+        same = {a.dest: a.default for group in flag_parser()._action_groups if SAME_ON_RESUME in (group.title or "")
+                for a in group._group_actions if a.dest != "prompts"} | {"prompts_sha256": None}
         changed = self.changed = [
             f"--prompts {saved.get('prompts')} -> {args.prompts}: contents differ" if k == "prompts_sha256"
-            else f"--{k.replace('_', '-')} {saved.get(k)} -> {getattr(args, k)}"
-            for k in ALGORITHM_FLAGS if saved.get(k) != getattr(args, k)]
+            else f"--{k.replace('_', '-')} {saved.get(k, default)} -> {getattr(args, k)}"
+            for k, default in same.items() if saved.get(k, default) != getattr(args, k)]
         if changed and not args.resume_force:
             raise UsageError(f"--resume {ckpt['path']}: flags differ (--resume-force accepts): {'; '.join(changed)}")
         if self.export:
@@ -2087,8 +2210,8 @@ class Resume:
                 raise UsageError(f"--resume {ckpt['path']}: weights do not fit this model: "
                                  + ("; ".join(changed) or str(e).splitlines()[0][:120]))
             if self.export:
-                return            # the weights alone
-            name, keys, *rest = ckpt["rng"]["numpy"]        # rng_state's, in reverse
+                return  # the weights alone
+            name, keys, *rest = ckpt["rng"]["numpy"]  # rng_state's, in reverse
             np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
             random.setstate(ckpt["rng"]["python"])
             torch.set_rng_state(ckpt["rng"]["torch"])
@@ -2100,21 +2223,21 @@ class Resume:
         for path in self.later:
             path.rename(path.with_name(path.name + ".dropped"))
             print(f"note: renamed {path.name} to {path.name}.dropped")
-        step, rows = self.step, read_metrics(out / "metrics.jsonl")
-        if dropped := [row for row in rows if row["step"] > step]:
+        step, rows = self.step, self.rows
+        if dropped := [row for row in rows if isinstance(row, str) or row["step"] > step]:  # a cut-short row too
             aside = out / f"metrics.dropped_after_step_{step:06d}.jsonl"
-            for file, kept in ((aside, dropped), (out / "metrics.jsonl", [r for r in rows if r["step"] <= step])):
+            for file, kept in ((aside, dropped), (out / "metrics.jsonl", [r for r in rows if r not in dropped])):
                 atomic_write(file, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
-            print(f"note: resuming drops metrics rows of steps {dropped[0]['step']}..{dropped[-1]['step']} to {aside}")
+            print(f"note: resuming sets the {len(dropped)} metrics rows past step {step} aside in {aside}")
 
 
-# ==== 21. The tiny model's renderer: pre-trained once on token mosaics, then cached ===============
+# ==== 21. The tiny model's renderer: pre-trained once on token mosaics, then cached
 # Its AR is random (what to paint is GRPO's to learn); its renderer (~15 s CPU) paints id k in colour k mod 8.
 
-TINY_CODEBOOK = 64  # real: 16384; 8 ids a colour (a real codebook has many ids per colour too)
+TINY_CODEBOOK = 64  # real: 16384; 8 ids a colour (a real codebook has many too)
 TINY_VISION_VOCAB = TINY_CODEBOOK + 16  # real: 16512 (codebook + 128 special ids)
 TINY_PALETTE = (torch.tensor(list(COLOURS.values()), dtype=torch.float32) / 255)[torch.arange(TINY_CODEBOOK) % 8]
-# get_rope_index gives a source image 2-D positions by its start and end tokens (a bare <|image|>: text's)
+# get_rope_index places a source image in 2-D by its start and end tokens (a bare <|image|>: as text)
 TINY_CHAT_TEMPLATE = ("{% for m in messages %}{% for c in m['content'] %}{{ '<|dit_token_16384|><|image|>"
                       "<|dit_token_16385|>' if c['type'] == 'image' else c['text'] }}{% endfor %}{% endfor %}")
 TINY_RENDERER = dict(dit_steps=800, dit_lr=3e-3, batch=8, dit_grids=((2, 2), (3, 3), (4, 4), (3, 2)), inference_steps=4)
@@ -2151,8 +2274,7 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
         image_token_id=tokenizer.convert_tokens_to_ids("<|image|>"), image_start_token_id=TINY_CODEBOOK,
         image_end_token_id=TINY_CODEBOOK + 1)).eval()
     if mosaic_ar:
-        # else a cell's logits follow the random token before it: GRPO learns one colour for all. Equal image-token
-        # embeddings, q/k x16 (sharp attention) let lm_head tell cells apart
+        # a cell's logits must not follow the random token before it (GRPO learns one colour): equal embeddings, q/k x16
         with torch.no_grad():
             image_embeddings = ar.model.language_model.embed_tokens.weight[:TINY_VISION_VOCAB]
             image_embeddings[:] = image_embeddings.mean(0)
@@ -2237,7 +2359,7 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
            *(importlib.import_module(m).__version__ for m in ("torch", "diffusers", "transformers"))]
     root = tiny_cache()
     final = root / f"tiny-seed{seed}-{hashlib.sha256(json.dumps(key, default=str).encode()).hexdigest()[:16]}"
-    for library in ("diffusers", "transformers"):  # no loading bars: a toy loads at once
+    for library in ("diffusers", "transformers"):  # a toy loads at once: no bars
         importlib.import_module(f"{library}.utils.logging").disable_progress_bar()
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(root / f".{final.name}.lock"):  # a second run waits (freed if the process dies)
@@ -2253,7 +2375,7 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
     return final
 
 
-# ==== 22. More GPUs: torchrun data parallel (DDP) and sharding (--fsdp) ===========================
+# ==== 22. More GPUs: torchrun data parallel (DDP) and sharding (--fsdp)
 # torchrun --nproc_per_node K: a rank samples, rewards, standardises whole groups (DanceGRPO); mean gradients and a
 # few scalars cross ranks; rank 0 writes. 1 and K processes sample alike, train alike up to sums' order.
 
@@ -2276,11 +2398,11 @@ def float64_throughout():
 
 
 def rank():  # torchrun's, readable before joining the group
-    return int(os.getenv("RANK", "0"))
+    return int(n) if (n := os.getenv("RANK", "0")).isdecimal() and world_size() > 1 else 0
 
 
 def world_size():
-    return int(os.getenv("WORLD_SIZE", "1"))
+    return int(n) if (n := os.getenv("WORLD_SIZE", "1")).isdecimal() else 1
 
 
 def unwrap(model):
@@ -2362,7 +2484,7 @@ def training_state(model, optimizer, loaded=None):
     dsd.set_state_dict(model, optimizer, model_state_dict=loaded[0], optim_state_dict=loaded[1], options=whole)
 
 
-# ==== 23. Memory plan for the real GLM-Image (arithmetic on the real configs, meta device) ========
+# ==== 23. Memory plan for the real GLM-Image (arithmetic on its configs, meta device)
 # --plan: a GPU's bytes, no download. Checked: README, Measurements; the DiT's are estimates.
 WEIGHT_BYTES, FP32_BYTES = 2, 4
 REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, min_pixels=512**2, max_pixels=2048**2)
@@ -2377,7 +2499,7 @@ def plan_components(model, seed=0):
         pipe = build_tiny_pipeline(seed, mosaic_ar=True)
         return ({"ar": pipe.vision_language_encoder, "dit": pipe.transformer, "glyph_t5": pipe.text_encoder,
                  "vae": pipe.vae}, pipe.processor.image_processor)
-    saved, processor = Path(model), None
+    saved, processor = Path(model), GlmImageImageProcessorPil(**REAL_IMAGE_PROCESSOR)
     if saved.is_dir():
         ar, glyph_t5 = (AutoConfig.from_pretrained(saved / p) for p in ("vision_language_encoder", "text_encoder"))
         dit = GlmImageTransformer2DModel.load_config(saved / "transformer")
@@ -2400,7 +2522,7 @@ def numel(module):
 
 
 def ar_sequence(mode, height, width, prompt_tokens=64, image_processor=None):
-    """(prompt, L) tokens of an AR sample: the (H/32) x (W/32) grid + an end slot; t2i + a ~16x16 preview
+    """(prompt, L) tokens: the (H/32) x (W/32) grid + an end slot; t2i + a ~16x16 preview
     (GlmImageProcessor._get_target_shape), i2i's prompt + the source's VQ tokens, image start and end."""
     from transformers import GlmImageImageProcessorPil
     grid = (height // 32) * (width // 32) + 1
@@ -2431,9 +2553,9 @@ def layer_activation_bytes(text, lora_rank=0, bytes_per=WEIGHT_BYTES):
     """Bytes a decoder layer keeps per token for backward (SDPA, flash on CUDA and CPU: no length^2 matrix)."""
     h, i, heads = text.hidden_size, text.intermediate_size, text.num_attention_heads
     kv, d, a = text.num_key_value_heads * h // heads, bytes_per, FP32_BYTES
-    kept = (d * (2 * h + 2 * kv + 3 * i)    # q, k, v after RoPE, SDPA's output; gate_up's output, SiLU's
+    kept = (d * (2 * h + 2 * kv + 3 * i)  # q, k, v after RoPE, SDPA's output; gate_up's output, SiLU's
             + 4 * heads + 4 * (4 * h + 4))  # SDPA's log-sum-exp; the 4 RMSNorms' fp32 inputs and 1 / rms
-    if not lora_rank:                       # the norms' normalised values; inputs of q/k/v, o, gate_up, down
+    if not lora_rank:  # the norms' normalised values; inputs of q/k/v, o, gate_up, down
         return kept + d * (7 * h + i)
     # adapters' inputs cast to fp32 (q, k, v each theirs; an fp32 model keeps the shared ones), A's outputs
     return kept + a * (5 * h + i if d != a else 3 * h + i) + len(LORA_TARGETS) * a * lora_rank
@@ -2465,40 +2587,40 @@ def ar_update_bytes(text, samples, prompt_tokens, generated, lora_rank, checkpoi
 
 def vae_decode_bytes(vae, height, width, images, bytes_per=WEIGHT_BYTES):
     """No-grad vae.decode's peak: an up block's first resnet keeps its input, norm1's and SiLU's outputs (3 x input)."""
-    channels, last = vae.config.block_out_channels[::-1], len(vae.config.block_out_channels) - 1
-    return 3 * bytes_per * images * max(channels[max(i - 1, 0)] * height * width // 4 ** (last - i)
-                                        for i in range(last + 1))
+    channels, last = vae.config.block_out_channels, len(vae.config.block_out_channels) - 1
+    return 3 * bytes_per * images * max(channels[min(i + 1, last)] * height * width // 4 ** i for i in range(last + 1))
 
 
 def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=False, gpus=(), ranks=(64, 16),
-                mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0, dit_rank=64):
+                mode="t2i", prompt_tokens=64, image_processor=None, beta=0.0, dit_rank=64, ar_rank=0):
     """{"ar", "dit": --plan's rows (+ "half": its bytes)}, parameter counts, terms; a GPU of K samples `batch` / K."""
     ar, config, d, batch = components["ar"], components["dit"].config, WEIGHT_BYTES, batch or samples
     text, counts = ar.config.text_config, {name: numel(m) for name, m in components.items()}
     frozen = {name: d * counts[name] for name in ("dit", "glyph_t5", "vae")}
     prompt_len, generated = ar_sequence(mode, height, width, prompt_tokens, image_processor)
     hidden, patches = config.num_attention_heads * config.attention_head_dim, (height // 16) * (width // 16)
-    # i2i: write_source_caches' K, V per layer and prompt, alive through the DiT's sampling and backward
-    source_kv = prompts * config.num_layers * 2 * patches * hidden * d if mode == "i2i" else 0
+    # i2i: write_source_caches' K, V per layer and prompt, alive through sampling and backward
+    source_kv = prompts * config.num_layers * 2 * patches * hidden * d * (mode == "i2i")
     kv_cache = (prompt_len + generated) * text.num_hidden_layers * 2 * text.num_key_value_heads * text.hidden_size \
         // text.num_attention_heads * d
     decode = vae_decode_bytes(components["vae"], height, width, 1)
+    turn = max(frozen["glyph_t5"], frozen["vae"] + decode)  # offloaded parts take turns, the VAE with its decode
 
-    def half(name, mode, k, checkpointing):
+    def half(name, mode, k, ckpt):
         """A trained half's bytes on a GPU of k; unseen: copy-outs, the reference's pass, slack."""
         micro, fsdp, rank, gathered = min(samples, batch // k), mode == "fsdp", int(mode[5:] or 0), 0
         trained = trainable_tensors(components[name], rank, LORA_TARGETS if name == "ar" else DIT_LORA_TARGETS)
         state = state_bytes(sum(trained), counts[name], d if mode == "full" else FP32_BYTES, k if fsdp else 1,
                             rank > 0, beta > 0 and not rank)
-        if name == "ar":    # sampling: generate's KV cache of the GPU's samples, or pi_old's pass on a micro-batch
+        if name == "ar":  # sampling: generate's KV cache of the GPU's samples, or pi_old's pass on a micro-batch
             sampling = max(batch // k * kv_cache, micro * generated * text.vision_vocab_size * 10)  # (10 B a logit)
             head = 0 if rank else numel(ar.model.language_model.norm) + numel(ar.lm_head)  # trained in full
-            u = ar_update_bytes(text, micro, prompt_len, generated, rank, checkpointing, () if fsdp else trained, head)
-            activations, backward = (u["peak"], 0) if fsdp else (u["activations"], u["peak"] - u["grads"])
-        else:   # a denoising step's micro-batch: ~30 x hidden a block and token (x2 CFG, 64 text tokens), guessed,
-            sampling = source_kv // k       # + the GPU's source caches; backward: the largest frozen part in turn
-            blocks = config.num_layers + 30 if checkpointing else config.num_layers * 30
-            activations = blocks * (patches + 64) * micro * (2 if cfg else 1) * hidden * d + sampling
+            u = ar_update_bytes(text, micro, prompt_len, generated, rank, ckpt, () if fsdp else trained, head)
+            activations, backward = u["peak" if fsdp else "activations"], u["peak"] - u["grads"]  # fsdp: below
+        else:  # a denoising step's micro-batch: ~30 x hidden a block and token (x2 CFG, 64 text tokens), guessed,
+            sampling = source_kv // k  # + the GPU's source caches; backward: the largest frozen part in turn
+            blocks = config.num_layers + 30 if ckpt else config.num_layers * 30
+            activations = blocks * (patches + 64) * micro * (1 + cfg) * hidden * d + sampling
             backward = max(frozen["glyph_t5"], frozen["vae"]) + max(activations, state["grads"])
         if fsdp:
             layers, reduce = [numel(layer) for layer in sharded_layers(components[name])], d + FP32_BYTES
@@ -2507,7 +2629,7 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         return {"trainable": sum(trained), **state, "gathered": gathered, "activations": activations,
                 "sampling": sampling, "backward": backward}
 
-    def peaks(halves, beside=0, offloaded=0):
+    def peaks(halves, beside, offloaded):
         """(update, sampling, overall) peaks of `halves` trained in turn; AdamW's step: 2 x grads."""
         resident = beside + sum(h["weights"] + h["adam"] + h["reference"] for h in halves)
         grads = [h["grads"] for h in halves]
@@ -2515,48 +2637,46 @@ def memory_plan(components, height, width, samples, batch=None, prompts=1, cfg=F
         sampling = sum(grads) + max(h["sampling"] for h in halves)
         return resident + update, resident + sampling, resident + max(update, sampling, sum(grads) + offloaded)
 
-    def row(name, mode, k, checkpointing):
-        h, working = half(name, mode, k, checkpointing), {"vae": decode, "dit": source_kv // k, "glyph_t5": 0}
-        turn = lambda *parts: max(frozen[p] + working[p] for p in parts)  # frozen parts take turns with their work
-        r = {"mode" if name == "ar" else "DiT mode": mode, "grad ckpt": checkpointing, "GPUs": k,
-             "micro-batch": min(samples, batch // k), "trainable": h["trainable"], "half": h,
-             f"{'AR' if name == 'ar' else 'DiT'} weights": h["weights"] + h["reference"], "grads": h["grads"],
-             "AdamW": h["adam"], "activations": h["activations"]}
-        if name == "ar":
-            return {**r, **dict(zip(("update peak", "sampling peak", "peak, offload"), peaks([h], 0, turn(*frozen)))),
-                    "peak, no offload": peaks([h], sum(frozen.values()), max(working.values()))[2]}
-        # 'dit': beside the frozen AR; 'both' trains the AR too: sharded, or its first mode checkpointed
-        a = half("ar", mode, k, checkpointing) if mode == "fsdp" else \
-            half("ar", f"lora-{ranks[0]}" if ranks else "full", k, True)
-        return {**r, "peak, dit": peaks([h], d * counts["ar"], turn("glyph_t5", "vae"))[2],
-                "peak, both": peaks([a, h], 0, turn("glyph_t5", "vae"))[2]}
+    def row(name, mode, k, ckpt):
+        h, dit = half(name, mode, k, ckpt), name == "dit"
+        r = {f"{'DiT ' * dit}mode": mode, "grad ckpt": ckpt, "GPUs": k, "micro-batch": min(samples, batch // k),
+             "trainable": h["trainable"], "half": h, f"{'DiT' if dit else 'AR'} weights": h["weights"] + h["reference"],
+             "grads": h["grads"], "AdamW": h["adam"], "activations": h["activations"]}
+        if not dit:  # offloaded, the DiT takes its turn with the GPU's source caches
+            update, sampling, peak = peaks([h], 0, max(frozen["dit"] + source_kv // k, turn))
+            return {**r, "update peak": update, "sampling peak": sampling, "peak, offload": peak,
+                    "peak, no offload": peaks([h], sum(frozen.values()), max(decode, source_kv // k))[2]}
+        a = half("ar", mode if mode == "fsdp" else f"lora-{ar_rank}" if ar_rank else "full", k, ckpt)
+        return {**r, "peak, dit": peaks([h], d * counts["ar"], turn)[2],  # beside the frozen AR
+                "peak, both": peaks([a, h], 0, turn)[2]}  # the AR trains too: sharded, or at ar_rank (0: full)
 
-    modes = {"ar": ["full", *(f"lora-{rank}" for rank in ranks)], "dit": ["full", f"lora-{dit_rank}"]}
-    return {name: [row(name, mode, k, c) for k in (1, *gpus) for mode in modes[name] + ["fsdp"] * (k > 1)
-                   for c in (False, True)] for name in modes}, counts, \
+    loras = {"ar": [f"lora-{r}" for r in ([ar_rank] if ar_rank else ranks)], "dit": [f"lora-{dit_rank}"]}
+    return {name: [row(name, mode, k, c) for k in (1, *gpus) for mode in ["full", *loras[name]] + ["fsdp"] * (k > 1)
+                   for c in (False, True)] for name in loras}, counts, \
         {"tokens": (prompt_len, generated), "decode": decode, "source_kv": source_kv}
 
 
 def plan_of_run(args):
     components, processor = plan_components(args.model, args.seed)
+    if args.mode == "i2i":
+        check_source_size(processor, args.height, args.width)
     return memory_plan(components, args.height, args.width, args.micro_batch_size or args.group_size,
                        args.group_size * args.prompts_per_step, args.prompts_per_step, args.guidance_scale > 1,
-                       args.plan_gpus or (), (args.lora_rank,) if args.lora_rank else (64, 16), args.mode,
-                       image_processor=processor, beta=args.beta, dit_rank=args.dit_lora_rank or 64)
+                       args.plan_gpus or (), mode=args.mode, image_processor=processor, beta=args.beta,
+                       dit_rank=args.dit_lora_rank or 64, ar_rank=args.lora_rank)
 
 
 def plan_options(args, rows, counts):
     """[(flags changed, row, peak)] of the run's table, fewest changes then smallest first: the run's own first."""
     ar, fsdp, no = args.policy == "ar", args.fsdp and bool(args.plan_gpus), lambda on: "no " * (not on)
     rank, flag = (args.lora_rank, "--lora-rank") if ar else (args.dit_lora_rank, "--dit-lora-rank")
-    mine = ("fsdp" if fsdp else f"lora-{rank}" if rank else "full", args.gradient_checkpointing,
-            fsdp and args.plan_gpus[0] or 1)
+    flags = lambda mode, ckpt, k: ("--fsdp" if mode == "fsdp" else f"{flag} {mode[5:] or 0}",
+                                   f"{no(ckpt)}--gradient-checkpointing", f"{k} GPUs")
+    mine = flags("fsdp" if fsdp else f"lora-{rank}", args.gradient_checkpointing, fsdp and args.plan_gpus[0] or 1)
     frozen = (not ar) * WEIGHT_BYTES * (counts["glyph_t5"] + counts["vae"])  # on the GPU without --offload
     options = []
     for r in rows["ar" if ar else "dit"]:
-        mode, ckpt, k = theirs = r["mode" if ar else "DiT mode"], r["grad ckpt"], r["GPUs"]
-        named = "--fsdp" if mode == "fsdp" else f"{flag} {mode[5:] or 0}", f"{no(ckpt)}--gradient-checkpointing"
-        changes = [c for c, a, b in zip((*named, f"{k} GPUs"), mine, theirs) if a != b]
+        changes = [c for c, m in zip(flags(r["mode" if ar else "DiT mode"], r["grad ckpt"], r["GPUs"]), mine) if c != m]
         for offload in [False, True] if args.offload is None else [args.offload]:
             peak = r[f"peak, {no(offload)}offload" if ar else f"peak, {args.policy}"] + frozen * (not offload)
             options.append((changes + ["--offload"] * (offload and args.offload is None), r, peak))
@@ -2564,13 +2684,11 @@ def plan_options(args, rows, counts):
 
 
 def print_memory_plan(args):
-    index = Path(args.model) / "model_index.json"
-    kind = index.is_file() and json.loads(index.read_text()).get("_class_name")
+    validate_args(args)
+    kind = (path := Path(args.model, "model_index.json")).is_file() and json.loads(path.read_text()).get("_class_name")
     if args.model not in (TINY, "zai-org/GLM-Image") and kind != "GlmImagePipeline":
-        raise UsageError(f"--plan --model {args.model}: " + (
-            f"a {kind}, not GLM-Image" if kind else "not a directory with model_index.json" if index.parent.exists()
-            else "no such directory" if index.parent.parent.is_dir() else "not GLM-Image's hub id")
-            + "; --plan knows 'tiny', zai-org/GLM-Image or a save_pretrained directory of it")
+        raise UsageError(f"--plan --model {args.model}: {f'a {kind}' if kind else 'a hub id'}, not GLM-Image's; --plan "
+                         "knows 'tiny', zai-org/GLM-Image or a saved copy")
     (rows, counts, terms), i2i, G = plan_of_run(args), args.mode == "i2i", args.group_size
     (prompt_len, generated), prompts = terms["tokens"], args.prompts_per_step
     unit, unit_name = (2 ** 20, "MiB") if max(r["peak, no offload"] for r in rows["ar"]) < 2 ** 30 else (2 ** 30, "GiB")
@@ -2578,7 +2696,7 @@ def print_memory_plan(args):
     size = lambda n: f"{n / unit:.1f} {unit_name}"
     print(f"parameters of {args.model}: " + ", ".join(f"{k} {v / count:,.1f} {count_name}" for k, v in counts.items()))
     source = f" incl. the source's {prompt_len - 66} VQ tokens" * i2i  # 64 text, image start and end
-    kl, cfg = ", KL reference copy for full fine-tuning" * (args.beta > 0), "on" if args.guidance_scale > 1 else "off"
+    kl = ", KL reference copy for full fine-tuning" * (args.beta > 0)
     print(f"--mode {args.mode}: {prompts} x {G} samples (prompts x G) of {prompt_len + generated} tokens ({prompt_len} "
           f"prompt{source} + {generated} generated, {args.height}x{args.width}), micro-batches of "
           f"{args.micro_batch_size or G}; estimates in {unit_name} per GPU of K ({prompts} / K groups each){kl}; "
@@ -2586,8 +2704,8 @@ def print_memory_plan(args):
           + f", the DiT's {prompts} source KV caches, one per prompt ({size(terms['source_kv'])})" * i2i)
     titles = ["AR (--policy ar); " + ("fsdp: --fsdp, 16 bytes per trained parameter / K, the bf16 root + 2 layers "
               "gathered" if args.plan_gpus else "--plan-gpus K adds the rows on K GPUs, and --fsdp's"),
-              f"\nDiT (Flow-GRPO, --policy dit|both), CFG {cfg}; 'both' trains the AR's lora-{args.lora_rank or 64} "
-              "too (fsdp: sharded)" + "; activations incl. the source KV caches" * i2i]
+              f"\nDiT (Flow-GRPO, --policy dit|both), CFG {'on' if args.guidance_scale > 1 else 'off'}; 'both' trains "
+              "the AR too (full, or --lora-rank's; fsdp: sharded)" + "; activations incl. the source KV caches" * i2i]
     options = plan_options(args, rows, counts)
     for title, table in zip(titles, rows.values()):
         columns = [key for key in table[0] if key != "half"]
@@ -2597,15 +2715,16 @@ def print_memory_plan(args):
                   ("no", "yes")[r["grad ckpt"]], r["GPUs"], r["micro-batch"],
                   f"{r['trainable'] / count:.1f} {count_name}", *(f"{r[c] / unit:.1f}" for c in columns[5:])])) + " |")
     free = (args.plan_gpu_memory or 0) * 2 ** 30 or torch.cuda.is_available() and torch.cuda.mem_get_info()[0]
+    beside = (peak := options[0][-1]) - options[0][1].get(f"peak, {args.policy}", peak)
     fit = [f"{' '.join(changes)} ({size(peak)})" for changes, _, peak in options if peak <= free][:3]
-    verdict = "fits" if options[0][-1] <= free else f"does not fit; it fits with {'; '.join(fit)}" if fit else \
+    verdict = "fits" if peak <= free else f"does not fit; it fits with {'; '.join(fit)}" if fit else \
         "does not fit in any row: lower --micro-batch-size or the image size, or plan GPUs for --fsdp"
     print(f"verdict: --policy {args.policy}, this run's row {'with' if args.offload else 'without'} --offload: "
-          f"{size(options[0][-1])} of {size(free)} free: {verdict}" if free else
-          "verdict: no CUDA GPU here: add --plan-gpu-memory GiB")
+          f"{size(peak)}{f' (the row + {size(beside)} glyph encoder, VAE)' * (beside > 0)} of {size(free)} free: "
+          f"{verdict}" if free else "verdict: no CUDA GPU here: add --plan-gpu-memory GiB")
 
 
-# ==== 24. Saving and using the trained model (--save-pipeline, generate_images) ===================
+# ==== 24. Saving and using the trained model (--save-pipeline, generate_images)
 
 def save_trained_pipeline(pipe, args):
     """Atomic; LoRAs merged, unwrapped (as diffusers' unload_lora); the AR's generation config: the trained decode."""
@@ -2614,10 +2733,9 @@ def save_trained_pipeline(pipe, args):
         for layer in lora_layers(model):
             layer.merge()
         recurse_remove_peft_layers(model)
-    pipe.vision_language_encoder.generation_config.trained_decode = {
-        k: getattr(args, k) for k in ("height", "width", "num_inference_steps", "guidance_scale")}
-    final = Path(args.save_pipeline)
-    partial = final.with_name(f".{final.name}.partial")
+    pipe.vision_language_encoder.generation_config.trained_decode = {  # also --model DIR's defaults
+        k: getattr(args, k) for k in "height width num_inference_steps guidance_scale temperature top_k top_p".split()}
+    partial = (final := Path(args.save_pipeline)).with_name(f".{final.name}.partial")
     print(f"writing the trained pipeline to {final} ...", flush=True)
     try:
         pipe.save_pretrained(partial)
@@ -2629,9 +2747,9 @@ def save_trained_pipeline(pipe, args):
 @torch.no_grad()
 def generate_images(pipe, prompts, sources=None, height=None, width=None, num_inference_steps=None,
                     guidance_scale=None, temperature=None, seed=0):
-    """A PIL image per prompt (an edit of its PIL source, if given), prompt k's seeded by (seed, k). Unset: the
-    decode `pipe` trained at (else 64, 64, 4, 1), its temperature."""
-    trained = getattr(pipe.vision_language_encoder.generation_config, "trained_decode", {})  # save_trained_pipeline's
+    """A PIL image per prompt (an edit of sources[k]), seeded by (seed, k); unset: as trained (else 64, 64, 4, 1)."""
+    ar = pipe.vision_language_encoder
+    trained = getattr(ar.generation_config, "trained_decode", {})  # save_trained_pipeline's
     height, width = height or trained.get("height", 64), width or trained.get("width", 64)
     num_inference_steps = num_inference_steps or trained.get("num_inference_steps", 4)
     guidance_scale = guidance_scale or trained.get("guidance_scale", 1.0)
@@ -2639,8 +2757,7 @@ def generate_images(pipe, prompts, sources=None, height=None, width=None, num_in
         raise ValueError(f"height and width must be multiples of 32, got {height}x{width}")
     if sources is not None and len(sources) != len(prompts):
         raise ValueError(f"one source per prompt: got {len(sources)} sources for {len(prompts)} prompts")
-    sampling = sampling_of(pipe.vision_language_encoder)
-    sampling = replace(sampling, temperature=temperature or sampling.temperature)
+    sampling = replace(sampling_of(ar), temperature=temperature or ar.generation_config.temperature)
     pipe.processor.tokenizer.padding_side = "left"  # as load_pipeline sets it
     if sources is not None:  # upright, at the trained size
         sources = [to_rgb(ImageOps.exif_transpose(s)).resize((width, height), Image.BICUBIC) for s in sources]
@@ -2650,21 +2767,16 @@ def generate_images(pipe, prompts, sources=None, height=None, width=None, num_in
         source = sources and sources[k: k + 1]
         # not pipe(prompt, image=[source]): it fails (diffusers 0.42.1, transformers 5)
         rollout = sample_groups(pipe, [prompt], 1, sampling, height, width, "target", source,
-                               [seeded(seed, "generate", 0, k, pipe.vision_language_encoder.device)])
+                               [seeded(seed, "generate", 0, k, ar.device)])
         images.append(decode_images(pipe, [prompt], source, rollout, latents, num_inference_steps, guidance_scale))
     return pipe.image_processor.numpy_to_pil(torch.cat(images).clamp(0, 1).permute(0, 2, 3, 1).numpy())
 
 
-# ==== 25. Entry point =============================================================================
+# ==== 25. Entry point
 
 def main(argv=None):
     try:
         args = parse_args(argv)
-        for k in args.plan_gpus or () if args.plan else [world_size()]:
-            if args.prompts_per_step % k:
-                by = f"--plan-gpus {k}" if args.plan else f"the number of processes ({k})"
-                raise UsageError(f"--prompts-per-step {args.prompts_per_step} must be divisible by {by}: each rank "
-                                 "trains whole groups")
         return print_memory_plan(args) if args.plan else train(args)
     except UsageError as e:
         if rank() == 0 or e.local:
@@ -2675,10 +2787,11 @@ def main(argv=None):
         if isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e):
             print(f"error: out of memory with {args.prompts_per_step} prompts x {args.group_size} samples per step "
                   f"(micro-batch {args.micro_batch_size}): lower --micro-batch-size, --group-size or --prompts-per-step"
-                  f", or add --gradient-checkpointing; checkpoints in {args.out} are intact", file=sys.stderr)
+                  f", or add --gradient-checkpointing; " + (f"{args.out}'s checkpoints are intact" if
+                  saved_checkpoints(Path(args.out)) else "no checkpoint was written"), file=sys.stderr)
         elif collective_failed(e):
             print(f"error: rank {rank()} lost contact with the other processes ({str(e).splitlines()[0][:160]}): "
-                  f"one died or hung past --dist-timeout; its own output says why", file=sys.stderr)
+                  "one died or hung past --dist-timeout; its own output says why", file=sys.stderr)
         else:
             raise
         sys.exit(1)
@@ -2689,5 +2802,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-    # DDP/FSDP state outlives destroy_process_group; at exit gloo threads lack the GIL: SIGABRT (PR 179291)
-    gc.collect()
+    gc.collect()  # DDP/FSDP state outlives destroy_process_group; at exit gloo threads lack the GIL: SIGABRT, PR 179291

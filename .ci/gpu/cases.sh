@@ -37,7 +37,7 @@ A=(
 )
 B=(
   "ar512ind|150|inductor|--prompts $T2I --group-size 4 --height 512 --width 512 --steps 2 $LORA --num-inference-steps 10"
-  "ar512eager|60|none|--prompts $T2I --group-size 4 --height 512 --width 512 --steps 1 $LORA --num-inference-steps 10"
+  "ar512eager|60|none|--prompts $T2I --group-size 4 --height 512 --width 512 --steps 1 $LORA --num-inference-steps 10 --disable-cuda-graph"
   "ar1024dc|120|dit-compiled|--prompts $T2I --group-size 8 --height 1024 --width 1024 --steps 2 $LORA --num-inference-steps 10"
 )
 if [ "$SET" = B ]; then CASES=("${B[@]}"); else CASES=("${A[@]}"); fi
