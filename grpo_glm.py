@@ -1,14 +1,15 @@
 """GRPO for GLM-Image, in one file.
 
     pip install -r requirements.txt
-    python grpo_glm.py --steps 10                        # tiny GLM-Image (section 21), on the CPU
-    python grpo_glm.py --steps 40 --out runs/demo        # long enough to see the red block drawn
+    python grpo_glm.py --steps 10 --out runs/first       # tiny GLM-Image (section 21), on the CPU
+    python grpo_glm.py --steps 40 --out runs/demo        # long enough to see the red blocks drawn
     python grpo_glm.py --resume latest --out runs/demo --steps 60
-    python grpo_glm.py --reward my_rewards.py:score --report-to tensorboard  # your reward, watched in TensorBoard
-    python grpo_glm.py --model zai-org/GLM-Image --lora-rank 64 --height 512 --width 512
+    python grpo_glm.py --reward my_rewards.py:score --report-to tensorboard --out runs/mine  # your reward
+    python grpo_glm.py --model zai-org/GLM-Image --lora-rank 64 --height 512 --width 512 --out runs/glm
     python grpo_glm.py --plan --model zai-org/GLM-Image --height 1024 --width 1024   # memory plan, no GPU
-    python grpo_glm.py --policy dit --steps 150 --inner-epochs 1 --group-size 8      # Flow-GRPO on the DiT
-    torchrun --nproc_per_node 8 grpo_glm.py --prompts-per-step 8 ...  # 8 GPUs, same flags (section 22)
+    python grpo_glm.py --policy dit --steps 150 --inner-epochs 1 --group-size 8 --out runs/dit  # Flow-GRPO
+    torchrun --nproc_per_node 8 grpo_glm.py --prompts-per-step 8 --out runs/glm8  # 8 GPUs, any flags (section 22)
+Every run writes to its own --out (one holds one run: a second asks for --resume latest).
 
 GLM-Image is a hybrid: an autoregressive (AR) transformer writes a grid of discrete image tokens,
 and a diffusion transformer (DiT) + VAE paint the pixels they describe. The AR is the policy:

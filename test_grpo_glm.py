@@ -81,10 +81,11 @@ def gain(rows):
 
 
 def readme_machine():
-    """Whether this is the kind of machine the README's figures come from: an AMD EPYC on torch's AVX-512
+    """Whether this is the kind of machine the README's figures come from: an AMD EPYC on torch 2.14.1's AVX-512
     kernels (other CPUs' kernels sum fp32 in other orders; the README says by how much that moves them)."""
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     return ("model name\t: AMD EPYC" in cpuinfo and torch.backends.cpu.get_cpu_capability() == "AVX512"
+            and torch.__version__.startswith("2.14.1")
             and "MKL_ENABLE_INSTRUCTIONS" not in os.environ)
 
 
@@ -2362,10 +2363,10 @@ def readme_block(first_line):
     return text[start: text.index("```", start)]
 
 
-def readme_commands():
-    """The argv of every `python grpo_glm.py ...` / `torchrun ... grpo_glm.py ...` in README.md, code
+def readme_commands(text=None):
+    """The argv of every `python grpo_glm.py ...` / `torchrun ... grpo_glm.py ...` in README.md (or `text`), code
     blocks and prose alike, in reading order (continued lines joined, comments dropped)."""
-    text = (HERE / "README.md").read_text().replace("\\\n", " ")
+    text = (text or (HERE / "README.md").read_text()).replace("\\\n", " ")
     return [shlex.split(rest.split(" #")[0]) for rest in re.findall(r"(?:python|torchrun)\b[^`\n]*?grpo_glm\.py([^`\n]*)", text)]
 
 
@@ -2383,9 +2384,13 @@ def test_readme_commands_parse_and_each_run_has_its_own_out():
     """A reader runs the README top to bottom: every command's flags parse, and every run names its
     own --out (the default, runs/grpo_glm, holds one run: a second into it stops with "has a run:
     pass --resume latest"); only a --resume names an earlier command's. The same command quoted
-    again (prose naming it) is the same run."""
-    commands, seen, outs = readme_commands(), [], set()
-    assert len(commands) >= 10, commands
+    again (prose naming it) is the same run. The module docstring's commands too."""
+    for commands, seen, outs in ((readme_commands(), [], set()), (readme_commands(g.__doc__), [], set())):
+        _each_run_its_own_out(commands, seen, outs)
+
+
+def _each_run_its_own_out(commands, seen, outs):
+    assert len(commands) >= 8, commands
     for argv in commands:
         args = g.parse_args(argv)
         if args.plan or argv in seen:
