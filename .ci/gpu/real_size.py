@@ -191,7 +191,7 @@ def timed(name, fn):
         if name in SAMPLING:
             extra = token_stats(name, out, seconds)
         compile_stats()
-        if name == "grpo_step":   # compile seconds so far at each step's end: step 1's vs the later steps'
+        if name in STEPS:   # compile seconds so far at each step's end: step 1's vs the later steps'
             ph.setdefault("compile_s_so_far", []).append(REC["compile"].get("seconds", {}).get("_compile.compile_inner"))
         dump()
         print(f"[real_size] {name} {seconds} s, peak {frame[2] / 2**30:.1f} GiB{extra}", flush=True)
@@ -283,10 +283,12 @@ def compile_stats():
 
 
 # Phases timed by name (a name the file no longer has is skipped, and the JSON says which were found)
-PHASES = ("load_pipeline", "place_pipeline", "setup_training", "grpo_step", "sample_tokens", "shared_prompt_tokens",
-          "sample_groups", "logprobs_by_micro_batch", "decode_images", "sample_dit_trajectories", "sample_dit",
-          "latents_to_images", "compute_rewards", "grpo_update", "save_checkpoint", "ode_images")
+PHASES = ("load_pipeline", "place_pipeline", "setup_training", "grpo_step", "flow_grpo_step", "sample_tokens",
+          "shared_prompt_tokens", "sample_groups", "old_logprobs", "decode_images", "sample_dit_trajectories",
+          "sample_dit", "latents_to_images", "compute_rewards", "grpo_update", "dit_update", "save_checkpoint",
+          "ode_images")
 SAMPLING = ("sample_groups", "sample_tokens", "shared_prompt_tokens")
+STEPS = ("grpo_step", "flow_grpo_step")  # --policy ar's step; dit|both's
 # Called once per decoded token, outside any compiled region (TOKEN_HOOKS overrides): its calls' spacing is ms/token
 TOKEN_CANDIDATES = os.environ.get("TOKEN_HOOKS", "decode_step").split(",")
 

@@ -10,7 +10,7 @@ import sys
 
 SHORT = {"load_pipeline": "load", "sample_tokens": "sample", "shared_prompt_tokens": "prior",
          "decode_images": "decode", "sample_dit_trajectories": "dit-sample", "compute_rewards": "reward",
-         "grpo_update": "update", "ode_images": "ode", "save_checkpoint": "save"}
+         "grpo_update": "update", "dit_update": "dit-update", "ode_images": "ode", "save_checkpoint": "save"}
 
 
 def mark(outdir, case, rc, wall, limit):
@@ -57,8 +57,8 @@ def decode_ms(rec):
 def phases(rec):
     ph = rec.get("phases", {})
     parts = []
-    if "grpo_step" in ph:
-        parts.append("**step " + "/".join(fmt(s) for s in ph["grpo_step"]["seconds"]) + "**")
+    if step := ph.get("grpo_step") or ph.get("flow_grpo_step"):  # --policy ar's step, or dit|both's
+        parts.append("**step " + "/".join(fmt(s) for s in step["seconds"]) + "**")
     for name, short in SHORT.items():
         if name in ph:
             parts.append(f"{short} " + "/".join(fmt(s) for s in ph[name]["seconds"]))
@@ -79,8 +79,9 @@ def compile_info(rec, excess):
     c = rec.get("compile") or {}
     secs = (c.get("seconds") or {}).get("_compile.compile_inner")
     bits = [f"{fmt(secs)} s"] if secs is not None else []
-    if "grpo_step" in rec.get("phases", {}) and rec["phases"]["grpo_step"].get("compile_s_so_far"):
-        bits = ["by step: " + "/".join(fmt(s) for s in rec["phases"]["grpo_step"]["compile_s_so_far"])]
+    step = rec.get("phases", {}).get("grpo_step") or rec.get("phases", {}).get("flow_grpo_step") or {}
+    if step.get("compile_s_so_far"):
+        bits = ["by step: " + "/".join(fmt(s) for s in step["compile_s_so_far"])]
     if excess is not None:
         bits.append(f"1st decode {excess:+.1f} s")
     if rec.get("capture_s"):   # per DecodeGraph: its warm-up step (any compile in it) + the capture
