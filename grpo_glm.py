@@ -99,7 +99,7 @@ class UsageError(Exception):
 # A new flag: add it to its group in flag_parser, read it where it is used. A resume
 # must match the flags of --help's groups titled "(a resume must match)"; a flag newer
 # than a checkpoint matches its parser default (one that follows another flag: None
-# there, resolved where used).
+# there, resolved later, as resolve_runtime does for --micro-batch-size).
 
 
 # ==== 2. Model: GLM-Image = AR (transformers) + DiT/VAE/glyph encoder (diffusers)
@@ -177,7 +177,7 @@ def seeded(seed, purpose, step=0, index=0, device="cpu"):
 # t2i: after the prompt `text<sop>H W<eop><sop>h w<eop><bos>` the AR writes
 #     h*w preview tokens (a ~16x16 sketch) | H*W target-grid tokens | 1 end slot
 # (the end slot: generate()'s end-of-image position, sampled, never trained or drawn).
-# At 128 px: 16x16 + 4x4 + 1 = 273 tokens.
+# At 128 px: 16x16 + 4x4 + 1 = 273 tokens, the target grid generated[:, 256:272].
 # i2i: after `<start><source's VQ tokens><end>text<sop>H W<eop><bos>`: H*W target | end.
 # Only the target grid reaches the DiT. Each token sits at an M-RoPE position (time,
 # row, column): text moves all three; grid cell (i, j) sits at (s, s + i, s + j).
@@ -218,7 +218,7 @@ def at_least_fp32(x):
 def gumbel_max(logits, uniform, sampling):
     """A draw from softmax(z) over the finite z: argmax_v (z_v - log(-log u_v)), u ~ U(0, 1).
     logits, u [N, V] -> (ids [N], log pi(ids) [N] fp64)."""
-    kept = torch.isfinite(kept_logits(logits, sampling))  # the loss's kept set
+    kept = torch.isfinite(kept_logits(logits, sampling))  # pi's kept set
     z = at_least_fp32(logits).double() / sampling.temperature
     z = z.masked_fill(~kept, float("-inf"))
     token = (z - torch.log(-torch.log(uniform))).argmax(-1)  # u = 0: -inf, never drawn
@@ -480,9 +480,10 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
 # ==== 10. UPDATE: mu passes of clipped-surrogate ascent over the same batch
 
 def grpo_update(trainer, rollout, advantages, args, learns=True):
-    """mu = --inner-epochs AdamW steps on one batch -> the step's metrics. trainer.ar: the
-    trained AR, a Half (section 14: .model; .forward: it or its DDP wrapper; .params).
-    learns: some rank has finite rewards."""
+    """mu = --inner-epochs passes over one batch, each one AdamW step on the whole batch's
+    gradient (summed over micro-batches) -> the step's metrics. trainer.ar: the trained
+    AR, a Half (section 14: .model; .forward: it or its DDP wrapper; .params). learns:
+    this rank has finite rewards (update_allowed asks every rank)."""
     policy, sampling, optimizer = trainer.ar, trainer.sampling, trainer.optimizer
     ref_logp = reference_logprobs(trainer, rollout, args) if args.beta > 0 else None
     advantages = advantages.to(rollout.old_logp.device)  # [N]
@@ -492,7 +493,7 @@ def grpo_update(trainer, rollout, advantages, args, learns=True):
         optimizer.zero_grad(set_to_none=True)
         micro = []  # (share, metrics) of each micro-batch
         batches = micro_batches(rollout, args.micro_batch_size)
-        for rows, part in sync_on_last(policy.forward, batches):  # DDP syncs the last
+        for rows, part in sync_on_last(policy.forward, batches):  # DDP: sync the last
             logits = policy_logits(policy.forward, part)  # [n, L, V]
             logp = token_logprobs(logits, part.generated, sampling)  # [n, L]
             ref = None if ref_logp is None else ref_logp[rows]
