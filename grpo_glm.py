@@ -2033,7 +2033,7 @@ class Run:
         sheet = self.out / "samples" / f"eval_step_{step:06d}.png"
         if self.lead:
             print(f"eval at step {step}: {len(items)} held-out prompts x {G} samples -> {sheet} ...", flush=True)
-        texts, sources = [it.text for it in items], [it.image("source") for it in items] if args.mode == "i2i" else None
+        texts, targets, sources = step_prompts(items, range(len(items)), args.mode)  # targets [n, 3, 32H, 32W] | None
         ar, mine = pipe.vision_language_encoder, np.array_split(range(len(items)), world_size())[rank()].tolist()
         prompts, own = [texts[i] for i in mine], sources and [sources[i] for i in mine]
         ar.eval()
@@ -2043,7 +2043,6 @@ class Run:
                                     self.eval_prompt_len, None if sharded else self.eval_decoder)
         noise = group_noise(pipe, mine, G, args.height, args.width, args.seed, -1, "per-step")  # [n, C, h, w]
         images = decode_images(pipe, prompts, own, rollout, noise, args.eval_num_inference_steps, args.guidance_scale)
-        targets = step_prompts(items, range(len(items)), "t2i")[1]    # [n, 3, H, W] | None
         scored = (prompts, None if targets is None else targets[mine], G)
         parts = from_every_rank((images, *compute_rewards(self.trainer.rewards, images, *scored)))
         if self.lead:  # the ranks' blocks, in prompt order
