@@ -81,8 +81,8 @@ class UsageError(Exception):
 
 
 # PART I. GRPO on the autoregressive half: one read, from the flags to the training loop
-# A whole run. GLM-Image's machinery sits in section 14 (the DiT's loop in Part II),
-# behind the calls named here.
+# A whole run. GLM-Image's machinery sits behind the calls named here: section 14,
+# and the DiT's (dit_condition, sample_dit...) in section 12.
 
 
 # ==== 1. Settings
@@ -96,10 +96,11 @@ class UsageError(Exception):
 #     --inner-epochs mu (4), --lr  AdamW passes over a batch (10)
 #     --micro-batch-size (G)       samples a forward (8, 10)
 #     --policy (ar)                what trains: the AR; dit|both: Part II
-# A new flag: add it to its group in flag_parser, read it where it is used. A resume
-# must match the flags of --help's groups titled "(a resume must match)"; a flag newer
-# than a checkpoint matches its parser default (one that follows another flag: None
-# there, resolved later, as resolve_runtime does for --micro-batch-size).
+# A pretrained --model changes some defaults to its model card's (--help says which).
+# A new flag: add it to its group in flag_parser, read it where it is used.
+# --resume refuses a changed flag of a group titled "(a resume must match)".
+# A checkpoint older than a flag resumes at the flag's parser default. A default
+# that follows another flag is None there, set in resolve_runtime (--lora-alpha).
 
 
 # ==== 2. Model: GLM-Image = AR (transformers) + DiT/VAE/glyph encoder (diffusers)
@@ -140,8 +141,8 @@ def prepare_policy(ar, args):
         kwargs = {"use_reentrant": False}
         ar.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         ar.disable_input_require_grads()  # a hook only reentrant checkpointing needs
-    # pi_old's pass and the loss's run in train mode (section 4): dropout would
-    # make each a policy of its own
+    # The loss runs the body in train mode (gradient checkpointing needs it), and
+    # so does pi_old's pass (section 4). Dropout would make each its own policy.
     if dropout := active_dropout(ar.model.language_model):
         raise UsageError(f"--model {args.model}: dropout in {dropout}: set it to 0")
     return [p for p in ar.parameters() if p.requires_grad]
@@ -287,7 +288,7 @@ def sample_tokens(trainer, prompts, sources, slots, step, args):
         rollout = sample_groups(trainer.pipe, prompts, args.group_size, sampling,
                                 args.height, args.width, args.loss_tokens, sources,
                                 generators, trainer.prompt_len, decoder)
-        ar.model.train()  # the body's mode in the loss (gradient checkpointing)
+        ar.model.train()  # the transformer body (.model), as in the loss
         old_logp = old_logprobs(ar, rollout, sampling, args.micro_batch_size)
     return replace(rollout, old_logp=old_logp)
 
@@ -331,12 +332,14 @@ def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps,
 
 
 # ==== 6. REWARD
-# A reward plug-in is fn(images [N, 3, 32H, 32W] fp32 in [0, 1] on the CPU, prompts:
-# N str, targets [N, 3, 32H, 32W] | None) -> [N], higher = better; row i: one sample.
-# Any --reward replaces the default, mse.
-# --reward module:fn or file.py:fn, with '=WEIGHT', picks them (section 17); one
-# that reads targets says so: `fn.uses_targets = True`. The demo's, --reward mse,
-# is the plug-in mse(images, prompts, targets) = mse_reward(images, targets).
+# A reward plug-in is fn(images, prompts, targets) -> [N], higher = better:
+#     images   [N, 3, 32H, 32W] in [0, 1], on the CPU, fp32 (or --dtype float64)
+#     prompts  N str; row i is one sample, a prompt's G samples consecutive
+#     targets  [N, 3, 32H, 32W], or None when the prompt lines give none
+# Each rank scores its own groups. --reward module:fn or file.py:fn, with
+# '=WEIGHT', picks them (section 17); any replaces the default, mse.
+# `fn.uses_targets = True`: at start, a line with no target gets one drawn from
+# its words (section 16) or is refused. The demo's --reward mse is mse_reward.
 
 def mse_reward(images, targets):
     """r = -mean((image - target)^2) over channels and pixels, the demo's reward.
@@ -349,7 +352,7 @@ def compute_rewards(rewards, images, prompts, targets, group_size):
     """(total [N] = sum_k w_k r_k, {name: r_k [N]}) over the --reward plug-ins (name, fn,
     weight); prompts (P) and targets [P, ...] repeat for the G rows of each group.
     Summed, then standardised (TRL's order): a reward's pull is weight x its spread.
-    call_reward (section 17) checks each returns [N] and warns of NaN."""
+    call_reward (section 17) checks each returns [N], warns of non-finite values."""
     prompts = repeat_each(prompts, group_size)
     if targets is not None:
         targets = targets.repeat_interleave(group_size, 0)
@@ -455,7 +458,9 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
 
     logp, old_logp, ref_logp (when beta > 0), mask: [N, L]; advantages: [N]. k3 is
     unbiased on tokens drawn from pi (the first pass). The mean over the batch's
-    tokens is TRL's 'bnpo' ('grpo' and 'dapo' agree: the samples are equally long)."""
+    tokens is TRL's 'bnpo' ('grpo' and 'dapo' agree: the samples are equally long).
+    A micro-batch's mean: grpo_update weights it by its share of the batch's tokens
+    (another normalisation changes both; Part II's DiT calls this too)."""
     if beta > 0 and ref_logp is None:
         raise ValueError("beta > 0 needs ref_logp, the reference's log-probs [N, L]")
     adv = advantages.unsqueeze(1)  # [N, 1]
@@ -483,8 +488,9 @@ def grpo_update(trainer, rollout, advantages, args, learns=True):
     """mu = --inner-epochs passes over one batch, each one AdamW step on the whole batch's
     gradient (summed over micro-batches) -> the step's metrics. trainer.ar: the trained
     AR, a Half (section 14: .model; .forward: it or its DDP wrapper; .params). learns:
-    this rank has finite rewards (update_allowed asks every rank)."""
+    some group on this rank has finite rewards (update_allowed asks every rank)."""
     policy, sampling, optimizer = trainer.ar, trainer.sampling, trainer.optimizer
+    # pi_ref: a frozen copy, or under LoRA the base (adapters off), section 14
     ref_logp = reference_logprobs(trainer, rollout, args) if args.beta > 0 else None
     advantages = advantages.to(rollout.old_logp.device)  # [N]
     tokens = rollout.loss_mask.sum()
@@ -567,7 +573,7 @@ def grpo_step(trainer, items, indices, step, args, slots=None, before_update=lam
     advantages = group_advantages(rewards, G)
     # ---- UPDATE: mu passes over the batch ----
     before_update()  # a stop signal before this point drops the step (section 19)
-    learns = row["frac_reward_nonfinite"] < 1
+    learns = row["frac_reward_nonfinite"] < 1  # some group's rewards all finite
     row |= grpo_update(trainer, rollout, advantages, args, learns)
     return StepRecord(row, prompts, images, rewards, targets, sources)
 
