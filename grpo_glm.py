@@ -1013,11 +1013,10 @@ def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_
     extra = (prompt_len or ids.shape[1]) - ids.shape[1]
     ids = torch.nn.functional.pad(ids, (extra, 0), value=ar.config.text_config.pad_token_id)
     mask = torch.nn.functional.pad(inputs["attention_mask"], (extra, 0), value=0)
-    # as repeat_each, image_grid_thw by blocks of images_per_sample rows
-    grids = torch.split(inputs["image_grid_thw"], per_sample.tolist())
+    grids = torch.split(inputs["image_grid_thw"], per_sample.tolist())  # a block of rows a prompt
     batch = {"input_ids": ids.repeat_interleave(group_size, 0),
              "attention_mask": mask.repeat_interleave(group_size, 0),
-             "image_grid_thw": torch.cat([g.repeat(group_size, 1) for g in grids]),
+             "image_grid_thw": torch.cat(repeat_each(grids, group_size)),
              "images_per_sample": per_sample.repeat_interleave(group_size)}
     generated = grids[0][-1:] if sources is not None else grids[0].flip(0)  # t2i prompts list (target, preview)
     return batch, source_prior, [(h, w) for _, h, w in generated.tolist()]
@@ -1038,8 +1037,8 @@ def run_prompt_len(pipe, items, args):
     grid = (args.height // 32) * (args.width // 32)
     others = (2 * grid + 1 if args.mode == "i2i" else ar_sequence("t2i", args.height, args.width)[1]) + 32
     context = pipe.vision_language_encoder.config.text_config.max_position_embeddings
-    lengths = [len(ids) for ids in pipe.processor.tokenizer([it.text for it in items], add_special_tokens=False)
-               ["input_ids"]]
+    texts = [it.text for it in items]
+    lengths = pipe.processor.tokenizer(texts, add_special_tokens=False, return_length=True)["length"]
     item = items[lengths.index(longest := max(lengths))]
     if longest > context - others:
         raise UsageError(f"--height {args.height} --width {args.width}: {others} tokens, over the model's context "
@@ -1050,8 +1049,7 @@ def run_prompt_len(pipe, items, args):
 
 
 def group_uniforms(ar, generators, group_size):
-    """() -> a token's uniforms [N, V] fp64 (gumbel_max's u), group k's G rows from generators[k] alone; an int of
-    groups instead: generators seeded off the global RNG."""
+    """() -> a token's uniforms [N, V] fp64, group k's G rows from generators[k]; an int: seeded off the global RNG."""
     if isinstance(generators, int):
         generators = [torch.Generator(ar.device).manual_seed(int(torch.randint(2**62, ()))) for _ in range(generators)]
     V = ar.config.text_config.vision_vocab_size
@@ -1060,7 +1058,6 @@ def group_uniforms(ar, generators, group_size):
 
 
 def static_cache(ar, shape):
-    """A fixed-size KV cache for `shape` = [N, S + L - 1]: decode_step finds its position on the device."""
     from transformers import StaticCache
     return StaticCache(ar.config, max_cache_len=shape[1])
 
@@ -1095,8 +1092,7 @@ class FastDecoder:
 
 
 class DecodeGraph:
-    """A decode step (forward + Gumbel-max: ~1,000 kernels) as one CUDA graph on fixed buffers: no host work a token.
-    A trial run makes it before any draw."""
+    """A decode step (forward + Gumbel-max: ~1,000 kernels) as a CUDA graph on fixed buffers; a trial replay first."""
 
     def __init__(self, ar, ids, positions, mask, sampling, capture):
         self.cache, self.positions, self.mask = static_cache(ar, mask.shape), positions.clone(), mask.clone()
@@ -1134,8 +1130,8 @@ def progress(steps, what):  # a bar on rank 0's terminal: real-model phases take
 # ---- For sections 8-11: the kept set, micro-batches, reference, trainer ----
 @torch.no_grad()
 def dropped_by_warpers(z, sampling, keep=None):
-    """[..., V] True where transformers' top-k / top-p warpers drop an id of z (ties and order as theirs), but `keep`'s;
-    1,024 rows at a time: sorting all [N, L, V] holds ~23 bytes a logit."""
+    """[..., V] True where transformers' top-k / top-p warpers drop an id of z (ties as theirs), but `keep`'s. 1,024
+    rows at a time: sorting all [N, L, V] holds ~23 bytes a logit."""
     k, p, parts = sampling.top_k, sampling.top_p, []
     for rows in z.detach().reshape(-1, z.shape[-1]).split(1024):
         dropped = torch.zeros_like(rows, dtype=torch.bool)
@@ -1170,11 +1166,10 @@ def slice_rollout(rollout, rows):
     """The Rollout's `rows` less padding columns none needs: a group's forward sees the same tensors in any batch."""
     mask = rollout.attention_mask[rows]
     first = int(mask.any(dim=0).nonzero()[0])  # only prompt columns can be all padding
-    per_row = {name: getattr(rollout, name) for name in ("sampler_logp", "old_logp", "loss_mask", "target_tokens",
-                                                           "source_prior")}
+    per_row = {name: None if (value := getattr(rollout, name)) is None else value[rows]
+               for name in ("sampler_logp", "old_logp", "loss_mask", "target_tokens", "source_prior")}
     return replace(rollout, sequences=rollout.sequences[rows, first:], attention_mask=mask[:, first:],
-                   position_ids=rollout.position_ids[:, rows, first:], prompt_len=rollout.prompt_len - first,
-                   **{name: None if value is None else value[rows] for name, value in per_row.items()})
+                   position_ids=rollout.position_ids[:, rows, first:], prompt_len=rollout.prompt_len - first, **per_row)
 
 
 def sync_on_last(forward, batches):
@@ -1204,8 +1199,8 @@ def reference_logprobs(trainer, rollout, args):  # pi_ref [N, L]: pi_old's pass 
 
 
 class UpdateLog:
-    """grpo_update's bookkeeping, all of it: a pass sums its micro-batches' metrics by share (logp_diff_max: their
-    max); the row averages the passes that stepped, takes the first-pass checks of pass 1, counts the skipped."""
+    """A pass: micro-batch metrics summed by share (logp_diff_max: maxed). The row: stepped passes' mean, pass 1's
+    first-pass checks, skip counts."""
     FIRST_PASS = ("logp_diff_max", "entropy")
 
     def __init__(self, prefix=""):
@@ -1221,7 +1216,7 @@ class UpdateLog:
 
     def row(self):
         done, first = [m for m, stepped in self.passes if stepped], self.passes[0][0]
-        row = {k: sum(m[k] for m in done) / len(done) if done else float("nan")
+        row = {k: sum(m[k] for m in done) / len(done) if done else math.nan
                for k in first if k not in self.FIRST_PASS}
         row |= {k: first[k] for k in self.FIRST_PASS if k in first}
         row |= {"skipped_updates": len(self.passes) - len(done),
@@ -1231,8 +1226,8 @@ class UpdateLog:
 
 def check_weights_finite(optimizer):  # a sum per tensor: no big temporary
     from torch.distributed.tensor import DTensor
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    sums = [(p.to_local() if isinstance(p, DTensor) else p).detach().sum().float() for p in params]
+    sums = [(p.to_local() if isinstance(p, DTensor) else p).detach().sum().float()
+            for group in optimizer.param_groups for p in group["params"]]
     if not all_ranks_agree(bool(torch.isfinite(torch.stack(sums)).all())):
         raise UsageError("the update made the weights non-finite (--lr too large?); the last checkpoint is intact")
 
@@ -1248,7 +1243,6 @@ class Half:
 
 @dataclass
 class Trainer:
-    """What the loop carries."""
     pipe: object  # GlmImagePipeline
     sampling: SamplingParams
     optimizer: torch.optim.Optimizer = None
@@ -1274,13 +1268,12 @@ def setup_training(args, rewards, dit_rewards=()):
     trainer = Trainer(pipe, sampling, rewards=rewards, dit_rewards=dit_rewards, prompt_tokens={}, decoder=None if
                       args.disable_cuda_graph or args.fsdp or args.policy == "dit" else FastDecoder(ar.device))
     ar.generation_config = policy_generation_config(ar, sampling)
-    frozen_copy = lambda model, lora: copy.deepcopy(model).requires_grad_(False) if args.beta > 0 and not lora else None
     trained = {}
     for half, name, prepare, lora in (("ar", "vision_language_encoder", prepare_policy, args.lora_rank),
                                       ("dit", "transformer", prepare_dit_policy, args.dit_lora_rank)):
         if args.policy in (half, "both"):
             model = trained[name] = getattr(pipe, name)
-            reference = frozen_copy(model, lora)
+            reference = copy.deepcopy(model).requires_grad_(False) if args.beta > 0 and not lora else None
             setattr(trainer, half, Half(model, *distribute(model, prepare(model, args), args, reference), reference))
     trainer.trained = ar if args.policy == "ar" else torch.nn.ModuleDict(trained)
     groups = [{"params": h.params, "lr": lr} for h, lr in ((trainer.ar, args.lr), (trainer.dit, args.dit_lr)) if h]
@@ -1301,7 +1294,7 @@ def non_finite_streak(bad_steps, row, out, args, start):
         return bad_steps
     causes = {}
     for r in bad_steps:
-        bad = [k[len("rewards/"):] for k, v in r.items() if k.startswith("rewards/") and not math.isfinite(v)]
+        bad = [k.removeprefix("rewards/") for k, v in r.items() if k.startswith("rewards/") and not math.isfinite(v)]
         loss = r.get("skipped_nonfinite_loss") or r.get("dit/skipped_nonfinite_loss")
         causes[f"reward {', '.join(bad)} (fix the reward)" if bad else "loss (the policy's log-probs overflowed: try "
                "a lower --lr)" if loss else "gradient (try a lower --lr or --max-grad-norm)"] = 1
@@ -1326,14 +1319,12 @@ def write_source_caches(dit, cond):
                   prior_token_id=ids, prior_token_drop=torch.zeros_like(ids, dtype=torch.bool),
                   timestep=torch.zeros(1, device=latent.device), target_size=cond.target_size[:1],
                   crop_coords=cond.crop_coords[:1], kv_caches=written, return_dict=False)[0]
-        # Gradient checkpointing reruns a block after later calls: a read-only cache of copied lists (a rerun write
-        # appends to its own).
-        read.set_mode("read")
+        read.set_mode("read")  # copied lists: gradient checkpointing's rerun of the write pass appends to its own
         for mine, theirs in zip(read.caches, written.caches):
             mine.k_caches, mine.v_caches = list(theirs.k_caches), list(theirs.v_caches)
         if torch.is_grad_enabled() and fsdp_units(module):
-            # --fsdp gathers a layer's weights for backward when the gradient reaches its *output*, not the cached
-            # keys/values: 0 x this output, added to the velocity, routes it there.
+            # --fsdp regathers a layer for backward when the gradient reaches its output, not its cached K, V:
+            # 0 x the output, added to the velocity, routes it there
             read.anchor = at_least_fp32(out).sum() * 0
         caches.append(read)
     return caches
