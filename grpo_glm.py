@@ -1437,7 +1437,6 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def number(kind, least=-math.inf, above=-math.inf, most=math.inf, below=math.inf, multiple=None):
-    """An argparse type: a finite `kind` within the bounds."""
     def parse(text):
         value = kind(text)
         rules = {"finite": math.isfinite(value), f"at least {least}": value >= least, f"> {above}": value > above,
@@ -1451,7 +1450,7 @@ def number(kind, least=-math.inf, above=-math.inf, most=math.inf, below=math.inf
 
 
 def validate_args(args):
-    """Checks beyond the flags' types (combinations, files, the machine), before any model loads."""
+    """Checks beyond the flags' types, before any model loads."""
     from importlib.metadata import version
     from packaging.version import Version
     outdated = ", ".join(f"{name} {version(name)} (needs >= {least})" for name, least in LEAST_VERSIONS.items()
@@ -1622,7 +1621,6 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",), flag="-
 
 
 def require_targets(items, reward_names):
-    """If rewards read targets, a prompt without one gets it drawn from its words, or fails."""
     for item in [it for it in items if reward_names and "target" not in it.image_from]:
         why = f"the reward {', '.join(reward_names)} reads targets"
         item.image_from["target"] = demo_scene(item.text, item.where, item.mode, why=why)
@@ -1688,7 +1686,7 @@ def demo_scene(prompt, where, mode, role="target", why=""):
 Reward = make_dataclass("Reward", ["name", "fn", "weight"])  # name: logged as rewards/<name>
 
 
-def mse(images, prompts, targets):  # the built-in reward as a plug-in
+def mse(images, prompts, targets):
     return mse_reward(images, targets)
 mse.uses_targets = True
 
