@@ -2163,7 +2163,7 @@ class Resume:
     def __init__(self, args, out):
         if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
             raise UsageError(f"--out {out} has a run: pass --resume latest to continue it, or another --out")
-        self.rows = read_metrics(out / "metrics.jsonl")  # before the model loads
+        self.rows = read_metrics(out / "metrics.jsonl")
         ckpt = self.ckpt = read_checkpoint(args.resume, out) if args.resume else None
         step = self.step = ckpt["step"] if ckpt else 0
         self.export = step >= args.steps  # --save-pipeline of the checkpoint, or nothing to do
