@@ -1760,7 +1760,6 @@ def reward_metrics(rewards, per_reward, group_size):
 
 
 def start_logging(args, trainer, out, start):
-    """Prints the settings; returns --report-to's tracker (or None)."""
     trainable = sum(p.numel() for p in trainer.trained.parameters() if p.requires_grad)
     ar = f"LoRA r={args.lora_rank}" if args.lora_rank else "head" if args.ar_trainable == "head" else "full"
     dit = f"LoRA r={args.dit_lora_rank}" if args.dit_lora_rank else "full"
@@ -1779,7 +1778,7 @@ def start_logging(args, trainer, out, start):
     print(f"rewards: {ar_rewards}" + (f" | the DiT's: {dit_rewards}" if dit_rewards else "")
           + f" | lr schedule {args.lr_scheduler}, warm-up {args.lr_warmup_steps} | report to {args.report_to}")
     if args.report_to == "none":
-        return None
+        return
     from accelerate.tracking import TensorBoardTracker, WandBTracker
     tracker = WandBTracker("grpo_glm", name=out.name, dir=str(out), config=vars(args)) if args.report_to == "wandb" \
         else TensorBoardTracker("logs", out, purge_step=start + 1 if start else None)  # a resume drops later events
@@ -1829,7 +1828,7 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
     block = 2 * line + math.ceil(cells / columns) * (height + line)  # heading, rows of cells, space
     draw = ImageDraw.Draw(sheet := Image.new("RGB", (columns * (width + gap), len(prompts) * block), "white"))
     for b, row in enumerate(sorted(range(len(prompts)), key=lambda r: prompts[r])):
-        draw.text((0, b * block), shorten(prompts[row], sheet.width // 9), fill="black", font_size=16)
+        draw.text((0, b * block), drawable(prompts[row], sheet.width // 9), fill="black", font_size=16)
         samples = [(images[i], " / ".join(f"{r:.4f}" for r in rewards[i].view(-1).tolist()))  # [N] or [N, k]
                    for i in range(row * group_size, (row + 1) * group_size)]
         for i, (image, label) in enumerate([(x[row], name) for name, x in references] + samples):
@@ -1841,15 +1840,11 @@ def save_sample_grid(path, prompts, targets, images, rewards, group_size, source
     if tracker:  # one HWC image (W&B takes no dataformats)
         formats = {"dataformats": "NHWC"} if tracker.name == "tensorboard" else {}
         tracker.log_images({name: np.asarray(sheet)[None]}, step, **formats)
-    return sheet
 
 
-def shorten(text, chars):
-    return drawable(text if len(text) <= chars else text[:chars - 1].rsplit(" ", 1)[0] + "…")
-
-
-def drawable(text):
-    """As the built-in font draws it: 'é' -> 'e', emoji or CJK -> '?', not a 'no glyph' box."""
+def drawable(text, chars=math.inf):
+    """Cut at a space to `chars`; as the built-in font draws: 'é' -> 'e', emoji, CJK -> '?', not a no-glyph box."""
+    text = text if len(text) <= chars else text[:chars - 1].rsplit(" ", 1)[0] + "…"
     font = ImageFont.load_default(size=12)
     glyph = lambda ch: ((mask := font.getmask(ch)).size, bytes(mask))
     box = glyph("\U0010FFFD")  # a private-use code point has no glyph
@@ -1867,7 +1862,6 @@ def round_ticks(low, high, count=5, least=0):
 
 
 def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
-    """Mean reward per step +- within-group std, and its moving average over `window` steps."""
     rows = [r for r in rows if None not in (r.get("reward_mean"), r.get("reward_std"))]  # null: non-finite, eval
     if not rows:
         return
@@ -1906,8 +1900,6 @@ class AbandonStep(BaseException):
 
 
 class Run:
-    """`with Run(args)`: opened (see train()), closed on any exit."""
-
     def __init__(self, args):
         self.args, self.out, self.lead = args, Path(args.out), rank() == 0
         self.trainer = self.tracker = self.signum = None  # signum: the first stop signal; voted: the update began
@@ -1984,7 +1976,6 @@ class Run:
                          for epoch, offset in places], slots
 
     def record(self, step, result):
-        """After a step (its StepRecord): LOG, sample sheet, CHECKPOINT; a stop signal (any rank's) saves and exits."""
         args, out, trainer, row = self.args, self.out, self.trainer, result.row
         names = ["lr"] * (args.policy != "dit") + ["dit/lr"] * (args.policy != "ar")  # a param group per half
         row.update(zip(names, trainer.lr_scheduler.get_last_lr()))
@@ -2074,7 +2065,7 @@ class Run:
         if self.agree():
             raise AbandonStep
 
-    def __exit__(self, kind, error, traceback):
+    def __exit__(self, kind, *_):
         try:
             if kind is AbandonStep:  # the weights are step - 1's
                 self.stop(self.step - 1)
@@ -2128,10 +2119,10 @@ def rng_state():
 
 
 def save_checkpoint(out, step, trainer, args, rng=None):
-    """All ranks gather (--fsdp: a collective); rank 0 writes, with `rng` (default: rng_state())."""
+    """All ranks gather (--fsdp: a collective); rank 0 writes."""
     weights, optimizer_state = training_state(trainer.trained, trainer.optimizer)
     if rank() != 0:
-        return None
+        return
     (path := out / "checkpoints" / f"step_{step:06d}.pt").parent.mkdir(parents=True, exist_ok=True)
     payload = {"format": CHECKPOINT_FORMAT, "step": step, "trainable": weights, "optimizer": optimizer_state,
                "lr_scheduler": trainer.lr_scheduler.state_dict(), "rng": rng or rng_state(), "args": vars(args)}
@@ -2146,7 +2137,6 @@ def saved_checkpoints(out):
 
 
 def read_checkpoint(spec, out=None):
-    """A checkpoint's checked contents (+ "path"); 'latest': <out>'s newest (None: none yet)."""
     if (path := max(saved_checkpoints(out), default=None) if spec == "latest" else Path(spec)) is None:
         print(f"--resume latest: no checkpoint in {out / 'checkpoints'} yet; starting from step 0")
         return None
@@ -2168,13 +2158,12 @@ class Resume:
     def __init__(self, args, out):
         if args.resume is None and ((out / "metrics.jsonl").exists() or saved_checkpoints(out)):
             raise UsageError(f"--out {out} has a run: pass --resume latest to continue it, or another --out")
-        self.rows = read_metrics(out / "metrics.jsonl")  # before the model loads
+        self.rows = read_metrics(out / "metrics.jsonl")
         ckpt = self.ckpt = read_checkpoint(args.resume, out) if args.resume else None
         step = self.step = ckpt["step"] if ckpt else 0
         self.export = step >= args.steps  # --save-pipeline of the checkpoint, or nothing to do
         saved = ckpt["args"] if ckpt else vars(args)
-        # the flags that change the algorithm (resuming with others splices two runs into one log): their groups'
-        # titles say so; a flag added since the checkpoint matches its default; the prompts compare by their hash
+        # SAME_ON_RESUME's flags must match (else one log splices two runs); a newer flag matches its default
         same = {a.dest: a.default for group in flag_parser()._action_groups if SAME_ON_RESUME in (group.title or "")
                 for a in group._group_actions if a.dest != "prompts"} | {"prompts_sha256": None}
         changed = self.changed = [
@@ -2270,7 +2259,7 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
         image_token_id=tokenizer.convert_tokens_to_ids("<|image|>"), image_start_token_id=TINY_CODEBOOK,
         image_end_token_id=TINY_CODEBOOK + 1)).eval()
     if mosaic_ar:
-        # a cell's logits must not follow the random token before it (GRPO learns one colour): equal embeddings, q/k x16
+        # a cell's logits must not follow the random token before it (GRPO learns one colour)
         with torch.no_grad():
             image_embeddings = ar.model.language_model.embed_tokens.weight[:TINY_VISION_VOCAB]
             image_embeddings[:] = image_embeddings.mean(0)
@@ -2348,7 +2337,6 @@ def tiny_cache():
 
 
 def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
-    """`--model tiny`'s directory (a saved pipeline), keyed by all that shapes it, built once."""
     key = [seed, settings, [*map(inspect.getsource, (build_tiny_pipeline, colour_vae, random_mosaics, dit_schedule,
            train_tiny_renderer, dit_condition, dit_velocity, write_source_caches, policy_generation_config,
            SamplingParams))], TINY_VISION_VOCAB, TINY_PALETTE.tolist(), TINY_CHAT_TEMPLATE, REAL_IMAGE_PROCESSOR,

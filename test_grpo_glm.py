@@ -2806,8 +2806,8 @@ def test_reward_curve_is_drawn(tmp_path):
 def test_sample_sheet_captions_draw_no_boxes():
     assert g.drawable("a café 🎨 sign, 中 ok") == "a cafe ? sign, ? ok"
     assert g.drawable("plain ASCII: #ff0000 | 0.1234") == "plain ASCII: #ff0000 | 0.1234"
-    assert g.shorten("a red circle on a white background", 40) == "a red circle on a white background"
-    assert g.shorten("a red circle on a white background", 20) in ("a red circle on a…", "a red circle on a...")
+    assert g.drawable("a red circle on a white background", 40) == "a red circle on a white background"
+    assert g.drawable("a red circle on a white background", 20) in ("a red circle on a…", "a red circle on a...")
 
 
 def test_cosine_schedule_with_warmup_is_followed_and_resumes_bit_identically(tmp_path):
