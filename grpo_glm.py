@@ -1,14 +1,15 @@
-"""GRPO for GLM-Image, in one file.
+r"""GRPO for GLM-Image, in one file.
 
     pip install -r requirements.txt
     python grpo_glm.py --steps 10 --out runs/first       # tiny GLM-Image (section 21), on the CPU
     python grpo_glm.py --steps 40 --out runs/demo        # long enough to see the red blocks drawn
     python grpo_glm.py --resume latest --out runs/demo --steps 60
-    python grpo_glm.py --reward my_rewards.py:score --report-to tensorboard --out runs/mine  # your reward
-    python grpo_glm.py --model zai-org/GLM-Image --lora-rank 64 --height 512 --width 512 --out runs/glm
-    python grpo_glm.py --plan --model zai-org/GLM-Image --height 1024 --width 1024   # memory plan, no GPU
-    python grpo_glm.py --policy dit --steps 150 --inner-epochs 1 --group-size 8 --out runs/dit  # Flow-GRPO
-    torchrun --nproc_per_node 8 grpo_glm.py --prompts-per-step 8 --out runs/glm8  # 8 GPUs, any flags (section 22)
+    python grpo_glm.py --reward my_rewards.py:score --report-to tensorboard --out runs/mine
+    python grpo_glm.py --model zai-org/GLM-Image --lora-rank 64 --height 512 --width 512 \
+        --out runs/glm
+    python grpo_glm.py --plan --model zai-org/GLM-Image     # memory plan at 1024x1024, no GPU
+    python grpo_glm.py --policy dit --steps 150 --inner-epochs 1 --group-size 8 --out runs/dit
+    torchrun --nproc_per_node 8 grpo_glm.py --prompts-per-step 8 --out runs/glm8  # section 22
 Every run writes to its own --out (one holds one run: a second asks for --resume latest).
 
 GLM-Image is a hybrid: an autoregressive (AR) transformer writes a grid of discrete image tokens,
@@ -21,12 +22,12 @@ prompt, standardises each reward within its group, A_i = (r_i - mean(r)) / (std(
 pushes the policy up on better-than-average samples with PPO's clipped surrogate (Schulman et al.
 2017), optionally with a KL penalty towards the initial model.
 
-Reading map: Part I (sections 1-11) is GRPO on the AR in the order a step runs; Part II (12-13)
-Flow-GRPO's step (--policy dit|both); Part III (14-25) is plumbing, GLM-Image's machinery first. Copy out
-(tested): mse_reward, group_advantages, grpo_loss, sde_step, dit_kl need only torch; token_logprobs also
+Reading map: Part I (sections 1-11) is GRPO on the AR in a step's order; Part II (12-13) Flow-GRPO's
+step (--policy dit|both); Part III (14-25) plumbing, GLM-Image's machinery first. Copy out (tested):
+mse_reward, group_advantages, grpo_loss, sde_step, dit_kl need only torch; token_logprobs also
 kept_logits, dropped_by_warpers and a SamplingParams (any object with its 4 fields).
-Symbols: N samples in a batch (P x G), P prompts, G group size, S prompt tokens (padded), L generated tokens,
-H x W target grid in tokens (images: 32H x 32W px), V vocabulary, K denoising steps, T of them trained.
+Symbols: N = P x G samples (P prompts, G group size), S prompt tokens (padded), L generated tokens,
+H x W target grid in tokens (32H x 32W px), V vocabulary, K denoising steps, T of them trained.
 """
 
 import argparse
@@ -2533,7 +2534,7 @@ def state_bytes(trained, total, state, shard=1, adapters=False, reference=False)
             "reference": WEIGHT_BYTES * total / shard if reference else 0}
 
 
-def layer_activation_bytes(text, lora_rank=0, bytes_per=WEIGHT_BYTES):
+def layer_activation_bytes(text, lora_rank, bytes_per):
     """Bytes a decoder layer keeps per token for backward (SDPA, flash on CUDA and CPU: no length^2 matrix)."""
     h, i, heads = text.hidden_size, text.intermediate_size, text.num_attention_heads
     kv, d, a = text.num_key_value_heads * h // heads, bytes_per, FP32_BYTES
@@ -2545,8 +2546,8 @@ def layer_activation_bytes(text, lora_rank=0, bytes_per=WEIGHT_BYTES):
     return kept + a * (5 * h + i if d != a else 3 * h + i) + len(LORA_TARGETS) * a * lora_rank
 
 
-def ar_update_bytes(text, samples, prompt_tokens, generated, lora_rank, checkpointing, tensors=(),
-                    head_trainable=0, total_params=0, foreach=True):
+def ar_update_bytes(text, samples, prompt_tokens, generated, lora_rank, checkpointing, tensors, head_trainable,
+                    total_params=0, foreach=True):
     """The AR's state_bytes and each phase of a micro-batch's update, their max "peak"; `tensors`: trained numels."""
     d, h, V, rows = WEIGHT_BYTES, text.hidden_size, text.vision_vocab_size, samples * generated
     state = FP32_BYTES if lora_rank else d  # gradients and moments: the parameters' dtype
@@ -2767,7 +2768,7 @@ def main(argv=None):
             print(f"error: {f'rank {rank()}: ' if e.local and world_size() > 1 else ''}{e}", file=sys.stderr)
         sys.exit(2)
     except Exception as e:
-        # CUDA: torch.OutOfMemoryError; the CPU allocator: a RuntimeError
+        # the CPU allocator raises a plain RuntimeError
         if isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e):
             print(f"error: out of memory with {args.prompts_per_step} prompts x {args.group_size} samples per step "
                   f"(micro-batch {args.micro_batch_size}): lower --micro-batch-size, --group-size or --prompts-per-step"
