@@ -1,15 +1,13 @@
-r"""GRPO for GLM-Image, in one file.
+"""GRPO for GLM-Image, in one file.
 
-    pip install -r requirements.txt
-    python grpo_glm.py --steps 10 --out runs/first       # tiny GLM-Image (section 21), on the CPU
-    python grpo_glm.py --steps 40 --out runs/demo        # long enough to see the red blocks drawn
-    python grpo_glm.py --resume latest --out runs/demo --steps 60
-    python grpo_glm.py --reward my_rewards.py:score --report-to tensorboard --out runs/mine
-    python grpo_glm.py --model zai-org/GLM-Image --lora-rank 64 --height 512 --width 512 \
-        --out runs/glm
-    python grpo_glm.py --plan --model zai-org/GLM-Image     # memory plan at 1024x1024, no GPU
-    python grpo_glm.py --policy dit --steps 150 --inner-epochs 1 --group-size 8 --out runs/dit
-    torchrun --nproc_per_node 8 grpo_glm.py --prompts-per-step 8 --out runs/glm8  # section 22
+  pip install -r requirements.txt
+  python grpo_glm.py --steps 40 --out runs/demo   # the tiny GLM-Image (section 21), ~2 min on a CPU
+  python grpo_glm.py --resume latest --out runs/demo --steps 60
+  python grpo_glm.py --reward my_rewards.py:score --report-to tensorboard --out runs/mine
+  python grpo_glm.py --model zai-org/GLM-Image --lora-rank 64 --height 512 --width 512 --out runs/ar
+  python grpo_glm.py --plan --model zai-org/GLM-Image     # memory plan at 1024x1024, no GPU
+  python grpo_glm.py --policy dit --steps 150 --inner-epochs 1 --group-size 8 --out runs/dit
+  torchrun --nproc_per_node 8 grpo_glm.py --prompts-per-step 8 --out runs/glm8  # section 22
 Every run writes to its own --out (one holds one run: a second asks for --resume latest).
 
 GLM-Image is a hybrid: an autoregressive (AR) transformer writes a grid of discrete image tokens,
@@ -908,7 +906,7 @@ def ode_images(pipe, prompts, sources, rollout, noise, args):
     return decode_images(pipe, prompts, sources, firsts, noise[::G], args.num_inference_steps, args.guidance_scale)
 
 
-# PART III. Plumbing: skip on first read ###########################################################
+# PART III. Plumbing: skip on first read
 # Not GRPO: how a run starts, stops, logs and saves, and more GPUs; Part I calls each in a line.
 
 
@@ -1743,7 +1741,7 @@ def call_reward(reward, images, prompts, targets):
     return value
 
 
-# ==== 18. LOG: console, metrics.jsonl, sample sheets, reward curve, TensorBoard / W&B
+# ==== 18. LOG: console, metrics.jsonl, sample sheets, TensorBoard / W&B
 CONSOLE_FIELDS = ("loss {loss:+.4f}|dit loss {dit/loss:+.3e}|reward {reward_mean:.5f} ± {reward_std:.5f}|dit reward "
                   "{dit/reward_mean:.5f} ± {dit/reward_std:.5f}|ratio {ratio_mean:.4f}|clip {clip_ratio:.3f}|"
                   "kl {kl:.2e}|dit/ratio {dit/ratio_mean:.4f}|dit/clip {dit/clip_ratio:.3f}|dit/kl {dit/kl:.2e}|"
@@ -1854,45 +1852,6 @@ def drawable(text, chars=math.inf):
     return "".join(ch if drawn(ch) else p if drawn(p) else "?" for ch, p in zip(text, plain))
 
 
-def round_ticks(low, high, count=5, least=0):
-    """About `count` round values in [low, high], 1, 2 or 5 x 10^k (and >= `least`) apart."""
-    raw = max((high - low) / count, least)
-    unit = 10 ** math.floor(math.log10(raw))
-    spacing = next(unit * m for m in (1, 2, 5, 10) if unit * m >= raw)
-    return [round(k * spacing, 12) for k in range(math.ceil(low / spacing), math.floor(high / spacing) + 1)]
-
-
-def save_reward_curve(path, rows, window=1, w=640, h=360, margin=56):
-    rows = [r for r in rows if None not in (r.get("reward_mean"), r.get("reward_std"))]  # null: non-finite, eval
-    if not rows:
-        return
-    steps, means, stds = (np.array([r[k] for r in rows]) for k in ("step", "reward_mean", "reward_std"))
-    x0, x1 = steps.min(), max(steps.max(), steps.min() + 1)
-    y0, y1 = (means - stds).min() - 1e-6, (means + stds).max() + 1e-6  # a flat curve's range has a height
-    to_xy = lambda s, y: (margin + (s - x0) / (x1 - x0) * (w - 2 * margin),
-                          h - margin - (y - y0) / (y1 - y0) * (h - 2 * margin))
-    points = lambda s, y: list(zip(*to_xy(s, y)))
-    image = Image.new("RGB", (w, h), "white")
-    draw = ImageDraw.Draw(image)
-    draw.polygon(points(np.r_[steps, steps[::-1]], np.r_[means + stds, (means - stds)[::-1]]), fill=(190, 210, 240))
-    draw.line(points(steps, means), fill=(110, 140, 220))
-    title = "reward per step: mean +- within-group std"
-    if 1 < window < len(rows):
-        average = [np.mean(means[max(0, i - window + 1): i + 1]) for i in range(len(means))]
-        draw.line(points(steps, np.array(average)), fill=(20, 40, 140), width=3)
-        title += f"; thick: moving average over {window} steps"
-    draw.rectangle((margin, margin, w - margin, h - margin), outline="black")
-    ticks = [(to_xy(x0, v), (-4, 0), "rm", v) for v in round_ticks(y0, y1)]  # left axis
-    ticks += [(to_xy(s, y0), (0, 4), "mt", s) for s in round_ticks(x0, x1, least=1)]  # bottom axis
-    labels = [((margin, 8), title, "la"), ((margin, margin - 6), "reward", "mb"), ((w // 2, h - 8), "step", "mb")]
-    for (x, y), (dx, dy), anchor, value in ticks:
-        draw.line((x + dx, y + dy, x, y), fill="black")
-        labels.append(((x + 1.5 * dx, y + 1.5 * dy), f"{value:g}", anchor))
-    for xy, text, anchor in labels:
-        draw.text(xy, text, fill="black", font_size=12, anchor=anchor)
-    image.save(path)
-
-
 # ==== 19. The run: train()'s plumbing, Ctrl+C and SIGTERM
 # Ctrl+C/SIGTERM drops a step before its update (AbandonStep), finishes one past it; ranks agree there and at its end.
 
@@ -1950,10 +1909,7 @@ class Run:
         resume.restore(trainer, out)
         if resume.export:  # --save-pipeline only (in __exit__)
             return
-        if self.lead:  # the curve's window: a pass over the prompts
-            window = min(20, math.ceil(len(items) / args.prompts_per_step))
-            self.closing.callback(lambda: save_reward_curve(
-                out / "reward_curve.png", read_metrics(out / "metrics.jsonl"), window))
+        if self.lead:
             self.tracker = start_logging(args, trainer, out, self.start)
             self.closing.callback(self.tracker.finish if self.tracker else lambda: None)
         for s in (signal.SIGINT, signal.SIGTERM):
