@@ -98,8 +98,8 @@ class UsageError(Exception):
 # A pretrained --model changes some defaults to its model card's (--help says which).
 # A new flag: add it to its group in flag_parser, read it where it is used.
 # --resume refuses a changed flag of a group titled "(a resume must match)".
-# A checkpoint older than a flag resumes at the flag's parser default. A default
-# that follows another flag is None there, set in resolve_runtime (--lora-alpha).
+# A checkpoint older than a flag compares it at its parser default, so such a
+# flag's value must stay what the parser gave (None: resolve it where it is read).
 
 
 # ==== 2. Model: GLM-Image = AR (transformers) + DiT/VAE/glyph encoder (diffusers)
@@ -430,7 +430,8 @@ def old_logprobs(ar, rollout, sampling, size):
     """log pi_old [N, L]: before any update, the loss's own pass: policy_logits at the
     sampler's positions, token_logprobs, the same micro-batches, the same train mode.
     So pass 1's logp is this tensor, bit for bit (no_grad changes no kernel): the ratio
-    exp(logp - old_logp) is exactly 1 (logp_diff_max: 0). Two ways to get it wrong:
+    exp(logp - old_logp) is exactly 1 (logp_diff_max: 0; --fsdp, whose pi_old pass
+    runs on gathered weights: 0 to rounding). Two ways to get it wrong:
     - the sampler's own log-probs (sampler_logp) come from other kernels (a KV cache, a
       token a step) and round otherwise: ~1e-6 in fp32, ~1e-2 in bf16 (sampler_gap);
     - a forward without the sampler's position_ids numbers the grid like text: pi_old
@@ -489,6 +490,7 @@ def grpo_update(trainer, rollout, advantages, args, learns=True):
     AR, a Half (section 14: .model; .forward: it or its DDP wrapper; .params). learns:
     some group on this rank has finite rewards (update_allowed asks every rank)."""
     policy, sampling, optimizer = trainer.ar, trainer.sampling, trainer.optimizer
+    # The body stays in the train mode sample_tokens set for pi_old's pass.
     # pi_ref: a frozen copy, or under LoRA the base (adapters off), section 14
     ref_logp = reference_logprobs(trainer, rollout, args) if args.beta > 0 else None
     advantages = advantages.to(rollout.old_logp.device)  # [N]
@@ -907,7 +909,7 @@ def ode_images(pipe, prompts, sources, rollout, noise, args):
 
 
 # PART III. Plumbing: skip on first read
-# Not GRPO: how a run starts, stops, logs and saves, and more GPUs; Part I calls each in a line.
+# How a run starts, stops, logs and saves, and more GPUs; Part I calls each in a line.
 
 
 # ==== 14. The GRPO step's plumbing
@@ -936,7 +938,7 @@ def pipeline_from_pretrained(args, dtype):
 
 
 def place_pipeline(pipe, args):
-    """--offload: diffusers moves model_cpu_offload_seq's models to the GPU in turn; a trained half never moves."""
+    """--offload: diffusers moves model_cpu_offload_seq's models to the GPU in turn; trained ones stay."""
     if not args.offload:
         return pipe.to(args.device)
     trains_dit = args.policy != "ar"
@@ -1031,8 +1033,8 @@ def rollout_positions(ar, batch, grids):
 
 
 def run_prompt_len(pipe, items, args):
-    """The longest prompt's length + 1, for every step: one shape (one captured graph), never unpadded (SDPA's causal
-    kernel sums in another order). Each must leave room in the context for the images and 32 markers."""
+    """The longest prompt's length + 1, every step: one shape (one captured graph), never unpadded (SDPA's causal
+    kernel sums in another order). Each must leave the images and 32 markers room in the context."""
     grid = (args.height // 32) * (args.width // 32)
     others = (2 * grid + 1 if args.mode == "i2i" else ar_sequence("t2i", args.height, args.width)[1]) + 32
     context = pipe.vision_language_encoder.config.text_config.max_position_embeddings
@@ -1149,7 +1151,7 @@ def dropped_by_warpers(z, sampling, keep=None):
 
 
 def active_dropout(model):
-    """The first module whose dropout a train-mode forward applies (nn.Dropout's p, attention_dropout), or None."""
+    """The first module with dropout in train mode (nn.Dropout's p, attention_dropout), or None."""
     return next((name for name, m in model.named_modules()
                  if getattr(m, "p" if isinstance(m, torch.nn.Dropout) else "attention_dropout", 0) > 0), None)
 
@@ -1228,7 +1230,7 @@ def check_weights_finite(optimizer):  # a sum per tensor: no big temporary
     sums = [(p.to_local() if isinstance(p, DTensor) else p).detach().sum().float()
             for group in optimizer.param_groups for p in group["params"]]
     if not all_ranks_agree(bool(torch.isfinite(torch.stack(sums)).all())):
-        raise UsageError("the update made the weights non-finite (--lr too large?); the last checkpoint is intact")
+        raise UsageError("the update made the weights non-finite (--lr too large?); checkpoints are intact")
 
 
 @dataclass
@@ -1329,7 +1331,7 @@ def write_source_caches(dit, cond):
     return caches
 
 
-# ==== 15. Starting a run: flags, their checks (one-line errors before loading), --out
+# ==== 15. Starting a run: flags, their one-line checks, --out
 
 SAME_ON_RESUME = "a resume must match"  # in a group's title: its flags change the algorithm (Resume)
 # requirements.txt's lower bounds (tested equal): older ones fail deep in a run.
@@ -1411,7 +1413,7 @@ def flag_parser():
     a("--micro-batch-size", type=count, help="Samples per forward/backward (default: G).")
     a("--gradient-checkpointing", action="store_true", help="Recompute activations (AR's, DiT's) in backward.")
     a("--offload", action=argparse.BooleanOptionalAction, help="Frozen parts on CPU between uses (default: by --plan).")
-    # SGLang's name says what goes; vLLM's --enforce-eager also means no compile
+    # SGLang's name (vLLM's --enforce-eager also means no compile)
     a("--disable-cuda-graph", action="store_true", help="Eager decode steps, no CUDA graph.")
     a("--fsdp", action="store_true", help="torchrun: shard trained weights and AdamW state (FSDP2).")
     a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others.")
@@ -1853,7 +1855,7 @@ def drawable(text, chars=math.inf):
 
 
 # ==== 19. The run: train()'s plumbing, Ctrl+C and SIGTERM
-# Ctrl+C/SIGTERM drops a step before its update (AbandonStep), finishes one past it; ranks agree there and at its end.
+# Ctrl+C/SIGTERM drops a step before its update (AbandonStep), finishes one past it; ranks agree.
 
 class AbandonStep(BaseException):
     """BaseException: no plug-in's `except Exception` swallows it."""
@@ -2426,7 +2428,7 @@ def training_state(model, optimizer, loaded=None):
 
 
 # ==== 23. Memory plan for the real GLM-Image (arithmetic on its configs, meta device)
-# --plan: a GPU's bytes, no download. Checked: README, Measurements; the DiT's are estimates.
+# --plan: a GPU's bytes, no download; the DiT's are estimates (README, Measurements).
 WEIGHT_BYTES, FP32_BYTES = 2, 4
 REAL_IMAGE_PROCESSOR = dict(patch_size=16, temporal_patch_size=1, merge_size=1, min_pixels=512**2, max_pixels=2048**2)
 
