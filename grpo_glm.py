@@ -8,7 +8,6 @@
   python grpo_glm.py --plan --model zai-org/GLM-Image     # memory plan at 1024x1024, no GPU
   python grpo_glm.py --policy dit --steps 150 --inner-epochs 1 --group-size 8 --out runs/dit
   torchrun --nproc_per_node 8 grpo_glm.py --prompts-per-step 8 --out runs/glm8  # section 22
-Every run writes to its own --out (one holds one run: a second asks for --resume latest).
 
 GLM-Image is a hybrid: an autoregressive (AR) transformer writes a grid of discrete image tokens,
 and a diffusion transformer (DiT) + VAE paint the pixels they describe. The AR is the policy:
@@ -98,7 +97,7 @@ class UsageError(Exception):
 # A pretrained --model changes some defaults to its model card's (--help says which).
 # A new flag: add it to its group in flag_parser, read it where it is used.
 # --resume refuses a changed flag of a group titled "(a resume must match)".
-# A checkpoint older than a flag compares it at its parser default, so such a
+# A checkpoint older than a flag compares it at its parser default, so a new
 # flag's value must stay what the parser gave (None: resolve it where it is read).
 
 
@@ -334,22 +333,25 @@ def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps,
 # A reward plug-in is fn(images, prompts, targets) -> [N], higher = better:
 #     images   [N, 3, 32H, 32W] in [0, 1], on the CPU, fp32 (or --dtype float64)
 #     prompts  N str; row i is one sample, a prompt's G samples consecutive
-#     targets  [N, 3, 32H, 32W], or None when the prompt lines give none
+#     targets  [N, 3, 32H, 32W], or None if a prompt in the step has none
 # Each rank scores its own groups. --reward module:fn or file.py:fn, with
 # '=WEIGHT', picks them (section 17); any replaces the default, mse.
 # `fn.uses_targets = True`: at start, a line with no target gets one drawn from
-# its words (section 16) or is refused. The demo's --reward mse is mse_reward.
+# its words (section 16) or is refused. The demo's --reward mse is the plug-in
+# mse (section 17), a wrapper of mse_reward. A plug-in of your own, in a file:
+#     def brightness(images, prompts, targets):
+#         return images.mean(dim=(1, 2, 3))
 
 def mse_reward(images, targets):
     """r = -mean((image - target)^2) over channels and pixels, the demo's reward.
     images, targets: float [N, 3, 32H, 32W] in [0, 1] -> [N] in [-1, 0]; 0: perfect."""
-    wide = images.to(torch.promote_types(images.dtype, torch.float32))  # bf16 -> fp32
+    wide = images.to(torch.promote_types(images.dtype, torch.float32))  # copied out: bf16
     return -((wide - targets) ** 2).mean(dim=(1, 2, 3))
 
 
 def compute_rewards(rewards, images, prompts, targets, group_size):
-    """(total [N] = sum_k w_k r_k, {name: r_k [N]}) over the --reward plug-ins (name, fn,
-    weight); prompts (P) and targets [P, ...] repeat for the G rows of each group.
+    """(total [N] = sum_k w_k r_k, {name: r_k [N]}) over the --reward plug-ins (Reward:
+    .name, .fn, .weight); prompts (P) and targets [P, ...] repeat for the G rows of each group.
     Summed, then standardised (TRL's order): a reward's pull is weight x its spread.
     call_reward (section 17) checks each returns [N], warns of non-finite values."""
     prompts = repeat_each(prompts, group_size)
@@ -377,7 +379,7 @@ def group_advantages(rewards, group_size, eps=1e-4):
     return torch.where(left_out, 0.0, advantages).view(-1)
 
 
-# ==== 8. Log-probs with gradients
+# ==== 8. Log-probs: the loss's, and pi_old's by the same pass
 
 def kept_logits(logits, sampling, keep=None):
     """z [..., V] with pi = softmax(z): logits / temperature in at least fp32 (a bf16
@@ -429,7 +431,8 @@ def policy_logprobs(ar, rollout, sampling):
 def old_logprobs(ar, rollout, sampling, size):
     """log pi_old [N, L]: before any update, the loss's own pass: policy_logits at the
     sampler's positions, token_logprobs, the same micro-batches, the same train mode.
-    So pass 1's logp is this tensor, bit for bit (no_grad changes no kernel): the ratio
+    So pass 1's logp is this tensor, bit for bit (no_grad picks the same kernels here;
+    on some GPUs SDPA's choice follows requires_grad: logp_diff_max shows it): the ratio
     exp(logp - old_logp) is exactly 1 (logp_diff_max: 0; --fsdp, whose pi_old pass
     runs on gathered weights: 0 to rounding). Two ways to get it wrong:
     - the sampler's own log-probs (sampler_logp) come from other kernels (a KV cache, a
@@ -459,8 +462,9 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
     logp, old_logp, ref_logp (when beta > 0), mask: [N, L]; advantages: [N]. k3 is
     unbiased on tokens drawn from pi (the first pass). The mean over the batch's
     tokens is TRL's 'bnpo' ('grpo' and 'dapo' agree: the samples are equally long).
-    A micro-batch's mean: grpo_update weights it by its share of the batch's tokens
-    (another normalisation changes both; Part II's DiT calls this too)."""
+    The mean is over this micro-batch's tokens; grpo_update weights it by its share
+    of the batch's tokens. Change n here, change that share too (Part II's DiT
+    calls this with mask = ones)."""
     if beta > 0 and ref_logp is None:
         raise ValueError("beta > 0 needs ref_logp, the reference's log-probs [N, L]")
     adv = advantages.unsqueeze(1)  # [N, 1]
@@ -483,10 +487,12 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
 
 
 # ==== 10. UPDATE: mu passes of clipped-surrogate ascent over the same batch
+# The learning-rate schedule steps once a GRPO step (Run.record, section 19).
 
 def grpo_update(trainer, rollout, advantages, args, learns=True):
-    """mu = --inner-epochs passes over one batch, each one AdamW step on the whole batch's
-    gradient (summed over micro-batches) -> the step's metrics. trainer.ar: the trained
+    """mu = --inner-epochs passes over one batch, each one AdamW step (skipped if not
+    finite) on the whole batch's gradient, its micro-batches' share-weighted sum
+    -> the step's metrics. trainer.ar: the trained
     AR, a Half (section 14: .model; .forward: it or its DDP wrapper; .params). learns:
     some group on this rank has finite rewards (update_allowed asks every rank)."""
     policy, sampling, optimizer = trainer.ar, trainer.sampling, trainer.optimizer
@@ -574,7 +580,7 @@ def grpo_step(trainer, items, indices, step, args, slots=None, before_update=lam
     advantages = group_advantages(rewards, G)
     # ---- UPDATE: mu passes over the batch ----
     before_update()  # a stop signal before this point drops the step (section 19)
-    learns = row["frac_reward_nonfinite"] < 1  # some group's rewards all finite
+    learns = bool(rewards.view(-1, G).isfinite().all(1).any())  # a finite group
     row |= grpo_update(trainer, rollout, advantages, args, learns)
     return StepRecord(row, prompts, images, rewards, targets, sources)
 
@@ -593,8 +599,8 @@ def train(args):
 
 
 # PART II. Flow-GRPO: the DiT as a policy over denoising steps (--policy dit|both)
-# Its step, flow_grpo_step (section 13), reads as grpo_step and reuses sample_tokens, group_advantages,
-# grpo_loss and grpo_update's loop: a denoising step plays a token's role.
+# flow_grpo_step (section 13) reads as grpo_step, reusing sample_tokens, group_advantages, grpo_loss
+# and grpo_update's loop: a denoising step plays a token's role.
 
 
 # ==== 12. The SDE step, the DiT rollout and its loss
@@ -615,7 +621,7 @@ def train(args):
 @dataclass
 class DitRollout:
     states: torch.Tensor     # [N, K+1, C, h, w] x_0 (initial noise) ... x_K (final latent), fp32
-    old_logp: torch.Tensor   # [N, T] log pi_old(x_{i+1} | x_i) of the T trained steps at sampling time
+    old_logp: torch.Tensor   # [N, T] log pi_old(x_{i+1} | x_i), the sampler's: the loss's forward
     timesteps: torch.Tensor  # [K] the pipeline's (unshifted) timesteps
     sigmas: torch.Tensor     # [K+1] the scheduler's shifted sigmas, ending in 0
 
@@ -623,14 +629,14 @@ class DitRollout:
 @dataclass
 class DitCondition:
     """The DiT's inputs as GlmImagePipeline.__call__ builds them, per prompt (its G samples at rows p*G..)."""
-    prompt_embeds: list              # per prompt: [G, S_p, D] glyph embeddings (encode_prompt of it alone)
-    negative_embeds: list            # per prompt: [G, S', D] glyph embeddings of "" (CFG's other branch), or None
-    prior: torch.Tensor              # [N, 4*H*W] target-grid tokens upsampled 2x (the DiT's 16-px grid)
-    target_size: torch.Tensor        # [N, 2] (height, width) in pixels
-    crop_coords: torch.Tensor        # [N, 2] zeros, the pipeline's default crops_coords_top_left
+    prompt_embeds: list          # per prompt: [G, S_p, D] glyph embeddings (encode_prompt of it alone)
+    negative_embeds: list        # per prompt: [G, S', D] glyph embeddings of "" (CFG's other branch), or None
+    prior: torch.Tensor          # [N, 4*H*W] target-grid tokens upsampled 2x (the DiT's 16-px grid)
+    target_size: torch.Tensor    # [N, 2] (height, width) in pixels
+    crop_coords: torch.Tensor    # [N, 2] zeros, the pipeline's default crops_coords_top_left
     guidance_scale: float
-    source_latents: list = None      # i2i, per prompt: normalised VAE latent [1, C, h, w] of the source
-    source_prior: list = None        # i2i, per prompt: its VQ ids upsampled 2x [4*h*w]
+    source_latents: list = None  # i2i, per prompt: normalised VAE latent [1, C, h, w] of the source
+    source_prior: list = None    # i2i, per prompt: its VQ ids upsampled 2x [4*h*w]
 
 
 def dit_schedule(pipe, height, width, num_inference_steps):
@@ -956,7 +962,7 @@ def offload_by_plan(args):
 
 
 def add_lora(model, r, alpha, targets, **config):
-    """PEFT LoRA on `targets`, base frozen; fp32 on a bf16 base (cast_training_params): bf16 rounds off AdamW steps."""
+    """PEFT LoRA on `targets`, base frozen; adapters in fp32 (cast_training_params): bf16 rounds off AdamW steps."""
     from diffusers.training_utils import cast_training_params
     from peft import LoraConfig, inject_adapter_in_model
     model.requires_grad_(False)
@@ -970,7 +976,7 @@ def lora_layers(model):
     return [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
 
 
-# ---- For section 4: the AR's inputs, M-RoPE positions, policy and fast decoder ----
+# ---- For section 4: the AR's inputs, positions, policy, fast decoder ----
 def policy_generation_config(ar, sampling):
     """The policy as the AR's generation config, so that a saved pipeline samples the policy trained."""
     from transformers import GenerationConfig
@@ -1003,7 +1009,7 @@ def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_
     inputs = processor_inputs(pipe, prompts, sources, height, width, ar.device)
     ids, per_sample, source_prior = inputs["input_ids"], inputs["images_per_sample"], None
     if sources is not None:
-        # i2i: vision encoder + VQ once a prompt, ids into the image placeholders: no pass reruns them
+        # i2i: vision encoder + VQ once a prompt, ids into the image placeholders
         source_grids = ar.model.get_image_grids_for_generation(per_sample, inputs["image_grid_thw"])
         features = list(ar.get_image_features(inputs["pixel_values"], source_grids).pooler_output)
         tokens = torch.split(ar.get_image_tokens(features), source_grids.prod(-1).tolist())
@@ -1050,7 +1056,7 @@ def run_prompt_len(pipe, items, args):
 
 
 def group_uniforms(ar, generators, group_size):
-    """() -> a token's uniforms [N, V] fp64, group k's G rows from generators[k]; an int: seeded off the global RNG."""
+    """() -> a token's uniforms [N, V] fp64, group k's rows from generators[k]; an int: seeded off the global RNG."""
     if isinstance(generators, int):
         generators = [torch.Generator(ar.device).manual_seed(int(torch.randint(2**62, ()))) for _ in range(generators)]
     V = ar.config.text_config.vision_vocab_size
@@ -1064,8 +1070,8 @@ def static_cache(ar, shape):
 
 
 class FastDecoder:
-    """decode_loop for a run: a DecodeGraph per shape and policy, reset between steps, or decode_loop once one
-    failed: same tokens. Ranks make graphs at the same calls: a decoder per caller (eval splits unevenly)."""
+    """decode_loop for a run: a DecodeGraph per shape and policy (same tokens), eager once one failed. Ranks
+    make graphs at the same calls: a decoder per caller (eval splits unevenly)."""
 
     def __init__(self, device, capture=None):
         self.capture = capture or (cuda_graph if device.type == "cuda" else lambda step: (step(), step))
@@ -1164,7 +1170,7 @@ def row_slices(num_samples, size):
 
 
 def slice_rollout(rollout, rows):
-    """The Rollout's `rows` less padding columns none needs: a group's forward sees the same tensors in any batch."""
+    """The Rollout's `rows` less padding columns none needs: a group's forward sees them alike in any batch."""
     mask = rollout.attention_mask[rows]
     first = int(mask.any(dim=0).nonzero()[0])  # only prompt columns can be all padding
     per_row = {name: None if (value := getattr(rollout, name)) is None else value[rows]
@@ -1279,7 +1285,7 @@ def setup_training(args, rewards, dit_rewards=()):
     trainer.trained = ar if args.policy == "ar" else torch.nn.ModuleDict(trained)
     groups = [{"params": h.params, "lr": lr} for h, lr in ((trainer.ar, args.lr), (trainer.dit, args.dit_lr)) if h]
     trainer.optimizer = torch.optim.AdamW(groups, weight_decay=args.weight_decay)
-    # diffusers' 'constant' ignores warm-up, 'constant_with_warmup' does not
+    # diffusers' 'constant' ignores warm-up
     warmup = args.lr_scheduler == "constant" and args.lr_warmup_steps
     trainer.lr_scheduler = get_scheduler("constant_with_warmup" if warmup else args.lr_scheduler, trainer.optimizer,
                                          num_warmup_steps=args.lr_warmup_steps, num_training_steps=args.steps)
@@ -1288,7 +1294,7 @@ def setup_training(args, rewards, dit_rewards=()):
 
 # ---- For section 19: a run of non-finite steps ----
 def non_finite_streak(bad_steps, row, out, args, start):
-    """Rows of the last steps in a row that updated nothing: 5 (or all of a shorter run) stop the run."""
+    """Rows of the last steps in a row that updated nothing: 5 (or a shorter run's all) stop it."""
     stuck = [h for h in ("", "dit/") if row.get(h + "skipped_updates") == args.inner_epochs]  # a half updated nothing
     bad_steps = bad_steps + [row] if stuck else []
     if len(bad_steps) < min(5, args.steps - start):
@@ -1413,7 +1419,6 @@ def flag_parser():
     a("--micro-batch-size", type=count, help="Samples per forward/backward (default: G).")
     a("--gradient-checkpointing", action="store_true", help="Recompute activations (AR's, DiT's) in backward.")
     a("--offload", action=argparse.BooleanOptionalAction, help="Frozen parts on CPU between uses (default: by --plan).")
-    # SGLang's name (vLLM's --enforce-eager also means no compile)
     a("--disable-cuda-graph", action="store_true", help="Eager decode steps, no CUDA graph.")
     a("--fsdp", action="store_true", help="torchrun: shard trained weights and AdamW state (FSDP2).")
     a("--dist-timeout", type=count, default=600, help="Seconds a rank waits for the others.")
@@ -1633,7 +1638,7 @@ def read_image(path, where, kind, size=None):
         with Image.open(path) as image:
             if size:
                 return to_rgb(ImageOps.exif_transpose(image)).resize(size[::-1], Image.BICUBIC)
-            # PNG's getexif() decodes the pixels; an eXIf chunk before them is in info
+            # PNG's getexif() decodes the pixels; an eXIf chunk ahead of them is in info
             exif = image.getexif() if image.format != "PNG" or "exif" in image.info else Image.Exif()
             turned = exif.get(Image.ExifTags.Base.Orientation, 1) in (5, 6, 7, 8)  # by 90 degrees
             image.verify()  # reads the whole file, decodes nothing, leaves it unusable: last
@@ -1767,7 +1772,7 @@ def start_logging(args, trainer, out, start):
     how = {"ar": ar, "dit": f"DiT {dit}", "both": f"AR {ar}, DiT {dit}"}[args.policy]
     print(f"running with: mode={args.mode} model={args.model} device={args.device} dtype={args.dtype} "
           f"offload={args.offload_note} batch={args.prompts_per_step}x{args.group_size} mu={args.inner_epochs} "
-          + f"lr={args.lr} " * (args.policy != "dit") + f"trainable={count_text(trainable)} ({how}) "
+          + f"lr={args.lr} " * (args.policy != "dit") + f"trainable={trainable:,} ({how}) "
           f"image={args.height}x{args.width} sampler=T {args.temperature}, top-k {args.top_k}, top-p {args.top_p} "
           f"decode={args.num_inference_steps} steps, guidance {args.guidance_scale} loss_tokens={args.loss_tokens} "
           f"dit_noise={args.dit_noise} out={out} threads={torch.get_num_threads()} processes={world_size()} "
@@ -1790,13 +1795,8 @@ def start_logging(args, trainer, out, start):
     return tracker
 
 
-def count_text(n):
-    """3.2k, 90.1k (not 0.09M), 8.91B."""
-    return next((f"{n / s:.{d}f}{u}" for u, s, d in (("B", 1e9, 2), ("M", 1e6, 2), ("k", 1e3, 1)) if n >= s), str(n))
-
-
 def warn_if_collapsed(row, warned, max_entropy=None):
-    """Once per run: most groups tied (advantages 0), and why; not on a non-finite step (call_reward warned)."""
+    """Once a run: most groups tied (advantages 0), and why; not on a non-finite step (call_reward warned)."""
     if warned or row["frac_reward_zero_std"] <= 0.5 or row["frac_reward_nonfinite"]:
         return warned
     why = "the reward does not separate the samples"  # --policy dit: the SDE keeps them apart
@@ -1876,7 +1876,7 @@ class Run:
     def open(self, args, out):
         resolve_runtime(args)
         validate_args(args)
-        if world_size() > 1:  # torchrun's group: a dead or hung rank makes the others raise at --dist-timeout
+        if world_size() > 1:  # a dead or hung rank makes the others raise at --dist-timeout
             if args.device == "cuda":
                 args.device = f"cuda:{os.environ['LOCAL_RANK']}"
                 torch.cuda.set_device(args.device)
@@ -2122,7 +2122,7 @@ class Resume:
         step = self.step = ckpt["step"] if ckpt else 0
         self.export = step >= args.steps  # --save-pipeline of the checkpoint, or nothing to do
         saved = ckpt["args"] if ckpt else vars(args)
-        # SAME_ON_RESUME's flags must match (else one log splices two runs); a newer flag matches its default
+        # SAME_ON_RESUME's flags must match (else a log splices two runs); a newer flag: its default
         same = {a.dest: a.default for group in flag_parser()._action_groups if SAME_ON_RESUME in (group.title or "")
                 for a in group._group_actions if a.dest != "prompts"} | {"prompts_sha256": None}
         changed = self.changed = [
@@ -2319,8 +2319,8 @@ def tiny_pipeline_dir(seed=0, settings=TINY_RENDERER):
 
 
 # ==== 22. More GPUs: torchrun data parallel (DDP) and sharding (--fsdp)
-# torchrun --nproc_per_node K: a rank samples, rewards, standardises whole groups (DanceGRPO); mean gradients and a
-# few scalars cross ranks; rank 0 writes. 1 and K processes sample alike, train alike up to sums' order.
+# torchrun --nproc_per_node K: a rank samples, rewards, standardises whole groups (DanceGRPO); gradients
+# and a few scalars cross ranks; rank 0 writes. 1 and K processes train alike up to sums' order.
 
 @functools.cache  # swapped once a process
 def float64_throughout():
@@ -2405,7 +2405,7 @@ def fsdp_units(model):  # [] if not sharded
 
 @contextlib.contextmanager
 def whole_weights(model):
-    """Whole weights to sample and in no-grad passes (else each decode step gathers all) -> sharded?"""
+    """Whole weights to sample and in no-grad passes (else each decode step gathers) -> sharded?"""
     units = fsdp_units(model)
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)

@@ -2414,7 +2414,7 @@ def test_readme_commands_parse_and_each_run_has_its_own_out():
 
 
 def _each_run_its_own_out(commands, seen, outs):
-    assert len(commands) >= 8, commands
+    assert len(commands) >= 7, commands
     for argv in commands:
         args = g.parse_args(argv)
         if args.plan or argv in seen:
@@ -2750,7 +2750,7 @@ def test_tensorboard_logs_the_metrics_images_and_flags(tmp_path):
     (out / "checkpoints" / "step_000003.pt").unlink()
     g.main(["--steps", "3", "--resume", "latest", *flags])
     # where the README says the events go: <out>/logs/
-    logs = re.search(r"TensorBoard events to `<out>/(\w+)/`", (HERE / "README.md").read_text()).group(1)
+    logs = re.search(r"writes every metric and sheet to `<out>/(\w+)/`", (HERE / "README.md").read_text()).group(1)
     events = EventAccumulator(str(out / logs), size_guidance={"images": 0, "scalars": 0, "tensors": 0})
     events.Reload()
     rows = read_metrics(out)
@@ -2915,13 +2915,11 @@ def test_policy_dit_trains_only_the_dit_and_saves_it(tmp_path, lora, capsys):
                       "--dit-lora-rank", lora, "--save-pipeline", str(tmp_path / "pipe"), *SMALL])
     printed = capsys.readouterr().out
     header = next(line for line in printed.splitlines() if line.startswith("running with:"))
-    assert " lr=" not in header and "dit_lr=0.05" in header and ".00M" not in header     # no unused AR lr
+    assert " lr=" not in header and "dit_lr=0.05" in header                             # no unused AR lr
     assert "sampler=T 1.0, top-k 0, top-p 1.0 decode=4 steps, guidance 1.0 " in header   # the tiny demo's defaults
     base = tiny_model()
     dit_lora = sum(g.trainable_tensors(base.transformer, 4, g.DIT_LORA_TARGETS))
-    lora_count = g.count_text(dit_lora)                                              # a few thousand: "k"
-    assert (f"trainable={lora_count} (DiT LoRA r=4)" if lora != "0" else "(DiT full)") in header
-    assert lora_count.endswith("k")
+    assert (f"trainable={dit_lora:,} (DiT LoRA r=4)" if lora != "0" else "(DiT full)") in header
     assert re.search(r"step    1/2 \| dit loss [-+]\d\.\d{3}e[-+]\d\d \|", printed), printed
     assert all(r["dit/lr"] == 0.05 and "lr" not in r for r in read_metrics(tmp_path / "run"))
     for (n, p), (_, q) in zip(trained.vision_language_encoder.state_dict().items(),
@@ -3974,7 +3972,8 @@ def test_sample_sheet_wraps_rows_and_sorts_prompts(tmp_path):
     prompts = ["zebra", "apple"]
     images = torch.cat([torch.tensor(colours[p]).view(1, 3, 1, 1).expand(16, 3, 32, 32) for p in prompts])
     targets = images[::16]
-    sheet = np.asarray(g.save_sample_grid(tmp_path / "sheet.png", prompts, targets, images, torch.zeros(32), 16))
+    g.save_sample_grid(tmp_path / "sheet.png", prompts, targets, images, torch.zeros(32), 16)
+    sheet = np.asarray(Image.open(tmp_path / "sheet.png"))
     assert sheet.shape[1] == 8 * (128 + 6)                   # 6 px between cells
     blue_rows = np.nonzero((sheet == (0, 0, 255)).all(-1).any(1))[0]
     red_rows = np.nonzero((sheet == (255, 0, 0)).all(-1).any(1))[0]
