@@ -754,51 +754,6 @@ def demo_in_background(request, tmp_path_factory):
     proc.communicate()
 
 
-def test_slow_default_run_learns(demo_in_background):
-    """The README's demo command (its held-out file, --out here, no checkpoints) at seed 0, on one
-    thread as the README runs it (demo_in_background). The demo's
-    bar: the mean reward of the last 5 of 40 steps beats the first 5 by at least 3x the first 5
-    steps' mean within-group std, with no collapse warning; each prompt's samples end closer to its
-    target than they started (sample sheets of steps 5 and 40); and the last sheet shows the shape,
-    not just the background: most of each prompt's samples are closer to the target than a field of
-    its background colour alone (which is where a policy that learnt one colour per prompt ends).
-    And the README's figures are what it prints: the table's seed-0 row and the step-40 line, to
-    their last digit on the README's machine, elsewhere within what the README says other machines
-    move them (the trajectory follows the fp32 sums' order: the CPU's kernels, the thread count)."""
-    proc, out = demo_in_background.proc, demo_in_background.out
-    stdout, stderr = proc.communicate(timeout=900)
-    assert proc.returncode == 0, stderr[-3000:]
-    spied = json.loads(stdout.splitlines()[-1])
-    sheets = spied["sheets"]
-    shape = {(sheet, p): v for sheet, per_prompt in spied["shape"].items() for p, v in per_prompt.items()}
-    rows = read_metrics(out)
-    evals = {r["step"]: r["eval/reward_mean"] for r in rows if "eval/seconds" in r}
-    rows = [r for r in rows if "eval/seconds" not in r]
-    first = sum(r["reward_mean"] for r in rows[:5]) / 5
-    last = sum(r["reward_mean"] for r in rows[-5:]) / 5
-    std = sum(r["reward_std"] for r in rows[:5]) / 5
-    print(f"first5 {first:.5f} last5 {last:.5f} gain {last - first:.5f} = {(last - first) / std:.2f} x first5 std; "
-          f"per-prompt MSE step 5 {sheets['step_000005.png']} step 40 {sheets['step_000040.png']}; "
-          f"fraction of samples beating their background {shape}; step 40 {rows[-1]['reward_mean']:.5f}; eval {evals}")
-    assert last - first >= 3 * std
-    assert "collapsed" not in stderr
-    assert all(sheets["step_000040.png"][p] < mse for p, mse in sheets["step_000005.png"].items())
-    assert all(shape["step_000040.png", p] > 0.5 for p in sheets["step_000040.png"])
-    # The README's figures: to half their last digit on the README's machine; elsewhere give or take
-    # what the README says other CPUs' kernels move them by.
-    text = (HERE / "README.md").read_text().replace("\u2212", "-")
-    moves = [float(re.search(pattern, text).group(1))
-             for pattern in (r"≤ ([\d.]+) \(rewards\)", r"≤ ([\d.]+) \(gains", r"step 40's eval by ≤ ([\d.]+)")]
-    moves = [0.0] * 3 if readme_machine() else moves
-    shown = re.search(r"^step   40/40 .* reward (-[\d.]+)", text, re.M).group(1)
-    measured = [first, last, (last - first) / std] + [100 * shape[sheet, p] for sheet in ("step_000005.png",
-                "step_000040.png") for p in sheets["step_000005.png"]] + [evals[0], evals[40], rows[-1]["reward_mean"]]
-    slack = [moves[0]] * 2 + [moves[1]] + [0] * 4 + [0, moves[2], moves[0]]
-    for column, (readme, ours, moved) in enumerate(zip(readme_demo_row(0) + [shown], measured, slack)):
-        last_digit = 10.0 ** -len(readme.partition(".")[2])
-        assert abs(float(readme) - ours) <= last_digit / 2 + moved + 1e-9, (column, readme, ours)
-
-
 # ---------------------------------------------------------------------------------------------
 # Bad input: one line on stderr, non-zero exit, no traceback, --out untouched
 # ---------------------------------------------------------------------------------------------
@@ -4115,3 +4070,49 @@ def test_readme_examples_write_into_runs_not_the_repository():
     blocks = re.findall(r"```bash\n(.*?)```", (HERE / "README.md").read_text(), re.S)
     targets = re.findall(r">\s*(\S+)", "\n".join(blocks))
     assert targets and all(t.startswith("runs/") for t in targets), targets
+
+
+# Last, so that demo_in_background (started with the session) has long finished when it is read.
+def test_slow_default_run_learns(demo_in_background):
+    """The README's demo command (its held-out file, --out here, no checkpoints) at seed 0, on one
+    thread as the README runs it (demo_in_background). The demo's
+    bar: the mean reward of the last 5 of 40 steps beats the first 5 by at least 3x the first 5
+    steps' mean within-group std, with no collapse warning; each prompt's samples end closer to its
+    target than they started (sample sheets of steps 5 and 40); and the last sheet shows the shape,
+    not just the background: most of each prompt's samples are closer to the target than a field of
+    its background colour alone (which is where a policy that learnt one colour per prompt ends).
+    And the README's figures are what it prints: the table's seed-0 row and the step-40 line, to
+    their last digit on the README's machine, elsewhere within what the README says other machines
+    move them (the trajectory follows the fp32 sums' order: the CPU's kernels, the thread count)."""
+    proc, out = demo_in_background.proc, demo_in_background.out
+    stdout, stderr = proc.communicate(timeout=900)
+    assert proc.returncode == 0, stderr[-3000:]
+    spied = json.loads(stdout.splitlines()[-1])
+    sheets = spied["sheets"]
+    shape = {(sheet, p): v for sheet, per_prompt in spied["shape"].items() for p, v in per_prompt.items()}
+    rows = read_metrics(out)
+    evals = {r["step"]: r["eval/reward_mean"] for r in rows if "eval/seconds" in r}
+    rows = [r for r in rows if "eval/seconds" not in r]
+    first = sum(r["reward_mean"] for r in rows[:5]) / 5
+    last = sum(r["reward_mean"] for r in rows[-5:]) / 5
+    std = sum(r["reward_std"] for r in rows[:5]) / 5
+    print(f"first5 {first:.5f} last5 {last:.5f} gain {last - first:.5f} = {(last - first) / std:.2f} x first5 std; "
+          f"per-prompt MSE step 5 {sheets['step_000005.png']} step 40 {sheets['step_000040.png']}; "
+          f"fraction of samples beating their background {shape}; step 40 {rows[-1]['reward_mean']:.5f}; eval {evals}")
+    assert last - first >= 3 * std
+    assert "collapsed" not in stderr
+    assert all(sheets["step_000040.png"][p] < mse for p, mse in sheets["step_000005.png"].items())
+    assert all(shape["step_000040.png", p] > 0.5 for p in sheets["step_000040.png"])
+    # The README's figures: to half their last digit on the README's machine; elsewhere give or take
+    # what the README says other CPUs' kernels move them by.
+    text = (HERE / "README.md").read_text().replace("\u2212", "-")
+    moves = [float(re.search(pattern, text).group(1))
+             for pattern in (r"≤ ([\d.]+) \(rewards\)", r"≤ ([\d.]+) \(gains", r"step 40's eval by ≤ ([\d.]+)")]
+    moves = [0.0] * 3 if readme_machine() else moves
+    shown = re.search(r"^step   40/40 .* reward (-[\d.]+)", text, re.M).group(1)
+    measured = [first, last, (last - first) / std] + [100 * shape[sheet, p] for sheet in ("step_000005.png",
+                "step_000040.png") for p in sheets["step_000005.png"]] + [evals[0], evals[40], rows[-1]["reward_mean"]]
+    slack = [moves[0]] * 2 + [moves[1]] + [0] * 4 + [0, moves[2], moves[0]]
+    for column, (readme, ours, moved) in enumerate(zip(readme_demo_row(0) + [shown], measured, slack)):
+        last_digit = 10.0 ** -len(readme.partition(".")[2])
+        assert abs(float(readme) - ours) <= last_digit / 2 + moved + 1e-9, (column, readme, ours)
