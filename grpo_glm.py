@@ -106,7 +106,7 @@ class UsageError(Exception):
 # In the pipeline the AR is `vision_language_encoder`, the DiT `transformer`.
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]  # AR Linears
-DIT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]                  # the DiT's attention
+DIT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the DiT's attention
 
 
 def load_pipeline(args):
@@ -147,7 +147,7 @@ def prepare_policy(ar, args):
 
 
 # ==== 3. A step's prompts, targets and seeds
-# Run.steps (section 19) picks the step's prompt lines; here they become batch rows.
+# Run.steps (section 19) picks the step's P prompt lines; here: their texts and images.
 
 def step_prompts(items, indices, mode):
     """-> prompts (P str), targets [P, 3, 32H, 32W] in [0, 1] | None, i2i sources (PIL)."""
@@ -175,7 +175,7 @@ def seeded(seed, purpose, step=0, index=0, device="cpu"):
 # ==== 4. SAMPLE: G token grids per prompt, with the log-prob of every sampled token
 # t2i: after the prompt `text<sop>H W<eop><sop>h w<eop><bos>` the AR writes
 #     h*w preview tokens (a ~16x16 sketch) | H*W target-grid tokens | 1 end slot
-# (the end slot: generate()'s end-of-image position, sampled, never trained or drawn).
+# (the end slot: generate()'s end-of-image position, sampled, never trained or painted).
 # At 128 px: 16x16 + 4x4 + 1 = 273 tokens, the target grid generated[:, 256:272].
 # i2i: after `<start><source's VQ tokens><end>text<sop>H W<eop><bos>`: H*W target | end.
 # Only the target grid reaches the DiT. Each token sits at an M-RoPE position (time,
@@ -224,36 +224,14 @@ def gumbel_max(logits, uniform, sampling):
     return token, z.log_softmax(-1).gather(-1, token[:, None])[:, 0]
 
 
-def decode_step(ar, ids, positions, mask, cache, uniform, sampling):
-    """ids [N, q] at their M-RoPE positions -> the next token [N] by gumbel_max, and its
-    log pi. The cache's length picks the positions on the device (no host sync).
-    mask [N, S+L-1]: the whole rollout's."""
-    at = cache.get_seq_length() + torch.arange(ids.shape[1], device=ids.device)
-    out = ar(ids, mask, positions.index_select(2, at), cache, logits_to_keep=1)
-    return gumbel_max(out.logits[:, -1], uniform, sampling)
-
-
-def decode_loop(ar, ids, positions, mask, num_tokens, uniforms, sampling, cache,
-                step=decode_step):
-    """The sampler: forward -> Gumbel-max -> append, a token per row a step. The first
-    step is the prompt's prefill, which fills the KV cache. ids [N, S] ->
-    (tokens [N, L], log pi [N, L]). step: the later steps' (FastDecoder: a CUDA graph)."""
-    tokens, logps = [], []
-    for t in range(num_tokens):
-        draw = step if t else decode_step  # the prefill: its own shape, eager
-        token, logp = draw(ar, ids, positions, mask, cache, uniforms(), sampling)
-        tokens.append(token)
-        logps.append(logp)
-        ids = token[:, None]
-    return torch.stack(tokens, 1), torch.stack(logps, 1)
-
-
 @torch.no_grad()
 def sample_groups(pipe, prompts, group_size, sampling, height, width, loss_tokens,
                   sources=None, generators=None, prompt_len=None, decoder=None):
     """G samples per prompt (i2i: edits of `sources`) -> Rollout, without old_logp.
-    Group k draws from generators[k] alone (None: seeded off the global RNG). decoder:
-    a run's FastDecoder (section 14), else decode_loop on a fresh static KV cache."""
+    The sampler (decode_loop, section 14) runs a forward a token on a KV cache and
+    draws each by gumbel_max; their log pi is sampler_logp. Group k draws from
+    generators[k] alone (None: seeded off the global RNG). decoder: a run's
+    FastDecoder (section 14), else decode_loop on a fresh static KV cache."""
     ar = pipe.vision_language_encoder  # the AR
     batch, source_prior, grids = generation_inputs(
         pipe, prompts, sources, group_size, height, width, prompt_len)  # left-padded
@@ -351,7 +329,7 @@ def mse_reward(images, targets):
 
 def compute_rewards(rewards, images, prompts, targets, group_size):
     """(total [N] = sum_k w_k r_k, {name: r_k [N]}) over the --reward plug-ins (Reward:
-    .name, .fn, .weight); prompts (P) and targets [P, ...] repeat for the G rows of each group.
+    .name, .fn, .weight); prompts (P) and targets [P, ...] repeat G times each.
     Summed, then standardised (TRL's order): a reward's pull is weight x its spread.
     call_reward (section 17) checks each returns [N], warns of non-finite values."""
     prompts = repeat_each(prompts, group_size)
@@ -431,10 +409,10 @@ def policy_logprobs(ar, rollout, sampling):
 def old_logprobs(ar, rollout, sampling, size):
     """log pi_old [N, L]: before any update, the loss's own pass: policy_logits at the
     sampler's positions, token_logprobs, the same micro-batches, the same train mode.
-    So pass 1's logp is this tensor, bit for bit (no_grad picks the same kernels here;
-    on some GPUs SDPA's choice follows requires_grad: logp_diff_max shows it): the ratio
-    exp(logp - old_logp) is exactly 1 (logp_diff_max: 0; --fsdp, whose pi_old pass
-    runs on gathered weights: 0 to rounding). Two ways to get it wrong:
+    Where no_grad picks the same kernels (the CPU, the H200 measured), pass 1's logp
+    is this tensor bit for bit: the ratio exp(logp - old_logp) is exactly 1 and
+    logp_diff_max 0 (--fsdp's pi_old, on gathered weights: 0 to rounding; a GPU whose
+    SDPA picks kernels by requires_grad would show it). Two ways to get it wrong:
     - the sampler's own log-probs (sampler_logp) come from other kernels (a KV cache, a
       token a step) and round otherwise: ~1e-6 in fp32, ~1e-2 in bf16 (sampler_gap);
     - a forward without the sampler's position_ids numbers the grid like text: pi_old
@@ -460,8 +438,9 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
         loss     = masked_mean(pg_loss + beta * kl)
 
     logp, old_logp, ref_logp (when beta > 0), mask: [N, L]; advantages: [N]. k3 is
-    unbiased on tokens drawn from pi (the first pass). The mean over the batch's
-    tokens is TRL's 'bnpo' ('grpo' and 'dapo' agree: the samples are equally long).
+    unbiased on tokens drawn from pi (the first pass); beta 0: kl is logged as 0.
+    The mean over the batch's tokens is TRL's 'bnpo' ('grpo' and 'dapo' agree: the
+    samples are equally long).
     The mean is over this micro-batch's tokens; grpo_update weights it by its share
     of the batch's tokens. Change n here, change that share too (Part II's DiT
     calls this with mask = ones)."""
@@ -490,11 +469,11 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
 # The learning-rate schedule steps once a GRPO step (Run.record, section 19).
 
 def grpo_update(trainer, rollout, advantages, args, learns=True):
-    """mu = --inner-epochs passes over one batch, each one AdamW step (skipped if not
-    finite) on the whole batch's gradient, its micro-batches' share-weighted sum
-    -> the step's metrics. trainer.ar: the trained
-    AR, a Half (section 14: .model; .forward: it or its DDP wrapper; .params). learns:
-    some group on this rank has finite rewards (update_allowed asks every rank)."""
+    """mu = --inner-epochs passes over one batch, each one AdamW step on the whole
+    batch's gradient, its micro-batches' share-weighted sum -> the step's metrics.
+    trainer.ar: the trained AR, a Half (section 14: .model; .forward: it or its DDP
+    wrapper; .params). learns: some group on this rank has finite rewards. A pass
+    skips its step on a non-finite loss or norm, or if no rank learns."""
     policy, sampling, optimizer = trainer.ar, trainer.sampling, trainer.optimizer
     # The body stays in the train mode sample_tokens set for pi_old's pass.
     # pi_ref: a frozen copy, or under LoRA the base (adapters off), section 14
@@ -915,7 +894,7 @@ def ode_images(pipe, prompts, sources, rollout, noise, args):
 
 
 # PART III. Plumbing: skip on first read
-# How a run starts, stops, logs and saves, and more GPUs; Part I calls each in a line.
+# How a run starts, stops, logs, saves, and more GPUs; Part I calls each in a line.
 
 
 # ==== 14. The GRPO step's plumbing
@@ -1069,6 +1048,29 @@ def static_cache(ar, shape):
     return StaticCache(ar.config, max_cache_len=shape[1])
 
 
+def decode_step(ar, ids, positions, mask, cache, uniform, sampling):
+    """ids [N, q] at their M-RoPE positions -> the next token [N] by gumbel_max, and its
+    log pi; the cache's length picks the positions on the device (no host sync)."""
+    at = cache.get_seq_length() + torch.arange(ids.shape[1], device=ids.device)
+    out = ar(ids, mask, positions.index_select(2, at), cache, logits_to_keep=1)
+    return gumbel_max(out.logits[:, -1], uniform, sampling)
+
+
+def decode_loop(ar, ids, positions, mask, num_tokens, uniforms, sampling, cache,
+                step=decode_step):
+    """The sampler: forward -> Gumbel-max -> append, a token per row a step. The first
+    step is the prompt's prefill, which fills the KV cache. ids [N, S] ->
+    (tokens [N, L], log pi [N, L]). step: the later steps' (FastDecoder: a CUDA graph)."""
+    tokens, logps = [], []
+    for t in range(num_tokens):
+        draw = step if t else decode_step  # the prefill: its own shape, eager
+        token, logp = draw(ar, ids, positions, mask, cache, uniforms(), sampling)
+        tokens.append(token)
+        logps.append(logp)
+        ids = token[:, None]
+    return torch.stack(tokens, 1), torch.stack(logps, 1)
+
+
 class FastDecoder:
     """decode_loop for a run: a DecodeGraph per shape and policy (same tokens), eager once one failed. Ranks
     make graphs at the same calls: a decoder per caller (eval splits unevenly)."""
@@ -1200,7 +1202,7 @@ def reference_weights(model, reference):
             layer.enable_adapters(True)
 
 
-def reference_logprobs(trainer, rollout, args):  # pi_ref [N, L]: pi_old's pass on the reference's weights
+def reference_logprobs(trainer, rollout, args):  # pi_ref [N, L]: pi_old's pass, the reference's weights
     with reference_weights(trainer.ar.model, trainer.ar.reference) as reference:
         return old_logprobs(reference, rollout, trainer.sampling, args.micro_batch_size)
 
@@ -1250,7 +1252,7 @@ class Half:
 
 @dataclass
 class Trainer:
-    pipe: object  # GlmImagePipeline
+    pipe: object  # a GlmImagePipeline
     sampling: SamplingParams
     optimizer: torch.optim.Optimizer = None
     lr_scheduler: object = None
@@ -1260,7 +1262,7 @@ class Trainer:
     rewards: list = None  # --reward's plug-ins (section 6)
     dit_rewards: list = None  # --dit-reward's (none: the DiT trains on `rewards`)
     prompt_len: int = None  # run_prompt_len
-    decoder: object = None  # a FastDecoder
+    decoder: FastDecoder = None
     prompt_tokens: dict = None  # --policy dit: prompt index -> token grid (shared_prompt_tokens)
 
 
