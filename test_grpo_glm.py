@@ -1818,11 +1818,14 @@ def test_ctrl_c_saves_a_checkpoint_and_says_where(tmp_path):
 
 def test_ctrl_c_while_starting_is_one_line_and_leaves_out_as_it_found_it(tmp_path):
     """Before the loop's handler: at 1 s (importing torch, or later on a fast machine) and once --out is
-    locked (loading the model). Python's own exit by SIGINT (a shell's 130) and no traceback."""
+    locked (loading the model). Python's own exit by SIGINT (a shell's 130) and no traceback. The child
+    starts with SIGINT's default action, as a terminal's command does: a suite started in the background
+    (a shell's `&`) ignores SIGINT, children inherit that, and Python then keeps ignoring it."""
     out = tmp_path / "run"
     for ready in (lambda: time.sleep(1) or True, lambda: (out / ".lock").exists()):
         proc = subprocess.Popen([sys.executable, str(HERE / "grpo_glm.py"), "--out", str(out), *SMALL], cwd=HERE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.time() + 120
         while not ready() and time.time() < deadline:
             time.sleep(0.01)
