@@ -319,6 +319,8 @@ def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps,
 # mse (section 17), a wrapper of mse_reward. A plug-in of your own, in a file:
 #     def brightness(images, prompts, targets):
 #         return images.mean(dim=(1, 2, 3))
+# call_reward (section 17) makes the return a CPU float tensor; a NaN or inf
+# leaves its group out of the step, with a warning; a raise stops the run.
 
 def mse_reward(images, targets):
     """r = -mean((image - target)^2) over channels and pixels, the demo's reward.
@@ -394,8 +396,9 @@ def policy_logits(ar, rollout):
 
 
 def micro_batches(rollout, size):
-    """[(rows, the rollout's rows)], `size` rows at a time, less the padding columns
-    none of them needs (slice_rollout, section 14)."""
+    """[(rows, part)]: rows, a slice of the batch, `size` at a time; part, the rollout's
+    rows less the padding columns none of them needs (slice_rollout, section 14:
+    prompt_len shifts with them)."""
     N = rollout.sequences.shape[0]
     return [(rows, slice_rollout(rollout, rows)) for rows in row_slices(N, size)]
 
@@ -480,7 +483,9 @@ def grpo_update(trainer, rollout, advantages, args, learns=True):
     ref_logp = reference_logprobs(trainer, rollout, args) if args.beta > 0 else None
     advantages = advantages.to(rollout.old_logp.device)  # [N]
     tokens = rollout.loss_mask.sum()
-    log = UpdateLog()  # section 14: metrics by share, averaged over stepped passes
+    # UpdateLog (section 14): a pass's metrics are its micro-batches' share-weighted
+    # sums (logp_diff_max: their max); the row averages the passes that stepped.
+    log = UpdateLog()
     for epoch in range(args.inner_epochs):
         optimizer.zero_grad(set_to_none=True)
         micro = []  # (share, metrics) of each micro-batch
@@ -899,7 +904,6 @@ def ode_images(pipe, prompts, sources, rollout, noise, args):
 
 # ==== 14. The GRPO step's plumbing
 
-# ---- For section 2: model and LoRA ----
 def pipeline_from_pretrained(args, dtype):
     """--model's GlmImagePipeline ('tiny': built and cached on first use, section 21)."""
     from diffusers import GlmImagePipeline
@@ -955,7 +959,6 @@ def lora_layers(model):
     return [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
 
 
-# ---- For section 4: the AR's inputs, positions, policy, fast decoder ----
 def policy_generation_config(ar, sampling):
     """The policy as the AR's generation config, so that a saved pipeline samples the policy trained."""
     from transformers import GenerationConfig
@@ -1129,14 +1132,13 @@ def cuda_graph(step):
     return first, lambda: graph.replay() or out
 
 
-def progress(steps, what):  # a bar on rank 0's terminal: real-model phases take seconds
+def progress(steps, what):  # a bar on rank 0's terminal: real-model phases are slow
     if not (sys.stderr.isatty() and rank() == 0):
         return steps
     from tqdm.auto import tqdm
     return tqdm(steps, desc=what, leave=False)
 
 
-# ---- For sections 8-11: the kept set, micro-batches, reference, trainer ----
 @torch.no_grad()
 def dropped_by_warpers(z, sampling, keep=None):
     """[..., V] True where transformers' top-k / top-p warpers drop an id of z (ties as theirs), but `keep`'s. 1,024
@@ -1252,7 +1254,7 @@ class Half:
 
 @dataclass
 class Trainer:
-    pipe: object  # a GlmImagePipeline
+    pipe: object  # GlmImagePipeline
     sampling: SamplingParams
     optimizer: torch.optim.Optimizer = None
     lr_scheduler: object = None
@@ -1294,7 +1296,6 @@ def setup_training(args, rewards, dit_rewards=()):
     return trainer
 
 
-# ---- For section 19: a run of non-finite steps ----
 def non_finite_streak(bad_steps, row, out, args, start):
     """Rows of the last steps in a row that updated nothing: 5 (or a shorter run's all) stop it."""
     stuck = [h for h in ("", "dit/") if row.get(h + "skipped_updates") == args.inner_epochs]  # a half updated nothing
@@ -1313,7 +1314,6 @@ def non_finite_streak(bad_steps, row, out, args, start):
                      f"{'; non-finite '.join(causes)}; {saved}")
 
 
-# ---- For Part II: the i2i source's KV cache ----
 def write_source_caches(dit, cond):
     """Per prompt, the KV cache its DiT passes read (t2i: None): the pipeline's t=0 pass on the source, in-graph."""
     from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
@@ -1857,7 +1857,7 @@ def drawable(text, chars=math.inf):
 
 
 # ==== 19. The run: train()'s plumbing, Ctrl+C and SIGTERM
-# Ctrl+C/SIGTERM drops a step before its update (AbandonStep), finishes one past it; ranks agree.
+# Ctrl+C/SIGTERM drops a step before its update (AbandonStep), finishes one past it.
 
 class AbandonStep(BaseException):
     """BaseException: no plug-in's `except Exception` swallows it."""
