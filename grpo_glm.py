@@ -70,8 +70,8 @@ TINY = "tiny"
 
 
 class UsageError(Exception):
-    """Bad input: one line on stderr, exit code 2, no traceback. Under torchrun rank 0 prints it, or,
-    for an error local to one rank (`local=True`: a reward failing on its images), that rank."""
+    """Bad input: one line on stderr, exit code 2, no traceback. Under torchrun rank 0 prints it, or
+    with `local=True` (a reward failing on its images) the rank it failed on."""
 
     def __init__(self, message, local=False):
         super().__init__(message)
@@ -84,7 +84,7 @@ class UsageError(Exception):
 
 
 # ==== 1. Settings
-# Every flag: flag_parser (section 15), or `--help`. GRPO's own, with their defaults:
+# Every flag: flag_parser (section 15), or `--help`. Those Part I reads, defaults:
 #     --group-size G (32)          samples per prompt (sections 4, 7)
 #     --prompts-per-step P (2)     a step's batch is N = P x G samples
 #     --temperature, --top-k/-p    the policy pi (section 4)
@@ -110,7 +110,8 @@ DIT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the DiT's attention
 
 
 def load_pipeline(args):
-    """The GlmImagePipeline on args.device, its renderer (glyph encoder, DiT, VAE) frozen."""
+    """The GlmImagePipeline on args.device, its renderer frozen: text_encoder (the glyph
+    encoder), transformer (the DiT), vae."""
     pipe = pipeline_from_pretrained(args, getattr(torch, args.dtype))
     for name in ("text_encoder", "transformer", "vae"):
         getattr(pipe, name).requires_grad_(False)
@@ -147,7 +148,8 @@ def prepare_policy(ar, args):
 
 
 # ==== 3. A step's prompts, targets and seeds
-# Run.steps (section 19) picks the step's P prompt lines; here: their texts and images.
+# Run.steps (section 19) picks the step's P prompt lines (under torchrun, this rank's
+# share of them); here: their texts and images.
 
 def step_prompts(items, indices, mode):
     """-> prompts (P str), targets [P, 3, 32H, 32W] in [0, 1] | None, i2i sources (PIL)."""
@@ -520,7 +522,7 @@ def update_allowed(finite, learns):
 
 
 def first_pass_checks(logits, logp, part, sampling):
-    """|logp - old_logp|, 0 by construction, and the entropy: near 0 a group's samples
+    """|logp - old_logp|, 0 where old_logprobs says, and the entropy: near 0 a group's samples
     are alike, rewards tie, advantages are 0 and learning stops for good."""
     mask = part.loss_mask
     with torch.no_grad():
@@ -1262,7 +1264,7 @@ class Trainer:
     ar: Half = None  # None: --policy dit
     dit: Half = None  # None: --policy ar
     rewards: list = None  # --reward's plug-ins (section 6)
-    dit_rewards: list = None  # --dit-reward's (none: the DiT trains on `rewards`)
+    dit_rewards: list = None  # --dit-reward's (none: the DiT's are `rewards`)
     prompt_len: int = None  # run_prompt_len
     decoder: FastDecoder = None
     prompt_tokens: dict = None  # --policy dit: prompt index -> token grid (shared_prompt_tokens)
@@ -1341,7 +1343,7 @@ def write_source_caches(dit, cond):
 
 # ==== 15. Starting a run: flags, their one-line checks, --out
 
-SAME_ON_RESUME = "a resume must match"  # in a group's title: its flags change the algorithm (Resume)
+SAME_ON_RESUME = "a resume must match"  # in a group's title: its flags change the algorithm
 # requirements.txt's lower bounds (tested equal): older ones fail deep in a run.
 LEAST_VERSIONS = {"transformers": "5.23", "diffusers": "0.42.1", "peft": "0.20", "accelerate": "1.10"}
 
@@ -2180,7 +2182,7 @@ class Resume:
 # ==== 21. The tiny model's renderer: pre-trained once on token mosaics, then cached
 # Its AR is random (what to paint is GRPO's to learn); its renderer (~15 s CPU) paints id k in colour k mod 8.
 
-TINY_CODEBOOK = 64  # real: 16384; 8 ids a colour (a real codebook has many too)
+TINY_CODEBOOK = 64  # real: 16384; 8 ids a colour
 TINY_VISION_VOCAB = TINY_CODEBOOK + 16  # real: 16512 (codebook + 128 special ids)
 TINY_PALETTE = (torch.tensor(list(COLOURS.values()), dtype=torch.float32) / 255)[torch.arange(TINY_CODEBOOK) % 8]
 # get_rope_index places a source image in 2-D by its start and end tokens (a bare <|image|>: as text)
@@ -2386,12 +2388,12 @@ def distribute(model, params, args, reference=None):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # DiT's, unedited
     compute = getattr(torch, args.dtype)
-    master = torch.promote_types(compute, torch.float32)  # fp32 shards: AdamW's steps on bf16 round away
+    master = torch.promote_types(compute, torch.float32)  # fp32 shards: bf16 rounds AdamW's steps away
     cast_training_params(model, dtype=master)
     mesh = init_device_mesh(torch.device(args.device).type, (world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=master)  # gathered in bf16, reduced in fp32
     for module in [m for m in (model, reference) if m is not None]:
-        for unit in [*sharded_layers(module), module]:  # the policy's root stays gathered till backward
+        for unit in [*sharded_layers(module), module]:  # the policy's root stays gathered
             fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True if unit is reference else None)
     return model, [p for p in model.parameters() if p.requires_grad]
 
