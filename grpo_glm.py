@@ -233,7 +233,7 @@ def sample_groups(pipe, prompts, group_size, sampling, height, width, loss_token
     The sampler (decode_loop, section 14) runs a forward a token on a KV cache and
     draws each by gumbel_max; their log pi is sampler_logp. Group k draws from
     generators[k] alone (None: seeded off the global RNG). decoder: a run's
-    FastDecoder (section 14), else decode_loop on a fresh static KV cache."""
+    FastDecoder, else decode_loop on a fresh static KV cache."""
     ar = pipe.vision_language_encoder  # the AR
     batch, source_prior, grids = generation_inputs(
         pipe, prompts, sources, group_size, height, width, prompt_len)  # left-padded
@@ -327,7 +327,7 @@ def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps,
 def mse_reward(images, targets):
     """r = -mean((image - target)^2) over channels and pixels, the demo's reward.
     images, targets: float [N, 3, 32H, 32W] in [0, 1] -> [N] in [-1, 0]; 0: perfect."""
-    wide = images.to(torch.promote_types(images.dtype, torch.float32))  # copied out: bf16
+    wide = images.to(torch.promote_types(images.dtype, torch.float32))  # a copy-out caller's bf16
     return -((wide - targets) ** 2).mean(dim=(1, 2, 3))
 
 
@@ -1212,8 +1212,7 @@ def reference_logprobs(trainer, rollout, args):  # pi_ref [N, L]: pi_old's pass,
 
 
 class UpdateLog:
-    """A pass: micro-batch metrics summed by share (logp_diff_max: maxed). The row: stepped passes' mean, pass 1's
-    first-pass checks, skip counts."""
+    """grpo_update's and dit_update's bookkeeping, as section 10 says; plus the skip counts."""
     FIRST_PASS = ("logp_diff_max", "entropy")
 
     def __init__(self, prefix=""):
