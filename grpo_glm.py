@@ -157,8 +157,8 @@ def step_prompts(items, indices, mode):
     targets = [it.image("target") for it in batch]
     if any(t is None for t in targets):
         targets = None
-    else:  # PIL -> [3, 32H, 32W]
-        targets = torch.stack([pil_to_tensor(t) for t in targets])
+    else:  # PIL -> uint8 [P, 32H, 32W, 3] -> [P, 3, 32H, 32W]
+        targets = torch.from_numpy(np.stack(targets)).permute(0, 3, 1, 2) / 255
     sources = [it.image("source") for it in batch] if mode == "i2i" else None
     return [it.text for it in batch], targets, sources
 
@@ -678,7 +678,7 @@ def dit_velocity(dit, latents, t, cond, caches):
     without prior tokens and source; both branches run the trained DiT with gradients, as flow_grpo's training
     forward (one batch of both there): the policy is the guided velocity. A call per prompt: a batch pads glyph
     embeddings with zeros the DiT attends to (diffusers issue 13587)."""
-    dtype = unwrap(dit).dtype
+    dtype = getattr(dit, "module", dit).dtype  # DDP's wrapper holds it in .module
 
     def branch(rows, embeds, drop, cache):
         prior = cond.prior[rows]
@@ -832,7 +832,7 @@ def flow_grpo_step(trainer, items, indices, step, args, slots=None, before_updat
     if trainer.ar:
         rollout = sample_tokens(trainer, prompts, sources, slots, step, args)
     else:
-        rollout = shared_prompt_tokens(trainer, prompts, sources, indices, slots, step, args)
+        rollout = shared_prompt_tokens(trainer, prompts, sources, indices, args)
     # ---- SAMPLE the DiT (and DECODE): G SDE trajectories per prompt from its initial noise ----
     noise = group_noise(pipe, indices, G, args.height, args.width, args.seed, step, args.dit_noise)
     run = sample_dit_trajectories(pipe, prompts, sources, rollout, noise, indices, step, args)
@@ -857,24 +857,16 @@ def flow_grpo_step(trainer, items, indices, step, args, slots=None, before_updat
     return StepRecord(row, prompts, run.images, rewards, targets, sources, ode)
 
 
-def shared_prompt_tokens(trainer, prompts, sources, indices, slots, step, args):
-    """--policy dit: a token grid per prompt for its G samples (target_tokens [N, H*W]); --dit-prior per-prompt
-    draws it once (trainer.prompt_tokens), a fixed input the DiT can learn to paint; per-step anew."""
-    pipe, cache = trainer.pipe, trainer.prompt_tokens
-
-    def draw(i, step, index):
-        ar = pipe.vision_language_encoder
-        return sample_groups(pipe, [prompts[i]], 1, trainer.sampling, args.height, args.width, args.loss_tokens,
-                            sources and [sources[i]], [seeded(args.seed, "dit prior", step, index, ar.device)])
-
-    if args.dit_prior == "per-step":
-        draws = [draw(i, step, slot) for i, slot in enumerate(slots)]
-    else:
-        for i, index in enumerate(indices):
-            if index not in cache:
-                cache[index] = draw(i, 0, index)
-        draws = [cache[index] for index in indices]
-    G = args.group_size
+def shared_prompt_tokens(trainer, prompts, sources, indices, args):
+    """--policy dit: a token grid per prompt, drawn once (trainer.prompt_tokens) and shared by its G samples: a fixed
+    input the DiT learns to paint -> target_tokens [N, H*W]."""
+    pipe, cache, G = trainer.pipe, trainer.prompt_tokens, args.group_size
+    for i, index in enumerate(indices):
+        if index not in cache:
+            generator = seeded(args.seed, "dit prior", 0, index, pipe.vision_language_encoder.device)
+            cache[index] = sample_groups(pipe, [prompts[i]], 1, trainer.sampling, args.height, args.width,
+                                         args.loss_tokens, sources and [sources[i]], [generator])
+    draws = [cache[index] for index in indices]
     source_prior = sources and repeat_each([d.source_prior[0] for d in draws], G)  # per sample
     return SimpleNamespace(target_tokens=torch.cat([d.target_tokens.expand(G, -1) for d in draws]),
                            grid_hw=draws[0].grid_hw, source_prior=source_prior)
@@ -1168,9 +1160,6 @@ def active_dropout(model):
                  if getattr(m, "p" if isinstance(m, torch.nn.Dropout) else "attention_dropout", 0) > 0), None)
 
 
-def pil_to_tensor(image):  # [3, H, W] in [0, 1]
-    return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0).permute(2, 0, 1)
-
 def row_slices(num_samples, size):
     return [slice(start, min(start + size, num_samples)) for start in range(0, num_samples, size)]
 
@@ -1318,7 +1307,7 @@ def non_finite_streak(bad_steps, row, out, args, start):
 def write_source_caches(dit, cond):
     """Per prompt, the KV cache its DiT passes read (t2i: None): the pipeline's t=0 pass on the source, in-graph."""
     from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
-    module = unwrap(dit)
+    module = getattr(dit, "module", dit)  # unwrapped from DDP's
     if cond.source_latents is None:
         return [None] * len(cond.prompt_embeds)
     caches = []
@@ -1401,7 +1390,6 @@ def flag_parser():
     a("--dit-clip-eps", type=clip, default=1e-4, help="--clip-eps of the DiT's per-step ratio.")
     a("--dit-noise-level", type=positive, default=0.7, help="a in the SDE's std_t = a sqrt(sigma / (1 - sigma)).")
     a("--dit-train-steps", type=count, help="Trained SDE steps, then ODE (default: all but the last).")
-    a("--dit-prior", choices=draws, default="per-prompt", help="--policy dit: a group's tokens, once or each step.")
     a("--dit-reward", action="append", metavar="SPEC", help="--policy both: the DiT's own reward (as --reward).")
     a("--dit-lora-rank", type=non_negative_int, default=0, help="DiT LoRA rank (0 = full fine-tuning).")
     a = p.add_argument_group("logging and checkpoints").add_argument
@@ -1921,8 +1909,8 @@ class Run:
             self.closing.callback(signal.signal, s, signal.signal(s, self.request))
         # a step whose updates all skipped never called optimizer.step()
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-        if self.eval_items and self.start % args.eval_every == 0 and max_over_ranks(self.lead and not any(
-                "eval/seconds" in r and r["step"] == self.start for r in read_metrics(out / "metrics.jsonl"))):
+        if self.eval_items and self.start % args.eval_every == 0 and max(from_every_rank(self.lead and not any(
+                "eval/seconds" in r and r["step"] == self.start for r in read_metrics(out / "metrics.jsonl")))):
             self.evaluate(self.start)  # unless a run before the resume did
 
     def steps(self):
@@ -2017,7 +2005,7 @@ class Run:
     def agree(self):
         """True if any rank got a stop signal; all adopt its number (the exit code's)."""
         self.voted = True
-        if (seen := max_over_ranks(self.signum or 0)) and self.signum is None:
+        if (seen := max(from_every_rank(self.signum or 0))) and self.signum is None:
             self.signum = seen
             if self.lead:
                 print(f"{signal.Signals(seen).name} on another rank: stopping", file=sys.stderr, flush=True)
@@ -2351,19 +2339,11 @@ def world_size():
     return int(n) if (n := os.getenv("WORLD_SIZE", "1")).isdecimal() else 1
 
 
-def unwrap(model):
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-
-
 def from_every_rank(value):  # any picklable, in rank order
     values = [value] * world_size()
     if dist.is_initialized():
         dist.all_gather_object(values, value)
     return values
-
-
-def max_over_ranks(value):
-    return max(from_every_rank(int(value)))
 
 
 def all_ranks_agree(flag):
