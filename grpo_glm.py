@@ -94,7 +94,7 @@ class UsageError(Exception):
 #     --inner-epochs mu (4), --lr  AdamW passes over a batch (10)
 #     --micro-batch-size (G)       samples a forward (8, 10)
 #     --policy (ar)                what trains: the AR; dit|both: Part II
-# A pretrained --model changes some defaults to its model card's (--help says which).
+# A pretrained --model has its model card's defaults (--help says which).
 # A new flag: add it to its group in flag_parser, read it where it is used.
 # --resume refuses a changed flag of a group titled "(a resume must match)".
 # A checkpoint older than a flag compares it at its parser default, so a new
@@ -157,7 +157,7 @@ def step_prompts(items, indices, mode):
     targets = [it.image("target") for it in batch]
     if any(t is None for t in targets):
         targets = None
-    else:  # PIL -> uint8 [P, 32H, 32W, 3] -> [P, 3, 32H, 32W]
+    else:  # PIL -> [P, 3, 32H, 32W]
         targets = torch.from_numpy(np.stack(targets)).permute(0, 3, 1, 2) / 255
     sources = [it.image("source") for it in batch] if mode == "i2i" else None
     return [it.text for it in batch], targets, sources
@@ -182,7 +182,6 @@ def seeded(seed, purpose, step=0, index=0, device="cpu"):
 # i2i: after `<start><source's VQ tokens><end>text<sop>H W<eop><bos>`: H*W target | end.
 # Only the target grid reaches the DiT. Each token sits at an M-RoPE position (time,
 # row, column): text moves all three; grid cell (i, j) sits at (s, s + i, s + j).
-# pi_old and the loss read these positions (Rollout.position_ids): see old_logprobs.
 
 @dataclass
 class Rollout:
@@ -430,7 +429,6 @@ def old_logprobs(ar, rollout, sampling, size):
 # --loss-tokens: the reward depends only on the H*W target-grid tokens, which the preview
 # tokens condition. Training those too ('all') is the unbiased gradient, plus h*w ~ 256
 # tokens of near-pure noise; 'target' (the default) accepts that bias for less noise.
-# Part II's DiT calls grpo_loss too.
 
 def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=None):
     """PPO-clipped GRPO objective, averaged over the loss tokens -> (loss, metrics).
@@ -446,9 +444,8 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
     unbiased on tokens drawn from pi (the first pass); beta 0: kl is logged as 0.
     The mean over the batch's tokens is TRL's 'bnpo' ('grpo' and 'dapo' agree: the
     samples are equally long).
-    The mean is over this micro-batch's tokens; grpo_update weights it by its share
-    of the batch's tokens. Change n here, change that share too (Part II's DiT
-    calls this with mask = ones)."""
+    n: this micro-batch's tokens; grpo_update weights it by its token share (change
+    both together; Part II's DiT calls this with mask = ones)."""
     if beta > 0 and ref_logp is None:
         raise ValueError("beta > 0 needs ref_logp, the reference's log-probs [N, L]")
     adv = advantages.unsqueeze(1)  # [N, 1]
@@ -485,8 +482,9 @@ def grpo_update(trainer, rollout, advantages, args, learns=True):
     ref_logp = reference_logprobs(trainer, rollout, args) if args.beta > 0 else None
     advantages = advantages.to(rollout.old_logp.device)  # [N]
     tokens = rollout.loss_mask.sum()
-    # UpdateLog (section 14): a pass's metrics are its micro-batches' share-weighted
-    # sums (logp_diff_max: their max); the row averages the passes that stepped.
+    # UpdateLog (section 14) logs each key of `terms`: a pass's value is its micro-
+    # batches' share-weighted sum (logp_diff_max: their max), the row's the mean of
+    # the passes that stepped (entropy, logp_diff_max: pass 1's).
     log = UpdateLog()
     for epoch in range(args.inner_epochs):
         optimizer.zero_grad(set_to_none=True)
@@ -500,7 +498,7 @@ def grpo_update(trainer, rollout, advantages, args, learns=True):
                                     part.loss_mask, args.clip_eps, args.beta, ref)
             if epoch == 0:  # at pi_old: the ratio check, and entropy collapse
                 terms |= first_pass_checks(logits, logp, part, sampling)
-            # shares add up to 1: the pass's loss is the batch's token mean, as TRL's
+            # shares sum to 1: the pass's loss is the batch's token mean (TRL's)
             share = (part.loss_mask.sum() / tokens).item()
             (loss * share).backward()  # one micro-batch's graph alive at a time
             micro.append((share, {**terms, "loss": loss.item()}))
