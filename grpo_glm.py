@@ -713,10 +713,6 @@ def sde_step(v, x, sigmas, i, noise_level, eps=None, x_next=None):
     return x_next, logp.mean(dim=tuple(range(1, logp.ndim))), mean, std
 
 
-def sde_generators(seed, step, prompt_indices):
-    return [seeded(seed, "sde noise", step, index) for index in prompt_indices]
-
-
 @torch.no_grad()
 def sample_dit(dit, cond, noise, schedule, noise_level=0.0, train_steps=0, generators=()):
     """Denoises `noise` [N, C, h, w] -> DitRollout: `train_steps` SDE steps (eps: a generator per prompt), then ODE."""
@@ -742,9 +738,8 @@ def sample_dit(dit, cond, noise, schedule, noise_level=0.0, train_steps=0, gener
 def dit_step_logprob(dit, cond, rollout, i, noise_level):
     """Step i of the stored trajectories, with gradients: (logp [N], mean [N, C, h, w], std). The source's KV
     cache is rewritten in the step's graph: each step backpropagates on its own."""
-    caches = write_source_caches(dit, cond)
     x = rollout.states[:, i]
-    v = dit_velocity(dit, x, rollout.timesteps[i], cond, caches)
+    v = dit_velocity(dit, x, rollout.timesteps[i], cond, write_source_caches(dit, cond))
     return sde_step(v, x, rollout.sigmas, i, noise_level, x_next=rollout.states[:, i + 1])[1:]
 
 
@@ -770,17 +765,16 @@ def dit_update(trainer, run, advantages, args, learns=True):
     """grpo_update for the DiT: mu passes of grpo_loss (+ beta x dit_kl) per trained step and micro-batch (a step at
     a time, as flow_grpo), weighted rows / (N T): a pass's loss is grpo_loss over [N, T]."""
     dit, optimizer, rollout = trainer.dit, trainer.optimizer, run.trajectories
-    (N, T), size = rollout.old_logp.shape, args.micro_batch_size
+    N, T = rollout.old_logp.shape
     advantages = advantages.to(rollout.old_logp.device)
-    parts = {rows.start: (condition_rows(run.cond, rows), replace(rollout, states=rollout.states[rows],
-                                                                 old_logp=rollout.old_logp[rows]))
-             for rows in row_slices(N, size)}
+    parts = [(rows, condition_rows(run.cond, rows), replace(rollout, states=rollout.states[rows],
+                                                            old_logp=rollout.old_logp[rows]))
+             for rows in row_slices(N, args.micro_batch_size)]
     log = UpdateLog("dit/")
     for epoch in range(args.inner_epochs):
         optimizer.zero_grad(set_to_none=True)
         micro = []
-        for i, rows in sync_on_last(dit.forward, [(i, rows) for i in range(T) for rows in row_slices(N, size)]):
-            condition, part = parts[rows.start]
+        for i, (rows, condition, part) in sync_on_last(dit.forward, [(i, p) for i in range(T) for p in parts]):
             logp, mean, std = dit_step_logprob(dit.forward, condition, part, i, args.dit_noise_level)
             old_logp = part.old_logp[:, i:i + 1]
             loss, terms = grpo_loss(logp[:, None], old_logp, advantages[rows], torch.ones_like(old_logp),
@@ -877,7 +871,7 @@ def sample_dit_trajectories(pipe, prompts, sources, rollout, noise, indices, ste
                          rollout.source_prior and rollout.source_prior[::G])  # i2i: per prompt
     schedule = dit_schedule(pipe, args.height, args.width, args.num_inference_steps)
     trajectories = sample_dit(pipe.transformer, cond, noise, schedule, args.dit_noise_level, args.dit_train_steps,
-                              sde_generators(args.seed, step, indices))
+                              [seeded(args.seed, "sde noise", step, index) for index in indices])
     images = latents_to_images(pipe, trajectories.states[:, -1])  # VAE frozen: no graph
     return SimpleNamespace(cond=cond, trajectories=trajectories, images=images)
 
@@ -1053,8 +1047,7 @@ def decode_step(ar, ids, positions, mask, cache, uniform, sampling):
 
 def decode_loop(ar, ids, positions, mask, num_tokens, uniforms, sampling, cache,
                 step=decode_step):
-    """The sampler: forward -> Gumbel-max -> append, a token per row a step. The first
-    step is the prompt's prefill, which fills the KV cache. ids [N, S] ->
+    """The sampler: forward -> Gumbel-max -> append, a token per row a step. ids [N, S] ->
     (tokens [N, L], log pi [N, L]). step: the later steps' (FastDecoder: a CUDA graph)."""
     tokens, logps = [], []
     for t in range(num_tokens):
@@ -1174,7 +1167,6 @@ def slice_rollout(rollout, rows):
 
 def sync_on_last(forward, batches):
     """DDP: no gradient all-reduce but on the last batch. Every rank runs as many, or they hang."""
-    batches = list(batches)
     for k, batch in enumerate(batches):
         with forward.no_sync() if hasattr(forward, "no_sync") and k < len(batches) - 1 else contextlib.nullcontext():
             yield batch
@@ -1183,14 +1175,12 @@ def sync_on_last(forward, batches):
 @contextlib.contextmanager
 def reference_weights(model, reference):
     """The KL's pi_ref: `reference` (full fine-tuning's frozen copy), or with LoRA (None) `model`, adapters off."""
-    adapters = lora_layers(model) if reference is None else []
-    for layer in adapters:
-        layer.enable_adapters(False)
+    from diffusers.utils.peft_utils import set_adapter_layers  # lora_layers' enable_adapters
+    set_adapter_layers(model, enabled=reference is not None)
     try:
         yield model if reference is None else reference
     finally:
-        for layer in adapters:
-            layer.enable_adapters(True)
+        set_adapter_layers(model)
 
 
 def reference_logprobs(trainer, rollout, args):  # pi_ref [N, L]: pi_old's pass, the reference's weights

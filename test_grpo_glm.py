@@ -2827,7 +2827,7 @@ def _dit_logprobs(dit, cond, trajectories, noise_level):     # logp [N, T] of th
 @pytest.mark.parametrize("mode", ["t2i", "i2i"])
 def test_dit_recomputed_step_logprobs_match_the_sampler(sharp_pipe, mode):
     _, cond, noise, schedule, _ = _dit_case(sharp_pipe, mode, guidance=2.5, group=3)
-    trajectories = g.sample_dit(sharp_pipe.transformer, cond, noise, schedule, 0.7, 3, g.sde_generators(0, 1, [0]))
+    trajectories = g.sample_dit(sharp_pipe.transformer, cond, noise, schedule, 0.7, 3, [g.seeded(0, "sde noise", 1, 0)])
     assert trajectories.old_logp.shape == (3, 3) and trajectories.states.shape[1] == 5
     assert not torch.equal(trajectories.states[0, 1], trajectories.states[1, 1])   # the SDE noise differs per sample
     recomputed = _dit_logprobs(sharp_pipe.transformer, cond, trajectories, 0.7)
@@ -2838,12 +2838,12 @@ def test_dit_recomputed_step_logprobs_match_the_sampler(sharp_pipe, mode):
     assert (unguided - trajectories.old_logp).abs().max() > 1e-2
 
 
-def test_dit_sde_noise_is_per_prompt_whatever_the_batch():
-    together = g.sde_generators(0, 3, [5, 2])
-    alone = g.sde_generators(0, 3, [2])
-    assert torch.equal(torch.randn(4, generator=together[1]), torch.randn(4, generator=alone[0]))
-    assert not torch.equal(torch.randn(4, generator=g.sde_generators(0, 4, [2])[0]),
-                           torch.randn(4, generator=g.sde_generators(0, 3, [2])[0]))
+def test_dit_sde_noise_is_per_prompt_and_step():
+    """The SDE's generators: seeded by (step, prompt index), so a prompt's noise is its own whatever the batch
+    (end to end: test_i2i_decodes_each_prompt_from_its_own_source) and new each step."""
+    draw = lambda *key: torch.randn(4, generator=g.seeded(0, "sde noise", *key))
+    assert torch.equal(draw(3, 2), draw(3, 2))
+    assert not torch.equal(draw(4, 2), draw(3, 2)) and not torch.equal(draw(3, 5), draw(3, 2))
 
 
 def test_dit_gradient_raises_the_logprob_of_a_positive_advantage_trajectory():
@@ -2853,7 +2853,7 @@ def test_dit_gradient_raises_the_logprob_of_a_positive_advantage_trajectory():
     params = g.prepare_dit_policy(dit, args)
     reference = __import__("copy").deepcopy(dit).requires_grad_(False)
     _, cond, noise, schedule, _ = _dit_case(pipe, "t2i", 1.0, group=2)
-    trajectories = g.sample_dit(dit, cond, noise, schedule, 0.7, 3, g.sde_generators(0, 1, [0]))
+    trajectories = g.sample_dit(dit, cond, noise, schedule, 0.7, 3, [g.seeded(0, "sde noise", 1, 0)])
     advantages = torch.tensor([1.0, -1.0])
     trainer = g.Trainer(pipe, None, torch.optim.SGD(params, lr=1e-2), dit=g.Half(dit, dit, params, reference))
     update = g.dit_update(trainer, SimpleNamespace(cond=cond, trajectories=trajectories), advantages, args)
@@ -3166,7 +3166,7 @@ def test_dit_micro_batches_give_the_full_batch_update(monkeypatch):
     assert cond.prompt_embeds[0].shape[1] != cond.prompt_embeds[1].shape[1]       # different glyph lengths
     noise = g.group_noise(pipe, [0, 1], 3, 64, 64, 0, 1, "per-prompt").double()
     trajectories = g.sample_dit(dit, cond, noise, g.dit_schedule(pipe, 64, 64, 4), 0.7, 3,
-                                g.sde_generators(0, 1, [0, 1]))
+                                [g.seeded(0, "sde noise", 1, i) for i in (0, 1)])
     # pi_old a little off the policy: ratios of 1 +- 3e-4 (some clipped at --dit-clip-eps 1e-4)
     trajectories.old_logp += 3e-4 * torch.linspace(-1, 1, 18, dtype=torch.float64).view(6, 3)
     advantages = torch.tensor([1.0, -0.5, -0.5, 0.3, 0.7, -1.0], dtype=torch.float64)
