@@ -1556,7 +1556,6 @@ class PromptItem:
     text: str
     where: str  # 'prompts.txt:3', for messages
     size: tuple  # (height, width) images are resized to
-    mode: str
     image_from: dict  # 'target' / 'source' -> a Path, or draw_shape's arguments
 
     def image(self, kind):  # RGB at `size`, or None
@@ -1596,19 +1595,19 @@ def read_prompts(path, height, width, mode="t2i", need_targets=("mse",), flag="-
         if mode == "i2i" and "source" not in image_from:  # drawn from the edit's words (a missing target too)
             image_from["source"] = demo_scene(text, where, mode, "source")
             image_from.setdefault("target", demo_scene(text, where, mode))
-        items.append(PromptItem(text, where, (height, width), mode, image_from))
+        items.append(PromptItem(text, where, (height, width), image_from))
     if not items:
         raise UsageError(f"{flag} {path}: no prompts (only blank or comment lines)")
     if resized:
         print(f"note: images resized to {width}x{height} (--width x --height)")
-    require_targets(items, need_targets)
+    require_targets(items, need_targets, mode)
     return items
 
 
-def require_targets(items, reward_names):
+def require_targets(items, reward_names, mode):
     for item in [it for it in items if reward_names and "target" not in it.image_from]:
         why = f"the reward {', '.join(reward_names)} reads targets"
-        item.image_from["target"] = demo_scene(item.text, item.where, item.mode, why=why)
+        item.image_from["target"] = demo_scene(item.text, item.where, mode, why=why)
 
 
 def read_image(path, where, kind, size=None):
@@ -1875,7 +1874,7 @@ class Run:
                   "steps repeat lines of the file")
         rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [], "--dit-reward")
         readers = [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)]
-        require_targets(items + self.eval_items, readers)
+        require_targets(items + self.eval_items, readers, args.mode)
         args.prompts_sha256 = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
         resume = Resume(args, out)  # refuses under the lock, before any model loads
         self.start = resume.step
@@ -2146,12 +2145,11 @@ class Resume:
         for path in self.later:
             path.rename(path.with_name(path.name + ".dropped"))
             print(f"note: renamed {path.name} to {path.name}.dropped")
-        step, rows = self.step, self.rows
-        if dropped := [row for row in rows if isinstance(row, str) or row["step"] > step]:  # a cut-short row too
-            aside = out / f"metrics.dropped_after_step_{step:06d}.jsonl"
-            for file, kept in ((aside, dropped), (out / "metrics.jsonl", [r for r in rows if r not in dropped])):
+        if dropped := [row for row in self.rows if isinstance(row, str) or row["step"] > self.step]:  # a torn row too
+            aside = out / f"metrics.dropped_after_step_{self.step:06d}.jsonl"
+            for file, kept in ((aside, dropped), (out / "metrics.jsonl", [r for r in self.rows if r not in dropped])):
                 atomic_write(file, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
-            print(f"note: resuming sets the {len(dropped)} metrics rows past step {step} aside in {aside}")
+            print(f"note: resuming sets the {len(dropped)} metrics rows past step {self.step} aside in {aside}")
 
 
 # ==== 21. The tiny model's renderer: pre-trained once on token mosaics, then cached
