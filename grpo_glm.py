@@ -2208,12 +2208,11 @@ def build_tiny_pipeline(seed=0, ar_init_range=0.02, mosaic_ar=False):
     transformer = GlmImageTransformer2DModel(in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16,
                                              num_attention_heads=2, text_embed_dim=32, time_embed_dim=16,
                                              condition_dim=8, prior_vq_quantizer_codebook_size=TINY_CODEBOOK)
-    pipe = GlmImagePipeline(
+    ar.generation_config = policy_generation_config(ar, SamplingParams(codebook=TINY_CODEBOOK))  # as training's
+    return GlmImagePipeline(
         processor=GlmImageProcessor(image_processor, tokenizer, chat_template=TINY_CHAT_TEMPLATE), vae=colour_vae(),
         tokenizer=ByT5Tokenizer(), text_encoder=text_encoder.eval(), vision_language_encoder=ar,
         transformer=transformer.eval(), scheduler=FlowMatchEulerDiscreteScheduler())
-    ar.generation_config = policy_generation_config(ar, SamplingParams(codebook=TINY_CODEBOOK))  # as training's
-    return pipe
 
 
 def random_mosaics(batch, grid_hw, generator, cell=32):
