@@ -78,13 +78,13 @@ class UsageError(Exception):
         self.local = local
 
 
-# PART I. GRPO on the autoregressive half: one read, from the flags to the training loop
+# PART I. GRPO on the autoregressive half, from the flags to the training loop
 # A whole run. GLM-Image's machinery sits behind the calls named here: section 14,
 # and the DiT's (dit_condition, sample_dit...) in section 12.
 
 
 # ==== 1. Settings
-# Every flag: flag_parser (section 15), or `--help`. Those Part I reads, defaults:
+# All flags: flag_parser (section 15) or --help; the loss's and update's (default):
 #     --group-size G (32)          samples per prompt (sections 4, 7)
 #     --prompts-per-step P (2)     a step's batch is N = P x G samples
 #     --temperature, --top-k/-p    the policy pi (section 4)
@@ -92,6 +92,7 @@ class UsageError(Exception):
 #     --loss-tokens (target)       the tokens the loss covers (sections 4, 9)
 #     --clip-eps (0.2), --beta (0) PPO's clip range, the KL's weight (9)
 #     --inner-epochs mu (4), --lr  AdamW passes over a batch (10)
+#     --max-grad-norm (1.0)        the gradient norm's clip (10)
 #     --micro-batch-size (G)       samples a forward (8, 10)
 #     --policy (ar)                what trains: the AR; dit|both: Part II
 # A pretrained --model has its model card's defaults (--help says which).
@@ -105,7 +106,7 @@ class UsageError(Exception):
 # `--model tiny` (section 21): the real classes at toy size, the real code path.
 # In the pipeline the AR is `vision_language_encoder`, the DiT `transformer`.
 
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]  # AR Linears
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]
 DIT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the DiT's attention
 
 
@@ -141,7 +142,7 @@ def prepare_policy(ar, args):
         ar.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         ar.disable_input_require_grads()  # a hook only reentrant checkpointing needs
     # The loss runs the body in train mode (gradient checkpointing needs it), and
-    # so does pi_old's pass (section 4). Dropout would make each its own policy.
+    # so does pi_old's pass (old_logprobs). Dropout would make each its own policy.
     if dropout := active_dropout(ar.model.language_model):
         raise UsageError(f"--model {args.model}: dropout in {dropout}: set it to 0")
     return [p for p in ar.parameters() if p.requires_grad]
@@ -177,11 +178,12 @@ def seeded(seed, purpose, step=0, index=0, device="cpu"):
 # ==== 4. SAMPLE: G token grids per prompt, with the log-prob of every sampled token
 # t2i: after the prompt `text<sop>H W<eop><sop>h w<eop><bos>` the AR writes
 #     h*w preview tokens (a ~16x16 sketch) | H*W target-grid tokens | 1 end slot
-# (the end slot: generate()'s end-of-image position, sampled, never trained or painted).
+# (the end slot: generate()'s end-of-image step: sampled, never trained or painted).
 # At 128 px: 16x16 + 4x4 + 1 = 273 tokens, the target grid generated[:, 256:272].
 # i2i: after `<start><source's VQ tokens><end>text<sop>H W<eop><bos>`: H*W target | end.
 # Only the target grid reaches the DiT. Each token sits at an M-RoPE position (time,
-# row, column): text moves all three; grid cell (i, j) sits at (s, s + i, s + j).
+# row, column): text moves all three; grid cell (i, j) sits at (s, s + i, s + j),
+# s one past the text or the grid before.
 
 @dataclass
 class Rollout:
@@ -208,7 +210,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0          # keep the k likeliest ids (0: all)
     top_p: float = 1.0      # of those, the fewest whose mass adds up to p (1: all)
-    codebook: int = 0       # ids >= it (image start, end...) crash the DiT: never drawn
+    codebook: int = 0       # ids >= it (image start, end) crash the DiT: never drawn
 
 
 def at_least_fp32(x):
@@ -236,7 +238,7 @@ def sample_groups(pipe, prompts, group_size, sampling, height, width, loss_token
     ar = pipe.vision_language_encoder  # the AR
     batch, source_prior, grids = generation_inputs(
         pipe, prompts, sources, group_size, height, width, prompt_len)  # left-padded
-    L = sum(h * w for h, w in grids) + 1  # the grids, then the end slot
+    L = sum(h * w for h, w in grids) + 1  # t2i: preview, target; i2i: target; end
     positions = rollout_positions(ar, batch, grids)  # [3, N, S + L - 1]
     mask = batch["attention_mask"]
     mask = torch.nn.functional.pad(mask, (0, L - 1), value=1)  # [N, S + L - 1]
@@ -245,7 +247,7 @@ def sample_groups(pipe, prompts, group_size, sampling, height, width, loss_token
     prompt = batch["input_ids"]  # [N, S]
     tokens, logp = decoder(ar, prompt, positions, mask, L, uniforms, sampling)
     H, W = grids[-1]
-    target = slice(L - 1 - H * W, L - 1)  # the target grid: last before the end slot
+    target = slice(L - 1 - H * W, L - 1)  # the target grid, then the end slot
     covered = target if loss_tokens == "target" else slice(0, target.stop)
     loss_mask = torch.zeros_like(tokens, dtype=torch.float32)
     loss_mask[:, covered] = 1.0
@@ -265,7 +267,7 @@ def sample_tokens(trainer, prompts, sources, slots, step, args):
         rollout = sample_groups(trainer.pipe, prompts, args.group_size, sampling,
                                 args.height, args.width, args.loss_tokens, sources,
                                 generators, trainer.prompt_len, decoder)
-        ar.model.train()  # the transformer body (.model), as in the loss
+        ar.model.train()  # the body (.model), as in the loss
         old_logp = old_logprobs(ar, rollout, sampling, args.micro_batch_size)
     return replace(rollout, old_logp=old_logp)
 
@@ -326,7 +328,7 @@ def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps,
 def mse_reward(images, targets):
     """r = -mean((image - target)^2) over channels and pixels, the demo's reward.
     images, targets: float [N, 3, 32H, 32W] in [0, 1] -> [N] in [-1, 0]; 0: perfect."""
-    wide = images.to(torch.promote_types(images.dtype, torch.float32))  # a copy-out caller's bf16
+    wide = images.to(torch.promote_types(images.dtype, torch.float32))  # a caller's bf16
     return -((wide - targets) ** 2).mean(dim=(1, 2, 3))
 
 
@@ -411,12 +413,13 @@ def policy_logprobs(ar, rollout, sampling):
 
 @torch.no_grad()
 def old_logprobs(ar, rollout, sampling, size):
-    """log pi_old [N, L]: before any update, the loss's own pass: policy_logits at the
-    sampler's positions, token_logprobs, the same micro-batches, the same train mode.
-    Where no_grad picks the same kernels (the CPU, the H200 measured), pass 1's logp
-    is this tensor bit for bit: the ratio exp(logp - old_logp) is exactly 1 and
-    logp_diff_max 0 (--fsdp's pi_old, on gathered weights: 0 to rounding; a GPU whose
-    SDPA picks kernels by requires_grad would show it). Two ways to get it wrong:
+    """log pi_old [N, L], before any update, by the loss's own pass: policy_logits at
+    the sampler's positions, token_logprobs, the same train mode and micro-batches (a
+    micro-batch's rows set its padding, hence the kernels' order of sums). Pass 1 runs
+    before optimizer.step(), so its logp is this tensor bit for bit: the ratio is
+    exactly 1, logp_diff_max 0 (measured on the CPU and the H200; --fsdp: 0 to
+    rounding; a GPU whose SDPA picked kernels by requires_grad would show it). TRL's
+    logp.detach() is 1 by construction; here it is a check. Two ways to get it wrong:
     - the sampler's own log-probs (sampler_logp) come from other kernels (a KV cache, a
       token a step) and round otherwise: ~1e-6 in fp32, ~1e-2 in bf16 (sampler_gap);
     - a forward without the sampler's position_ids numbers the grid like text: pi_old
@@ -442,8 +445,9 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
 
     logp, old_logp, ref_logp (when beta > 0), mask: [N, L]; advantages: [N]. k3 is
     unbiased on tokens drawn from pi (the first pass); beta 0: kl is logged as 0.
-    The mean over the batch's tokens is TRL's 'bnpo' ('grpo' and 'dapo' agree: the
-    samples are equally long).
+    Pass 1 has ratio 1: no clip, the gradient -A grad log pi (REINFORCE, the group
+    mean as baseline). The batch's token mean is TRL's 'dapo' ('bnpo', 'grpo' agree
+    when micro-batches are alike: the samples are equally long).
     n: this micro-batch's tokens; grpo_update weights it by its token share (change
     both together; Part II's DiT calls this with mask = ones)."""
     if beta > 0 and ref_logp is None:
@@ -477,7 +481,7 @@ def grpo_update(trainer, rollout, advantages, args, learns=True):
     wrapper; .params). learns: some group on this rank has finite rewards. A pass
     skips its step on a non-finite loss or norm, or if no rank learns."""
     policy, sampling, optimizer = trainer.ar, trainer.sampling, trainer.optimizer
-    # The body stays in the train mode sample_tokens set for pi_old's pass.
+    # Train mode: sample_tokens sets it each step, for pi_old's pass.
     # pi_ref: a frozen copy, or under LoRA the base (adapters off), section 14
     ref_logp = reference_logprobs(trainer, rollout, args) if args.beta > 0 else None
     advantages = advantages.to(rollout.old_logp.device)  # [N]
@@ -575,7 +579,7 @@ def train(args):
     sheet, CHECKPOINT) and stops on Ctrl+C / SIGTERM."""
     step_fn = grpo_step if args.policy == "ar" else flow_grpo_step  # Part II
     with Run(args) as run:
-        for step, indices, slots in run.steps():  # this rank's share of the prompts
+        for step, indices, slots in run.steps():  # this rank's prompts
             result = step_fn(run.trainer, run.items, indices, step, args, slots,
                              run.vote)
             run.record(step, result)
