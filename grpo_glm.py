@@ -2,11 +2,9 @@
 
   pip install -r requirements.txt
   python grpo_glm.py --steps 40 --out runs/demo   # the tiny GLM-Image (section 21), ~2 min on a CPU
-  python grpo_glm.py --resume latest --out runs/demo --steps 60
   python grpo_glm.py --reward my_rewards.py:score --report-to tensorboard --out runs/mine
   python grpo_glm.py --model zai-org/GLM-Image --lora-rank 64 --height 512 --width 512 --out runs/ar
   python grpo_glm.py --plan --model zai-org/GLM-Image     # memory plan at 1024x1024, no GPU
-  python grpo_glm.py --policy dit --steps 150 --inner-epochs 1 --group-size 8 --out runs/dit
   torchrun --nproc_per_node 8 grpo_glm.py --prompts-per-step 8 --out runs/glm8  # section 22
 
 GLM-Image is a hybrid: an autoregressive (AR) transformer writes a grid of discrete image tokens,
@@ -95,7 +93,7 @@ class UsageError(Exception):
 #     --max-grad-norm (1.0)        the gradient norm's clip (10)
 #     --micro-batch-size (G)       samples a forward (8, 10)
 #     --policy (ar)                what trains: the AR; dit|both: Part II
-# A pretrained --model has its model card's defaults (--help says which).
+# A pretrained --model has its model card's defaults (--model X --help shows them).
 # A new flag: add it to its group in flag_parser, read it where it is used.
 # --resume refuses a changed flag of a group titled "(a resume must match)".
 # A checkpoint older than a flag compares it at its parser default, so a new
@@ -104,7 +102,6 @@ class UsageError(Exception):
 
 # ==== 2. Model: GLM-Image = AR (transformers) + DiT/VAE/glyph encoder (diffusers)
 # `--model tiny` (section 21): the real classes at toy size, the real code path.
-# In the pipeline the AR is `vision_language_encoder`, the DiT `transformer`.
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]
 DIT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the DiT's attention
@@ -335,8 +332,7 @@ def mse_reward(images, targets):
 def compute_rewards(rewards, images, prompts, targets, group_size):
     """(total [N] = sum_k w_k r_k, {name: r_k [N]}) over the --reward plug-ins (Reward:
     .name, .fn, .weight); prompts (P) and targets [P, ...] repeat G times each.
-    Summed, then standardised (TRL's order): a reward's pull is weight x its spread.
-    call_reward (section 17) checks each returns [N], warns of non-finite values."""
+    Summed, then standardised (TRL's order): a reward's pull is weight x its spread."""
     prompts = repeat_each(prompts, group_size)
     if targets is not None:
         targets = targets.repeat_interleave(group_size, 0)
@@ -1329,8 +1325,9 @@ LEAST_VERSIONS = {"transformers": "5.23", "diffusers": "0.42.1", "peft": "0.20",
 
 
 def parse_args(argv=None):
-    p = flag_parser()
-    if (known := p.parse_known_args(argv)[0]).model != TINY:
+    p, argv = flag_parser(), sys.argv[1:] if argv is None else argv
+    flags = [a for a in argv if a not in ("-h", "--help")]  # --help then shows --model's defaults
+    if (known := p.parse_known_args(flags)[0]).model != TINY:
         p.set_defaults(**pretrained_defaults(known))  # those above are the tiny demo's
     args = p.parse_args(argv)
     if not args.eval_prompts and (args.eval_every or args.eval_num_inference_steps):
@@ -1418,11 +1415,7 @@ class Parser(argparse.ArgumentParser):
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action):  # no '(default: None)': the help says what happens
-        if action.default in (None, argparse.SUPPRESS):
-            return action.help
-        plain, lora = (pretrained_defaults(SimpleNamespace(dit_lora_rank=r)).get(action.dest) for r in (0, 1))
-        also = f"; a pretrained model's: {plain:g}" if plain else ""
-        return super()._get_help_string(action)[:-1] + also + (f", {lora:g} with LoRA" if lora != plain else "") + ")"
+        return action.help if action.default is None else super()._get_help_string(action)
 
 
 def number(kind, least=-math.inf, above=-math.inf, most=math.inf, below=math.inf, multiple=None):
@@ -1504,8 +1497,7 @@ def pretrained_defaults(args):
         json.loads(saved.read_text()).get("trained_decode", {}) if saved.is_file() else {})
 
 
-def resolve_runtime(args):
-    """The flags' derived values, printed as 'running with'."""
+def resolve_runtime(args):  # the flags' derived values
     args.device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if args.dtype == "auto":
         args.dtype = "bfloat16" if args.device == "cuda" and args.model != TINY else "float32"

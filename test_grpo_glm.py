@@ -2372,7 +2372,7 @@ def test_readme_commands_parse_and_each_run_has_its_own_out():
 
 
 def _each_run_its_own_out(commands, seen, outs):
-    assert len(commands) >= 7, commands
+    assert len(commands) >= 4, commands
     for argv in commands:
         args = g.parse_args(argv)
         if args.plan or argv in seen:
@@ -3271,9 +3271,15 @@ def test_help_gives_each_default_once(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "Default: mse." in text and "(default: None)" not in text
     assert re.search(r"--gradient-checkpointing Recompute [^.]*DiT", text)       # the DiT's too (issue 49)
-    tiny, (plain, lora) = g.parse_args([]), (g.pretrained_defaults(SimpleNamespace(dit_lora_rank=r)) for r in (0, 4))
-    assert f"(default: {tiny.lr}; a pretrained model's: {plain['lr']:g})" in text      # argparse's, then the dict's
-    assert f"(default: {tiny.dit_lr}; a pretrained model's: {plain['dit_lr']:g}, {lora['dit_lr']:g} with LoRA)" in text
+    tiny = g.parse_args([])
+    assert f"AdamW learning rate. (default: {tiny.lr})" in text                        # the tiny demo's
+    for flags in ([], ["--dit-lora-rank", "4"]):                  # with --model, its own (and its flags')
+        pretrained = g.pretrained_defaults(SimpleNamespace(dit_lora_rank=int(bool(flags))))
+        with pytest.raises(SystemExit):
+            g.parse_args(["--model", "my/model", *flags, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        assert f"AdamW learning rate. (default: {pretrained['lr']})" in text, text
+        assert f"The DiT's AdamW learning rate. (default: {pretrained['dit_lr']})" in text
 
 
 def test_prompts_per_step_must_divide_by_the_world_size(tmp_path, monkeypatch, capsys):
