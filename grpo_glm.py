@@ -175,12 +175,12 @@ def seeded(seed, purpose, step=0, index=0, device="cpu"):
 # ==== 4. SAMPLE: G token grids per prompt, with the log-prob of every sampled token
 # t2i: after the prompt `text<sop>H W<eop><sop>h w<eop><bos>` the AR writes
 #     h*w preview tokens (a ~16x16 sketch) | H*W target-grid tokens | 1 end slot
-# (the end slot: generate()'s end-of-image step: sampled, never trained or painted).
+# (the end slot: generate()'s end-of-image step: a codebook id, never trained or painted).
 # At 128 px: 16x16 + 4x4 + 1 = 273 tokens, the target grid generated[:, 256:272].
 # i2i: after `<start><source's VQ tokens><end>text<sop>H W<eop><bos>`: H*W target | end.
 # Only the target grid reaches the DiT. Each token sits at an M-RoPE position (time,
 # row, column): text moves all three; grid cell (i, j) sits at (s, s + i, s + j),
-# s one past the text or the grid before.
+# s: past the text, + max(h, w) a grid before.
 
 @dataclass
 class Rollout:
@@ -313,7 +313,8 @@ def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps,
 #     prompts  N str; row i is one sample, a prompt's G samples consecutive
 #     targets  [N, 3, 32H, 32W], or None if a prompt in the step has none
 # Each rank scores its own groups. --reward module:fn or file.py:fn, with
-# '=WEIGHT', picks them (section 17); any replaces the default, mse.
+# '=WEIGHT' (not 0), picks them (section 17), logged as rewards/<fn>; any
+# replaces the default, mse.
 # `fn.uses_targets = True`: at start, a line with no target gets one drawn from
 # its words (section 16) or is refused. The demo's --reward mse is the plug-in
 # mse (section 17), a wrapper of mse_reward. A plug-in of your own, in a file:
@@ -414,8 +415,9 @@ def old_logprobs(ar, rollout, sampling, size):
     micro-batch's rows set its padding, hence the kernels' order of sums). Pass 1 runs
     before optimizer.step(), so its logp is this tensor bit for bit: the ratio is
     exactly 1, logp_diff_max 0 (measured on the CPU and the H200; --fsdp: 0 to
-    rounding; a GPU whose SDPA picked kernels by requires_grad would show it). TRL's
-    logp.detach() is 1 by construction; here it is a check. Two ways to get it wrong:
+    rounding; a GPU whose SDPA picked kernels by requires_grad would show it). TRL
+    takes logp.detach() at mu 1, at mu > 1 a pass like this, unchecked. Two ways to
+    get it wrong:
     - the sampler's own log-probs (sampler_logp) come from other kernels (a KV cache, a
       token a step) and round otherwise: ~1e-6 in fp32, ~1e-2 in bf16 (sampler_gap);
     - a forward without the sampler's position_ids numbers the grid like text: pi_old
@@ -441,9 +443,9 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
 
     logp, old_logp, ref_logp (when beta > 0), mask: [N, L]; advantages: [N]. k3 is
     unbiased on tokens drawn from pi (the first pass); beta 0: kl is logged as 0.
-    Pass 1 has ratio 1: no clip, the gradient -A grad log pi (REINFORCE, the group
-    mean as baseline). The batch's token mean is TRL's 'dapo' ('bnpo', 'grpo' agree
-    when micro-batches are alike: the samples are equally long).
+    Pass 1 has ratio 1 (logp_diff_max 0): no clip, the gradient -A grad log pi + beta
+    grad k3 (REINFORCE, the group mean as baseline). The batch's token mean is TRL's
+    'dapo' ('bnpo', 'grpo' agree for equal micro-batches: samples are equally long).
     n: this micro-batch's tokens; grpo_update weights it by its token share (change
     both together; Part II's DiT calls this with mask = ones)."""
     if beta > 0 and ref_logp is None:
@@ -478,7 +480,7 @@ def grpo_update(trainer, rollout, advantages, args, learns=True):
     skips its step on a non-finite loss or norm, or if no rank learns."""
     policy, sampling, optimizer = trainer.ar, trainer.sampling, trainer.optimizer
     # Train mode: sample_tokens sets it each step, for pi_old's pass.
-    # pi_ref: a frozen copy, or under LoRA the base (adapters off), section 14
+    # pi_ref: a frozen copy, or under LoRA the base (adapters off, then on again)
     ref_logp = reference_logprobs(trainer, rollout, args) if args.beta > 0 else None
     advantages = advantages.to(rollout.old_logp.device)  # [N]
     tokens = rollout.loss_mask.sum()
