@@ -410,14 +410,14 @@ def policy_logprobs(ar, rollout, sampling):
 
 @torch.no_grad()
 def old_logprobs(ar, rollout, sampling, size):
-    """log pi_old [N, L], before any update, by the loss's own pass: policy_logits at
-    the sampler's positions, token_logprobs, the same train mode and micro-batches (a
-    micro-batch's rows set its padding, hence the kernels' order of sums). Pass 1 runs
-    before optimizer.step(), so its logp is this tensor bit for bit: the ratio is
-    exactly 1, logp_diff_max 0 (measured on the CPU and the H200; --fsdp: 0 to
-    rounding; a GPU whose SDPA picked kernels by requires_grad would show it). TRL
-    takes logp.detach() at mu 1, at mu > 1 a pass like this, unchecked. Two ways to
-    get it wrong:
+    """log pi_old [N, L], before any update. Pass 1 of grpo_update computes this very
+    tensor, bit for bit (ratio exactly 1, logp_diff_max 0), as nothing differs:
+    - the weights: no optimizer.step() before pass 1 ends;
+    - the pass: policy_logits at the sampler's positions, token_logprobs, train mode,
+      the same micro-batches (a micro-batch's rows set its padding, so its sums).
+    Measured on the CPU and the H200; --fsdp: to rounding; a GPU whose SDPA picks
+    kernels by requires_grad would show > 0. TRL takes logp.detach() at mu 1, at
+    mu > 1 a pass like this, unchecked. Two ways to get it wrong:
     - the sampler's own log-probs (sampler_logp) come from other kernels (a KV cache, a
       token a step) and round otherwise: ~1e-6 in fp32, ~1e-2 in bf16 (sampler_gap);
     - a forward without the sampler's position_ids numbers the grid like text: pi_old
@@ -484,9 +484,9 @@ def grpo_update(trainer, rollout, advantages, args, learns=True):
     ref_logp = reference_logprobs(trainer, rollout, args) if args.beta > 0 else None
     advantages = advantages.to(rollout.old_logp.device)  # [N]
     tokens = rollout.loss_mask.sum()
-    # UpdateLog (section 14) logs each key of `terms`: a pass's value is its micro-
-    # batches' share-weighted sum (logp_diff_max: their max), the row's the mean of
-    # the passes that stepped (entropy, logp_diff_max: pass 1's).
+    # UpdateLog (section 14) logs each key of `terms`. A pass: the share-weighted sum
+    # of its micro-batches' values (logp_diff_max: their max). The row: the mean of
+    # the passes that stepped; entropy and logp_diff_max are pass 1's.
     log = UpdateLog()
     for epoch in range(args.inner_epochs):
         optimizer.zero_grad(set_to_none=True)
