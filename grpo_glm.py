@@ -413,11 +413,12 @@ def old_logprobs(ar, rollout, sampling, size):
     """log pi_old [N, L], before any update. Pass 1 of grpo_update computes this very
     tensor, bit for bit (ratio exactly 1, logp_diff_max 0), as nothing differs:
     - the weights: no optimizer.step() before pass 1 ends;
-    - the pass: policy_logits at the sampler's positions, token_logprobs, train mode,
-      the same micro-batches (a micro-batch's rows set its padding, so its sums).
+    - the pass: policy_logits (DDP's wrapper runs the same) at the sampler's positions,
+      token_logprobs, the body in train mode, the same micro-batches (slice_rollout
+      drops the padding all a micro-batch's rows share: other rows, other sums).
     Measured on the CPU and the H200; --fsdp: to rounding; a GPU whose SDPA picks
-    kernels by requires_grad would show > 0. TRL takes logp.detach() at mu 1, at
-    mu > 1 a pass like this, unchecked. Two ways to get it wrong:
+    kernels by requires_grad would show > 0. Passes 2..mu need pi_old frozen: hence
+    this pass (TRL's at mu > 1 is unchecked). Two ways to get it wrong:
     - the sampler's own log-probs (sampler_logp) come from other kernels (a KV cache, a
       token a step) and round otherwise: ~1e-6 in fp32, ~1e-2 in bf16 (sampler_gap);
     - a forward without the sampler's position_ids numbers the grid like text: pi_old
@@ -444,7 +445,7 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
     logp, old_logp, ref_logp (when beta > 0), mask: [N, L]; advantages: [N]. k3 is
     unbiased on tokens drawn from pi (the first pass); beta 0: kl is logged as 0.
     Pass 1 has ratio 1 (logp_diff_max 0): no clip, the gradient -A grad log pi + beta
-    grad k3 (REINFORCE, the group mean as baseline). The batch's token mean is TRL's
+    grad k3 (REINFORCE, A standardised in its group). The batch's token mean is TRL's
     'dapo' ('bnpo', 'grpo' agree for equal micro-batches: samples are equally long).
     n: this micro-batch's tokens; grpo_update weights it by its token share (change
     both together; Part II's DiT calls this with mask = ones)."""
