@@ -173,10 +173,11 @@ def seeded(seed, purpose, step=0, index=0, device="cpu"):
 
 
 # ==== 4. SAMPLE: G token grids per prompt, with the log-prob of every sampled token
-# t2i: after the prompt `text<sop>H W<eop><sop>h w<eop><bos>` the AR writes
-#     h*w preview tokens (a ~16x16 sketch) | H*W target-grid tokens | 1 end slot
+# t2i: the prompt `text<sop>H W<eop><sop>h w<eop><bos>` names the target grid (H x W
+# tokens, 32 px each), then a preview (h x w, ~16 x 16 at any size); the AR writes
+#     h*w preview tokens | H*W target-grid tokens | 1 end slot
 # (the end slot: generate()'s end-of-image step: a codebook id, never trained or painted).
-# At 128 px: 16x16 + 4x4 + 1 = 273 tokens, the target grid generated[:, 256:272].
+# At 128 px: 256 + 16 + 1 = 273 tokens, the target grid generated[:, 256:272].
 # i2i: after `<start><source's VQ tokens><end>text<sop>H W<eop><bos>`: H*W target | end.
 # Only the target grid reaches the DiT. Each token sits at an M-RoPE position (time,
 # row, column): text moves all three; grid cell (i, j) sits at (s, s + i, s + j),
