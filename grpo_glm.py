@@ -211,15 +211,11 @@ class SamplingParams:
     codebook: int = 0       # ids >= it (image start, end) crash the DiT: never drawn
 
 
-def at_least_fp32(x):
-    return x.to(torch.promote_types(x.dtype, torch.float32))  # bf16 -> fp32; fp64 stays
-
-
 def gumbel_max(logits, uniform, sampling):
     """A draw from softmax(z) over the finite z: argmax_v (z_v - log(-log u_v)), u ~ U(0, 1).
     logits, u [N, V] -> (ids [N], log pi(ids) [N] fp64)."""
     kept = torch.isfinite(kept_logits(logits, sampling))  # pi's kept set
-    z = at_least_fp32(logits).double() / sampling.temperature
+    z = logits.double() / sampling.temperature
     z = z.masked_fill(~kept, float("-inf"))
     token = (z - torch.log(-torch.log(uniform))).argmax(-1)  # u = 0: -inf, never drawn
     return token, z.log_softmax(-1).gather(-1, token[:, None])[:, 0]
@@ -680,7 +676,7 @@ def dit_velocity(dit, latents, t, cond, caches):
     without prior tokens and source; both branches run the trained DiT with gradients, as flow_grpo's training
     forward (one batch of both there): the policy is the guided velocity. A call per prompt: a batch pads glyph
     embeddings with zeros the DiT attends to (diffusers issue 13587)."""
-    dtype = getattr(dit, "module", dit).dtype  # DDP's wrapper holds it in .module
+    dtype = getattr(dit, "module", dit).dtype  # under DDP the model is .module
 
     def branch(rows, embeds, drop, cache):
         prior = cond.prior[rows]
@@ -1149,6 +1145,10 @@ def dropped_by_warpers(z, sampling, keep=None):
     return dropped
 
 
+def at_least_fp32(x):
+    return x.to(torch.promote_types(x.dtype, torch.float32))  # bf16 -> fp32; fp64 stays
+
+
 def active_dropout(model):
     """The first module with dropout in train mode (nn.Dropout's p, attention_dropout), or None."""
     return next((name for name, m in model.named_modules()
@@ -1179,7 +1179,7 @@ def sync_on_last(forward, batches):
 @contextlib.contextmanager
 def reference_weights(model, reference):
     """The KL's pi_ref: `reference` (full fine-tuning's frozen copy), or with LoRA (None) `model`, adapters off."""
-    from diffusers.utils.peft_utils import set_adapter_layers  # lora_layers' enable_adapters
+    from diffusers.utils.peft_utils import set_adapter_layers  # each PEFT layer's enable_adapters
     set_adapter_layers(model, enabled=reference is not None)
     try:
         yield model if reference is None else reference
@@ -1299,7 +1299,7 @@ def non_finite_streak(bad_steps, row, out, args, start):
 def write_source_caches(dit, cond):
     """Per prompt, the KV cache its DiT passes read (t2i: None): the pipeline's t=0 pass on the source, in-graph."""
     from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
-    module = getattr(dit, "module", dit)  # unwrapped from DDP's
+    module = getattr(dit, "module", dit)  # under DDP the model is .module
     if cond.source_latents is None:
         return [None] * len(cond.prompt_embeds)
     caches = []
