@@ -82,7 +82,7 @@ class UsageError(Exception):
 
 
 # ==== 1. Settings
-# All flags: flag_parser (section 15) or --help; the loss's and update's (default):
+# All flags: flag_parser (section 15); the loss's and update's (default):
 #     --group-size G (32)          samples per prompt (sections 4, 7)
 #     --prompts-per-step P (2)     a step's batch is N = P x G samples
 #     --temperature, --top-k/-p    the policy pi (section 4)
@@ -121,8 +121,7 @@ def load_pipeline(args):
 
 
 def prepare_policy(ar, args):
-    """Marks what of the AR trains (LoRA adapters, all its weights, or lm_head alone:
-    --ar-trainable, 'head' for the tiny model) -> the trained parameters."""
+    """What of the AR trains (--lora-rank, --ar-trainable) -> the trained parameters."""
     if args.lora_rank:
         add_lora(ar, args.lora_rank, args.lora_alpha, LORA_TARGETS,
                  exclude_modules=r".*visual.*|.*vqmodel.*")
@@ -135,11 +134,10 @@ def prepare_policy(ar, args):
             # AR's body is random: trained along, it paints every cell alike (README).
             ar.model.requires_grad_(False)
     if args.gradient_checkpointing:
-        kwargs = {"use_reentrant": False}
-        ar.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        ar.activation_checkpointing_enable({"use_reentrant": False})
         ar.disable_input_require_grads()  # a hook only reentrant checkpointing needs
     # The loss runs the body in train mode (gradient checkpointing needs it), and
-    # so does pi_old's pass (old_logprobs). Dropout would make each its own policy.
+    # so does pi_old's pass. Dropout would make each its own policy.
     if dropout := active_dropout(ar.model.language_model):
         raise UsageError(f"--model {args.model}: dropout in {dropout}: set it to 0")
     return [p for p in ar.parameters() if p.requires_grad]
@@ -225,10 +223,9 @@ def gumbel_max(logits, uniform, sampling):
 def sample_groups(pipe, prompts, group_size, sampling, height, width, loss_tokens,
                   sources=None, generators=None, prompt_len=None, decoder=None):
     """G samples per prompt (i2i: edits of `sources`) -> Rollout, without old_logp.
-    The sampler (decode_loop, section 14) runs a forward a token on a KV cache and
-    draws each by gumbel_max; their log pi is sampler_logp. Group k draws from
-    generators[k] alone (None: seeded off the global RNG). decoder: a run's
-    FastDecoder, else decode_loop on a fresh static KV cache."""
+    The sampler (decode_loop, section 14, or a run's FastDecoder) runs a forward a
+    token on a KV cache and draws each by gumbel_max: their log pi is sampler_logp.
+    Group k draws from generators[k] alone (None: seeded off the global RNG)."""
     ar = pipe.vision_language_encoder  # the AR
     batch, source_prior, grids = generation_inputs(
         pipe, prompts, sources, group_size, height, width, prompt_len)  # left-padded
@@ -290,10 +287,9 @@ def group_noise(pipe, prompt_indices, group_size, height, width, seed, step, mod
 def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps,
                   guidance_scale):
     """DECODE: images [N, 3, 32H, 32W] from the target grids, with the pipeline's
-    schedule, conditioning and Euler steps: Part II's loop without its noise (tested
-    equal to the pipeline). Not `pipe(...)`: it pads prompts' glyph embeddings together
-    (the DiT attends to the zeros), and re-hooks CPU offload at its end (moving the
-    trained AR off the GPU)."""
+    schedule, conditioning and Euler steps (Part II's loop, no noise). Not `pipe(...)`:
+    it pads prompts' glyph embeddings together (the DiT attends to the zeros), and
+    re-hooks CPU offload at its end (moving the trained AR off the GPU)."""
     G = rollout.target_tokens.shape[0] // len(prompts)
     priors = rollout.source_prior and rollout.source_prior[::G]  # i2i: per prompt
     cond = dit_condition(pipe, prompts, G, rollout.target_tokens, rollout.grid_hw,
@@ -394,8 +390,7 @@ def policy_logits(ar, rollout):
 
 def micro_batches(rollout, size):
     """[(rows, part)]: rows, a slice of the batch, `size` at a time; part, the rollout's
-    rows less the padding columns none of them needs (slice_rollout, section 14:
-    prompt_len shifts with them)."""
+    rows less the padding columns none of them needs (slice_rollout, section 14)."""
     N = rollout.sequences.shape[0]
     return [(rows, slice_rollout(rollout, rows)) for rows in row_slices(N, size)]
 
@@ -478,7 +473,7 @@ def grpo_update(trainer, rollout, advantages, args, learns=True):
     skips its step on a non-finite loss or norm, or if no rank learns."""
     policy, sampling, optimizer = trainer.ar, trainer.sampling, trainer.optimizer
     # Train mode: sample_tokens sets it each step, for pi_old's pass.
-    # pi_ref: a frozen copy, or under LoRA the base (adapters off, then on again)
+    # pi_ref: a frozen copy, or under LoRA the base (adapters off for it)
     ref_logp = reference_logprobs(trainer, rollout, args) if args.beta > 0 else None
     advantages = advantages.to(rollout.old_logp.device)  # [N]
     tokens = rollout.loss_mask.sum()
@@ -498,7 +493,6 @@ def grpo_update(trainer, rollout, advantages, args, learns=True):
                                     part.loss_mask, args.clip_eps, args.beta, ref)
             if epoch == 0:  # at pi_old: the ratio check, and entropy collapse
                 terms |= first_pass_checks(logits, logp, part, sampling)
-            # shares sum to 1: the pass's loss is the batch's token mean (TRL's)
             share = (part.loss_mask.sum() / tokens).item()
             (loss * share).backward()  # one micro-batch's graph alive at a time
             micro.append((share, {**terms, "loss": loss.item()}))
@@ -842,8 +836,11 @@ def flow_grpo_step(trainer, items, indices, step, args, slots=None, before_updat
         row |= grpo_update(trainer, rollout, group_advantages(rewards, G), args, learns)
     learns = row.get("dit/frac_reward_nonfinite", row["frac_reward_nonfinite"]) < 1
     row |= dit_update(trainer, run, group_advantages(dit_rewards, G), args, learns)
-    sheet_due = args.sample_every and (step % args.sample_every == 0 or step == args.steps)
-    ode = ode_images(pipe, prompts, sources, rollout, noise, args) if sheet_due else None
+    ode = None  # the sheet's: the updated DiT's a = 0 decode of each prompt's first sample
+    if args.sample_every and (step % args.sample_every == 0 or step == args.steps):
+        firsts = SimpleNamespace(target_tokens=rollout.target_tokens[::G], grid_hw=rollout.grid_hw,
+                                 source_prior=rollout.source_prior and rollout.source_prior[::G])
+        ode = decode_images(pipe, prompts, sources, firsts, noise[::G], args.num_inference_steps, args.guidance_scale)
     if trainer.dit_rewards:  # the sheet's captions: AR / DiT
         rewards = torch.stack([rewards, dit_rewards], 1)
     return StepRecord(row, prompts, run.images, rewards, targets, sources, ode)
@@ -874,14 +871,6 @@ def sample_dit_trajectories(pipe, prompts, sources, rollout, noise, indices, ste
                               [seeded(args.seed, "sde noise", step, index) for index in indices])
     images = latents_to_images(pipe, trajectories.states[:, -1])  # VAE frozen: no graph
     return SimpleNamespace(cond=cond, trajectories=trajectories, images=images)
-
-
-def ode_images(pipe, prompts, sources, rollout, noise, args):
-    """The updated DiT's a = 0 decode of each prompt's first sample [P, 3, H, W], for the sample sheet."""
-    G = args.group_size
-    firsts = SimpleNamespace(target_tokens=rollout.target_tokens[::G], grid_hw=rollout.grid_hw,
-                             source_prior=rollout.source_prior and rollout.source_prior[::G])
-    return decode_images(pipe, prompts, sources, firsts, noise[::G], args.num_inference_steps, args.guidance_scale)
 
 
 # PART III. Plumbing: skip on first read
@@ -1833,10 +1822,9 @@ def drawable(text, chars=math.inf):
 
 
 # ==== 19. The run: train()'s plumbing, Ctrl+C and SIGTERM
-# Ctrl+C/SIGTERM drops a step before its update (AbandonStep), finishes one past it.
 
 class AbandonStep(BaseException):
-    """BaseException: no plug-in's `except Exception` swallows it."""
+    """A stop signal before a step's update drops it. BaseException: no plug-in's `except Exception` catches it."""
 
 
 class Run:
@@ -1869,9 +1857,6 @@ class Run:
         self.eval_items = args.eval_prompts and read(args.eval_prompts, "--eval-prompts") or []
         if 0 < len(self.eval_items) < world_size():  # a block of at least one a rank
             raise UsageError(f"--eval-prompts {args.eval_prompts}: {len(self.eval_items)} for {world_size()} processes")
-        if args.prompts_per_step > len(items) and self.lead:
-            print(f"note: --prompts-per-step {args.prompts_per_step} > the {len(items)} lines of {args.prompts}: "
-                  "steps repeat lines of the file")
         rewards, dit_rewards = load_rewards(args.reward), load_rewards(args.dit_reward or [], "--dit-reward")
         readers = [r.name for r in rewards + dit_rewards if getattr(r.fn, "uses_targets", False)]
         require_targets(items + self.eval_items, readers, args.mode)
@@ -2669,7 +2654,6 @@ def generate_images(pipe, prompts, sources=None, height=None, width=None, num_in
     if sources is not None and len(sources) != len(prompts):
         raise ValueError(f"one source per prompt: got {len(sources)} sources for {len(prompts)} prompts")
     sampling = replace(sampling_of(ar), temperature=temperature or ar.generation_config.temperature)
-    pipe.processor.tokenizer.padding_side = "left"  # as load_pipeline sets it
     if sources is not None:  # upright, at the trained size
         sources = [to_rgb(ImageOps.exif_transpose(s)).resize((width, height), Image.BICUBIC) for s in sources]
     noise = group_noise(pipe, range(len(prompts)), 1, height, width, seed, 0, "per-prompt")

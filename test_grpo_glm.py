@@ -3903,14 +3903,6 @@ def test_i2i_demo_line_that_is_no_edit_is_refused_before_anything_loads(tmp_path
     assert "make the red circle blue" in lines[0] and not (tmp_path / "run").exists()
 
 
-def test_more_prompts_per_step_than_lines_is_noted_once(tmp_path, capsys):
-    (tmp_path / "p.txt").write_text("a red circle on a white background\n")
-    g.main(["--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "run"), "--steps", "1", "--group-size", "2",
-            "--prompts-per-step", "2", "--sample-every", "0", "--height", "64", "--width", "64"])
-    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
-    assert len(notes) == 1 and "repeat lines of" in notes[0] and "--prompts-per-step 2" in notes[0], notes
-
-
 def test_resume_into_a_model_that_does_not_fit_names_the_flags(finished_run, capsys):
     ckpt = str(finished_run / "checkpoints" / "step_000001.pt")
     for flags, needle in [(["--policy", "both"], "--policy ar -> both"), (["--lora-rank", "2"], "--lora-rank 0 -> 2")]:
@@ -4055,8 +4047,8 @@ def test_decoded_images_do_not_depend_on_their_batch_mates(sharp_pipe):
 
 
 def test_i2i_decodes_each_prompt_from_its_own_source(sharp_pipe):
-    """Two i2i prompts in a batch: the second's images (the a = 0 decode, the DiT's SDE rollout, the sample sheet's
-    ODE decode) equal its own alone: each group is rendered from its own source's tokens, not the first group's."""
+    """Two i2i prompts in a batch: the second's images (the a = 0 decode, as the sample sheet's too, and the DiT's SDE
+    rollout) equal its own alone: each group is rendered from its own source's tokens, not the first group's."""
     prompts = ["make the red circle blue", "make the green square red"]
     sources = [g.draw_shape("circle", "red", "white", 64, 64), g.draw_shape("square", "green", "black", 64, 64)]
     _, source_prior, _ = g.generation_inputs(sharp_pipe, prompts, sources, 2, 64, 64)
@@ -4065,8 +4057,7 @@ def test_i2i_decodes_each_prompt_from_its_own_source(sharp_pipe):
     args = g.resolve_runtime(g.parse_args(["--policy", "dit", "--mode", "i2i", "--group-size", "2", "--height", "64",
                                            "--width", "64", "--num-inference-steps", "3"]))
     for decode in (lambda *a: g.decode_images(sharp_pipe, *a[:4], 3, 1.0),
-                   lambda *a: g.sample_dit_trajectories(sharp_pipe, *a, 1, args).images,
-                   lambda *a: g.ode_images(sharp_pipe, *a[:4], args)):
+                   lambda *a: g.sample_dit_trajectories(sharp_pipe, *a, 1, args).images):
         rollout = SimpleNamespace(target_tokens=tokens, grid_hw=(2, 2), source_prior=source_prior)
         both = decode(prompts, sources, rollout, noise, [0, 1])
         alone = decode(prompts[1:], sources[1:], SimpleNamespace(target_tokens=tokens[2:], grid_hw=(2, 2),
