@@ -77,8 +77,8 @@ class UsageError(Exception):
 
 
 # PART I. GRPO on the autoregressive half, from the flags to the training loop
-# A whole run. GLM-Image's machinery sits behind the calls named here: section 14,
-# and the DiT's (dit_condition, sample_dit...) in section 12.
+# A whole run, in a step's order. GLM-Image's machinery sits behind the calls named
+# here (section 14); read their names and comments, not their code.
 
 
 # ==== 1. Settings
@@ -100,86 +100,27 @@ class UsageError(Exception):
 # flag's value must stay what the parser gave (None: resolve it where it is read).
 
 
-# ==== 2. Model: GLM-Image = AR (transformers) + DiT/VAE/glyph encoder (diffusers)
+# ==== 2. Model
+# GLM-Image is one diffusers GlmImagePipeline: the AR (transformers'
+# GlmImageForConditionalGeneration), the policy, and a frozen renderer
+# (glyph encoder, DiT, VAE). load_pipeline loads it; prepare_policy picks what
+# trains: LoRA adapters (--lora-rank) or the AR's own weights (both section 14).
 # `--model tiny` (section 21): the real classes at toy size, the real code path.
 
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]
-DIT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the DiT's attention
 
-
-def load_pipeline(args):
-    """The GlmImagePipeline on args.device, its renderer frozen: text_encoder (the glyph
-    encoder), transformer (the DiT), vae."""
-    pipe = pipeline_from_pretrained(args, getattr(torch, args.dtype))
-    for name in ("text_encoder", "transformer", "vae"):
-        getattr(pipe, name).requires_grad_(False)
-    pipe.processor.tokenizer.padding_side = "left"  # every prompt ends at one column
-    pipe.set_progress_bar_config(disable=True)      # the run prints a line a step
-    pipe.vae.enable_slicing()  # one image at a time: at 1024^2 each holds ~3 GiB
-    place_pipeline(pipe, args)  # on the device; --offload: frozen parts take turns
-    return pipe
-
-
-def prepare_policy(ar, args):
-    """What of the AR trains (--lora-rank, --ar-trainable) -> the trained parameters."""
-    if args.lora_rank:
-        add_lora(ar, args.lora_rank, args.lora_alpha, LORA_TARGETS,
-                 exclude_modules=r".*visual.*|.*vqmodel.*")
-    else:
-        ar.requires_grad_(True)
-        ar.model.visual.requires_grad_(False)  # the vision encoder and VQ read sources
-        ar.model.vqmodel.requires_grad_(False)
-        if args.ar_trainable == "head":
-            # lm_head reads each (prompt, cell) off the body's fixed features. The tiny
-            # AR's body is random: trained along, it paints every cell alike (README).
-            ar.model.requires_grad_(False)
-    if args.gradient_checkpointing:
-        ar.activation_checkpointing_enable({"use_reentrant": False})
-        ar.disable_input_require_grads()  # a hook only reentrant checkpointing needs
-    # The loss runs the body in train mode (gradient checkpointing needs it), and
-    # so does pi_old's pass. Dropout would make each its own policy.
-    if dropout := active_dropout(ar.model.language_model):
-        raise UsageError(f"--model {args.model}: dropout in {dropout}: set it to 0")
-    return [p for p in ar.parameters() if p.requires_grad]
-
-
-# ==== 3. A step's prompts, targets and seeds
-# Run.steps (section 19) picks the step's P prompt lines (under torchrun, this rank's
-# share of them); here: their texts and images.
-
-def step_prompts(items, indices, mode):
-    """-> prompts (P str), targets [P, 3, 32H, 32W] in [0, 1] | None, i2i sources (PIL)."""
-    batch = [items[i] for i in indices]
-    targets = [it.image("target") for it in batch]
-    if any(t is None for t in targets):
-        targets = None
-    else:  # PIL -> [P, 3, 32H, 32W]
-        targets = torch.from_numpy(np.stack(targets)).permute(0, 3, 1, 2) / 255
-    sources = [it.image("source") for it in batch] if mode == "i2i" else None
-    return [it.text for it in batch], targets, sources
-
-
-def repeat_each(items, group_size):
-    return [x for x in items for _ in range(group_size)]  # [a, b] -> [a x G, b x G]
-
-
-def seeded(seed, purpose, step=0, index=0, device="cpu"):
-    """Every random stream (prompt order, tokens, DiT noise): a generator of its own,
-    seeded by (--seed, purpose, step, index), alike on any rank. Hashed: sums collide."""
-    digest = hashlib.sha256(f"{seed}/{purpose}/{step}/{index}".encode()).digest()
-    return torch.Generator(device).manual_seed(int.from_bytes(digest[:8], "little"))
+# ==== 3. A step's prompts
+# Run.steps (section 19) picks the step's P prompt lines (under torchrun, this
+# rank's share). step_prompts reads their texts, target images, i2i sources.
+# seeded(seed, purpose, step, index) gives every random stream its own generator.
 
 
 # ==== 4. SAMPLE: G token grids per prompt, with the log-prob of every sampled token
-# t2i: the prompt `text<sop>H W<eop><sop>h w<eop><bos>` names the target grid (H x W
-# tokens, 32 px each), then a preview (h x w, ~16 x 16 at any size); the AR writes
+# The prompt names the target grid: H x W image tokens, each 32 x 32 px. The AR writes
 #     h*w preview tokens | H*W target-grid tokens | 1 end slot
-# (the end slot: generate()'s end-of-image step: a codebook id, never trained or painted).
-# At 128 px: 256 + 16 + 1 = 273 tokens, the target grid generated[:, 256:272].
-# i2i: after `<start><source's VQ tokens><end>text<sop>H W<eop><bos>`: H*W target | end.
-# Only the target grid reaches the DiT. Each token sits at an M-RoPE position (time,
-# row, column): text moves all three; grid cell (i, j) sits at (s, s + i, s + j),
-# s: past the text, + max(h, w) a grid before.
+# (a ~16 x 16 preview at any size, first; i2i: none). At 128 px: 256 + 16 + 1 = 273
+# tokens, the target grid generated[:, 256:272]. Only the target grid reaches the DiT.
+# Token positions are M-RoPE's (time, row, column); grid cell (i, j) sits at
+# (s, s + i, s + j). The loss must use them too: old_logprobs says why.
 
 @dataclass
 class Rollout:
@@ -271,50 +212,21 @@ def sampler_gap(rollout):
 
 
 # ==== 5. DECODE: target-grid tokens -> DiT -> VAE -> pixels
-
-def group_noise(pipe, prompt_indices, group_size, height, width, seed, step, mode):
-    """Initial DiT latents [N, C, 4H, 4W]: one draw per prompt, shared by its G samples,
-    so that only the tokens differ. --dit-noise per-prompt: the same every step."""
-    shape = (pipe.transformer.config.in_channels, height // pipe.vae_scale_factor,
-             width // pipe.vae_scale_factor)
-    step = 0 if mode == "per-prompt" else step
-    draws = [torch.randn(shape, generator=seeded(seed, "dit noise", step, i))
-             for i in prompt_indices]
-    return torch.stack(draws).repeat_interleave(group_size, 0)
-
-
-@torch.no_grad()
-def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps,
-                  guidance_scale):
-    """DECODE: images [N, 3, 32H, 32W] from the target grids, with the pipeline's
-    schedule, conditioning and Euler steps (Part II's loop, no noise). Not `pipe(...)`:
-    it pads prompts' glyph embeddings together (the DiT attends to the zeros), and
-    re-hooks CPU offload at its end (moving the trained AR off the GPU)."""
-    G = rollout.target_tokens.shape[0] // len(prompts)
-    priors = rollout.source_prior and rollout.source_prior[::G]  # i2i: per prompt
-    cond = dit_condition(pipe, prompts, G, rollout.target_tokens, rollout.grid_hw,
-                         guidance_scale, sources, priors)
-    H, W = rollout.grid_hw
-    schedule = dit_schedule(pipe, 32 * H, 32 * W, num_inference_steps)
-    latents = sample_dit(pipe.transformer, cond, noise, schedule).states[:, -1]
-    return latents_to_images(pipe, latents)
+# decode_images runs the frozen renderer as GlmImagePipeline would, on noise that
+# group_noise draws once a prompt: a group's G images differ by their tokens alone.
 
 
 # ==== 6. REWARD
-# A reward plug-in is fn(images, prompts, targets) -> [N], higher = better:
+# A reward is fn(images, prompts, targets) -> [N] floats, higher = better:
 #     images   [N, 3, 32H, 32W] in [0, 1], on the CPU, fp32 (or --dtype float64)
-#     prompts  N str; row i is one sample, a prompt's G samples consecutive
+#     prompts  N str; a prompt's G samples are consecutive rows
 #     targets  [N, 3, 32H, 32W], or None if a prompt in the step has none
-# Each rank scores its own groups. --reward module:fn or file.py:fn, with
-# '=WEIGHT' (not 0), picks them (section 17), logged as rewards/<fn>; any
-# replaces the default, mse.
-# `fn.uses_targets = True`: at start, a line with no target gets one drawn from
-# its words (section 16) or is refused. The demo's --reward mse is the plug-in
-# mse (section 17), a wrapper of mse_reward. A plug-in of your own, in a file:
+# For example, in my_rewards.py, run with --reward my_rewards.py:brightness:
 #     def brightness(images, prompts, targets):
 #         return images.mean(dim=(1, 2, 3))
-# call_reward (section 17) makes the return a CPU float tensor; a NaN or inf
-# leaves its group out of the step, with a warning; a raise stops the run.
+# --reward module:fn=WEIGHT also works; repeated, the rewards add up (section 17
+# loads them; a NaN leaves its group out, a raise stops the run). The default,
+# --reward mse, wraps mse_reward below.
 
 def mse_reward(images, targets):
     """r = -mean((image - target)^2) over channels and pixels, the demo's reward.
@@ -402,19 +314,18 @@ def policy_logprobs(ar, rollout, sampling):
 
 @torch.no_grad()
 def old_logprobs(ar, rollout, sampling, size):
-    """log pi_old [N, L], before any update. Pass 1 of grpo_update computes this very
-    tensor, bit for bit (ratio exactly 1, logp_diff_max 0), as nothing differs:
-    - the weights: no optimizer.step() before pass 1 ends;
-    - the pass: policy_logits (DDP's wrapper runs the same) at the sampler's positions,
-      token_logprobs, the body in train mode, the same micro-batches (slice_rollout
-      drops the padding all a micro-batch's rows share: other rows, other sums).
-    Measured on the CPU and the H200; --fsdp: to rounding; a GPU whose SDPA picks
-    kernels by requires_grad would show > 0. Passes 2..mu need pi_old frozen: hence
-    this pass (TRL's at mu > 1 is unchecked). Two ways to get it wrong:
-    - the sampler's own log-probs (sampler_logp) come from other kernels (a KV cache, a
-      token a step) and round otherwise: ~1e-6 in fp32, ~1e-2 in bf16 (sampler_gap);
-    - a forward without the sampler's position_ids numbers the grid like text: pi_old
-      and the loss agree (ratio 1) but score another policy, nats a token apart."""
+    """log pi_old [N, L]: the loss's own forward, once, before any update. Passes
+    2..mu of grpo_update need pi_old frozen: hence this pass. On pass 1 the loss
+    computes this very tensor, bit for bit (ratio 1, logp_diff_max 0), as nothing
+    differs: the weights (no optimizer.step() yet), the code (policy_logits, its DDP
+    wrapper alike, and token_logprobs), the body's train mode, the micro-batches
+    (each drops the padding its rows share: other rows, other sums). Measured on
+    the CPU and an H200; --fsdp: to rounding.
+    Why not the sampler's own log-probs (sampler_logp)? Its kernels differ (a KV
+    cache, a token a step) and round otherwise: ~1e-6 in fp32, ~1e-2 in bf16.
+    The pitfall: a forward without the sampler's position_ids numbers the grid
+    like text. The ratio would still be 1, but pi_old and the loss would score a
+    policy other than the one that sampled, nats a token apart (sampler_gap)."""
     parts = micro_batches(rollout, size)
     return torch.cat([policy_logprobs(ar, part, sampling) for _, part in parts])
 
@@ -434,13 +345,12 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
         kl       = exp(ref - logp) - (ref - logp) - 1     k3 estimator of KL(pi || pi_ref)
         loss     = masked_mean(pg_loss + beta * kl)
 
-    logp, old_logp, ref_logp (when beta > 0), mask: [N, L]; advantages: [N]. k3 is
-    unbiased on tokens drawn from pi (the first pass); beta 0: kl is logged as 0.
-    Pass 1 has ratio 1 (logp_diff_max 0): no clip, the gradient -A grad log pi + beta
-    grad k3 (REINFORCE, A standardised in its group). The batch's token mean is TRL's
-    'dapo' ('bnpo', 'grpo' agree for equal micro-batches: samples are equally long).
-    n: this micro-batch's tokens; grpo_update weights it by its token share (change
-    both together; Part II's DiT calls this with mask = ones)."""
+    logp, old_logp, ref_logp (when beta > 0), mask: [N, L]; advantages: [N].
+    k3 is unbiased on tokens drawn from pi (the first pass); beta 0: kl logs 0.
+    Pass 1 has ratio 1, so nothing clips: the gradient is -A grad log pi (REINFORCE,
+    A standardised in its group) + beta grad k3. The mean is over this micro-batch's
+    n tokens; grpo_update weights it by its share of the batch's tokens, so the
+    batch's loss is its token mean: TRL's loss_type 'dapo'."""
     if beta > 0 and ref_logp is None:
         raise ValueError("beta > 0 needs ref_logp, the reference's log-probs [N, L]")
     adv = advantages.unsqueeze(1)  # [N, 1]
@@ -466,13 +376,12 @@ def grpo_loss(logp, old_logp, advantages, mask, clip_eps, beta=0.0, ref_logp=Non
 # The learning-rate schedule steps once a GRPO step (Run.record, section 19).
 
 def grpo_update(trainer, rollout, advantages, args, learns=True):
-    """mu = --inner-epochs passes over one batch, each one AdamW step on the whole
-    batch's gradient, its micro-batches' share-weighted sum -> the step's metrics.
-    trainer.ar: the trained AR, a Half (section 14: .model; .forward: it or its DDP
-    wrapper; .params). learns: some group on this rank has finite rewards. A pass
-    skips its step on a non-finite loss or norm, or if no rank learns."""
+    """mu = --inner-epochs passes over one batch -> the step's metrics. A pass sums
+    its micro-batches' gradients, then takes one AdamW step, unless a loss or the
+    norm is not finite, or no rank `learns` (has a group of finite rewards).
+    trainer.ar (section 14): .forward, the AR or its DDP wrapper; .params."""
     policy, sampling, optimizer = trainer.ar, trainer.sampling, trainer.optimizer
-    # Train mode: sample_tokens sets it each step, for pi_old's pass.
+    # The body is in train mode, as for pi_old's pass (sample_tokens sets it).
     # pi_ref: a frozen copy, or under LoRA the base (adapters off for it)
     ref_logp = reference_logprobs(trainer, rollout, args) if args.beta > 0 else None
     advantages = advantages.to(rollout.old_logp.device)  # [N]
@@ -504,13 +413,6 @@ def grpo_update(trainer, rollout, advantages, args, learns=True):
             check_weights_finite(optimizer)
         log.add_pass(micro, norm, stepped)
     return log.row()
-
-
-def update_allowed(finite, learns):
-    """The guard before optimizer.step(), voted by every rank: every rank's loss and
-    gradient norm are finite (a NaN would reach every weight), and some rank `learns`."""
-    votes = from_every_rank((finite, learns))
-    return all(f for f, _ in votes) and any(l for _, l in votes)
 
 
 def first_pass_checks(logits, logp, part, sampling):
@@ -877,7 +779,99 @@ def sample_dit_trajectories(pipe, prompts, sources, rollout, noise, indices, ste
 # How a run starts, stops, logs, saves, and more GPUs; Part I calls each in a line.
 
 
-# ==== 14. The GRPO step's plumbing
+# ==== 14. The GRPO step's plumbing: model, prompts, renderer, sampler, update
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj"]
+DIT_LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the DiT's attention
+
+
+def load_pipeline(args):
+    """The GlmImagePipeline on args.device, its renderer frozen: text_encoder (the glyph encoder), transformer
+    (the DiT), vae."""
+    pipe = pipeline_from_pretrained(args, getattr(torch, args.dtype))
+    for name in ("text_encoder", "transformer", "vae"):
+        getattr(pipe, name).requires_grad_(False)
+    pipe.processor.tokenizer.padding_side = "left"  # every prompt ends at one column
+    pipe.set_progress_bar_config(disable=True)      # the run prints a line a step
+    pipe.vae.enable_slicing()  # one image at a time: at 1024^2 each holds ~3 GiB
+    place_pipeline(pipe, args)  # on the device; --offload: frozen parts take turns
+    return pipe
+
+
+def prepare_policy(ar, args):
+    """What of the AR trains (--lora-rank, --ar-trainable) -> the trained parameters."""
+    if args.lora_rank:
+        add_lora(ar, args.lora_rank, args.lora_alpha, LORA_TARGETS, exclude_modules=r".*visual.*|.*vqmodel.*")
+    else:
+        ar.requires_grad_(True)
+        ar.model.visual.requires_grad_(False)  # the vision encoder and VQ read sources
+        ar.model.vqmodel.requires_grad_(False)
+        if args.ar_trainable == "head":
+            # lm_head reads each (prompt, cell) off the body's fixed features. The tiny AR's body is random:
+            # trained along, it paints every cell alike (README).
+            ar.model.requires_grad_(False)
+    if args.gradient_checkpointing:
+        ar.activation_checkpointing_enable({"use_reentrant": False})
+        ar.disable_input_require_grads()  # a hook only reentrant checkpointing needs
+    # The loss runs the body in train mode (gradient checkpointing needs it), and so does pi_old's pass.
+    # Dropout would make each its own policy.
+    if dropout := active_dropout(ar.model.language_model):
+        raise UsageError(f"--model {args.model}: dropout in {dropout}: set it to 0")
+    return [p for p in ar.parameters() if p.requires_grad]
+
+
+def step_prompts(items, indices, mode):
+    """-> prompts (P str), targets [P, 3, 32H, 32W] in [0, 1] | None, i2i sources (PIL)."""
+    batch = [items[i] for i in indices]
+    targets = [it.image("target") for it in batch]
+    if any(t is None for t in targets):
+        targets = None
+    else:  # PIL -> [P, 3, 32H, 32W]
+        targets = torch.from_numpy(np.stack(targets)).permute(0, 3, 1, 2) / 255
+    sources = [it.image("source") for it in batch] if mode == "i2i" else None
+    return [it.text for it in batch], targets, sources
+
+
+def repeat_each(items, group_size):
+    return [x for x in items for _ in range(group_size)]  # [a, b] -> [a x G, b x G]
+
+
+def seeded(seed, purpose, step=0, index=0, device="cpu"):
+    """Every random stream (prompt order, tokens, DiT noise): a generator of its own, seeded by (--seed, purpose,
+    step, index), alike on any rank. Hashed: sums collide."""
+    digest = hashlib.sha256(f"{seed}/{purpose}/{step}/{index}".encode()).digest()
+    return torch.Generator(device).manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+def group_noise(pipe, prompt_indices, group_size, height, width, seed, step, mode):
+    """Initial DiT latents [N, C, 4H, 4W]: one draw per prompt, shared by its G samples, so that only the tokens
+    differ. --dit-noise per-prompt: the same every step."""
+    shape = (pipe.transformer.config.in_channels, height // pipe.vae_scale_factor, width // pipe.vae_scale_factor)
+    step = 0 if mode == "per-prompt" else step
+    draws = [torch.randn(shape, generator=seeded(seed, "dit noise", step, i)) for i in prompt_indices]
+    return torch.stack(draws).repeat_interleave(group_size, 0)
+
+
+@torch.no_grad()
+def decode_images(pipe, prompts, sources, rollout, noise, num_inference_steps, guidance_scale):
+    """DECODE: images [N, 3, 32H, 32W] from the target grids, with the pipeline's schedule, conditioning and Euler
+    steps (Part II's loop, no noise). Not `pipe(...)`: it pads prompts' glyph embeddings together (the DiT attends
+    to the zeros), and re-hooks CPU offload at its end (moving the trained AR off the GPU)."""
+    G = rollout.target_tokens.shape[0] // len(prompts)
+    priors = rollout.source_prior and rollout.source_prior[::G]  # i2i: per prompt
+    cond = dit_condition(pipe, prompts, G, rollout.target_tokens, rollout.grid_hw, guidance_scale, sources, priors)
+    H, W = rollout.grid_hw
+    schedule = dit_schedule(pipe, 32 * H, 32 * W, num_inference_steps)
+    latents = sample_dit(pipe.transformer, cond, noise, schedule).states[:, -1]
+    return latents_to_images(pipe, latents)
+
+
+def update_allowed(finite, learns):
+    """The guard before optimizer.step(), voted by every rank: every rank's loss and gradient norm are finite (a
+    NaN would reach every weight), and some rank `learns`."""
+    votes = from_every_rank((finite, learns))
+    return all(f for f, _ in votes) and any(l for _, l in votes)
+
 
 def pipeline_from_pretrained(args, dtype):
     """--model's GlmImagePipeline ('tiny': built and cached on first use, section 21)."""
@@ -961,7 +955,8 @@ def processor_inputs(pipe, prompts, sources, height, width, device):
 
 def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_len=None):
     """-> (the AR's inputs, P x G rows left-padded to `prompt_len`; i2i's per-sample DiT condition; the grids
-    (h, w) to generate: t2i preview, target)."""
+    (h, w) to generate: t2i preview, target). t2i: `text<sop>H W<eop><sop>h w<eop><bos>`; i2i: `<start><source's VQ
+    tokens><end>text<sop>H W<eop><bos>`. The end slot: generate()'s end-of-image step, never trained or painted."""
     ar = pipe.vision_language_encoder
     inputs = processor_inputs(pipe, prompts, sources, height, width, ar.device)
     ids, per_sample, source_prior = inputs["input_ids"], inputs["images_per_sample"], None
@@ -988,7 +983,8 @@ def generation_inputs(pipe, prompts, sources, group_size, height, width, prompt_
 
 def rollout_positions(ar, batch, grids):
     """M-RoPE positions [3, N, S + L - 1] of prompt + generated[:-1] as get_rope_index lays them out: the prompt
-    by it (2-D mask: padding is not text), each grid (h, w) at (s, s + i, s + j), s = last + 1, += max(h, w)."""
+    by it (2-D mask: padding is not text; text moves all three), each grid (h, w) at (s, s + i, s + j), s = last
+    + 1, += max(h, w)."""
     prompt, _ = ar.model.get_rope_index(**batch)
     offsets = [ar.model.get_vision_position_ids(sum(max(*hw) for hw in grids[:k]), torch.tensor([1, h, w]))
                for k, (h, w) in enumerate(grids)]  # [3, h*w] each; the end slot's is never read
@@ -1656,6 +1652,9 @@ def demo_scene(prompt, where, mode, role="target", why=""):
 
 # ==== 17. Reward plug-ins: --reward module:fn | file.py:fn
 
+# Each rank scores its own groups; call_reward makes the return a CPU float tensor: a NaN
+# or inf leaves its group out of the step, with a warning. `fn.uses_targets = True`: at
+# start, a line with no target gets one drawn from its words (section 16) or is refused.
 Reward = make_dataclass("Reward", ["name", "fn", "weight"])  # name: logged as rewards/<name>
 
 
